@@ -1,0 +1,180 @@
+"""Stream and receiver audit, and the keep-alive ledger.
+
+**Streams.** Under capture, work on a side stream must be forked from the capture stream
+(the side stream waits on an event recorded on it) and joined back (the capture stream
+waits on an event recorded on the side stream after its last work); otherwise CUDA fails
+the capture with a bare ``cudaErrorStreamCaptureUnjoined``, or, for a stream never forked,
+silently runs its work outside the graph. ``StreamAudit`` watches ``Event.record``,
+``Event.wait`` (``wait_event``/``wait_stream`` go through them) and ``torch.cuda.set_stream``
+during an eager run, and names the user's line of the last unjoined work.
+
+**Receivers.** A ``Receiver`` (``graphrt.comm``) registers itself with every active
+``ReceiverLedger`` when created and marks itself called; a ledger lists those never called
+(``unjoined-receiver``) and, during capture, collects the tensors they hold so the graph
+keeps them alive for its whole life.
+
+Graph safety: host-only bookkeeping around eager runs and captures.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from graphrt.capture.report import Finding
+from graphrt.capture.sites import user_site
+
+_state = threading.local()
+
+
+def _ledgers() -> list["ReceiverLedger"]:
+    if not hasattr(_state, "ledgers"):
+        _state.ledgers = []
+    return _state.ledgers
+
+
+@dataclass
+class _Entry:
+    receiver: Any
+    file: str
+    line: int
+    called: bool = False
+
+
+@dataclass
+class ReceiverLedger:
+    """Receivers created while it is active; use as a context manager."""
+
+    entries: list[_Entry] = field(default_factory=list)
+    keepalive: list[Any] = field(default_factory=list)
+
+    def __enter__(self):
+        _ledgers().append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _ledgers().remove(self)
+        return False
+
+    def unjoined(self, size: int | None = None) -> list[Finding]:
+        return [Finding("unjoined-receiver", "error", type(e.receiver).__name__, e.file, e.line,
+                        "a receiver from combine_async() was never called: the combine is never "
+                        "joined into the step (its output is never waited for). Call recv() "
+                        "before using the output", size)
+                for e in self.entries if not e.called]
+
+
+def register_receiver(receiver: Any, keep: tuple = ()) -> None:
+    """Called by ``Receiver.__init__``: record the creation site and what it keeps alive."""
+    ledgers = _ledgers()
+    if not ledgers:
+        return
+    file, line = user_site(2)
+    for ledger in ledgers:
+        ledger.entries.append(_Entry(receiver, file, line))
+        ledger.keepalive.extend(keep)
+
+
+def mark_called(receiver: Any) -> None:
+    """Called by ``Receiver.__call__``."""
+    for ledger in _ledgers():
+        for e in ledger.entries:
+            if e.receiver is receiver:
+                e.called = True
+
+
+class StreamAudit:
+    """Track fork/join of side streams during one eager run on CUDA (a context manager).
+
+    ``root`` is the stream current at entry (the warm-up stream, standing in for the
+    capture stream). ``note_work()`` is called by the safety analyzer for every ATen op.
+    """
+
+    def __init__(self):
+        self._seq = 0
+        self._root = None
+        self._last_work: dict[int, int] = {}
+        self._work_site: dict[int, tuple[str, int]] = {}
+        self._records: dict[int, tuple[int, int]] = {}
+        self._waits: list[tuple[int, int, int, int]] = []
+        self._saved: list = []
+
+    def _sid(self, stream) -> int:
+        return int(stream.cuda_stream)
+
+    def note_work(self, stream=None, site: bool = True) -> None:
+        stream = stream if stream is not None else torch.cuda.current_stream()
+        sid = self._sid(stream)
+        self._seq += 1
+        self._last_work[sid] = self._seq
+        if sid != self._root and (site or sid not in self._work_site):
+            self._work_site[sid] = user_site(2)
+
+    def __enter__(self):
+        self._root = self._sid(torch.cuda.current_stream())
+        audit = self
+        ev_record, ev_wait, set_stream = torch.cuda.Event.record, torch.cuda.Event.wait, torch.cuda.set_stream
+
+        def record(event, stream=None):
+            s = stream if stream is not None else torch.cuda.current_stream()
+            audit._seq += 1
+            audit._records[id(event)] = (audit._sid(s), audit._seq)
+            return ev_record(event, stream)
+
+        def wait(event, stream=None):
+            s = stream if stream is not None else torch.cuda.current_stream()
+            rec = audit._records.get(id(event))
+            audit._seq += 1
+            if rec is not None:
+                audit._waits.append((audit._sid(s), audit._seq, *rec))
+            return ev_wait(event, stream)
+
+        def set_stream_(stream):
+            # Leaving a side stream ends a stretch of work on it; entering starts one.
+            cur = torch.cuda.current_stream()
+            if audit._sid(cur) != audit._root:
+                audit.note_work(cur, site=False)
+            if stream is not None and audit._sid(stream) != audit._root:
+                audit.note_work(stream, site=False)
+            return set_stream(stream)
+
+        self._saved = [(torch.cuda.Event, "record", ev_record), (torch.cuda.Event, "wait", ev_wait),
+                       (torch.cuda, "set_stream", set_stream)]
+        torch.cuda.Event.record, torch.cuda.Event.wait, torch.cuda.set_stream = record, wait, set_stream_
+        return self
+
+    def __exit__(self, *exc):
+        for obj, name, fn in self._saved:
+            setattr(obj, name, fn)
+        return False
+
+    def findings(self, size: int | None = None) -> list[Finding]:
+        """Side streams whose last work the root stream never waits for, transitively."""
+        inf = float("inf")
+        reach: dict[int, float] = {self._root: inf}
+        changed = True
+        while changed:
+            changed = False
+            for waiter, at, rec_sid, rec_seq in self._waits:
+                if reach.get(waiter, -1) >= at and reach.get(rec_sid, -1) < rec_seq:
+                    reach[rec_sid] = rec_seq
+                    changed = True
+        forked = {w for w, _, r, _ in self._waits if r == self._root}
+        out = []
+        for sid, last in self._last_work.items():
+            if sid == self._root or reach.get(sid, -1) >= last:
+                continue
+            file, line = self._work_site.get(sid, ("<unknown>", 0))
+            if sid in forked or any(r == sid for _, _, r, _ in self._waits):
+                msg = ("work on a side stream is never joined back into the capture stream; "
+                       "capture fails (cudaErrorStreamCaptureUnjoined). After the last op on the "
+                       "side stream, make the main stream wait: main.wait_stream(side) or "
+                       "main.wait_event(ev)")
+            else:
+                msg = ("work on a stream that was never forked from the capture stream runs "
+                       "outside the graph. Fork it first (side.wait_stream(main)) and join it "
+                       "back (main.wait_stream(side))")
+            out.append(Finding("unjoined-stream", "error", "torch.cuda.Stream", file, line, msg, size))
+        return out

@@ -1,0 +1,187 @@
+"""``CaptureManager``: analysis, warm-up and capture of one graph per padded batch size.
+
+For every size: the graph-safety analysis runs on two eager calls with different valid
+random data (on a side stream), then ``warmup_iters`` plain calls on the static input
+buffers trigger JIT compilation and autotuning (Triton, DeepGEMM) before any capture.
+Then sizes are captured largest-first into one shared memory pool, so smaller graphs reuse
+the larger graphs' memory. Per graph it records capture seconds, pool bytes added and the
+tensors the graph must keep alive (static outputs, receiver-held tensors).
+
+With ``strict=True`` (default) any error finding refuses the whole capture with a
+``GraphSafetyError`` listing every finding at every size; with ``strict=False`` a failing
+size is recorded in ``failures`` (with its cause) and the other sizes are captured.
+
+Graph safety: host-only (it performs the captures).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from graphrt.capture.audit import ReceiverLedger
+from graphrt.capture.report import Finding, GraphSafetyError, SafetyReport
+from graphrt.capture.safety import analyze_step
+from graphrt.errors import CaptureError, GraphrtError
+from graphrt.outputs import OutputLayout
+from graphrt.scheduler import Stager
+from graphrt.spec import StepSpec
+
+
+@dataclass
+class CapturedGraph:
+    """One captured size. ``outputs`` are the static output tensors (``[size, ...]``)."""
+
+    size: int
+    graph: Any  # torch.cuda.CUDAGraph
+    layout: OutputLayout
+    outputs: list[torch.Tensor]
+    capture_s: float
+    pool_bytes: int
+    keepalive: tuple = ()
+
+
+@dataclass
+class CaptureFailure:
+    """A size that could not be captured (``strict=False``) and why."""
+
+    size: int
+    reason: str
+    findings: list[Finding] = field(default_factory=list)
+
+
+class CaptureManager:
+    """Capture ``spec`` at ``sizes`` on the buffers of ``stager``.
+
+    Args:
+        spec: the step.
+        sizes: padded batch sizes (each <= ``stager.max_bs``).
+        stager: owns the static input buffers and the live-count scalar the graphs read.
+        warmup_iters: plain eager calls per size after the analysis (JIT, autotune).
+        analyze: run the graph-safety analysis first (strongly recommended).
+        strict: refuse everything on any error finding or failure (see module doc).
+        progress: show a progress bar.
+    """
+
+    def __init__(self, spec: StepSpec, sizes: list[int], stager: Stager, *, warmup_iters: int = 3,
+                 analyze: bool = True, strict: bool = True, progress: bool = True, seed: int = 0):
+        if stager.device.type != "cuda":
+            raise CaptureError(max(sizes), "CUDA graphs need a CUDA device; on a CPU machine "
+                               "run the analysis only (graphrt.capture.analyze_step, or "
+                               "`graphrt validate --device cpu`)")
+        if max(sizes) > stager.max_bs:
+            raise GraphrtError(f"size {max(sizes)} exceeds the static buffers ({stager.max_bs} rows)")
+        self.spec, self.sizes, self.stager = spec, sorted(set(sizes)), stager
+        self.warmup_iters, self.analyze, self.strict = warmup_iters, analyze, strict
+        self.progress, self.seed = progress, seed
+        self.device = stager.device
+        self.pool = None
+        self.graphs: dict[int, CapturedGraph] = {}
+        self.failures: dict[int, CaptureFailure] = {}
+        self.report = SafetyReport()
+        self.warmup_s = 0.0
+
+    def capture(self) -> dict[int, CapturedGraph]:
+        """Analyse and warm every size, then capture largest-first. Returns ``self.graphs``."""
+        stream = torch.cuda.Stream(self.device)
+        t0 = time.perf_counter()
+        ok = self._prepare(stream)
+        self.warmup_s = time.perf_counter() - t0
+        self.pool = torch.cuda.graph_pool_handle()
+        bar = tqdm(total=len(ok), desc=f"capture {self.spec.name}", unit="graph",
+                   disable=not self.progress, leave=False)
+        try:
+            for size in sorted(ok, reverse=True):
+                bar.set_postfix(bs=size)
+                try:
+                    self.graphs[size] = self._capture_one(size, stream)
+                except Exception as exc:  # noqa: BLE001 - recorded or re-raised below
+                    self._fail(size, f"{type(exc).__name__}: {exc}", exc=exc)
+                bar.update()
+        finally:
+            bar.close()
+            self._reset_buffers()
+        return self.graphs
+
+    # -- phase 1: analysis and warm-up -------------------------------------------------
+    def _prepare(self, stream) -> list[int]:
+        gen = torch.Generator().manual_seed(self.seed)
+        for k, buf in self.stager.buffers.items():
+            buf.copy_(self.spec.inputs[k].random(self.stager.max_bs, self.device, gen))
+        ok = []
+        for size in self.sizes:
+            try:
+                if self.analyze:
+                    rep = analyze_step(self.spec, [size], self.device, self.seed + size, stream)
+                    self.report.extend(rep.findings)
+                    if rep.errors:
+                        self._fail(size, "graph-safety findings", findings=rep.errors)
+                        continue
+                views = self.stager.views(size)
+                with torch.cuda.stream(stream):
+                    self.stager.n_dev.fill_(size)
+                    for _ in range(self.warmup_iters):
+                        self.spec.call(views, self.stager.n_dev)
+                ok.append(size)
+            except GraphSafetyError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                self._fail(size, f"warm-up raised {type(exc).__name__}: {exc}", exc=exc)
+        torch.cuda.synchronize(self.device)
+        if self.strict and self.report.errors:
+            raise GraphSafetyError(self.report.errors, self.spec.name)
+        return ok
+
+    # -- phase 2: capture ----------------------------------------------------------------
+    def _capture_one(self, size: int, stream) -> CapturedGraph:
+        views = self.stager.views(size)
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_reserved(self.device)
+        t0 = time.perf_counter()
+        graph = torch.cuda.CUDAGraph()
+        with ReceiverLedger() as ledger:
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                out = self.spec.call(views, self.stager.n_dev)
+        torch.cuda.synchronize(self.device)
+        capture_s = time.perf_counter() - t0
+        unjoined = ledger.unjoined(size)
+        if unjoined:
+            raise GraphSafetyError(unjoined, self.spec.name)
+        layout, flat = OutputLayout.flatten(out, size, where=f"{self.spec.name} (batch {size})")
+        pool_bytes = torch.cuda.memory_reserved(self.device) - before
+        keep = tuple(ledger.keepalive) + tuple(flat) + tuple(views.values())
+        return CapturedGraph(size, graph, layout, flat, capture_s, pool_bytes, keep)
+
+    def _fail(self, size: int, reason: str, findings: list[Finding] | None = None,
+              exc: BaseException | None = None) -> None:
+        _ensure_no_capture(self.device)
+        if isinstance(exc, GraphSafetyError):
+            findings = exc.findings
+            self.report.extend(findings)
+        self.failures[size] = CaptureFailure(size, reason, list(findings or []))
+        if self.strict and exc is not None:
+            if isinstance(exc, GraphSafetyError):
+                raise exc
+            raise CaptureError(size, reason) from exc
+
+    def _reset_buffers(self) -> None:
+        for k, buf in self.stager.buffers.items():
+            buf.fill_(self.spec.inputs[k].pad_value)
+        self.stager._dirty = 0
+        torch.cuda.synchronize(self.device)
+
+
+def _ensure_no_capture(device) -> None:
+    """After a failure, make sure no stream is left capturing (best effort)."""
+    try:
+        if torch.cuda.is_current_stream_capturing():
+            g = torch.cuda.CUDAGraph()
+            try:
+                g.capture_end()
+            except Exception:  # noqa: BLE001
+                pass
+    except Exception:  # noqa: BLE001
+        pass

@@ -1,0 +1,267 @@
+"""Graph-safety analysis of a step, run on eager executions before any capture.
+
+``SafetyAnalyzer`` is a context manager around one eager call of a step. It stacks:
+
+- a ``TorchFunctionMode`` that sees each top-level torch call and classifies it by name
+  (``capture.rules.classify_call``): ``.item()``, ``if t:``, ``.tolist()``, ``one_hot``
+  without ``num_classes``, boolean-mask indexing, ``torch.tensor(host data)``, ...;
+- a ``TorchDispatchMode`` that sees every ATen op (``classify_aten``): syncs reached through
+  library code, device<->host copies, and on CUDA every op ``torch.cuda.set_sync_debug_mode``
+  warns about; it also records the op trace (name and output shapes) so two runs on
+  different data at the same size reveal data-dependent shapes;
+- patches of ``torch.cuda.synchronize`` and ``Stream``/``Event`` ``synchronize``/``query``;
+- on CUDA, the stream audit (``capture.audit.StreamAudit``); always, a receiver ledger.
+
+On CPU tensors (``device.type == "cpu"``) the analysis reports what *would* sync or bake
+host data on a GPU: the CPU stands in for CUDA, and explicit CUDA synchronisation calls are
+recorded and skipped. ``analyze_step`` runs it at every size and returns a ``SafetyReport``.
+
+Graph safety: host-only (it drives eager runs; nothing is captured here).
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from graphrt.capture.audit import ReceiverLedger, StreamAudit
+from graphrt.capture.report import Finding, SafetyReport
+from graphrt.capture.rules import SAFE, classify_aten, classify_call
+from graphrt.capture.sites import user_site
+from graphrt.spec import StepSpec
+
+_SYNC_WARNING = "synchronizing"
+
+
+@dataclass(frozen=True)
+class TraceOp:
+    """One ATen op of an eager run: its name, output shapes and the user's line."""
+
+    op: str
+    shapes: tuple
+    file: str
+    line: int
+
+
+class _FunctionMode(TorchFunctionMode):
+    def __init__(self, analyzer: "SafetyAnalyzer"):
+        super().__init__()
+        self.a = analyzer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        a = self.a
+        rule = classify_call(func, args, kwargs, simulate_cuda=not a.cuda)
+        suppress = rule is not None
+        if rule is not None and rule is not SAFE:
+            a.report(rule[0], rule[1], rule[2])
+        a.frames.append(suppress or (a.frames[-1] if a.frames else False))
+        try:
+            return func(*args, **kwargs)
+        finally:
+            a.frames.pop()
+
+
+class _DispatchMode(TorchDispatchMode):
+    def __init__(self, analyzer: "SafetyAnalyzer"):
+        super().__init__()
+        self.a = analyzer
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        a = self.a
+        suppressed = bool(a.frames and a.frames[-1])
+        if not suppressed:
+            rule = classify_aten(func, args, kwargs, cuda=a.cuda)
+            if rule is not None:
+                a.report(*rule)
+        n_warn = len(a.warnings) if a.warnings is not None else 0
+        out = func(*args, **kwargs)
+        if a.cuda:
+            if a.warnings is not None and len(a.warnings) > n_warn and not suppressed:
+                if any(_SYNC_WARNING in str(w.message) for w in a.warnings[n_warn:]):
+                    a.report("host-sync", f"aten.{func.overloadpacket.__name__}",
+                             "torch.cuda sync debug mode: this op synchronizes with the host. "
+                             "Find a sync-free form or move it out of the step")
+            if a.streams is not None:
+                a.streams.note_work()
+        if a.trace is not None:
+            shapes = tuple(tuple(t.shape) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+            file, line = user_site(2)
+            a.trace.append(TraceOp(str(func.overloadpacket.__name__), shapes, file, line))
+        return out
+
+
+class SafetyAnalyzer:
+    """Analyze one eager call of a step; findings accumulate in ``self.findings``.
+
+    Args:
+        device: where the step's tensors live; ``cpu`` means "simulate CUDA".
+        size: the padded batch size of this run (stamped on findings).
+        trace: record the op trace for the data-dependent-shape comparison.
+    """
+
+    def __init__(self, device: torch.device | str, size: int | None = None, trace: bool = True):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.size = size
+        self.findings: list[Finding] = []
+        self.frames: list[bool] = []
+        self.trace: list[TraceOp] | None = [] if trace else None
+        self.warnings: list | None = None
+        self.streams: StreamAudit | None = None
+        self.receivers = ReceiverLedger()
+        self._exits: list = []
+        self._seen: set = set()
+
+    def report(self, kind: str, op: str, message: str) -> None:
+        file, line = user_site(3)
+        key = (kind, file, line, op)
+        if key not in self._seen:
+            self._seen.add(key)
+            self.findings.append(Finding(kind, "error", op, file, line, message, self.size))
+
+    # -- explicit synchronisation calls ---------------------------------------------------
+    def _patch_syncs(self):
+        analyzer = self
+        targets = [(torch.cuda, "synchronize", "torch.cuda.synchronize")]
+        if hasattr(torch.cuda, "Stream"):
+            targets += [(torch.cuda.Stream, "synchronize", "Stream.synchronize"),
+                        (torch.cuda.Stream, "query", "Stream.query"),
+                        (torch.cuda.Event, "synchronize", "Event.synchronize"),
+                        (torch.cuda.Event, "query", "Event.query")]
+        saved = []
+        for obj, name, label in targets:
+            orig = getattr(obj, name)
+
+            def patched(*args, _orig=orig, _label=label, **kwargs):
+                analyzer.report("host-sync", _label, "blocks the host until the device is done; "
+                                "under capture it fails. Order work with events "
+                                "(stream.wait_event) instead")
+                if analyzer.cuda:
+                    return _orig(*args, **kwargs)
+                return True if _label.endswith("query") else None
+
+            saved.append((obj, name, orig))
+            setattr(obj, name, patched)
+        return saved
+
+    def __enter__(self):
+        try:
+            saved = self._patch_syncs()
+            self._exits.append(lambda: [setattr(o, n, f) for o, n, f in saved])
+            if self.cuda:
+                wcm = warnings.catch_warnings(record=True)
+                self.warnings = wcm.__enter__()
+                warnings.simplefilter("always")
+                self._exits.append(lambda: self._restore_warnings(wcm))
+                prev = torch.cuda.get_sync_debug_mode()
+                torch.cuda.set_sync_debug_mode("warn")
+                self._exits.append(lambda: torch.cuda.set_sync_debug_mode(prev))
+                self.streams = StreamAudit().__enter__()
+                self._exits.append(lambda: self.streams.__exit__(None, None, None))
+            self.receivers.__enter__()
+            self._exits.append(lambda: self.receivers.__exit__(None, None, None))
+            fmode, dmode = _FunctionMode(self), _DispatchMode(self)
+            fmode.__enter__()
+            self._exits.append(lambda: fmode.__exit__(None, None, None))
+            dmode.__enter__()
+            self._exits.append(lambda: dmode.__exit__(None, None, None))
+        except BaseException:
+            self._unwind()
+            raise
+        return self
+
+    def _restore_warnings(self, wcm):
+        caught = list(self.warnings or [])
+        wcm.__exit__(None, None, None)
+        for w in caught:  # hand back the user's own warnings
+            if _SYNC_WARNING not in str(w.message):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+    def _unwind(self):
+        while self._exits:
+            self._exits.pop()()
+
+    def __exit__(self, *exc):
+        self._unwind()
+        if exc[0] is None:
+            self.findings.extend(self.receivers.unjoined(self.size))
+            if self.streams is not None:
+                self.findings.extend(self.streams.findings(self.size))
+        return False
+
+
+def compare_traces(a: list[TraceOp], b: list[TraceOp], size: int,
+                   known: Iterable[Finding] = ()) -> list[Finding]:
+    """Data-dependent shapes: the first op whose output shapes (or identity) differ between two
+    runs at the same size on different data. Suppressed where a host sync is already reported
+    at that line (the sync is the root cause)."""
+    sync_lines = {(f.file, f.line) for f in known if f.kind == "host-sync"}
+    for x, y in zip(a, b):
+        if x.op != y.op or x.shapes != y.shapes:
+            if (x.file, x.line) in sync_lines or (x.op != y.op and sync_lines):
+                return []
+            what = (f"output shape {list(x.shapes)} vs {list(y.shapes)}" if x.op == y.op
+                    else f"op {x.op} vs {y.op}")
+            return [Finding("data-dependent-shape", "error", f"aten.{x.op}", x.file, x.line,
+                            f"same batch size, different data, different shapes ({what}); a graph "
+                            "freezes shapes at capture. Pad to a fixed bound (e.g. nonzero_static, "
+                            "a capacity) and carry the live count on the device", size)]
+    if len(a) != len(b):
+        ref = a[len(b)] if len(a) > len(b) else b[len(a)]
+        if sync_lines:  # control flow can only follow data through a host read: that's the cause
+            return []
+        return [Finding("data-dependent-shape", "error", f"aten.{ref.op}", ref.file, ref.line,
+                        "same batch size, different data, different sequence of ops: control flow "
+                        "depends on data, which a graph cannot follow. Make both paths one "
+                        "(torch.where) ", size)]
+    return []
+
+
+def analyze_step(spec: StepSpec, sizes: Iterable[int], device: torch.device | str,
+                 seed: int = 0, stream: Any = None) -> SafetyReport:
+    """Run ``spec`` twice at each size on different valid random data under the analysis.
+
+    Returns every finding (deduplicated, first size kept). On CUDA the runs happen on
+    ``stream`` (a side stream by default, like a warm-up). Exceptions raised by the step
+    propagate (the caller decides whether that is a finding or a crash).
+    """
+    device = torch.device(device)
+    report = SafetyReport()
+    gen = torch.Generator().manual_seed(seed)
+    ctx = _stream_ctx(device, stream)
+    with ctx:
+        for size in sorted(set(sizes)):
+            traces, found = [], []
+            for _ in range(2):
+                inputs = spec.random_inputs(size, device, gen)
+                n = spec.live_count_tensor(size, device) if spec.live_count else None
+                with SafetyAnalyzer(device, size) as an:
+                    spec.call(inputs, n)
+                traces.append(an.trace)
+                found.extend(an.findings)
+            found.extend(compare_traces(traces[0], traces[1], size, found))
+            report.extend(found)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return report
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _stream_ctx(device: torch.device, stream: Any):
+    if device.type != "cuda":
+        return _Null()
+    return torch.cuda.stream(stream if stream is not None else torch.cuda.Stream(device))

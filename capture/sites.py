@@ -1,0 +1,76 @@
+"""Find the user's own ``file:line`` on the Python stack.
+
+Findings must point at the line the user wrote, never at a torch, triton or graphrt frame.
+``user_site()`` walks outward from the caller and returns the first frame outside those
+packages and the standard library; if every frame is inside graphrt (the reference model),
+it falls back to the innermost frame outside torch, triton and the standard library.
+
+Graph safety: host-only.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+from functools import lru_cache
+
+import torch
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    import graphrt  # local: graphrt imports this package
+    graphrt_dirs = {os.path.dirname(os.path.abspath(graphrt.__file__)), _HERE,
+                    os.path.join(os.path.dirname(_HERE), "kernels")}
+    try:
+        import graphrt.kernels as gk
+        graphrt_dirs.add(os.path.dirname(os.path.abspath(gk.__file__)))
+    except ImportError:  # pragma: no cover
+        pass
+    lib_dirs = {os.path.dirname(os.path.abspath(torch.__file__))}
+    for key in ("stdlib", "platstdlib"):
+        p = sysconfig.get_paths().get(key)
+        if p:
+            lib_dirs.add(os.path.abspath(p))
+    triton = sys.modules.get("triton")
+    if triton is not None and getattr(triton, "__file__", None):
+        lib_dirs.add(os.path.dirname(os.path.abspath(triton.__file__)))
+    for name in ("pluggy", "_pytest"):
+        mod = sys.modules.get(name)
+        if mod is not None and getattr(mod, "__file__", None):
+            lib_dirs.add(os.path.dirname(os.path.abspath(mod.__file__)))
+    return tuple(d + os.sep for d in graphrt_dirs), tuple(d + os.sep for d in lib_dirs)
+
+
+@lru_cache(maxsize=4096)
+def _classify(filename: str) -> int:
+    """0: user code; 1: graphrt; 2: torch / triton / stdlib / frozen."""
+    if filename.startswith("<"):
+        return 2
+    path = os.path.abspath(filename)
+    graphrt_dirs, lib_dirs = _dirs()
+    if path.startswith(lib_dirs) and not path.startswith(graphrt_dirs):
+        # stdlib contains site-packages; anything under site-packages that is not a known
+        # library is still user code (e.g. an installed engine).
+        if "site-packages" in path and not path.startswith(
+                tuple(d for d in lib_dirs if "site-packages" in d)):
+            return 0
+        return 2
+    if path.startswith(graphrt_dirs):
+        return 1
+    return 0
+
+
+def user_site(skip: int = 1) -> tuple[str, int]:
+    """``(file, line)`` of the innermost user frame on the current stack."""
+    frame = sys._getframe(skip)
+    fallback = None
+    while frame is not None:
+        kind = _classify(frame.f_code.co_filename)
+        if kind == 0:
+            return frame.f_code.co_filename, frame.f_lineno
+        if kind == 1 and fallback is None:
+            fallback = (frame.f_code.co_filename, frame.f_lineno)
+        frame = frame.f_back
+    return fallback or ("<unknown>", 0)

@@ -1,0 +1,103 @@
+"""The expert-parallel communication protocol (``EPComm``) and the ``Receiver``.
+
+A backend moves routed tokens to the ranks that hold their experts (``dispatch``) and the
+expert outputs back, weighted and summed per token (``combine``). ``combine_async`` starts
+the combine and returns a ``Receiver``: calling it makes the *current* stream wait on the
+combine by a device-side event wait (or a DeepEP receive hook) — never a host sync — and
+returns the output buffer. Work issued between the two (the shared expert) overlaps the
+combine, inside the captured graph.
+
+Receiver contract (DESIGN.md): a receiver created during capture registers with the
+capture (``graphrt.capture.audit``); the capture fails if one is never called, and the
+graph keeps the receiver's tensors alive for as long as it exists.
+
+Glossary: bs (rows this rank sends), hidden, num_experts, num_local_experts, num_topk,
+cap (rows per local expert in the masked layout).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import torch
+
+from graphrt.capture.audit import mark_called, register_receiver
+from graphrt.errors import GraphrtError
+
+
+@dataclass
+class Dispatched:
+    """What ``dispatch`` hands the experts (the masked layout DeepGEMM consumes).
+
+    Attributes:
+        recv_x: ``[num_local_experts, cap, hidden]`` bf16 (or fp8 e4m3 with ``recv_scale``).
+        recv_scale: fp32 ``[num_local_experts, cap, hidden // 128]`` scales, or None.
+        masked_m: int32 ``[num_local_experts]``: live rows per local expert.
+        expected_m: host int, the GEMM tile hint for this padded size.
+        handle: backend state the combine needs (inverse map, layout, DeepEP handle).
+    """
+
+    recv_x: torch.Tensor
+    masked_m: torch.Tensor
+    expected_m: int
+    handle: Any
+    recv_scale: torch.Tensor | None = None
+
+
+class Receiver:
+    """Joins an asynchronous combine into the current stream; call exactly once.
+
+    Args:
+        join: device-side wait (event wait / DeepEP receive hook); must not sync the host.
+        out: the output buffer the combine lands in, returned by the call.
+        keep: tensors/events the in-flight combine still uses (kept alive until joined, and
+            by the graph for its whole life when created during capture).
+
+    Graph safety: capturable.
+    """
+
+    def __init__(self, join: Callable[[], Any], out: torch.Tensor, keep: tuple = ()):
+        self._join, self.out, self._keep = join, out, tuple(keep)
+        self.called = False
+        register_receiver(self, self._keep + (out,))
+
+    def __call__(self) -> torch.Tensor:
+        if self.called:
+            raise GraphrtError("this receiver was already called: each combine_async() is "
+                               "joined exactly once")
+        self._join()
+        self.called = True
+        mark_called(self)
+        self._keep = ()  # joined: the current stream now orders after the combine
+        return self.out
+
+
+@runtime_checkable
+class EPComm(Protocol):
+    """What the MoE layer needs from an expert-parallel backend.
+
+    Attributes: ``rank``, ``num_ranks``, ``num_experts``, ``num_local_experts``, and
+    ``uniform_batch`` (True when every rank must replay the same padded size, e.g. NCCL).
+    """
+
+    rank: int
+    num_ranks: int
+    num_experts: int
+    num_local_experts: int
+    uniform_batch: bool
+
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, n: torch.Tensor) -> Dispatched:
+        """x ``[bs, hidden]`` bf16, topk_ids int64 ``[bs, num_topk]`` (-1 = none), n int32 ``[1]``.
+        Graph safety: capturable."""
+        ...
+
+    def combine(self, y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                d: Dispatched, n: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+        """y ``[num_local_experts, cap, hidden]`` bf16 -> out ``[bs, hidden]`` bf16 (synchronous
+        on the current stream). Graph safety: capturable."""
+        ...
+
+    def combine_async(self, y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      d: Dispatched, n: torch.Tensor, *, out: torch.Tensor) -> Receiver:
+        """Start the combine; the returned ``Receiver`` joins it. Graph safety: capturable."""
+        ...

@@ -1,0 +1,75 @@
+"""``LocalComm``: EP=1 (every expert on this GPU) with the combine on a communication stream.
+
+dispatch: the fused Triton count/scan/scatter into the masked layout
+(``graphrt.kernels.dispatch``); combine: the weighted gather-reduce
+(``graphrt.kernels.combine``). ``combine_async`` forks a communication stream from the
+current stream with an event, runs the combine there, records a done-event, and returns a
+``Receiver`` whose call makes the current stream wait on it: the shared expert issued in
+between overlaps the combine, and the whole fork/join is captured.
+
+Graph safety: capturable (dispatch, combine, combine_async and the receiver).
+"""
+from __future__ import annotations
+
+import torch
+
+from graphrt.comm.base import Dispatched, Receiver
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+class LocalComm:
+    """All ``num_experts`` experts local. ``cap`` rows per expert are ``bs`` rounded up to
+    ``cap_align`` (a token picks an expert at most once, so nothing is ever dropped)."""
+
+    uniform_batch = False
+
+    def __init__(self, num_experts: int, hidden: int, num_topk: int, device: torch.device | str,
+                 *, cap_align: int = 64, comm_stream: "torch.cuda.Stream | None" = None):
+        self.rank, self.num_ranks = 0, 1
+        self.num_experts = self.num_local_experts = num_experts
+        self.hidden, self.num_topk, self.cap_align = hidden, num_topk, cap_align
+        self.device = torch.device(device)
+        self._stream = comm_stream
+        if self._stream is None and self.device.type == "cuda":
+            self._stream = torch.cuda.Stream(self.device)
+
+    def cap_for(self, bs: int) -> int:
+        return _round_up(bs, self.cap_align)
+
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, n: torch.Tensor) -> Dispatched:
+        """x ``[bs, hidden]`` bf16, topk_ids int64 ``[bs, num_topk]``. Padded rows carry id -1
+        (the router's job), so they create no slots. Graph safety: capturable."""
+        from graphrt.kernels.dispatch import dispatch_masked, expected_m
+        bs, E = x.shape[0], self.num_local_experts
+        cap = self.cap_for(bs)
+        recv_x = torch.empty(E, cap, self.hidden, dtype=x.dtype, device=x.device)
+        masked_m = torch.empty(E, dtype=torch.int32, device=x.device)
+        src_idx = torch.empty(E, cap, dtype=torch.int32, device=x.device)
+        pos = torch.empty(bs, topk_ids.shape[1], dtype=torch.int32, device=x.device)
+        dispatch_masked(x, topk_ids, out_recv_x=recv_x, out_masked_m=masked_m,
+                        out_src_idx=src_idx, out_pos=pos)
+        em = min(cap, expected_m(bs, topk_ids.shape[1], E))
+        return Dispatched(recv_x, masked_m, em, handle=pos)
+
+    def combine(self, y, topk_ids, topk_weights, d: Dispatched, n, *, out):
+        """Weighted gather-reduce on the current stream. Graph safety: capturable."""
+        from graphrt.kernels.combine import combine_masked
+        return combine_masked(y, topk_ids, topk_weights, d.handle, n, out=out)
+
+    def combine_async(self, y, topk_ids, topk_weights, d: Dispatched, n, *, out) -> Receiver:
+        """The combine on the communication stream, joined by the receiver's event wait.
+        Graph safety: capturable."""
+        if self._stream is None:  # CPU: nothing runs asynchronously
+            self.combine(y, topk_ids, topk_weights, d, n, out=out)
+            return Receiver(lambda: None, out)
+        main = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(main)
+        with torch.cuda.stream(self._stream):
+            self.combine(y, topk_ids, topk_weights, d, n, out=out)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        return Receiver(lambda: main.wait_event(done), out,
+                        keep=(y, topk_ids, topk_weights, d.handle, n, done))

@@ -1,0 +1,128 @@
+"""Routed experts in the masked layout: two masked grouped GEMMs around SiLU-and-mul.
+
+``gemm13``: ``[num_local_experts, cap, hidden] -> [num_local_experts, cap, 2 * moe_inter]``;
+``act``: SiLU(gate) * up on live rows only (optionally quantized to fp8 e4m3 with fp32
+per-token 128-group scales); ``gemm2``: ``-> [num_local_experts, cap, hidden]``.
+
+The GEMM is DeepGEMM's ``m_grouped_bf16_gemm_nt_masked`` (or ``m_grouped_fp8_gemm_nt_masked``
+with the quantized activation and 128x128 block-scaled fp8 weights) when ``deep_gemm``
+imports on a Hopper GPU, else graphrt's Triton fallback. DeepGEMM compiles per shape and
+``expected_m`` on first call, so every padded size is warmed before capture (the capture
+manager's warm-up does it).
+
+Graph safety: capturable (every call; weights are allocated in ``__init__``).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=1)
+def deep_gemm_available() -> bool:
+    """True when ``deep_gemm`` imports and the current GPU is Hopper (sm90)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return False
+    try:
+        import deep_gemm  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return False
+    return True
+
+
+def quantize_weight_fp8(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-scaled fp8: w ``[G, N, K]`` bf16 -> (fp8 ``[G, N, K]``, fp32 ``[G, N/128, K/128]``).
+    Host-only (setup)."""
+    G, N, K = w.shape
+    if N % block or K % block:
+        raise ValueError(f"fp8 weights need N and K multiples of {block}; got {tuple(w.shape)}")
+    blocks = w.float().view(G, N // block, block, K // block, block)
+    amax = blocks.abs().amax(dim=(2, 4)).clamp_min(1e-10)
+    scale = amax / 448.0
+    q = (blocks / scale[:, :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q.view(G, N, K), scale
+
+
+def quantize_tokens_fp8(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token 128-group fp8: x ``[E, cap, hidden]`` bf16 -> (fp8 same shape, fp32
+    ``[E, cap, hidden // 128]``). Graph safety: capturable (fixed shapes, device math)."""
+    E, cap, H = x.shape
+    g = x.float().view(E, cap, H // group, group)
+    scale = g.abs().amax(dim=-1).clamp_min(1e-10) / 448.0
+    q = (g / scale.unsqueeze(-1)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q.view(E, cap, H), scale
+
+
+class Experts:
+    """``num_local_experts`` SwiGLU experts. Weights are random but deterministic from ``seed``.
+
+    Args:
+        hidden, inter: model and expert dims.
+        num_local_experts: experts held on this device.
+        backend: ``"auto"`` (DeepGEMM on Hopper when importable, else Triton), ``"deepgemm"``
+            or ``"triton"``.
+        fp8: fp8 e4m3 weights and activations (DeepGEMM only).
+    """
+
+    def __init__(self, hidden: int, inter: int, num_local_experts: int, device, *, seed: int = 0,
+                 backend: str = "auto", fp8: bool = False, dtype=torch.bfloat16):
+        if backend == "auto":
+            backend = "deepgemm" if deep_gemm_available() and torch.device(device).type == "cuda" else "triton"
+        if backend not in ("deepgemm", "triton"):
+            raise ValueError(f"backend must be auto, deepgemm or triton; got {backend!r}")
+        if backend == "deepgemm" and not deep_gemm_available():
+            raise RuntimeError("backend='deepgemm' but deep_gemm does not import on a Hopper GPU here")
+        if fp8 and backend != "deepgemm":
+            raise ValueError("fp8 experts need DeepGEMM (backend='deepgemm' on Hopper)")
+        self.hidden, self.inter, self.E = hidden, inter, num_local_experts
+        self.backend, self.fp8, self.dtype = backend, fp8, dtype
+        gen = torch.Generator(device=device).manual_seed(seed)
+        self.w13 = (torch.randn(self.E, 2 * inter, hidden, generator=gen, device=device, dtype=dtype)
+                    * hidden ** -0.5)
+        self.w2 = (torch.randn(self.E, hidden, inter, generator=gen, device=device, dtype=dtype)
+                   * inter ** -0.5)
+        if fp8:
+            self.w13_q = quantize_weight_fp8(self.w13)
+            self.w2_q = quantize_weight_fp8(self.w2)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of expert weights (what a step reads when every expert is hit)."""
+        if self.fp8:
+            return sum(t.numel() * t.element_size() for p in (self.w13_q, self.w2_q) for t in p)
+        return (self.w13.numel() + self.w2.numel()) * self.w13.element_size()
+
+    def _gemm(self, a, b, masked_m, expected_m, out, a_scale=None, b_scaled=None):
+        if self.backend == "deepgemm":
+            import deep_gemm
+            if a_scale is not None:
+                deep_gemm.m_grouped_fp8_gemm_nt_masked((a, a_scale), b_scaled, out, masked_m, expected_m)
+            else:
+                deep_gemm.m_grouped_bf16_gemm_nt_masked(a, b, out, masked_m, expected_m)
+        else:
+            from graphrt.kernels.grouped_gemm import masked_grouped_gemm
+            masked_grouped_gemm(a, b, masked_m, out=out, expected_m=expected_m)
+        return out
+
+    def __call__(self, recv_x: torch.Tensor, masked_m: torch.Tensor, expected_m: int,
+                 recv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """recv_x ``[E, cap, hidden]`` (bf16, or fp8 with ``recv_scale``) -> ``[E, cap, hidden]``
+        bf16; rows past ``masked_m`` are not computed. Graph safety: capturable."""
+        from graphrt.kernels.activation import silu_and_mul_masked, silu_and_mul_masked_fp8
+        E, cap = recv_x.shape[0], recv_x.shape[1]
+        dev = recv_x.device
+        u = torch.empty(E, cap, 2 * self.inter, dtype=self.dtype, device=dev)
+        y = torch.empty(E, cap, self.hidden, dtype=self.dtype, device=dev)
+        if self.fp8:
+            if recv_scale is None:  # EP=1: quantize after dispatch (DeepEP's fp8 dispatch does it in its send)
+                recv_x, recv_scale = quantize_tokens_fp8(recv_x)
+            self._gemm(recv_x, None, masked_m, expected_m, u, recv_scale, self.w13_q)
+            a_q = torch.empty(E, cap, self.inter, dtype=torch.float8_e4m3fn, device=dev)
+            a_s = torch.empty(E, cap, self.inter // 128, dtype=torch.float32, device=dev)
+            silu_and_mul_masked_fp8(u, masked_m, out_q=a_q, out_scale=a_s)
+            return self._gemm(a_q, None, masked_m, expected_m, y, a_s, self.w2_q)
+        self._gemm(recv_x, self.w13, masked_m, expected_m, u)
+        a = torch.empty(E, cap, self.inter, dtype=self.dtype, device=dev)
+        silu_and_mul_masked(u, masked_m, out=a)
+        return self._gemm(a, self.w2, masked_m, expected_m, y)

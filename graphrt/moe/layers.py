@@ -1,0 +1,93 @@
+"""Building blocks of the reference decode step: RMSNorm, the router, the shared expert and
+GQA decode attention over a static KV cache.
+
+Glossary: bs (= padded_bs inside a graph), hidden, num_experts, num_topk. ``n`` is the
+int32 ``[1]`` live-row count on the device; rows ``>= n`` are padding.
+
+Graph safety: capturable (every ``__call__``); weights and caches are allocated in ``__init__``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from graphrt.moe.config import MoEConfig
+
+
+def _randn(gen, device, dtype, *shape, fan_in):
+    return torch.randn(*shape, generator=gen, device=device, dtype=dtype) * fan_in ** -0.5
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x ``[bs, hidden]`` -> same dtype, normalized in fp32."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+class Router:
+    """Gate GEMM + top-k routing. Returns (weights fp32 ``[bs, num_topk]``, ids int64
+    ``[bs, num_topk]``); padded rows get id -1 and weight 0 so they create no expert traffic."""
+
+    def __init__(self, cfg: MoEConfig, device, gen):
+        self.cfg = cfg
+        self.w = _randn(gen, device, cfg.dtype, cfg.num_experts, cfg.hidden, fan_in=cfg.hidden)
+        self.bias = (torch.rand(cfg.num_experts, generator=gen, device=device) * 0.1
+                     if cfg.routing == "grouped_sigmoid" else None)
+
+    def __call__(self, h: torch.Tensor, n: torch.Tensor):
+        from graphrt.kernels import routing
+        cfg, bs = self.cfg, h.shape[0]
+        logits = h @ self.w.t()                                            # [bs, num_experts]
+        w = torch.empty(bs, cfg.num_topk, dtype=torch.float32, device=h.device)
+        ids = torch.empty(bs, cfg.num_topk, dtype=torch.int64, device=h.device)
+        if cfg.routing == "softmax":
+            return routing.topk_softmax(logits, n, cfg.num_topk, out_weights=w, out_ids=ids)
+        return routing.grouped_topk_sigmoid(
+            logits, self.bias, n, cfg.num_topk, cfg.n_group, cfg.topk_group, out_weights=w,
+            out_ids=ids, routed_scaling_factor=cfg.routed_scaling_factor)
+
+
+class SharedExpert:
+    """Dense SwiGLU MLP on every row: ``[bs, hidden] -> [bs, hidden]``."""
+
+    def __init__(self, cfg: MoEConfig, device, gen):
+        inter = cfg.shared_inter * cfg.num_shared_experts
+        self.w13 = _randn(gen, device, cfg.dtype, 2 * inter, cfg.hidden, fan_in=cfg.hidden)
+        self.w2 = _randn(gen, device, cfg.dtype, cfg.hidden, inter, fan_in=inter)
+        self.inter = inter
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        gu = h @ self.w13.t()                                              # [bs, 2 * inter]
+        return (F.silu(gu[:, :self.inter]) * gu[:, self.inter:]) @ self.w2.t()
+
+
+class Attention:
+    """GQA decode attention (no RoPE) over a static KV cache of ``num_slots + 1`` slots (the
+    last is a scratch slot padded rows point at). Cost follows each row's live context."""
+
+    def __init__(self, cfg: MoEConfig, device, gen):
+        self.cfg = cfg
+        self.wqkv = _randn(gen, device, cfg.dtype, cfg.q_dim + 2 * cfg.kv_dim, cfg.hidden, fan_in=cfg.hidden)
+        self.wo = _randn(gen, device, cfg.dtype, cfg.hidden, cfg.q_dim, fan_in=cfg.q_dim)
+        shape = (cfg.num_slots + 1, cfg.max_ctx, cfg.num_kv_heads, cfg.head_dim)
+        # A cache full of earlier context (random, not zeros: zeros hide indexing bugs).
+        self.k_cache = torch.randn(shape, generator=gen, device=device, dtype=cfg.dtype)
+        self.v_cache = torch.randn(shape, generator=gen, device=device, dtype=cfg.dtype)
+
+    def __call__(self, h, positions, slots, n) -> torch.Tensor:
+        from graphrt.kernels.attention import attention_workspace_shape, decode_attention, kv_append
+        cfg, bs = self.cfg, h.shape[0]
+        qkv = h @ self.wqkv.t()                                            # [bs, q + 2 kv]
+        q = qkv[:, :cfg.q_dim].view(bs, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, cfg.q_dim:cfg.q_dim + cfg.kv_dim].view(bs, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, cfg.q_dim + cfg.kv_dim:].view(bs, cfg.num_kv_heads, cfg.head_dim)
+        kv_append(k.contiguous(), v.contiguous(), slots, positions, n, k_cache=self.k_cache,
+                  v_cache=self.v_cache)
+        ctx = positions + 1                                                # [bs] int32
+        o_shape, lse_shape = attention_workspace_shape(bs, cfg.num_heads, cfg.head_dim, cfg.max_ctx)
+        ws_o = torch.empty(o_shape, dtype=torch.float32, device=h.device)
+        ws_lse = torch.empty(lse_shape, dtype=torch.float32, device=h.device)
+        o = torch.empty(bs, cfg.num_heads, cfg.head_dim, dtype=cfg.dtype, device=h.device)
+        decode_attention(q.contiguous(), self.k_cache, self.v_cache, slots, ctx, n, out=o,
+                         workspace_o=ws_o, workspace_lse=ws_lse)
+        return o.view(bs, cfg.q_dim) @ self.wo.t()

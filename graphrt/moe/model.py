@@ -1,0 +1,146 @@
+"""The reference MoE decode model and its ``StepSpec``.
+
+One decode step (DESIGN.md, "The MoE decode step"), per layer::
+
+    x = x + attention(rmsnorm(x))
+    h = rmsnorm(x)
+    w, idx = router(h, n)                    # idx = -1 on padded rows
+    d = comm.dispatch(h, idx, n)             # masked layout [E_local, cap, hidden], masked_m
+    y = experts(d.recv_x, d.masked_m)        # W13 -> silu*up (live rows) -> W2
+    recv = comm.combine_async(y, ..., out=moe_out)
+    s = shared_expert(h)                     # overlaps the combine
+    recv()                                   # device-side join
+    x = x + moe_out + s
+
+``make_step(cfg, device, ...)`` builds the model and returns ``(StepSpec, model)``: inputs
+``tokens`` int64 ``[bs]``, ``positions`` int32 ``[bs]`` (context length before this token),
+``slots`` int32 ``[bs]`` (KV-cache slot; padding points at a scratch slot); output
+``{"logits": [bs, vocab_size] bf16}``; ``live_count="n"``.
+
+Graph safety: capturable (``model.step``); everything is allocated at construction.
+"""
+from __future__ import annotations
+
+import torch
+
+from graphrt.comm.base import EPComm
+from graphrt.comm.local import LocalComm
+from graphrt.moe.config import MoEConfig
+from graphrt.moe.experts import Experts
+from graphrt.moe.layers import Attention, Router, SharedExpert, rmsnorm
+from graphrt.spec import Input, StepSpec
+
+
+class MoEBlock:
+    """Router, dispatch, routed experts, combine (overlapped with the shared expert)."""
+
+    def __init__(self, cfg: MoEConfig, comm: EPComm, device, gen, seed: int, *, overlap: bool,
+                 backend: str, fp8: bool):
+        self.cfg, self.comm, self.overlap = cfg, comm, overlap
+        self.router = Router(cfg, device, gen)
+        self.experts = Experts(cfg.hidden, cfg.moe_inter, comm.num_local_experts, device,
+                               seed=seed, backend=backend, fp8=fp8, dtype=cfg.dtype)
+        self.shared = SharedExpert(cfg, device, gen) if cfg.num_shared_experts else None
+
+    def __call__(self, h: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        w, ids = self.router(h, n)                                         # [bs, k] fp32, int64
+        d = self.comm.dispatch(h, ids, n)
+        self.last_masked_m = d.masked_m  # a reference for benchmarks/tests (no sync)
+        y = self.experts(d.recv_x, d.masked_m, d.expected_m, d.recv_scale)  # [E, cap, hidden]
+        out = torch.empty_like(h)                                          # [bs, hidden]
+        if self.overlap and self.shared is not None:
+            recv = self.comm.combine_async(y, ids, w, d, n, out=out)
+            s = self.shared(h)
+            return recv() + s
+        self.comm.combine(y, ids, w, d, n, out=out)
+        return out if self.shared is None else out + self.shared(h)
+
+
+class DecoderLayer:
+    def __init__(self, cfg, comm, device, gen, seed, **kw):
+        self.cfg = cfg
+        self.attn_norm = torch.ones(cfg.hidden, device=device, dtype=cfg.dtype)
+        self.moe_norm = torch.ones(cfg.hidden, device=device, dtype=cfg.dtype)
+        self.attn = Attention(cfg, device, gen)
+        self.moe = MoEBlock(cfg, comm, device, gen, seed, **kw)
+
+    def __call__(self, x, positions, slots, n):
+        x = x + self.attn(rmsnorm(x, self.attn_norm, self.cfg.rms_eps), positions, slots, n)
+        return x + self.moe(rmsnorm(x, self.moe_norm, self.cfg.rms_eps), n)
+
+
+class MoEModel:
+    """Embedding, ``num_layers`` decoder layers, final norm and LM head.
+
+    Args:
+        cfg: a ``MoEConfig`` (see ``graphrt.moe.preset``).
+        device: where weights and KV caches live.
+        comm: the expert-parallel backend (default ``LocalComm``: EP=1).
+        overlap: run the combine asynchronously, overlapped with the shared expert.
+        backend: expert GEMMs: ``auto`` | ``deepgemm`` | ``triton``. fp8: fp8 experts (DeepGEMM).
+        seed: weights are random but deterministic from it.
+    """
+
+    def __init__(self, cfg: MoEConfig, device, *, comm: EPComm | None = None, overlap: bool = True,
+                 backend: str = "auto", fp8: bool = False, seed: int = 0):
+        self.cfg, self.device = cfg, torch.device(device)
+        self.comm = comm or LocalComm(cfg.num_experts, cfg.hidden, cfg.num_topk, self.device)
+        if self.comm.num_experts != cfg.num_experts:
+            raise ValueError(f"comm has {self.comm.num_experts} experts, config {cfg.num_experts}")
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        self.embed = torch.randn(cfg.vocab_size, cfg.hidden, generator=gen, device=self.device,
+                                 dtype=cfg.dtype)
+        # Expert weights: a seed per (rank-independent) layer so EP splits match EP=1 weights.
+        self.layers = [DecoderLayer(cfg, self.comm, self.device, gen, seed * 1000 + i + 1,
+                                    overlap=overlap, backend=backend, fp8=fp8)
+                       for i in range(cfg.num_layers)]
+        self.final_norm = torch.ones(cfg.hidden, device=self.device, dtype=cfg.dtype)
+        self.lm_head = torch.randn(cfg.vocab_size, cfg.hidden, generator=gen, device=self.device,
+                                   dtype=cfg.dtype) * cfg.hidden ** -0.5
+
+    @property
+    def overlap(self) -> bool:
+        return self.layers[0].moe.overlap
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        for layer in self.layers:
+            layer.moe.overlap = on
+
+    def step(self, tokens, positions, slots, n) -> dict:
+        """tokens int64 ``[bs]``, positions int32 ``[bs]``, slots int32 ``[bs]``, n int32 ``[1]``
+        -> ``{"logits": [bs, vocab_size] bf16}``. Graph safety: capturable."""
+        x = self.embed.index_select(0, tokens)                             # [bs, hidden]
+        for layer in self.layers:
+            x = layer(x, positions, slots, n)
+        return {"logits": rmsnorm(x, self.final_norm, self.cfg.rms_eps) @ self.lm_head.t()}
+
+    def weight_bytes(self, bs: int | None = None) -> dict:
+        """Bytes a step must read: expert weights (all local experts), dense weights."""
+        expert = sum(l.moe.experts.weight_bytes for l in self.layers)
+        dense = 0
+        for l in self.layers:
+            ts = [l.attn.wqkv, l.attn.wo, l.moe.router.w]
+            if l.moe.shared is not None:
+                ts += [l.moe.shared.w13, l.moe.shared.w2]
+            dense += sum(t.numel() * t.element_size() for t in ts)
+        dense += self.lm_head.numel() * self.lm_head.element_size()
+        return {"experts": expert, "dense": dense}
+
+    def spec(self, max_batch_size: int = 256) -> StepSpec:
+        cfg = self.cfg
+        if max_batch_size > cfg.num_slots:
+            raise ValueError(f"max_batch_size {max_batch_size} exceeds the KV cache's "
+                             f"{cfg.num_slots} slots")
+        return StepSpec(self.step, {
+            "tokens": Input((None,), torch.int64, high=cfg.vocab_size),
+            "positions": Input((None,), torch.int32, high=cfg.max_ctx - 1),
+            "slots": Input((None,), torch.int32, high=cfg.num_slots, unique=True,
+                           pad_value=cfg.num_slots),
+        }, max_batch_size, name=f"{cfg.name}-{cfg.num_layers}L", live_count="n")
+
+
+def make_step(cfg: MoEConfig, device, max_batch_size: int = 256, **kw) -> tuple[StepSpec, MoEModel]:
+    """Build the reference model and its step spec."""
+    model = MoEModel(cfg, device, **kw)
+    return model.spec(max_batch_size), model

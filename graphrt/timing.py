@@ -1,0 +1,51 @@
+"""Timing helpers for benchmarks (device METHOD.md): warm-up, CUDA events, medians.
+
+Graph safety: host-only (they synchronise).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def cuda_time_us(fn: Callable[[], object], *, iters: int = 20, reps: int = 5, warmup: int = 3) -> float:
+    """Median over ``reps`` of the mean device time of ``iters`` back-to-back calls, in µs."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / iters)
+    return statistics.median(samples)
+
+
+def host_time_us(fn: Callable[[], object], *, iters: int = 1000, warmup: int = 50) -> float:
+    """Median host wall time of one call in µs (no device sync between calls)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def hbm_bandwidth_gbs(device, nbytes: int = 4 << 30) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second), in GB/s."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    us = cuda_time_us(lambda: dst.copy_(src), iters=5, reps=5)
+    del src, dst
+    return 2 * (nbytes // 2) / (us * 1e-6) / 1e9

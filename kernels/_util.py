@@ -1,0 +1,38 @@
+"""Small helpers shared by the kernel launchers (no triton import at module load)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU interpreter (``TRITON_INTERPRET=1``).
+
+    The interpreter computes bf16 arithmetic wrongly (NaN), so kernels pass this as a
+    ``tl.constexpr`` and upcast to fp32 before arithmetic when it is set.
+    """
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check(cond: bool, what: str, expected: object, got: object) -> None:
+    """Raise ``ValueError`` stating what was expected and what came, unless ``cond``."""
+    if not cond:
+        raise ValueError(f"{what}: expected {expected}, got {got}")
+
+
+def check_tensor(t: torch.Tensor, name: str, *, shape=None, dtype=None, device=None,
+                 contiguous: bool = False) -> None:
+    """Validate a launcher argument; ``shape`` entries may be ``None`` (any size)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None:
+        dtypes = dtype if isinstance(dtype, (tuple, list)) else (dtype,)
+        check(t.dtype in dtypes, f"{name}.dtype", " or ".join(map(str, dtypes)), t.dtype)
+    if shape is not None:
+        ok = t.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, t.shape))
+        check(ok, f"{name}.shape", tuple("*" if s is None else s for s in shape), tuple(t.shape))
+    if device is not None:
+        check(t.device == device, f"{name}.device", device, t.device)
+    if contiguous:
+        check(t.is_contiguous(), f"{name}", "a contiguous tensor", f"strides {t.stride()}")

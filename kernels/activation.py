@@ -1,0 +1,235 @@
+"""SiLU-and-mul over the masked layout, with an optional fused fp8 per-token-group quantisation.
+
+``u[e, m] = [gate | up]`` (``2 * inter`` columns); ``a = silu(gate) * up`` in fp32. Only rows
+``m < masked_m[e]`` are read or written: the grid is ``(num_local_experts, row programs)`` and
+each program loops over its rows ``m = pid, pid + P, ... < masked_m[e]``, so programs of empty or
+short experts exit at once and padded/unused rows cost nothing (and keep their old contents).
+
+The fp8 variant quantises ``a`` per token and per ``group_size`` columns to float8 e4m3
+(DeepGEMM's 1x128 activation scaling): ``scale = max(amax, 1e-10) / 448`` (fp32),
+``q = clamp(a / scale, -448, 448)`` stored as ``torch.float8_e4m3fn`` (``tl.float8e4nv``). ``q`` is
+rounded to the e4m3 grid (nearest, ties to even, like torch's cast) with integer ops before the
+cast, so the cast is exact on the GPU and in the CPU interpreter alike (the interpreter's own
+fp32->fp8 rounding is wrong for mantissa carries and subnormals). ``out_scale``
+may have any strides, e.g. DeepGEMM's MN-major TMA-aligned layout
+``torch.empty(E, inter // 128, cap_aligned).transpose(1, 2)[:, :cap]``.
+
+Glossary: num_local_experts, cap (rows per local expert); ``inter`` = expert intermediate size.
+
+Graph safety: capturable (launchers); the ``*_ref`` references are host-only.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import check, check_tensor
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_FP8_MAX = 448.0
+_SCALE_EPS = 1e-10
+_MAX_ROW_PROGRAMS = 64  # row programs per expert; each loops over every P-th live row
+
+
+@triton.jit
+def _silu_and_mul_masked_kernel(
+    u_ptr,  # [num_local_experts, cap, 2 * inter] bf16/fp16/fp32, last dim contiguous
+    masked_m_ptr,  # int32 [num_local_experts]: live rows per expert
+    out_ptr,  # [num_local_experts, cap, inter] out, last dim contiguous
+    inter,  # int: output columns
+    cap,  # int: rows per local expert
+    stride_ue, stride_um,  # int: u strides of the expert and row dims (elements)
+    stride_oe, stride_om,  # int: out strides of the expert and row dims (elements)
+    BLOCK_N: tl.constexpr,  # columns per inner step (power of 2)
+):
+    e = tl.program_id(0)
+    r = tl.program_id(1)
+    num_r = tl.num_programs(1)
+    m_end = tl.minimum(tl.load(masked_m_ptr + e), cap)
+    offs = tl.arange(0, BLOCK_N)
+    u_e = u_ptr + e.to(tl.int64) * stride_ue
+    o_e = out_ptr + e.to(tl.int64) * stride_oe
+    for m in range(r, m_end, num_r):  # row offsets fit int32 (checked by the launcher)
+        u_row = u_e + m * stride_um
+        o_row = o_e + m * stride_om
+        for n0 in range(0, inter, BLOCK_N):
+            cols = n0 + offs
+            cmask = cols < inter
+            g = tl.load(u_row + cols, mask=cmask, other=0.0).to(tl.float32)
+            up = tl.load(u_row + inter + cols, mask=cmask, other=0.0).to(tl.float32)
+            a = g / (1.0 + tl.exp(-g)) * up
+            tl.store(o_row + cols, a.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """Round fp32 ``x`` (|x| <= 448) to the nearest float8 e4m3 value (ties to even), in fp32.
+
+    Normal range: integer round-to-nearest-even of the fp32 bits to 3 mantissa bits (carries
+    run into the exponent). Subnormal range (|x| < 2**-6, step 2**-9): one correctly rounded fp32
+    add of 2**14, whose ulp is 2**-9, then an exact subtract. The sign bit is copied back. The
+    following fp8 cast is then exact on every backend (the Triton CPU interpreter's own
+    fp32->fp8 rounding mishandles mantissa carries and subnormals).
+    """
+    ax = tl.abs(x)
+    b = ax.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFFF + ((b >> 20) & 1)) & -1048576  # keep exponent + 3 mantissa bits (0xFFF00000)
+    r = tl.where(ax < 0.015625, (ax + 16384.0) - 16384.0, b.to(tl.float32, bitcast=True))
+    sign = x.to(tl.int32, bitcast=True) & -2147483648  # 0x80000000
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _silu_and_mul_masked_fp8_kernel(
+    u_ptr,  # [num_local_experts, cap, 2 * inter] bf16/fp16/fp32, last dim contiguous
+    masked_m_ptr,  # int32 [num_local_experts]: live rows per expert
+    q_ptr,  # float8_e4m3fn [num_local_experts, cap, inter] out, last dim contiguous
+    scale_ptr,  # fp32 [num_local_experts, cap, inter // GROUP] out, any strides
+    inter,  # int: output columns (multiple of GROUP)
+    cap,  # int: rows per local expert
+    stride_ue, stride_um,  # int: u strides of the expert and row dims (elements)
+    stride_qe, stride_qm,  # int: out_q strides of the expert and row dims (elements)
+    stride_se, stride_sm, stride_sg,  # int: out_scale strides (expert, row, group)
+    GROUP: tl.constexpr,  # columns per quantisation group (power of 2, e.g. 128)
+    GROUPS_PER_STEP: tl.constexpr,  # groups handled per inner step (power of 2)
+):
+    e = tl.program_id(0)
+    r = tl.program_id(1)
+    num_r = tl.num_programs(1)
+    m_end = tl.minimum(tl.load(masked_m_ptr + e), cap)
+    num_groups = inter // GROUP
+    gi = tl.arange(0, GROUPS_PER_STEP)  # [GPS]
+    j = tl.arange(0, GROUP)[None, :]  # [1, GROUP]
+    u_e = u_ptr + e.to(tl.int64) * stride_ue
+    q_e = q_ptr + e.to(tl.int64) * stride_qe
+    s_e = scale_ptr + e.to(tl.int64) * stride_se
+    for m in range(r, m_end, num_r):  # row offsets fit int32 (checked by the launcher)
+        u_row = u_e + m * stride_um
+        q_row = q_e + m * stride_qm
+        s_row = s_e + m * stride_sm
+        for g0 in range(0, num_groups, GROUPS_PER_STEP):
+            grp = g0 + gi  # [GPS]
+            cols = grp[:, None] * GROUP + j  # [GPS, GROUP]
+            cmask = cols < inter
+            g = tl.load(u_row + cols, mask=cmask, other=0.0).to(tl.float32)
+            up = tl.load(u_row + inter + cols, mask=cmask, other=0.0).to(tl.float32)
+            a = g / (1.0 + tl.exp(-g)) * up  # [GPS, GROUP]
+            amax = tl.max(tl.abs(a), axis=1)  # [GPS]
+            scale = tl.maximum(amax, 1e-10) / 448.0
+            q = _round_to_e4m3(tl.minimum(tl.maximum(a / scale[:, None], -448.0), 448.0))
+            tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=cmask)
+            tl.store(s_row + grp * stride_sg, scale, mask=grp < num_groups)
+
+
+def _check_u(u, masked_m):
+    check_tensor(u, "u", shape=(None, None, None), dtype=_FLOAT_DTYPES)
+    check(u.stride(2) == 1, "u.stride(2)", 1, u.stride(2))
+    num_experts, cap, two_inter = u.shape
+    check(two_inter % 2 == 0, "u.shape[2] (2 * inter)", "an even number", two_inter)
+    check_tensor(masked_m, "masked_m", shape=(num_experts,), dtype=torch.int32, device=u.device,
+                 contiguous=True)
+    return num_experts, cap, two_inter // 2
+
+
+def _check_row_offsets(cap, *tensors):
+    for t in tensors:  # the kernels index rows inside one expert with int32 arithmetic
+        check(cap * max(t.stride(1), 1) < 2**31, "cap * row stride", "< 2**31",
+              cap * t.stride(1))
+
+
+def _grid(num_experts, cap):
+    return (num_experts, max(1, min(cap, _MAX_ROW_PROGRAMS)))
+
+
+def silu_and_mul_masked(u, masked_m, *, out):
+    """out[e, m] = silu(u[e, m, :inter]) * u[e, m, inter:] for rows m < masked_m[e] only.
+
+    u: [num_local_experts, cap, 2 * inter] bf16 (fp16/fp32 accepted), last dim contiguous.
+    masked_m: int32 [num_local_experts]. out: [num_local_experts, cap, inter] bf16 (fp16/fp32
+    accepted), last dim contiguous; rows >= masked_m[e] are left untouched. Returns ``out``.
+
+    Graph safety: capturable
+    """
+    num_experts, cap, inter = _check_u(u, masked_m)
+    check_tensor(out, "out", shape=(num_experts, cap, inter), dtype=_FLOAT_DTYPES, device=u.device)
+    check(out.stride(2) == 1, "out.stride(2)", 1, out.stride(2))
+    _check_row_offsets(cap, u, out)
+    if num_experts == 0 or cap == 0 or inter == 0:
+        return out
+    _silu_and_mul_masked_kernel[_grid(num_experts, cap)](
+        u, masked_m, out, inter, cap, u.stride(0), u.stride(1), out.stride(0), out.stride(1),
+        BLOCK_N=min(triton.next_power_of_2(inter), 1024), num_warps=4)
+    return out
+
+
+def silu_and_mul_masked_fp8(u, masked_m, *, out_q, out_scale, group_size=128):
+    """SiLU-and-mul then per-token, per-``group_size``-column fp8 e4m3 quantisation.
+
+    u: [num_local_experts, cap, 2 * inter] bf16 (fp16/fp32 accepted), last dim contiguous;
+    inter % group_size == 0, group_size a power of 2. masked_m: int32 [num_local_experts].
+    out_q: float8_e4m3fn [num_local_experts, cap, inter], last dim contiguous.
+    out_scale: fp32 [num_local_experts, cap, inter // group_size], any strides (MN-major ok).
+    Dequantise with ``q.float() * scale`` per group. Rows >= masked_m[e] are left untouched.
+    Returns ``(out_q, out_scale)``.
+
+    Graph safety: capturable
+    """
+    num_experts, cap, inter = _check_u(u, masked_m)
+    check(isinstance(group_size, int) and group_size >= 16 and
+          group_size & (group_size - 1) == 0, "group_size", "a power of 2 >= 16", group_size)
+    check(inter % group_size == 0, "inter (u.shape[2] // 2)",
+          f"a multiple of group_size={group_size}", inter)
+    check_tensor(out_q, "out_q", shape=(num_experts, cap, inter), dtype=torch.float8_e4m3fn,
+                 device=u.device)
+    check(out_q.stride(2) == 1, "out_q.stride(2)", 1, out_q.stride(2))
+    check_tensor(out_scale, "out_scale", shape=(num_experts, cap, inter // group_size),
+                 dtype=torch.float32, device=u.device)
+    _check_row_offsets(cap, u, out_q, out_scale)
+    if num_experts == 0 or cap == 0 or inter == 0:
+        return out_q, out_scale
+    num_groups = inter // group_size
+    gps = min(triton.next_power_of_2(num_groups), max(1, 1024 // group_size))
+    _silu_and_mul_masked_fp8_kernel[_grid(num_experts, cap)](
+        u, masked_m, out_q, out_scale, inter, cap, u.stride(0), u.stride(1),
+        out_q.stride(0), out_q.stride(1), *out_scale.stride(),
+        GROUP=group_size, GROUPS_PER_STEP=gps, num_warps=4)
+    return out_q, out_scale
+
+
+def _live_rows(masked_m, cap):
+    return torch.arange(cap)[None, :] < masked_m.cpu()[:, None]  # [num_local_experts, cap]
+
+
+def silu_and_mul_masked_ref(u, masked_m):
+    """Torch reference of :func:`silu_and_mul_masked`: rows >= masked_m[e] are zero.
+
+    Returns [num_local_experts, cap, inter] in u's dtype (fp32 math).
+
+    Graph safety: host-only
+    """
+    u = u.cpu()
+    inter = u.shape[2] // 2
+    a = torch.nn.functional.silu(u[..., :inter].float()) * u[..., inter:].float()
+    a[~_live_rows(masked_m, u.shape[1])] = 0.0
+    return a.to(u.dtype)
+
+
+def silu_and_mul_masked_fp8_ref(u, masked_m, group_size=128):
+    """Torch reference of :func:`silu_and_mul_masked_fp8`; rows >= masked_m[e] are zero.
+
+    Returns (q float8_e4m3fn [num_local_experts, cap, inter], scale fp32
+    [num_local_experts, cap, inter // group_size]); ``q.float() * scale`` per group dequantises.
+
+    Graph safety: host-only
+    """
+    u = u.cpu()
+    num_experts, cap, two_inter = u.shape
+    inter = two_inter // 2
+    a = torch.nn.functional.silu(u[..., :inter].float()) * u[..., inter:].float()
+    a = a.view(num_experts, cap, inter // group_size, group_size)
+    scale = a.abs().amax(dim=-1).clamp_min(_SCALE_EPS) / _FP8_MAX  # [E, cap, groups]
+    q = (a / scale[..., None]).clamp(-_FP8_MAX, _FP8_MAX)
+    dead = ~_live_rows(masked_m, cap)
+    q[dead], scale[dead] = 0.0, 0.0
+    return q.view(num_experts, cap, inter).to(torch.float8_e4m3fn), scale

@@ -1,0 +1,107 @@
+"""EP=1 combine out of the masked layout: weighted sum of each token's expert outputs.
+
+``out[t] = sum_k w[t, k] * y[ids[t, k], pos[t, k]]`` over the k with ``pos >= 0``, accumulated
+in fp32 in fixed k order (deterministic, bitwise reproducible). Rows ``t >= n`` are written as
+zeros; ``pos``/``ids`` come from :func:`graphrt.kernels.dispatch.dispatch_masked`.
+
+Glossary: padded_bs, hidden, num_local_experts, num_topk, cap (rows per local expert).
+
+Graph safety: capturable (``combine_masked``); the reference is host-only.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import check, check_tensor
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_ID_DTYPES = (torch.int64, torch.int32)
+
+
+@triton.jit
+def _combine_masked_kernel(
+    y_ptr,  # [num_local_experts, cap, hidden] bf16/fp16/fp32, contiguous: expert outputs
+    ids_ptr,  # int64/int32 [padded_bs, NUM_TOPK], contiguous: expert of (token, k), -1 = none
+    w_ptr,  # fp32 [padded_bs, NUM_TOPK], contiguous: routing weights
+    pos_ptr,  # int32 [padded_bs, NUM_TOPK], contiguous: slot of (token, k), -1 = none
+    n_ptr,  # int32 [1]: live rows; rows >= n are written as zeros
+    out_ptr,  # [padded_bs, hidden] out, last dim contiguous
+    hidden,  # int: row length
+    cap,  # int: rows per local expert
+    num_experts,  # int: num_local_experts
+    stride_out,  # int: row stride of out (elements)
+    NUM_TOPK: tl.constexpr,  # experts per token
+    BLOCK_H: tl.constexpr,  # hidden columns per program (power of 2)
+):
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    live = t < tl.load(n_ptr)
+    offs = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs < hidden
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(NUM_TOPK):
+        e = tl.load(ids_ptr + t * NUM_TOPK + k).to(tl.int64)
+        p = tl.load(pos_ptr + t * NUM_TOPK + k)
+        w = tl.load(w_ptr + t * NUM_TOPK + k)
+        ok = live & (p >= 0) & (p < cap) & (e >= 0) & (e < num_experts)
+        vmask = offs < tl.where(ok, hidden, 0)  # = hmask & ok (scalar & vector breaks the interp.)
+        v = tl.load(y_ptr + (e * cap + p) * hidden + offs, mask=vmask, other=0.0)
+        acc += tl.where(ok, w, 0.0) * v.to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_out + offs, acc.to(out_ptr.dtype.element_ty),
+             mask=hmask)
+
+
+def combine_masked(y, topk_ids, topk_weights, pos, n, *, out):
+    """Weighted combine of expert outputs in the masked layout back to token order.
+
+    y: [num_local_experts, cap, hidden] bf16 (fp16/fp32 accepted), contiguous.
+    topk_ids: int64 (or int32) [padded_bs, num_topk]; topk_weights: fp32 [padded_bs, num_topk];
+    pos: int32 [padded_bs, num_topk] from dispatch (all contiguous). n: int32 [1], live rows.
+    out: [padded_bs, hidden] bf16 (fp16/fp32 accepted), last dim contiguous; rows >= n zeroed.
+    Returns ``out``.
+
+    Graph safety: capturable
+    """
+    check_tensor(y, "y", shape=(None, None, None), dtype=_FLOAT_DTYPES, contiguous=True)
+    num_experts, cap, hidden = y.shape
+    dev = y.device
+    check_tensor(topk_ids, "topk_ids", shape=(None, None), dtype=_ID_DTYPES, device=dev,
+                 contiguous=True)
+    padded_bs, num_topk = topk_ids.shape
+    check(num_topk >= 1, "num_topk (topk_ids.shape[1])", ">= 1", num_topk)
+    check_tensor(topk_weights, "topk_weights", shape=(padded_bs, num_topk), dtype=torch.float32,
+                 device=dev, contiguous=True)
+    check_tensor(pos, "pos", shape=(padded_bs, num_topk), dtype=torch.int32, device=dev,
+                 contiguous=True)
+    check_tensor(n, "n", shape=(1,), dtype=torch.int32, device=dev)
+    check_tensor(out, "out", shape=(padded_bs, hidden), dtype=_FLOAT_DTYPES, device=dev)
+    check(out.stride(1) == 1, "out.stride(1)", 1, out.stride(1))
+    if padded_bs == 0 or hidden == 0:
+        return out
+    block_h = min(triton.next_power_of_2(hidden), 512)
+    _combine_masked_kernel[(padded_bs, triton.cdiv(hidden, block_h))](
+        y, topk_ids, topk_weights, pos, n, out, hidden, cap, num_experts, out.stride(0),
+        NUM_TOPK=num_topk, BLOCK_H=block_h, num_warps=4)
+    return out
+
+
+def combine_masked_ref(y, topk_ids, topk_weights, pos, n_live):
+    """Torch reference of :func:`combine_masked`; ``n_live`` is a host int.
+
+    Returns [padded_bs, hidden] in y's dtype (fp32 accumulation, fixed k order).
+
+    Graph safety: host-only
+    """
+    num_experts, cap, hidden = y.shape
+    padded_bs, num_topk = topk_ids.shape
+    dtype = y.dtype
+    y, ids, w, pos = y.cpu().float(), topk_ids.cpu().long(), topk_weights.cpu(), pos.cpu().long()
+    acc = torch.zeros(padded_bs, hidden, dtype=torch.float32)
+    for k in range(num_topk):
+        ok = (pos[:, k] >= 0) & (pos[:, k] < cap) & (ids[:, k] >= 0) & (ids[:, k] < num_experts)
+        rows = y[ids[:, k].clamp(0, num_experts - 1), pos[:, k].clamp(0, cap - 1)]  # [bs, hidden]
+        acc += torch.where(ok[:, None], w[:, k:k + 1] * rows, torch.zeros(()))
+    acc[n_live:] = 0.0
+    return acc.to(dtype)

@@ -1,0 +1,163 @@
+"""Masked grouped GEMM: the Triton fallback for DeepGEMM's ``m_grouped_bf16_gemm_nt_masked``.
+
+Same semantics as ``deep_gemm.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m)``
+("NT": both operands are K-major)::
+
+    out[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g].T        # fp32 accumulation, bf16 out
+
+Shapes (glossary: ``num_local_experts`` groups, ``cap`` rows per local expert):
+
+- ``a``        bf16  [num_local_experts, cap, k]   (e.g. the dispatch's ``recv_x``, k = hidden)
+- ``b``        bf16  [num_local_experts, n, k]     (expert weights, e.g. W13 or W2)
+- ``masked_m`` int32 [num_local_experts]           (live rows of each group, on the device)
+- ``out``      bf16  [num_local_experts, cap, n]
+
+Rows ``>= masked_m[g]`` are neither read nor written: a program whose row block starts past
+``masked_m[g]`` exits at once, so unused capacity costs only an empty program. The live row
+counts are read on the device, so one captured graph serves any ``masked_m``.
+
+Decode is weight-bandwidth bound (a few live rows a group, n and k ~ 2048-7168): the tiles
+below keep ``BLOCK_M`` as small as ``tl.dot`` allows and stream ``b`` in wide K tiles with a
+deep software pipeline. ``expected_m`` (a host int, like DeepGEMM's) only picks the row tile
+from the fixed table ``_CONFIGS``; nothing is autotuned (autotuning benchmarks with syncs).
+
+Graph safety: capturable
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import check, check_tensor, interpreting
+
+# (largest expected_m served, BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps).
+# Picked for streaming b at decode sizes; the last row serves everything larger.
+# smem per program = num_stages * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 bytes (<= 128 KiB here).
+# Measured on H200 (triton 3.6, 32 groups, cap 256, captured): n=4096 k=7168 with 1-16 rows a
+# group takes 420-450 us (~4.2 TB/s of weights, DeepGEMM: ~3.9), 64 rows 505 us, 128 rows 553 us;
+# n=7168 k=2048: 220-240 us at 1-16 rows. A row tile 2x too small costs ~1.5-2x.
+_CONFIGS = (
+    (16, 16, 64, 128, 4, 4),
+    (32, 32, 64, 128, 4, 4),
+    (64, 64, 128, 64, 4, 4),
+    (None, 128, 128, 64, 3, 8),
+)
+
+
+def gemm_config(expected_m: int) -> dict:
+    """Tile config for a given ``expected_m`` (host int): dict of block sizes, stages, warps.
+
+    Graph safety: host-only (pure Python, no tensors)
+    """
+    for max_m, bm, bn, bk, stages, warps in _CONFIGS:
+        if max_m is None or expected_m <= max_m:
+            return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=stages, num_warps=warps)
+    raise AssertionError("unreachable: the last config row has no bound")
+
+
+@triton.jit
+def _masked_grouped_gemm_kernel(
+    a_ptr,  # bf16 [num_groups, m_max, k]
+    b_ptr,  # bf16 [num_groups, n, k]
+    out_ptr,  # bf16 [num_groups, m_max, n]
+    masked_m_ptr,  # int32 [num_groups]: live rows of each group
+    m_max,  # rows of each group's a/out (capacity)
+    n,  # output columns (rows of b)
+    k,  # reduction length
+    stride_ag, stride_am, stride_ak,  # strides of a (elements)
+    stride_bg, stride_bn, stride_bk,  # strides of b (elements)
+    stride_og, stride_om, stride_on,  # strides of out (elements)
+    BLOCK_M: tl.constexpr,  # rows per program (>= 16 for tl.dot)
+    BLOCK_N: tl.constexpr,  # output columns per program
+    BLOCK_K: tl.constexpr,  # reduction tile
+    UPCAST: tl.constexpr,  # True under the interpreter: dot in fp32 (bf16 math gives NaN there)
+):
+    pid_gm = tl.program_id(0)  # group * num_m_blocks + row block
+    pid_n = tl.program_id(1)  # column block
+    num_m_blocks = tl.cdiv(m_max, BLOCK_M)
+    g = pid_gm // num_m_blocks
+    row0 = (pid_gm % num_m_blocks) * BLOCK_M
+    m = tl.minimum(tl.load(masked_m_ptr + g), m_max)  # live rows of this group
+    if row0 >= m:
+        return  # unused capacity: nothing to read or write
+
+    g64 = g.to(tl.int64)
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < m
+    mask_n = offs_n < n
+    a_ptrs = a_ptr + g64 * stride_ag + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + g64 * stride_bg + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        mask_k = offs_k < k - k0
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK]
+        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)  # [BK, BN]
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc += tl.dot(a, b)  # bf16 operands, fp32 accumulation on the GPU
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    out_ptrs = out_ptr + g64 * stride_og + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *,
+                        out: torch.Tensor, expected_m: int | None = None) -> torch.Tensor:
+    """``out[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g].T`` for every group ``g``.
+
+    Args:
+        a: bf16 [num_local_experts, cap, k] (rows past ``masked_m[g]`` are never read).
+        b: bf16 [num_local_experts, n, k] ("NT": K-major weights).
+        masked_m: int32 [num_local_experts], live rows of each group, read on the device
+            (values above ``cap`` are treated as ``cap``).
+        out: bf16 [num_local_experts, cap, n]; rows past ``masked_m[g]`` are left untouched.
+        expected_m: host int, typical live rows per group; only picks the tile config
+            (``None``: ``cap``). Like DeepGEMM, pass the decode estimate, e.g.
+            ``ceil(bs * num_topk / num_experts)``.
+
+    Returns ``out``. Launches one kernel, allocates nothing.
+
+    Graph safety: capturable
+    """
+    check_tensor(a, "a", shape=(None, None, None), dtype=torch.bfloat16)
+    num_groups, m_max, k = a.shape
+    check_tensor(b, "b", shape=(num_groups, None, k), dtype=torch.bfloat16, device=a.device)
+    n = b.shape[1]
+    check_tensor(masked_m, "masked_m", shape=(num_groups,), dtype=torch.int32, device=a.device)
+    check_tensor(out, "out", shape=(num_groups, m_max, n), dtype=torch.bfloat16, device=a.device)
+    check(k >= 1, "a.shape[2] (k)", ">= 1", k)
+    check(expected_m is None or (isinstance(expected_m, int) and expected_m >= 0),
+          "expected_m", "None or a non-negative host int", repr(expected_m))
+    if num_groups == 0 or m_max == 0 or n == 0:
+        return out
+
+    cfg = gemm_config(m_max if expected_m is None else expected_m)
+    grid = (num_groups * triton.cdiv(m_max, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+    _masked_grouped_gemm_kernel[grid](
+        a, b, out, masked_m, m_max, n, k,
+        a.stride(0), a.stride(1), a.stride(2),
+        b.stride(0), b.stride(1), b.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        UPCAST=interpreting(), num_stages=cfg["num_stages"], num_warps=cfg["num_warps"],
+    )
+    return out
+
+
+def masked_grouped_gemm_ref(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor) -> torch.Tensor:
+    """Pure-torch reference of :func:`masked_grouped_gemm` (fp32 math, allocates its result).
+
+    Returns bf16 [num_local_experts, cap, n] with rows ``>= masked_m[g]`` set to zero.
+
+    Graph safety: capturable (no host sync; allocates, so not for the run path)
+    """
+    num_groups, m_max, _ = a.shape
+    out = torch.einsum("gmk,gnk->gmn", a.float(), b.float())  # [G, cap, n]
+    live = torch.arange(m_max, device=a.device)[None, :] < masked_m.to(a.device)[:, None]  # [G, cap]
+    return torch.where(live[:, :, None], out, 0.0).to(torch.bfloat16)

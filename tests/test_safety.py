@@ -1,0 +1,155 @@
+"""CPU tests of the graph-safety analysis API: findings at the user's line, sizes, dedupe,
+safe steps with zero findings, receivers, and the refusal error. (The broad hazard corpus
+lives in tests/validate_corpus and runs through the validator.)"""
+import inspect
+import warnings
+
+import pytest
+import torch
+
+import graphrt
+from graphrt.capture import GraphSafetyError, SafetyAnalyzer, analyze_step
+from graphrt.capture.audit import ReceiverLedger, mark_called, register_receiver
+
+
+def _line(fn, marker):
+    src, start = inspect.getsourcelines(fn)
+    return start + next(i for i, l in enumerate(src) if marker in l)
+
+
+def _spec(fn, max_bs=16):
+    return graphrt.StepSpec(fn, {"x": graphrt.Input((None, 8), torch.float32),
+                                 "ids": graphrt.Input((None, 2), torch.int64, high=4)},
+                            max_bs, live_count="n")
+
+
+def hazards(x, ids, n):
+    counts = torch.bincount(ids.flatten(), minlength=4)  # H1
+    lst = counts.tolist()  # H2
+    live = int(n)  # H3
+    t = torch.tensor(lst, dtype=torch.float32)  # H4
+    y = x[x > 0]  # H5
+    return x * live + t.sum() + y.sum()
+
+
+def safe(x, ids, n):
+    oh = torch.nn.functional.one_hot(ids, num_classes=4).sum(1)
+    rows = torch.arange(x.shape[0], device=x.device)
+    live = (rows < n).unsqueeze(1)
+    y = torch.where(live, x, torch.zeros_like(x))
+    cnt = torch.zeros(4, dtype=torch.int64).scatter_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
+    first = torch.nonzero_static(x[:, 0] > 0, size=x.shape[0], fill_value=-1)
+    rep = torch.repeat_interleave(ids[:, 0], 2, output_size=2 * x.shape[0])
+    srt, _ = torch.sort(x, dim=1)
+    return y + oh[:, :1] + cnt[:1] + srt + first[:, :1] + rep[: x.shape[0], None]
+
+
+def test_hazards_found_at_their_lines():
+    rep = analyze_step(_spec(hazards), [1, 4], "cpu")
+    got = {(f.kind, f.line) for f in rep.findings}
+    want = {("host-sync", _line(hazards, "# H1")), ("host-sync", _line(hazards, "# H2")),
+            ("host-sync", _line(hazards, "# H3")), ("host-to-device-copy", _line(hazards, "# H4")),
+            ("host-sync", _line(hazards, "# H5"))}
+    assert want <= got, (want - got, rep.table())
+    assert all(f.file == __file__ for f in rep.findings)
+    assert not rep.safe and all(f.size == 1 for f in rep.findings)  # first size kept on dedupe
+    assert len(rep.findings) == len({f.key() for f in rep.findings})
+
+
+def test_safe_step_has_no_findings():
+    rep = analyze_step(_spec(safe), [1, 3, 8], "cpu")
+    assert rep.findings == [], rep.table()
+    assert rep.safe
+
+
+def test_size_specific_hazard_names_its_size():
+    def step(x, ids, n):
+        if x.shape[0] == 8:
+            x = x + x.max().item()  # SIZE8
+        return x
+    rep = analyze_step(_spec(step), [1, 4, 8], "cpu")
+    assert [(f.size, f.line) for f in rep.findings] == [(8, _line(step, "# SIZE8"))]
+
+
+def test_sync_calls_recorded_on_cpu():
+    def step(x, ids, n):
+        torch.cuda.synchronize()  # SYNC
+        return x
+    rep = analyze_step(_spec(step), [2], "cpu")
+    assert [(f.op, f.line) for f in rep.findings] == [("torch.cuda.synchronize", _line(step, "# SYNC"))]
+
+
+def test_build_time_work_not_flagged():
+    table = torch.tensor([1.0, 2.0, 3.0, 4.0])  # host data built at setup time, closed over
+
+    def step(x, ids, n):
+        return x * table[ids[:, 0]].unsqueeze(1)
+    assert analyze_step(_spec(step), [1, 4], "cpu").findings == []
+
+
+def test_data_dependent_shape():
+    import random
+
+    def step(x, ids, n):
+        k = random.randint(1, 8)
+        return x[:, :k].sum(1, keepdim=True).expand(-1, 8)  # DDS
+    rep = analyze_step(_spec(step), [4], "cpu", seed=3)
+    kinds = {(f.kind, f.line) for f in rep.findings}
+    assert ("data-dependent-shape", _line(step, "# DDS")) in kinds
+
+
+class _Recv:
+    def __init__(self):
+        register_receiver(self, keep=(torch.zeros(1),))  # RECV
+
+    def __call__(self):
+        mark_called(self)
+
+
+def test_receiver_audit_and_keepalive():
+    def forgets(x, ids, n):
+        _Recv()
+        return x
+
+    def joins(x, ids, n):
+        r = _Recv()
+        r()
+        return x
+    rep = analyze_step(_spec(forgets), [2], "cpu")
+    assert [f.kind for f in rep.findings] == ["unjoined-receiver"]
+    assert analyze_step(_spec(joins), [2], "cpu").findings == []
+    with ReceiverLedger() as ledger:
+        _Recv()
+    assert len(ledger.keepalive) == 1 and len(ledger.unjoined()) == 1
+
+
+def test_user_warnings_pass_through():
+    def step(x, ids, n):
+        warnings.warn("user warning kept")
+        return x
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with SafetyAnalyzer("cpu", 1):
+            step(torch.zeros(1), None, None)
+    assert any("user warning kept" in str(w.message) for w in caught)
+
+
+def test_graph_safety_error_lists_findings():
+    rep = analyze_step(_spec(hazards), [1], "cpu")
+    err = GraphSafetyError(rep.errors, "hazards")
+    assert "capture refused" in str(err) and str(len(rep.errors)) in str(err)
+    assert err.findings == rep.errors
+    doc = rep.to_dict(target="t", device="cpu", sizes=[1])
+    assert set(doc) == {"target", "device", "safe", "sizes", "findings"}
+    assert set(doc["findings"][0]) == {"kind", "severity", "op", "file", "line", "message", "size"}
+
+
+def test_step_exception_propagates_and_modes_are_removed():
+    def boom(x, ids, n):
+        raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"):
+        analyze_step(_spec(boom), [1], "cpu")
+    # no mode left behind: a plain .item() outside the analysis is not intercepted
+    assert torch.ones(1).item() == 1.0
+    from torch.overrides import _get_current_function_mode_stack
+    assert not _get_current_function_mode_stack()

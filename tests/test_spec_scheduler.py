@@ -1,0 +1,181 @@
+"""CPU tests: StepSpec/Input, the size table and picking, staging/padding, leases, errors."""
+import pytest
+import torch
+
+import graphrt
+from graphrt.errors import InputError, StaleOutputError
+from graphrt.outputs import LeaseClock, LeasedTensor, OutputLayout
+from graphrt.scheduler import SizeTable, Stager
+
+
+def _spec(**kw):
+    def step(x, ids, n):
+        return {"y": x * 2, "ids": ids + 1}
+    inputs = {"x": graphrt.Input((None, 4), torch.float32, pad_value=-1.0),
+              "ids": graphrt.Input((None, 2), torch.int64, high=10, pad_value=7)}
+    return graphrt.StepSpec(step, inputs, kw.get("max_bs", 16), live_count="n")
+
+
+def test_input_shapes_and_random():
+    inp = graphrt.Input((None, 3), torch.int32, low=2, high=5, pad_value=9)
+    g = torch.Generator().manual_seed(0)
+    t = inp.random(6, "cpu", g)
+    assert t.shape == (6, 3) and t.dtype == torch.int32
+    assert int(t.min()) >= 2 and int(t.max()) < 5
+    assert torch.equal(inp.pad(2), torch.full((2, 3), 9, dtype=torch.int32))
+    f = graphrt.Input((None,), torch.bfloat16, low=-1, high=1).random(1000)
+    assert f.dtype == torch.bfloat16 and float(f.min()) >= -1 and float(f.max()) <= 1
+    assert graphrt.Input((None, 2), torch.bool).random(4).dtype == torch.bool
+
+
+@pytest.mark.parametrize("shape", [(4, None), (None, None), (), (None, -1), (4,)])
+def test_input_rejects_bad_shapes(shape):
+    with pytest.raises(InputError, match="Input"):
+        graphrt.Input(shape, torch.float32)
+
+
+def test_input_int_needs_high():
+    with pytest.raises(InputError, match="high="):
+        graphrt.Input((None,), torch.int64)
+
+
+def test_stepspec_validation():
+    with pytest.raises(InputError, match="callable"):
+        graphrt.StepSpec(3, {"x": graphrt.Input((None,), torch.float32)}, 4)
+    with pytest.raises(InputError, match="graphrt.Input"):
+        graphrt.StepSpec(lambda x: x, {"x": (None,)}, 4)
+    with pytest.raises(InputError, match="max_batch_size"):
+        graphrt.StepSpec(lambda x: x, {"x": graphrt.Input((None,), torch.float32)}, 0)
+    with pytest.raises(InputError, match="collides"):
+        graphrt.StepSpec(lambda x: x, {"x": graphrt.Input((None,), torch.float32)}, 4, live_count="x")
+    s = _spec()
+    assert s.name.endswith("step")
+
+
+def test_spec_call_passes_live_count():
+    s = _spec()
+    out = s.call(s.random_inputs(3))
+    assert out["y"].shape == (3, 4)
+
+
+def test_capture_sizes():
+    assert graphrt.capture_sizes(256) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112,
+                                          128, 160, 192, 224, 256]
+    assert graphrt.capture_sizes(1) == [1]
+    assert graphrt.capture_sizes(5) == [1, 2, 4, 5]
+    assert graphrt.capture_sizes(300)[-2:] == [288, 300]
+    with pytest.raises(InputError):
+        graphrt.capture_sizes(0)
+
+
+def test_size_table_pick():
+    t = SizeTable([8, 1, 4, 2, 16, 8])
+    assert t.sizes == [1, 2, 4, 8, 16]
+    assert [t.pick(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 4, 4, 8, 8, 16, 16, None]
+    with pytest.raises(InputError):
+        SizeTable([])
+    with pytest.raises(InputError):
+        SizeTable([0, 2])
+
+
+def test_stager_check_errors():
+    st = Stager(_spec(), 16, torch.device("cpu"))
+    x, ids = torch.randn(3, 4), torch.randint(0, 10, (3, 2))
+    assert st.check({"x": x, "ids": ids}) == 3
+    with pytest.raises(InputError, match="missing \\['ids'\\]"):
+        st.check({"x": x})
+    with pytest.raises(InputError, match="unexpected \\['z'\\]"):
+        st.check({"x": x, "ids": ids, "z": x})
+    with pytest.raises(InputError, match="'x': expected dtype torch.float32, got torch.float16"):
+        st.check({"x": x.half(), "ids": ids})
+    with pytest.raises(InputError, match=r"'x': expected shape \(bs, 4\), got \(3, 5\)"):
+        st.check({"x": torch.randn(3, 5), "ids": ids})
+    with pytest.raises(InputError, match="earlier input has"):
+        st.check({"x": x, "ids": ids[:2]})
+    with pytest.raises(InputError, match="at least one live row"):
+        st.check({"x": x[:0], "ids": ids[:0]})
+    with pytest.raises(InputError, match="expected a torch.Tensor"):
+        st.check({"x": [1.0], "ids": ids})
+    meta = Stager(_spec(), 16, torch.device("meta"))
+    with pytest.raises(InputError, match="expected device meta, got cpu"):
+        meta.check({"x": x, "ids": ids})
+
+
+def test_stage_pads_and_tracks_dirty_rows():
+    st = Stager(_spec(), 16, torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    x, ids = torch.randn(10, 4, generator=g), torch.randint(0, 10, (10, 2), generator=g)
+    st.stage({"x": x, "ids": ids}, 10, 16)
+    assert torch.equal(st.buffers["x"][:10], x) and int(st.n_dev) == 10
+    assert (st.buffers["x"][10:] == -1).all() and (st.buffers["ids"][10:] == 7).all()
+    st.stage({"x": x[:3], "ids": ids[:3]}, 3, 4)       # smaller batch: rows 3..4 re-padded
+    assert (st.buffers["x"][3:4] == -1).all() and int(st.n_dev) == 3
+    assert st.pad_rows_intact(3, 4) == []
+    st.stage({"x": x[:5], "ids": ids[:5]}, 5, 8)       # rows 5..8 were dirty from the first stage
+    assert st.pad_rows_intact(5, 8) == []
+    st.poison(5, 8, g)
+    assert torch.isnan(st.buffers["x"][5:8]).all()
+    assert "x" in st.pad_rows_intact(5, 8)
+    st.stage({"x": x[:5], "ids": ids[:5]}, 5, 8)
+    assert st.pad_rows_intact(5, 8) == []
+
+
+def test_output_layout_roundtrip_and_errors():
+    t = torch.zeros(3, 2)
+    for out in (t, (t, t), [t], {"a": t, "b": t}):
+        layout, flat = OutputLayout.flatten(out, 3)
+        rebuilt = layout.build(flat)
+        assert type(rebuilt) is type(out)
+    with pytest.raises(InputError, match="first dimension"):
+        OutputLayout.flatten(torch.zeros(2, 3), 3)
+    with pytest.raises(InputError, match="must return"):
+        OutputLayout.flatten(3, 3)
+    with pytest.raises(InputError, match="must be a tensor"):
+        OutputLayout.flatten((t, 3), 3)
+
+
+def test_lease_raises_after_next_replay():
+    clock = LeaseClock()
+    base = torch.arange(6.0).reshape(3, 2)
+    leased = LeasedTensor.lease(base[:2], clock)
+    assert float(leased.sum()) == 6.0          # valid while the clock has not moved
+    view = leased[0]                           # views of leased memory stay leased
+    assert isinstance(view, LeasedTensor)
+    fresh = leased * 2                         # new tensors are plain
+    assert type(fresh) is torch.Tensor
+    clock.bump()                               # the next replay
+    with pytest.raises(StaleOutputError, match="stale read"):
+        leased.sum()
+    with pytest.raises(StaleOutputError):
+        view + 1
+    with pytest.raises(StaleOutputError):
+        torch.add(fresh, leased)
+    assert float(fresh.sum()) == 12.0          # copies taken in time stay valid
+
+
+def test_runtime_requires_capture_and_cuda_for_capture():
+    rt = graphrt.GraphRuntime(_spec(), sizes=[1, 4], device="cpu", progress=False)
+    with pytest.raises(graphrt.GraphrtError, match="before capture"):
+        rt.run(x=torch.randn(1, 4), ids=torch.zeros(1, 2, dtype=torch.int64))
+    with pytest.raises(graphrt.CaptureError, match="need a CUDA device"):
+        rt.capture()
+    with pytest.raises(ValueError, match="exceeds"):
+        graphrt.GraphRuntime(_spec(), sizes=[64], device="cpu")
+    with pytest.raises(ValueError, match="oversize"):
+        graphrt.GraphRuntime(_spec(), device="cpu", oversize="chunk")
+    out = rt.eager(x=torch.randn(2, 4), ids=torch.zeros(2, 2, dtype=torch.int64))
+    assert out["y"].shape == (2, 4)
+
+
+def test_no_graph_for_batch_message():
+    e = graphrt.NoGraphForBatch(300, 256)
+    assert "300" in str(e) and "256" in str(e) and "oversize='eager'" in str(e)
+
+
+def test_import_graphrt_stays_light():
+    import subprocess, sys
+    code = ("import sys, graphrt, graphrt.capture, graphrt.kernels; "
+            "bad=[m for m in ('triton','deep_ep','deep_gemm') if m in sys.modules]; "
+            "import torch; assert not torch.cuda.is_initialized(); print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
