@@ -132,10 +132,8 @@ class StreamAudit:
             return ev_wait(event, stream)
 
         def set_stream_(stream):
-            # Leaving a side stream ends a stretch of work on it; entering starts one.
-            cur = torch.cuda.current_stream()
-            if audit._sid(cur) != audit._root:
-                audit.note_work(cur, site=False)
+            # Entering a side stream starts a stretch of work on it (kernels launched there
+            # outside ATen, e.g. Triton or DeepGEMM, are not seen op by op); leaving adds none.
             if stream is not None and audit._sid(stream) != audit._root:
                 audit.note_work(stream, site=False)
             return set_stream(stream)

@@ -4,8 +4,10 @@ For every size: the graph-safety analysis runs on two eager calls with different
 random data (on a side stream), then ``warmup_iters`` plain calls on the static input
 buffers trigger JIT compilation and autotuning (Triton, DeepGEMM) before any capture.
 Then sizes are captured largest-first into one shared memory pool, so smaller graphs reuse
-the larger graphs' memory. Per graph it records capture seconds, pool bytes added and the
-tensors the graph must keep alive (static outputs, receiver-held tensors).
+the larger graphs' memory. Every graph ends by copying its outputs into one set of static
+output buffers (``[max_bs, ...]``, allocated outside the pool), so no graph's outputs pin
+pool memory. Per graph it records capture seconds, pool bytes added and the tensors the
+graph must keep alive (receiver-held tensors, the static input views).
 
 With ``strict=True`` (default) any error finding refuses the whole capture with a
 ``GraphSafetyError`` listing every finding at every size; with ``strict=False`` a failing
@@ -15,6 +17,7 @@ Graph safety: host-only (it performs the captures).
 """
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,22 +70,30 @@ class CaptureManager:
     """
 
     def __init__(self, spec: StepSpec, sizes: list[int], stager: Stager, *, warmup_iters: int = 3,
-                 analyze: bool = True, strict: bool = True, progress: bool = True, seed: int = 0):
+                 analyze: bool = True, strict: bool = True, progress: bool = True, seed: int = 0,
+                 coordinator=None):
         if stager.device.type != "cuda":
             raise CaptureError(max(sizes), "CUDA graphs need a CUDA device; on a CPU machine "
                                "run the analysis only (graphrt.capture.analyze_step, or "
                                "`graphrt validate --device cpu`)")
+        if warmup_iters < 1:
+            raise ValueError(f"warmup_iters must be >= 1 (JIT and autotune run there); got {warmup_iters}")
         if max(sizes) > stager.max_bs:
             raise GraphrtError(f"size {max(sizes)} exceeds the static buffers ({stager.max_bs} rows)")
         self.spec, self.sizes, self.stager = spec, sorted(set(sizes)), stager
         self.warmup_iters, self.analyze, self.strict = warmup_iters, analyze, strict
-        self.progress, self.seed = progress, seed
+        self.progress, self.seed, self.coordinator = progress, seed, coordinator
+        # With collectives inside the step every rank must make the same calls: a fixed
+        # number of analysis runs, and failures agreed on before anyone captures.
+        self._runs = 3 if coordinator is not None else None
         self.device = stager.device
         self.pool = None
         self.graphs: dict[int, CapturedGraph] = {}
         self.failures: dict[int, CaptureFailure] = {}
         self.report = SafetyReport()
         self.warmup_s = 0.0
+        self.out_layout: OutputLayout | None = None
+        self.static_outputs: list[torch.Tensor] = []
 
     def capture(self) -> dict[int, CapturedGraph]:
         """Analyse and warm every size, then capture largest-first. Returns ``self.graphs``."""
@@ -115,7 +126,8 @@ class CaptureManager:
         for size in self.sizes:
             try:
                 if self.analyze:
-                    rep = analyze_step(self.spec, [size], self.device, self.seed + size, stream)
+                    rep = analyze_step(self.spec, [size], self.device, self.seed + size, stream,
+                                       runs=self._runs)
                     self.report.extend(rep.findings)
                     if rep.errors:
                         self._fail(size, "graph-safety findings", findings=rep.errors)
@@ -124,36 +136,74 @@ class CaptureManager:
                 with torch.cuda.stream(stream):
                     self.stager.n_dev.fill_(size)
                     for _ in range(self.warmup_iters):
-                        self.spec.call(views, self.stager.n_dev)
+                        out = self.spec.call(views, self.stager.n_dev)
+                    self._note_outputs(out, size)
+                    del out
                 ok.append(size)
             except GraphSafetyError:
                 raise
             except Exception as exc:  # noqa: BLE001
                 self._fail(size, f"warm-up raised {type(exc).__name__}: {exc}", exc=exc)
         torch.cuda.synchronize(self.device)
+        everyone_ok = True
+        if self.coordinator is not None:
+            everyone_ok = self.coordinator.all_ok(not (self.strict and self.report.errors))
+            ok = [s for s in ok if self._all_ok(s)]
         if self.strict and self.report.errors:
             raise GraphSafetyError(self.report.errors, self.spec.name)
+        if not everyone_ok:
+            raise GraphrtError(f"{self.spec.name}: the graph-safety analysis refused capture on "
+                               "another rank; every rank stops (see that rank's findings)")
         return ok
+
+    def _all_ok(self, size: int) -> bool:
+        """Every rank must capture the same sizes (collectives inside): drop a size that
+        failed on any rank."""
+        from torch import distributed as dist
+        flag = torch.tensor([0 if size in self.failures else 1])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.coordinator.group)
+        return bool(flag[0])
+
+    def _note_outputs(self, out, size: int) -> None:
+        """Check the output structure is the same at every size; allocate the shared static
+        outputs (``[max_bs, *trailing]`` each, outside the graph pool) once."""
+        layout, flat = OutputLayout.flatten(out, size, where=f"{self.spec.name} (batch {size})")
+        sig = (layout, [(t.shape[1:], t.dtype) for t in flat])
+        if self.out_layout is None:
+            self.out_layout, self._out_sig = layout, sig
+            self.static_outputs = [torch.empty((self.stager.max_bs, *t.shape[1:]), dtype=t.dtype,
+                                               device=self.device) for t in flat]
+        elif sig != self._out_sig:
+            raise GraphrtError(f"{self.spec.name}: outputs at batch {size} are {sig}, but "
+                               f"{self._out_sig} at another size; a step must return the same "
+                               "structure, trailing shapes and dtypes at every batch size")
 
     # -- phase 2: capture ----------------------------------------------------------------
     def _capture_one(self, size: int, stream) -> CapturedGraph:
         views = self.stager.views(size)
         torch.cuda.synchronize(self.device)
+        gc.collect()  # torch.cuda.graph() empties the cache on entry: do it first, then measure
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(self.device)
         t0 = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
+        outs = [o[:size] for o in self.static_outputs]
         with ReceiverLedger() as ledger:
             with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                out = self.spec.call(views, self.stager.n_dev)
+                _, flat = OutputLayout.flatten(self.spec.call(views, self.stager.n_dev), size)
+                # Every graph writes the same static outputs: the step's own output tensors
+                # die with the capture and their pool memory serves the next (smaller) graph.
+                for dst, src in zip(outs, flat):
+                    dst.copy_(src)
+                del flat
         torch.cuda.synchronize(self.device)
         capture_s = time.perf_counter() - t0
         unjoined = ledger.unjoined(size)
         if unjoined:
             raise GraphSafetyError(unjoined, self.spec.name)
-        layout, flat = OutputLayout.flatten(out, size, where=f"{self.spec.name} (batch {size})")
         pool_bytes = torch.cuda.memory_reserved(self.device) - before
-        keep = tuple(ledger.keepalive) + tuple(flat) + tuple(views.values())
-        return CapturedGraph(size, graph, layout, flat, capture_s, pool_bytes, keep)
+        keep = tuple(ledger.keepalive) + tuple(views.values())
+        return CapturedGraph(size, graph, self.out_layout, outs, capture_s, pool_bytes, keep)
 
     def _fail(self, size: int, reason: str, findings: list[Finding] | None = None,
               exc: BaseException | None = None) -> None:

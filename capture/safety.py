@@ -204,11 +204,14 @@ def compare_traces(a: list[TraceOp], b: list[TraceOp], size: int,
     at that line (the sync is the root cause)."""
     sync_lines = {(f.file, f.line) for f in known if f.kind == "host-sync"}
     for x, y in zip(a, b):
-        if x.op != y.op or x.shapes != y.shapes:
-            if (x.file, x.line) in sync_lines or (x.op != y.op and sync_lines):
+        # [validate] the line counts too: a host-state branch between two same-shaped ops
+        # (`x @ w0` vs `x @ w1`) is frozen into the graph just the same.
+        moved = (x.file, x.line) != (y.file, y.line)
+        if x.op != y.op or x.shapes != y.shapes or moved:
+            if (x.file, x.line) in sync_lines or ((x.op != y.op or moved) and sync_lines):
                 return []
-            what = (f"output shape {list(x.shapes)} vs {list(y.shapes)}" if x.op == y.op
-                    else f"op {x.op} vs {y.op}")
+            what = (f"output shape {list(x.shapes)} vs {list(y.shapes)}" if x.op == y.op and not moved
+                    else f"op {x.op} at line {x.line} vs {y.op} at line {y.line}")
             return [Finding("data-dependent-shape", "error", f"aten.{x.op}", x.file, x.line,
                             f"same batch size, different data, different shapes ({what}); a graph "
                             "freezes shapes at capture. Pad to a fixed bound (e.g. nonzero_static, "
@@ -225,9 +228,12 @@ def compare_traces(a: list[TraceOp], b: list[TraceOp], size: int,
 
 
 def analyze_step(spec: StepSpec, sizes: Iterable[int], device: torch.device | str,
-                 seed: int = 0, stream: Any = None) -> SafetyReport:
-    """Run ``spec`` twice at each size on different valid random data under the analysis.
+                 seed: int = 0, stream: Any = None, runs: int | None = None) -> SafetyReport:
+    """Run ``spec`` twice (three times when the first two disagree in shapes) at each size on
+    different valid random data under the analysis.
 
+    ``runs`` fixes the number of runs per size (the last two are compared), for steps with
+    collectives where every rank must make the same calls.
     Returns every finding (deduplicated, first size kept). On CUDA the runs happen on
     ``stream`` (a side stream by default, like a warm-up). Exceptions raised by the step
     propagate (the caller decides whether that is a finding or a crash).
@@ -239,14 +245,30 @@ def analyze_step(spec: StepSpec, sizes: Iterable[int], device: torch.device | st
     with ctx:
         for size in sorted(set(sizes)):
             traces, found = [], []
-            for _ in range(2):
+
+            def traced_run():
                 inputs = spec.random_inputs(size, device, gen)
                 n = spec.live_count_tensor(size, device) if spec.live_count else None
                 with SafetyAnalyzer(device, size) as an:
                     spec.call(inputs, n)
                 traces.append(an.trace)
                 found.extend(an.findings)
-            found.extend(compare_traces(traces[0], traces[1], size, found))
+
+            if runs is not None:  # a fixed count (steps with collectives: every rank alike)
+                for _ in range(runs):
+                    traced_run()
+                found.extend(compare_traces(traces[-2], traces[-1], size, found))
+                report.extend(found)
+                continue
+            traced_run()
+            traced_run()
+            shape_findings = compare_traces(traces[0], traces[1], size, found)
+            if shape_findings:
+                # A library may do one-time work (a lazily allocated workspace, a JIT cache
+                # fill) on its first call: confirm with a third run before reporting.
+                traced_run()
+                shape_findings = compare_traces(traces[1], traces[2], size, found)
+            found.extend(shape_findings)
             report.extend(found)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

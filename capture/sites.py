@@ -70,7 +70,8 @@ def user_site(skip: int = 1) -> tuple[str, int]:
         kind = _classify(frame.f_code.co_filename)
         if kind == 0:
             return frame.f_code.co_filename, frame.f_lineno
-        if kind == 1 and fallback is None:
+        if kind == 1 and fallback is None and not os.path.abspath(
+                frame.f_code.co_filename).startswith(_HERE + os.sep):
             fallback = (frame.f_code.co_filename, frame.f_lineno)
         frame = frame.f_back
     return fallback or ("<unknown>", 0)

@@ -172,9 +172,17 @@ def main(args) -> int:
     os.makedirs(out_dir, exist_ok=True)
     suites = (getattr(args, "suite", None) or "runtime,moe").split(",")
     results, md = {"device": torch.cuda.get_device_name(device)}, []
+    def save():
+        with open(os.path.join(out_dir, "results.json"), "w") as f:
+            json.dump(results, f, indent=2, default=str)
+        with open(os.path.join(out_dir, "results.md"), "w") as f:
+            f.write("\n\n".join(md) + "\n")
+
     if "runtime" in suites:
         results["runtime"] = bench_runtime(device)
         md.append("## runtime\n" + _md_runtime(results["runtime"]))
+        print(md[-1], flush=True)
+        save()
     if "moe" in suites:
         sizes = [int(s) for s in (getattr(args, "sizes", None) or "1,8,64,256").split(",")]
         cfg = preset(getattr(args, "config", None) or "dsv3-like", layers=getattr(args, "layers", None),
@@ -186,13 +194,9 @@ def main(args) -> int:
             md.append(f"## {key}: {r['config']} {r['layers']}L {r['experts']} experts, experts on "
                       f"{r['expert_backend']}{' fp8' if fp8 else ' bf16'}, HBM {r['hbm_gbs']:.0f} GB/s, "
                       f"capture {r['capture_s_total']:.1f} s\n" + _md_moe(r))
+            print(md[-1], flush=True)
+            save()
             torch.cuda.empty_cache()
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump(results, f, indent=2, default=str)
-    text = "\n\n".join(md)
-    with open(os.path.join(out_dir, "results.md"), "w") as f:
-        f.write(text + "\n")
-    print(text)
     return 0
 
 

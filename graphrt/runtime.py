@@ -32,7 +32,7 @@ class ReplayCheck:
     size: int
     n: int
     output: Any
-    what: str  # "graph-vs-eager" | "live-rows-vs-unpadded-eager" | "inputs-untouched"
+    what: str  # padding-inert | graph-vs-eager | inputs-untouched | live-rows-vs-unpadded-eager
     max_abs_err: float
     ok: bool
 
@@ -62,7 +62,7 @@ class GraphRuntime:
     def __init__(self, spec: StepSpec, sizes: list[int] | None = None, *,
                  device: torch.device | str | None = None, copy_outputs: bool = True,
                  oversize: str = "eager", strict: bool = True, warmup_iters: int = 3,
-                 progress: bool = True, seed: int = 0):
+                 progress: bool = True, seed: int = 0, coordinator=None):
         if oversize not in ("eager", "raise"):
             raise ValueError(f"oversize must be 'eager' or 'raise'; got {oversize!r}")
         self.spec = spec
@@ -77,7 +77,9 @@ class GraphRuntime:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.copy_outputs, self.oversize, self.strict = copy_outputs, oversize, strict
-        self._capture_kw = dict(warmup_iters=warmup_iters, progress=progress, seed=seed)
+        self._capture_kw = dict(warmup_iters=warmup_iters, progress=progress, seed=seed,
+                                coordinator=coordinator)
+        self.coordinator = coordinator
         self.stager = Stager(spec, self.table.largest, self.device)
         self.graphs: dict = {}
         self.failures: dict = {}
@@ -107,21 +109,57 @@ class GraphRuntime:
         """
         if self.manager is None:
             raise GraphrtError("GraphRuntime.run() before capture(): call rt.capture() once first")
-        st = self.stager
-        n = st.check(inputs)
+        n = self.stager.check(inputs)
+        co = self.coordinator
+        pick_n = co.agree_batch(n) if co is not None else n
+        size = self.table.pick(pick_n)
+        g = self.graphs.get(size) if size is not None else None
+        if co is not None and co.debug_check:
+            co.check_replay(size if g is not None else pick_n, "graph" if g is not None else "eager")
+        if g is None:
+            return self._no_graph(inputs, n, size, pick_n)
+        self.stager.stage(inputs, n, size)
+        return self._replay(g, n)
+
+    def input_buffers(self, n: int) -> dict[str, torch.Tensor]:
+        """Zero-copy staging: the static input rows ``[0, n)`` (``{name: [n, *trailing]}``) for
+        the engine to write in place, followed by ``replay(n)``. Saves one copy per input.
+        Graph safety: host-only."""
+        size = self.table.pick(n)
+        if size not in self.graphs:
+            raise NoGraphForBatch(n, max(self.graphs) if self.graphs else None)
+        return {k: b[:n] for k, b in self.stager.buffers.items()}
+
+    def replay(self, n: int) -> Any:
+        """Replay on inputs already written through ``input_buffers(n)``: pads rows
+        ``[n, padded_bs)``, sets the live count, replays. Graph safety: host-only."""
         size = self.table.pick(n)
         g = self.graphs.get(size) if size is not None else None
         if g is None:
-            if size is None and self.oversize == "raise":
-                raise NoGraphForBatch(n, self.table.largest)
-            return self.eager(**inputs)
-        st.stage(inputs, n, size)
+            raise NoGraphForBatch(n, max(self.graphs) if self.graphs else None)
+        self.stager.pad_only(n, size)
+        return self._replay(g, n)
+
+    def _replay(self, g, n: int) -> Any:
         g.graph.replay()
         self._clock.bump()
         self.counters["replays"] += 1
         if self.copy_outputs:
             return g.layout.build([o[:n].clone() for o in g.outputs])
         return g.layout.build([LeasedTensor.lease(o[:n], self._clock) for o in g.outputs])
+
+    def _no_graph(self, inputs, n: int, size: int | None, pick_n: int) -> Any:
+        if size is None and self.oversize == "raise":
+            raise NoGraphForBatch(pick_n, self.table.largest)
+        if pick_n == n:
+            return self.eager(**inputs)
+        # Uniform-batch backends: run eagerly at the agreed batch, padded, like the others.
+        padded = {k: torch.cat([t, self.spec.inputs[k].pad(pick_n - n, self.device)])
+                  for k, t in inputs.items()}
+        self.counters["eager"] += 1
+        out = self.spec.call(padded, self.spec.live_count_tensor(n, self.device))
+        layout, flat = OutputLayout.flatten(out, pick_n)
+        return layout.build([o[:n] for o in flat])
 
     def eager(self, **inputs: torch.Tensor) -> Any:
         """Run the step eagerly on exactly the live rows (no padding). Graph safety: host-only."""
@@ -131,18 +169,25 @@ class GraphRuntime:
 
     # -- checks and stats --------------------------------------------------------------------
     def check_replay(self, *, trials: int = 2, rtol: float | None = None,
-                     seed: int = 1234, raise_on_mismatch: bool = True) -> list[ReplayCheck]:
+                     max_off_rows: float = 0.02, seed: int = 1234,
+                     raise_on_mismatch: bool = True) -> list[ReplayCheck]:
         """Replay every captured size on fresh random inputs and compare with eager.
 
-        Per size and trial: draw ``n`` live rows (the full size on the first trial, a random
-        ``n`` in ``(previous size, size]`` after), stage them with NaN/garbage-poisoned pad
-        rows and NaN-poisoned outputs, replay, and compare the live rows with
-        (1) eager on the same padded buffers: bitwise equal (a graph is the same kernels);
-        (2) eager on the live rows alone: relative error ||replay - eager|| / ||eager|| within
-        ``rtol`` (default 2e-2 for bf16/fp16, 1e-4 for fp32; integer outputs exact), proving
-        pad rows are inert (batch sizes differ, so GEMM kernels may differ);
-        (3) after a normal staged replay, the step left its padded input rows untouched.
-        Host-only (synchronises).
+        Per size and trial, ``n`` live rows (the full size on the first trial, a random ``n``
+        in ``(previous size, size]`` after), outputs NaN-poisoned before every replay:
+
+        1. ``padding-inert``: a replay with pad rows at ``pad_value`` and one with pad rows
+           poisoned (NaN for floats, random valid values otherwise) give bitwise-equal live rows;
+        2. ``graph-vs-eager``: that replay equals eager execution on the same padded buffers,
+           bitwise (a graph replays the same kernels on the same data);
+        3. ``inputs-untouched``: the step left its padded input rows at ``pad_value``;
+        4. ``live-rows-vs-unpadded-eager``: eager on the live rows alone (a different batch
+           size, so cuBLAS may pick other GEMM kernels): integer outputs equal; floating rows
+           within relative error ``rtol`` (2e-2 bf16/fp16, 1e-4 fp32) except at most
+           ``max_off_rows`` of the rows (an MoE router may flip a near-tie expert choice when a
+           different GEMM kernel changes the last bit; those rows are counted, not hidden).
+
+        Host-only (synchronises). Returns every check; raises ``ReplayMismatch`` on failures.
         """
         if not self.graphs:
             raise GraphrtError("check_replay() needs captured graphs: call capture() first")
@@ -150,46 +195,51 @@ class GraphRuntime:
         results: list[ReplayCheck] = []
         sizes = sorted(self.graphs)
         for i, size in enumerate(sizes):
-            g = self.graphs[size]
             lo = sizes[i - 1] + 1 if i else 1
             for t in range(trials):
                 n = size if t == 0 else int(torch.randint(lo, size + 1, (1,), generator=gen))
                 inputs = self.spec.random_inputs(n, self.device, gen)
-                results += self._check_one(g, inputs, n, gen, rtol)
+                results += self._check_one(self.graphs[size], inputs, n, gen, rtol, max_off_rows)
         bad = [r for r in results if not r.ok]
         if bad and raise_on_mismatch:
             raise ReplayMismatch(bad)
         return results
 
-    def _check_one(self, g, inputs, n, gen, rtol) -> list[ReplayCheck]:
-        st, size, out = self.stager, g.size, []
-        st.stage(inputs, n, size)
-        st.poison(n, size, gen)
+    def _replay_poisoned_outputs(self, g, n) -> list[torch.Tensor]:
         for o in g.outputs:
             _poison(o)
         g.graph.replay()
         self._clock.bump()
-        replayed = [o[:n].clone() for o in g.outputs]
-        same = OutputLayout.flatten(self.spec.call(st.views(size), st.n_dev), size)[1]
-        unpadded = OutputLayout.flatten(self.spec.call(inputs, self.spec.live_count_tensor(
-            n, self.device)), n)[1]
-        for key, r, e, u in zip(g.layout.keys or (0,), replayed, same, unpadded):
-            err = _max_err(r, e[:n])
-            out.append(ReplayCheck(size, n, key, "graph-vs-eager", err, err == 0.0))
-            err_u = _max_err(r, u)
-            if r.is_floating_point():
-                rel = _rel_err(r, u)
-                ok = rel <= _tolerance(r.dtype, rtol)
-            else:
-                ok = bool(torch.equal(r, u))
-            out.append(ReplayCheck(size, n, key, "live-rows-vs-unpadded-eager", err_u,
-                                   ok and math.isfinite(err_u)))
+        return [o[:n].clone() for o in g.outputs]
+
+    def _check_one(self, g, inputs, n, gen, rtol, max_off_rows) -> list[ReplayCheck]:
+        st, size, out = self.stager, g.size, []
+        keys = g.layout.keys or (0,)
         st.stage(inputs, n, size)
-        g.graph.replay()
-        self._clock.bump()
+        clean = self._replay_poisoned_outputs(g, n)
         torch.cuda.synchronize(self.device)
         dirty = st.pad_rows_intact(n, size)
         out.append(ReplayCheck(size, n, ",".join(dirty) or "-", "inputs-untouched", 0.0, not dirty))
+        st.stage(inputs, n, size)
+        st.poison(n, size, gen)
+        poisoned = self._replay_poisoned_outputs(g, n)
+        same = OutputLayout.flatten(self.spec.call(st.views(size), st.n_dev), size)[1]
+        unpadded = OutputLayout.flatten(self.spec.call(inputs, self.spec.live_count_tensor(
+            n, self.device)), n)[1]
+        for key, c, p, e, u in zip(keys, clean, poisoned, same, unpadded):
+            err = _max_err(p, c)
+            out.append(ReplayCheck(size, n, key, "padding-inert", err, err == 0.0))
+            err = _max_err(p, e[:n])
+            out.append(ReplayCheck(size, n, key, "graph-vs-eager", err, err == 0.0))
+            err = _max_err(p, u)
+            if p.is_floating_point():
+                off = _rows_off(p, u, _tolerance(p.dtype, rtol))
+                ok = off <= int(max_off_rows * n)
+                what = f"live-rows-vs-unpadded-eager ({off}/{n} rows off)"
+            else:
+                ok, what = bool(torch.equal(p, u)), "live-rows-vs-unpadded-eager"
+            out.append(ReplayCheck(size, n, key, what, err, ok))
+        st.stage(inputs, n, size)  # leave clean padding behind
         return out
 
     def stats(self) -> dict:
@@ -230,11 +280,13 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(d.max()) if d.numel() else 0.0
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| in float64 (NaN anywhere gives NaN)."""
-    a, b = a.double(), b.double()
-    den = float(b.norm())
-    return float((a - b).norm()) / den if den > 0 else float((a - b).norm())
+def _rows_off(a: torch.Tensor, b: torch.Tensor, rtol: float) -> int:
+    """Rows whose relative error ||a_i - b_i|| / ||b_i|| exceeds ``rtol`` (NaN counts as off)."""
+    a, b = a.double().reshape(a.shape[0], -1), b.double().reshape(b.shape[0], -1)
+    num = (a - b).norm(dim=1)
+    den = b.norm(dim=1).clamp_min(1e-30)
+    rel = num / den
+    return int((~(rel <= rtol)).sum())
 
 
 def _tolerance(dtype: torch.dtype, rtol) -> float:

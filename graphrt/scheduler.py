@@ -122,10 +122,15 @@ class Stager:
 
     def stage(self, inputs: Mapping[str, torch.Tensor], n: int, padded_bs: int) -> None:
         """Copy rows ``[0, n)`` in, make rows ``[n, padded_bs)`` padding, set the live count."""
-        stop = min(self._dirty, padded_bs)
         for k, buf in self.buffers.items():
             buf[:n].copy_(inputs[k], non_blocking=True)
-            if stop > n:
+        self.pad_only(n, padded_bs)
+
+    def pad_only(self, n: int, padded_bs: int) -> None:
+        """Rows ``[0, n)`` are already in place: pad rows ``[n, padded_bs)``, set the live count."""
+        stop = min(self._dirty, padded_bs)
+        if stop > n:
+            for k, buf in self.buffers.items():
                 buf[n:stop].fill_(self._pad_values[k])
         self._dirty = self._dirty if self._dirty > padded_bs else n
         self.n_dev.fill_(n)

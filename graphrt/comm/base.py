@@ -86,6 +86,10 @@ class EPComm(Protocol):
     num_local_experts: int
     uniform_batch: bool
 
+    def cap_for(self, bs: int) -> int:
+        """Rows per local expert in the masked layout for a padded batch of ``bs`` (host-only)."""
+        ...
+
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, n: torch.Tensor) -> Dispatched:
         """x ``[bs, hidden]`` bf16, topk_ids int64 ``[bs, num_topk]`` (-1 = none), n int32 ``[1]``.
         Graph safety: capturable."""
@@ -100,4 +104,8 @@ class EPComm(Protocol):
     def combine_async(self, y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                       d: Dispatched, n: torch.Tensor, *, out: torch.Tensor) -> Receiver:
         """Start the combine; the returned ``Receiver`` joins it. Graph safety: capturable."""
+        ...
+
+    def end_step(self) -> None:
+        """Called by the model after each step; backends check per-step rules (host-only)."""
         ...

@@ -22,19 +22,28 @@ def _round_up(x: int, m: int) -> int:
 
 class LocalComm:
     """All ``num_experts`` experts local. ``cap`` rows per expert are ``bs`` rounded up to
-    ``cap_align`` (a token picks an expert at most once, so nothing is ever dropped)."""
+    ``cap_align`` (a token picks an expert at most once, so nothing is ever dropped). The
+    masked layout lives in static buffers sized for ``max_tokens`` (see ``moe.workspace``)."""
 
     uniform_batch = False
 
     def __init__(self, num_experts: int, hidden: int, num_topk: int, device: torch.device | str,
-                 *, cap_align: int = 64, comm_stream: "torch.cuda.Stream | None" = None):
+                 *, max_tokens: int = 256, cap_align: int = 64,
+                 comm_stream: "torch.cuda.Stream | None" = None, dtype=torch.bfloat16):
+        from graphrt.moe.workspace import Workspace
         self.rank, self.num_ranks = 0, 1
         self.num_experts = self.num_local_experts = num_experts
         self.hidden, self.num_topk, self.cap_align = hidden, num_topk, cap_align
-        self.device = torch.device(device)
+        self.device, self.max_tokens = torch.device(device), max_tokens
         self._stream = comm_stream
         if self._stream is None and self.device.type == "cuda":
             self._stream = torch.cuda.Stream(self.device)
+        cap = self.cap_for(max_tokens)
+        self.ws = Workspace(self.device)       # static: one copy serves every size and layer
+        self.ws.reserve("recv_x", (num_experts, cap, hidden), dtype)
+        self.ws.reserve("src_idx", (num_experts, cap), torch.int32)
+        self.ws.reserve("pos", (max_tokens, num_topk), torch.int32)
+        self.masked_m = torch.empty(num_experts, dtype=torch.int32, device=self.device)
 
     def cap_for(self, bs: int) -> int:
         return _round_up(bs, self.cap_align)
@@ -44,11 +53,14 @@ class LocalComm:
         (the router's job), so they create no slots. Graph safety: capturable."""
         from graphrt.kernels.dispatch import dispatch_masked, expected_m
         bs, E = x.shape[0], self.num_local_experts
+        if bs > self.max_tokens:
+            raise ValueError(f"LocalComm.dispatch: {bs} tokens exceed max_tokens={self.max_tokens}; "
+                             "build the comm with a larger max_tokens")
         cap = self.cap_for(bs)
-        recv_x = torch.empty(E, cap, self.hidden, dtype=x.dtype, device=x.device)
-        masked_m = torch.empty(E, dtype=torch.int32, device=x.device)
-        src_idx = torch.empty(E, cap, dtype=torch.int32, device=x.device)
-        pos = torch.empty(bs, topk_ids.shape[1], dtype=torch.int32, device=x.device)
+        recv_x = self.ws.view("recv_x", (E, cap, self.hidden))
+        masked_m = self.masked_m
+        src_idx = self.ws.view("src_idx", (E, cap))
+        pos = self.ws.view("pos", (bs, topk_ids.shape[1]))
         dispatch_masked(x, topk_ids, out_recv_x=recv_x, out_masked_m=masked_m,
                         out_src_idx=src_idx, out_pos=pos)
         em = min(cap, expected_m(bs, topk_ids.shape[1], E))
@@ -73,3 +85,6 @@ class LocalComm:
             done.record(self._stream)
         return Receiver(lambda: main.wait_event(done), out,
                         keep=(y, topk_ids, topk_weights, d.handle, n, done))
+
+    def end_step(self) -> None:
+        """Nothing to check for EP=1 (host-only)."""

@@ -66,7 +66,8 @@ class Experts:
     """
 
     def __init__(self, hidden: int, inter: int, num_local_experts: int, device, *, seed: int = 0,
-                 backend: str = "auto", fp8: bool = False, dtype=torch.bfloat16):
+                 first_expert: int = 0, backend: str = "auto", fp8: bool = False,
+                 dtype=torch.bfloat16, max_cap: int = 256, workspace=None):
         if backend == "auto":
             backend = "deepgemm" if deep_gemm_available() and torch.device(device).type == "cuda" else "triton"
         if backend not in ("deepgemm", "triton"):
@@ -77,14 +78,29 @@ class Experts:
             raise ValueError("fp8 experts need DeepGEMM (backend='deepgemm' on Hopper)")
         self.hidden, self.inter, self.E = hidden, inter, num_local_experts
         self.backend, self.fp8, self.dtype = backend, fp8, dtype
-        gen = torch.Generator(device=device).manual_seed(seed)
-        self.w13 = (torch.randn(self.E, 2 * inter, hidden, generator=gen, device=device, dtype=dtype)
-                    * hidden ** -0.5)
-        self.w2 = (torch.randn(self.E, hidden, inter, generator=gen, device=device, dtype=dtype)
-                   * inter ** -0.5)
+        # Each expert's weights come from its own seed (layer seed, global expert id), so a
+        # rank holding experts [first_expert, first_expert + E) has exactly EP=1's weights.
+        self.w13 = torch.empty(self.E, 2 * inter, hidden, device=device, dtype=dtype)
+        self.w2 = torch.empty(self.E, hidden, inter, device=device, dtype=dtype)
+        gen = torch.Generator(device=device)
+        for e in range(self.E):
+            gen.manual_seed(seed * 1_000_003 + first_expert + e)
+            self.w13[e] = torch.randn(2 * inter, hidden, generator=gen, device=device, dtype=dtype) * hidden ** -0.5
+            self.w2[e] = torch.randn(hidden, inter, generator=gen, device=device, dtype=dtype) * inter ** -0.5
         if fp8:
             self.w13_q = quantize_weight_fp8(self.w13)
             self.w2_q = quantize_weight_fp8(self.w2)
+            del self.w13, self.w2  # the fp8 copies are what the GEMMs read
+        from graphrt.moe.workspace import Workspace
+        self.ws = workspace if workspace is not None else Workspace(device)
+        E = self.E
+        self.ws.reserve("u", (E, max_cap, 2 * inter), dtype)
+        self.ws.reserve("y", (E, max_cap, hidden), dtype)
+        if fp8:
+            self.ws.reserve("a_q", (E, max_cap, inter), torch.float8_e4m3fn)
+            self.ws.reserve("a_s", (E, max_cap, inter // 128), torch.float32)
+        else:
+            self.ws.reserve("a", (E, max_cap, inter), dtype)
 
     @property
     def weight_bytes(self) -> int:
@@ -111,18 +127,17 @@ class Experts:
         bf16; rows past ``masked_m`` are not computed. Graph safety: capturable."""
         from graphrt.kernels.activation import silu_and_mul_masked, silu_and_mul_masked_fp8
         E, cap = recv_x.shape[0], recv_x.shape[1]
-        dev = recv_x.device
-        u = torch.empty(E, cap, 2 * self.inter, dtype=self.dtype, device=dev)
-        y = torch.empty(E, cap, self.hidden, dtype=self.dtype, device=dev)
+        u = self.ws.view("u", (E, cap, 2 * self.inter))
+        y = self.ws.view("y", (E, cap, self.hidden))
         if self.fp8:
             if recv_scale is None:  # EP=1: quantize after dispatch (DeepEP's fp8 dispatch does it in its send)
                 recv_x, recv_scale = quantize_tokens_fp8(recv_x)
             self._gemm(recv_x, None, masked_m, expected_m, u, recv_scale, self.w13_q)
-            a_q = torch.empty(E, cap, self.inter, dtype=torch.float8_e4m3fn, device=dev)
-            a_s = torch.empty(E, cap, self.inter // 128, dtype=torch.float32, device=dev)
+            a_q = self.ws.view("a_q", (E, cap, self.inter))
+            a_s = self.ws.view("a_s", (E, cap, self.inter // 128))
             silu_and_mul_masked_fp8(u, masked_m, out_q=a_q, out_scale=a_s)
             return self._gemm(a_q, None, masked_m, expected_m, y, a_s, self.w2_q)
         self._gemm(recv_x, self.w13, masked_m, expected_m, u)
-        a = torch.empty(E, cap, self.inter, dtype=self.dtype, device=dev)
+        a = self.ws.view("a", (E, cap, self.inter))
         silu_and_mul_masked(u, masked_m, out=a)
         return self._gemm(a, self.w2, masked_m, expected_m, y)

@@ -28,6 +28,7 @@ from graphrt.comm.local import LocalComm
 from graphrt.moe.config import MoEConfig
 from graphrt.moe.experts import Experts
 from graphrt.moe.layers import Attention, Router, SharedExpert, rmsnorm
+from graphrt.moe.workspace import Workspace
 from graphrt.spec import Input, StepSpec
 
 
@@ -35,11 +36,13 @@ class MoEBlock:
     """Router, dispatch, routed experts, combine (overlapped with the shared expert)."""
 
     def __init__(self, cfg: MoEConfig, comm: EPComm, device, gen, seed: int, *, overlap: bool,
-                 backend: str, fp8: bool):
+                 backend: str, fp8: bool, workspace):
         self.cfg, self.comm, self.overlap = cfg, comm, overlap
         self.router = Router(cfg, device, gen)
         self.experts = Experts(cfg.hidden, cfg.moe_inter, comm.num_local_experts, device,
-                               seed=seed, backend=backend, fp8=fp8, dtype=cfg.dtype)
+                               seed=seed, first_expert=comm.rank * comm.num_local_experts,
+                               backend=backend, fp8=fp8, dtype=cfg.dtype,
+                               max_cap=comm.cap_for(cfg.num_slots), workspace=workspace)
         self.shared = SharedExpert(cfg, device, gen) if cfg.num_shared_experts else None
 
     def __call__(self, h: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
@@ -84,15 +87,18 @@ class MoEModel:
     def __init__(self, cfg: MoEConfig, device, *, comm: EPComm | None = None, overlap: bool = True,
                  backend: str = "auto", fp8: bool = False, seed: int = 0):
         self.cfg, self.device = cfg, torch.device(device)
-        self.comm = comm or LocalComm(cfg.num_experts, cfg.hidden, cfg.num_topk, self.device)
+        self.comm = comm or LocalComm(cfg.num_experts, cfg.hidden, cfg.num_topk, self.device,
+                                      max_tokens=cfg.num_slots)
         if self.comm.num_experts != cfg.num_experts:
             raise ValueError(f"comm has {self.comm.num_experts} experts, config {cfg.num_experts}")
         gen = torch.Generator(device=self.device).manual_seed(seed)
         self.embed = torch.randn(cfg.vocab_size, cfg.hidden, generator=gen, device=self.device,
                                  dtype=cfg.dtype)
         # Expert weights: a seed per (rank-independent) layer so EP splits match EP=1 weights.
+        self.workspace = Workspace(self.device)  # expert intermediates, shared by all layers
         self.layers = [DecoderLayer(cfg, self.comm, self.device, gen, seed * 1000 + i + 1,
-                                    overlap=overlap, backend=backend, fp8=fp8)
+                                    overlap=overlap, backend=backend, fp8=fp8,
+                                    workspace=self.workspace)
                        for i in range(cfg.num_layers)]
         self.final_norm = torch.ones(cfg.hidden, device=self.device, dtype=cfg.dtype)
         self.lm_head = torch.randn(cfg.vocab_size, cfg.hidden, generator=gen, device=self.device,
@@ -113,6 +119,7 @@ class MoEModel:
         x = self.embed.index_select(0, tokens)                             # [bs, hidden]
         for layer in self.layers:
             x = layer(x, positions, slots, n)
+        self.comm.end_step()
         return {"logits": rmsnorm(x, self.final_norm, self.cfg.rms_eps) @ self.lm_head.t()}
 
     def weight_bytes(self, bs: int | None = None) -> dict:

@@ -110,7 +110,7 @@ def bad_bool_mask_assignments(device):
 
     def step(x, topk_ids):
         valid = topk_ids >= 0                                                  # [T, K]
-        tok = torch.arange(x.shape[0]).unsqueeze(1).expand_as(topk_ids)
+        tok = torch.arange(x.shape[0], device=x.device).unsqueeze(1).expand_as(topk_ids)
         live_tok = tok[valid]  # expect: host-sync
         y = torch.zeros_like(x).index_add_(0, live_tok, x[live_tok] @ w1[1])
         return y
@@ -151,8 +151,9 @@ def bad_numpy_offsets(device):
 
     def step(x):
         w, ids = _route(x, wg)
-        counts = torch.zeros(E, dtype=torch.long).scatter_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
-        offsets = np.cumsum(counts.numpy())  # expect: host-sync
+        counts = torch.zeros(E, dtype=torch.long, device=x.device)
+        counts.scatter_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
+        offsets = np.cumsum(counts.cpu().numpy())  # expect: host-sync
         start = torch.from_numpy(offsets)  # expect: host-to-device-copy
         return x + start[-1].to(x.dtype)
 
@@ -160,33 +161,36 @@ def bad_numpy_offsets(device):
 
 
 def bad_int_max_load(device):
-    """Size a per-expert buffer from the busiest expert (int() of a device value)."""
+    """Scale by the busiest expert's load, read with int() (the value is baked in)."""
     wg, w1 = _weights(device)
 
     def step(x):
         w, ids = _route(x, wg)
-        counts = torch.zeros(E, dtype=torch.long).scatter_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
+        counts = torch.zeros(E, dtype=torch.long, device=x.device)
+        counts.scatter_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
         max_load = int(counts.max())  # expect: host-sync
-        buf = x.new_zeros(E, CAP, H)
-        return x + buf[:, :max_load].sum((0, 1))
+        return x * min(max_load, CAP) / CAP
 
     return _spec(step)
 
 
 # -- safe --------------------------------------------------------------------------------------
 def safe_scatter_add_counts(device):
-    """Counts and offsets on the device: scatter_add_ into a fixed [E], cumsum."""
+    """Counts and offsets on the device: scatter_add_ into a fixed [E], cumsum; padded rows
+    (expert id -1) count nothing."""
     wg, w1 = _weights(device)
 
-    def step(x):
+    def step(x, n):
         w, ids = _route(x, wg)
-        flat = ids.flatten()                                                   # [T*K]
+        live = torch.arange(x.shape[0], device=x.device) < n                  # [T]
+        flat = torch.where(live[:, None], ids, -1).flatten()                   # [T*K]
         counts = torch.zeros(E, dtype=torch.long, device=x.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat))                    # [E]
+        counts.scatter_add_(0, flat.clamp(min=0), (flat >= 0).long())          # [E]
         offsets = torch.cumsum(counts, 0) - counts                             # [E]
-        return x + offsets.sum().to(x.dtype), counts
+        return x + offsets[ids].sum(-1, keepdim=True).to(x.dtype)
 
-    return _spec(step)
+    return graphrt.StepSpec(fn=step, inputs={"x": graphrt.Input((None, H), torch.float32)},
+                            max_batch_size=8, live_count="n")
 
 
 def safe_one_hot_dense(device):
@@ -234,14 +238,14 @@ def safe_masked_layout_dispatch(device):
         y = torch.bmm(recv[:-1].view(E, CAP, H), w1).view(E * CAP, H)
         y = torch.cat([y, y.new_zeros(1, H)])[slot].view(-1, K, H)
         masked_m = onehot.sum(0).clamp(max=CAP)                                # [E]
-        return (y * (w * ok.view(-1, K))[..., None]).sum(1), masked_m.expand(x.shape[0], E)
+        return (y * (w * ok.view(-1, K))[..., None]).sum(1), masked_m.repeat(x.shape[0], 1)
 
     return graphrt.StepSpec(fn=step, inputs={"x": graphrt.Input((None, H), torch.float32)},
                             max_batch_size=8, live_count="n")
 
 
 def safe_sort_topk_routing(device):
-    """Grouped top-k with bias (DeepSeek-style) and a stable sort by expert."""
+    """Grouped top-k with bias (DeepSeek-style) and a stable sort of each row's experts."""
     wg, w1 = _weights(device)
     bias = torch.linspace(-0.1, 0.1, E, device=device)
 
@@ -250,21 +254,23 @@ def safe_sort_topk_routing(device):
         groups = (scores + bias).view(-1, 2, E // 2).topk(1, dim=-1).values.sum(-1)
         keep = torch.zeros_like(groups).scatter_(1, groups.topk(1, dim=-1).indices, 1.0)
         masked = (scores + bias).masked_fill(keep.repeat_interleave(E // 2, dim=1) == 0, float("-inf"))
-        ids = masked.topk(K, dim=-1).indices
-        w = scores.gather(1, ids)
-        order = ids.flatten().sort(stable=True).indices
-        return (x[order // K] * w.flatten()[order, None]), ids
+        ids, perm = masked.topk(K, dim=-1).indices.sort(dim=-1, stable=True)
+        w = scores.gather(1, ids)                                              # [T, K]
+        return torch.einsum("tk,tkh->th", w, torch.einsum("th,tkhj->tkj", x, w1[ids]))
 
     return _spec(step)
 
 
 def safe_histc_fixed_range(device):
-    """histc with a fixed range does not read min/max on the host."""
+    """histc with a fixed range does not read min/max on the host (padded rows: id -1, out
+    of range, not counted)."""
     wg, w1 = _weights(device)
 
-    def step(x):
+    def step(x, n):
         w, ids = _route(x, wg)
-        load = torch.histc(ids.float(), bins=E, min=0, max=E)                  # [E]
-        return x + load.sum(), load.expand(x.shape[0], E)
+        live = torch.arange(x.shape[0], device=x.device) < n
+        load = torch.histc(torch.where(live[:, None], ids, -1).float(), bins=E, min=0, max=E)
+        return x + load[ids].sum(-1, keepdim=True)
 
-    return _spec(step)
+    return graphrt.StepSpec(fn=step, inputs={"x": graphrt.Input((None, H), torch.float32)},
+                            max_batch_size=8, live_count="n")

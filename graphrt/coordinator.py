@@ -1,0 +1,85 @@
+"""Cross-rank agreement for expert-parallel replays (host side, over a CPU/gloo group).
+
+Backends whose collectives need the same shapes on every rank (``NCCLComm``) need every
+rank to replay the same padded size: ``agree_batch(n)`` returns the largest live batch of
+all ranks, and each rank picks its graph from that. DeepEP low-latency ranks pick from
+their own live batch and need no agreement.
+
+``check_replay`` (opt-in debug) gathers what every rank is about to run and raises,
+naming both ranks and their sizes, when they are incompatible; a rank that never arrives
+turns into a timeout error instead of a hang (the gloo group has a timeout).
+
+Graph safety: host-only (a CPU collective per step; never inside a capture).
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+
+from graphrt.errors import GraphrtError
+
+
+class RankMismatch(GraphrtError):
+    """Ranks are about to replay incompatible graphs."""
+
+
+class RankCoordinator:
+    """Args:
+        uniform: every rank must replay the same padded size (the comm's ``uniform_batch``).
+        debug_check: gather and compare every rank's choice before each replay.
+        timeout_s: how long a CPU collective waits for the other ranks before raising.
+    """
+
+    def __init__(self, *, uniform: bool, debug_check: bool = False, timeout_s: float = 60.0,
+                 group=None):
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            raise GraphrtError("RankCoordinator needs torch.distributed initialised on every rank")
+        self._dist = dist
+        self.uniform, self.debug_check = uniform, debug_check
+        self.group = group or dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self._buf = torch.zeros(1, dtype=torch.int64)
+
+    def agree_batch(self, n: int) -> int:
+        """The largest live batch over all ranks (``n`` itself for non-uniform backends)."""
+        if not self.uniform:
+            return n
+        self._buf[0] = n
+        self._dist.all_reduce(self._buf, op=self._dist.ReduceOp.MAX, group=self.group)
+        return int(self._buf[0])
+
+    def check_replay(self, size: int, mode: str) -> None:
+        """Raise ``RankMismatch`` if ranks are about to run incompatible steps.
+
+        ``size``: the padded size (or the live batch for an eager step); ``mode``: ``graph``
+        or ``eager``. Uniform backends need equal sizes and modes on every rank.
+        """
+        mine = torch.tensor([size, 1 if mode == "graph" else 0], dtype=torch.int64)
+        everyone = [torch.zeros_like(mine) for _ in range(self.world)]
+        try:
+            self._dist.all_gather(everyone, mine, group=self.group)
+        except RuntimeError as exc:
+            raise RankMismatch(f"rank {self.rank}: not every rank reached this step's replay "
+                               f"check ({exc}); a rank skipped a step or hung") from exc
+        if not self.uniform:
+            return
+        for r, t in enumerate(everyone):
+            if not torch.equal(t, mine):
+                raise RankMismatch(
+                    f"rank {self.rank} is about to run a {mode} step of batch {size} but rank {r} "
+                    f"a {'graph' if int(t[1]) else 'eager'} step of batch {int(t[0])}; this "
+                    "backend needs the same padded size on every rank (use agree_batch)")
+
+    def all_ok(self, ok: bool) -> bool:
+        """True when ``ok`` holds on every rank."""
+        self._buf[0] = 1 if ok else 0
+        self._dist.all_reduce(self._buf, op=self._dist.ReduceOp.MIN, group=self.group)
+        return bool(int(self._buf[0]))
+
+    def agree_ok(self, ok: bool, what: str) -> None:
+        """Raise on every rank if any rank is not ok (e.g. capture failed on one rank)."""
+        if not self.all_ok(ok):
+            raise GraphrtError(f"rank {self.rank}: {what} failed on at least one rank; every "
+                               "rank stops so that no rank waits in a collective forever")

@@ -1,0 +1,262 @@
+"""graphrt's kernel launchers and DeepGEMM's masked GEMMs as ``torch.library`` custom ops.
+
+``torch.compile`` cannot see through a Triton launcher that checks shapes in Python, nor
+through DeepGEMM's C++ entry points: registered as custom ops (``graphrt::<name>``) with a
+fake implementation each, they trace as one opaque node and a step calling them compiles
+with no graph break (``fullgraph=True`` holds). Each op takes the SAME arguments, in the same
+order and under the same names, as the launcher it wraps; the launcher's keyword-only
+``out=`` tensors are ordinary (positional-or-keyword) arguments here, declared mutated, and
+every op returns ``None`` (a custom op may not return an alias of its input)::
+
+    torch.ops.graphrt.topk_softmax(logits, n, num_topk, out_weights, out_ids, renormalize=True)
+    torch.ops.graphrt.grouped_topk_sigmoid(logits, bias, n, num_topk, n_group, topk_group,
+                                           out_weights, out_ids, routed_scaling_factor=1.0,
+                                           renormalize=True)
+    torch.ops.graphrt.dispatch_masked(x, topk_ids, out_recv_x, out_masked_m, out_src_idx, out_pos)
+    torch.ops.graphrt.combine_masked(y, topk_ids, topk_weights, pos, n, out)
+    torch.ops.graphrt.silu_and_mul_masked(u, masked_m, out)
+    torch.ops.graphrt.silu_and_mul_masked_fp8(u, masked_m, out_q, out_scale, group_size=128)
+    torch.ops.graphrt.masked_grouped_gemm(a, b, masked_m, out, expected_m=None)
+    torch.ops.graphrt.kv_append(k, v, slots, positions, n, k_cache, v_cache)
+    torch.ops.graphrt.decode_attention(q, k_cache, v_cache, slots, ctx_lens, n, out,
+                                       workspace_o, workspace_lse, sm_scale=None)
+    torch.ops.graphrt.deepgemm_masked_bf16(a, b, d, masked_m, expected_m)
+    torch.ops.graphrt.deepgemm_masked_fp8(a, a_scale, b, b_scale, d, masked_m, expected_m)
+
+Shapes and dtypes are the launchers' (``graphrt.kernels.*``); the two DeepGEMM ops are
+``deep_gemm.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m)`` and
+``deep_gemm.m_grouped_fp8_gemm_nt_masked((a, a_scale), (b, b_scale), d, masked_m, expected_m)``
+with the scale tuples flattened. Keyword calls (``out=out``) work too.
+
+Importing this module registers the ops and imports neither triton nor deep_gemm: each op
+body imports its launcher when it first runs.
+
+``launchers_as_ops()`` is the interim switch until the model calls ``torch.ops.graphrt.*``
+itself: inside it, the launcher names in ``graphrt.kernels.*`` (and DeepGEMM's two masked
+GEMMs) are replaced by thin wrappers that call the ops and return what the launcher
+returns, so the reference model — which imports its launchers at call time — traces through
+the ops unchanged. The op bodies always run the original launchers.
+
+Graph safety: capturable (every op: it launches the same kernels as its launcher).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+_KERNELS = "graphrt.kernels"
+_originals: dict[tuple[str, str], object] = {}  # (module, name) -> launcher saved while patched
+
+
+def _launcher(module: str, name: str):
+    """The original launcher ``module.name`` (never a ``launchers_as_ops`` wrapper)."""
+    key = (module, name)
+    if key in _originals:
+        return _originals[key]
+    return getattr(importlib.import_module(module), name)
+
+
+def _op(name: str, mutates: tuple[str, ...]):
+    return torch.library.custom_op(f"graphrt::{name}", mutates_args=mutates)
+
+
+# ------------------------------------------------------------------------------- routing
+@_op("topk_softmax", ("out_weights", "out_ids"))
+def topk_softmax(logits: Tensor, n: Tensor, num_topk: int, out_weights: Tensor, out_ids: Tensor,
+                 renormalize: bool = True) -> None:
+    """``graphrt.kernels.routing.topk_softmax``. Graph safety: capturable."""
+    _launcher(f"{_KERNELS}.routing", "topk_softmax")(
+        logits, n, num_topk, out_weights=out_weights, out_ids=out_ids, renormalize=renormalize)
+
+
+@_op("grouped_topk_sigmoid", ("out_weights", "out_ids"))
+def grouped_topk_sigmoid(logits: Tensor, bias: Tensor, n: Tensor, num_topk: int, n_group: int,
+                         topk_group: int, out_weights: Tensor, out_ids: Tensor,
+                         routed_scaling_factor: float = 1.0, renormalize: bool = True) -> None:
+    """``graphrt.kernels.routing.grouped_topk_sigmoid``. Graph safety: capturable."""
+    _launcher(f"{_KERNELS}.routing", "grouped_topk_sigmoid")(
+        logits, bias, n, num_topk, n_group, topk_group, out_weights=out_weights, out_ids=out_ids,
+        routed_scaling_factor=routed_scaling_factor, renormalize=renormalize)
+
+
+# ------------------------------------------------------------------------ dispatch / combine
+@_op("dispatch_masked", ("out_recv_x", "out_masked_m", "out_src_idx", "out_pos"))
+def dispatch_masked(x: Tensor, topk_ids: Tensor, out_recv_x: Tensor, out_masked_m: Tensor,
+                    out_src_idx: Tensor, out_pos: Tensor) -> None:
+    """``graphrt.kernels.dispatch.dispatch_masked``. Graph safety: capturable."""
+    _launcher(f"{_KERNELS}.dispatch", "dispatch_masked")(
+        x, topk_ids, out_recv_x=out_recv_x, out_masked_m=out_masked_m, out_src_idx=out_src_idx,
+        out_pos=out_pos)
+
+
+@_op("combine_masked", ("out",))
+def combine_masked(y: Tensor, topk_ids: Tensor, topk_weights: Tensor, pos: Tensor, n: Tensor,
+                   out: Tensor) -> None:
+    """``graphrt.kernels.combine.combine_masked``. Graph safety: capturable."""
+    _launcher(f"{_KERNELS}.combine", "combine_masked")(y, topk_ids, topk_weights, pos, n, out=out)
+
+
+# -------------------------------------------------------------------------------- experts
+@_op("silu_and_mul_masked", ("out",))
+def silu_and_mul_masked(u: Tensor, masked_m: Tensor, out: Tensor) -> None:
+    """``graphrt.kernels.activation.silu_and_mul_masked``. Graph safety: capturable."""
+    _launcher(f"{_KERNELS}.activation", "silu_and_mul_masked")(u, masked_m, out=out)
+
+
+@_op("silu_and_mul_masked_fp8", ("out_q", "out_scale"))
+def silu_and_mul_masked_fp8(u: Tensor, masked_m: Tensor, out_q: Tensor, out_scale: Tensor,
+                            group_size: int = 128) -> None:
+    """``graphrt.kernels.activation.silu_and_mul_masked_fp8``. Graph safety: capturable."""
+    _launcher(f"{_KERNELS}.activation", "silu_and_mul_masked_fp8")(
+        u, masked_m, out_q=out_q, out_scale=out_scale, group_size=group_size)
+
+
+@_op("masked_grouped_gemm", ("out",))
+def masked_grouped_gemm(a: Tensor, b: Tensor, masked_m: Tensor, out: Tensor,
+                        expected_m: Optional[int] = None) -> None:
+    """``graphrt.kernels.grouped_gemm.masked_grouped_gemm``. Graph safety: capturable."""
+    _launcher(f"{_KERNELS}.grouped_gemm", "masked_grouped_gemm")(
+        a, b, masked_m, out=out, expected_m=expected_m)
+
+
+@_op("deepgemm_masked_bf16", ("d",))
+def deepgemm_masked_bf16(a: Tensor, b: Tensor, d: Tensor, masked_m: Tensor, expected_m: int) -> None:
+    """``deep_gemm.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m)``: a bf16
+    ``[num_local_experts, cap, k]``, b bf16 ``[num_local_experts, n, k]``, d bf16
+    ``[num_local_experts, cap, n]``, masked_m int32 ``[num_local_experts]``.
+    Graph safety: capturable (warm each shape and expected_m first: DeepGEMM JIT-compiles)."""
+    _launcher("deep_gemm", "m_grouped_bf16_gemm_nt_masked")(a, b, d, masked_m, expected_m)
+
+
+@_op("deepgemm_masked_fp8", ("d",))
+def deepgemm_masked_fp8(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, d: Tensor,
+                        masked_m: Tensor, expected_m: int) -> None:
+    """``deep_gemm.m_grouped_fp8_gemm_nt_masked((a, a_scale), (b, b_scale), d, masked_m,
+    expected_m)``: a fp8 e4m3 ``[num_local_experts, cap, k]`` with fp32 per-token 128-group
+    scales, b fp8 ``[num_local_experts, n, k]`` with fp32 128x128 block scales, d bf16.
+    Graph safety: capturable (warm each shape and expected_m first)."""
+    _launcher("deep_gemm", "m_grouped_fp8_gemm_nt_masked")(
+        (a, a_scale), (b, b_scale), d, masked_m, expected_m)
+
+
+# -------------------------------------------------------------------------------- attention
+@_op("kv_append", ("k_cache", "v_cache"))
+def kv_append(k: Tensor, v: Tensor, slots: Tensor, positions: Tensor, n: Tensor, k_cache: Tensor,
+              v_cache: Tensor) -> None:
+    """``graphrt.kernels.attention.kv_append``. Graph safety: capturable."""
+    _launcher(f"{_KERNELS}.attention", "kv_append")(
+        k, v, slots, positions, n, k_cache=k_cache, v_cache=v_cache)
+
+
+@_op("decode_attention", ("out", "workspace_o", "workspace_lse"))
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, ctx_lens: Tensor,
+                     n: Tensor, out: Tensor, workspace_o: Tensor, workspace_lse: Tensor,
+                     sm_scale: Optional[float] = None) -> None:
+    """``graphrt.kernels.attention.decode_attention``. Graph safety: capturable."""
+    _launcher(f"{_KERNELS}.attention", "decode_attention")(
+        q, k_cache, v_cache, slots, ctx_lens, n, out=out, workspace_o=workspace_o,
+        workspace_lse=workspace_lse, sm_scale=sm_scale)
+
+
+OPS = (topk_softmax, grouped_topk_sigmoid, dispatch_masked, combine_masked, silu_and_mul_masked,
+       silu_and_mul_masked_fp8, masked_grouped_gemm, deepgemm_masked_bf16, deepgemm_masked_fp8,
+       kv_append, decode_attention)
+
+
+def _no_outputs(*args, **kwargs) -> None:
+    """Fake (meta) implementation: every op only writes its mutated arguments."""
+    return None
+
+
+for _o in OPS:
+    _o.register_fake(_no_outputs)
+
+
+# --------------------------------------------------------- the interim switch for the model
+def _wrappers() -> dict[tuple[str, str], object]:
+    """Launcher-compatible callables (same signature and return) that call the ops."""
+    ops = torch.ops.graphrt
+
+    def topk_softmax_(logits, n, num_topk, *, out_weights, out_ids, renormalize=True):
+        ops.topk_softmax(logits, n, num_topk, out_weights, out_ids, renormalize)
+        return out_weights, out_ids
+
+    def grouped_topk_sigmoid_(logits, bias, n, num_topk, n_group, topk_group, *, out_weights,
+                              out_ids, routed_scaling_factor=1.0, renormalize=True):
+        ops.grouped_topk_sigmoid(logits, bias, n, num_topk, n_group, topk_group, out_weights,
+                                 out_ids, float(routed_scaling_factor), renormalize)
+        return out_weights, out_ids
+
+    def dispatch_masked_(x, topk_ids, *, out_recv_x, out_masked_m, out_src_idx, out_pos):
+        ops.dispatch_masked(x, topk_ids, out_recv_x, out_masked_m, out_src_idx, out_pos)
+        return out_recv_x, out_masked_m, out_src_idx, out_pos
+
+    def combine_masked_(y, topk_ids, topk_weights, pos, n, *, out):
+        ops.combine_masked(y, topk_ids, topk_weights, pos, n, out)
+        return out
+
+    def silu_and_mul_masked_(u, masked_m, *, out):
+        ops.silu_and_mul_masked(u, masked_m, out)
+        return out
+
+    def silu_and_mul_masked_fp8_(u, masked_m, *, out_q, out_scale, group_size=128):
+        ops.silu_and_mul_masked_fp8(u, masked_m, out_q, out_scale, group_size)
+        return out_q, out_scale
+
+    def masked_grouped_gemm_(a, b, masked_m, *, out, expected_m=None):
+        ops.masked_grouped_gemm(a, b, masked_m, out, expected_m)
+        return out
+
+    def kv_append_(k, v, slots, positions, n, *, k_cache, v_cache):
+        ops.kv_append(k, v, slots, positions, n, k_cache, v_cache)
+
+    def decode_attention_(q, k_cache, v_cache, slots, ctx_lens, n, *, out, workspace_o,
+                          workspace_lse, sm_scale=None):
+        ops.decode_attention(q, k_cache, v_cache, slots, ctx_lens, n, out, workspace_o,
+                             workspace_lse, sm_scale)
+        return out
+
+    def m_grouped_bf16_gemm_nt_masked_(a, b, d, masked_m, expected_m):
+        ops.deepgemm_masked_bf16(a, b, d, masked_m, expected_m)
+
+    def m_grouped_fp8_gemm_nt_masked_(a, b, d, masked_m, expected_m):
+        ops.deepgemm_masked_fp8(a[0], a[1], b[0], b[1], d, masked_m, expected_m)
+
+    k = _KERNELS
+    return {(f"{k}.routing", "topk_softmax"): topk_softmax_,
+            (f"{k}.routing", "grouped_topk_sigmoid"): grouped_topk_sigmoid_,
+            (f"{k}.dispatch", "dispatch_masked"): dispatch_masked_,
+            (f"{k}.combine", "combine_masked"): combine_masked_,
+            (f"{k}.activation", "silu_and_mul_masked"): silu_and_mul_masked_,
+            (f"{k}.activation", "silu_and_mul_masked_fp8"): silu_and_mul_masked_fp8_,
+            (f"{k}.grouped_gemm", "masked_grouped_gemm"): masked_grouped_gemm_,
+            (f"{k}.attention", "kv_append"): kv_append_,
+            (f"{k}.attention", "decode_attention"): decode_attention_,
+            ("deep_gemm", "m_grouped_bf16_gemm_nt_masked"): m_grouped_bf16_gemm_nt_masked_,
+            ("deep_gemm", "m_grouped_fp8_gemm_nt_masked"): m_grouped_fp8_gemm_nt_masked_}
+
+
+@contextlib.contextmanager
+def launchers_as_ops():
+    """Route every launcher call made at call time (``from graphrt.kernels.x import f`` inside
+    a function, or ``module.f(...)``) through the ``graphrt::`` ops for the duration; DeepGEMM
+    is patched only when it imports. Not re-entrant. Host-only (patches module attributes)."""
+    if _originals:
+        raise RuntimeError("graphrt.ops.launchers_as_ops() is already active (not re-entrant)")
+    try:
+        for (module, name), wrapper in _wrappers().items():
+            try:
+                mod = importlib.import_module(module)
+            except Exception:  # noqa: BLE001 - deep_gemm absent (CPU, non-Hopper): nothing to route
+                continue
+            _originals[(module, name)] = getattr(mod, name)
+            setattr(mod, name, wrapper)
+        yield
+    finally:
+        for (module, name), fn in _originals.items():
+            setattr(importlib.import_module(module), name, fn)
+        _originals.clear()
