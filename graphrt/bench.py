@@ -1,22 +1,69 @@
-"""``graphrt bench``: replay microbenchmarks (device METHOD.md: warm-up, CUDA events, medians,
-ratios measured side by side in one run).
+"""``graphrt bench``: replay microbenchmarks (device METHOD.md: warm-up, CUDA events or graph
+replays, medians, modes side by side in one run, random inputs, HBM bandwidth measured in the
+same run).
 
-Suites:
-- ``runtime``: the foundation on a small multi-layer step: capture seconds and pool bytes per
-  graph for the default size list; the host cost of ``run()`` (median of 1,000 calls).
-- ``moe``: the reference model (``--config``, ``--layers``, ``--experts``) at ``--sizes``:
-  eager vs replay step time, combine overlap off vs on, the shared expert and the combine
-  alone, and the bandwidth floor (bytes the step must read over the HBM bandwidth measured
-  in the same run).
+    graphrt bench [--suite runtime,modes,moe] [--config dsv3-like|qwen3-moe-like|tiny] [--layers N]
+                  [--experts N] [--sizes 1,8,64,256] [--modes eager,compile,graph,graph-overlap,naive]
+                  [--comm local|deepep|nccl] [--fp8] [--out DIR] [--device cuda|cpu]
+    torchrun --nproc-per-node 2 -m graphrt.bench --comm deepep     # EP: rank 0 reports
 
-Writes ``results.json`` and ``results.md`` under ``--out`` and prints the tables.
+Suites (default ``runtime,modes``; with ``--comm deepep|nccl`` only ``modes``):
+
+- ``runtime``: a small dense step: capture seconds and pool bytes per graph for the default
+  size list; the host cost of ``run()`` (median of 1,000 calls).
+- ``modes``: the reference model at ``--sizes`` in every ``--modes`` (``graphrt.bench_modes``):
+  eager, graph, graph-overlap, compile (``torch.compile`` reduce-overhead of the same model
+  through ``graphrt.ops``) and the naive gpt-fast-style peer (naive, naive-compile,
+  naive-graph). On the CPU it is a ``--config tiny`` smoke run: eager and naive on the Triton
+  interpreter, compile traced for graph breaks, the rest skipped with the reason.
+- ``moe``: eager vs replay, combine overlap off vs on, shared expert and combine alone.
+
+Writes ``results.json``, ``results.md`` and (modes) ``step_time.png`` / ``over_floor.png``
+under ``--out`` (default ``bench-out``). ``results.json``::
+
+    device: str                         GPU name, or "cpu"
+    suites: [str]                       suites run; skipped_suites: {suite: why}
+    runtime: {step, sizes, capture_s_total, warmup_s, capture_s_per_graph {bs: s},
+              pool_bytes_total, pool_bytes_largest, pool_ratio,
+              run_host_us {copy_out_bs{1,64}_us, lease_bs*_us, bare_replay_bs*_us, device_step_bs*_us}}
+    moe / moe_fp8: {config, layers, experts, fp8, expert_backend, hbm_gbs, expert_weight_bytes,
+              capture_s_total, pool_bytes_total, rows [{bs, eager_us, replay_us,
+              replay_no_overlap_us, speedup_vs_eager, floor_us, replay_over_floor,
+              shared_expert_us, combine_us, overlap_saved_us, overlap_saved_frac_of_shorter}]}
+    modes: {config, layers, experts, hidden, num_topk, moe_inter, fp8, device, comm, num_ranks,
+            sizes, modes (requested), expert_backend,
+            hbm_gbs                     measured device copy bandwidth (null on CPU)
+            skipped {mode: why}         modes not run (no CUDA, EP > 1, fp8 weights)
+            errors {mode: "Type: msg"}  modes that raised (the others still ran)
+            capture {graph|graph-overlap|naive-graph: {capture_s_total, warmup_s?,
+                     pool_bytes_total?, per_graph {bs: {capture_s, pool_bytes}}}}
+            compile {compile|naive-compile: {mode, dynamic, overlap?, compile_s {bs: s},
+                     graph_breaks, break_reasons {reason: count}, unique_graphs,
+                     cudagraph_skips, cudagraph_skip_reasons [str]}}
+            plots {step_time, over_floor}  PNG file names (null: nothing to plot)
+            rows [{bs,
+                   step_us {mode: µs}            median device time of one step (null: not run)
+                   floor_us                      bytes the step must read / hbm_gbs (null on CPU)
+                   over_floor {mode: ratio}      step_us / floor_us
+                   speedup_vs_eager {mode: x}    eager step_us / step_us
+                   rel_err_vs_eager {mode: e}    median over rows of ||logits - eager|| / ||eager||
+                   rows_off_vs_eager {mode: f}   fraction of rows with that error > 5% (bf16
+                                                 near-ties can route a row to another expert)
+                   idle {graph|graph-overlap: {idle_frac, idle_frac_in_span, busy_us, wall_us,
+                         span_us, activities, trials, idle_frac_all}}   one profiled replay
+                   run_host_us {graph|graph-overlap: µs}   host cost of GraphRuntime.run()
+                   notes {mode: why}}]}          e.g. the naive gather is too large at this bs
+
+Exit 0 when the suites ran (a failing mode is recorded in ``errors``), 2 with one line on
+stderr on bad arguments, no usable device, or an EP backend that cannot be imported.
 Graph safety: host-only.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
-import statistics
+import sys
 
 import torch
 
@@ -63,15 +110,9 @@ def bench_runtime(device) -> dict:
 
 
 def _floor_bytes(model, spec, inputs) -> int:
-    """Bytes one step must read: the experts hit (from masked_m of an eager run), dense
-    weights, embedding rows and the KV cache up to each row's context."""
-    spec.call(inputs)
-    cfg = model.cfg
-    per_expert = model.layers[0].moe.experts.weight_bytes // model.comm.num_local_experts
-    hit = sum(int((l.moe.last_masked_m > 0).sum()) for l in model.layers)
-    ctx = int((inputs["positions"].long() + 1).sum())
-    kv = ctx * cfg.kv_dim * 2 * 2 * cfg.num_layers
-    return hit * per_expert + model.weight_bytes()["dense"] + kv
+    """Bytes one step must read (see ``graphrt.bench_modes.floor_bytes``)."""
+    from graphrt.bench_modes import floor_bytes
+    return floor_bytes(model, spec, inputs)
 
 
 def bench_moe(cfg, device, sizes: list[int], fp8: bool = False) -> dict:
@@ -161,53 +202,192 @@ def _md_runtime(res: dict) -> str:
     ])
 
 
-def main(args) -> int:
-    if not torch.cuda.is_available():
-        print("graphrt bench: the benchmarks need a CUDA GPU (none found); on CPU run the "
-              "tests or `graphrt demo` for the graph-safety analysis")
-        return 2
-    from graphrt.moe import preset
-    device = torch.device("cuda", torch.cuda.current_device())
-    out_dir = getattr(args, "out", None) or "bench-out"
-    os.makedirs(out_dir, exist_ok=True)
-    suites = (getattr(args, "suite", None) or "runtime,moe").split(",")
-    results, md = {"device": torch.cuda.get_device_name(device)}, []
-    def save():
-        with open(os.path.join(out_dir, "results.json"), "w") as f:
-            json.dump(results, f, indent=2, default=str)
-        with open(os.path.join(out_dir, "results.md"), "w") as f:
-            f.write("\n\n".join(md) + "\n")
+def _md_modes(r: dict) -> str:
+    rows, fmt = r["rows"], lambda v, f: "-" if v is None else format(v, f)
+    modes = [m for m in r["modes"] if any(row["step_us"].get(m) for row in rows)]
+    out = [f"## modes: {r['config']} {r['layers']}L, {r['experts']} experts top-{r['num_topk']}, "
+           f"hidden {r['hidden']}, experts on {r['expert_backend']}{' fp8' if r['fp8'] else ' bf16'}, "
+           f"{r['comm']} x{r['num_ranks']}, {r['device']}"
+           + (f", HBM {r['hbm_gbs']:.0f} GB/s" if r["hbm_gbs"] else ""),
+           "| bs | " + " | ".join(f"{m} µs" for m in modes) + " | floor µs |",
+           "|---|" + "---|" * (len(modes) + 1)]
+    out += [f"| {row['bs']} | " + " | ".join(fmt(row["step_us"].get(m), ".0f") for m in modes)
+            + f" | {fmt(row['floor_us'], '.0f')} |" for row in rows]
+    if any(row["floor_us"] for row in rows):
+        out += ["", "| bs | " + " | ".join(f"{m} ×floor" for m in modes) + " |",
+                "|---|" + "---|" * len(modes)]
+        out += [f"| {row['bs']} | " + " | ".join(fmt(row["over_floor"].get(m), ".2f") for m in modes)
+                + " |" for row in rows]
+    graphs = [m for m in ("graph", "graph-overlap") if m in r["capture"]]
+    if graphs:
+        out += ["", "| bs | " + " | ".join(f"{m} idle | {m} run() host µs | {m} capture s | "
+                                            f"{m} pool MiB" for m in graphs) + " |",
+                "|---|" + "---|" * 4 * len(graphs)]
+        for row in rows:
+            cells = []
+            for m in graphs:
+                g, idle = r["capture"][m]["per_graph"].get(row["bs"], {}), row["idle"].get(m, {})
+                cells += [fmt(idle.get("idle_frac"), ".1%"), fmt(row["run_host_us"].get(m), ".1f"),
+                          fmt(g.get("capture_s"), ".2f"), fmt((g.get("pool_bytes") or 0) / 2**20, ".1f")]
+            out.append(f"| {row['bs']} | " + " | ".join(cells) + " |")
+    out.append("")
+    for m, c in r["compile"].items():
+        secs = ", ".join(f"bs {bs} {t:.0f} s" for bs, t in c.get("compile_s", {}).items())
+        out.append(f"- {m} ({c['mode']}): {c['graph_breaks']} graph break(s), {c['unique_graphs']} "
+                   f"graph(s), {c.get('cudagraph_skips', 0)} cudagraph skip(s)"
+                   + (f"; compile {secs}" if secs else "")
+                   + "".join(f"\n  - break: {k} (x{v})" for k, v in c["break_reasons"].items()))
+    out += [f"- {m}: skipped ({why})" for m, why in r["skipped"].items()]
+    out += [f"- {m}: FAILED ({why})" for m, why in r["errors"].items()]
+    out += [f"- {m} at bs {row['bs']}: {why}" for row in rows for m, why in row["notes"].items()]
+    return "\n".join(out)
 
-    if "runtime" in suites:
-        results["runtime"] = bench_runtime(device)
-        md.append("## runtime\n" + _md_runtime(results["runtime"]))
-        print(md[-1], flush=True)
-        save()
-    if "moe" in suites:
-        sizes = [int(s) for s in (getattr(args, "sizes", None) or "1,8,64,256").split(",")]
-        cfg = preset(getattr(args, "config", None) or "dsv3-like", layers=getattr(args, "layers", None),
-                     experts=getattr(args, "experts", None))
-        for fp8 in ([False, True] if getattr(args, "fp8", False) else [False]):
-            key = "moe_fp8" if fp8 else "moe"
-            results[key] = bench_moe(cfg, device, sizes, fp8=fp8)
-            r = results[key]
-            md.append(f"## {key}: {r['config']} {r['layers']}L {r['experts']} experts, experts on "
-                      f"{r['expert_backend']}{' fp8' if fp8 else ' bf16'}, HBM {r['hbm_gbs']:.0f} GB/s, "
-                      f"capture {r['capture_s_total']:.1f} s\n" + _md_moe(r))
-            print(md[-1], flush=True)
-            save()
+
+class _Refusal(Exception):
+    """One line for stderr and exit code 2."""
+
+
+_COMMS = {"deepep": ("graphrt.comm.deepep_ll", "DeepEPLowLatencyComm"),
+          "nccl": ("graphrt.comm.nccl", "NCCLComm")}
+
+
+def _make_comm(name: str, cfg, max_tokens: int):
+    """``(comm, coordinator, device)`` for ``--comm deepep|nccl`` under torchrun: imports the
+    backend lazily, initialises NCCL from torchrun's environment, builds the backend."""
+    module, cls_name = _COMMS[name]
+    try:
+        cls = getattr(importlib.import_module(module), cls_name)
+    except (ImportError, AttributeError) as exc:
+        raise _Refusal(f"--comm {name} needs {module}.{cls_name}, which cannot be imported here "
+                       f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+    missing = [v for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR") if v not in os.environ]
+    if missing:
+        raise _Refusal(f"--comm {name} runs one process per GPU under torchrun (no {', '.join(missing)} "
+                       f"set): torchrun --nproc-per-node 2 -m graphrt.bench --comm {name}")
+    if not torch.cuda.is_available():
+        raise _Refusal(f"--comm {name} needs CUDA GPUs")
+    import torch.distributed as dist
+    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                 ("NVSHMEM_DISABLE_NVLS", "1")):  # NVLink multicast off (graphrt.distributed.init)
+        os.environ.setdefault(k, v)
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    try:
+        comm = cls(cfg.num_experts, cfg.hidden, cfg.num_topk, device, max_tokens=max_tokens)
+    except ImportError as exc:  # deep_ep itself missing
+        raise _Refusal(f"--comm {name}: {cls_name} cannot start: {type(exc).__name__}: {exc}")
+    from graphrt.coordinator import RankCoordinator
+    return comm, RankCoordinator(uniform=comm.uniform_batch), device
+
+
+def _arg_list(value, default: str, cast=str) -> list:
+    items = value if isinstance(value, (list, tuple)) else (value or default).split(",")
+    return [cast(v) for v in items if str(v).strip()]
+
+
+def main(args) -> int:
+    try:
+        return _main(args)
+    except _Refusal as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"graphrt bench: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(args) -> int:
+    from graphrt.bench_modes import MODES, bench_modes, parse_modes
+    from graphrt.moe import preset
+    opt = lambda name, default=None: getattr(args, name, None) or default  # noqa: E731
+    comm_name = opt("comm", "local")
+    suites = _arg_list(opt("suite"), "modes" if comm_name != "local" else "runtime,modes")
+    try:
+        sizes = sorted(set(_arg_list(opt("sizes"), "1,8,64,256", int)))
+        modes = parse_modes(opt("modes", list(MODES)))
+        cfg = preset(opt("config", "dsv3-like"), layers=opt("layers"), experts=opt("experts"))
+    except ValueError as exc:
+        raise _Refusal(str(exc).splitlines()[0])
+    if bad := sorted(set(suites) - {"runtime", "modes", "moe"}):
+        raise _Refusal(f"unknown suite(s) {bad}; expected runtime, modes or moe")
+    want = opt("device", "cuda" if torch.cuda.is_available() else "cpu")
+    if want != "cpu" and not want.startswith("cuda"):
+        raise _Refusal(f"--device must be cpu, cuda or cuda:N; got {want!r}")
+    if want.startswith("cuda") and not torch.cuda.is_available():
+        raise _Refusal("--device cuda but no CUDA GPU here; on CPU run the smoke mode: "
+                       "graphrt bench --config tiny --device cpu")
+    if want == "cpu" and cfg.name != "tiny":
+        raise _Refusal(f"no GPU in use: on CPU only the smoke mode runs (--config tiny, kernels "
+                       f"on the Triton interpreter), not {cfg.name}: "
+                       "graphrt bench --config tiny --device cpu")
+    if want == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    comm = coordinator = None
+    if comm_name != "local":  # sets this rank's GPU before anything touches CUDA
+        comm, coordinator, device = _make_comm(comm_name, cfg, max(sizes))
+    else:
+        device = torch.device(want)
+        if device.type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device() if device.index is None
+                                  else device.index)
+            torch.cuda.set_device(device)
+    rank0 = getattr(comm, "rank", 0) == 0
+    out_dir = opt("out", "bench-out")
+    results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "suites": suites, "skipped_suites": {}}
+    md = []
+
+    def report(key, res, text):
+        results[key] = res
+        md.append(text)
+        if rank0:
+            print(text, flush=True)
+            os.makedirs(out_dir, exist_ok=True)
+            with open(os.path.join(out_dir, "results.json"), "w") as f:
+                json.dump(results, f, indent=2, default=str)
+            with open(os.path.join(out_dir, "results.md"), "w") as f:
+                f.write("\n\n".join(md) + "\n")
+
+    for suite in [s for s in suites if s in ("runtime", "moe")]:
+        why = ("needs a CUDA GPU" if device.type != "cuda" else
+               f"single-GPU suite (--comm {comm_name})" if comm is not None else None)
+        if why:
+            results["skipped_suites"][suite] = why
+            if rank0:
+                print(f"graphrt bench: suite {suite} skipped: {why}", file=sys.stderr)
+    if "runtime" in suites and "runtime" not in results["skipped_suites"]:
+        res = bench_runtime(device)
+        report("runtime", res, "## runtime\n" + _md_runtime(res))
+    if "modes" in suites:
+        res = bench_modes(cfg, device, sizes, modes, comm=comm, fp8=bool(opt("fp8")),
+                          progress=rank0, coordinator=coordinator)
+        res["plots"] = _plots(res, out_dir) if rank0 else {}
+        report("modes", res, _md_modes(res))
+        if device.type == "cuda":
             torch.cuda.empty_cache()
+    if "moe" in suites and "moe" not in results["skipped_suites"]:
+        for fp8 in ([False, True] if opt("fp8") else [False]):
+            key, r = "moe_fp8" if fp8 else "moe", bench_moe(cfg, device, sizes, fp8=fp8)
+            report(key, r, f"## {key}: {r['config']} {r['layers']}L {r['experts']} experts, experts on "
+                   f"{r['expert_backend']}{' fp8' if fp8 else ' bf16'}, HBM {r['hbm_gbs']:.0f} GB/s, "
+                   f"capture {r['capture_s_total']:.1f} s\n" + _md_moe(r))
+            torch.cuda.empty_cache()
+    if comm is not None:
+        torch.distributed.destroy_process_group()
     return 0
 
 
-if __name__ == "__main__":
-    import argparse
-    p = argparse.ArgumentParser()
-    p.add_argument("--suite", default="runtime,moe")
-    p.add_argument("--config", default="dsv3-like")
-    p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--experts", type=int, default=None)
-    p.add_argument("--sizes", default="1,8,64,256")
-    p.add_argument("--fp8", action="store_true")
-    p.add_argument("--out", default="bench-out")
-    raise SystemExit(main(p.parse_args()))
+def _plots(res: dict, out_dir: str) -> dict:
+    """PNG plots next to results.json; file names relative to ``out_dir``."""
+    from graphrt.plots import write_plots
+    os.makedirs(out_dir, exist_ok=True)
+    try:
+        paths = write_plots(res, out_dir)
+    except ImportError as exc:  # matplotlib missing: the tables still stand
+        print(f"graphrt bench: no plots ({exc}); pip install matplotlib", file=sys.stderr)
+        return {}
+    return {k: (os.path.basename(v) if v else None) for k, v in paths.items()}
+
+
+if __name__ == "__main__":  # torchrun --nproc-per-node 2 -m graphrt.bench --comm deepep
+    from graphrt.cli import build_parser
+    raise SystemExit(main(build_parser().parse_args(["bench", *sys.argv[1:]])))

@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert-parallel backend (default: local)")
     b.add_argument("--out", default=None, metavar="DIR", help="folder for results")
     b.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    b.add_argument("--suite", type=_names, default=None, help="comma-separated suites: runtime, "
+                   "modes, moe (default: runtime,modes; modes only with --comm deepep|nccl)")
+    b.add_argument("--fp8", action="store_true", help="fp8 experts (DeepGEMM); moe also runs bf16")
     return p
 
 

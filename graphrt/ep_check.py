@@ -8,7 +8,8 @@ cross-rank agreement and the debug check) and compares the logits with the EP=1 
 step on the same inputs.
 
 Tolerance: per row, ||ep - ref|| / ||ref|| <= ``rtol`` (3e-2: bf16 GEMMs with other tile
-shapes and a combine that sums the top-k in another order and precision), on all but
+shapes and a combine that sums the top-k in another order and precision; 6e-2 with fp8
+dispatch, where DeepEP and the EP=1 path quantize separately), on all but
 ``max_off_frac`` (1%) of rows: an MoE router can flip a near-tie expert choice when the
 hidden state differs in its last bit. Rows off are counted and reported.
 
@@ -29,9 +30,11 @@ def ep_config(hidden: int = 2048, experts: int = 16, layers: int = 2):
 
 
 def equivalence(rank: int, world: int, comm_name: str, steps: int = 200, max_bs: int = 64,
-                fp8: bool = False, rtol: float = 3e-2, max_off_frac: float = 0.01) -> dict:
+                fp8: bool = False, rtol: float | None = None, max_off_frac: float = 0.01) -> dict:
     import graphrt
     from graphrt.coordinator import RankCoordinator
+    if rtol is None:  # fp8: DeepEP quantizes in its send kernel, EP=1 in torch; e4m3 has 3 mantissa bits
+        rtol = 6e-2 if fp8 else 3e-2
     from graphrt.distributed import make_comm
     from graphrt.moe import MoEModel
     device = torch.device("cuda", rank)
@@ -42,6 +45,11 @@ def equivalence(rank: int, world: int, comm_name: str, steps: int = 200, max_bs:
     spec, ref_spec = model.spec(max_bs), ref.spec(max_bs)
     co = RankCoordinator(uniform=comm.uniform_batch, debug_check=True)
     rt = graphrt.GraphRuntime(spec, coordinator=co, progress=False).capture()
+    # Capture's warm-up steps wrote random tokens into this model's KV cache: give the
+    # reference the same history so both attend over identical caches from here on.
+    for a, b in zip(model.layers, ref.layers):
+        b.attn.k_cache.copy_(a.attn.k_cache)
+        b.attn.v_cache.copy_(a.attn.v_cache)
     pairs = torch.Generator().manual_seed(1234)        # same on every rank: distinct batches
     data = torch.Generator().manual_seed(77 + rank)    # this rank's requests
     errs, off, rows, batches = [], 0, 0, []

@@ -9,16 +9,17 @@ every stream) and bracketed by CUDA events::
     span_us   = last activity end - first activity start         (no launch latency at the ends)
     idle_frac_in_span = 1 - busy_us / span_us
 
-Synchronisation records (``Event Sync``, ``Stream Wait Event``, ...) are waits, not work,
-and are left out. ``union_us`` is plain Python (sorted sweep), tested on the CPU.
+Only kernels, memcpys and memsets count as work: synchronisation records (``Event Sync``,
+``Stream Wait Event``) are waits and GPU user annotations span gaps; both are left out.
+``union_us`` is plain Python (a sorted sweep), tested on the CPU.
 
 Graph safety: host-only (profiles and synchronises).
 """
 from __future__ import annotations
 
-import statistics
 from typing import Callable, Iterable
 
+_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 _WAITS = ("Sync", "Wait")  # CUPTI synchronisation records: time spent waiting, not working
 
 
@@ -50,21 +51,27 @@ def idle_stats(intervals: list[tuple[float, float]], wall_us: float) -> dict:
             "activities": len(live)}
 
 
+def _is_work(kind: str | None, device_is_gpu: bool, name: str) -> bool:
+    if kind is not None:  # kineto's activity kind: kernel | gpu_memcpy | gpu_memset | ...
+        return kind in _WORK
+    return device_is_gpu and not any(w in name for w in _WAITS)
+
+
 def device_intervals_us(prof) -> list[tuple[float, float]]:
-    """``(start, end)`` in µs of every GPU kernel/memcpy/memset a ``torch.profiler`` run saw."""
+    """``(start, end)`` in µs of every GPU kernel/memcpy/memset a ``torch.profiler`` run saw
+    (GPU user annotations and synchronisation records are left out)."""
     from torch.autograd import DeviceType
-    out = []
     try:
         events = prof.profiler.kineto_results.events()
-        for e in events:
-            if e.device_type() == DeviceType.CUDA and not any(w in e.name() for w in _WAITS):
-                out.append((e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3))
-        return out
-    except AttributeError:  # older/newer private API: use the public event list
-        for e in prof.events():
-            if e.device_type == DeviceType.CUDA and not any(w in e.name for w in _WAITS):
-                out.append((float(e.time_range.start), float(e.time_range.end)))
-        return out
+    except AttributeError:  # private API moved: use the public event list
+        return [(float(e.time_range.start), float(e.time_range.end)) for e in prof.events()
+                if _is_work(None, e.device_type == DeviceType.CUDA, e.name)]
+    out = []
+    for e in events:
+        kind = e.activity_type() if hasattr(e, "activity_type") else None
+        if _is_work(kind, e.device_type() == DeviceType.CUDA, e.name()):
+            out.append((e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3))
+    return out
 
 
 def replay_idle(replay: Callable[[], object], *, trials: int = 3) -> dict:
@@ -73,8 +80,11 @@ def replay_idle(replay: Callable[[], object], *, trials: int = 3) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
     results = []
+    dist = torch.distributed if torch.distributed.is_available() else None
     for i in range(trials + 1):
         torch.cuda.synchronize()
+        if dist is not None and dist.is_initialized():
+            dist.barrier()  # EP: start together, so no rank's replay waits on a peer's profiler
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             start.record()
@@ -86,8 +96,3 @@ def replay_idle(replay: Callable[[], object], *, trials: int = 3) -> dict:
     results.sort(key=lambda r: -1.0 if r["idle_frac"] is None else r["idle_frac"])
     return {**results[len(results) // 2], "trials": trials,
             "idle_frac_all": [r["idle_frac"] for r in results]}
-
-
-def median_or_none(values: list) -> float | None:
-    vals = [v for v in values if v is not None]
-    return statistics.median(vals) if vals else None

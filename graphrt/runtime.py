@@ -169,7 +169,7 @@ class GraphRuntime:
 
     # -- checks and stats --------------------------------------------------------------------
     def check_replay(self, *, trials: int = 2, rtol: float | None = None,
-                     max_off_rows: float = 0.02, seed: int = 1234,
+                     max_off_rows: float = 0.05, seed: int = 1234,
                      raise_on_mismatch: bool = True) -> list[ReplayCheck]:
         """Replay every captured size on fresh random inputs and compare with eager.
 
@@ -275,7 +275,9 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     an, bn = torch.isnan(a), torch.isnan(b)
     if not torch.equal(an, bn):
         return float("nan")
-    d = (a.double() - b.double()).abs()
+    # equal values (equal infinities too, e.g. masked logits) differ by 0, not inf - inf = NaN
+    d = torch.where(a == b, torch.zeros((), dtype=torch.float64, device=a.device),
+                    (a.double() - b.double()).abs())
     d[an] = 0
     return float(d.max()) if d.numel() else 0.0
 

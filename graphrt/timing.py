@@ -49,3 +49,31 @@ def hbm_bandwidth_gbs(device, nbytes: int = 4 << 30) -> float:
     us = cuda_time_us(lambda: dst.copy_(src), iters=5, reps=5)
     del src, dst
     return 2 * (nbytes // 2) / (us * 1e-6) / 1e9
+
+
+def host_call_us(fn: Callable[[], object], *, iters: int = 200, warmup: int = 10) -> float:
+    """Median host time of one call made on an idle device (synchronised, untimed, before
+    each call): the host-side cost of an API such as ``GraphRuntime.run`` without the
+    back-pressure of a full launch queue, in µs."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def wall_time_us(fn: Callable[[], object], *, iters: int = 3, warmup: int = 1) -> float:
+    """Median wall time of one call in µs, for CPU runs (a CPU call is done when it returns)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(samples)

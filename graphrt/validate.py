@@ -177,19 +177,22 @@ def build_spec(target: Target, device: torch.device) -> StepSpec:
         spec = target.make(device)
     except (Exception, SystemExit) as exc:
         raise ValidateError(f"{name}(device) raised {_one_line(exc)}"
-                            f"{_site(exc.__traceback__, target.file)}") from None
+                            f"{_site(exc.__traceback__, target.file)}{_cuda_hint(exc)}") from None
     if not isinstance(spec, StepSpec):
         raise ValidateError(f"{name}(device) returned {type(spec).__name__}; expected a graphrt.StepSpec")
     return spec
 
 
 # -- running -----------------------------------------------------------------------------------
-def _crash(spec: StepSpec, target: Target, exc: BaseException, stage: str) -> ValidateError:
-    hint = ""
+def _cuda_hint(exc: BaseException) -> str:
     if "cuda" in str(exc).lower() and not torch.cuda.is_available():
-        hint = "; the step seems to need CUDA: validate it with --device cuda on a GPU machine"
+        return "; it seems to need CUDA: validate it with --device cuda on a GPU machine"
+    return ""
+
+
+def _crash(spec: StepSpec, target: Target, exc: BaseException, stage: str) -> ValidateError:
     return ValidateError(f"step {spec.name!r} raised {_one_line(exc)} during {stage}"
-                         f"{_site(exc.__traceback__, target.file)}{hint}")
+                         f"{_site(exc.__traceback__, target.file)}{_cuda_hint(exc)}")
 
 
 _MISMATCH = {  # keyed by the first word of ReplayCheck.what

@@ -1,5 +1,6 @@
 """GPU tests of the foundation: capture at 1..256, replay == eager, padding inert, refusals
 at the user's line, stale leases, and 1,000 replays at random sizes with memory flat."""
+import gc
 import inspect
 
 import pytest
@@ -138,11 +139,13 @@ def test_thousand_replays_memory_flat(rt):
     sizes = list(pool)
     for i in range(50):                       # warm the copy-out allocations
         rt.run(**pool[sizes[i % len(sizes)]])
+    gc.collect()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     picks = torch.randint(0, len(sizes), (1000,), generator=g).tolist()
     for i in picks:
         out = rt.run(**pool[sizes[i]])
         del out
+    gc.collect()
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() == base
+    assert torch.cuda.memory_allocated() <= base  # flat: 1,000 replays allocate nothing that stays

@@ -247,3 +247,14 @@ def test_demo_and_bench_not_importable(command, monkeypatch, capsys):
     assert cli.main([command]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"graphrt {command}: graphrt.{command}")
+
+
+def test_example_docstring_shows_the_real_output():
+    """The output pasted into examples/validate_step.py is what the validator prints."""
+    import re
+    doc = EXAMPLE.read_text().split('"""')[1]
+    shown = {(m[0], int(m[1]), m[2]) for m in
+             re.findall(r"^\s+([a-z\-]+)\s+examples/validate_step\.py:(\d+)\s+(\S+)", doc, re.M)}
+    result = validate(f"{EXAMPLE}:make_hazardous_step", None, "cpu")
+    assert shown == {(f.kind, f.line, f.op) for f in result.report.findings}
+    assert result.sizes == [1, 8, 64]

@@ -1,0 +1,392 @@
+"""The ``modes`` suite of ``graphrt bench``: one decode step of the reference model run every
+way a user could run it, side by side in one process, on the same random inputs.
+
+Modes (``--modes``; ``naive`` alone selects its three variants):
+
+=================  ==============================================================================
+``eager``          ``model.step`` eagerly (combine overlap on)
+``graph``          ``GraphRuntime`` replay, combine overlap off
+``graph-overlap``  ``GraphRuntime`` replay, combine overlap on (the shipped configuration)
+``compile``        ``torch.compile(model.step, mode="reduce-overhead", dynamic=False)`` of the same
+                   model, overlap off, its kernels and DeepGEMM routed through ``graphrt.ops``
+``naive``          ``graphrt.naive.NaiveMoE`` (gpt-fast style, same weights) eagerly
+``naive-compile``  the naive step under ``torch.compile(mode="reduce-overhead")``
+``naive-graph``    the naive step captured in one plain ``torch.cuda.graph`` per size
+=================  ==============================================================================
+
+On the CPU only ``eager`` and ``naive`` run (kernels on the Triton interpreter); ``compile`` is
+traced once with ``backend="eager"`` to count graph breaks; the other modes are skipped with
+the reason recorded. With ``num_ranks > 1`` the naive peer and ``compile`` are skipped (the
+peer needs every expert's weights; DeepEP/NCCL calls are no custom ops).
+
+Graph safety: host-only (a driver: captures, compiles, synchronises).
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from graphrt.timing import cuda_time_us, hbm_bandwidth_gbs, host_call_us, wall_time_us
+
+MODES = ("eager", "compile", "graph", "graph-overlap", "naive", "naive-compile", "naive-graph")
+_NEEDS_CUDA = {"graph": "CUDA graphs need a CUDA GPU", "graph-overlap": "CUDA graphs need a CUDA GPU",
+               "naive-graph": "CUDA graphs need a CUDA GPU",
+               "naive-compile": "mode='reduce-overhead' (CUDA graphs) needs a CUDA GPU",
+               "compile": "mode='reduce-overhead' (CUDA graphs) needs a CUDA GPU; traced on CPU "
+                          "with backend='eager' to count graph breaks only"}
+
+
+def parse_modes(modes) -> list[str]:
+    """``"eager,naive"`` or a list -> known mode names in ``MODES`` order (``naive`` expands to
+    its three variants). Raises ``ValueError`` naming the unknown ones."""
+    names = [m.strip() for m in (modes.split(",") if isinstance(modes, str) else modes) if m.strip()]
+    picked = set()
+    for m in names:
+        picked |= {"naive", "naive-compile", "naive-graph"} if m == "naive" else {m}
+    bad = sorted(picked - set(MODES))
+    if bad or not picked:
+        raise ValueError(f"unknown mode(s) {bad or names}; expected some of {', '.join(MODES)}")
+    return [m for m in MODES if m in picked]
+
+
+def floor_bytes(model, spec, inputs) -> int:
+    """Bytes one step must read: the local experts it hits (counted per layer from the
+    dispatch's ``masked_m`` during one eager run), dense weights and the KV cache up to each
+    row's context. Host-only (syncs)."""
+    hits: list[int] = []
+    saved = [layer.moe.experts for layer in model.layers]
+    try:
+        for layer, ex in zip(model.layers, saved):
+            layer.moe.experts = _CountHits(ex, hits)
+        spec.call(inputs)
+    finally:
+        for layer, ex in zip(model.layers, saved):
+            layer.moe.experts = ex
+    cfg = model.cfg
+    per_expert = saved[0].weight_bytes // model.comm.num_local_experts
+    ctx = int((inputs["positions"].long() + 1).sum())
+    kv = ctx * cfg.kv_dim * 2 * 2 * cfg.num_layers                     # K and V, bf16
+    return sum(hits) * per_expert + model.weight_bytes()["dense"] + kv
+
+
+class _CountHits:
+    """Stands in for one layer's ``Experts`` and records how many local experts got rows."""
+
+    def __init__(self, inner, hits):
+        self.inner, self.hits = inner, hits
+
+    def __call__(self, recv_x, masked_m, *args, **kwargs):
+        self.hits.append(int((masked_m > 0).sum()))
+        return self.inner(recv_x, masked_m, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _graphrt_tensors(root) -> list[torch.Tensor]:
+    """Every tensor reachable from ``root`` through graphrt objects, lists and dicts."""
+    out, seen, stack = [], set(), [root]
+    while stack:
+        o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            out.append(o)
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif type(o).__module__.startswith("graphrt") and hasattr(o, "__dict__"):
+            stack.extend(vars(o).values())
+    return out
+
+
+class _SkipLog(logging.Handler):
+    """Collects inductor's 'skipping cudagraphs due to ...' messages."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage()[:300])
+
+
+class ModesBench:
+    """State shared by the mode runners: the model, its inputs per size, the result rows."""
+
+    def __init__(self, cfg, device, sizes, modes, *, comm=None, fp8=False, progress=True,
+                 coordinator=None, seed=0):
+        from graphrt.moe import MoEModel
+        self.device, self.sizes, self.cuda = device, sorted(set(sizes)), device.type == "cuda"
+        self.model = MoEModel(cfg, device, comm=comm, fp8=fp8)
+        self.cfg, self.spec, self.coordinator = cfg, self.model.spec(max(self.sizes)), coordinator
+        self.ranks = getattr(self.model.comm, "num_ranks", 1)
+        gen = torch.Generator().manual_seed(seed + getattr(self.model.comm, "rank", 0))
+        self.inputs = {bs: self.spec.random_inputs(bs, device, gen) for bs in self.sizes}
+        self.n = {bs: torch.full((1,), bs, dtype=torch.int32, device=device) for bs in self.sizes}
+        self._naive = None
+        self.rows = {bs: {"bs": bs, "step_us": {}, "rel_err_vs_eager": {},
+                          "rows_off_vs_eager": {}, "idle": {},
+                          "run_host_us": {}, "notes": {}} for bs in self.sizes}
+        self.res = {"config": cfg.name, "layers": cfg.num_layers, "experts": cfg.num_experts,
+                    "hidden": cfg.hidden, "num_topk": cfg.num_topk, "moe_inter": cfg.moe_inter,
+                    "fp8": fp8, "device": str(device), "comm": type(self.model.comm).__name__,
+                    "num_ranks": self.ranks, "sizes": self.sizes, "modes": list(modes),
+                    "expert_backend": self.model.layers[0].moe.experts.backend,
+                    "hbm_gbs": None, "skipped": {}, "errors": {}, "capture": {}, "compile": {}}
+        self.run_modes = [m for m in modes if not self._skip(m)]
+        self.bar = tqdm(total=len(self.run_modes) * len(self.sizes), desc="bench", unit="step",
+                        disable=not progress)
+
+    def _skip(self, mode) -> bool:
+        why = None
+        if not self.cuda and mode in _NEEDS_CUDA:
+            why = _NEEDS_CUDA[mode]
+        elif self.ranks > 1 and (mode.startswith("naive") or mode == "compile"):
+            why = (f"single-GPU only (EP over {self.ranks} ranks): "
+                   + ("the naive peer needs every expert's weights" if mode.startswith("naive")
+                      else "DeepEP/NCCL calls are not custom ops"))
+        elif mode.startswith("naive") and getattr(self.model.layers[0].moe.experts, "w13", None) is None:
+            why = "the naive peer needs bf16 expert weights (this model keeps fp8 copies only)"
+        if why:
+            self.res["skipped"][mode] = why
+        return why is not None
+
+    # -- helpers -------------------------------------------------------------------------
+    def time_us(self, fn, *, iters: int) -> float:
+        if self.cuda:
+            return cuda_time_us(fn, iters=iters, reps=5)
+        return wall_time_us(fn, iters=1, warmup=1)  # a smoke run, not a measurement
+
+    def check(self, mode, bs, run) -> None:
+        """Record the median over rows of ``||run() - eager|| / ||eager||`` (logits) and the
+        fraction of rows off by more than 5% (bf16 near-ties may route a row differently).
+        Eager (overlap on) runs just before: steps write the KV cache, so an earlier reference
+        could see other batches' writes."""
+        overlap, self.model.overlap = self.model.overlap, True
+        ref = self.spec.call(self.inputs[bs], self.n[bs])["logits"].float()
+        self.model.overlap = overlap
+        out = run().float()
+        err = (out - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)  # [bs] per row
+        self.rows[bs]["rel_err_vs_eager"][mode] = float(err.median())  # near-tie routing flips
+        self.rows[bs]["rows_off_vs_eager"][mode] = float((~(err <= 0.05)).float().mean())
+
+    def done(self, mode, bs, us) -> None:
+        self.rows[bs]["step_us"][mode] = us
+        self.bar.set_postfix_str(f"{mode} bs={bs}")
+        self.bar.update()
+
+    def naive(self):
+        if self._naive is None:
+            from graphrt.naive import NaiveMoE
+            self._naive = NaiveMoE(self.model)
+        return self._naive
+
+    # -- the suite -----------------------------------------------------------------------
+    def run(self) -> dict:
+        if self.cuda:
+            self.res["hbm_gbs"] = bw = hbm_bandwidth_gbs(self.device)
+            for bs in self.sizes:
+                nbytes = floor_bytes(self.model, self.spec, self.inputs[bs])
+                self.rows[bs]["floor_us"] = nbytes / (bw * 1e3)  # bytes / (GB/s) in µs
+        for mode in self.run_modes:
+            try:
+                RUNNERS[mode](self, mode)
+            except Exception as exc:  # noqa: BLE001 - one mode failing must not lose the others
+                if self.ranks > 1:
+                    raise  # the other ranks would wait in a collective forever
+                self.res["errors"][mode] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                self.bar.write(f"graphrt bench: mode {mode} failed: {self.res['errors'][mode]}")
+            finally:
+                self._cleanup()
+        self.bar.close()
+        if not self.cuda:
+            _trace_compile_cpu(self)
+        for row in self.rows.values():
+            eager, floor = row["step_us"].get("eager"), row.get("floor_us")
+            row["speedup_vs_eager"] = {m: eager / t for m, t in row["step_us"].items()
+                                       if t and eager}
+            row["over_floor"] = {m: t / floor for m, t in row["step_us"].items() if t and floor}
+            row.setdefault("floor_us", None)
+        self.res["rows"] = [self.rows[bs] for bs in self.sizes]
+        return self.res
+
+    def _cleanup(self) -> None:
+        self.model.overlap = True
+        if self.cuda:
+            import torch._dynamo
+            torch._dynamo.reset()  # frees compiled graphs and their cudagraph pools
+            gc.collect()
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+
+# -- runners --------------------------------------------------------------------------------
+def _eager(b: ModesBench, mode: str) -> None:
+    b.model.overlap = True
+    for bs in b.sizes:
+        b.done(mode, bs, b.time_us(lambda: b.spec.call(b.inputs[bs], b.n[bs]), iters=5))
+
+
+def _graph(b: ModesBench, mode: str) -> None:
+    import graphrt
+    from graphrt.profile import replay_idle
+    b.model.overlap = mode == "graph-overlap"
+    kw = {"coordinator": b.coordinator} if b.coordinator is not None else {}
+    rt = graphrt.GraphRuntime(b.spec, sizes=b.sizes, device=b.device, progress=False, **kw).capture()
+    st = rt.stats()
+    b.res["capture"][mode] = {
+        "capture_s_total": st["capture_s"], "warmup_s": st["warmup_s"],
+        "pool_bytes_total": st["pool_bytes"],
+        "per_graph": {bs: {"capture_s": v["capture_s"], "pool_bytes": v["pool_bytes"]}
+                      for bs, v in st["sizes"].items()}}
+    for bs in b.sizes:
+        b.check(mode, bs, lambda: rt.run(**b.inputs[bs])["logits"])
+        b.rows[bs]["run_host_us"][mode] = host_call_us(lambda: rt.run(**b.inputs[bs]), iters=100)
+        rt.stager.stage(b.inputs[bs], bs, bs)
+        replay = rt.graphs[bs].graph.replay
+        us = cuda_time_us(replay, iters=20)
+        b.rows[bs]["idle"][mode] = replay_idle(replay)
+        b.done(mode, bs, us)
+
+
+def _compiled(b: ModesBench, mode: str, fn, call, static) -> None:
+    """Compile ``fn`` (reduce-overhead, one graph per size), time ``call(compiled, bs)``,
+    record compile seconds, graph breaks and cudagraph skips under ``res["compile"][mode]``."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    torch._dynamo.config.recompile_limit = max(8, 2 * len(b.sizes))
+    for t in static:  # weights, caches, workspaces: no per-call copies into the graph's inputs
+        torch._dynamo.mark_static_address(t, guard=False)
+    skips = _SkipLog()
+    log = logging.getLogger("torch._inductor.cudagraph_utils.__cudagraphs")
+    log.addHandler(skips)
+    info = b.res["compile"][mode] = {"mode": "reduce-overhead", "dynamic": False, "compile_s": {}}
+    try:
+        compiled = torch.compile(fn, mode="reduce-overhead", dynamic=False)
+        with torch.no_grad():
+            for bs in b.sizes:
+                t0 = time.perf_counter()
+                for _ in range(3):  # compile, cudagraph warm-up, record
+                    call(compiled, bs)
+                torch.cuda.synchronize()
+                info["compile_s"][bs] = time.perf_counter() - t0
+                b.check(mode, bs, lambda: call(compiled, bs)["logits"])
+                b.done(mode, bs, cuda_time_us(lambda: call(compiled, bs), iters=20))
+    finally:
+        log.removeHandler(skips)
+        info.update(_dynamo_counts(counters), cudagraph_skip_reasons=skips.messages,
+                    cudagraph_skips=int(counters["inductor"]["cudagraph_skips"]))
+
+
+def _dynamo_counts(counters) -> dict:
+    reasons = {str(k)[:300]: int(v) for k, v in counters["graph_break"].items()}
+    return {"graph_breaks": sum(reasons.values()), "break_reasons": reasons,
+            "unique_graphs": int(counters["stats"]["unique_graphs"])}
+
+
+def _compile(b: ModesBench, mode: str) -> None:
+    from graphrt.ops import launchers_as_ops
+    b.model.overlap = False  # the event fork/join of the overlap is graphrt's, not dynamo's
+    with launchers_as_ops():
+        _compiled(b, mode, b.model.step, lambda f, bs: f(**b.inputs[bs], n=b.n[bs]),
+                  _graphrt_tensors(b.model))
+    b.res["compile"][mode].update(overlap=False, ops="graphrt.ops (launchers_as_ops)")
+
+
+def _naive(b: ModesBench, mode: str) -> None:
+    from graphrt.naive import NaiveTooLarge
+    nv = b.naive()
+    for bs in b.sizes:
+        x = b.inputs[bs]
+        try:
+            nv.check(bs)
+        except NaiveTooLarge as exc:
+            b.rows[bs]["notes"][mode] = str(exc)
+            b.done(mode, bs, None)
+            continue
+        with torch.no_grad():
+            if mode == "naive":
+                b.check(mode, bs, lambda: nv.step(**x)["logits"])
+                b.done(mode, bs, b.time_us(lambda: nv.step(**x), iters=5))
+            else:
+                _naive_graph(b, mode, nv, bs)
+
+
+def _naive_graph(b: ModesBench, mode: str, nv, bs: int) -> None:
+    x, side = b.inputs[bs], torch.cuda.Stream(b.device)
+    side.wait_stream(torch.cuda.current_stream(b.device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            nv.step(**x)
+    torch.cuda.current_stream(b.device).wait_stream(side)
+    torch.cuda.synchronize()
+    gc.collect()  # torch.cuda.graph() empties the cache on entry: do it first, then measure
+    torch.cuda.empty_cache()
+    before, t0 = torch.cuda.memory_reserved(b.device), time.perf_counter()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = nv.step(**x)["logits"]
+    torch.cuda.synchronize()
+    cap = b.res["capture"].setdefault(mode, {"capture_s_total": 0.0, "per_graph": {}})
+    cap["per_graph"][bs] = {"capture_s": time.perf_counter() - t0,
+                            "pool_bytes": torch.cuda.memory_reserved(b.device) - before}
+    cap["capture_s_total"] += cap["per_graph"][bs]["capture_s"]
+    b.check(mode, bs, lambda: (g.replay(), out)[1])
+    b.done(mode, bs, cuda_time_us(g.replay, iters=20))
+    del g, out
+
+
+def _naive_compile(b: ModesBench, mode: str) -> None:
+    nv = b.naive()
+    sizes = [bs for bs in b.sizes if nv.gather_bytes(bs) <= nv.max_gather_bytes]
+    for bs in set(b.sizes) - set(sizes):
+        b.rows[bs]["notes"][mode] = f"naive gather needs {nv.gather_bytes(bs) / 2**30:.1f} GiB a layer"
+        b.done(mode, bs, None)
+    all_sizes, b.sizes = b.sizes, sizes
+    try:
+        _compiled(b, mode, nv, lambda f, bs: f(**b.inputs[bs]), list(nv.buffers()))
+    finally:
+        b.sizes = all_sizes
+
+
+def _trace_compile_cpu(b: ModesBench) -> None:
+    """CPU: trace ``model.step`` once through dynamo (``backend="eager"``, overlap off, ops
+    routed) and record its graph breaks, so the smoke run still reports them."""
+    if "compile" not in b.res["modes"]:
+        return
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from graphrt.ops import launchers_as_ops
+    torch._dynamo.reset()
+    counters.clear()
+    bs = b.sizes[0]
+    b.model.overlap = False
+    try:
+        step = torch.compile(b.model.step, backend="eager", dynamic=False)
+        with launchers_as_ops(), torch.no_grad():
+            b.check("compile", bs, lambda: step(**b.inputs[bs], n=b.n[bs])["logits"])
+        b.res["compile"]["compile"] = {"mode": "trace only (backend='eager', CPU)", "traced_bs": bs,
+                                       "overlap": False, **_dynamo_counts(counters)}
+    except Exception as exc:  # noqa: BLE001 - recorded like a failing mode
+        b.res["errors"]["compile"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    finally:
+        b.model.overlap = True
+        torch._dynamo.reset()
+
+
+RUNNERS = {"eager": _eager, "graph": _graph, "graph-overlap": _graph, "compile": _compile,
+           "naive": _naive, "naive-graph": _naive, "naive-compile": _naive_compile}
+
+
+def bench_modes(cfg, device, sizes, modes=MODES, **kw) -> dict:
+    """Run the modes suite (see the module doc); returns the ``modes`` result dict."""
+    return ModesBench(cfg, device, sizes, parse_modes(modes), **kw).run()

@@ -1,0 +1,186 @@
+"""CPU tests of ``graphrt bench``: the tiny smoke run and its JSON fields, refusals (exit 2,
+one line), the idle-fraction interval union, the naive peer, plots and the markdown."""
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from graphrt import bench, cli
+from graphrt.bench_modes import MODES, floor_bytes, parse_modes
+from graphrt.moe import make_step, preset
+from graphrt.profile import device_intervals_us, idle_stats, union_us
+
+
+# -- idle fraction ----------------------------------------------------------------------------
+def test_union_counts_overlaps_once():
+    assert union_us([]) == 0.0
+    assert union_us([(0, 10), (20, 30)]) == 20
+    assert union_us([(0, 10), (5, 15)]) == 15                  # two streams overlapping
+    assert union_us([(0, 30), (5, 10), (12, 20)]) == 30        # nested
+    assert union_us([(20, 30), (0, 10), (10, 20)]) == 30       # unsorted, touching
+    assert union_us([(0, 10), (3, 3), (8, 5)]) == 10           # empty and reversed count zero
+
+
+def test_idle_stats():
+    st = idle_stats([(100, 140), (120, 160), (170, 190)], wall_us=100.0)
+    assert st["busy_us"] == 80 and st["span_us"] == 90 and st["activities"] == 3
+    assert st["idle_frac"] == pytest.approx(0.2)
+    assert st["idle_frac_in_span"] == pytest.approx(1 - 80 / 90)
+    assert idle_stats([(0, 120)], wall_us=100.0)["idle_frac"] == 0.0  # profiler skew: clamp
+    assert idle_stats([], wall_us=10.0)["idle_frac"] == 1.0
+
+
+def test_device_intervals_keep_only_gpu_work():
+    from torch.autograd import DeviceType
+
+    class Ev:
+        def __init__(self, kind, dev, name, start, dur):
+            self.k, self.d, self.n, self.s, self.u = kind, dev, name, start, dur
+        activity_type = lambda self: self.k  # noqa: E731
+        device_type = lambda self: self.d  # noqa: E731
+        name = lambda self: self.n  # noqa: E731
+        start_ns = lambda self: self.s  # noqa: E731
+        duration_ns = lambda self: self.u  # noqa: E731
+
+    evs = [Ev("kernel", DeviceType.CUDA, "gemm", 1000, 2000),
+           Ev("gpu_memcpy", DeviceType.CUDA, "Memcpy DtoD", 4000, 1000),
+           Ev("gpu_user_annotation", DeviceType.CUDA, "step", 0, 9000),
+           Ev("cuda_sync", DeviceType.CUDA, "Stream Wait Event", 3000, 1000),
+           Ev("cuda_runtime", DeviceType.CPU, "cudaGraphLaunch", 0, 500)]
+    prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: evs)))
+    assert device_intervals_us(prof) == [(1.0, 3.0), (4.0, 5.0)]
+
+
+# -- modes, naive peer, floor -------------------------------------------------------------------
+def test_parse_modes():
+    assert parse_modes("naive,eager") == ["eager", "naive", "naive-compile", "naive-graph"]
+    assert parse_modes(["graph-overlap", "compile"]) == ["compile", "graph-overlap"]
+    assert parse_modes(list(MODES)) == list(MODES)
+    with pytest.raises(ValueError, match="unknown mode"):
+        parse_modes("eager,fast")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return make_step(preset("tiny"), "cpu", max_batch_size=8, backend="triton")
+
+
+@pytest.mark.parametrize("routing", ["grouped_sigmoid", "softmax"])
+def test_naive_peer_computes_the_same_step(routing):
+    from graphrt.naive import NaiveMoE, NaiveTooLarge
+    cfg = preset("tiny") if routing == "grouped_sigmoid" else preset("tiny", routing="softmax")
+    spec, model = make_step(cfg, "cpu", max_batch_size=8, backend="triton")
+    nv = NaiveMoE(model)
+    assert nv.layers[0].w1.data_ptr() == model.layers[0].moe.experts.w13.data_ptr()  # borrowed
+    inputs = spec.random_inputs(6, "cpu", torch.Generator().manual_seed(0))
+    ref = spec.call(inputs)["logits"].float()
+    out = nv.step(**inputs)["logits"].float()
+    err = (out - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert float(err.median()) < 3e-2, err  # bf16 near-ties may route one row elsewhere
+    nv.max_gather_bytes = nv.gather_bytes(2)
+    with pytest.raises(NaiveTooLarge, match="batch 6"):
+        nv.step(**inputs)
+
+
+def test_floor_counts_experts_hit_per_layer(tiny):
+    spec, model = tiny
+    cfg = model.cfg
+    inputs = spec.random_inputs(5, "cpu", torch.Generator().manual_seed(2))
+    per_expert = model.layers[0].moe.experts.weight_bytes // cfg.num_experts
+    kv = int((inputs["positions"].long() + 1).sum()) * cfg.kv_dim * 4 * cfg.num_layers
+    routed = floor_bytes(model, spec, inputs) - model.weight_bytes()["dense"] - kv
+    assert routed % per_expert == 0
+    assert cfg.num_layers * cfg.num_topk <= routed // per_expert <= cfg.num_layers * cfg.num_experts
+    assert all(type(l.moe.experts).__name__ == "Experts" for l in model.layers)  # restored
+
+
+# -- the CLI --------------------------------------------------------------------------------------
+def test_bench_cpu_smoke(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert cli.main(["bench", "--config", "tiny", "--device", "cpu", "--sizes", "1,2",
+                     "--out", str(out)]) == 0
+    res = json.load(open(out / "results.json"))
+    assert res["device"] == "cpu" and res["suites"] == ["runtime", "modes"]
+    assert "CUDA" in res["skipped_suites"]["runtime"]
+    m = res["modes"]
+    for key in ("config", "layers", "experts", "hidden", "num_topk", "moe_inter", "fp8", "device",
+                "comm", "num_ranks", "sizes", "modes", "expert_backend", "hbm_gbs", "skipped",
+                "errors", "capture", "compile", "plots", "rows"):
+        assert key in m, key
+    assert m["config"] == "tiny" and m["sizes"] == [1, 2] and m["modes"] == list(MODES)
+    assert m["errors"] == {} and m["hbm_gbs"] is None
+    assert set(m["skipped"]) == {"compile", "graph", "graph-overlap", "naive-compile", "naive-graph"}
+    assert all("CUDA" in why for why in m["skipped"].values())
+    assert m["compile"]["compile"]["graph_breaks"] == 0, m["compile"]
+    assert m["plots"]["step_time"] == "step_time.png" and m["plots"]["over_floor"] is None
+    assert os.path.getsize(out / "step_time.png") > 1000
+    for row in m["rows"]:
+        for key in ("bs", "step_us", "floor_us", "over_floor", "speedup_vs_eager",
+                    "rel_err_vs_eager", "rows_off_vs_eager", "idle", "run_host_us", "notes"):
+            assert key in row, key
+        assert row["step_us"]["eager"] > 0 and row["step_us"]["naive"] > 0
+        assert row["rel_err_vs_eager"]["naive"] < 3e-2
+        assert row["floor_us"] is None and row["idle"] == {} and row["run_host_us"] == {}
+    assert m["rows"][0]["rel_err_vs_eager"]["compile"] == 0.0
+    md = (out / "results.md").read_text()
+    assert "| bs | eager µs | naive µs | floor µs |" in md and "graph: skipped" in md
+    assert "eager µs" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--device", "cpu"], "only the smoke mode"),
+    (["--config", "tiny", "--device", "cpu", "--modes", "eager,warp"], "unknown mode"),
+    (["--config", "tiny", "--device", "cpu", "--suite", "modes,fast"], "unknown suite"),
+    (["--config", "nope", "--device", "cpu"], "unknown preset"),
+    (["--config", "tiny", "--device", "cpu", "--comm", "nccl"], "torchrun --nproc-per-node 2"),
+    (["--config", "tiny", "--device", "cpu", "--comm", "deepep"], "cannot be imported"),
+])
+def test_bench_refuses_in_one_line(argv, match, monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "graphrt.comm.deepep_ll", None)  # as if not written yet
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+    assert cli.main(["bench", *argv, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("graphrt bench: ") and match in err, err
+    assert not (tmp_path / "o").exists()
+
+
+# -- rendering of a GPU-shaped result ----------------------------------------------------------
+def _gpu_result():
+    modes = ["eager", "compile", "graph", "graph-overlap", "naive", "naive-compile", "naive-graph"]
+    rows = []
+    for i, bs in enumerate([1, 8, 64]):
+        step = {m: 1000.0 * (j + 1) * (i + 1) for j, m in enumerate(modes)}
+        step["naive"] = None if bs == 64 else step["naive"]
+        floor = 400.0 * (i + 1)
+        rows.append({"bs": bs, "step_us": step, "floor_us": floor,
+                     "over_floor": {m: t / floor for m, t in step.items() if t},
+                     "speedup_vs_eager": {m: step["eager"] / t for m, t in step.items() if t},
+                     "rel_err_vs_eager": {}, "rows_off_vs_eager": {},
+                     "idle": {"graph": {"idle_frac": 0.04}, "graph-overlap": {"idle_frac": 0.02}},
+                     "run_host_us": {"graph": 20.0, "graph-overlap": 21.0},
+                     "notes": {"naive": "too large"} if bs == 64 else {}})
+    per_graph = {bs: {"capture_s": 0.5, "pool_bytes": 3 << 20} for bs in (1, 8, 64)}
+    return {"config": "dsv3-like", "layers": 4, "experts": 64, "hidden": 7168, "num_topk": 8,
+            "moe_inter": 2048, "fp8": False, "device": "cuda:0", "comm": "LocalComm",
+            "num_ranks": 1, "sizes": [1, 8, 64], "modes": modes, "expert_backend": "deepgemm",
+            "hbm_gbs": 4300.0, "skipped": {}, "errors": {"naive-graph": "OutOfMemoryError: x"},
+            "capture": {"graph": {"per_graph": per_graph}, "graph-overlap": {"per_graph": per_graph}},
+            "compile": {"compile": {"mode": "reduce-overhead", "graph_breaks": 1, "unique_graphs": 2,
+                                    "cudagraph_skips": 0, "compile_s": {1: 30.0},
+                                    "break_reasons": {"some reason": 1}}},
+            "rows": rows}
+
+
+def test_markdown_and_plots_of_a_gpu_result(tmp_path):
+    from graphrt.plots import write_plots
+    res = _gpu_result()
+    md = bench._md_modes(res)
+    assert "| bs | eager µs | compile µs |" in md and "graph-overlap ×floor" in md
+    assert "| 64 |" in md and "4.0%" in md and "2.0%" in md and "1 graph break(s)" in md
+    assert "naive-graph: FAILED" in md and "naive at bs 64: too large" in md
+    paths = write_plots(res, str(tmp_path))
+    assert all(os.path.getsize(p) > 1000 for p in paths.values()), paths

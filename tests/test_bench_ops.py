@@ -1,0 +1,143 @@
+"""CPU tests of ``graphrt.ops`` (kernels on the Triton interpreter): each custom op matches
+its launcher bitwise, declares exactly what it mutates (``torch.library.opcheck``), has a
+fake implementation, and the reference step traces through the ops with no graph break."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import graphrt.ops as gops
+from graphrt.moe import make_step, preset
+
+OPS = torch.ops.graphrt
+
+
+def _rand(*shape, dtype=torch.bfloat16, gen=None):
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+def _cases():
+    """(op name, launcher module, positional args, the launcher's keyword outputs) per op."""
+    g = torch.Generator().manual_seed(0)
+    bs, E, k, H, cap, inter = 6, 8, 2, 64, 16, 128
+    bf16, i32, i64 = torch.bfloat16, torch.int32, torch.int64
+    n = torch.tensor([4], dtype=i32)
+    logits = _rand(bs, E, gen=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(bs)])
+    ids[4:] = -1
+    masked_m = torch.tensor([3, 0, 16, 1, 2, 5, 0, 7], dtype=i32)
+    slots = torch.tensor([0, 2, 1, 3, 4, 4], dtype=i32)
+    positions = torch.tensor([5, 0, 9, 3, 1, 1], dtype=i32)
+    cache = lambda: _rand(5, 16, 2, 32, gen=g)  # noqa: E731 - [slots, max_ctx, kv heads, d]
+    from graphrt.kernels.attention import attention_workspace_shape
+    o_shape, lse_shape = attention_workspace_shape(bs, 4, 32, 16)
+    routed = dict(out_weights=torch.zeros(bs, k), out_ids=torch.zeros(bs, k, dtype=i64))
+    return [
+        ("topk_softmax", "routing", (logits, n, k), routed),
+        ("grouped_topk_sigmoid", "routing", (logits, torch.rand(E, generator=g), n, k, 4, 2), routed),
+        ("dispatch_masked", "dispatch", (_rand(bs, H, gen=g), ids),
+         dict(out_recv_x=torch.zeros(E, cap, H, dtype=bf16), out_masked_m=torch.zeros(E, dtype=i32),
+              out_src_idx=torch.zeros(E, cap, dtype=i32), out_pos=torch.zeros(bs, k, dtype=i32))),
+        ("combine_masked", "combine",
+         (_rand(E, cap, H, gen=g), ids, torch.rand(bs, k, generator=g),
+          torch.randint(0, cap, (bs, k), generator=g, dtype=i32), n),
+         dict(out=torch.zeros(bs, H, dtype=bf16))),
+        ("silu_and_mul_masked", "activation", (_rand(E, cap, 2 * inter, gen=g), masked_m),
+         dict(out=torch.zeros(E, cap, inter, dtype=bf16))),
+        ("silu_and_mul_masked_fp8", "activation", (_rand(E, cap, 2 * inter, gen=g), masked_m),
+         dict(out_q=torch.zeros(E, cap, inter, dtype=torch.float8_e4m3fn),
+              out_scale=torch.zeros(E, cap, inter // 128))),
+        ("masked_grouped_gemm", "grouped_gemm",
+         (_rand(E, cap, H, gen=g), _rand(E, 32, H, gen=g), masked_m),
+         dict(out=torch.zeros(E, cap, 32, dtype=bf16), expected_m=4)),
+        ("kv_append", "attention",
+         (_rand(bs, 2, 32, gen=g), _rand(bs, 2, 32, gen=g), slots, positions, n),
+         dict(k_cache=cache(), v_cache=cache())),
+        ("decode_attention", "attention",
+         (_rand(bs, 4, 32, gen=g), cache(), cache(), slots, positions + 1, n),
+         dict(out=torch.zeros(bs, 4, 32, dtype=bf16), workspace_o=torch.zeros(o_shape),
+              workspace_lse=torch.zeros(lse_shape))),
+    ]
+
+
+def _clone(kw):
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+
+
+@pytest.mark.parametrize("name,module,args,kw", _cases(), ids=[c[0] for c in _cases()])
+def test_op_matches_launcher_and_passes_opcheck(name, module, args, kw):
+    import importlib
+    launcher = getattr(importlib.import_module(f"graphrt.kernels.{module}"), name)
+    want, got = _clone(kw), _clone(kw)
+    launcher(*args, **want)
+    assert getattr(OPS, name)(*args, **got) is None
+    bits = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # noqa: E731
+    for key, t in want.items():
+        if isinstance(t, torch.Tensor):
+            assert torch.equal(bits(t), bits(got[key])), key
+    # positional call, the launcher's argument order
+    pos = _clone(kw)
+    getattr(OPS, name)(*args, *pos.values())
+    fp8 = any(getattr(v, "dtype", None) == torch.float8_e4m3fn for v in kw.values())
+    utils = ("test_faketensor",) if fp8 else ("test_schema", "test_faketensor")  # opcheck can't diff fp8
+    torch.library.opcheck(getattr(OPS, name).default, args, _clone(kw), test_utils=utils)
+
+
+def test_deepgemm_ops_have_fakes_and_import_nothing():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        a = torch.empty(4, 8, 128, dtype=torch.bfloat16)
+        b = torch.empty(4, 256, 128, dtype=torch.bfloat16)
+        d, m = torch.empty(4, 8, 256, dtype=torch.bfloat16), torch.empty(4, dtype=torch.int32)
+        assert OPS.deepgemm_masked_bf16(a, b, d, m, 2) is None
+        q = torch.empty(4, 8, 128, dtype=torch.float8_e4m3fn)
+        assert OPS.deepgemm_masked_fp8(q, torch.empty(4, 8, 1), q.new_empty(4, 256, 128),
+                                       torch.empty(4, 2, 1), d, m, 2) is None
+    assert "deep_gemm" not in sys.modules
+    schema = str(OPS.deepgemm_masked_fp8.default._schema)
+    assert "Tensor(a4!) d" in schema and schema.endswith("-> ()"), schema
+
+
+def test_importing_ops_stays_light():
+    code = ("import sys, torch, graphrt.ops; "
+            "assert hasattr(torch.ops.graphrt, 'dispatch_masked'); "
+            "print(sorted(m for m in ('triton', 'deep_gemm', 'deep_ep') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_launchers_as_ops_patches_and_restores():
+    import graphrt.kernels.dispatch as disp
+    orig = disp.dispatch_masked
+    with gops.launchers_as_ops():
+        assert disp.dispatch_masked is not orig
+        assert gops._launcher("graphrt.kernels.dispatch", "dispatch_masked") is orig
+        with pytest.raises(RuntimeError, match="not re-entrant"):
+            with gops.launchers_as_ops():
+                pass
+    assert disp.dispatch_masked is orig and not gops._originals
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return make_step(preset("tiny"), "cpu", max_batch_size=8, backend="triton")
+
+
+def test_reference_step_traces_through_ops_without_graph_breaks(tiny):
+    """fullgraph=True raises on any graph break; aot_eager also runs functionalization over
+    the ops' mutations (auto_functionalized), so the fake impls and schemas are exercised."""
+    spec, model = tiny
+    inputs = spec.random_inputs(4, "cpu", torch.Generator().manual_seed(3))
+    n = torch.tensor([3], dtype=torch.int32)
+    model.overlap = False
+    try:
+        ref = model.step(**inputs, n=n)["logits"]
+        torch._dynamo.reset()
+        with gops.launchers_as_ops():
+            step = torch.compile(model.step, backend="aot_eager", fullgraph=True, dynamic=False)
+            out = step(**inputs, n=n)
+        assert torch.equal(out["logits"], ref)
+    finally:
+        model.overlap = True
+        torch._dynamo.reset()
