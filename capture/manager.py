@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,10 @@ class CapturedGraph:
     capture_s: float
     pool_bytes: int
     keepalive: tuple = ()
+
+
+class CaptureWarning(UserWarning):
+    """A size could not be captured (``strict=False``); it will run eagerly."""
 
 
 @dataclass
@@ -114,7 +119,11 @@ class CaptureManager:
                 bar.update()
         finally:
             bar.close()
+            _ensure_no_capture(self.device, stream)  # also after KeyboardInterrupt
             self._reset_buffers()
+        for f in self.failures.values():
+            warnings.warn(CaptureWarning(f"{self.spec.name}: batch size {f.size} was not captured "
+                                         f"({f.reason}); it runs eagerly"), stacklevel=3)
         return self.graphs
 
     # -- phase 1: analysis and warm-up -------------------------------------------------
@@ -211,6 +220,8 @@ class CaptureManager:
         if isinstance(exc, GraphSafetyError):
             findings = exc.findings
             self.report.extend(findings)
+        if findings:
+            reason = f"{reason}: " + "; ".join(f"{f.where} {f.kind} [{f.op}]" for f in findings)
         self.failures[size] = CaptureFailure(size, reason, list(findings or []))
         if self.strict and exc is not None:
             if isinstance(exc, GraphSafetyError):
@@ -224,14 +235,27 @@ class CaptureManager:
         torch.cuda.synchronize(self.device)
 
 
-def _ensure_no_capture(device) -> None:
-    """After a failure, make sure no stream is left capturing (best effort)."""
-    try:
-        if torch.cuda.is_current_stream_capturing():
-            g = torch.cuda.CUDAGraph()
-            try:
-                g.capture_end()
-            except Exception:  # noqa: BLE001
-                pass
-    except Exception:  # noqa: BLE001
-        pass
+def _ensure_no_capture(device, stream=None) -> None:
+    """After a failure (an exception, KeyboardInterrupt) check that no capture was left open.
+
+    ``torch.cuda.graph`` ends its capture on the way out even when the body raised, so this
+    should never fire; if it does, say so plainly instead of letting the next CUDA call fail
+    with an unrelated "operation not permitted when stream is capturing".
+    """
+    if not torch.cuda.is_available():
+        return
+    streams = [None] + ([stream] if stream is not None else [])
+    for s in streams:
+        ctx = torch.cuda.stream(s) if s is not None else _nullcontext()
+        with ctx:
+            if torch.cuda.is_current_stream_capturing():
+                raise CaptureError(-1, "a CUDA graph capture was left open after a failure; "
+                                   "CUDA calls on that stream will fail until it is ended")
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

@@ -11,7 +11,8 @@ Suites (default ``runtime,modes``; with ``--comm deepep|nccl`` only ``modes``):
 
 - ``runtime``: a small dense step: capture seconds and pool bytes per graph for the default
   size list; the host cost of ``run()`` (median of 1,000 calls).
-- ``modes``: the reference model at ``--sizes`` in every ``--modes`` (``graphrt.bench_modes``):
+- ``modes``: the reference model at ``--sizes`` (default 1,8,64,256, clipped to the preset's
+  KV-cache slots) in every ``--modes`` (``graphrt.bench_modes``):
   eager, graph, graph-overlap, compile (``torch.compile`` reduce-overhead of the same model
   through ``graphrt.ops``) and the naive gpt-fast-style peer (naive, naive-compile,
   naive-graph). On the CPU it is a ``--config tiny`` smoke run: eager and naive on the Triton
@@ -202,47 +203,6 @@ def _md_runtime(res: dict) -> str:
     ])
 
 
-def _md_modes(r: dict) -> str:
-    rows, fmt = r["rows"], lambda v, f: "-" if v is None else format(v, f)
-    modes = [m for m in r["modes"] if any(row["step_us"].get(m) for row in rows)]
-    out = [f"## modes: {r['config']} {r['layers']}L, {r['experts']} experts top-{r['num_topk']}, "
-           f"hidden {r['hidden']}, experts on {r['expert_backend']}{' fp8' if r['fp8'] else ' bf16'}, "
-           f"{r['comm']} x{r['num_ranks']}, {r['device']}"
-           + (f", HBM {r['hbm_gbs']:.0f} GB/s" if r["hbm_gbs"] else ""),
-           "| bs | " + " | ".join(f"{m} µs" for m in modes) + " | floor µs |",
-           "|---|" + "---|" * (len(modes) + 1)]
-    out += [f"| {row['bs']} | " + " | ".join(fmt(row["step_us"].get(m), ".0f") for m in modes)
-            + f" | {fmt(row['floor_us'], '.0f')} |" for row in rows]
-    if any(row["floor_us"] for row in rows):
-        out += ["", "| bs | " + " | ".join(f"{m} ×floor" for m in modes) + " |",
-                "|---|" + "---|" * len(modes)]
-        out += [f"| {row['bs']} | " + " | ".join(fmt(row["over_floor"].get(m), ".2f") for m in modes)
-                + " |" for row in rows]
-    graphs = [m for m in ("graph", "graph-overlap") if m in r["capture"]]
-    if graphs:
-        out += ["", "| bs | " + " | ".join(f"{m} idle | {m} run() host µs | {m} capture s | "
-                                            f"{m} pool MiB" for m in graphs) + " |",
-                "|---|" + "---|" * 4 * len(graphs)]
-        for row in rows:
-            cells = []
-            for m in graphs:
-                g, idle = r["capture"][m]["per_graph"].get(row["bs"], {}), row["idle"].get(m, {})
-                cells += [fmt(idle.get("idle_frac"), ".1%"), fmt(row["run_host_us"].get(m), ".1f"),
-                          fmt(g.get("capture_s"), ".2f"), fmt((g.get("pool_bytes") or 0) / 2**20, ".1f")]
-            out.append(f"| {row['bs']} | " + " | ".join(cells) + " |")
-    out.append("")
-    for m, c in r["compile"].items():
-        secs = ", ".join(f"bs {bs} {t:.0f} s" for bs, t in c.get("compile_s", {}).items())
-        out.append(f"- {m} ({c['mode']}): {c['graph_breaks']} graph break(s), {c['unique_graphs']} "
-                   f"graph(s), {c.get('cudagraph_skips', 0)} cudagraph skip(s)"
-                   + (f"; compile {secs}" if secs else "")
-                   + "".join(f"\n  - break: {k} (x{v})" for k, v in c["break_reasons"].items()))
-    out += [f"- {m}: skipped ({why})" for m, why in r["skipped"].items()]
-    out += [f"- {m}: FAILED ({why})" for m, why in r["errors"].items()]
-    out += [f"- {m} at bs {row['bs']}: {why}" for row in rows for m, why in row["notes"].items()]
-    return "\n".join(out)
-
-
 class _Refusal(Exception):
     """One line for stderr and exit code 2."""
 
@@ -298,15 +258,20 @@ def main(args) -> int:
 def _main(args) -> int:
     from graphrt.bench_modes import MODES, bench_modes, parse_modes
     from graphrt.moe import preset
+    from graphrt.plots import markdown
     opt = lambda name, default=None: getattr(args, name, None) or default  # noqa: E731
     comm_name = opt("comm", "local")
     suites = _arg_list(opt("suite"), "modes" if comm_name != "local" else "runtime,modes")
     try:
-        sizes = sorted(set(_arg_list(opt("sizes"), "1,8,64,256", int)))
         modes = parse_modes(opt("modes", list(MODES)))
         cfg = preset(opt("config", "dsv3-like"), layers=opt("layers"), experts=opt("experts"))
     except ValueError as exc:
         raise _Refusal(str(exc).splitlines()[0])
+    default_sizes = [s for s in (1, 8, 64, 256) if s <= cfg.num_slots]  # tiny: 1, 8
+    sizes = sorted(set(_arg_list(opt("sizes"), ",".join(map(str, default_sizes)), int)))
+    if max(sizes) > cfg.num_slots:
+        raise _Refusal(f"--sizes up to {max(sizes)} exceed {cfg.name}'s {cfg.num_slots} KV-cache "
+                       "slots (one request a row)")
     if bad := sorted(set(suites) - {"runtime", "modes", "moe"}):
         raise _Refusal(f"unknown suite(s) {bad}; expected runtime, modes or moe")
     want = opt("device", "cuda" if torch.cuda.is_available() else "cpu")
@@ -336,16 +301,24 @@ def _main(args) -> int:
                "suites": suites, "skipped_suites": {}}
     md = []
 
+    def save(extra_md=()):
+        if rank0:
+            os.makedirs(out_dir, exist_ok=True)
+            with open(os.path.join(out_dir, "results.json"), "w") as f:
+                json.dump(results, f, indent=2, default=str)
+            with open(os.path.join(out_dir, "results.md"), "w") as f:
+                f.write("\n\n".join([*md, *extra_md]) + "\n")
+
     def report(key, res, text):
         results[key] = res
         md.append(text)
         if rank0:
             print(text, flush=True)
-            os.makedirs(out_dir, exist_ok=True)
-            with open(os.path.join(out_dir, "results.json"), "w") as f:
-                json.dump(results, f, indent=2, default=str)
-            with open(os.path.join(out_dir, "results.md"), "w") as f:
-                f.write("\n\n".join(md) + "\n")
+        save()
+
+    def partial(res):  # after each mode: what a run cut short leaves behind
+        results["modes"] = res
+        save([markdown(res)])
 
     for suite in [s for s in suites if s in ("runtime", "moe")]:
         why = ("needs a CUDA GPU" if device.type != "cuda" else
@@ -359,9 +332,9 @@ def _main(args) -> int:
         report("runtime", res, "## runtime\n" + _md_runtime(res))
     if "modes" in suites:
         res = bench_modes(cfg, device, sizes, modes, comm=comm, fp8=bool(opt("fp8")),
-                          progress=rank0, coordinator=coordinator)
+                          progress=rank0, coordinator=coordinator, checkpoint=partial)
         res["plots"] = _plots(res, out_dir) if rank0 else {}
-        report("modes", res, _md_modes(res))
+        report("modes", res, markdown(res))
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if "moe" in suites and "moe" not in results["skipped_suites"]:
@@ -371,6 +344,7 @@ def _main(args) -> int:
                    f"{r['expert_backend']}{' fp8' if fp8 else ' bf16'}, HBM {r['hbm_gbs']:.0f} GB/s, "
                    f"capture {r['capture_s_total']:.1f} s\n" + _md_moe(r))
             torch.cuda.empty_cache()
+    save()
     if comm is not None:
         torch.distributed.destroy_process_group()
     return 0

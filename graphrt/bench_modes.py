@@ -108,10 +108,7 @@ def _graphrt_tensors(root) -> list[torch.Tensor]:
 
 class _SkipLog(logging.Handler):
     """Collects inductor's 'skipping cudagraphs due to ...' messages."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
+    messages: list
 
     def emit(self, record):
         self.messages.append(record.getMessage()[:300])
@@ -189,7 +186,9 @@ class ModesBench:
         return self._naive
 
     # -- the suite -----------------------------------------------------------------------
-    def run(self) -> dict:
+    def run(self, checkpoint=None) -> dict:
+        """Every mode in turn; ``checkpoint(res)`` (if given) gets the partial result after each
+        mode, so a run cut short still leaves numbers behind."""
         if self.cuda:
             self.res["hbm_gbs"] = bw = hbm_bandwidth_gbs(self.device)
             for bs in self.sizes:
@@ -205,9 +204,15 @@ class ModesBench:
                 self.bar.write(f"graphrt bench: mode {mode} failed: {self.res['errors'][mode]}")
             finally:
                 self._cleanup()
+            if checkpoint is not None:
+                checkpoint(self._finish())
         self.bar.close()
         if not self.cuda:
             _trace_compile_cpu(self)
+        return self._finish()
+
+    def _finish(self) -> dict:
+        """Derived fields (ratios to eager and to the floor) over what has run so far."""
         for row in self.rows.values():
             eager, floor = row["step_us"].get("eager"), row.get("floor_us")
             row["speedup_vs_eager"] = {m: eager / t for m, t in row["step_us"].items()
@@ -266,7 +271,8 @@ def _compiled(b: ModesBench, mode: str, fn, call, static) -> None:
     torch._dynamo.config.recompile_limit = max(8, 2 * len(b.sizes))
     for t in static:  # weights, caches, workspaces: no per-call copies into the graph's inputs
         torch._dynamo.mark_static_address(t, guard=False)
-    skips = _SkipLog()
+    skips = _SkipLog(logging.WARNING)
+    skips.messages = []
     log = logging.getLogger("torch._inductor.cudagraph_utils.__cudagraphs")
     log.addHandler(skips)
     info = b.res["compile"][mode] = {"mode": "reduce-overhead", "dynamic": False, "compile_s": {}}
@@ -387,6 +393,7 @@ RUNNERS = {"eager": _eager, "graph": _graph, "graph-overlap": _graph, "compile":
            "naive": _naive, "naive-graph": _naive, "naive-compile": _naive_compile}
 
 
-def bench_modes(cfg, device, sizes, modes=MODES, **kw) -> dict:
-    """Run the modes suite (see the module doc); returns the ``modes`` result dict."""
-    return ModesBench(cfg, device, sizes, parse_modes(modes), **kw).run()
+def bench_modes(cfg, device, sizes, modes=MODES, *, checkpoint=None, **kw) -> dict:
+    """Run the modes suite (see the module doc); returns the ``modes`` result dict.
+    ``checkpoint(partial_result)`` is called after each mode."""
+    return ModesBench(cfg, device, sizes, parse_modes(modes), **kw).run(checkpoint)

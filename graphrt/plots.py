@@ -1,5 +1,8 @@
-"""PNG plots of the ``modes`` suite of ``graphrt bench`` (matplotlib, Agg backend).
+"""How the ``modes`` suite of ``graphrt bench`` is shown: markdown tables and PNG plots
+(matplotlib, Agg backend).
 
+- ``markdown(res)``: step time per mode and size, each over the bandwidth floor, the replays'
+  idle fraction, ``run()`` host cost, capture seconds and pool, compile and skip notes.
 - ``step_time.png``: median step time against batch size per mode, both axes log scale,
   with the bandwidth floor dotted where it was measured.
 - ``over_floor.png``: each mode's step time over the bandwidth floor (1.0 = reads at the
@@ -57,3 +60,47 @@ def write_plots(res: dict, out_dir: str) -> dict:
         fig.savefig(paths[name], dpi=120)
         plt.close(fig)
     return paths
+
+
+def markdown(r: dict) -> str:
+    """The ``modes`` result as markdown: step times, ratios to the floor, replay details
+    (idle, ``run()`` host cost, capture), compile and skip notes."""
+    rows, fmt = r["rows"], lambda v, f: "-" if v is None else format(v, f)
+    modes = [m for m in r["modes"] if any(row["step_us"].get(m) for row in rows)]
+    out = [f"## modes: {r['config']} {r['layers']}L, {r['experts']} experts top-{r['num_topk']}, "
+           f"hidden {r['hidden']}, experts on {r['expert_backend']}{' fp8' if r['fp8'] else ' bf16'}, "
+           f"{r['comm']} x{r['num_ranks']}, {r['device']}"
+           + (f", HBM {r['hbm_gbs']:.0f} GB/s" if r["hbm_gbs"] else ""),
+           "| bs | " + " | ".join(f"{m} µs" for m in modes) + " | floor µs |",
+           "|---|" + "---|" * (len(modes) + 1)]
+    out += [f"| {row['bs']} | " + " | ".join(fmt(row["step_us"].get(m), ".0f") for m in modes)
+            + f" | {fmt(row['floor_us'], '.0f')} |" for row in rows]
+    if any(row["floor_us"] for row in rows):
+        out += ["", "| bs | " + " | ".join(f"{m} ×floor" for m in modes) + " |",
+                "|---|" + "---|" * len(modes)]
+        out += [f"| {row['bs']} | " + " | ".join(fmt(row["over_floor"].get(m), ".2f") for m in modes)
+                + " |" for row in rows]
+    graphs = [m for m in ("graph", "graph-overlap") if m in r["capture"]]
+    if graphs:
+        out += ["", "| bs | " + " | ".join(f"{m} idle | {m} run() host µs | {m} capture s | "
+                                            f"{m} pool MiB" for m in graphs) + " |",
+                "|---|" + "---|" * 4 * len(graphs)]
+        for row in rows:
+            cells = []
+            for m in graphs:
+                g, idle = r["capture"][m]["per_graph"].get(row["bs"], {}), row["idle"].get(m, {})
+                cells += [fmt(idle.get("idle_frac"), ".1%"), fmt(row["run_host_us"].get(m), ".1f"),
+                          fmt(g.get("capture_s"), ".2f"),
+                          fmt((g.get("pool_bytes") or 0) / 2**20, ".1f")]
+            out.append(f"| {row['bs']} | " + " | ".join(cells) + " |")
+    out.append("")
+    for m, c in r["compile"].items():
+        secs = ", ".join(f"bs {bs} {t:.0f} s" for bs, t in c.get("compile_s", {}).items())
+        out.append(f"- {m} ({c['mode']}): {c['graph_breaks']} graph break(s), {c['unique_graphs']} "
+                   f"graph(s), {c.get('cudagraph_skips', 0)} cudagraph skip(s)"
+                   + (f"; compile {secs}" if secs else "")
+                   + "".join(f"\n  - break: {k} (x{v})" for k, v in c["break_reasons"].items()))
+    out += [f"- {m}: skipped ({why})" for m, why in r["skipped"].items()]
+    out += [f"- {m}: FAILED ({why})" for m, why in r["errors"].items()]
+    out += [f"- {m} at bs {row['bs']}: {why}" for row in rows for m, why in row["notes"].items()]
+    return "\n".join(out)

@@ -135,6 +135,7 @@ def test_bench_cpu_smoke(tmp_path, capsys):
     (["--config", "tiny", "--device", "cpu", "--modes", "eager,warp"], "unknown mode"),
     (["--config", "tiny", "--device", "cpu", "--suite", "modes,fast"], "unknown suite"),
     (["--config", "nope", "--device", "cpu"], "unknown preset"),
+    (["--config", "tiny", "--device", "cpu", "--sizes", "1,64"], "KV-cache slots"),
     (["--config", "tiny", "--device", "cpu", "--comm", "nccl"], "torchrun --nproc-per-node 2"),
     (["--config", "tiny", "--device", "cpu", "--comm", "deepep"], "cannot be imported"),
 ])
@@ -176,9 +177,9 @@ def _gpu_result():
 
 
 def test_markdown_and_plots_of_a_gpu_result(tmp_path):
-    from graphrt.plots import write_plots
+    from graphrt.plots import markdown, write_plots
     res = _gpu_result()
-    md = bench._md_modes(res)
+    md = markdown(res)
     assert "| bs | eager µs | compile µs |" in md and "graph-overlap ×floor" in md
     assert "| 64 |" in md and "4.0%" in md and "2.0%" in md and "1 graph break(s)" in md
     assert "naive-graph: FAILED" in md and "naive at bs 64: too large" in md

@@ -340,20 +340,6 @@ def _assert_close_logits(a, b):
     assert rel < 2e-2, rel
 
 
-def _feed_router_weights(model, comm):
-    """Until MoEBlock passes the weights itself: each layer's router hands them to the comm."""
-    dispatch = comm.dispatch
-    for layer in model.layers:
-        def router(h, n, _route=layer.moe.router):
-            w, ids = _route(h, n)
-            comm.dispatch = lambda x, t, nn, topk_weights=None: dispatch(x, t, nn, topk_weights=w)
-            return w, ids
-        layer.moe.router = router
-
-
-@pytest.mark.xfail(raises=DeepEPUsageError, strict=False,
-                   reason="graphrt.moe.model.MoEBlock does not pass topk_weights= to comm.dispatch "
-                          "yet; DeepEP's expanded layout needs the weights at dispatch")
 @pytest.mark.parametrize("comm_cls,buf_cls", BACKENDS)
 def test_model_step_matches_local_comm(comm_cls, buf_cls, local_logits):
     model, _ = _model(comm_cls, buf_cls)
@@ -362,10 +348,9 @@ def test_model_step_matches_local_comm(comm_cls, buf_cls, local_logits):
 
 @pytest.mark.parametrize("comm_cls,buf_cls", BACKENDS)
 @pytest.mark.parametrize("overlap,sync_combine", [(True, False), (False, False), (True, True)])
-def test_model_step_matches_local_comm_with_router_weights(comm_cls, buf_cls, overlap, sync_combine,
-                                                          local_logits):
+def test_model_step_overlap_and_sync_fallback(comm_cls, buf_cls, overlap, sync_combine,
+                                              local_logits):
     model, comm = _model(comm_cls, buf_cls, sync_combine=sync_combine)
-    _feed_router_weights(model, comm)
     model.overlap = overlap
     _assert_close_logits(_step(model), local_logits)
     assert all(int(layer.moe.last_masked_m.sum()) == 5 * model.cfg.num_topk for layer in model.layers)
@@ -380,6 +365,5 @@ def test_model_step_is_graph_safe_outside_the_fake(comm_cls, buf_cls):
     the only findings come from the fake, which stands in for DeepEP's device kernels."""
     from graphrt.capture import analyze_step
     model, comm = _model(comm_cls, buf_cls)
-    _feed_router_weights(model, comm)
     findings = analyze_step(model.spec(8), [3], "cpu").findings
     assert findings and all("/tests/fakes/" in f.file for f in findings), findings

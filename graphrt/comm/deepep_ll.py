@@ -106,8 +106,8 @@ class DeepEPLowLatencyComm:
             async_finish=False, return_recv_hook=False)
         self.calls += 1
         recv_x, scale = recv if self.fp8 else (recv, None)
-        em = expected_m(bs * self.num_ranks, self.num_topk, self.num_local_experts,
-                        cap=self.cap_for(bs))
+        # each local expert expects bs * num_topk / num_local_experts rows (from all ranks)
+        em = expected_m(bs, self.num_topk, self.num_local_experts, cap=self.cap_for(bs))
         return Dispatched(recv_x, count, em, handle=(handle, self.calls), recv_scale=scale)
 
     def _check_fresh(self, d: Dispatched) -> object:

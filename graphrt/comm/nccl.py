@@ -76,7 +76,9 @@ class NCCLComm:
         mine = (local_ids >= 0) & (local_ids < self.num_local_experts) & (g_ids >= 0)
         local_ids = torch.where(mine, local_ids, torch.full_like(local_ids, -1))
         d = self.local.dispatch(g_x, local_ids, n)
-        return Dispatched(d.recv_x, d.masked_m, d.expected_m, handle=(d, local_ids, bs))
+        from graphrt.kernels.dispatch import expected_m
+        em = expected_m(bs, self.num_topk, self.num_local_experts, cap=d.recv_x.shape[1])
+        return Dispatched(d.recv_x, d.masked_m, em, handle=(d, local_ids, bs))
 
     def combine(self, y, topk_ids, topk_weights, d: Dispatched, n, *, out):
         """Local weighted gather-reduce over the gathered batch, then reduce-scatter into out

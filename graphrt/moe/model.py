@@ -47,7 +47,10 @@ class MoEBlock:
 
     def __call__(self, h: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         w, ids = self.router(h, n)                                         # [bs, k] fp32, int64
-        d = self.comm.dispatch(h, ids, n)
+        if getattr(self.comm, "dispatch_needs_weights", False):  # DeepEP v2 expanded layout
+            d = self.comm.dispatch(h, ids, n, topk_weights=w)
+        else:
+            d = self.comm.dispatch(h, ids, n)
         self.last_masked_m = d.masked_m  # a reference for benchmarks/tests (no sync)
         y = self.experts(d.recv_x, d.masked_m, d.expected_m, d.recv_scale)  # [E, cap, hidden]
         out = torch.empty_like(h)                                          # [bs, hidden]
