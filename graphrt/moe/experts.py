@@ -37,11 +37,13 @@ def quantize_weight_fp8(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor
     G, N, K = w.shape
     if N % block or K % block:
         raise ValueError(f"fp8 weights need N and K multiples of {block}; got {tuple(w.shape)}")
-    blocks = w.float().view(G, N // block, block, K // block, block)
-    amax = blocks.abs().amax(dim=(2, 4)).clamp_min(1e-10)
-    scale = amax / 448.0
-    q = (blocks / scale[:, :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return q.view(G, N, K), scale
+    q = torch.empty(G, N, K, dtype=torch.float8_e4m3fn, device=w.device)
+    scale = torch.empty(G, N // block, K // block, dtype=torch.float32, device=w.device)
+    for g in range(G):  # one expert at a time: an fp32 copy of all experts would not fit
+        blocks = w[g].float().view(N // block, block, K // block, block)
+        scale[g] = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-10) / 448.0
+        q[g] = (blocks / scale[g][:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(N, K)
+    return q, scale
 
 
 def quantize_tokens_fp8(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:

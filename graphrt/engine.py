@@ -1,0 +1,366 @@
+"""A small host decode engine around a graphrt step: requests, KV slots, continuous batching.
+
+The engine owns the request state and the KV-cache *slots* (the model owns the cache
+tensors); graphrt owns the static inputs/outputs and the graphs. Each ``step()``:
+
+1. admits queued requests while slots are free and the batch has room (continuous batching);
+2. gathers each live request's (last token, position, slot): prompt tokens are fed one per
+   step (teacher forcing: no prefill kernel), then the request's own samples;
+3. calls ``step_fn(tokens=, positions=, slots=)`` -> logits ``[n, vocab]`` (a ``GraphRuntime``
+   replay with ``graph_step``, or eager with ``eager_step``);
+4. samples greedily on the device (``argmax``), then reads the ``n`` tokens on the host once;
+5. appends samples past the prompt and retires finished requests (their slots return).
+
+``compare_graph_eager`` runs the same workload through a graph engine and an eager engine
+(same KV history) and checks the token streams are identical; ``soak`` runs many replays at
+random live batch sizes, checking memory stays flat and sampled steps match eager bitwise.
+``examples/host_engine_loop.py`` is the command-line front end.
+
+Glossary: ``n`` live rows, ``padded_bs`` the captured size that serves them, ``vocab``.
+Graph safety: host-only (the engine drives replays; nothing here is captured).
+"""
+from __future__ import annotations
+
+import gc
+import random
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import torch
+
+from graphrt.errors import GraphrtError, InputError
+from graphrt.scheduler import SizeTable
+
+
+@dataclass
+class Request:
+    """One request: ``prompt`` token ids, ``max_new`` tokens to generate, its ``arrival`` step.
+    ``pos`` is the position of the next token fed (= the context length before it)."""
+
+    rid: int
+    prompt: list
+    max_new: int
+    arrival: int = 0
+    slot: int = -1
+    pos: int = 0
+    output: list = field(default_factory=list)
+
+    @property
+    def next_token(self) -> int:
+        return self.prompt[self.pos] if self.pos < len(self.prompt) else self.output[-1]
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_new
+
+    def advance(self, sampled: int) -> None:
+        """The step fed ``next_token`` at ``pos`` and sampled ``sampled`` after it."""
+        self.pos += 1
+        if self.pos >= len(self.prompt):
+            self.output.append(sampled)
+
+
+class SlotPool:
+    """A free list of KV-cache slots ``0 .. num_slots-1`` (LIFO: a retired slot is reused first)."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._used: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self._free)
+
+    def take(self) -> int:
+        if not self._free:
+            raise GraphrtError(f"no free KV-cache slot (all {self.num_slots} in use)")
+        s = self._free.pop()
+        self._used.add(s)
+        return s
+
+    def give(self, slot: int) -> None:
+        if slot not in self._used:
+            raise GraphrtError(f"slot {slot} returned but not in use (double free?)")
+        self._used.remove(slot)
+        self._free.append(slot)
+
+
+class Workload:
+    """Deterministic arrivals from ``seed``: per step ``rate`` requests on average (the rate
+    is redrawn in ``[0, 2 * rate]`` every ``phase`` steps so live batches swing), plus a
+    burst of up to ``burst`` requests with probability ``burst_p``. Lengths are uniform in
+    ``prompt`` / ``output`` (inclusive), capped so prompt + output <= ``max_ctx``."""
+
+    def __init__(self, seed: int, *, vocab: int, max_ctx: int, prompt=(1, 16), output=(1, 48),
+                 rate: float = 1.0, phase: int = 64, burst_p: float = 0.02, burst: int = 32):
+        self.rng, self.vocab, self.max_ctx = random.Random(seed), vocab, max_ctx
+        self.prompt, self.output, self.rate, self.phase = prompt, output, rate, phase
+        self.burst_p, self.burst, self._rid, self._now = burst_p, burst, 0, rate
+
+    def arrivals(self, step: int) -> list[Request]:
+        rng = self.rng
+        if step % self.phase == 0:
+            self._now = rng.uniform(0, 2 * self.rate)
+        k = int(self._now) + (rng.random() < self._now - int(self._now))
+        if rng.random() < self.burst_p:
+            k += rng.randint(1, self.burst)
+        out = []
+        for _ in range(k):
+            p = rng.randint(*self.prompt)
+            o = min(rng.randint(*self.output), self.max_ctx - p)
+            out.append(Request(self._rid, [rng.randrange(1, self.vocab) for _ in range(p)], o, step))
+            self._rid += 1
+        return out
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0            # engine iterations
+    model_calls: int = 0      # step_fn calls (idle iterations without live rows make none)
+    rows: int = 0             # live rows fed
+    tokens: int = 0           # output tokens generated
+    finished: int = 0
+    wall_s: float = 0.0
+    batch_sizes: Counter = field(default_factory=Counter)
+
+    @property
+    def steps_per_s(self) -> float:
+        return self.steps / self.wall_s if self.wall_s else 0.0
+
+
+class DecodeEngine:
+    """Continuous batching over a static KV cache of ``num_slots`` slots (+1 scratch slot).
+
+    Args:
+        step_fn: ``step_fn(tokens=int64 [n], positions=int32 [n], slots=int32 [n])`` -> logits
+            ``[n, vocab]`` on ``device`` (``graph_step(rt)``, ``eager_step(spec, sizes)``).
+        num_slots, max_ctx: the model's KV cache (``cfg.num_slots``, ``cfg.max_ctx``); the
+            scratch slot ``num_slots`` serves idle steps.
+        max_batch_size: live rows per step at most.
+        device: where the step's inputs go.
+        keep_stepping: run a one-row idle step (scratch slot) when no request is live: every
+            rank of an expert-parallel group must call the step every iteration.
+        watchdog: a started ``graphrt.watchdog.Watchdog`` watching the model's progress.
+    """
+
+    def __init__(self, step_fn, *, num_slots: int, max_ctx: int, max_batch_size: int, device,
+                 keep_stepping: bool = False, watchdog=None):
+        self.step_fn, self.max_ctx, self.device = step_fn, max_ctx, torch.device(device)
+        self.max_bs = min(max_batch_size, num_slots)
+        self.scratch_slot, self.keep_stepping, self.watchdog = num_slots, keep_stepping, watchdog
+        self.slots = SlotPool(num_slots)
+        self.queue: deque[Request] = deque()
+        self.live: list[Request] = []
+        self.finished: dict[int, Request] = {}
+        self.stats = EngineStats()
+        pin = self.device.type == "cuda"
+        self._host = {k: torch.zeros(self.max_bs, dtype=d, pin_memory=pin)
+                      for k, d in (("tokens", torch.int64), ("positions", torch.int32),
+                                   ("slots", torch.int32), ("sampled", torch.int64))}
+
+    def submit(self, req: Request) -> None:
+        """Queue a request (host-only). Raises ``InputError`` if it cannot fit the KV cache."""
+        if not req.prompt or req.max_new < 1:
+            raise InputError(f"request {req.rid}: needs >= 1 prompt token and max_new >= 1")
+        if len(req.prompt) + req.max_new > self.max_ctx:
+            raise InputError(f"request {req.rid}: prompt {len(req.prompt)} + max_new {req.max_new} "
+                             f"exceeds the KV cache's {self.max_ctx} positions per slot")
+        self.queue.append(req)
+
+    def submit_all(self, reqs) -> None:
+        for r in reqs:
+            self.submit(r)
+
+    def _admit(self) -> None:
+        while self.queue and len(self.live) < self.max_bs and len(self.slots):
+            req = self.queue.popleft()
+            req.slot = self.slots.take()
+            self.live.append(req)
+
+    def step(self) -> int:
+        """One decode iteration; returns the live rows it ran (0: idle). Graph safety: host-only."""
+        t0 = time.perf_counter()
+        self._admit()
+        live, st = self.live, self.stats
+        st.steps += 1
+        if not live and not self.keep_stepping:
+            st.wall_s += time.perf_counter() - t0
+            return 0
+        rows = [(r.next_token, r.pos, r.slot) for r in live] or [(0, 0, self.scratch_slot)]
+        n = len(rows)
+        inputs = {}
+        for j, k in enumerate(("tokens", "positions", "slots")):
+            h = self._host[k]
+            h.numpy()[:n] = [row[j] for row in rows]
+            inputs[k] = h[:n].to(self.device, non_blocking=True, copy=True)
+        wd = self.watchdog
+        if wd is not None:
+            wd.expect_step()
+        logits = self.step_fn(**inputs)                                    # [n, vocab]
+        sampled = self._read(torch.argmax(logits, dim=-1))                 # greedy, on device
+        if wd is not None:
+            wd.step_done()
+        st.model_calls += 1
+        st.rows += len(live)
+        st.batch_sizes[len(live)] += 1
+        for r, tok in zip(live, sampled):
+            had = len(r.output)
+            r.advance(tok)
+            st.tokens += len(r.output) - had
+        self._retire()
+        st.wall_s += time.perf_counter() - t0
+        return len(live)
+
+    def _read(self, sampled: torch.Tensor) -> list[int]:
+        """The one host read of a step: the ``n`` sampled ids (int64 ``[n]``)."""
+        if self.watchdog is None or not sampled.is_cuda:
+            return sampled.tolist()
+        host = self._host["sampled"][:sampled.shape[0]]
+        host.copy_(sampled, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self.watchdog.wait(done)   # polls the event: a stalled step raises StallError, no hang
+        return host.tolist()
+
+    def _retire(self) -> None:
+        keep = []
+        for r in self.live:
+            if r.done:
+                self.slots.give(r.slot)
+                self.finished[r.rid] = r
+                self.stats.finished += 1
+            else:
+                keep.append(r)
+        self.live = keep
+
+    def run(self, steps: int, workload: Workload | None = None) -> EngineStats:
+        """``steps`` iterations, submitting ``workload.arrivals(i)`` before iteration ``i``."""
+        for i in range(steps):
+            if workload is not None:
+                self.submit_all(workload.arrivals(i))
+            self.step()
+        return self.stats
+
+    def streams(self) -> dict[int, list]:
+        """Every admitted request's output tokens so far, by request id."""
+        out = {rid: list(r.output) for rid, r in self.finished.items()}
+        out.update((r.rid, list(r.output)) for r in self.live)
+        return out
+
+
+# -- step functions ----------------------------------------------------------------------------
+def graph_step(rt):
+    """``step_fn`` replaying ``rt`` (a captured ``GraphRuntime`` whose step returns
+    ``{"logits": ...}``). With ``copy_outputs=False`` the logits are a lease: the engine
+    samples from them before the next replay."""
+    def step(**inputs):
+        return rt.run(**inputs)["logits"]
+    return step
+
+
+def eager_step(spec, sizes, device):
+    """``step_fn`` running ``spec`` eagerly at the padded size a graph of ``sizes`` would use
+    (pad rows at ``pad_value``, live count ``n``): bitwise what the replay computes."""
+    table, device = SizeTable(sizes), torch.device(device)
+
+    def step(**inputs):
+        n = next(iter(inputs.values())).shape[0]
+        size = table.pick(n) or n
+        padded = {k: torch.cat([t, spec.inputs[k].pad(size - n, device)]) if size > n else t
+                  for k, t in inputs.items()}
+        return spec.call(padded, spec.live_count_tensor(n, device))["logits"][:n]
+    return step
+
+
+class KVSnapshot:
+    """A copy of every layer's KV cache (``layer.attn.k_cache``/``v_cache``), to restore so two
+    engines start from the same history (capture's warm-up writes random K/V)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.saved = [(l.attn.k_cache.clone(), l.attn.v_cache.clone()) for l in model.layers]
+
+    def restore(self) -> None:
+        for l, (k, v) in zip(self.model.layers, self.saved):
+            l.attn.k_cache.copy_(k)
+            l.attn.v_cache.copy_(v)
+
+
+def _engine(step_fn, model, max_bs, **kw) -> DecodeEngine:
+    return DecodeEngine(step_fn, num_slots=model.cfg.num_slots, max_ctx=model.cfg.max_ctx,
+                        max_batch_size=max_bs, device=model.device, **kw)
+
+
+def compare_graph_eager(rt, model, *, steps: int, seed: int = 0, keep_stepping: bool = False,
+                        watchdog=None, **workload_kw) -> dict:
+    """Run the same workload through a graph engine, then (KV restored) an eager engine at
+    the same padded sizes; the token streams must be identical. Returns a summary dict."""
+    snap = KVSnapshot(model)
+    out = {}
+    for name, fn in (("graph", graph_step(rt)), ("eager", eager_step(rt.spec, rt.sizes, rt.device))):
+        snap.restore()
+        _sync(rt.device)
+        eng = _engine(fn, model, rt.table.largest, keep_stepping=keep_stepping, watchdog=watchdog)
+        eng.run(steps, Workload(seed, vocab=model.cfg.vocab_size, max_ctx=model.cfg.max_ctx,
+                                **workload_kw))
+        _sync(rt.device)
+        out[name] = eng
+    g, e = out["graph"], out["eager"]
+    gs, es = g.streams(), e.streams()
+    diff = [rid for rid in sorted(set(gs) | set(es)) if gs.get(rid) != es.get(rid)]
+    return {"steps": steps, "tokens": g.stats.tokens, "rows": g.stats.rows,
+            "finished": g.stats.finished, "identical": not diff and g.stats.tokens == e.stats.tokens,
+            "first_mismatch": diff[0] if diff else None, "mismatched_requests": len(diff),
+            "graph_steps_per_s": g.stats.steps_per_s, "eager_steps_per_s": e.stats.steps_per_s,
+            "largest_batch": max(g.stats.batch_sizes, default=0)}
+
+
+def soak(rt, model, *, steps: int = 10_000, check_every: int = 100, warmup: int = 300,
+         seed: int = 0, **workload_kw) -> dict:
+    """``steps`` graph-engine iterations at random live batch sizes. Every ``check_every``-th
+    replay is compared bitwise with eager on the same inputs at the same padded size (both
+    write the same K/V). ``torch.cuda.memory_allocated()`` is read after ``warmup`` steps and
+    at the end (``gc.collect()`` first). Host-only (syncs). Returns a summary dict."""
+    graph, eager = graph_step(rt), eager_step(rt.spec, rt.sizes, rt.device)
+    calls, bad = [0], []
+
+    def checked(**inputs):
+        out = graph(**inputs)
+        calls[0] += 1
+        if calls[0] % check_every == 0:
+            want = eager(**inputs)
+            if not torch.equal(out, want):
+                bad.append((calls[0], int(out.shape[0])))
+        return out
+
+    kw = dict(rate=0.8, output=(1, 32), burst=rt.table.largest) | workload_kw
+    work = Workload(seed, vocab=model.cfg.vocab_size, max_ctx=model.cfg.max_ctx, **kw)
+    eng = _engine(checked, model, rt.table.largest)
+    before = None
+    for i in range(steps):
+        if i == warmup:
+            before = _allocated(rt.device)
+        eng.submit_all(work.arrivals(i))
+        eng.step()
+        if len(eng.queue) > 4 * eng.max_bs:  # shed load: keep the queue bounded
+            eng.queue = deque(list(eng.queue)[:eng.max_bs])
+    after = _allocated(rt.device)
+    sizes = eng.stats.batch_sizes
+    return {"steps": steps, "replays": calls[0], "checks": calls[0] // check_every,
+            "mismatches": bad, "mem_before": before, "mem_after": after,
+            "mem_growth": after - before if before is not None else None,
+            "steps_per_s": eng.stats.steps_per_s, "tokens": eng.stats.tokens,
+            "finished": eng.stats.finished, "distinct_batch_sizes": len(sizes),
+            "batch_range": (min(sizes, default=0), max(sizes, default=0))}
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _allocated(device) -> int:
+    gc.collect()
+    _sync(device)
+    return torch.cuda.memory_allocated(device)

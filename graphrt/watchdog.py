@@ -1,0 +1,359 @@
+"""An opt-in stall watchdog: per-layer device progress, polled by a host thread with a timeout.
+
+A decode step that waits on another rank (a DeepEP dispatch whose peer never arrives) hangs
+on the device, and the engine's host read of the step's results then hangs with it, silently.
+The watchdog turns that into a report naming the rank, the step and the last layer that
+completed::
+
+    progress, step = progress_tensors(num_layers, device)   # int64 [num_layers], int64 [1]
+    # in the model's step (capturable, device-only):
+    begin_step(step)                                         # step += 1
+    for i, layer in enumerate(layers):
+        x = layer(x, ...)
+        mark(progress, step, i)                              # progress[i] = step
+
+    wd = Watchdog(progress, step, rank=rank, timeout_s=30).start()   # after capture
+    wd.expect_step(); out = rt.run(...); ...; wd.wait(event); wd.step_done()
+
+The host thread copies ``progress`` and ``step`` to pinned host memory on its *own* CUDA
+stream (``non_blocking=True``) and polls an event with ``query()``, so it never blocks on a
+device that is stuck; on CPU tensors it copies synchronously (tests, the CPU analysis). While
+a step is expected (between ``expect_step()`` and ``step_done()``), a snapshot that does not
+change for ``timeout_s`` is a stall: it is logged, passed to ``on_stall``, and raised as
+``StallError`` by the next ``check()`` / ``wait()`` / ``step_done()`` on the engine's thread.
+
+``instrument(model)`` adds the counters to a model whose ``step`` does not call
+``begin_step``/``mark`` itself (it wraps ``model.layers``); call it before capture.
+
+Graph safety: ``begin_step`` and ``mark`` are capturable; ``Watchdog`` is host-only and polls
+only while a step is expected, so it issues no CUDA call during a capture (expect no steps
+while capturing).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from graphrt.errors import GraphrtError
+
+log = logging.getLogger("graphrt.watchdog")
+
+
+class StallError(GraphrtError):
+    """A step made no device progress for ``timeout_s``: which rank, step and layer."""
+
+    def __init__(self, rank: int, step: int | None, last_layer: int | None, num_layers: int,
+                 waited_s: float, progress: tuple | None = None):
+        self.rank, self.step, self.last_layer = rank, step, last_layer
+        self.num_layers, self.waited_s, self.progress = num_layers, waited_s, progress
+        super().__init__(_describe(rank, step, last_layer, num_layers, waited_s))
+
+
+def _describe(rank, step, last, num_layers, waited_s) -> str:
+    tail = f"no device progress for {waited_s:.1f} s"
+    if step is None:
+        return (f"rank {rank}: the progress counters could not be read within the timeout "
+                f"(the device copy did not complete): the GPU may be wedged; {tail}")
+    if step == 0:
+        return f"rank {rank}: no step has started on the device yet; {tail}"
+    if last == num_layers - 1:
+        return (f"rank {rank}: step {step} completed all {num_layers} layers (last layer "
+                f"completed: {last}) and the next step has not started on the device: it waits "
+                f"behind earlier work or was never launched (or step_done() was not called); {tail}")
+    where = f"after layer {last}" if last >= 0 else "in layer 0"
+    return (f"rank {rank}: step {step} stalled {where} (last layer completed: "
+            f"{last if last >= 0 else 'none'} of 0..{num_layers - 1}; layer {last + 1} has not "
+            f"finished, e.g. a collective waiting for a peer rank); {tail}")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The device counters as the host read them: ``step`` and ``progress`` per layer."""
+
+    step: int
+    progress: tuple
+
+    @property
+    def last_layer(self) -> int:
+        """The last layer of ``step`` that completed (layers run in order); -1 if none."""
+        last = -1
+        for i, p in enumerate(self.progress):
+            if p != self.step:
+                break
+            last = i
+        return last
+
+
+# -- device side (capturable) ------------------------------------------------------------------
+def progress_tensors(num_layers: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocate ``progress`` int64 ``[num_layers]`` and ``step_counter`` int64 ``[1]`` (zeros).
+    Graph safety: host-only (allocation; do it before capture)."""
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1; got {num_layers}")
+    return (torch.zeros(num_layers, dtype=torch.int64, device=device),
+            torch.zeros(1, dtype=torch.int64, device=device))
+
+
+def begin_step(step_counter: torch.Tensor) -> None:
+    """``step_counter`` int64 ``[1]`` += 1, on the current stream. Graph safety: capturable."""
+    step_counter.add_(1)
+
+
+def mark(progress: torch.Tensor, step_counter: torch.Tensor, layer_idx: int) -> None:
+    """``progress[layer_idx] = step_counter`` on the current stream, i.e. after the layer's work
+    queued before it. ``progress`` int64 ``[num_layers]``. Graph safety: capturable."""
+    progress[layer_idx:layer_idx + 1].copy_(step_counter)
+
+
+class _MarkedLayer:
+    """A layer that calls ``begin_step`` (layer 0) before and ``mark`` after itself; other
+    attributes (``attn``, ``moe``) pass through to the wrapped layer."""
+
+    def __init__(self, layer, idx: int, progress: torch.Tensor, step: torch.Tensor):
+        self.layer, self.idx, self.progress, self.step_counter = layer, idx, progress, step
+
+    def __call__(self, *args, **kwargs):
+        if self.idx == 0:
+            begin_step(self.step_counter)
+        out = self.layer(*args, **kwargs)
+        mark(self.progress, self.step_counter, self.idx)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.layer, name)
+
+
+def instrument(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """Progress counters of ``model`` (anything with a ``layers`` list its step calls in order).
+
+    Returns ``(progress, step_counter)``: the model's own (``model.progress``,
+    ``model.step_counter``) when its step already marks them, else new ones, with
+    ``model.layers`` wrapped to mark them. Call before capture. Graph safety: host-only.
+    """
+    if getattr(model, "progress", None) is not None:
+        return model.progress, model.step_counter
+    if model.layers and isinstance(model.layers[0], _MarkedLayer):
+        return model.layers[0].progress, model.layers[0].step_counter
+    device = getattr(model, "device", None)
+    progress, step = progress_tensors(len(model.layers), device)
+    model.layers = [_MarkedLayer(l, i, progress, step) for i, l in enumerate(model.layers)]
+    return progress, step
+
+
+# -- host side ---------------------------------------------------------------------------------
+class Watchdog:
+    """Polls ``progress``/``step_counter`` from a host thread; reports a stall as ``StallError``.
+
+    Args:
+        progress: int64 ``[num_layers]`` (see ``progress_tensors``); CUDA or CPU.
+        step_counter: int64 ``[1]`` on the same device.
+        rank: named in reports.
+        timeout_s: how long a step may go without device progress.
+        poll_s: the polling period while a step is expected.
+        on_stall: called with the ``StallError`` on the watchdog thread (e.g. write a report,
+            ``os._exit``); it is also logged and raised on the engine's thread by the next
+            ``check()``, ``wait()`` or ``step_done()``.
+        clock: a monotonic clock (tests inject a fake one).
+
+    Graph safety: host-only. Start it after capture; it makes CUDA calls only while a step
+    is expected.
+    """
+
+    def __init__(self, progress: torch.Tensor, step_counter: torch.Tensor, *, rank: int = 0,
+                 timeout_s: float = 30.0, poll_s: float = 0.05,
+                 on_stall: Callable[[StallError], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        if progress.dim() != 1 or progress.dtype != torch.int64:
+            raise ValueError(f"progress must be int64 [num_layers]; got {progress.dtype} "
+                             f"{tuple(progress.shape)}")
+        if step_counter.shape != (1,) or step_counter.dtype != torch.int64 \
+                or step_counter.device != progress.device:
+            raise ValueError(f"step_counter must be int64 [1] on {progress.device}; got "
+                             f"{step_counter.dtype} {tuple(step_counter.shape)} on {step_counter.device}")
+        if timeout_s <= 0 or poll_s <= 0:
+            raise ValueError(f"timeout_s and poll_s must be > 0; got {timeout_s}, {poll_s}")
+        self.progress, self.step_counter, self.rank = progress, step_counter, rank
+        self.timeout_s, self.poll_s, self.on_stall, self.clock = timeout_s, poll_s, on_stall, clock
+        self.num_layers = progress.numel()
+        self.device = progress.device
+        self._cuda = progress.is_cuda
+        n = self.num_layers + 1
+        if self._cuda:
+            with torch.cuda.device(self.device):
+                self._host = torch.empty(n, dtype=torch.int64, pin_memory=True)
+                self._stream = torch.cuda.Stream(self.device)
+        else:
+            self._host = torch.empty(n, dtype=torch.int64)
+        self._copy_done = None      # the event of the copy in flight (CUDA)
+        self._cv = threading.Condition()
+        self._watching, self._stop = False, False
+        self._seen: Snapshot | None = None
+        self._since = 0.0
+        self._error: StallError | None = None
+        self._thread: threading.Thread | None = None
+        self.reports: list[StallError] = []
+
+    # -- the engine's calls --------------------------------------------------------------
+    def start(self) -> "Watchdog":
+        """Start the polling thread (a daemon). Returns self."""
+        if self._thread is None:
+            self._stop = False
+            self._thread = threading.Thread(target=self._loop, name=f"graphrt-watchdog-{self.rank}",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop and join the polling thread."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=max(1.0, 4 * self.poll_s))
+            self._thread = None
+
+    def __enter__(self) -> "Watchdog":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def expect_step(self) -> None:
+        """A step is about to be launched: watch for progress from now on."""
+        self.check()
+        with self._cv:
+            self._watching, self._seen, self._since = True, None, self.clock()
+            self._cv.notify_all()
+
+    def step_done(self) -> None:
+        """The step's results were read: stop watching. Raises a stall reported meanwhile."""
+        with self._cv:
+            self._watching = False
+        self.check()
+
+    def check(self) -> None:
+        """Raise the ``StallError`` the thread reported, once."""
+        with self._cv:
+            err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    def wait(self, event=None, *, pause_s: float = 0.0) -> None:
+        """Wait for a CUDA ``event`` without a blocking sync, raising ``StallError`` as soon as
+        the thread reports one (a blocking read of a stuck step would never return)."""
+        if event is None:
+            return self.check()
+        while not event.query():
+            self.check()
+            time.sleep(pause_s)
+
+    # -- polling -------------------------------------------------------------------------
+    def read(self) -> Snapshot | None:
+        """Read the counters without blocking: None while the device copy is in flight.
+        CPU tensors are copied synchronously."""
+        n = self.num_layers
+        if not self._cuda:
+            self._host[:n].copy_(self.progress)
+            self._host[n:].copy_(self.step_counter)
+            return self._snapshot()
+        if self._copy_done is None:  # one copy in flight at most: never pile up behind a stuck one
+            with torch.cuda.stream(self._stream):
+                self._host[:n].copy_(self.progress, non_blocking=True)
+                self._host[n:].copy_(self.step_counter, non_blocking=True)
+                self._copy_done = torch.cuda.Event()
+                self._copy_done.record(self._stream)
+        if not self._copy_done.query():
+            return None
+        self._copy_done = None
+        return self._snapshot()
+
+    def _snapshot(self) -> Snapshot:
+        vals = self._host.tolist()
+        return Snapshot(vals[-1], tuple(vals[:-1]))
+
+    def poll(self) -> StallError | None:
+        """One polling round (what the thread does every ``poll_s``): returns a new stall, if
+        the expected step has made no progress for ``timeout_s``."""
+        snap = self.read()
+        now = self.clock()
+        with self._cv:
+            if not self._watching:
+                return None
+            if snap is not None and snap != self._seen:
+                self._seen, self._since = snap, now
+                return None
+            waited = now - self._since
+            if waited < self.timeout_s:
+                return None
+            seen = self._seen
+            err = StallError(self.rank, seen.step if seen else None,
+                             seen.last_layer if seen else None, self.num_layers, waited,
+                             seen.progress if seen else None)
+            self._watching, self._error = False, err
+        self.reports.append(err)
+        log.error("%s", err)
+        if self.on_stall is not None:
+            self.on_stall(err)
+        return err
+
+    def _loop(self) -> None:
+        if self._cuda:
+            torch.cuda.set_device(self.device)
+        while True:
+            with self._cv:
+                while not (self._stop or self._watching):
+                    self._cv.wait()
+                if self._stop:
+                    return
+            try:
+                self.poll()
+            except Exception:  # noqa: BLE001 - the watchdog must never die silently
+                log.exception("rank %d: watchdog poll failed", self.rank)
+            with self._cv:
+                self._cv.wait(timeout=self.poll_s)
+
+
+# -- a two-rank stall drill (the multigpu test drives it) --------------------------------------
+def drill(rank: int, world: int, out_dir: str, stall_step: int = 12, timeout_s: float = 5.0,
+          max_bs: int = 16) -> dict:
+    """Two ranks run a graph engine over DeepEP low-latency; rank 1 skips step ``stall_step``
+    (and stops), so rank 0's dispatch waits forever. Rank 0's watchdog writes its report to
+    ``out_dir/stall_rank0.txt`` and its engine raises ``StallError``; the parent kills both.
+    Graph safety: host-only (a test driver; run under ``graphrt.distributed`` processes)."""
+    import os
+
+    import graphrt
+    from graphrt.coordinator import RankCoordinator
+    from graphrt.distributed import make_comm
+    from graphrt.engine import DecodeEngine, Workload, graph_step
+    from graphrt.ep_check import ep_config
+    from graphrt.moe import MoEModel
+    device = torch.device("cuda", rank)
+    cfg = ep_config(layers=2)
+    model = MoEModel(cfg, device, comm=make_comm("deepep-hook", cfg, device, max_bs))
+    progress, step = instrument(model)
+    rt = graphrt.GraphRuntime(model.spec(max_bs), coordinator=RankCoordinator(uniform=False),
+                              progress=False, copy_outputs=False).capture()
+
+    def report(err: StallError) -> None:  # on the watchdog thread: the main thread is waiting
+        path = os.path.join(out_dir, f"stall_rank{rank}.txt")
+        with open(path + ".tmp", "w") as f:
+            f.write(f"{err}\nstep={err.step} last_layer={err.last_layer}\n")
+        os.replace(path + ".tmp", path)
+
+    wd = Watchdog(progress, step, rank=rank, timeout_s=timeout_s, poll_s=0.05, on_stall=report).start()
+    engine = DecodeEngine(graph_step(rt), num_slots=cfg.num_slots, max_ctx=cfg.max_ctx,
+                          max_batch_size=max_bs, device=device, keep_stepping=True, watchdog=wd)
+    work = Workload(seed=100 + rank, vocab=cfg.vocab_size, max_ctx=cfg.max_ctx)
+    for i in range(stall_step + 1):
+        if rank == 1 and i == stall_step:
+            time.sleep(20 * timeout_s)  # skip the step: rank 0 stalls; the parent kills us
+            return {"skipped_step": i}
+        engine.submit_all(work.arrivals(i))
+        engine.step()
+    return {"completed_steps": stall_step + 1}
