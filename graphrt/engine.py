@@ -1,20 +1,12 @@
 """A small host decode engine around a graphrt step: requests, KV slots, continuous batching.
 
 The engine owns the request state and the KV-cache *slots* (the model owns the cache
-tensors); graphrt owns the static inputs/outputs and the graphs. Each ``step()``:
-
-1. admits queued requests while slots are free and the batch has room (continuous batching);
-2. gathers each live request's (last token, position, slot): prompt tokens are fed one per
-   step (teacher forcing: no prefill kernel), then the request's own samples;
-3. calls ``step_fn(tokens=, positions=, slots=)`` -> logits ``[n, vocab]`` (a ``GraphRuntime``
-   replay with ``graph_step``, or eager with ``eager_step``);
-4. samples greedily on the device (``argmax``), then reads the ``n`` tokens on the host once;
-5. appends samples past the prompt and retires finished requests (their slots return).
-
-``compare_graph_eager`` runs the same workload through a graph engine and an eager engine
-(same KV history) and checks the token streams are identical; ``soak`` runs many replays at
-random live batch sizes, checking memory stays flat and sampled steps match eager bitwise.
-``examples/host_engine_loop.py`` is the command-line front end.
+tensors; graphrt the static inputs/outputs and graphs). Each ``step()`` admits queued
+requests while slots are free (continuous batching); gathers every live request's (last
+token, position, slot), feeding prompt tokens one per step (teacher forcing: no prefill
+kernel); calls ``step_fn(tokens=, positions=, slots=)`` -> logits ``[n, vocab]``; samples
+greedily on the device and reads the ``n`` tokens on the host once; retires finished requests.
+``compare_graph_eager`` and ``soak`` drive it (``examples/host_engine_loop.py`` is the CLI).
 
 Glossary: ``n`` live rows, ``padded_bs`` the captured size that serves them, ``vocab``.
 Graph safety: host-only (the engine drives replays; nothing here is captured).
@@ -54,19 +46,21 @@ class Request:
     def done(self) -> bool:
         return len(self.output) >= self.max_new
 
-    def advance(self, sampled: int) -> None:
-        """The step fed ``next_token`` at ``pos`` and sampled ``sampled`` after it."""
+    def advance(self, sampled: int) -> int:
+        """The step fed ``next_token`` at ``pos`` and sampled ``sampled`` after it; returns
+        the tokens generated (0 while the prompt is still being fed, else 1)."""
         self.pos += 1
-        if self.pos >= len(self.prompt):
-            self.output.append(sampled)
+        if self.pos < len(self.prompt):
+            return 0
+        self.output.append(sampled)
+        return 1
 
 
 class SlotPool:
-    """A free list of KV-cache slots ``0 .. num_slots-1`` (LIFO: a retired slot is reused first)."""
+    """Free KV-cache slots ``0 .. num_slots-1``, LIFO (a retired slot is reused first)."""
 
     def __init__(self, num_slots: int):
-        self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
+        self.num_slots, self._free = num_slots, list(range(num_slots - 1, -1, -1))
         self._used: set[int] = set()
 
     def __len__(self) -> int:
@@ -109,7 +103,8 @@ class Workload:
         for _ in range(k):
             p = rng.randint(*self.prompt)
             o = min(rng.randint(*self.output), self.max_ctx - p)
-            out.append(Request(self._rid, [rng.randrange(1, self.vocab) for _ in range(p)], o, step))
+            toks = [rng.randrange(1, self.vocab) for _ in range(p)]
+            out.append(Request(self._rid, toks, o, step))
             self._rid += 1
         return out
 
@@ -150,9 +145,7 @@ class DecodeEngine:
         self.max_bs = min(max_batch_size, num_slots)
         self.scratch_slot, self.keep_stepping, self.watchdog = num_slots, keep_stepping, watchdog
         self.slots = SlotPool(num_slots)
-        self.queue: deque[Request] = deque()
-        self.live: list[Request] = []
-        self.finished: dict[int, Request] = {}
+        self.queue, self.live, self.finished = deque(), [], {}   # Requests: waiting, running, done
         self.stats = EngineStats()
         pin = self.device.type == "cuda"
         self._host = {k: torch.zeros(self.max_bs, dtype=d, pin_memory=pin)
@@ -188,12 +181,10 @@ class DecodeEngine:
             st.wall_s += time.perf_counter() - t0
             return 0
         rows = [(r.next_token, r.pos, r.slot) for r in live] or [(0, 0, self.scratch_slot)]
-        n = len(rows)
-        inputs = {}
-        for j, k in enumerate(("tokens", "positions", "slots")):
-            h = self._host[k]
-            h.numpy()[:n] = [row[j] for row in rows]
-            inputs[k] = h[:n].to(self.device, non_blocking=True, copy=True)
+        inputs, n = {}, len(rows)
+        for k, col in zip(("tokens", "positions", "slots"), zip(*rows)):  # pinned -> device
+            self._host[k].numpy()[:n] = col
+            inputs[k] = self._host[k][:n].to(self.device, non_blocking=True, copy=True)
         wd = self.watchdog
         if wd is not None:
             wd.expect_step()
@@ -201,13 +192,10 @@ class DecodeEngine:
         sampled = self._read(torch.argmax(logits, dim=-1))                 # greedy, on device
         if wd is not None:
             wd.step_done()
-        st.model_calls += 1
-        st.rows += len(live)
+        st.model_calls, st.rows = st.model_calls + 1, st.rows + len(live)
         st.batch_sizes[len(live)] += 1
         for r, tok in zip(live, sampled):
-            had = len(r.output)
-            r.advance(tok)
-            st.tokens += len(r.output) - had
+            st.tokens += r.advance(tok)
         self._retire()
         st.wall_s += time.perf_counter() - t0
         return len(live)
@@ -296,24 +284,19 @@ def compare_graph_eager(rt, model, *, steps: int, seed: int = 0, keep_stepping: 
                         watchdog=None, **workload_kw) -> dict:
     """Run the same workload through a graph engine, then (KV restored) an eager engine at
     the same padded sizes; the token streams must be identical. Returns a summary dict."""
-    snap = KVSnapshot(model)
-    out = {}
-    for name, fn in (("graph", graph_step(rt)), ("eager", eager_step(rt.spec, rt.sizes, rt.device))):
+    snap, engines = KVSnapshot(model), []
+    for fn in (graph_step(rt), eager_step(rt.spec, rt.sizes, rt.device)):
         snap.restore()
-        _sync(rt.device)
         eng = _engine(fn, model, rt.table.largest, keep_stepping=keep_stepping, watchdog=watchdog)
         eng.run(steps, Workload(seed, vocab=model.cfg.vocab_size, max_ctx=model.cfg.max_ctx,
-                                **workload_kw))
-        _sync(rt.device)
-        out[name] = eng
-    g, e = out["graph"], out["eager"]
-    gs, es = g.streams(), e.streams()
+                                **workload_kw))  # each step ends with a host read: synced
+        engines.append(eng)
+    (gs, g), (es, e) = ((x.streams(), x.stats) for x in engines)
     diff = [rid for rid in sorted(set(gs) | set(es)) if gs.get(rid) != es.get(rid)]
-    return {"steps": steps, "tokens": g.stats.tokens, "rows": g.stats.rows,
-            "finished": g.stats.finished, "identical": not diff and g.stats.tokens == e.stats.tokens,
+    return {"steps": steps, "tokens": g.tokens, "finished": g.finished, "identical": not diff,
             "first_mismatch": diff[0] if diff else None, "mismatched_requests": len(diff),
-            "graph_steps_per_s": g.stats.steps_per_s, "eager_steps_per_s": e.stats.steps_per_s,
-            "largest_batch": max(g.stats.batch_sizes, default=0)}
+            "graph_steps_per_s": g.steps_per_s, "eager_steps_per_s": e.steps_per_s,
+            "largest_batch": max(g.batch_sizes, default=0)}
 
 
 def soak(rt, model, *, steps: int = 10_000, check_every: int = 100, warmup: int = 300,
@@ -336,8 +319,9 @@ def soak(rt, model, *, steps: int = 10_000, check_every: int = 100, warmup: int 
 
     kw = dict(rate=0.8, output=(1, 32), burst=rt.table.largest) | workload_kw
     work = Workload(seed, vocab=model.cfg.vocab_size, max_ctx=model.cfg.max_ctx, **kw)
-    eng = _engine(checked, model, rt.table.largest)
-    before = None
+    eng, before = _engine(checked, model, rt.table.largest), None
+    for size in rt.sizes:  # eager once per size on this stream (e.g. cuBLAS workspace) first
+        eager(**rt.spec.random_inputs(size, rt.device))  # random K/V: never read by a request
     for i in range(steps):
         if i == warmup:
             before = _allocated(rt.device)
@@ -346,21 +330,16 @@ def soak(rt, model, *, steps: int = 10_000, check_every: int = 100, warmup: int 
         if len(eng.queue) > 4 * eng.max_bs:  # shed load: keep the queue bounded
             eng.queue = deque(list(eng.queue)[:eng.max_bs])
     after = _allocated(rt.device)
-    sizes = eng.stats.batch_sizes
+    st, sizes = eng.stats, eng.stats.batch_sizes
     return {"steps": steps, "replays": calls[0], "checks": calls[0] // check_every,
             "mismatches": bad, "mem_before": before, "mem_after": after,
-            "mem_growth": after - before if before is not None else None,
-            "steps_per_s": eng.stats.steps_per_s, "tokens": eng.stats.tokens,
-            "finished": eng.stats.finished, "distinct_batch_sizes": len(sizes),
-            "batch_range": (min(sizes, default=0), max(sizes, default=0))}
-
-
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+            "mem_growth": None if before is None else after - before,
+            "steps_per_s": st.steps_per_s, "tokens": st.tokens, "finished": st.finished,
+            "distinct_batch_sizes": len(sizes), "batch_range": (min(sizes or [0]),
+                                                                max(sizes or [0]))}
 
 
 def _allocated(device) -> int:
     gc.collect()
-    _sync(device)
+    torch.cuda.synchronize(device)
     return torch.cuda.memory_allocated(device)

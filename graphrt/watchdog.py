@@ -279,7 +279,14 @@ class Watchdog:
     def poll(self) -> StallError | None:
         """One polling round (what the thread does every ``poll_s``): returns a new stall, if
         the expected step has made no progress for ``timeout_s``."""
-        snap = self.read()
+        with self._cv:
+            if not self._watching:
+                return None
+        try:
+            snap = self.read()
+        except Exception:  # noqa: BLE001 - a failed read (e.g. a CUDA error) counts as no progress
+            log.exception("rank %d: watchdog could not read the progress counters", self.rank)
+            snap, self._copy_done = None, None
         now = self.clock()
         with self._cv:
             if not self._watching:
@@ -312,7 +319,7 @@ class Watchdog:
                     return
             try:
                 self.poll()
-            except Exception:  # noqa: BLE001 - the watchdog must never die silently
+            except Exception:  # noqa: BLE001 - the watchdog must never die silently (on_stall)
                 log.exception("rank %d: watchdog poll failed", self.rank)
             with self._cv:
                 self._cv.wait(timeout=self.poll_s)
@@ -346,7 +353,7 @@ def drill(rank: int, world: int, out_dir: str, stall_step: int = 12, timeout_s: 
             f.write(f"{err}\nstep={err.step} last_layer={err.last_layer}\n")
         os.replace(path + ".tmp", path)
 
-    wd = Watchdog(progress, step, rank=rank, timeout_s=timeout_s, poll_s=0.05, on_stall=report).start()
+    wd = Watchdog(progress, step, rank=rank, timeout_s=timeout_s, on_stall=report).start()
     engine = DecodeEngine(graph_step(rt), num_slots=cfg.num_slots, max_ctx=cfg.max_ctx,
                           max_batch_size=max_bs, device=device, keep_stepping=True, watchdog=wd)
     work = Workload(seed=100 + rank, vocab=cfg.vocab_size, max_ctx=cfg.max_ctx)

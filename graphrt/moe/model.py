@@ -30,6 +30,7 @@ from graphrt.moe.experts import Experts
 from graphrt.moe.layers import Attention, Router, SharedExpert, rmsnorm
 from graphrt.moe.workspace import Workspace
 from graphrt.spec import Input, StepSpec
+from graphrt.watchdog import begin_step, mark, progress_tensors
 
 
 class MoEBlock:
@@ -85,11 +86,15 @@ class MoEModel:
         overlap: run the combine asynchronously, overlapped with the shared expert.
         backend: expert GEMMs: ``auto`` | ``deepgemm`` | ``triton``. fp8: fp8 experts (DeepGEMM).
         seed: weights are random but deterministic from it.
+        watchdog: keep per-layer device progress counters for ``graphrt.watchdog.Watchdog``.
     """
 
     def __init__(self, cfg: MoEConfig, device, *, comm: EPComm | None = None, overlap: bool = True,
-                 backend: str = "auto", fp8: bool = False, seed: int = 0):
+                 backend: str = "auto", fp8: bool = False, seed: int = 0, watchdog: bool = False):
         self.cfg, self.device = cfg, torch.device(device)
+        # Opt-in stall watchdog (graphrt.watchdog): per-layer device progress, int64 [num_layers] + [1].
+        self.progress, self.step_counter = (progress_tensors(cfg.num_layers, self.device)
+                                            if watchdog else (None, None))
         self.comm = comm or LocalComm(cfg.num_experts, cfg.hidden, cfg.num_topk, self.device,
                                       max_tokens=cfg.num_slots)
         if self.comm.num_experts != cfg.num_experts:
@@ -120,8 +125,12 @@ class MoEModel:
         """tokens int64 ``[bs]``, positions int32 ``[bs]``, slots int32 ``[bs]``, n int32 ``[1]``
         -> ``{"logits": [bs, vocab_size] bf16}``. Graph safety: capturable."""
         x = self.embed.index_select(0, tokens)                             # [bs, hidden]
-        for layer in self.layers:
+        if self.step_counter is not None:
+            begin_step(self.step_counter)
+        for i, layer in enumerate(self.layers):
             x = layer(x, positions, slots, n)
+            if self.progress is not None:
+                mark(self.progress, self.step_counter, i)
         self.comm.end_step()
         return {"logits": rmsnorm(x, self.final_norm, self.cfg.rms_eps) @ self.lm_head.t()}
 

@@ -1,0 +1,259 @@
+"""The stall watchdog: device counters (begin_step/mark), the polling logic on CPU tensors
+(a fake clock, then a real thread with a simulated device that stops mid-step), model
+instrumentation; on a GPU a stalled stream (``torch.cuda._sleep``); on two GPUs a rank that
+skips a DeepEP step, reported by the other rank instead of a silent hang."""
+import json
+import os
+import tempfile
+import threading
+import time
+
+import pytest
+import torch
+
+from graphrt.watchdog import (Snapshot, StallError, Watchdog, begin_step, instrument, mark,
+                              progress_tensors)
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_counters_and_snapshot():
+    progress, step = progress_tensors(3, "cpu")
+    assert progress.tolist() == [0, 0, 0] and step.tolist() == [0]
+    begin_step(step)
+    mark(progress, step, 0)
+    mark(progress, step, 1)
+    assert progress.tolist() == [1, 1, 0] and step.tolist() == [1]
+    assert Snapshot(1, (1, 1, 0)).last_layer == 1
+    assert Snapshot(2, (1, 1, 1)).last_layer == -1
+    assert Snapshot(2, (2, 2, 2)).last_layer == 2
+    with pytest.raises(ValueError):
+        progress_tensors(0, "cpu")
+
+
+def test_rejects_bad_tensors():
+    progress, step = progress_tensors(2, "cpu")
+    with pytest.raises(ValueError, match="progress must be int64"):
+        Watchdog(progress.int(), step)
+    with pytest.raises(ValueError, match="step_counter must be int64"):
+        Watchdog(progress, torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="timeout_s"):
+        Watchdog(progress, step, timeout_s=0)
+
+
+def test_poll_reports_stall_with_rank_step_and_layer():
+    progress, step = progress_tensors(4, "cpu")
+    clock, seen = FakeClock(), []
+    wd = Watchdog(progress, step, rank=3, timeout_s=2.0, clock=clock, on_stall=seen.append)
+    assert wd.poll() is None                       # not expecting a step: never a stall
+    clock.t = 100.0
+    assert wd.poll() is None
+    wd.expect_step()
+    begin_step(step)
+    for layer in range(2):                         # layers 0, 1 finish, 1 s apart: progress
+        clock.t += 1.0
+        mark(progress, step, layer)
+        assert wd.poll() is None
+    clock.t += 1.9
+    assert wd.poll() is None                       # 1.9 s without progress < 2 s
+    clock.t += 0.2
+    err = wd.poll()
+    assert isinstance(err, StallError) and seen == [err] and wd.reports == [err]
+    assert (err.rank, err.step, err.last_layer, err.num_layers) == (3, 1, 1, 4)
+    msg = str(err)
+    assert msg.startswith("rank 3: step 1 stalled after layer 1") and "last layer completed: 1" in msg
+    assert wd.poll() is None                       # reported once
+    with pytest.raises(StallError, match="rank 3: step 1 stalled after layer 1"):
+        wd.step_done()
+    wd.step_done()                                 # raised once, then cleared
+
+
+def test_stall_messages():
+    progress, step = progress_tensors(2, "cpu")
+    clock = FakeClock()
+    wd = Watchdog(progress, step, rank=0, timeout_s=1.0, clock=clock)
+    wd.expect_step()
+    clock.t = 5
+    wd.poll()
+    clock.t = 10
+    err = wd.poll()
+    assert err.step == 0 and "no step has started" in str(err)
+    with pytest.raises(StallError):
+        wd.expect_step()                           # a pending stall is raised before a new step
+    begin_step(step)                               # step 1 starts, stuck in layer 0
+    wd.expect_step()
+    wd.poll()
+    clock.t = 20
+    err = wd.poll()
+    assert err.last_layer == -1 and "stalled in layer 0" in str(err)
+    assert "last layer completed: none" in str(err)
+    with pytest.raises(StallError):
+        wd.step_done()
+    mark(progress, step, 0)
+    mark(progress, step, 1)                        # step 1 complete, step 2 never starts
+    wd.expect_step()
+    wd.poll()
+    clock.t = 30
+    err = wd.poll()
+    assert err.last_layer == 1 and "completed all 2 layers" in str(err)
+
+
+def test_threaded_watchdog_slow_steps_are_not_stalls_but_a_stop_is():
+    """A simulated device writes the counters layer by layer (each layer 0.05 s, a whole step
+    0.2 s > the 0.12 s timeout: progress, not step time, is watched), then stops in step 3
+    after layer 1. The engine side waits for it and gets the report, not a hang."""
+    progress, step = progress_tensors(4, "cpu")
+    reports = []
+    wd = Watchdog(progress, step, rank=1, timeout_s=0.12, poll_s=0.01, on_stall=reports.append)
+
+    def device(stop_step, stop_after):
+        for s in range(1, stop_step + 1):
+            begin_step(step)
+            for layer in range(4):
+                time.sleep(0.05)
+                mark(progress, step, layer)
+                if s == stop_step and layer == stop_after:
+                    return
+    with wd:
+        for s in (1, 2):
+            wd.expect_step()
+            dev = threading.Thread(target=device, args=(1, 3))
+            dev.start()
+            dev.join()
+            wd.step_done()                         # no stall
+        assert not reports
+        wd.expect_step()
+        dev = threading.Thread(target=device, args=(1, 1))
+        dev.start()
+        t0 = time.monotonic()
+        with pytest.raises(StallError) as info:
+            while time.monotonic() - t0 < 5:       # the engine's wait loop
+                wd.check()
+                time.sleep(0.005)
+        dev.join()
+    err = info.value
+    assert reports == [err] and (err.rank, err.step, err.last_layer) == (1, 3, 1)
+    assert "rank 1: step 3 stalled after layer 1" in str(err)
+
+
+@pytest.fixture(scope="module")
+def tiny_instrumented():
+    from graphrt.moe import make_step, preset
+    spec, model = make_step(preset("tiny", layers=2, experts=4, n_group=2, topk_group=1), "cpu",
+                            max_batch_size=4, backend="triton")
+    counters = instrument(model)
+    return spec, model, counters
+
+
+def test_instrument_marks_every_layer_and_passes_attributes(tiny_instrumented):
+    spec, model, (progress, step) = tiny_instrumented
+    assert instrument(model)[0] is progress        # idempotent
+    assert model.layers[0].attn.k_cache is not None  # attributes pass through
+    before = int(step)
+    spec.call(spec.random_inputs(3, "cpu", torch.Generator().manual_seed(0)))
+    assert int(step) == before + 1 and progress.tolist() == [before + 1] * 2
+
+
+def test_instrumented_step_is_graph_safe(tiny_instrumented):
+    from graphrt.capture import analyze_step
+    spec, _, _ = tiny_instrumented
+    rep = analyze_step(spec, [2], "cpu")
+    assert rep.findings == [], rep.table()
+
+
+def test_engine_with_watchdog_on_cpu(tiny_instrumented):
+    from graphrt.engine import DecodeEngine, Request, eager_step
+    spec, model, counters = tiny_instrumented
+    with Watchdog(*counters, timeout_s=30, poll_s=0.01) as wd:
+        eng = DecodeEngine(eager_step(spec, [1, 2, 4], "cpu"), num_slots=model.cfg.num_slots,
+                           max_ctx=model.cfg.max_ctx, max_batch_size=4, device="cpu", watchdog=wd)
+        eng.submit(Request(0, [5, 6], 2))
+        eng.run(3)
+    assert not wd.reports and eng.stats.finished == 1
+
+
+# -- GPU -------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_cuda_stall_reported_with_layer_and_no_blocking_read():
+    """Layer 1 of step 1 'hangs' (a 2 s device sleep); the watchdog (0.3 s) reports it while
+    the stream is still busy, from its own stream, and wait() raises instead of blocking."""
+    progress, step = progress_tensors(3, "cuda")
+    with Watchdog(progress, step, rank=0, timeout_s=0.3, poll_s=0.02) as wd:
+        wd.expect_step()
+        begin_step(step)
+        mark(progress, step, 0)
+        torch.cuda._sleep(int(4e9))                # ~2 s at ~2 GHz
+        mark(progress, step, 1)
+        mark(progress, step, 2)
+        done = torch.cuda.Event()
+        done.record()
+        t0 = time.monotonic()
+        with pytest.raises(StallError) as info:
+            wd.wait(done)
+        assert time.monotonic() - t0 < 1.5 and not done.query()
+        torch.cuda.synchronize()
+    err = info.value
+    assert (err.step, err.last_layer) == (1, 0) and "rank 0: step 1 stalled after layer 0" in str(err)
+
+
+@pytest.mark.gpu
+def test_graph_engine_with_watchdog_no_false_alarm():
+    import graphrt
+    from graphrt.engine import DecodeEngine, Workload, graph_step
+    from graphrt.moe import MoEModel, preset
+    cfg = preset("dsv3-like", layers=2, experts=16, num_slots=16, max_ctx=256)
+    model = MoEModel(cfg, "cuda")
+    counters = instrument(model)
+    rt = graphrt.GraphRuntime(model.spec(16), sizes=[1, 4, 16], progress=False).capture()
+    with Watchdog(*counters, timeout_s=10) as wd:
+        eng = DecodeEngine(graph_step(rt), num_slots=16, max_ctx=256, max_batch_size=16,
+                           device=model.device, watchdog=wd)
+        eng.run(60, Workload(0, vocab=cfg.vocab_size, max_ctx=256))
+    torch.cuda.synchronize()
+    assert not wd.reports and eng.stats.model_calls > 30
+    p, s = counters
+    assert p.tolist() == [int(s)] * 2
+
+
+@pytest.mark.multigpu
+def test_rank_skipping_a_deepep_step_is_reported_not_hung():
+    """Rank 1 skips step 12; rank 0's replay waits in DeepEP's dispatch of layer 0 forever.
+    Rank 0's watchdog (5 s) must report 'rank 0 ... last layer completed ...' and its engine
+    raise StallError; then this test kills both processes."""
+    import torch.multiprocessing as mp
+    from graphrt.distributed import _entry, free_port
+    from graphrt.watchdog import drill
+    out = tempfile.mkdtemp(prefix="graphrt-stall-")
+    ctx = mp.start_processes(_entry, args=(2, free_port(), out, drill, (out, 12, 5.0)), nprocs=2,
+                             join=False, start_method="spawn")
+    report, res0 = os.path.join(out, "stall_rank0.txt"), os.path.join(out, "rank0.json")
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline:
+            if os.path.exists(report) and os.path.exists(res0):
+                break
+            if os.path.exists(res0) and json.load(open(res0)).get("ok"):
+                break                              # rank 0 finished: no stall happened (a failure)
+            if all(not p.is_alive() for p in ctx.processes):
+                break
+            time.sleep(0.5)
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+        for p in ctx.processes:
+            p.join(timeout=60)
+    results = {r: json.load(open(os.path.join(out, f"rank{r}.json")))
+               for r in range(2) if os.path.exists(os.path.join(out, f"rank{r}.json"))}
+    assert os.path.exists(report), f"no stall report from rank 0; results: {results}"
+    text = open(report).read()
+    print(text)
+    assert text.startswith("rank 0: step ") and "last layer completed:" in text, text
+    assert "last_layer=-1" in text or "last_layer=0" in text, text
+    assert 0 in results and not results[0]["ok"] and "StallError" in results[0]["error"], results
