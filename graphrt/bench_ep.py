@@ -19,14 +19,19 @@ import os
 import torch
 
 
-def _comm_only_us(comm, cfg, bs, device) -> float:
-    from graphrt.timing import cuda_time_us
+def _routed_batch(cfg, bs, device):
+    """Random tokens, distinct top-k expert ids per token, weights and an output buffer."""
     x = torch.randn(bs, cfg.hidden, device=device, dtype=torch.bfloat16)
     ids = torch.stack([torch.randperm(cfg.num_experts, device=device)[:cfg.num_topk]
                        for _ in range(bs)])
     w = torch.rand(bs, cfg.num_topk, device=device)
+    return x, ids, w, torch.empty_like(x)
+
+
+def _comm_only_us(comm, cfg, bs, device) -> float:
+    from graphrt.timing import cuda_time_us
+    x, ids, w, out = _routed_batch(cfg, bs, device)
     n = torch.full((1,), bs, dtype=torch.int32, device=device)
-    out = torch.empty_like(x)
 
     def step():
         d = comm.dispatch(x, ids, n)
@@ -43,11 +48,7 @@ def _raw_deepep_us(comm, cfg, bs, device) -> float:
     """DeepEP's own calls, no graphrt code in between (the reference point)."""
     from graphrt.timing import cuda_time_us
     buf, T = comm.buffer, comm.max_tokens
-    x = torch.randn(bs, cfg.hidden, device=device, dtype=torch.bfloat16)
-    ids = torch.stack([torch.randperm(cfg.num_experts, device=device)[:cfg.num_topk]
-                       for _ in range(bs)])
-    w = torch.rand(bs, cfg.num_topk, device=device)
-    out = torch.empty_like(x)
+    x, ids, w, out = _routed_batch(cfg, bs, device)
 
     def step():
         recv, _, handle, _, _ = buf.low_latency_dispatch(x, ids, T, cfg.num_experts, use_fp8=False)

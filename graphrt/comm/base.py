@@ -72,6 +72,20 @@ class Receiver:
         return self.out
 
 
+def on_side_stream(stream, fn: Callable[[], Any], out: torch.Tensor, keep: tuple = ()) -> Receiver:
+    """Fork ``stream`` from the current stream, run ``fn()`` there, and return a ``Receiver``
+    that joins it back by an event wait: the captured fork/join of an overlapped combine.
+    ``keep``: what ``fn`` reads (held until joined, and by the graph when captured).
+    Graph safety: capturable."""
+    main = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(main)
+    with torch.cuda.stream(stream):
+        fn()
+        done = torch.cuda.Event()
+        done.record(stream)
+    return Receiver(lambda: main.wait_event(done), out, keep=(*keep, done))
+
+
 @runtime_checkable
 class EPComm(Protocol):
     """What the MoE layer needs from an expert-parallel backend.

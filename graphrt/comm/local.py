@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from graphrt.comm.base import Dispatched, Receiver
+from graphrt.comm.base import Dispatched, Receiver, on_side_stream
 
 
 def _round_up(x: int, m: int) -> int:
@@ -77,14 +77,9 @@ class LocalComm:
         if self._stream is None:  # CPU: nothing runs asynchronously
             self.combine(y, topk_ids, topk_weights, d, n, out=out)
             return Receiver(lambda: None, out)
-        main = torch.cuda.current_stream(self.device)
-        self._stream.wait_stream(main)
-        with torch.cuda.stream(self._stream):
-            self.combine(y, topk_ids, topk_weights, d, n, out=out)
-            done = torch.cuda.Event()
-            done.record(self._stream)
-        return Receiver(lambda: main.wait_event(done), out,
-                        keep=(y, topk_ids, topk_weights, d.handle, n, done))
+        return on_side_stream(self._stream,
+                              lambda: self.combine(y, topk_ids, topk_weights, d, n, out=out),
+                              out, keep=(y, topk_ids, topk_weights, d.handle, n))
 
     def end_step(self) -> None:
         """Nothing to check for EP=1 (host-only)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from graphrt.comm.base import Dispatched, Receiver
+from graphrt.comm.base import Dispatched, Receiver, on_side_stream
 from graphrt.comm.local import LocalComm
 from graphrt.errors import GraphrtError
 
@@ -96,14 +96,9 @@ class NCCLComm:
     def combine_async(self, y, topk_ids, topk_weights, d: Dispatched, n, *, out) -> Receiver:
         """The combine and its reduce-scatter on a communication stream, joined by event.
         Graph safety: capturable."""
-        main = torch.cuda.current_stream(self.device)
-        self._stream.wait_stream(main)
-        with torch.cuda.stream(self._stream):
-            self.combine(y, topk_ids, topk_weights, d, n, out=out)
-            done = torch.cuda.Event()
-            done.record(self._stream)
-        return Receiver(lambda: main.wait_event(done), out,
-                        keep=(y, topk_ids, topk_weights, d.handle, done))
+        return on_side_stream(self._stream,
+                              lambda: self.combine(y, topk_ids, topk_weights, d, n, out=out),
+                              out, keep=(y, topk_ids, topk_weights, d.handle, n))
 
     def end_step(self) -> None:
         """Nothing to check (host-only)."""
