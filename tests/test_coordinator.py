@@ -1,0 +1,74 @@
+"""CPU tests of cross-rank agreement (two processes over gloo): the agreed batch is the
+largest live batch, the debug check names both ranks' sizes on a mismatch, and a rank that
+never arrives becomes a timeout error instead of a hang."""
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from graphrt.distributed import free_port
+
+
+def _worker(rank, world, port, out_dir, scenario):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from graphrt.coordinator import RankCoordinator, RankMismatch
+    result = "ok"
+    try:
+        if scenario == "agree":
+            co = RankCoordinator(uniform=True, debug_check=True, group=dist.group.WORLD)
+            agreed = co.agree_batch([3, 17][rank])
+            co.check_replay(24, "graph")                 # same size everywhere: fine
+            result = f"agreed={agreed}"
+        elif scenario == "mismatch":
+            co = RankCoordinator(uniform=True, debug_check=True, group=dist.group.WORLD)
+            try:
+                co.check_replay([8, 16][rank], "graph")
+            except RankMismatch as e:
+                result = f"mismatch: {e}"
+        elif scenario == "per-rank":
+            co = RankCoordinator(uniform=False, debug_check=True, group=dist.group.WORLD)
+            co.check_replay([8, 16][rank], "graph")      # DeepEP-style: sizes may differ
+            result = f"agreed={co.agree_batch([3, 17][rank])}"
+        elif scenario == "missing":
+            co = RankCoordinator(uniform=True, debug_check=True, timeout_s=3)
+            if rank == 0:
+                try:
+                    co.check_replay(8, "graph")          # rank 1 never arrives
+                except RankMismatch as e:
+                    result = f"timeout: {e}"
+            else:
+                import time
+                time.sleep(8)
+    finally:
+        with open(os.path.join(out_dir, f"{rank}.txt"), "w") as f:
+            f.write(result)
+
+
+def _run(scenario):
+    out = tempfile.mkdtemp()
+    mp.start_processes(_worker, args=(2, free_port(), out, scenario), nprocs=2, join=True,
+                       start_method="spawn")
+    return [open(os.path.join(out, f"{r}.txt")).read() for r in range(2)]
+
+
+def test_agree_batch_is_the_largest_live_batch():
+    assert _run("agree") == ["agreed=17", "agreed=17"]
+
+
+def test_mismatch_names_both_ranks_sizes():
+    r0, r1 = _run("mismatch")
+    assert "rank 0 is about to run a graph step of batch 8 but rank 1 a graph step of batch 16" in r0
+    assert "rank 1 is about to run a graph step of batch 16 but rank 0 a graph step of batch 8" in r1
+
+
+def test_per_rank_backends_need_no_agreement():
+    assert _run("per-rank") == ["agreed=3", "agreed=17"]
+
+
+def test_missing_rank_is_a_timeout_not_a_hang():
+    r0, _ = _run("missing")
+    assert r0.startswith("timeout: rank 0: not every rank reached")
