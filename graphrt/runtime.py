@@ -124,7 +124,11 @@ class GraphRuntime:
     def input_buffers(self, n: int) -> dict[str, torch.Tensor]:
         """Zero-copy staging: the static input rows ``[0, n)`` (``{name: [n, *trailing]}``) for
         the engine to write in place, followed by ``replay(n)``. Saves one copy per input.
-        Graph safety: host-only."""
+        Graph safety: host-only. Not for uniform-batch multi-rank backends (use ``run``, which
+        agrees on the padded size across ranks first)."""
+        if self.coordinator is not None and self.coordinator.uniform:
+            raise GraphrtError("input_buffers()/replay() pick the graph from this rank's batch "
+                               "alone; with a uniform-batch backend (NCCL) use run()")
         size = self.table.pick(n)
         if size not in self.graphs:
             raise NoGraphForBatch(n, max(self.graphs) if self.graphs else None)
