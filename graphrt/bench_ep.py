@@ -28,37 +28,36 @@ def _routed_batch(cfg, bs, device):
     return x, ids, w, torch.empty_like(x)
 
 
-def _comm_only_us(comm, cfg, bs, device) -> float:
+def _captured_us(step) -> float:
+    """Warm ``step`` once, capture it, and time its replays (median, µs)."""
     from graphrt.timing import cuda_time_us
+    step()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    return cuda_time_us(g.replay, iters=20)
+
+
+def _comm_only_us(comm, cfg, bs, device) -> float:
     x, ids, w, out = _routed_batch(cfg, bs, device)
     n = torch.full((1,), bs, dtype=torch.int32, device=device)
 
     def step():
         d = comm.dispatch(x, ids, n)
         comm.combine(d.recv_x, ids, w, d, n, out=out)
-    step()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    return cuda_time_us(g.replay, iters=20)
+    return _captured_us(step)
 
 
 def _raw_deepep_us(comm, cfg, bs, device) -> float:
     """DeepEP's own calls, no graphrt code in between (the reference point)."""
-    from graphrt.timing import cuda_time_us
     buf, T = comm.buffer, comm.max_tokens
     x, ids, w, out = _routed_batch(cfg, bs, device)
 
     def step():
         recv, _, handle, _, _ = buf.low_latency_dispatch(x, ids, T, cfg.num_experts, use_fp8=False)
         buf.low_latency_combine(recv, ids, w, handle, out=out)
-    step()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    return cuda_time_us(g.replay, iters=20)
+    return _captured_us(step)
 
 
 def bench_rank(rank: int, world: int, comm_name: str, layers: int, experts: int,

@@ -250,14 +250,11 @@ def graph_step(rt):
 def eager_step(spec, sizes, device):
     """``step_fn`` running ``spec`` eagerly at the padded size a graph of ``sizes`` would use
     (pad rows at ``pad_value``, live count ``n``): bitwise what the replay computes."""
-    table, device = SizeTable(sizes), torch.device(device)
+    table = SizeTable(sizes)
 
     def step(**inputs):
         n = next(iter(inputs.values())).shape[0]
-        size = table.pick(n) or n
-        padded = {k: torch.cat([t, spec.inputs[k].pad(size - n, device)]) if size > n else t
-                  for k, t in inputs.items()}
-        return spec.call(padded, spec.live_count_tensor(n, device))["logits"][:n]
+        return spec.call_padded(inputs, table.pick(n) or n)["logits"]
     return step
 
 

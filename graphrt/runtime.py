@@ -13,7 +13,6 @@ it inside another capture.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,15 +154,9 @@ class GraphRuntime:
     def _no_graph(self, inputs, n: int, size: int | None, pick_n: int) -> Any:
         if size is None and self.oversize == "raise":
             raise NoGraphForBatch(pick_n, self.table.largest)
-        if pick_n == n:
-            return self.eager(**inputs)
-        # Uniform-batch backends: run eagerly at the agreed batch, padded, like the others.
-        padded = {k: torch.cat([t, self.spec.inputs[k].pad(pick_n - n, self.device)])
-                  for k, t in inputs.items()}
+        # Uniform-batch backends run eagerly at the agreed batch, padded, like the other ranks.
         self.counters["eager"] += 1
-        out = self.spec.call(padded, self.spec.live_count_tensor(n, self.device))
-        layout, flat = OutputLayout.flatten(out, pick_n)
-        return layout.build([o[:n] for o in flat])
+        return self.spec.call_padded(inputs, pick_n)
 
     def eager(self, **inputs: torch.Tensor) -> Any:
         """Run the step eagerly on exactly the live rows (no padding). Graph safety: host-only."""

@@ -155,6 +155,20 @@ class StepSpec:
         """A fresh int32 ``[1]`` device tensor holding ``n`` (eager calls; graphs use a static one)."""
         return torch.full((1,), n, dtype=torch.int32, device=device)
 
+    def call_padded(self, inputs: Mapping[str, torch.Tensor], padded_bs: int) -> Any:
+        """Run ``fn`` eagerly as a graph of ``padded_bs`` rows would: the live rows of
+        ``inputs`` followed by ``pad_value`` rows, the live count on the device; returns the
+        outputs trimmed to the live rows (bitwise what that graph's replay computes)."""
+        from graphrt.outputs import OutputLayout
+        first = next(iter(inputs.values()))
+        n, device = first.shape[0], first.device
+        if padded_bs > n:
+            inputs = {k: torch.cat([t, self.inputs[k].pad(padded_bs - n, device)])
+                      for k, t in inputs.items()}
+        out = self.call(inputs, self.live_count_tensor(n, device))
+        layout, flat = OutputLayout.flatten(out, max(padded_bs, n), where=self.name)
+        return layout.build([o[:n] for o in flat])
+
     def call(self, inputs: Mapping[str, torch.Tensor], n: torch.Tensor | None = None) -> Any:
         """Run ``fn`` eagerly on ``inputs`` (passing the live count when the spec wants it)."""
         kwargs = dict(inputs)

@@ -179,3 +179,20 @@ def test_import_graphrt_stays_light():
             "import torch; assert not torch.cuda.is_initialized(); print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_call_padded_runs_like_a_padded_graph():
+    seen = {}
+
+    def step(x, ids, n):
+        seen["rows"], seen["n"] = x.shape[0], int(n)
+        return {"y": x * 2, "ids": ids + 1}
+    spec = graphrt.StepSpec(step, {"x": graphrt.Input((None, 4), torch.float32, pad_value=-1.0),
+                                   "ids": graphrt.Input((None, 2), torch.int64, high=10)}, 16,
+                            live_count="n")
+    inputs = spec.random_inputs(3)
+    out = spec.call_padded(inputs, 8)
+    assert seen == {"rows": 8, "n": 3}
+    assert out["y"].shape == (3, 4) and torch.equal(out["y"], inputs["x"] * 2)
+    spec.call_padded(inputs, 3)
+    assert seen == {"rows": 3, "n": 3}

@@ -72,6 +72,21 @@ class Receiver:
         return self.out
 
 
+def ep_group(group, num_experts: int, who: str, error=GraphrtError) -> tuple:
+    """``(group, rank, num_ranks, num_local_experts)`` for an expert-parallel backend; raises
+    ``error`` when torch.distributed is not initialised or the experts do not split evenly.
+    Host-only."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        raise GraphrtError(f"{who} needs torch.distributed initialised "
+                           "(init_process_group('nccl')) on every rank")
+    group = group or dist.group.WORLD
+    rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
+    if num_experts % num_ranks:
+        raise error(f"{num_experts} experts do not split over {num_ranks} ranks")
+    return group, rank, num_ranks, num_experts // num_ranks
+
+
 def on_side_stream(stream, fn: Callable[[], Any], out: torch.Tensor, keep: tuple = ()) -> Receiver:
     """Fork ``stream`` from the current stream, run ``fn()`` there, and return a ``Receiver``
     that joins it back by an event wait: the captured fork/join of an overlapped combine.

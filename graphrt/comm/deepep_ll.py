@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from graphrt.comm.base import Dispatched, Receiver
+from graphrt.comm.base import Dispatched, Receiver, ep_group
 from graphrt.errors import GraphrtError
 
 SUPPORTED_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
@@ -55,7 +55,6 @@ class DeepEPLowLatencyComm:
 
     def __init__(self, num_experts: int, hidden: int, num_topk: int, device, *,
                  max_tokens: int = 128, group=None, fp8: bool = False, mode: str = "hook"):
-        import torch.distributed as dist
         if hidden not in SUPPORTED_HIDDEN:
             raise DeepEPRuleError(f"DeepEP low-latency kernels support hidden in "
                                   f"{SUPPORTED_HIDDEN}; got {hidden}")
@@ -66,16 +65,10 @@ class DeepEPLowLatencyComm:
                                   f"(NVSHMEM QP depth 1024); got {max_tokens}")
         if mode not in ("hook", "event"):
             raise ValueError(f"mode must be 'hook' or 'event'; got {mode!r}")
-        if not dist.is_initialized():
-            raise GraphrtError("DeepEPLowLatencyComm needs torch.distributed initialised "
-                               "(init_process_group('nccl')) on every rank")
+        self.group, self.rank, self.num_ranks, self.num_local_experts = ep_group(
+            group, num_experts, "DeepEPLowLatencyComm", error=DeepEPRuleError)
         import deep_ep
-        self.group = group or dist.group.WORLD
-        self.rank, self.num_ranks = dist.get_rank(self.group), dist.get_world_size(self.group)
-        if num_experts % self.num_ranks:
-            raise DeepEPRuleError(f"{num_experts} experts do not split over {self.num_ranks} ranks")
         self.num_experts, self.hidden, self.num_topk = num_experts, hidden, num_topk
-        self.num_local_experts = num_experts // self.num_ranks
         self.device, self.max_tokens, self.fp8, self.mode = torch.device(device), max_tokens, fp8, mode
         rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, self.num_ranks,
                                                               num_experts)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from graphrt.comm.base import Dispatched, Receiver, on_side_stream
+from graphrt.comm.base import Dispatched, Receiver, ep_group, on_side_stream
 from graphrt.comm.local import LocalComm
 from graphrt.errors import GraphrtError
 
@@ -36,16 +36,10 @@ class NCCLComm:
     def __init__(self, num_experts: int, hidden: int, num_topk: int, device, *,
                  max_tokens: int = 256, group=None, dtype=torch.bfloat16):
         import torch.distributed as dist
-        if not dist.is_initialized():
-            raise GraphrtError("NCCLComm needs torch.distributed initialised "
-                               "(init_process_group('nccl')) on every rank")
         self._dist = dist
-        self.group = group or dist.group.WORLD
-        self.rank, self.num_ranks = dist.get_rank(self.group), dist.get_world_size(self.group)
-        if num_experts % self.num_ranks:
-            raise GraphrtError(f"{num_experts} experts do not split over {self.num_ranks} ranks")
+        self.group, self.rank, self.num_ranks, self.num_local_experts = ep_group(
+            group, num_experts, "NCCLComm")
         self.num_experts, self.hidden, self.num_topk = num_experts, hidden, num_topk
-        self.num_local_experts = num_experts // self.num_ranks
         self.device, self.max_tokens = torch.device(device), max_tokens
         R = self.num_ranks
         self.local = LocalComm(self.num_local_experts, hidden, num_topk, self.device,
