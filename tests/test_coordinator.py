@@ -46,6 +46,9 @@ def _worker(rank, world, port, out_dir, scenario):
     finally:
         with open(os.path.join(out_dir, f"{rank}.txt"), "w") as f:
             f.write(result)
+        if scenario != "missing":
+            dist.barrier()  # nobody leaves while a peer still talks to it (gloo aborts then)
+        dist.destroy_process_group()
 
 
 def _run(scenario):
