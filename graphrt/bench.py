@@ -30,7 +30,9 @@ under ``--out`` (default ``bench-out``). ``results.json``::
     moe / moe_fp8: {config, layers, experts, fp8, expert_backend, hbm_gbs, expert_weight_bytes,
               capture_s_total, pool_bytes_total, rows [{bs, eager_us, replay_us,
               replay_no_overlap_us, speedup_vs_eager, floor_us, replay_over_floor,
-              shared_expert_us, combine_us, overlap_saved_us, overlap_saved_frac_of_shorter}]}
+              shared_expert_us, combine_us, overlap_saved_us, overlap_saved_frac_of_shorter,
+              region {shared_us, combine_us, sequential_us, overlapped_us, saved_us,
+                      saved_frac_of_shorter}}]}     region: one layer's overlap region alone
     modes: {config, layers, experts, hidden, num_topk, moe_inter, fp8, device, comm, num_ranks,
             sizes, modes (requested), expert_backend,
             hbm_gbs                     measured device copy bandwidth (null on CPU)
@@ -61,6 +63,7 @@ Graph safety: host-only.
 """
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -137,7 +140,8 @@ def bench_moe(cfg, device, sizes: list[int], fp8: bool = False) -> dict:
         eager_us = cuda_time_us(lambda: spec.call(inputs), iters=5, reps=5)
         on_us = cuda_time_us(rt_on.graphs[bs].graph.replay, iters=20)
         off_us = cuda_time_us(rt_off.graphs[bs].graph.replay, iters=20)
-        shared_us, combine_us = _parts_us(model, moe, bs, device)
+        region = overlap_region_us(model, moe, bs, device)
+        shared_us, combine_us = region["shared_us"], region["combine_us"]
         shorter = min(shared_us, combine_us) * cfg.num_layers if moe.shared is not None else 0.0
         rows.append({
             "bs": bs, "eager_us": eager_us, "replay_us": on_us, "replay_no_overlap_us": off_us,
@@ -146,6 +150,7 @@ def bench_moe(cfg, device, sizes: list[int], fp8: bool = False) -> dict:
             "shared_expert_us": shared_us, "combine_us": combine_us,
             "overlap_saved_us": off_us - on_us,
             "overlap_saved_frac_of_shorter": (off_us - on_us) / shorter if shorter else None,
+            "region": region,
         })
     st = rt_on.stats()
     return {"config": cfg.name, "layers": cfg.num_layers, "experts": cfg.num_experts, "fp8": fp8,
@@ -154,30 +159,68 @@ def bench_moe(cfg, device, sizes: list[int], fp8: bool = False) -> dict:
             "capture_s_total": st["capture_s"], "pool_bytes_total": st["pool_bytes"], "rows": rows}
 
 
-def _parts_us(model, moe, bs, device) -> tuple[float, float]:
-    """Device time of one layer's shared expert and of its combine alone, each captured."""
+REGION_REPS = 16  # overlap regions per captured graph: one replay launch amortised over 16
+
+
+def overlap_region_us(model, moe, bs: int, device) -> dict:
+    """One layer's overlap region timed alone, not inside a whole step: the combine and the
+    shared expert each alone, one after the other (``sequential``), and overlapped as the
+    model runs them (``combine_async`` -> shared expert -> receiver join). Each form is
+    captured ``REGION_REPS`` times back to back in one graph; µs are per region (median of
+    replays / reps), so the saving is resolved to well under a microsecond rather than lost in
+    the spread of a multi-millisecond step. Inputs are real: h random, routed and dispatched.
+
+    Returns ``{shared_us, combine_us, sequential_us, overlapped_us, saved_us,
+    saved_frac_of_shorter}`` (the last is None without a shared expert). Host-only.
+    """
     cfg = model.cfg
-    h = torch.randn(bs, cfg.hidden, device=device, dtype=cfg.dtype)
+    g = torch.Generator(device=device).manual_seed(bs)
+    h = torch.randn(bs, cfg.hidden, device=device, dtype=cfg.dtype, generator=g)
     n = torch.full((1,), bs, dtype=torch.int32, device=device)
     w, ids = moe.router(h, n)
     d = moe.comm.dispatch(h, ids, n)
     y = moe.experts(d.recv_x, d.masked_m, d.expected_m, d.recv_scale)
     out = torch.empty_like(h)
-    times = []
-    for fn in ((lambda: moe.shared(h)) if moe.shared is not None else (lambda: None),
-               lambda: moe.comm.combine(y, ids, w, d, n, out=out)):
-        fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        times.append(cuda_time_us(g.replay, iters=50))
-    return times[0], times[1]
+    shared = moe.shared if moe.shared is not None else (lambda _h: None)
+
+    def overlapped():
+        recv = moe.comm.combine_async(y, ids, w, d, n, out=out)
+        shared(h)
+        recv()
+
+    forms = {"shared_us": lambda: shared(h),
+             "combine_us": lambda: moe.comm.combine(y, ids, w, d, n, out=out),
+             "sequential_us": lambda: (moe.comm.combine(y, ids, w, d, n, out=out), shared(h)),
+             "overlapped_us": overlapped}
+    res = {}
+    for key, fn in forms.items():
+        fn()  # warm (Triton/DeepGEMM compile) outside the capture
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(REGION_REPS):
+                fn()
+        res[key] = cuda_time_us(graph.replay, iters=20) / REGION_REPS
+        del graph
+    res["saved_us"] = res["sequential_us"] - res["overlapped_us"]
+    shorter = min(res["shared_us"], res["combine_us"])
+    res["saved_frac_of_shorter"] = res["saved_us"] / shorter if moe.shared is not None else None
+    return res
 
 
 def _md_moe(res: dict) -> str:
     head = ("| bs | eager µs | replay µs | ×eager | no-overlap µs | overlap saved µs | shared µs/layer "
             "| combine µs/layer | saved / shorter | floor µs | replay/floor |\n|" + "---|" * 11)
+    region = ["", "One layer's overlap region alone (µs per region, "
+              f"{REGION_REPS} regions per graph):", "",
+              "| bs | shared expert | combine | sequential | overlapped | saved | saved / shorter |",
+              "|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        g = r["region"]
+        frac = g["saved_frac_of_shorter"]
+        region.append(f"| {r['bs']} | {g['shared_us']:.1f} | {g['combine_us']:.1f} | "
+                      f"{g['sequential_us']:.1f} | {g['overlapped_us']:.1f} | {g['saved_us']:.1f} | "
+                      f"{'n/a' if frac is None else f'{frac:.0%}'} |")
     lines = [head]
     for r in res["rows"]:
         frac = r["overlap_saved_frac_of_shorter"]
@@ -186,7 +229,7 @@ def _md_moe(res: dict) -> str:
                      f"{r['overlap_saved_us']:.1f} | {r['shared_expert_us']:.1f} | {r['combine_us']:.1f} | "
                      f"{'n/a' if frac is None else f'{frac:.0%}'} | {r['floor_us']:.0f} | "
                      f"{r['replay_over_floor']:.2f} |")
-    return "\n".join(lines)
+    return "\n".join(lines + region)
 
 
 def _md_runtime(res: dict) -> str:
@@ -343,7 +386,8 @@ def _main(args) -> int:
             report(key, r, f"## {key}: {r['config']} {r['layers']}L {r['experts']} experts, experts on "
                    f"{r['expert_backend']}{' fp8' if fp8 else ' bf16'}, HBM {r['hbm_gbs']:.0f} GB/s, "
                    f"capture {r['capture_s_total']:.1f} s\n" + _md_moe(r))
-            torch.cuda.empty_cache()
+            gc.collect()  # the model, its graphs and runtimes form cycles: free them before
+            torch.cuda.empty_cache()  # the next model (bf16 then fp8 do not both fit at 256 experts)
     save()
     if comm is not None:
         torch.distributed.destroy_process_group()

@@ -19,11 +19,14 @@ every op returns ``None`` (a custom op may not return an alias of its input)::
     torch.ops.graphrt.masked_grouped_gemm(a, b, masked_m, out, expected_m=None)
     torch.ops.graphrt.kv_append(k, v, slots, positions, n, k_cache, v_cache)
     torch.ops.graphrt.decode_attention(q, k_cache, v_cache, slots, ctx_lens, n, out,
-                                       workspace_o, workspace_lse, sm_scale=None)
+                                       workspace_o, workspace_lse, sm_scale=None, ctx_offset=0)
+    torch.ops.graphrt.add_rmsnorm(x, d1, d2, weight, eps, out, out_residual)   # d1, d2 optional
+    torch.ops.graphrt.silu_and_mul(u, out)
     torch.ops.graphrt.deepgemm_masked_bf16(a, b, d, masked_m, expected_m)
     torch.ops.graphrt.deepgemm_masked_fp8(a, a_scale, b, b_scale, d, masked_m, expected_m)
 
-Shapes and dtypes are the launchers' (``graphrt.kernels.*``); the two DeepGEMM ops are
+Shapes and dtypes are the launchers' (``graphrt.kernels.*``; ``add_rmsnorm`` takes its
+launcher's zero to two ``*deltas`` as the optional ``d1``, ``d2``); the two DeepGEMM ops are
 ``deep_gemm.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m)`` and
 ``deep_gemm.m_grouped_fp8_gemm_nt_masked((a, a_scale), (b, b_scale), d, masked_m, expected_m)``
 with the scale tuples flattened. Keyword calls (``out=out``) work too.
@@ -155,16 +158,34 @@ def kv_append(k: Tensor, v: Tensor, slots: Tensor, positions: Tensor, n: Tensor,
 @_op("decode_attention", ("out", "workspace_o", "workspace_lse"))
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, ctx_lens: Tensor,
                      n: Tensor, out: Tensor, workspace_o: Tensor, workspace_lse: Tensor,
-                     sm_scale: Optional[float] = None) -> None:
+                     sm_scale: Optional[float] = None, ctx_offset: int = 0) -> None:
     """``graphrt.kernels.attention.decode_attention``. Graph safety: capturable."""
     _launcher(f"{_KERNELS}.attention", "decode_attention")(
         q, k_cache, v_cache, slots, ctx_lens, n, out=out, workspace_o=workspace_o,
-        workspace_lse=workspace_lse, sm_scale=sm_scale)
+        workspace_lse=workspace_lse, sm_scale=sm_scale, ctx_offset=ctx_offset)
+
+
+# ------------------------------------------------------------------------ norm / activation
+@_op("add_rmsnorm", ("out", "out_residual"))
+def add_rmsnorm(x: Tensor, d1: Optional[Tensor], d2: Optional[Tensor], weight: Tensor, eps: float,
+                out: Tensor, out_residual: Optional[Tensor]) -> None:
+    """``graphrt.kernels.norm.add_rmsnorm(x, *deltas, ...)`` with the deltas that are not
+    ``None``; ``out_residual`` must not be ``x`` here (an op may not mutate an unmutated input).
+    Graph safety: capturable."""
+    deltas = [d for d in (d1, d2) if d is not None]
+    _launcher(f"{_KERNELS}.norm", "add_rmsnorm")(
+        x, *deltas, weight=weight, eps=eps, out=out, out_residual=out_residual)
+
+
+@_op("silu_and_mul", ("out",))
+def silu_and_mul(u: Tensor, out: Tensor) -> None:
+    """``graphrt.kernels.activation.silu_and_mul``. Graph safety: capturable."""
+    _launcher(f"{_KERNELS}.activation", "silu_and_mul")(u, out=out)
 
 
 OPS = (topk_softmax, grouped_topk_sigmoid, dispatch_masked, combine_masked, silu_and_mul_masked,
        silu_and_mul_masked_fp8, masked_grouped_gemm, deepgemm_masked_bf16, deepgemm_masked_fp8,
-       kv_append, decode_attention)
+       kv_append, decode_attention, add_rmsnorm, silu_and_mul)
 
 
 def _no_outputs(*args, **kwargs) -> None:
@@ -215,9 +236,20 @@ def _wrappers() -> dict[tuple[str, str], object]:
         ops.kv_append(k, v, slots, positions, n, k_cache, v_cache)
 
     def decode_attention_(q, k_cache, v_cache, slots, ctx_lens, n, *, out, workspace_o,
-                          workspace_lse, sm_scale=None):
+                          workspace_lse, sm_scale=None, ctx_offset=0):
         ops.decode_attention(q, k_cache, v_cache, slots, ctx_lens, n, out, workspace_o,
-                             workspace_lse, sm_scale)
+                             workspace_lse, sm_scale, int(ctx_offset))
+        return out
+
+    def add_rmsnorm_(x, *deltas, weight, eps, out, out_residual=None):
+        if len(deltas) > 2:
+            raise ValueError(f"number of deltas: expected 0, 1 or 2, got {len(deltas)}")
+        d1, d2 = (list(deltas) + [None, None])[:2]
+        ops.add_rmsnorm(x, d1, d2, weight, float(eps), out, out_residual if deltas else None)
+        return out
+
+    def silu_and_mul_(u, *, out):
+        ops.silu_and_mul(u, out)
         return out
 
     def m_grouped_bf16_gemm_nt_masked_(a, b, d, masked_m, expected_m):
@@ -236,6 +268,8 @@ def _wrappers() -> dict[tuple[str, str], object]:
             (f"{k}.grouped_gemm", "masked_grouped_gemm"): masked_grouped_gemm_,
             (f"{k}.attention", "kv_append"): kv_append_,
             (f"{k}.attention", "decode_attention"): decode_attention_,
+            (f"{k}.norm", "add_rmsnorm"): add_rmsnorm_,
+            (f"{k}.activation", "silu_and_mul"): silu_and_mul_,
             ("deep_gemm", "m_grouped_bf16_gemm_nt_masked"): m_grouped_bf16_gemm_nt_masked_,
             ("deep_gemm", "m_grouped_fp8_gemm_nt_masked"): m_grouped_fp8_gemm_nt_masked_}
 

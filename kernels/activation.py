@@ -1,4 +1,5 @@
-"""SiLU-and-mul over the masked layout, with an optional fused fp8 per-token-group quantisation.
+"""SiLU-and-mul over the masked layout, with an optional fused fp8 per-token-group quantisation;
+and a dense variant (``silu_and_mul``, every row) for the shared expert.
 
 ``u[e, m] = [gate | up]`` (``2 * inter`` columns); ``a = silu(gate) * up`` in fp32. Only rows
 ``m < masked_m[e]`` are read or written: the grid is ``(num_local_experts, row programs)`` and
@@ -120,6 +121,55 @@ def _silu_and_mul_masked_fp8_kernel(
             q = _round_to_e4m3(tl.minimum(tl.maximum(a / scale[:, None], -448.0), 448.0))
             tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=cmask)
             tl.store(s_row + grp * stride_sg, scale, mask=grp < num_groups)
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    u_ptr,  # [rows, 2 * inter], last dim contiguous
+    out_ptr,  # [rows, inter] out, last dim contiguous
+    inter,  # int: output columns
+    stride_u, stride_o,  # int: row strides (elements)
+    BLOCK_N: tl.constexpr,  # columns per program (power of 2)
+):
+    m = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < inter
+    g = tl.load(u_ptr + m * stride_u + cols, mask=cmask, other=0.0).to(tl.float32)
+    up = tl.load(u_ptr + m * stride_u + inter + cols, mask=cmask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_o + cols, (g / (1.0 + tl.exp(-g)) * up).to(out_ptr.dtype.element_ty),
+             mask=cmask)
+
+
+def silu_and_mul(u, *, out):
+    """Dense ``out[m] = silu(u[m, :inter]) * u[m, inter:]`` over every row (the shared expert).
+
+    u: [rows, 2 * inter] bf16 (fp16/fp32 accepted), last dim contiguous. out: [rows, inter],
+    last dim contiguous. One launch, fp32 math. Returns ``out``.
+
+    Graph safety: capturable
+    """
+    check_tensor(u, "u", shape=(None, None), dtype=_FLOAT_DTYPES)
+    rows, two_inter = u.shape
+    check(two_inter % 2 == 0, "u.shape[1] (2 * inter)", "an even number", two_inter)
+    inter = two_inter // 2
+    check_tensor(out, "out", shape=(rows, inter), dtype=_FLOAT_DTYPES, device=u.device)
+    check(u.stride(1) == 1 and out.stride(1) == 1, "u.stride(1), out.stride(1)", (1, 1),
+          (u.stride(1), out.stride(1)))
+    if rows == 0 or inter == 0:
+        return out
+    block = min(triton.next_power_of_2(inter), 1024)
+    _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](
+        u, out, inter, u.stride(0), out.stride(0), BLOCK_N=block, num_warps=4)
+    return out
+
+
+def silu_and_mul_ref(u):
+    """Torch reference of :func:`silu_and_mul` (fp32 math, result in u's dtype; allocates).
+
+    Graph safety: capturable (allocates, so not for the run path)
+    """
+    inter = u.shape[1] // 2
+    return (torch.nn.functional.silu(u[:, :inter].float()) * u[:, inter:].float()).to(u.dtype)
 
 
 def _check_u(u, masked_m):

@@ -177,6 +177,7 @@ def _attn_split_kernel(
     ws_lse_ptr,  # fp32 [padded_bs, num_heads, num_splits]: partial log-sum-exp (natural log)
     qk_scale,  # sm_scale * log2(e): scores are kept in base 2
     num_slots, max_ctx, split_size,  # cache extents; positions per split (multiple of BLOCK_N)
+    ctx_offset,  # added to every ctx_lens entry (1: pass the positions of the new tokens)
     stride_qb, stride_qh,  # strides of q (row, head)
     stride_cs, stride_ct, stride_ch,  # strides of the caches (slot, position, head)
     stride_ob, stride_oh, stride_os,  # strides of ws_o (row, head, split)
@@ -191,7 +192,7 @@ def _attn_split_kernel(
     kvh = tl.program_id(1)  # kv head
     split = tl.program_id(2)  # chunk of the context
     slot = tl.load(slots_ptr + b)
-    ctx = tl.minimum(tl.load(ctx_lens_ptr + b), max_ctx)
+    ctx = tl.minimum(tl.load(ctx_lens_ptr + b) + ctx_offset, max_ctx)
     start = split * split_size
     dead = (b >= tl.load(n_ptr)) | (slot < 0) | (slot >= num_slots)
     if dead | (start >= ctx):
@@ -246,7 +247,7 @@ def _attn_merge_kernel(
     ws_lse_ptr,  # fp32 [padded_bs, num_heads, num_splits]: partial log-sum-exp
     slots_ptr, ctx_lens_ptr,  # int32 [padded_bs]: cache slot, valid positions of each row
     n_ptr,  # int32 [1]: live rows
-    num_slots, max_ctx, split_size,  # same values kernel 1 ran with
+    num_slots, max_ctx, split_size, ctx_offset,  # same values kernel 1 ran with
     stride_outb, stride_outh,  # strides of out (row, head)
     stride_ob, stride_oh, stride_os,  # strides of ws_o (row, head, split)
     stride_lb, stride_lh,  # strides of ws_lse (row, head); split stride is 1
@@ -258,7 +259,7 @@ def _attn_merge_kernel(
     mask_d = offs_d < HEAD_DIM
     out_ptrs = out_ptr + b * stride_outb + h * stride_outh + offs_d
     slot = tl.load(slots_ptr + b)
-    ctx = tl.minimum(tl.load(ctx_lens_ptr + b), max_ctx)
+    ctx = tl.minimum(tl.load(ctx_lens_ptr + b) + ctx_offset, max_ctx)
     dead = (b >= tl.load(n_ptr)) | (slot < 0) | (slot >= num_slots)
     if dead | (ctx <= 0):
         tl.store(out_ptrs, tl.zeros((HEAD_DIM,), dtype=tl.float32).to(out_ptr.dtype.element_ty),
@@ -284,7 +285,7 @@ def _attn_merge_kernel(
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slots: torch.Tensor, ctx_lens: torch.Tensor, n: torch.Tensor, *,
                      out: torch.Tensor, workspace_o: torch.Tensor, workspace_lse: torch.Tensor,
-                     sm_scale: float | None = None) -> torch.Tensor:
+                     sm_scale: float | None = None, ctx_offset: int = 0) -> torch.Tensor:
     """GQA decode attention of one new token per row over its cache slot.
 
     Args:
@@ -301,6 +302,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         workspace_lse: fp32 [padded_bs, num_heads, num_splits]. Both workspaces contiguous,
             contents irrelevant (fully rewritten where read).
         sm_scale: softmax scale, default ``1 / sqrt(head_dim)``.
+        ctx_offset: added to every ``ctx_lens`` entry on the device, so a decode step can pass
+            the positions it appended at with ``ctx_offset=1`` instead of computing
+            ``positions + 1`` in a kernel of its own.
 
     Returns ``out``. Two kernel launches, no allocation; the work done follows ``ctx_lens``.
 
@@ -330,7 +334,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     _attn_split_kernel[(padded_bs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, slots, ctx_lens, n, workspace_o, workspace_lse,
-        scale * _LOG2E, num_slots, max_ctx, split_size,
+        scale * _LOG2E, num_slots, max_ctx, split_size, int(ctx_offset),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         workspace_o.stride(0), workspace_o.stride(1), workspace_o.stride(2),
@@ -340,6 +344,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     )
     _attn_merge_kernel[(padded_bs, num_heads)](
         out, workspace_o, workspace_lse, slots, ctx_lens, n, num_slots, max_ctx, split_size,
+        int(ctx_offset),
         out.stride(0), out.stride(1),
         workspace_o.stride(0), workspace_o.stride(1), workspace_o.stride(2),
         workspace_lse.stride(0), workspace_lse.stride(1),
@@ -348,7 +353,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-def decode_attention_ref(q, k_cache, v_cache, slots, ctx_lens, n, *, sm_scale=None) -> torch.Tensor:
+def decode_attention_ref(q, k_cache, v_cache, slots, ctx_lens, n, *, sm_scale=None,
+                         ctx_offset=0) -> torch.Tensor:
     """Pure-torch reference of :func:`decode_attention` (fp32 math, allocates its result).
 
     Same shapes; returns bf16 [padded_bs, num_heads, head_dim], zeros where the launcher
@@ -360,7 +366,7 @@ def decode_attention_ref(q, k_cache, v_cache, slots, ctx_lens, n, *, sm_scale=No
     padded_bs, num_heads, _ = q.shape
     group = num_heads // num_kv_heads
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-    slots, ctx = slots.long(), ctx_lens.long().clamp(max=max_ctx)
+    slots, ctx = slots.long(), (ctx_lens.long() + ctx_offset).clamp(max=max_ctx)
     live = (torch.arange(padded_bs, device=q.device) < n.long()) & (slots >= 0) \
         & (slots < num_slots) & (ctx > 0)  # [bs]
     idx = slots.clamp(0, num_slots - 1)

@@ -48,3 +48,20 @@ def test_idle_and_host_cost_measured(res):
             assert row["run_host_us"][mode] > 0
     for mode in ("graph", "graph-overlap", "naive-graph"):
         assert res["capture"][mode]["capture_s_total"] > 0
+
+
+def test_overlap_region_is_timed_alone():
+    """``graphrt.bench.overlap_region_us`` (the per-layer overlap figure of the moe suite) times
+    each form of one layer's overlap region from its own graph; every form does real work."""
+    from graphrt.bench import overlap_region_us
+    from graphrt.moe import MoEModel, preset
+    dev = torch.device("cuda", torch.cuda.current_device())
+    model = MoEModel(preset("dsv3-like", layers=1, experts=16), dev)
+    r = overlap_region_us(model, model.layers[0].moe, 8, dev)
+    for key in ("shared_us", "combine_us", "sequential_us", "overlapped_us"):
+        assert r[key] > 0, r
+    # one stream, one after the other: never shorter than the longer part alone (5% spread)
+    assert r["sequential_us"] >= 0.95 * max(r["shared_us"], r["combine_us"]), r
+    assert r["saved_us"] == pytest.approx(r["sequential_us"] - r["overlapped_us"])
+    assert r["saved_frac_of_shorter"] == pytest.approx(
+        r["saved_us"] / min(r["shared_us"], r["combine_us"]))

@@ -58,6 +58,8 @@ def _cases():
          (_rand(bs, 4, 32, gen=g), cache(), cache(), slots, positions + 1, n),
          dict(out=torch.zeros(bs, 4, 32, dtype=bf16), workspace_o=torch.zeros(o_shape),
               workspace_lse=torch.zeros(lse_shape))),
+        ("silu_and_mul", "activation", (_rand(bs, 2 * inter, gen=g),),
+         dict(out=torch.zeros(bs, inter, dtype=bf16))),
     ]
 
 
@@ -82,6 +84,28 @@ def test_op_matches_launcher_and_passes_opcheck(name, module, args, kw):
     fp8 = any(getattr(v, "dtype", None) == torch.float8_e4m3fn for v in kw.values())
     utils = ("test_faketensor",) if fp8 else ("test_schema", "test_faketensor")  # opcheck can't diff fp8
     torch.library.opcheck(getattr(OPS, name).default, args, _clone(kw), test_utils=utils)
+
+
+@pytest.mark.parametrize("num_add", [0, 1, 2])
+def test_add_rmsnorm_op_matches_launcher(num_add):
+    from graphrt.kernels.norm import add_rmsnorm
+    g = torch.Generator().manual_seed(1)
+    x, w = _rand(6, 64, gen=g), _rand(64, gen=g)
+    deltas = [_rand(6, 64, gen=g) for _ in range(num_add)]
+    want_out, want_res = torch.zeros_like(x), torch.zeros_like(x) if num_add else None
+    add_rmsnorm(x, *deltas, weight=w, eps=1e-6, out=want_out, out_residual=want_res)
+    d1, d2 = (deltas + [None, None])[:2]
+    out, res = torch.zeros_like(x), torch.zeros_like(x) if num_add else None
+    assert OPS.add_rmsnorm(x, d1, d2, w, 1e-6, out, res) is None
+    assert torch.equal(out, want_out) and (res is None or torch.equal(res, want_res))
+    torch.library.opcheck(OPS.add_rmsnorm.default, (x, d1, d2, w, 1e-6, torch.zeros_like(x),
+                                                    torch.zeros_like(x) if num_add else None))
+    with gops.launchers_as_ops():  # the launcher-shaped wrapper routes through the op
+        import graphrt.kernels.norm as norm
+        out2 = torch.zeros_like(x)
+        res2 = torch.zeros_like(x) if num_add else None
+        assert norm.add_rmsnorm(x, *deltas, weight=w, eps=1e-6, out=out2, out_residual=res2) is out2
+    assert torch.equal(out2, want_out)
 
 
 def test_deepgemm_ops_have_fakes_and_import_nothing():

@@ -25,9 +25,12 @@ def _block_spec(device, backend="triton"):
     from graphrt.moe import MoEModel, preset
     model = MoEModel(preset("tiny"), device, backend=backend)
     block = model.layers[0].moe
-    spec = graphrt.StepSpec(lambda x, n: block(x, n), {"x": graphrt.Input((None, model.cfg.hidden),
-                                                                         torch.bfloat16)}, 16,
-                            name="moe-block", live_count="n")
+
+    def step(x, n):  # the block returns (routed experts' output, shared expert's output)
+        routed, shared = block(x, n)
+        return routed + shared
+    spec = graphrt.StepSpec(step, {"x": graphrt.Input((None, model.cfg.hidden), torch.bfloat16)},
+                            16, name="moe-block", live_count="n")
     return spec
 
 

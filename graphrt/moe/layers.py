@@ -1,5 +1,5 @@
-"""Building blocks of the reference decode step: RMSNorm, the router, the shared expert and
-GQA decode attention over a static KV cache.
+"""Building blocks of the reference decode step: the fused residual-add + RMSNorm, the router,
+the shared expert and GQA decode attention over a static KV cache.
 
 Glossary: bs (= padded_bs inside a graph), hidden, num_experts, num_topk. ``n`` is the
 int32 ``[1]`` live-row count on the device; rows ``>= n`` are padding.
@@ -9,7 +9,6 @@ Graph safety: capturable (every ``__call__``); weights and caches are allocated 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from graphrt.moe.config import MoEConfig
 
@@ -18,10 +17,16 @@ def _randn(gen, device, dtype, *shape, fan_in):
     return torch.randn(*shape, generator=gen, device=device, dtype=dtype) * fan_in ** -0.5
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x ``[bs, hidden]`` -> same dtype, normalized in fp32."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+def add_rmsnorm(x: torch.Tensor, *deltas: torch.Tensor, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual = x + sum(deltas)`` and ``rmsnorm(residual) * weight`` in one Triton launch
+    (``graphrt.kernels.norm``). x and deltas ``[bs, hidden]`` -> ``(residual, normed)``, both
+    ``x.dtype``; without deltas the residual is ``x`` itself."""
+    from graphrt.kernels.norm import add_rmsnorm as launch
+    out = torch.empty_like(x)
+    res = torch.empty_like(x) if deltas else None
+    launch(x, *deltas, weight=weight, eps=eps, out=out, out_residual=res)
+    return (res if deltas else x), out
 
 
 class Router:
@@ -57,8 +62,10 @@ class SharedExpert:
         self.inter = inter
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        from graphrt.kernels.activation import silu_and_mul
         gu = h @ self.w13.t()                                              # [bs, 2 * inter]
-        return (F.silu(gu[:, :self.inter]) * gu[:, self.inter:]) @ self.w2.t()
+        a = torch.empty(h.shape[0], self.inter, dtype=h.dtype, device=h.device)
+        return silu_and_mul(gu, out=a) @ self.w2.t()
 
 
 class Attention:
@@ -81,13 +88,12 @@ class Attention:
         q = qkv[:, :cfg.q_dim].view(bs, cfg.num_heads, cfg.head_dim)
         k = qkv[:, cfg.q_dim:cfg.q_dim + cfg.kv_dim].view(bs, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, cfg.q_dim + cfg.kv_dim:].view(bs, cfg.num_kv_heads, cfg.head_dim)
-        kv_append(k.contiguous(), v.contiguous(), slots, positions, n, k_cache=self.k_cache,
-                  v_cache=self.v_cache)
-        ctx = positions + 1                                                # [bs] int32
+        kv_append(k, v, slots, positions, n, k_cache=self.k_cache, v_cache=self.v_cache)
         o_shape, lse_shape = attention_workspace_shape(bs, cfg.num_heads, cfg.head_dim, cfg.max_ctx)
         ws_o = torch.empty(o_shape, dtype=torch.float32, device=h.device)
         ws_lse = torch.empty(lse_shape, dtype=torch.float32, device=h.device)
         o = torch.empty(bs, cfg.num_heads, cfg.head_dim, dtype=cfg.dtype, device=h.device)
-        decode_attention(q.contiguous(), self.k_cache, self.v_cache, slots, ctx, n, out=o,
-                         workspace_o=ws_o, workspace_lse=ws_lse)
+        # The row attends over positions 0..positions[b] inclusive: ctx_offset=1 on the device.
+        decode_attention(q, self.k_cache, self.v_cache, slots, positions, n, out=o,
+                         workspace_o=ws_o, workspace_lse=ws_lse, ctx_offset=1)
         return o.view(bs, cfg.q_dim) @ self.wo.t()

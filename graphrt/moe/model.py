@@ -2,15 +2,15 @@
 
 One decode step (DESIGN.md, "The MoE decode step"), per layer::
 
-    x = x + attention(rmsnorm(x))
-    h = rmsnorm(x)
+    # h = rmsnorm(x) comes in from the previous layer's fused add+norm (or the embedding's)
+    x, h = add_rmsnorm(x, attention(h))      # one Triton launch: residual add + RMSNorm
     w, idx = router(h, n)                    # idx = -1 on padded rows
     d = comm.dispatch(h, idx, n)             # masked layout [E_local, cap, hidden], masked_m
     y = experts(d.recv_x, d.masked_m)        # W13 -> silu*up (live rows) -> W2
     recv = comm.combine_async(y, ..., out=moe_out)
     s = shared_expert(h)                     # overlaps the combine
     recv()                                   # device-side join
-    x = x + moe_out + s
+    x, h = add_rmsnorm(x, moe_out, s)        # with the next layer's (or the final) norm weight
 
 ``make_step(cfg, device, ...)`` builds the model and returns ``(StepSpec, model)``: inputs
 ``tokens`` int64 ``[bs]``, ``positions`` int32 ``[bs]`` (context length before this token),
@@ -27,7 +27,7 @@ from graphrt.comm.base import EPComm
 from graphrt.comm.local import LocalComm
 from graphrt.moe.config import MoEConfig
 from graphrt.moe.experts import Experts
-from graphrt.moe.layers import Attention, Router, SharedExpert, rmsnorm
+from graphrt.moe.layers import Attention, Router, SharedExpert, add_rmsnorm
 from graphrt.moe.workspace import Workspace
 from graphrt.spec import Input, StepSpec
 from graphrt.watchdog import begin_step, mark, progress_tensors
@@ -46,7 +46,9 @@ class MoEBlock:
                                max_cap=comm.cap_for(cfg.num_slots), workspace=workspace)
         self.shared = SharedExpert(cfg, device, gen) if cfg.num_shared_experts else None
 
-    def __call__(self, h: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """h ``[bs, hidden]`` -> the routed experts' output and the shared expert's (when the
+        model has one), each ``[bs, hidden]``; the caller adds them into the residual."""
         w, ids = self.router(h, n)                                         # [bs, k] fp32, int64
         if getattr(self.comm, "dispatch_needs_weights", False):  # DeepEP v2 expanded layout
             d = self.comm.dispatch(h, ids, n, topk_weights=w)
@@ -58,9 +60,9 @@ class MoEBlock:
         if self.overlap and self.shared is not None:
             recv = self.comm.combine_async(y, ids, w, d, n, out=out)
             s = self.shared(h)
-            return recv() + s
+            return recv(), s
         self.comm.combine(y, ids, w, d, n, out=out)
-        return out if self.shared is None else out + self.shared(h)
+        return (out,) if self.shared is None else (out, self.shared(h))
 
 
 class DecoderLayer:
@@ -71,9 +73,12 @@ class DecoderLayer:
         self.attn = Attention(cfg, device, gen)
         self.moe = MoEBlock(cfg, comm, device, gen, seed, **kw)
 
-    def __call__(self, x, positions, slots, n):
-        x = x + self.attn(rmsnorm(x, self.attn_norm, self.cfg.rms_eps), positions, slots, n)
-        return x + self.moe(rmsnorm(x, self.moe_norm, self.cfg.rms_eps), n)
+    def __call__(self, x, h, positions, slots, n, next_norm):
+        """x: the residual stream ``[bs, hidden]``; h: ``rmsnorm(x) * attn_norm``; next_norm:
+        the next layer's attention-norm weight (or the final norm's) -> the new ``(x, h)``."""
+        eps = self.cfg.rms_eps
+        x, h = add_rmsnorm(x, self.attn(h, positions, slots, n), weight=self.moe_norm, eps=eps)
+        return add_rmsnorm(x, *self.moe(h, n), weight=next_norm, eps=eps)
 
 
 class MoEModel:
@@ -127,12 +132,14 @@ class MoEModel:
         x = self.embed.index_select(0, tokens)                             # [bs, hidden]
         if self.step_counter is not None:
             begin_step(self.step_counter)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, positions, slots, n)
+        norms = [l.attn_norm for l in self.layers[1:]] + [self.final_norm]
+        x, h = add_rmsnorm(x, weight=self.layers[0].attn_norm, eps=self.cfg.rms_eps)
+        for i, (layer, next_norm) in enumerate(zip(self.layers, norms)):
+            x, h = layer(x, h, positions, slots, n, next_norm)
             if self.progress is not None:
                 mark(self.progress, self.step_counter, i)
         self.comm.end_step()
-        return {"logits": rmsnorm(x, self.final_norm, self.cfg.rms_eps) @ self.lm_head.t()}
+        return {"logits": h @ self.lm_head.t()}                            # h: final-normed x
 
     def weight_bytes(self, bs: int | None = None) -> dict:
         """Bytes a step must read: expert weights (all local experts), dense weights."""

@@ -7,9 +7,9 @@ import triton
 import triton.language as tl
 
 from graphrt.kernels._util import interpreting
-from graphrt.kernels.activation import (_round_to_e4m3, silu_and_mul_masked,
+from graphrt.kernels.activation import (_round_to_e4m3, silu_and_mul, silu_and_mul_masked,
                                         silu_and_mul_masked_fp8, silu_and_mul_masked_fp8_ref,
-                                        silu_and_mul_masked_ref)
+                                        silu_and_mul_masked_ref, silu_and_mul_ref)
 
 # CPU tests launch kernels on CPU tensors: only the Triton interpreter can run them (a CUDA
 # machine runs the ``gpu`` tests instead; ``TRITON_INTERPRET=1`` runs these there too).
@@ -175,3 +175,24 @@ def test_activation_cuda_graph_gpu(cuda_device):
         torch.cuda.synchronize()
         _check_bf16(out, u, masked_m)
         _check_fp8(q, s, u, masked_m, 128)
+
+
+# ------------------------------------------------------------------- dense (shared expert)
+@pytest.mark.parametrize("inter", [96, 2048 + 64])  # below one block; several blocks + a tail
+def test_dense_silu_and_mul_matches_ref(inter):
+    torch.manual_seed(3)
+    base = (torch.randn(5, 2 * inter + 8) * 2).to(torch.bfloat16)
+    u = base[:, :2 * inter]  # strided rows, as a GEMM output slice would be
+    out = torch.full((5, inter), float("nan"), dtype=torch.bfloat16)
+    assert silu_and_mul(u, out=out) is out
+    ref = silu_and_mul_ref(u)
+    assert not torch.isnan(out.float()).any()
+    assert ((out.float() - ref.float()).abs() <= 1e-2 * ref.float().abs() + 1e-2).all()
+
+
+def test_dense_silu_and_mul_validation():
+    u = torch.zeros(4, 10, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"out\.shape"):
+        silu_and_mul(u, out=torch.empty(4, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="an even number"):
+        silu_and_mul(torch.zeros(4, 9, dtype=torch.bfloat16), out=torch.empty(4, 4))

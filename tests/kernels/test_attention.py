@@ -130,6 +130,36 @@ def test_append_then_attend(group):
     assert _rel_err(out[0], v[0].repeat_interleave(group, dim=0)) < 1e-2
 
 
+def test_strided_qkv_views_and_ctx_offset_match_the_copying_form():
+    """The model passes q/k/v as views of one qkv GEMM output and ``positions`` with
+    ``ctx_offset=1``; that must be bitwise the same as contiguous copies and ``positions + 1``."""
+    num_slots, max_ctx, kvh, heads, d = 4, 96, 2, 8, 32
+    qkv = _randn(3, (heads + 2 * kvh) * d, seed=12)
+    q = qkv[:, :heads * d].view(3, heads, d)
+    k = qkv[:, heads * d:(heads + kvh) * d].view(3, kvh, d)
+    v = qkv[:, (heads + kvh) * d:].view(3, kvh, d)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    slots, positions, n = _i32([2, 0, 3]), _i32([10, 0, 95]), _i32([2])  # row 2 is padding
+    caches = [_cache(num_slots, max_ctx, kvh, d, seed=13) for _ in range(2)]
+    outs = []
+    for (k_cache, v_cache), strided in zip(caches, (True, False)):
+        kk, vv, qq = (k, v, q) if strided else (k.contiguous(), v.contiguous(), q.contiguous())
+        kv_append(kk, vv, slots, positions, n, k_cache=k_cache, v_cache=v_cache)
+        wo, wl = attention_workspace(3, heads, d, max_ctx, q.device, split_size=64)
+        out = torch.full((3, heads, d), float("nan"), dtype=torch.bfloat16)
+        if strided:
+            decode_attention(qq, k_cache, v_cache, slots, positions, n, out=out, workspace_o=wo,
+                             workspace_lse=wl, ctx_offset=1)
+        else:
+            decode_attention(qq, k_cache, v_cache, slots, positions + 1, n, out=out,
+                             workspace_o=wo, workspace_lse=wl)
+        outs.append(out)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert torch.equal(outs[0], outs[1])
+    ref = decode_attention_ref(q, *caches[0], slots, positions, n, ctx_offset=1)
+    _check_attention(outs[0], ref, 2)
+
+
 def _attn_args(**over):
     args = dict(q=torch.zeros(2, 4, 64, dtype=torch.bfloat16),
                 k_cache=torch.zeros(3, 16, 2, 64, dtype=torch.bfloat16),
