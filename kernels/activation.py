@@ -94,6 +94,7 @@ def _silu_and_mul_masked_fp8_kernel(
     stride_se, stride_sm, stride_sg,  # int: out_scale strides (expert, row, group)
     GROUP: tl.constexpr,  # columns per quantisation group (power of 2, e.g. 128)
     GROUPS_PER_STEP: tl.constexpr,  # groups handled per inner step (power of 2)
+    SILU: tl.constexpr = True,  # False: quantize u itself ([.., inter] columns, no up half)
 ):
     e = tl.program_id(0)
     r = tl.program_id(1)
@@ -114,8 +115,11 @@ def _silu_and_mul_masked_fp8_kernel(
             cols = grp[:, None] * GROUP + j  # [GPS, GROUP]
             cmask = cols < inter
             g = tl.load(u_row + cols, mask=cmask, other=0.0).to(tl.float32)
-            up = tl.load(u_row + inter + cols, mask=cmask, other=0.0).to(tl.float32)
-            a = g / (1.0 + tl.exp(-g)) * up  # [GPS, GROUP]
+            if SILU:
+                up = tl.load(u_row + inter + cols, mask=cmask, other=0.0).to(tl.float32)
+                a = g / (1.0 + tl.exp(-g)) * up  # [GPS, GROUP]
+            else:
+                a = g
             amax = tl.max(tl.abs(a), axis=1)  # [GPS]
             scale = tl.maximum(amax, 1e-10) / 448.0
             q = _round_to_e4m3(tl.minimum(tl.maximum(a / scale[:, None], -448.0), 448.0))
@@ -245,6 +249,61 @@ def silu_and_mul_masked_fp8(u, masked_m, *, out_q, out_scale, group_size=128):
         out_q.stride(0), out_q.stride(1), *out_scale.stride(),
         GROUP=group_size, GROUPS_PER_STEP=gps, num_warps=4)
     return out_q, out_scale
+
+
+def quantize_fp8_masked(x, masked_m, *, out_q, out_scale, group_size=128):
+    """Per-token, per-``group_size``-column fp8 e4m3 quantisation of the masked layout, live
+    rows only (the EP=1 fp8 path: DeepEP quantizes inside its dispatch, ``LocalComm`` does not).
+    Same arithmetic as :func:`silu_and_mul_masked_fp8` without the activation.
+
+    x: [num_local_experts, cap, hidden] bf16 (fp16/fp32 accepted), last dim contiguous;
+    hidden % group_size == 0. masked_m: int32 [num_local_experts]. out_q: float8_e4m3fn
+    [num_local_experts, cap, hidden], last dim contiguous. out_scale: fp32
+    [num_local_experts, cap, hidden // group_size], any strides. Rows >= masked_m[e] are left
+    untouched (never read by the masked GEMM). Returns ``(out_q, out_scale)``.
+
+    Graph safety: capturable
+    """
+    check_tensor(x, "x", shape=(None, None, None), dtype=_FLOAT_DTYPES)
+    check(x.stride(2) == 1, "x.stride(2)", 1, x.stride(2))
+    num_experts, cap, hidden = x.shape
+    check_tensor(masked_m, "masked_m", shape=(num_experts,), dtype=torch.int32, device=x.device,
+                 contiguous=True)
+    check(isinstance(group_size, int) and group_size >= 16 and
+          group_size & (group_size - 1) == 0, "group_size", "a power of 2 >= 16", group_size)
+    check(hidden % group_size == 0, "x.shape[2] (hidden)", f"a multiple of group_size={group_size}",
+          hidden)
+    check_tensor(out_q, "out_q", shape=(num_experts, cap, hidden), dtype=torch.float8_e4m3fn,
+                 device=x.device)
+    check(out_q.stride(2) == 1, "out_q.stride(2)", 1, out_q.stride(2))
+    check_tensor(out_scale, "out_scale", shape=(num_experts, cap, hidden // group_size),
+                 dtype=torch.float32, device=x.device)
+    _check_row_offsets(cap, x, out_q, out_scale)
+    if num_experts == 0 or cap == 0 or hidden == 0:
+        return out_q, out_scale
+    num_groups = hidden // group_size
+    gps = min(triton.next_power_of_2(num_groups), max(1, 1024 // group_size))
+    _silu_and_mul_masked_fp8_kernel[_grid(num_experts, cap)](
+        x, masked_m, out_q, out_scale, hidden, cap, x.stride(0), x.stride(1),
+        out_q.stride(0), out_q.stride(1), *out_scale.stride(),
+        GROUP=group_size, GROUPS_PER_STEP=gps, SILU=False, num_warps=4)
+    return out_q, out_scale
+
+
+def quantize_fp8_masked_ref(x, masked_m, group_size=128):
+    """Torch reference of :func:`quantize_fp8_masked`; rows >= masked_m[e] are zero.
+    Returns (q float8_e4m3fn, scale fp32) like :func:`silu_and_mul_masked_fp8_ref`.
+
+    Graph safety: host-only
+    """
+    x = x.cpu()
+    num_experts, cap, hidden = x.shape
+    a = x.float().view(num_experts, cap, hidden // group_size, group_size)
+    scale = a.abs().amax(dim=-1).clamp_min(_SCALE_EPS) / _FP8_MAX
+    q = (a / scale[..., None]).clamp(-_FP8_MAX, _FP8_MAX)
+    dead = ~_live_rows(masked_m, cap)
+    q[dead], scale[dead] = 0.0, 0.0
+    return q.view(num_experts, cap, hidden).to(torch.float8_e4m3fn), scale
 
 
 def _live_rows(masked_m, cap):

@@ -46,16 +46,6 @@ def quantize_weight_fp8(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor
     return q, scale
 
 
-def quantize_tokens_fp8(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token 128-group fp8: x ``[E, cap, hidden]`` bf16 -> (fp8 same shape, fp32
-    ``[E, cap, hidden // 128]``). Graph safety: capturable (fixed shapes, device math)."""
-    E, cap, H = x.shape
-    g = x.float().view(E, cap, H // group, group)
-    scale = g.abs().amax(dim=-1).clamp_min(1e-10) / 448.0
-    q = (g / scale.unsqueeze(-1)).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return q.view(E, cap, H), scale
-
-
 class Experts:
     """``num_local_experts`` SwiGLU experts. Weights are random but deterministic from ``seed``.
 
@@ -65,11 +55,14 @@ class Experts:
         backend: ``"auto"`` (DeepGEMM on Hopper when importable, else Triton), ``"deepgemm"``
             or ``"triton"``.
         fp8: fp8 e4m3 weights and activations (DeepGEMM only).
+        quantize_input: with fp8, tokens arrive in bf16 and are quantized here (EP=1); False
+            when the dispatch delivers them quantized (DeepEP's fp8 dispatch) with scales.
     """
 
     def __init__(self, hidden: int, inter: int, num_local_experts: int, device, *, seed: int = 0,
                  first_expert: int = 0, backend: str = "auto", fp8: bool = False,
-                 dtype=torch.bfloat16, max_cap: int = 256, workspace=None):
+                 dtype=torch.bfloat16, max_cap: int = 256, workspace=None,
+                 quantize_input: bool = True):
         if backend == "auto":
             backend = "deepgemm" if deep_gemm_available() and torch.device(device).type == "cuda" else "triton"
         if backend not in ("deepgemm", "triton"):
@@ -101,6 +94,9 @@ class Experts:
         if fp8:
             self.ws.reserve("a_q", (E, max_cap, inter), torch.float8_e4m3fn)
             self.ws.reserve("a_s", (E, max_cap, inter // 128), torch.float32)
+            if quantize_input:  # EP=1: tokens arrive in bf16 and are quantized here
+                self.ws.reserve("x_q", (E, max_cap, hidden), torch.float8_e4m3fn)
+                self.ws.reserve("x_s", (E, max_cap, hidden // 128), torch.float32)
         else:
             self.ws.reserve("a", (E, max_cap, inter), dtype)
 
@@ -127,13 +123,17 @@ class Experts:
                  recv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """recv_x ``[E, cap, hidden]`` (bf16, or fp8 with ``recv_scale``) -> ``[E, cap, hidden]``
         bf16; rows past ``masked_m`` are not computed. Graph safety: capturable."""
-        from graphrt.kernels.activation import silu_and_mul_masked, silu_and_mul_masked_fp8
+        from graphrt.kernels.activation import (quantize_fp8_masked, silu_and_mul_masked,
+                                                silu_and_mul_masked_fp8)
         E, cap = recv_x.shape[0], recv_x.shape[1]
         u = self.ws.view("u", (E, cap, 2 * self.inter))
         y = self.ws.view("y", (E, cap, self.hidden))
         if self.fp8:
-            if recv_scale is None:  # EP=1: quantize after dispatch (DeepEP's fp8 dispatch does it in its send)
-                recv_x, recv_scale = quantize_tokens_fp8(recv_x)
+            if recv_scale is None:  # EP=1: quantize live rows after dispatch (DeepEP's fp8
+                # dispatch quantizes in its send kernel)
+                x_q = self.ws.view("x_q", (E, cap, self.hidden))
+                x_s = self.ws.view("x_s", (E, cap, self.hidden // 128))
+                recv_x, recv_scale = quantize_fp8_masked(recv_x, masked_m, out_q=x_q, out_scale=x_s)
             self._gemm(recv_x, None, masked_m, expected_m, u, recv_scale, self.w13_q)
             a_q = self.ws.view("a_q", (E, cap, self.inter))
             a_s = self.ws.view("a_s", (E, cap, self.inter // 128))

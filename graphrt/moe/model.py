@@ -43,7 +43,8 @@ class MoEBlock:
         self.experts = Experts(cfg.hidden, cfg.moe_inter, comm.num_local_experts, device,
                                seed=seed, first_expert=comm.rank * comm.num_local_experts,
                                backend=backend, fp8=fp8, dtype=cfg.dtype,
-                               max_cap=comm.cap_for(cfg.num_slots), workspace=workspace)
+                               max_cap=comm.cap_for(cfg.num_slots), workspace=workspace,
+                               quantize_input=not getattr(comm, "fp8", False))
         self.shared = SharedExpert(cfg, device, gen) if cfg.num_shared_experts else None
 
     def __call__(self, h: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, ...]:

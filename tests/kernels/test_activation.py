@@ -7,7 +7,8 @@ import triton
 import triton.language as tl
 
 from graphrt.kernels._util import interpreting
-from graphrt.kernels.activation import (_round_to_e4m3, silu_and_mul, silu_and_mul_masked,
+from graphrt.kernels.activation import (_round_to_e4m3, quantize_fp8_masked,
+                                        quantize_fp8_masked_ref, silu_and_mul, silu_and_mul_masked,
                                         silu_and_mul_masked_fp8, silu_and_mul_masked_fp8_ref,
                                         silu_and_mul_masked_ref, silu_and_mul_ref)
 
@@ -87,6 +88,25 @@ def test_silu_and_mul_masked_fp8_cpu(E, cap, inter, group, mn_major):
     q, s = _fp8_outs(E, cap, inter, group, "cpu", mn_major)
     silu_and_mul_masked_fp8(u, masked_m, out_q=q, out_scale=s, group_size=group)
     _check_fp8(q, s, u, masked_m, group)
+
+
+@cpu_interpreter
+@pytest.mark.parametrize("mn_major", [False, True])
+def test_quantize_fp8_masked_cpu(mn_major):
+    """The EP=1 fp8 path's token quantisation: live rows only, bitwise the torch reference's
+    e4m3 codes (the rounding is done with integer ops, exact on the interpreter too)."""
+    E, cap, hidden, group = 3, 5, 384, 128
+    x, masked_m = _inputs(E, cap, hidden // 2, "cpu", 17)  # [E, cap, hidden] bf16
+    q, s = _fp8_outs(E, cap, hidden, group, "cpu", mn_major)
+    assert quantize_fp8_masked(x, masked_m, out_q=q, out_scale=s, group_size=group) == (q, s)
+    live = _live(masked_m, cap)
+    ref_q, ref_s = quantize_fp8_masked_ref(x, masked_m, group)
+    torch.testing.assert_close(s[live], ref_s[live], rtol=1e-6, atol=0)
+    assert torch.equal(q.view(torch.uint8)[live], ref_q.view(torch.uint8)[live])
+    assert (q.view(torch.uint8)[~live] == _Q_POISON).all() and torch.isnan(s[~live]).all()
+    with pytest.raises(ValueError, match="multiple of group_size=256"):
+        quantize_fp8_masked(x[..., :128], masked_m, out_q=q[..., :128], out_scale=s[..., :1],
+                            group_size=256)
 
 
 @triton.jit
