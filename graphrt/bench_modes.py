@@ -40,6 +40,9 @@ _NEEDS_CUDA = {"graph": "CUDA graphs need a CUDA GPU", "graph-overlap": "CUDA gr
                           "with backend='eager' to count graph breaks only"}
 
 
+RUN_ORDER = ("eager", "graph", "graph-overlap", "naive", "naive-graph", "compile", "naive-compile")
+
+
 def parse_modes(modes) -> list[str]:
     """``"eager,naive"`` or a list -> known mode names in ``MODES`` order (``naive`` expands to
     its three variants). Raises ``ValueError`` naming the unknown ones."""
@@ -137,7 +140,8 @@ class ModesBench:
                     "num_ranks": self.ranks, "sizes": self.sizes, "modes": list(modes),
                     "expert_backend": self.model.layers[0].moe.experts.backend,
                     "hbm_gbs": None, "skipped": {}, "errors": {}, "capture": {}, "compile": {}}
-        self.run_modes = [m for m in modes if not self._skip(m)]
+        # cheap modes first, the torch.compile ones last: a run cut short keeps the most
+        self.run_modes = sorted((m for m in modes if not self._skip(m)), key=RUN_ORDER.index)
         self.bar = tqdm(total=len(self.run_modes) * len(self.sizes), desc="bench", unit="step",
                         disable=not progress)
 
