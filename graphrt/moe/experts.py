@@ -2,7 +2,9 @@
 
 ``gemm13``: ``[num_local_experts, cap, hidden] -> [num_local_experts, cap, 2 * moe_inter]``;
 ``act``: SiLU(gate) * up on live rows only (optionally quantized to fp8 e4m3 with fp32
-per-token 128-group scales); ``gemm2``: ``-> [num_local_experts, cap, hidden]``.
+per-token 128-group scales); ``gemm2``: ``-> [num_local_experts, cap, hidden]``. With fp8 the
+dispatched tokens are quantized too: by DeepEP's fp8 dispatch in its send kernel, or (EP=1)
+here by ``kernels.activation.quantize_fp8_masked`` over the live rows.
 
 The GEMM is DeepGEMM's ``m_grouped_bf16_gemm_nt_masked`` (or ``m_grouped_fp8_gemm_nt_masked``
 with the quantized activation and 128x128 block-scaled fp8 weights) when ``deep_gemm``

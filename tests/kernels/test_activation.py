@@ -178,9 +178,15 @@ def test_quantize_fp8_masked_gpu(cap, cuda_device):
     ref_q, ref_s = quantize_fp8_masked_ref(x, masked_m)
     q, s = q.cpu(), s.cpu()
     torch.testing.assert_close(s[live], ref_s[live], rtol=1e-6, atol=0)
-    # the GPU's fp32 division may round 1 ulp off torch's: a rare code one e4m3 step away
-    same = (q.view(torch.uint8)[live] == ref_q.view(torch.uint8)[live]).float().mean()
-    assert same > 0.999, f"{same:.5f} of e4m3 codes equal"
+    # Triton's fp32 division on the GPU is the fast one (not IEEE round-to-nearest): where
+    # a / scale is an exact e4m3 tie (bf16 inputs make ties common) it can land on the other
+    # side, giving the neighbouring code. Measured on the H200: 0.12% of codes. Every code
+    # that differs must be exactly one e4m3 step away, with the same sign.
+    got, want = q.view(torch.uint8)[live].int(), ref_q.view(torch.uint8)[live].int()
+    diff = got != want
+    assert diff.float().mean() < 5e-3, f"{diff.float().mean():.5f} of e4m3 codes differ"
+    assert ((got[diff] - want[diff]).abs() == 1).all(), "a code more than one e4m3 step off"
+    assert ((got[diff] ^ want[diff]) & 0x80 == 0).all(), "a code with the wrong sign"
     assert (q.view(torch.uint8)[~live] == _Q_POISON).all() and torch.isnan(s[~live]).all()
 
 
