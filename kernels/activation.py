@@ -230,24 +230,31 @@ def silu_and_mul_masked_fp8(u, masked_m, *, out_q, out_scale, group_size=128):
     Graph safety: capturable
     """
     num_experts, cap, inter = _check_u(u, masked_m)
+    return _fp8_masked(u, masked_m, out_q, out_scale, num_experts, cap, inter, group_size,
+                       "inter (u.shape[2] // 2)", silu=True)
+
+
+def _fp8_masked(src, masked_m, out_q, out_scale, num_experts, cap, cols, group_size, cols_name,
+                *, silu):
+    """Check the fp8 outputs and launch the quantising kernel over ``cols`` output columns
+    (shared by :func:`silu_and_mul_masked_fp8` and :func:`quantize_fp8_masked`)."""
     check(isinstance(group_size, int) and group_size >= 16 and
           group_size & (group_size - 1) == 0, "group_size", "a power of 2 >= 16", group_size)
-    check(inter % group_size == 0, "inter (u.shape[2] // 2)",
-          f"a multiple of group_size={group_size}", inter)
-    check_tensor(out_q, "out_q", shape=(num_experts, cap, inter), dtype=torch.float8_e4m3fn,
-                 device=u.device)
+    check(cols % group_size == 0, cols_name, f"a multiple of group_size={group_size}", cols)
+    check_tensor(out_q, "out_q", shape=(num_experts, cap, cols), dtype=torch.float8_e4m3fn,
+                 device=src.device)
     check(out_q.stride(2) == 1, "out_q.stride(2)", 1, out_q.stride(2))
-    check_tensor(out_scale, "out_scale", shape=(num_experts, cap, inter // group_size),
-                 dtype=torch.float32, device=u.device)
-    _check_row_offsets(cap, u, out_q, out_scale)
-    if num_experts == 0 or cap == 0 or inter == 0:
+    check_tensor(out_scale, "out_scale", shape=(num_experts, cap, cols // group_size),
+                 dtype=torch.float32, device=src.device)
+    _check_row_offsets(cap, src, out_q, out_scale)
+    if num_experts == 0 or cap == 0 or cols == 0:
         return out_q, out_scale
-    num_groups = inter // group_size
+    num_groups = cols // group_size
     gps = min(triton.next_power_of_2(num_groups), max(1, 1024 // group_size))
     _silu_and_mul_masked_fp8_kernel[_grid(num_experts, cap)](
-        u, masked_m, out_q, out_scale, inter, cap, u.stride(0), u.stride(1),
+        src, masked_m, out_q, out_scale, cols, cap, src.stride(0), src.stride(1),
         out_q.stride(0), out_q.stride(1), *out_scale.stride(),
-        GROUP=group_size, GROUPS_PER_STEP=gps, num_warps=4)
+        GROUP=group_size, GROUPS_PER_STEP=gps, SILU=silu, num_warps=4)
     return out_q, out_scale
 
 
@@ -269,25 +276,8 @@ def quantize_fp8_masked(x, masked_m, *, out_q, out_scale, group_size=128):
     num_experts, cap, hidden = x.shape
     check_tensor(masked_m, "masked_m", shape=(num_experts,), dtype=torch.int32, device=x.device,
                  contiguous=True)
-    check(isinstance(group_size, int) and group_size >= 16 and
-          group_size & (group_size - 1) == 0, "group_size", "a power of 2 >= 16", group_size)
-    check(hidden % group_size == 0, "x.shape[2] (hidden)", f"a multiple of group_size={group_size}",
-          hidden)
-    check_tensor(out_q, "out_q", shape=(num_experts, cap, hidden), dtype=torch.float8_e4m3fn,
-                 device=x.device)
-    check(out_q.stride(2) == 1, "out_q.stride(2)", 1, out_q.stride(2))
-    check_tensor(out_scale, "out_scale", shape=(num_experts, cap, hidden // group_size),
-                 dtype=torch.float32, device=x.device)
-    _check_row_offsets(cap, x, out_q, out_scale)
-    if num_experts == 0 or cap == 0 or hidden == 0:
-        return out_q, out_scale
-    num_groups = hidden // group_size
-    gps = min(triton.next_power_of_2(num_groups), max(1, 1024 // group_size))
-    _silu_and_mul_masked_fp8_kernel[_grid(num_experts, cap)](
-        x, masked_m, out_q, out_scale, hidden, cap, x.stride(0), x.stride(1),
-        out_q.stride(0), out_q.stride(1), *out_scale.stride(),
-        GROUP=group_size, GROUPS_PER_STEP=gps, SILU=False, num_warps=4)
-    return out_q, out_scale
+    return _fp8_masked(x, masked_m, out_q, out_scale, num_experts, cap, hidden, group_size,
+                       "x.shape[2] (hidden)", silu=False)
 
 
 def quantize_fp8_masked_ref(x, masked_m, group_size=128):
