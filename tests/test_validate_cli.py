@@ -258,3 +258,15 @@ def test_example_docstring_shows_the_real_output():
     result = validate(f"{EXAMPLE}:make_hazardous_step", None, "cpu")
     assert shown == {(f.kind, f.line, f.op) for f in result.report.findings}
     assert result.sizes == [1, 8, 64]
+
+
+def test_demo_on_cpu_analyses_the_reference_step(capsys):
+    """The README's main command on a machine without CUDA: the real demo module runs the
+    graph-safety analysis of the reference step and says that capture needs a GPU."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the demo captures instead (a GPU run)")
+    assert cli.main(["demo", "--layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "No CUDA GPU here: CUDA-graph capture needs one" in out
+    assert "graph-safe at every size checked" in out and "NOT graph-safe" not in out
