@@ -88,16 +88,13 @@ class CaptureManager:
         self.spec, self.sizes, self.stager = spec, sorted(set(sizes)), stager
         self.warmup_iters, self.analyze, self.strict = warmup_iters, analyze, strict
         self.progress, self.seed, self.coordinator = progress, seed, coordinator
-        # With collectives inside the step every rank must make the same calls: a fixed
-        # number of analysis runs, and failures agreed on before anyone captures.
-        self._runs = 3 if coordinator is not None else None
         self.device = stager.device
         self.pool = None
         self.graphs: dict[int, CapturedGraph] = {}
         self.failures: dict[int, CaptureFailure] = {}
         self.report = SafetyReport()
         self.warmup_s = 0.0
-        self.out_layout: OutputLayout | None = None
+        self._out_sig = None  # (OutputLayout, [(trailing shape, dtype)]) of the first size
         self.static_outputs: list[torch.Tensor] = []
 
     def capture(self) -> dict[int, CapturedGraph]:
@@ -119,7 +116,7 @@ class CaptureManager:
                 bar.update()
         finally:
             bar.close()
-            _ensure_no_capture(self.device, stream)  # also after KeyboardInterrupt
+            _ensure_no_capture(stream)  # also after KeyboardInterrupt
             self._reset_buffers()
         for f in self.failures.values():
             warnings.warn(CaptureWarning(f"{self.spec.name}: batch size {f.size} was not captured "
@@ -135,8 +132,10 @@ class CaptureManager:
         for size in self.sizes:
             try:
                 if self.analyze:
+                    # With collectives inside the step every rank must make the same calls:
+                    # a fixed number of analysis runs (and failures agreed on below).
                     rep = analyze_step(self.spec, [size], self.device, self.seed + size, stream,
-                                       runs=self._runs)
+                                       runs=3 if self.coordinator is not None else None)
                     self.report.extend(rep.findings)
                     if rep.errors:
                         self._fail(size, "graph-safety findings", findings=rep.errors)
@@ -157,7 +156,9 @@ class CaptureManager:
         everyone_ok = True
         if self.coordinator is not None:
             everyone_ok = self.coordinator.all_ok(not (self.strict and self.report.errors))
-            ok = [s for s in ok if self._all_ok(s)]
+            # Every rank walks the same sizes in the same order: one collective each, so a
+            # size that failed on any rank is dropped everywhere.
+            ok = [s for s in self.sizes if self.coordinator.all_ok(s not in self.failures)]
         if self.strict and self.report.errors:
             raise GraphSafetyError(self.report.errors, self.spec.name)
         if not everyone_ok:
@@ -165,21 +166,13 @@ class CaptureManager:
                                "another rank; every rank stops (see that rank's findings)")
         return ok
 
-    def _all_ok(self, size: int) -> bool:
-        """Every rank must capture the same sizes (collectives inside): drop a size that
-        failed on any rank."""
-        from torch import distributed as dist
-        flag = torch.tensor([0 if size in self.failures else 1])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.coordinator.group)
-        return bool(flag[0])
-
     def _note_outputs(self, out, size: int) -> None:
         """Check the output structure is the same at every size; allocate the shared static
         outputs (``[max_bs, *trailing]`` each, outside the graph pool) once."""
         layout, flat = OutputLayout.flatten(out, size, where=f"{self.spec.name} (batch {size})")
         sig = (layout, [(t.shape[1:], t.dtype) for t in flat])
-        if self.out_layout is None:
-            self.out_layout, self._out_sig = layout, sig
+        if self._out_sig is None:
+            self._out_sig = sig
             self.static_outputs = [torch.empty((self.stager.max_bs, *t.shape[1:]), dtype=t.dtype,
                                                device=self.device) for t in flat]
         elif sig != self._out_sig:
@@ -212,11 +205,11 @@ class CaptureManager:
             raise GraphSafetyError(unjoined, self.spec.name)
         pool_bytes = torch.cuda.memory_reserved(self.device) - before
         keep = tuple(ledger.keepalive) + tuple(views.values())
-        return CapturedGraph(size, graph, self.out_layout, outs, capture_s, pool_bytes, keep)
+        return CapturedGraph(size, graph, self._out_sig[0], outs, capture_s, pool_bytes, keep)
 
     def _fail(self, size: int, reason: str, findings: list[Finding] | None = None,
               exc: BaseException | None = None) -> None:
-        _ensure_no_capture(self.device)
+        _ensure_no_capture()
         if isinstance(exc, GraphSafetyError):
             findings = exc.findings
             self.report.extend(findings)
@@ -235,8 +228,9 @@ class CaptureManager:
         torch.cuda.synchronize(self.device)
 
 
-def _ensure_no_capture(device, stream=None) -> None:
-    """After a failure (an exception, KeyboardInterrupt) check that no capture was left open.
+def _ensure_no_capture(stream=None) -> None:
+    """After a failure (an exception, KeyboardInterrupt) check that no capture was left open
+    on the current stream or ``stream``.
 
     ``torch.cuda.graph`` ends its capture on the way out even when the body raised, so this
     should never fire; if it does, say so plainly instead of letting the next CUDA call fail
@@ -244,18 +238,8 @@ def _ensure_no_capture(device, stream=None) -> None:
     """
     if not torch.cuda.is_available():
         return
-    streams = [None] + ([stream] if stream is not None else [])
-    for s in streams:
-        ctx = torch.cuda.stream(s) if s is not None else _nullcontext()
-        with ctx:
+    for s in (None, stream):
+        with torch.cuda.stream(s):  # a no-op context for None: the current stream
             if torch.cuda.is_current_stream_capturing():
                 raise CaptureError(-1, "a CUDA graph capture was left open after a failure; "
                                    "CUDA calls on that stream will fail until it is ended")
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -8,7 +8,6 @@ Graph safety: host-only.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
@@ -92,9 +91,6 @@ class SafetyReport:
             "sizes": list(sizes or []),
             "findings": [{k: v for k, v in asdict(f).items()} for f in self.findings],
         }
-
-    def to_json(self, **kw) -> str:
-        return json.dumps(self.to_dict(**kw), indent=2)
 
     def table(self) -> str:
         """A plain-text table for people: kind, file:line, op, size, message."""

@@ -20,6 +20,8 @@ Graph safety: host-only (it drives eager runs; nothing is captured here).
 """
 from __future__ import annotations
 
+import contextlib
+
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -254,20 +256,15 @@ def analyze_step(spec: StepSpec, sizes: Iterable[int], device: torch.device | st
                 traces.append(an.trace)
                 found.extend(an.findings)
 
-            if runs is not None:  # a fixed count (steps with collectives: every rank alike)
-                for _ in range(runs):
-                    traced_run()
-                found.extend(compare_traces(traces[-2], traces[-1], size, found))
-                report.extend(found)
-                continue
-            traced_run()
-            traced_run()
-            shape_findings = compare_traces(traces[0], traces[1], size, found)
-            if shape_findings:
+            # ``runs`` fixed: steps with collectives, where every rank makes the same calls.
+            for _ in range(runs or 2):
+                traced_run()
+            shape_findings = compare_traces(traces[-2], traces[-1], size, found)
+            if shape_findings and runs is None:
                 # A library may do one-time work (a lazily allocated workspace, a JIT cache
                 # fill) on its first call: confirm with a third run before reporting.
                 traced_run()
-                shape_findings = compare_traces(traces[1], traces[2], size, found)
+                shape_findings = compare_traces(traces[-2], traces[-1], size, found)
             found.extend(shape_findings)
             report.extend(found)
     if device.type == "cuda":
@@ -275,15 +272,7 @@ def analyze_step(spec: StepSpec, sizes: Iterable[int], device: torch.device | st
     return report
 
 
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _stream_ctx(device: torch.device, stream: Any):
     if device.type != "cuda":
-        return _Null()
+        return contextlib.nullcontext()
     return torch.cuda.stream(stream if stream is not None else torch.cuda.Stream(device))

@@ -45,10 +45,13 @@ def _dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 @lru_cache(maxsize=4096)
 def _classify(filename: str) -> int:
-    """0: user code; 1: graphrt; 2: torch / triton / stdlib / frozen."""
+    """0: user code; 1: graphrt; 2: torch / triton / stdlib / frozen, and graphrt's own
+    capture machinery (never a useful place to point a finding at, even as a fallback)."""
     if filename.startswith("<"):
         return 2
     path = os.path.abspath(filename)
+    if path.startswith(_HERE + os.sep):
+        return 2
     graphrt_dirs, lib_dirs = _dirs()
     if path.startswith(lib_dirs) and not path.startswith(graphrt_dirs):
         # stdlib contains site-packages; anything under site-packages that is not a known
@@ -70,8 +73,7 @@ def user_site(skip: int = 1) -> tuple[str, int]:
         kind = _classify(frame.f_code.co_filename)
         if kind == 0:
             return frame.f_code.co_filename, frame.f_lineno
-        if kind == 1 and fallback is None and not os.path.abspath(
-                frame.f_code.co_filename).startswith(_HERE + os.sep):
+        if kind == 1 and fallback is None:
             fallback = (frame.f_code.co_filename, frame.f_lineno)
         frame = frame.f_back
     return fallback or ("<unknown>", 0)

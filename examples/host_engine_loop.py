@@ -152,7 +152,7 @@ def cpu(args) -> int:
     snap, runs = KVSnapshot(model), []
     for _ in range(2):
         snap.restore()
-        eng = DecodeEngine(eager_step(spec, capture_sizes(max_bs), "cpu"), num_slots=cfg.num_slots,
+        eng = DecodeEngine(eager_step(spec, capture_sizes(max_bs)), num_slots=cfg.num_slots,
                            max_ctx=cfg.max_ctx, max_batch_size=max_bs, device="cpu")
         eng.run(args.steps, Workload(args.seed, vocab=cfg.vocab_size, max_ctx=cfg.max_ctx,
                                      prompt=(1, 4), output=(1, 6), rate=1.5, phase=4))

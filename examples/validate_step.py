@@ -9,8 +9,8 @@ weighted combine) as a ``graphrt.StepSpec``; pure torch, so it runs on a CPU.
 - ``counts = torch.bincount(...).tolist()`` then ``torch.split(rows, counts)``: per-expert
   counts read on the host (a sync) and used as shapes (frozen at capture).
 
-``make_fixed_step`` keeps everything on the device: padded rows get expert id -1, counts
-come from ``scatter_add_`` into a fixed ``[E]``, tokens go to a fixed-capacity masked layout
+``make_fixed_step`` keeps everything on the device: padded rows get expert id -1, slots come
+from a cumulative one-hot over a fixed ``[E]``, tokens go to a fixed-capacity masked layout
 ``recv [E, CAP, H]`` and come back with a gather: no host reads, no data-dependent shapes.
 
     $ graphrt validate examples/validate_step.py:make_hazardous_step --device cpu
@@ -90,8 +90,6 @@ def make_fixed_step(device: torch.device) -> graphrt.StepSpec:
         ids = torch.where(live[:, None], ids, -1)                # padding: expert -1
         flat = ids.flatten()                                     # [T*K]
         valid, e = flat >= 0, flat.clamp(min=0)
-        masked_m = torch.zeros(E, dtype=torch.long, device=x.device)
-        masked_m.scatter_add_(0, e, valid.long())                # [E] rows per expert
         onehot = F.one_hot(e, num_classes=E) * valid[:, None]    # [T*K, E]
         pos = (torch.cumsum(onehot, 0) - onehot).gather(1, e[:, None]).squeeze(1)
         keep = valid & (pos < CAP)

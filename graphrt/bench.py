@@ -73,7 +73,7 @@ import sys
 import torch
 
 import graphrt
-from graphrt.timing import cuda_time_us, hbm_bandwidth_gbs, host_time_us
+from graphrt.timing import cuda_time_us, graph_time_us, hbm_bandwidth_gbs, host_time_us
 
 
 def small_step(device, layers: int = 4, hidden: int = 1024, max_bs: int = 256) -> graphrt.StepSpec:
@@ -116,33 +116,20 @@ def bench_runtime(device) -> dict:
     }
 
 
-def _floor_bytes(model, spec, inputs) -> int:
-    """Bytes one step must read (see ``graphrt.bench_modes.floor_bytes``)."""
-    from graphrt.bench_modes import floor_bytes
-    return floor_bytes(model, spec, inputs)
-
-
 def bench_moe(cfg, device, sizes: list[int], fp8: bool = False) -> dict:
+    from graphrt.bench_modes import floor_bytes
     from graphrt.moe import MoEModel
     model = MoEModel(cfg, device, fp8=fp8)
     spec = model.spec(max(sizes))
     bw = hbm_bandwidth_gbs(device)
-    model.overlap = True
-    rt_on = graphrt.GraphRuntime(spec, sizes=sizes, device=device).capture()
-    model.overlap = False
-    rt_off = graphrt.GraphRuntime(spec, sizes=sizes, device=device, progress=False).capture()
-    model.overlap = True
+    rt_on, rt_off = capture_overlap_pair(model, spec, sizes, device=device)
     rows = []
     gen = torch.Generator().manual_seed(0)
     moe = model.layers[0].moe
     for bs in sizes:
         inputs = spec.random_inputs(bs, device, gen)
-        floor_us = _floor_bytes(model, spec, inputs) / (bw * 1e9) * 1e6
-        rt_on.stager.stage(inputs, bs, bs)
-        rt_off.stager.stage(inputs, bs, bs)
-        eager_us = cuda_time_us(lambda: spec.call(inputs), iters=5, reps=5)
-        on_us = cuda_time_us(rt_on.graphs[bs].graph.replay, iters=20)
-        off_us = cuda_time_us(rt_off.graphs[bs].graph.replay, iters=20)
+        floor_us = floor_bytes(model, spec, inputs) / (bw * 1e3)  # bytes / (GB/s) in µs
+        eager_us, on_us, off_us = step_times_us(spec, inputs, bs, rt_on, rt_off)
         region = overlap_region_us(model, moe, bs, device)
         shared_us, combine_us = region["shared_us"], region["combine_us"]
         shorter = min(shared_us, combine_us) * cfg.num_layers if moe.shared is not None else 0.0
@@ -160,6 +147,27 @@ def bench_moe(cfg, device, sizes: list[int], fp8: bool = False) -> dict:
             "expert_backend": moe.experts.backend, "hbm_gbs": bw,
             "expert_weight_bytes": model.weight_bytes()["experts"],
             "capture_s_total": st["capture_s"], "pool_bytes_total": st["pool_bytes"], "rows": rows}
+
+
+def capture_overlap_pair(model, spec, sizes: list[int], **rt_kw):
+    """``(rt_on, rt_off)``: ``spec`` captured at ``sizes`` with the combine overlap on, then
+    off (the second without a progress bar); ``model.overlap`` is left on. Host-only."""
+    model.overlap = True
+    rt_on = graphrt.GraphRuntime(spec, sizes=sizes, **rt_kw).capture()
+    model.overlap = False
+    rt_off = graphrt.GraphRuntime(spec, sizes=sizes, **{**rt_kw, "progress": False}).capture()
+    model.overlap = True
+    return rt_on, rt_off
+
+
+def step_times_us(spec, inputs, bs: int, rt_on, rt_off) -> tuple[float, float, float]:
+    """``(eager, replay with overlap, replay without)`` µs of one step of ``bs`` live rows
+    (``inputs``), each graph at size ``bs``. Host-only (synchronises)."""
+    rt_on.stager.stage(inputs, bs, bs)
+    rt_off.stager.stage(inputs, bs, bs)
+    return (cuda_time_us(lambda: spec.call(inputs), iters=5, reps=5),
+            cuda_time_us(rt_on.graphs[bs].graph.replay, iters=20),
+            cuda_time_us(rt_off.graphs[bs].graph.replay, iters=20))
 
 
 REGION_REPS = 16  # overlap regions per captured graph: one replay launch amortised over 16
@@ -181,7 +189,7 @@ def overlap_region_us(model, moe, bs: int, device) -> dict:
     h = torch.randn(bs, cfg.hidden, device=device, dtype=cfg.dtype, generator=g)
     n = torch.full((1,), bs, dtype=torch.int32, device=device)
     w, ids = moe.router(h, n)
-    d = moe.comm.dispatch(h, ids, n)
+    d = moe.comm.dispatch(h, ids, n, topk_weights=w)
     y = moe.experts(d.recv_x, d.masked_m, d.expected_m, d.recv_scale)
     out = torch.empty_like(h)
     shared = moe.shared if moe.shared is not None else (lambda _h: None)
@@ -195,16 +203,7 @@ def overlap_region_us(model, moe, bs: int, device) -> dict:
              "combine_us": lambda: moe.comm.combine(y, ids, w, d, n, out=out),
              "sequential_us": lambda: (moe.comm.combine(y, ids, w, d, n, out=out), shared(h)),
              "overlapped_us": overlapped}
-    res = {}
-    for key, fn in forms.items():
-        fn()  # warm (Triton/DeepGEMM compile) outside the capture
-        torch.cuda.synchronize(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(REGION_REPS):
-                fn()
-        res[key] = cuda_time_us(graph.replay, iters=20) / REGION_REPS
-        del graph
+    res = {key: graph_time_us(fn, reps=REGION_REPS) for key, fn in forms.items()}
     res["saved_us"] = res["sequential_us"] - res["overlapped_us"]
     shorter = min(res["shared_us"], res["combine_us"])
     res["saved_frac_of_shorter"] = res["saved_us"] / shorter if moe.shared is not None else None
@@ -264,7 +263,7 @@ def _make_comm(name: str, cfg, max_tokens: int):
     backend lazily, initialises NCCL from torchrun's environment, builds the backend."""
     module, cls_name = _COMMS[name]
     try:
-        cls = getattr(importlib.import_module(module), cls_name)
+        getattr(importlib.import_module(module), cls_name)  # refuse early, in one line
     except (ImportError, AttributeError) as exc:
         raise _Refusal(f"--comm {name} needs {module}.{cls_name}, which cannot be imported here "
                        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
@@ -275,14 +274,14 @@ def _make_comm(name: str, cfg, max_tokens: int):
     if not torch.cuda.is_available():
         raise _Refusal(f"--comm {name} needs CUDA GPUs")
     import torch.distributed as dist
-    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                 ("NVSHMEM_DISABLE_NVLS", "1")):  # NVLink multicast off (graphrt.distributed.init)
-        os.environ.setdefault(k, v)
+
+    from graphrt.distributed import make_comm, multicast_off
+    multicast_off()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
     try:
-        comm = cls(cfg.num_experts, cfg.hidden, cfg.num_topk, device, max_tokens=max_tokens)
+        comm = make_comm(name, cfg, device, max_tokens)
     except ImportError as exc:  # deep_ep itself missing
         raise _Refusal(f"--comm {name}: {cls_name} cannot start: {type(exc).__name__}: {exc}")
     from graphrt.coordinator import RankCoordinator

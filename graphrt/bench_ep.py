@@ -18,6 +18,8 @@ import os
 
 import torch
 
+from graphrt.timing import graph_time_us
+
 
 def _routed_batch(cfg, bs, device):
     """Random tokens, distinct top-k expert ids per token, weights and an output buffer."""
@@ -28,17 +30,6 @@ def _routed_batch(cfg, bs, device):
     return x, ids, w, torch.empty_like(x)
 
 
-def _captured_us(step) -> float:
-    """Warm ``step`` once, capture it, and time its replays (median, µs)."""
-    from graphrt.timing import cuda_time_us
-    step()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    return cuda_time_us(g.replay, iters=20)
-
-
 def _comm_only_us(comm, cfg, bs, device) -> float:
     x, ids, w, out = _routed_batch(cfg, bs, device)
     n = torch.full((1,), bs, dtype=torch.int32, device=device)
@@ -46,7 +37,7 @@ def _comm_only_us(comm, cfg, bs, device) -> float:
     def step():
         d = comm.dispatch(x, ids, n)
         comm.combine(d.recv_x, ids, w, d, n, out=out)
-    return _captured_us(step)
+    return graph_time_us(step)
 
 
 def _raw_deepep_us(comm, cfg, bs, device) -> float:
@@ -57,37 +48,28 @@ def _raw_deepep_us(comm, cfg, bs, device) -> float:
     def step():
         recv, _, handle, _, _ = buf.low_latency_dispatch(x, ids, T, cfg.num_experts, use_fp8=False)
         buf.low_latency_combine(recv, ids, w, handle, out=out)
-    return _captured_us(step)
+    return graph_time_us(step)
 
 
 def bench_rank(rank: int, world: int, comm_name: str, layers: int, experts: int,
                sizes: list[int], max_tokens: int) -> dict:
-    import graphrt
+    from graphrt.bench import capture_overlap_pair, step_times_us
     from graphrt.coordinator import RankCoordinator
     from graphrt.distributed import make_comm
     from graphrt.moe import MoEModel, preset
-    from graphrt.timing import cuda_time_us
     device = torch.device("cuda", rank)
     cfg = preset("dsv3-like", layers=layers, experts=experts)
     comm = make_comm(comm_name, cfg, device, max_tokens)
     model = MoEModel(cfg, device, comm=comm)
     spec = model.spec(max(max(sizes), 1))
     co = RankCoordinator(uniform=comm.uniform_batch)
-    model.overlap = True
-    rt_on = graphrt.GraphRuntime(spec, sizes=sizes, coordinator=co, progress=False).capture()
-    model.overlap = False
-    rt_off = graphrt.GraphRuntime(spec, sizes=sizes, coordinator=co, progress=False).capture()
-    model.overlap = True
+    rt_on, rt_off = capture_overlap_pair(model, spec, sizes, coordinator=co, progress=False)
     gen = torch.Generator().manual_seed(rank)
     rows = []
     for bs in sizes:
         inputs = spec.random_inputs(bs, device, gen)
-        rt_on.stager.stage(inputs, bs, bs)
-        rt_off.stager.stage(inputs, bs, bs)
-        row = {"bs": bs,
-               "eager_us": cuda_time_us(lambda: spec.call(inputs), iters=5, reps=5),
-               "replay_us": cuda_time_us(rt_on.graphs[bs].graph.replay, iters=20),
-               "replay_no_overlap_us": cuda_time_us(rt_off.graphs[bs].graph.replay, iters=20),
+        eager_us, on_us, off_us = step_times_us(spec, inputs, bs, rt_on, rt_off)
+        row = {"bs": bs, "eager_us": eager_us, "replay_us": on_us, "replay_no_overlap_us": off_us,
                "comm_only_us": _comm_only_us(comm, cfg, bs, device)}
         if comm_name.startswith("deepep"):
             row["raw_deepep_us"] = _raw_deepep_us(comm, cfg, bs, device)

@@ -30,6 +30,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from graphrt.runtime import row_rel_err
 from graphrt.timing import cuda_time_us, hbm_bandwidth_gbs, host_call_us, wall_time_us
 
 MODES = ("eager", "compile", "graph", "graph-overlap", "naive", "naive-compile", "naive-graph")
@@ -174,7 +175,7 @@ class ModesBench:
         ref = self.spec.call(self.inputs[bs], self.n[bs])["logits"].float()
         self.model.overlap = overlap
         out = run().float()
-        err = (out - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)  # [bs] per row
+        err = row_rel_err(out, ref)  # [bs] per row
         self.rows[bs]["rel_err_vs_eager"][mode] = float(err.median())  # near-tie routing flips
         self.rows[bs]["rows_off_vs_eager"][mode] = float((~(err <= 0.05)).float().mean())
 
@@ -312,16 +313,24 @@ def _compile(b: ModesBench, mode: str) -> None:
     b.res["compile"][mode].update(overlap=False, ops="graphrt.ops (launchers_as_ops)")
 
 
-def _naive(b: ModesBench, mode: str) -> None:
+def _naive_fits(b: ModesBench, mode: str, nv, bs: int) -> bool:
+    """False (with a note, and the size marked done) when the naive gather at ``bs`` is too
+    large (``NaiveMoE.check``)."""
     from graphrt.naive import NaiveTooLarge
+    try:
+        nv.check(bs)
+    except NaiveTooLarge as exc:
+        b.rows[bs]["notes"][mode] = str(exc)
+        b.done(mode, bs, None)
+        return False
+    return True
+
+
+def _naive(b: ModesBench, mode: str) -> None:
     nv = b.naive()
     for bs in b.sizes:
         x = b.inputs[bs]
-        try:
-            nv.check(bs)
-        except NaiveTooLarge as exc:
-            b.rows[bs]["notes"][mode] = str(exc)
-            b.done(mode, bs, None)
+        if not _naive_fits(b, mode, nv, bs):
             continue
         with torch.no_grad():
             if mode == "naive":
@@ -357,11 +366,8 @@ def _naive_graph(b: ModesBench, mode: str, nv, bs: int) -> None:
 
 def _naive_compile(b: ModesBench, mode: str) -> None:
     nv = b.naive()
-    sizes = [bs for bs in b.sizes if nv.gather_bytes(bs) <= nv.max_gather_bytes]
-    for bs in set(b.sizes) - set(sizes):
-        b.rows[bs]["notes"][mode] = f"naive gather needs {nv.gather_bytes(bs) / 2**30:.1f} GiB a layer"
-        b.done(mode, bs, None)
-    all_sizes, b.sizes = b.sizes, sizes
+    all_sizes = b.sizes
+    b.sizes = [bs for bs in all_sizes if _naive_fits(b, mode, nv, bs)]
     try:
         _compiled(b, mode, nv, lambda f, bs: f(**b.inputs[bs]), list(nv.buffers()))
     finally:

@@ -24,12 +24,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init(rank: int, world: int, port: int) -> torch.device:
-    """Set this process's GPU and initialise NCCL (multicast off, as the machines require)."""
-    import torch.distributed as dist
+def multicast_off() -> None:
+    """NVLink multicast off for NCCL, torch symmetric memory and NVSHMEM (the machines need
+    it; a value already in the environment wins). Call before the process group starts."""
     for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                  ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(k, v)
+
+
+def init(rank: int, world: int, port: int) -> torch.device:
+    """Set this process's GPU and initialise NCCL (multicast off, as the machines require)."""
+    import torch.distributed as dist
+    multicast_off()
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

@@ -151,6 +151,8 @@ class DecodeEngine:
         self._host = {k: torch.zeros(self.max_bs, dtype=d, pin_memory=pin)
                       for k, d in (("tokens", torch.int64), ("positions", torch.int32),
                                    ("slots", torch.int32), ("sampled", torch.int64))}
+        self._np = {k: t.numpy() for k, t in self._host.items()}  # writable views, made once
+        self._read_done = torch.cuda.Event() if pin else None     # re-recorded every step
 
     def submit(self, req: Request) -> None:
         """Queue a request (host-only). Raises ``InputError`` if it cannot fit the KV cache."""
@@ -183,7 +185,7 @@ class DecodeEngine:
         rows = [(r.next_token, r.pos, r.slot) for r in live] or [(0, 0, self.scratch_slot)]
         inputs, n = {}, len(rows)
         for k, col in zip(("tokens", "positions", "slots"), zip(*rows)):  # pinned -> device
-            self._host[k].numpy()[:n] = col
+            self._np[k][:n] = col
             inputs[k] = self._host[k][:n].to(self.device, non_blocking=True, copy=True)
         wd = self.watchdog
         if wd is not None:
@@ -206,9 +208,8 @@ class DecodeEngine:
             return sampled.tolist()
         host = self._host["sampled"][:sampled.shape[0]]
         host.copy_(sampled, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        self.watchdog.wait(done)   # polls the event: a stalled step raises StallError, no hang
+        self._read_done.record()
+        self.watchdog.wait(self._read_done)  # polls the event: a stalled step raises, no hang
         return host.tolist()
 
     def _retire(self) -> None:
@@ -247,7 +248,7 @@ def graph_step(rt):
     return step
 
 
-def eager_step(spec, sizes, device):
+def eager_step(spec, sizes):
     """``step_fn`` running ``spec`` eagerly at the padded size a graph of ``sizes`` would use
     (pad rows at ``pad_value``, live count ``n``): bitwise what the replay computes."""
     table = SizeTable(sizes)
@@ -282,7 +283,7 @@ def compare_graph_eager(rt, model, *, steps: int, seed: int = 0, keep_stepping: 
     """Run the same workload through a graph engine, then (KV restored) an eager engine at
     the same padded sizes; the token streams must be identical. Returns a summary dict."""
     snap, engines = KVSnapshot(model), []
-    for fn in (graph_step(rt), eager_step(rt.spec, rt.sizes, rt.device)):
+    for fn in (graph_step(rt), eager_step(rt.spec, rt.sizes)):
         snap.restore()
         eng = _engine(fn, model, rt.table.largest, keep_stepping=keep_stepping, watchdog=watchdog)
         eng.run(steps, Workload(seed, vocab=model.cfg.vocab_size, max_ctx=model.cfg.max_ctx,
@@ -302,7 +303,7 @@ def soak(rt, model, *, steps: int = 10_000, check_every: int = 100, warmup: int 
     replay is compared bitwise with eager on the same inputs at the same padded size (both
     write the same K/V). ``torch.cuda.memory_allocated()`` is read after ``warmup`` steps and
     at the end (``gc.collect()`` first). Host-only (syncs). Returns a summary dict."""
-    graph, eager = graph_step(rt), eager_step(rt.spec, rt.sizes, rt.device)
+    graph, eager = graph_step(rt), eager_step(rt.spec, rt.sizes)
     calls, bad = [0], []
 
     def checked(**inputs):

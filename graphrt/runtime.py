@@ -111,8 +111,7 @@ class GraphRuntime:
         n = self.stager.check(inputs)
         co = self.coordinator
         pick_n = co.agree_batch(n) if co is not None else n
-        size = self.table.pick(pick_n)
-        g = self.graphs.get(size) if size is not None else None
+        size, g = self._graph_for(pick_n)
         if co is not None and co.debug_check:
             co.check_replay(size if g is not None else pick_n, "graph" if g is not None else "eager")
         if g is None:
@@ -128,20 +127,28 @@ class GraphRuntime:
         if self.coordinator is not None and self.coordinator.uniform:
             raise GraphrtError("input_buffers()/replay() pick the graph from this rank's batch "
                                "alone; with a uniform-batch backend (NCCL) use run()")
-        size = self.table.pick(n)
-        if size not in self.graphs:
-            raise NoGraphForBatch(n, max(self.graphs) if self.graphs else None)
+        self._captured_graph(n)
         return {k: b[:n] for k, b in self.stager.buffers.items()}
 
     def replay(self, n: int) -> Any:
         """Replay on inputs already written through ``input_buffers(n)``: pads rows
         ``[n, padded_bs)``, sets the live count, replays. Graph safety: host-only."""
+        g = self._captured_graph(n)
+        self.stager.pad_only(n, g.size)
+        return self._replay(g, n)
+
+    def _graph_for(self, n: int):
+        """``(size, graph)``: the smallest captured size ``>= n`` and its graph (None when that
+        size failed capture); ``(None, None)`` when ``n`` exceeds every size."""
         size = self.table.pick(n)
-        g = self.graphs.get(size) if size is not None else None
+        return size, (self.graphs.get(size) if size is not None else None)
+
+    def _captured_graph(self, n: int):
+        """The graph ``run`` would replay for ``n``, or ``NoGraphForBatch``."""
+        g = self._graph_for(n)[1]
         if g is None:
             raise NoGraphForBatch(n, max(self.graphs) if self.graphs else None)
-        self.stager.pad_only(n, size)
-        return self._replay(g, n)
+        return g
 
     def _replay(self, g, n: int) -> Any:
         g.graph.replay()
@@ -279,13 +286,16 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(d.max()) if d.numel() else 0.0
 
 
+def row_rel_err(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-row relative error ``||a_i - b_i|| / ||b_i||`` of two ``[rows, ...]`` tensors, in
+    their (floating) dtype: ``[rows]``. Host-only helper for checks (NaN rows give NaN)."""
+    a, b = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
+    return (a - b).norm(dim=1) / b.norm(dim=1).clamp_min(1e-30)
+
+
 def _rows_off(a: torch.Tensor, b: torch.Tensor, rtol: float) -> int:
-    """Rows whose relative error ||a_i - b_i|| / ||b_i|| exceeds ``rtol`` (NaN counts as off)."""
-    a, b = a.double().reshape(a.shape[0], -1), b.double().reshape(b.shape[0], -1)
-    num = (a - b).norm(dim=1)
-    den = b.norm(dim=1).clamp_min(1e-30)
-    rel = num / den
-    return int((~(rel <= rtol)).sum())
+    """Rows whose relative error exceeds ``rtol`` (NaN counts as off), in float64."""
+    return int((~(row_rel_err(a.double(), b.double()) <= rtol)).sum())
 
 
 def _tolerance(dtype: torch.dtype, rtol) -> float:

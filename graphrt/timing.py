@@ -28,18 +28,40 @@ def cuda_time_us(fn: Callable[[], object], *, iters: int = 20, reps: int = 5, wa
     return statistics.median(samples)
 
 
-def host_time_us(fn: Callable[[], object], *, iters: int = 1000, warmup: int = 50) -> float:
-    """Median host wall time of one call in µs (no device sync between calls)."""
+def _median_call_us(fn, iters: int, warmup: int, *, cuda: bool, idle: bool) -> float:
+    """Median host wall time of one call in µs; ``cuda``: sync after warm-up and at the end;
+    ``idle``: also sync (untimed) before each call."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     samples = []
     for _ in range(iters):
+        if idle:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     return statistics.median(samples)
+
+
+def host_time_us(fn: Callable[[], object], *, iters: int = 1000, warmup: int = 50) -> float:
+    """Median host wall time of one call in µs (no device sync between calls)."""
+    return _median_call_us(fn, iters, warmup, cuda=True, idle=False)
+
+
+def graph_time_us(fn: Callable[[], object], *, reps: int = 1, iters: int = 20) -> float:
+    """Device time of one ``fn()`` in µs, from a CUDA graph of ``reps`` back-to-back calls
+    (warmed once eagerly first): median replay time / ``reps``."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return cuda_time_us(graph.replay, iters=iters) / reps
 
 
 def hbm_bandwidth_gbs(device, nbytes: int = 4 << 30) -> float:
@@ -55,25 +77,9 @@ def host_call_us(fn: Callable[[], object], *, iters: int = 200, warmup: int = 10
     """Median host time of one call made on an idle device (synchronised, untimed, before
     each call): the host-side cost of an API such as ``GraphRuntime.run`` without the
     back-pressure of a full launch queue, in µs."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(samples)
+    return _median_call_us(fn, iters, warmup, cuda=True, idle=True)
 
 
 def wall_time_us(fn: Callable[[], object], *, iters: int = 3, warmup: int = 1) -> float:
     """Median wall time of one call in µs, for CPU runs (a CPU call is done when it returns)."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(samples)
+    return _median_call_us(fn, iters, warmup, cuda=False, idle=False)

@@ -207,7 +207,6 @@ _MISMATCH = {  # keyed by the first word of ReplayCheck.what
     "inputs-untouched": "the step wrote into padded rows of input(s) {c.output}; a step must "
     "not write into its inputs",
 }
-_MISMATCH_OTHER = "output {c.output!r}: replay check {c.what} failed (max |diff| {c.max_abs_err:.3g})"
 
 
 def _cuda_checks(spec: StepSpec, target: Target, sizes: list[int], device: torch.device,
@@ -241,12 +240,15 @@ def _cuda_checks(spec: StepSpec, target: Target, sizes: list[int], device: torch
         checks = rt.check_replay(raise_on_mismatch=False)
     except Exception as exc:  # noqa: BLE001
         raise _crash(spec, target, exc, "the replay check") from None
-    for c in [c for c in checks if not c.ok]:  # one finding per size: its first bad output
-        if not any(f.kind == "replay-mismatch" and f.size == c.size for f in report.findings):
-            report.findings.append(Finding(  # appended: report.add would keep one size only
-                "replay-mismatch", "error", "CUDAGraph.replay", target.file, target.line,
-                f"batch {c.size} (live {c.n}): "
-                + _MISMATCH.get(c.what.split(" ")[0], _MISMATCH_OTHER).format(c=c), c.size))
+    first_bad: dict = {}  # one finding per size: its first bad output
+    for c in checks:
+        if not c.ok:
+            first_bad.setdefault(c.size, c)
+    for c in first_bad.values():
+        report.findings.append(Finding(  # appended: report.add would keep one size only
+            "replay-mismatch", "error", "CUDAGraph.replay", target.file, target.line,
+            f"batch {c.size} (live {c.n}): " + _MISMATCH[c.what.split(" ")[0]].format(c=c),
+            c.size))
 
 
 def validate(target: str, sizes: list[int] | str | None = None, device: str | None = None) -> Validation:

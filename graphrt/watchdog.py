@@ -243,14 +243,14 @@ class Watchdog:
         if err is not None:
             raise err
 
-    def wait(self, event=None, *, pause_s: float = 0.0) -> None:
+    def wait(self, event=None) -> None:
         """Wait for a CUDA ``event`` without a blocking sync, raising ``StallError`` as soon as
         the thread reports one (a blocking read of a stuck step would never return)."""
         if event is None:
             return self.check()
         while not event.query():
             self.check()
-            time.sleep(pause_s)
+            time.sleep(0)  # yield the GIL to the polling thread
 
     # -- polling -------------------------------------------------------------------------
     def read(self) -> Snapshot | None:
@@ -321,8 +321,10 @@ class Watchdog:
                 self.poll()
             except Exception:  # noqa: BLE001 - the watchdog must never die silently (on_stall)
                 log.exception("rank %d: watchdog poll failed", self.rank)
-            with self._cv:
-                self._cv.wait(timeout=self.poll_s)
+            with self._cv:  # sleep poll_s: expect_step's notify wakes a parked thread only
+                deadline = time.monotonic() + self.poll_s
+                while not self._stop and (left := deadline - time.monotonic()) > 0:
+                    self._cv.wait(timeout=left)
 
 
 # -- a two-rank stall drill (the multigpu test drives it) --------------------------------------

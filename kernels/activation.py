@@ -323,12 +323,6 @@ def silu_and_mul_masked_fp8_ref(u, masked_m, group_size=128):
     Graph safety: host-only
     """
     u = u.cpu()
-    num_experts, cap, two_inter = u.shape
-    inter = two_inter // 2
-    a = torch.nn.functional.silu(u[..., :inter].float()) * u[..., inter:].float()
-    a = a.view(num_experts, cap, inter // group_size, group_size)
-    scale = a.abs().amax(dim=-1).clamp_min(_SCALE_EPS) / _FP8_MAX  # [E, cap, groups]
-    q = (a / scale[..., None]).clamp(-_FP8_MAX, _FP8_MAX)
-    dead = ~_live_rows(masked_m, cap)
-    q[dead], scale[dead] = 0.0, 0.0
-    return q.view(num_experts, cap, inter).to(torch.float8_e4m3fn), scale
+    inter = u.shape[2] // 2
+    a = torch.nn.functional.silu(u[..., :inter].float()) * u[..., inter:].float()  # fp32
+    return quantize_fp8_masked_ref(a, masked_m, group_size)

@@ -136,7 +136,7 @@ def _tiny(seed=0):
 
 
 def _run_tiny(spec, model, steps):
-    eng = DecodeEngine(eager_step(spec, [1, 2, 4], "cpu"), num_slots=model.cfg.num_slots,
+    eng = DecodeEngine(eager_step(spec, [1, 2, 4]), num_slots=model.cfg.num_slots,
                        max_ctx=model.cfg.max_ctx, max_batch_size=4, device="cpu")
     eng.run(steps, Workload(1, vocab=model.cfg.vocab_size, max_ctx=model.cfg.max_ctx,
                             prompt=(1, 3), output=(1, 4), rate=1.5, phase=4))
@@ -173,7 +173,7 @@ class FakeRuntime:
         from graphrt.outputs import LeaseClock
         from graphrt.scheduler import SizeTable
         self.spec, self.sizes, self.table, self.device = spec, sizes, SizeTable(sizes), torch.device("cpu")
-        self._step, self._clock = eager_step(spec, sizes, "cpu"), LeaseClock()
+        self._step, self._clock = eager_step(spec, sizes), LeaseClock()
 
     def run(self, **inputs):
         from graphrt.outputs import LeasedTensor

@@ -171,7 +171,7 @@ def test_engine_with_watchdog_on_cpu(tiny_instrumented):
     from graphrt.engine import DecodeEngine, Request, eager_step
     spec, model, counters = tiny_instrumented
     with Watchdog(*counters, timeout_s=30, poll_s=0.01) as wd:
-        eng = DecodeEngine(eager_step(spec, [1, 2, 4], "cpu"), num_slots=model.cfg.num_slots,
+        eng = DecodeEngine(eager_step(spec, [1, 2, 4]), num_slots=model.cfg.num_slots,
                            max_ctx=model.cfg.max_ctx, max_batch_size=4, device="cpu", watchdog=wd)
         eng.submit(Request(0, [5, 6], 2))
         eng.run(3)

@@ -72,6 +72,11 @@ class Receiver:
         return self.out
 
 
+def round_up(x: int, m: int) -> int:
+    """``x`` rounded up to a multiple of ``m`` (host-only)."""
+    return (x + m - 1) // m * m
+
+
 def ep_group(group, num_experts: int, who: str, error=GraphrtError) -> tuple:
     """``(group, rank, num_ranks, num_local_experts)`` for an expert-parallel backend; raises
     ``error`` when torch.distributed is not initialised or the experts do not split evenly.
@@ -119,9 +124,11 @@ class EPComm(Protocol):
         """Rows per local expert in the masked layout for a padded batch of ``bs`` (host-only)."""
         ...
 
-    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, n: torch.Tensor) -> Dispatched:
-        """x ``[bs, hidden]`` bf16, topk_ids int64 ``[bs, num_topk]`` (-1 = none), n int32 ``[1]``.
-        Graph safety: capturable."""
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, n: torch.Tensor, *,
+                 topk_weights: torch.Tensor | None = None) -> Dispatched:
+        """x ``[bs, hidden]`` bf16, topk_ids int64 ``[bs, num_topk]`` (-1 = none), n int32 ``[1]``,
+        topk_weights fp32 ``[bs, num_topk]`` (needed by layouts that carry the weights with the
+        tokens, DeepEP v2's expanded one; the others ignore it). Graph safety: capturable."""
         ...
 
     def combine(self, y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

@@ -75,7 +75,6 @@ class DeepEPLowLatencyComm:
         self.buffer = deep_ep.Buffer(self.group, num_nvl_bytes=0, num_rdma_bytes=rdma,
                                      low_latency_mode=True,
                                      num_qps_per_rank=self.num_local_experts)
-        self.rdma_bytes = rdma
         self.calls = 0          # low-latency calls issued (parity = calls % 2)
         self._step_start = 0
 
@@ -83,7 +82,8 @@ class DeepEPLowLatencyComm:
         """DeepEP's masked layout has ``num_ranks * max_tokens`` rows per local expert."""
         return self.num_ranks * self.max_tokens
 
-    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, n: torch.Tensor) -> Dispatched:
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, n: torch.Tensor, *,
+                 topk_weights: torch.Tensor | None = None) -> Dispatched:
         """x bf16 ``[bs, hidden]``, topk_ids int64 ``[bs, num_topk]`` (-1: padding, no traffic).
         Graph safety: capturable."""
         from graphrt.kernels.dispatch import expected_m

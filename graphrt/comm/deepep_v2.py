@@ -20,8 +20,8 @@ expanded row count, fixed by ``max_tokens``)::
               buffer.combine(y_exp, handle) sums each token's rows on its source rank -> out
 
 All device-side with fixed shapes (no host sync). DeepEP's expanded-layout combine takes no
-weights (rows are weighted before it), so ``dispatch`` needs ``topk_weights=``
-(``dispatch_needs_weights``). ``combine_async`` runs the combine with
+weights (rows are weighted before it), so ``dispatch`` needs ``topk_weights=`` (the
+``EPComm`` protocol's optional argument, which the model always passes). ``combine_async`` runs the combine with
 ``async_with_compute_stream=True, allocate_on_comm_stream=True``; its ``Receiver`` waits on
 DeepEP's event and copies the result into ``out``. ``sync_combine=True`` (or ``sync=True`` per
 call) combines synchronously and returns an already-joined receiver (dual-batch overlap). One
@@ -41,8 +41,9 @@ from typing import Any, Callable
 
 import torch
 
-from graphrt.comm.base import Dispatched, Receiver
+from graphrt.comm.base import Dispatched, Receiver, round_up
 from graphrt.errors import GraphrtError
+from graphrt.moe.workspace import Workspace
 
 MAX_TOPK = 32              # DeepEP v2: "lots of `kNumTopk <= 32` restrictions"
 MAX_EXPERTS = 2048         # DeepEP v2.x workspace: at most 2048 experts in all ...
@@ -55,10 +56,6 @@ class DeepEPUnavailable(GraphrtError, ImportError):
 
 class DeepEPUsageError(GraphrtError, ValueError):
     """An argument breaks a documented DeepEP limit or this backend's contract."""
-
-
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
 
 
 def _need(ok: bool, msg: str) -> None:
@@ -122,7 +119,6 @@ class DeepEPV2Comm:
     """
 
     uniform_batch = False
-    dispatch_needs_weights = True
     api_name = "ElasticBuffer"
     requirement = ("DeepEP v2 (deep_ep.ElasticBuffer): NCCL >= 2.29 with Gin and a torch 2.13/2.14 "
                    "build (the H200 machines have NCCL 2.28.9 and torch 2.11, where it does not load)")
@@ -157,10 +153,11 @@ class DeepEPV2Comm:
              f"max_tokens is {max_tokens}; build it with num_max_tokens_per_rank >= {max_tokens}")
         E, A = self.num_local_experts, expert_alignment
         # DeepEP's worst-case expanded rows with do_cpu_sync=False (fixed by max_tokens).
-        self.rows = _round_up(R * max_tokens * min(num_topk, E) + (A - 1) * E, A)
+        self.rows = round_up(R * max_tokens * min(num_topk, E) + (A - 1) * E, A)
         cap = self.cap_for(max_tokens)
-        self._recv = torch.empty(E * cap * hidden, dtype=dtype, device=self.device)  # masked recv_x
-        self._y_exp = torch.empty(self.rows * hidden, dtype=dtype, device=self.device)
+        self.ws = Workspace(self.device)
+        self.ws.reserve("recv", (E, cap, hidden), dtype)  # the masked recv_x
+        self.ws.reserve("y_exp", (self.rows, hidden), dtype)  # the weighted expanded rows
         self._ar = torch.arange(max(cap, self.rows), device=self.device)
         self._inflight: Callable[[], Receiver | None] | None = None
 
@@ -180,7 +177,7 @@ class DeepEPV2Comm:
     def cap_for(self, bs: int) -> int:
         """Rows per local expert in the masked layout for a padded batch of ``bs``. Host-only."""
         rows = bs if self.num_ranks == 1 else self.num_ranks * self.max_tokens
-        return _round_up(max(rows, 1), self.cap_align)
+        return round_up(max(rows, 1), self.cap_align)
 
     # ---- the calls DeepEP makes (V2.5 overrides these three) -------------------------------
     def _dispatch_call(self, x, topk_ids, topk_weights):
@@ -237,21 +234,21 @@ class DeepEPV2Comm:
             _need(not _capturing(), f"{name}: DeepEP returned {rows} expanded rows, {self.rows} "
                   "reserved; run the step once eagerly before capture")
             self.rows = rows
-            self._y_exp = torch.empty(rows * H, dtype=self.dtype, device=self.device)
+            self.ws.reserve("y_exp", (rows, H), self.dtype)
             self._ar = torch.arange(max(cap, rows), device=self.device)
         psum = handle.psum_num_recv_tokens_per_expert.to(torch.int64)         # [E]
         prev = torch.cat([psum.new_zeros(1), psum[:-1]])
         start = (prev + (A - 1)) // A * A                                      # [E] first row
         count = psum - start                                                   # [E] live rows
         idx = (start[:, None] + self._ar[None, :cap]).clamp_(max=max(rows - 1, 0))  # [E, cap]
-        recv = self._recv[:E * cap * H].view(E, cap, H)
+        recv = self.ws.view("recv", (E, cap, H))
         if rows:  # (0 only with do_cpu_sync=True when nothing reached this rank)
             torch.index_select(recv_x, 0, idx.view(-1), out=recv.view(E * cap, H))
         masked_m = count.clamp(0, cap).to(torch.int32)                         # [E]
         j = self._ar[:rows]                                                    # expanded row ids
         e_of = torch.bucketize(j, start[1:], right=True)                       # [rows] its expert
         src = e_of * cap + (j - start[e_of]).clamp_(0, cap - 1)                # [rows] masked slot
-        em = min(cap, expected_m(bs, self.num_topk, E))
+        em = expected_m(bs, self.num_topk, E, cap=cap)
         return Dispatched(recv, masked_m, em, handle=_Expanded(handle, recv_w, src, rows, cap))
 
     def _expanded(self, y: torch.Tensor, d: Dispatched) -> tuple[torch.Tensor, _Expanded]:
@@ -260,7 +257,7 @@ class DeepEPV2Comm:
         _need(tuple(y.shape) == (E, ex.cap, H) and y.dtype == self.dtype,
               f"{type(self).__name__}.combine: expected y {self.dtype} [{E}, {ex.cap}, {H}] (the "
               f"dispatch's masked layout); got {y.dtype} {tuple(y.shape)}")
-        y_exp = self._y_exp[:ex.rows * H].view(ex.rows, H)                     # [rows, hidden]
+        y_exp = self.ws.view("y_exp", (ex.rows, H))                            # [rows, hidden]
         torch.index_select(y.reshape(E * ex.cap, H), 0, ex.src, out=y_exp)
         y_exp.mul_(ex.recv_w.unsqueeze(1))     # weight each row (fp32 math, one bf16 rounding)
         return y_exp, ex

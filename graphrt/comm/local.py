@@ -13,11 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from graphrt.comm.base import Dispatched, Receiver, on_side_stream
-
-
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
+from graphrt.comm.base import Dispatched, Receiver, on_side_stream, round_up
 
 
 class LocalComm:
@@ -46,9 +42,10 @@ class LocalComm:
         self.masked_m = torch.empty(num_experts, dtype=torch.int32, device=self.device)
 
     def cap_for(self, bs: int) -> int:
-        return _round_up(bs, self.cap_align)
+        return round_up(bs, self.cap_align)
 
-    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, n: torch.Tensor) -> Dispatched:
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, n: torch.Tensor, *,
+                 topk_weights: torch.Tensor | None = None) -> Dispatched:
         """x ``[bs, hidden]`` bf16, topk_ids int64 ``[bs, num_topk]``. Padded rows carry id -1
         (the router's job), so they create no slots. Graph safety: capturable."""
         from graphrt.kernels.dispatch import dispatch_masked, expected_m
@@ -63,7 +60,7 @@ class LocalComm:
         pos = self.ws.view("pos", (bs, topk_ids.shape[1]))
         dispatch_masked(x, topk_ids, out_recv_x=recv_x, out_masked_m=masked_m,
                         out_src_idx=src_idx, out_pos=pos)
-        em = min(cap, expected_m(bs, topk_ids.shape[1], E))
+        em = expected_m(bs, topk_ids.shape[1], E, cap=cap)
         return Dispatched(recv_x, masked_m, em, handle=pos)
 
     def combine(self, y, topk_ids, topk_weights, d: Dispatched, n, *, out):

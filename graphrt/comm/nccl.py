@@ -51,11 +51,15 @@ class NCCLComm:
         ws.reserve("g_ids", (R * max_tokens, num_topk), torch.int64)
         ws.reserve("g_w", (R * max_tokens, num_topk), torch.float32)
         ws.reserve("partial", (R * max_tokens, hidden), dtype)
+        # The local combine covers every gathered row (ids of other ranks' experts are -1 and
+        # add nothing): a live count >= any R * bs, made once rather than filled every call.
+        self._all_rows = torch.full((1,), R * max_tokens, dtype=torch.int32, device=self.device)
 
     def cap_for(self, bs: int) -> int:
         return self.local.cap_for(self.num_ranks * bs)
 
-    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, n: torch.Tensor) -> Dispatched:
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, n: torch.Tensor, *,
+                 topk_weights: torch.Tensor | None = None) -> Dispatched:
         """x bf16 ``[bs, hidden]`` (bs equal on every rank), topk_ids int64 ``[bs, num_topk]``.
         Graph safety: capturable."""
         bs, R = x.shape[0], self.num_ranks
@@ -66,9 +70,8 @@ class NCCLComm:
         g_ids = ws.view("g_ids", (R * bs, self.num_topk))
         self._dist.all_gather_into_tensor(g_x, x.contiguous(), group=self.group)
         self._dist.all_gather_into_tensor(g_ids, topk_ids.contiguous(), group=self.group)
-        local_ids = g_ids - self._first
-        mine = (local_ids >= 0) & (local_ids < self.num_local_experts) & (g_ids >= 0)
-        local_ids = torch.where(mine, local_ids, torch.full_like(local_ids, -1))
+        local_ids = g_ids - self._first  # an id of -1 (padding) stays negative
+        local_ids.masked_fill_((local_ids < 0) | (local_ids >= self.num_local_experts), -1)
         d = self.local.dispatch(g_x, local_ids, n)
         from graphrt.kernels.dispatch import expected_m
         em = expected_m(bs, self.num_topk, self.num_local_experts, cap=d.recv_x.shape[1])
@@ -82,8 +85,7 @@ class NCCLComm:
         g_w = ws.view("g_w", (R * bs, self.num_topk))
         self._dist.all_gather_into_tensor(g_w, topk_weights.contiguous(), group=self.group)
         partial = ws.view("partial", (R * bs, self.hidden))
-        all_rows = torch.full((1,), R * bs, dtype=torch.int32, device=y.device)  # every row: -1 ids add nothing
-        self.local.combine(y, local_ids, g_w, local_d, all_rows, out=partial)
+        self.local.combine(y, local_ids, g_w, local_d, self._all_rows, out=partial)
         self._dist.reduce_scatter_tensor(out, partial, group=self.group)
         return out
 

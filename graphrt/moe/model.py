@@ -30,7 +30,6 @@ from graphrt.moe.experts import Experts
 from graphrt.moe.layers import Attention, Router, SharedExpert, add_rmsnorm
 from graphrt.moe.workspace import Workspace
 from graphrt.spec import Input, StepSpec
-from graphrt.watchdog import begin_step, mark, progress_tensors
 
 
 class MoEBlock:
@@ -51,10 +50,7 @@ class MoEBlock:
         """h ``[bs, hidden]`` -> the routed experts' output and the shared expert's (when the
         model has one), each ``[bs, hidden]``; the caller adds them into the residual."""
         w, ids = self.router(h, n)                                         # [bs, k] fp32, int64
-        if getattr(self.comm, "dispatch_needs_weights", False):  # DeepEP v2 expanded layout
-            d = self.comm.dispatch(h, ids, n, topk_weights=w)
-        else:
-            d = self.comm.dispatch(h, ids, n)
+        d = self.comm.dispatch(h, ids, n, topk_weights=w)
         self.last_masked_m = d.masked_m  # a reference for benchmarks/tests (no sync)
         y = self.experts(d.recv_x, d.masked_m, d.expected_m, d.recv_scale)  # [E, cap, hidden]
         out = torch.empty_like(h)                                          # [bs, hidden]
@@ -92,15 +88,11 @@ class MoEModel:
         overlap: run the combine asynchronously, overlapped with the shared expert.
         backend: expert GEMMs: ``auto`` | ``deepgemm`` | ``triton``. fp8: fp8 experts (DeepGEMM).
         seed: weights are random but deterministic from it.
-        watchdog: keep per-layer device progress counters for ``graphrt.watchdog.Watchdog``.
     """
 
     def __init__(self, cfg: MoEConfig, device, *, comm: EPComm | None = None, overlap: bool = True,
-                 backend: str = "auto", fp8: bool = False, seed: int = 0, watchdog: bool = False):
+                 backend: str = "auto", fp8: bool = False, seed: int = 0):
         self.cfg, self.device = cfg, torch.device(device)
-        # Opt-in stall watchdog (graphrt.watchdog): per-layer device progress, int64 [num_layers] + [1].
-        self.progress, self.step_counter = (progress_tensors(cfg.num_layers, self.device)
-                                            if watchdog else (None, None))
         self.comm = comm or LocalComm(cfg.num_experts, cfg.hidden, cfg.num_topk, self.device,
                                       max_tokens=cfg.num_slots)
         if self.comm.num_experts != cfg.num_experts:
@@ -117,6 +109,8 @@ class MoEModel:
         self.final_norm = torch.ones(cfg.hidden, device=self.device, dtype=cfg.dtype)
         self.lm_head = torch.randn(cfg.vocab_size, cfg.hidden, generator=gen, device=self.device,
                                    dtype=cfg.dtype) * cfg.hidden ** -0.5
+        # Each layer's input norm, then the final norm: layer i ends with the norm of i + 1.
+        self._norms = [l.attn_norm for l in self.layers] + [self.final_norm]
 
     @property
     def overlap(self) -> bool:
@@ -131,14 +125,9 @@ class MoEModel:
         """tokens int64 ``[bs]``, positions int32 ``[bs]``, slots int32 ``[bs]``, n int32 ``[1]``
         -> ``{"logits": [bs, vocab_size] bf16}``. Graph safety: capturable."""
         x = self.embed.index_select(0, tokens)                             # [bs, hidden]
-        if self.step_counter is not None:
-            begin_step(self.step_counter)
-        norms = [l.attn_norm for l in self.layers[1:]] + [self.final_norm]
-        x, h = add_rmsnorm(x, weight=self.layers[0].attn_norm, eps=self.cfg.rms_eps)
-        for i, (layer, next_norm) in enumerate(zip(self.layers, norms)):
+        x, h = add_rmsnorm(x, weight=self._norms[0], eps=self.cfg.rms_eps)
+        for layer, next_norm in zip(self.layers, self._norms[1:]):
             x, h = layer(x, h, positions, slots, n, next_norm)
-            if self.progress is not None:
-                mark(self.progress, self.step_counter, i)
         self.comm.end_step()
         return {"logits": h @ self.lm_head.t()}                            # h: final-normed x
 
