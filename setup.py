@@ -15,6 +15,9 @@ setup(
         "graphrt",
         "graphrt.comm",
         "graphrt.moe",
+        "graphrt.bench",
+        "graphrt.cli",
+        "graphrt.testing",
         "graphrt.capture",
         "graphrt.kernels",
     ],
@@ -39,5 +42,5 @@ setup(
             "tokenspeed-deepgemm==2.5.0.post20260424",
         ],
     },
-    entry_points={"console_scripts": ["graphrt = graphrt.cli:main"]},
+    entry_points={"console_scripts": ["graphrt = graphrt.cli.main:main"]},
 )

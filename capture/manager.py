@@ -31,7 +31,7 @@ from graphrt.capture.report import Finding, GraphSafetyError, SafetyReport
 from graphrt.capture.safety import analyze_step
 from graphrt.errors import CaptureError, GraphrtError
 from graphrt.outputs import OutputLayout
-from graphrt.scheduler import Stager
+from graphrt.replay_policy import Stager
 from graphrt.spec import StepSpec
 
 

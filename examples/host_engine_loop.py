@@ -1,7 +1,7 @@
 """A host decode engine with graphrt in its loop: requests arrive and finish, continuous batching
 over a static KV cache, one ``GraphRuntime.run`` per step, greedy sampling on the device.
 
-The engine itself is ``graphrt.engine.DecodeEngine`` (slots, admission, teacher-forced
+The engine itself is ``graphrt.testing.engine.DecodeEngine`` (slots, admission, teacher-forced
 prompts, retirement); this script builds the reference MoE model, captures it, and runs the
 same workload twice, through the graphs and eagerly at the same padded sizes (same KV
 history), and checks the token streams are identical::
@@ -78,7 +78,7 @@ def summary(r: dict, prefix: str = "") -> str:
 
 
 def single_gpu(args) -> int:
-    from graphrt.engine import compare_graph_eager, soak
+    from graphrt.testing.engine import compare_graph_eager, soak
     cfg, model, rt, wd = build(args, torch.device("cuda", torch.cuda.current_device()))
     print(f"captured {describe(cfg, args)}; sizes {rt.sizes}")
     try:
@@ -103,8 +103,8 @@ def ep_rank(rank: int, world: int, args) -> dict:
     """One rank of ``--ranks 2``: its own engine and requests; graph phase, then the eager
     phase in lockstep with the other rank (both communicate through DeepEP)."""
     from graphrt.coordinator import RankCoordinator
-    from graphrt.distributed import make_comm
-    from graphrt.engine import compare_graph_eager
+    from graphrt.testing.launch import make_comm
+    from graphrt.testing.engine import compare_graph_eager
     from graphrt.moe import preset
     device = torch.device("cuda", rank)
     cfg = preset(args.config, layers=args.layers, experts=args.experts)
@@ -120,7 +120,7 @@ def ep_rank(rank: int, world: int, args) -> dict:
 
 
 def multi_gpu(args) -> int:
-    from graphrt.distributed import spawn
+    from graphrt.testing.launch import spawn
     results = spawn(ep_rank, args.ranks, args, timeout_s=1200)
     ok = True
     for r in results:
@@ -138,9 +138,9 @@ def multi_gpu(args) -> int:
 
 def cpu(args) -> int:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    from graphrt.engine import DecodeEngine, KVSnapshot, Workload, eager_step
+    from graphrt.testing.engine import DecodeEngine, KVSnapshot, Workload, eager_step
     from graphrt.moe import make_step, preset
-    from graphrt.scheduler import capture_sizes
+    from graphrt.replay_policy import capture_sizes
     experts = 8 if args.experts >= 8 else 4
     cfg = preset("tiny", layers=min(args.layers, 2), experts=experts,
                  **({} if experts == 8 else {"n_group": 2, "topk_group": 1}))

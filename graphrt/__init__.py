@@ -13,7 +13,7 @@ deep_ep or deep_gemm; those load where they are used.
 from graphrt.errors import (CaptureError, GraphrtError, InputError, NoGraphForBatch,
                             ReplayMismatch, StaleOutputError)
 from graphrt.spec import Input, StepSpec
-from graphrt.scheduler import SizeTable, capture_sizes
+from graphrt.replay_policy import SizeTable, capture_sizes
 from graphrt.capture.report import Finding, GraphSafetyError, SafetyReport
 from graphrt.runtime import GraphRuntime
 

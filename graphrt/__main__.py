@@ -1,6 +1,6 @@
-"""``python -m graphrt``: the ``graphrt`` command (see ``graphrt.cli``)."""
+"""``python -m graphrt``: the ``graphrt`` command (see ``graphrt.cli.main``)."""
 import sys
 
-from graphrt.cli import main
+from graphrt.cli.main import main
 
 sys.exit(main())

@@ -13,32 +13,14 @@ it inside another capture.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from graphrt.errors import GraphrtError, NoGraphForBatch, ReplayMismatch
-from graphrt.outputs import LeaseClock, LeasedTensor, OutputLayout
-from graphrt.scheduler import SizeTable, Stager, capture_sizes
+from graphrt.errors import GraphrtError, NoGraphForBatch
+from graphrt.outputs import LeaseClock, LeasedTensor
+from graphrt.replay_policy import SizeTable, Stager, capture_sizes
 from graphrt.spec import StepSpec
-
-
-@dataclass(frozen=True)
-class ReplayCheck:
-    """One comparison made by ``check_replay``; ``ok`` False means a mismatch."""
-
-    size: int
-    n: int
-    output: Any
-    what: str  # padding-inert | graph-vs-eager | inputs-untouched | live-rows-vs-unpadded-eager
-    max_abs_err: float
-    ok: bool
-
-    def __str__(self):
-        status = "ok" if self.ok else "MISMATCH"
-        return (f"batch {self.size} (live {self.n}), output {self.output!r}, {self.what}: "
-                f"max |diff| {self.max_abs_err:.3g} {status}")
 
 
 class GraphRuntime:
@@ -174,77 +156,12 @@ class GraphRuntime:
     # -- checks and stats --------------------------------------------------------------------
     def check_replay(self, *, trials: int = 2, rtol: float | None = None,
                      max_off_rows: float = 0.05, seed: int = 1234,
-                     raise_on_mismatch: bool = True) -> list[ReplayCheck]:
-        """Replay every captured size on fresh random inputs and compare with eager.
-
-        Per size and trial, ``n`` live rows (the full size on the first trial, a random ``n``
-        in ``(previous size, size]`` after), outputs NaN-poisoned before every replay:
-
-        1. ``padding-inert``: a replay with pad rows at ``pad_value`` and one with pad rows
-           poisoned (NaN for floats, random valid values otherwise) give bitwise-equal live rows;
-        2. ``graph-vs-eager``: that replay equals eager execution on the same padded buffers,
-           bitwise (a graph replays the same kernels on the same data);
-        3. ``inputs-untouched``: the step left its padded input rows at ``pad_value``;
-        4. ``live-rows-vs-unpadded-eager``: eager on the live rows alone (a different batch
-           size, so cuBLAS may pick other GEMM kernels): integer outputs equal; floating rows
-           within relative error ``rtol`` (2e-2 bf16/fp16, 1e-4 fp32) except at most
-           ``max_off_rows`` of the rows (an MoE router may flip a near-tie expert choice when a
-           different GEMM kernel changes the last bit; those rows are counted, not hidden).
-
-        Host-only (synchronises). Returns every check; raises ``ReplayMismatch`` on failures.
-        """
-        if not self.graphs:
-            raise GraphrtError("check_replay() needs captured graphs: call capture() first")
-        gen = torch.Generator().manual_seed(seed)
-        results: list[ReplayCheck] = []
-        sizes = sorted(self.graphs)
-        for i, size in enumerate(sizes):
-            lo = sizes[i - 1] + 1 if i else 1
-            for t in range(trials):
-                n = size if t == 0 else int(torch.randint(lo, size + 1, (1,), generator=gen))
-                inputs = self.spec.random_inputs(n, self.device, gen)
-                results += self._check_one(self.graphs[size], inputs, n, gen, rtol, max_off_rows)
-        bad = [r for r in results if not r.ok]
-        if bad and raise_on_mismatch:
-            raise ReplayMismatch(bad)
-        return results
-
-    def _replay_poisoned_outputs(self, g, n) -> list[torch.Tensor]:
-        for o in g.outputs:
-            _poison(o)
-        g.graph.replay()
-        self._clock.bump()
-        return [o[:n].clone() for o in g.outputs]
-
-    def _check_one(self, g, inputs, n, gen, rtol, max_off_rows) -> list[ReplayCheck]:
-        st, size, out = self.stager, g.size, []
-        keys = g.layout.keys or (0,)
-        st.stage(inputs, n, size)
-        clean = self._replay_poisoned_outputs(g, n)
-        torch.cuda.synchronize(self.device)
-        dirty = st.pad_rows_intact(n, size)
-        out.append(ReplayCheck(size, n, ",".join(dirty) or "-", "inputs-untouched", 0.0, not dirty))
-        st.stage(inputs, n, size)
-        st.poison(n, size, gen)
-        poisoned = self._replay_poisoned_outputs(g, n)
-        same = OutputLayout.flatten(self.spec.call(st.views(size), st.n_dev), size)[1]
-        unpadded = OutputLayout.flatten(self.spec.call(inputs, self.spec.live_count_tensor(
-            n, self.device)), n)[1]
-        for key, c, p, e, u in zip(keys, clean, poisoned, same, unpadded):
-            err = _max_err(p, c)
-            out.append(ReplayCheck(size, n, key, "padding-inert", err, err == 0.0))
-            err = _max_err(p, e[:n])
-            out.append(ReplayCheck(size, n, key, "graph-vs-eager", err, err == 0.0))
-            err = _max_err(p, u)
-            if p.is_floating_point():
-                off = _rows_off(p, u, _tolerance(p.dtype, rtol))
-                ok = off <= int(max_off_rows * n)
-                what = f"live-rows-vs-unpadded-eager ({off}/{n} rows off)"
-            else:
-                ok, what = bool(torch.equal(p, u)), "live-rows-vs-unpadded-eager"
-            out.append(ReplayCheck(size, n, key, what, err, ok))
-        st.stage(inputs, n, size)  # leave clean padding behind
-        return out
+                     raise_on_mismatch: bool = True) -> list:
+        """Replay every captured size on fresh inputs and compare with eager
+        (``graphrt.capture.verify.check_replay``). Host-only (synchronises)."""
+        from graphrt.capture.verify import check_replay
+        return check_replay(self, trials=trials, rtol=rtol, max_off_rows=max_off_rows,
+                            seed=seed, raise_on_mismatch=raise_on_mismatch)
 
     def stats(self) -> dict:
         """Per captured size: capture seconds and pool bytes; totals; replay/eager counts."""
@@ -260,47 +177,3 @@ class GraphRuntime:
             "failures": {s: f.reason for s, f in self.failures.items()},
             **self.counters,
         }
-
-
-def _poison(t: torch.Tensor) -> None:
-    if t.is_floating_point():
-        t.fill_(float("nan"))
-    elif t.dtype == torch.bool:
-        t.fill_(True)
-    else:
-        t.fill_(torch.iinfo(t.dtype).min)
-
-
-def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    if a.shape != b.shape:
-        return float("inf")
-    if not a.is_floating_point():
-        return 0.0 if torch.equal(a, b) else float((a.long() - b.long()).abs().max())
-    an, bn = torch.isnan(a), torch.isnan(b)
-    if not torch.equal(an, bn):
-        return float("nan")
-    # equal values (equal infinities too, e.g. masked logits) differ by 0, not inf - inf = NaN
-    d = torch.where(a == b, torch.zeros((), dtype=torch.float64, device=a.device),
-                    (a.double() - b.double()).abs())
-    d[an] = 0
-    return float(d.max()) if d.numel() else 0.0
-
-
-def row_rel_err(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per-row relative error ``||a_i - b_i|| / ||b_i||`` of two ``[rows, ...]`` tensors, in
-    their (floating) dtype: ``[rows]``. Host-only helper for checks (NaN rows give NaN)."""
-    a, b = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
-    return (a - b).norm(dim=1) / b.norm(dim=1).clamp_min(1e-30)
-
-
-def _rows_off(a: torch.Tensor, b: torch.Tensor, rtol: float) -> int:
-    """Rows whose relative error exceeds ``rtol`` (NaN counts as off), in float64."""
-    return int((~(row_rel_err(a.double(), b.double()) <= rtol)).sum())
-
-
-def _tolerance(dtype: torch.dtype, rtol) -> float:
-    """Relative-norm tolerance of the unpadded comparison: padded and unpadded batches may
-    take different GEMM kernels (cuBLAS picks by M), so low precision is not bitwise."""
-    if rtol is not None:
-        return rtol
-    return 2e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4

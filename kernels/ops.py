@@ -280,7 +280,7 @@ def launchers_as_ops():
     a function, or ``module.f(...)``) through the ``graphrt::`` ops for the duration; DeepGEMM
     is patched only when it imports. Not re-entrant. Host-only (patches module attributes)."""
     if _originals:
-        raise RuntimeError("graphrt.ops.launchers_as_ops() is already active (not re-entrant)")
+        raise RuntimeError("graphrt.kernels.ops.launchers_as_ops() is already active (not re-entrant)")
     try:
         for (module, name), wrapper in _wrappers().items():
             try:

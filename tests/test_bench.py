@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from graphrt import bench, cli
-from graphrt.bench_modes import MODES, floor_bytes, parse_modes
+from graphrt.cli import main as cli
+from graphrt.bench.modes import MODES, floor_bytes, parse_modes
 from graphrt.moe import make_step, preset
-from graphrt.profile import device_intervals_us, idle_stats, union_us
+from graphrt.bench.profile import device_intervals_us, idle_stats, union_us
 
 
 # -- idle fraction ----------------------------------------------------------------------------
@@ -70,7 +70,7 @@ def tiny():
 
 @pytest.mark.parametrize("routing", ["grouped_sigmoid", "softmax"])
 def test_naive_peer_computes_the_same_step(routing):
-    from graphrt.naive import NaiveMoE, NaiveTooLarge
+    from graphrt.bench.naive import NaiveMoE, NaiveTooLarge
     cfg = preset("tiny") if routing == "grouped_sigmoid" else preset("tiny", routing="softmax")
     spec, model = make_step(cfg, "cpu", max_batch_size=8, backend="triton")
     nv = NaiveMoE(model)
@@ -177,7 +177,7 @@ def _gpu_result():
 
 
 def test_markdown_and_plots_of_a_gpu_result(tmp_path):
-    from graphrt.plots import markdown, write_plots
+    from graphrt.bench.plots import markdown, write_plots
     res = _gpu_result()
     md = markdown(res)
     assert "| bs | eager µs | compile µs |" in md and "graph-overlap ×floor" in md

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def res():
-    from graphrt.bench_modes import MODES, bench_modes
+    from graphrt.bench.modes import MODES, bench_modes
     from graphrt.moe import preset
     cfg = preset("qwen3-moe-like", layers=1, experts=16)
     return bench_modes(cfg, torch.device("cuda", torch.cuda.current_device()), [1, 8], MODES,
@@ -53,7 +53,7 @@ def test_idle_and_host_cost_measured(res):
 def test_overlap_region_is_timed_alone():
     """``graphrt.bench.overlap_region_us`` (the per-layer overlap figure of the moe suite) times
     each form of one layer's overlap region from its own graph; every form does real work."""
-    from graphrt.bench import overlap_region_us
+    from graphrt.bench.run import overlap_region_us
     from graphrt.moe import MoEModel, preset
     dev = torch.device("cuda", torch.cuda.current_device())
     model = MoEModel(preset("dsv3-like", layers=1, experts=16), dev)

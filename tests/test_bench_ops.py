@@ -1,4 +1,4 @@
-"""CPU tests of ``graphrt.ops`` (kernels on the Triton interpreter): each custom op matches
+"""CPU tests of ``graphrt.kernels.ops`` (kernels on the Triton interpreter): each custom op matches
 its launcher bitwise, declares exactly what it mutates (``torch.library.opcheck``), has a
 fake implementation, and the reference step traces through the ops with no graph break."""
 import subprocess
@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-import graphrt.ops as gops
+import graphrt.kernels.ops as gops
 from graphrt.moe import make_step, preset
 
 OPS = torch.ops.graphrt
@@ -124,7 +124,7 @@ def test_deepgemm_ops_have_fakes_and_import_nothing():
 
 
 def test_importing_ops_stays_light():
-    code = ("import sys, torch, graphrt.ops; "
+    code = ("import sys, torch, graphrt.kernels.ops; "
             "assert hasattr(torch.ops.graphrt, 'dispatch_masked'); "
             "print(sorted(m for m in ('triton', 'deep_gemm', 'deep_ep') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -4,12 +4,10 @@ never arrives becomes a timeout error instead of a hang."""
 import os
 import tempfile
 
-import pytest
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from graphrt.distributed import free_port
+from graphrt.testing.launch import free_port
 
 
 def _worker(rank, world, port, out_dir, scenario):

@@ -5,7 +5,6 @@ Tolerance and its reasons: graphrt/ep_check.py."""
 import json
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.multigpu
 
@@ -13,8 +12,8 @@ pytestmark = pytest.mark.multigpu
 @pytest.mark.parametrize("comm,fp8", [("deepep-hook", False), ("deepep-event", False),
                                       ("deepep-hook", True), ("nccl", False)])
 def test_ep_matches_ep1(comm, fp8):
-    from graphrt.distributed import spawn
-    from graphrt.ep_check import equivalence
+    from graphrt.testing.launch import spawn
+    from graphrt.testing.ep_check import equivalence
     results = spawn(equivalence, 2, comm, 200, 64, fp8)
     print(json.dumps(results, default=str))
     for r in results:

@@ -18,7 +18,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from graphrt.engine import (DecodeEngine, KVSnapshot, Request, SlotPool, Workload,
+from graphrt.testing.engine import (DecodeEngine, KVSnapshot, Request, SlotPool, Workload,
                             compare_graph_eager, eager_step, soak)
 from graphrt.errors import GraphrtError, InputError
 
@@ -171,7 +171,7 @@ class FakeRuntime:
 
     def __init__(self, spec, sizes):
         from graphrt.outputs import LeaseClock
-        from graphrt.scheduler import SizeTable
+        from graphrt.replay_policy import SizeTable
         self.spec, self.sizes, self.table, self.device = spec, sizes, SizeTable(sizes), torch.device("cpu")
         self._step, self._clock = eager_step(spec, sizes), LeaseClock()
 

@@ -5,7 +5,7 @@ import torch
 import graphrt
 from graphrt.errors import InputError, StaleOutputError
 from graphrt.outputs import LeaseClock, LeasedTensor, OutputLayout
-from graphrt.scheduler import SizeTable, Stager
+from graphrt.replay_policy import SizeTable, Stager
 
 
 def _spec(**kw):

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphrt import cli
-from graphrt.validate import default_sizes, validate
+from graphrt.cli import main as cli
+from graphrt.cli.validate import default_sizes, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "validate_step.py"
@@ -209,7 +209,7 @@ def test_module_target(tmp_path, monkeypatch, capsys):
 
 # -- the command itself ------------------------------------------------------------------------
 def test_cli_imports_no_heavy_dependencies():
-    code = ("import sys, graphrt.cli; print(sorted(m for m in ('triton', 'deep_ep', 'deep_gemm') "
+    code = ("import sys, graphrt.cli.main; print(sorted(m for m in ('triton', 'deep_ep', 'deep_gemm') "
             "if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr
@@ -226,6 +226,9 @@ def test_help_and_missing_command(capsys):
     assert err.count("\n") == 1 and "TARGET" in err
 
 
+MODULES = {"demo": "graphrt.cli.demo", "bench": "graphrt.bench.run"}
+
+
 @pytest.mark.parametrize("command,argv,expect", [
     ("demo", ["--layers", "2", "--steps", "5"],
      dict(config="dsv3-like", layers=2, experts=None, steps=5, max_bs=256, device=None)),
@@ -234,19 +237,19 @@ def test_help_and_missing_command(capsys):
 ])
 def test_demo_and_bench_call_main_lazily(command, argv, expect, monkeypatch):
     seen = {}
-    fake = types.ModuleType(f"graphrt.{command}")
+    fake = types.ModuleType(MODULES[command])
     fake.main = lambda args: seen.update(vars(args)) or 0
-    monkeypatch.setitem(sys.modules, f"graphrt.{command}", fake)
+    monkeypatch.setitem(sys.modules, MODULES[command], fake)
     assert cli.main([command, *argv]) == 0
     assert {k: seen[k] for k in expect} == expect
 
 
 @pytest.mark.parametrize("command", ["demo", "bench"])
 def test_demo_and_bench_not_importable(command, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, f"graphrt.{command}", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, MODULES[command], None)  # import raises ImportError
     assert cli.main([command]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"graphrt {command}: graphrt.{command}")
+    assert err.count("\n") == 1 and err.startswith(f"graphrt {command}: {MODULES[command]}")
 
 
 def test_example_docstring_shows_the_real_output():

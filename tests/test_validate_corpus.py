@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from graphrt.capture.report import KINDS
-from graphrt.validate import validate
+from graphrt.cli.validate import validate
 
 CORPUS = Path(__file__).parent / "validate_corpus"
 GPU_ONLY = ("gpu_steps.py",)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from graphrt.validate import validate
+from graphrt.cli.validate import validate
 from test_validate_corpus import CORPUS, CPU_CASES, cases, expectations
 
 pytestmark = pytest.mark.gpu

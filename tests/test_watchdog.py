@@ -168,7 +168,7 @@ def test_instrumented_step_is_graph_safe(tiny_instrumented):
 
 
 def test_engine_with_watchdog_on_cpu(tiny_instrumented):
-    from graphrt.engine import DecodeEngine, Request, eager_step
+    from graphrt.testing.engine import DecodeEngine, Request, eager_step
     spec, model, counters = tiny_instrumented
     with Watchdog(*counters, timeout_s=30, poll_s=0.01) as wd:
         eng = DecodeEngine(eager_step(spec, [1, 2, 4]), num_slots=model.cfg.num_slots,
@@ -205,7 +205,7 @@ def test_cuda_stall_reported_with_layer_and_no_blocking_read():
 @pytest.mark.gpu
 def test_graph_engine_with_watchdog_no_false_alarm():
     import graphrt
-    from graphrt.engine import DecodeEngine, Workload, graph_step
+    from graphrt.testing.engine import DecodeEngine, Workload, graph_step
     from graphrt.moe import MoEModel, preset
     cfg = preset("dsv3-like", layers=2, experts=16, num_slots=16, max_ctx=256)
     model = MoEModel(cfg, "cuda")
@@ -227,8 +227,8 @@ def test_rank_skipping_a_deepep_step_is_reported_not_hung():
     Rank 0's watchdog (5 s) must report 'rank 0 ... last layer completed ...' and its engine
     raise StallError; then this test kills both processes."""
     import torch.multiprocessing as mp
-    from graphrt.distributed import _entry, free_port
-    from graphrt.watchdog import drill
+    from graphrt.testing.launch import _entry, free_port
+    from graphrt.testing.drill import drill
     out = tempfile.mkdtemp(prefix="graphrt-stall-")
     ctx = mp.start_processes(_entry, args=(2, free_port(), out, drill, (out, 12, 5.0)), nprocs=2,
                              join=False, start_method="spawn")

@@ -1,6 +1,6 @@
 """Expert-parallel step benchmarks on several GPUs (one process per GPU).
 
-    python -m graphrt.bench_ep --ranks 2 --comms deepep-hook,nccl --layers 4 --sizes 1,8,32,128
+    python -m graphrt.bench.ep --ranks 2 --comms deepep-hook,nccl --layers 4 --sizes 1,8,32,128
 
 Per backend and per-rank batch size: the reference model's step time eager vs replayed,
 combine overlap on vs off; and the communication alone — DeepEP's own low-latency
@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from graphrt.timing import graph_time_us
+from graphrt.bench.timing import graph_time_us
 
 
 def _routed_batch(cfg, bs, device):
@@ -53,9 +53,9 @@ def _raw_deepep_us(comm, cfg, bs, device) -> float:
 
 def bench_rank(rank: int, world: int, comm_name: str, layers: int, experts: int,
                sizes: list[int], max_tokens: int) -> dict:
-    from graphrt.bench import capture_overlap_pair, step_times_us
+    from graphrt.bench.run import capture_overlap_pair, step_times_us
     from graphrt.coordinator import RankCoordinator
-    from graphrt.distributed import make_comm
+    from graphrt.testing.launch import make_comm
     from graphrt.moe import MoEModel, preset
     device = torch.device("cuda", rank)
     cfg = preset("dsv3-like", layers=layers, experts=experts)
@@ -96,7 +96,7 @@ def _md(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m graphrt.bench_ep")
+    p = argparse.ArgumentParser(prog="python -m graphrt.bench.ep")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--comms", default="deepep-hook,nccl")
     p.add_argument("--layers", type=int, default=4)
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--out", default="bench-ep-out")
     a = p.parse_args(argv)
-    from graphrt.distributed import spawn
+    from graphrt.testing.launch import spawn
     sizes = [int(s) for s in a.sizes.split(",")]
     os.makedirs(a.out, exist_ok=True)
     results, md = [], []

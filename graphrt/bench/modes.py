@@ -8,8 +8,8 @@ Modes (``--modes``; ``naive`` alone selects its three variants):
 ``graph``          ``GraphRuntime`` replay, combine overlap off
 ``graph-overlap``  ``GraphRuntime`` replay, combine overlap on (the shipped configuration)
 ``compile``        ``torch.compile(model.step, mode="reduce-overhead", dynamic=False)`` of the same
-                   model, overlap off, its kernels and DeepGEMM routed through ``graphrt.ops``
-``naive``          ``graphrt.naive.NaiveMoE`` (gpt-fast style, same weights) eagerly
+                   model, overlap off, its kernels and DeepGEMM routed through ``graphrt.kernels.ops``
+``naive``          ``graphrt.bench.naive.NaiveMoE`` (gpt-fast style, same weights) eagerly
 ``naive-compile``  the naive step under ``torch.compile(mode="reduce-overhead")``
 ``naive-graph``    the naive step captured in one plain ``torch.cuda.graph`` per size
 =================  ==============================================================================
@@ -30,8 +30,8 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from graphrt.runtime import row_rel_err
-from graphrt.timing import cuda_time_us, hbm_bandwidth_gbs, host_call_us, wall_time_us
+from graphrt.capture.verify import row_rel_err
+from graphrt.bench.timing import cuda_time_us, hbm_bandwidth_gbs, host_call_us, wall_time_us
 
 MODES = ("eager", "compile", "graph", "graph-overlap", "naive", "naive-compile", "naive-graph")
 _NEEDS_CUDA = {"graph": "CUDA graphs need a CUDA GPU", "graph-overlap": "CUDA graphs need a CUDA GPU",
@@ -186,7 +186,7 @@ class ModesBench:
 
     def naive(self):
         if self._naive is None:
-            from graphrt.naive import NaiveMoE
+            from graphrt.bench.naive import NaiveMoE
             self._naive = NaiveMoE(self.model)
         return self._naive
 
@@ -246,7 +246,7 @@ def _eager(b: ModesBench, mode: str) -> None:
 
 def _graph(b: ModesBench, mode: str) -> None:
     import graphrt
-    from graphrt.profile import replay_idle
+    from graphrt.bench.profile import replay_idle
     b.model.overlap = mode == "graph-overlap"
     kw = {"coordinator": b.coordinator} if b.coordinator is not None else {}
     rt = graphrt.GraphRuntime(b.spec, sizes=b.sizes, device=b.device, progress=False, **kw).capture()
@@ -305,18 +305,18 @@ def _dynamo_counts(counters) -> dict:
 
 
 def _compile(b: ModesBench, mode: str) -> None:
-    from graphrt.ops import launchers_as_ops
+    from graphrt.kernels.ops import launchers_as_ops
     b.model.overlap = False  # the event fork/join of the overlap is graphrt's, not dynamo's
     with launchers_as_ops():
         _compiled(b, mode, b.model.step, lambda f, bs: f(**b.inputs[bs], n=b.n[bs]),
                   _graphrt_tensors(b.model))
-    b.res["compile"][mode].update(overlap=False, ops="graphrt.ops (launchers_as_ops)")
+    b.res["compile"][mode].update(overlap=False, ops="graphrt.kernels.ops (launchers_as_ops)")
 
 
 def _naive_fits(b: ModesBench, mode: str, nv, bs: int) -> bool:
     """False (with a note, and the size marked done) when the naive gather at ``bs`` is too
     large (``NaiveMoE.check``)."""
-    from graphrt.naive import NaiveTooLarge
+    from graphrt.bench.naive import NaiveTooLarge
     try:
         nv.check(bs)
     except NaiveTooLarge as exc:
@@ -381,7 +381,7 @@ def _trace_compile_cpu(b: ModesBench) -> None:
         return
     import torch._dynamo
     from torch._dynamo.utils import counters
-    from graphrt.ops import launchers_as_ops
+    from graphrt.kernels.ops import launchers_as_ops
     torch._dynamo.reset()
     counters.clear()
     bs = b.sizes[0]

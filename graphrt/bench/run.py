@@ -12,9 +12,9 @@ Suites (default ``runtime,modes``; with ``--comm deepep|nccl`` only ``modes``):
 - ``runtime``: a small dense step: capture seconds and pool bytes per graph for the default
   size list; the host cost of ``run()`` (median of 1,000 calls).
 - ``modes``: the reference model at ``--sizes`` (default 1,8,64,256, clipped to the preset's
-  KV-cache slots) in every ``--modes`` (``graphrt.bench_modes``):
+  KV-cache slots) in every ``--modes`` (``graphrt.bench.modes``):
   eager, graph, graph-overlap, compile (``torch.compile`` reduce-overhead of the same model
-  through ``graphrt.ops``) and the naive gpt-fast-style peer (naive, naive-compile,
+  through ``graphrt.kernels.ops``) and the naive gpt-fast-style peer (naive, naive-compile,
   naive-graph). On the CPU it is a ``--config tiny`` smoke run: eager and naive on the Triton
   interpreter, compile traced for graph breaks, the rest skipped with the reason.
 - ``moe``: eager vs replay, combine overlap off vs on, shared expert and combine alone.
@@ -73,7 +73,7 @@ import sys
 import torch
 
 import graphrt
-from graphrt.timing import cuda_time_us, graph_time_us, hbm_bandwidth_gbs, host_time_us
+from graphrt.bench.timing import cuda_time_us, graph_time_us, hbm_bandwidth_gbs, host_time_us
 
 
 def small_step(device, layers: int = 4, hidden: int = 1024, max_bs: int = 256) -> graphrt.StepSpec:
@@ -117,7 +117,7 @@ def bench_runtime(device) -> dict:
 
 
 def bench_moe(cfg, device, sizes: list[int], fp8: bool = False) -> dict:
-    from graphrt.bench_modes import floor_bytes
+    from graphrt.bench.modes import floor_bytes
     from graphrt.moe import MoEModel
     model = MoEModel(cfg, device, fp8=fp8)
     spec = model.spec(max(sizes))
@@ -275,7 +275,7 @@ def _make_comm(name: str, cfg, max_tokens: int):
         raise _Refusal(f"--comm {name} needs CUDA GPUs")
     import torch.distributed as dist
 
-    from graphrt.distributed import make_comm, multicast_off
+    from graphrt.testing.launch import make_comm, multicast_off
     multicast_off()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
@@ -303,9 +303,9 @@ def main(args) -> int:
 
 
 def _main(args) -> int:
-    from graphrt.bench_modes import MODES, bench_modes, parse_modes
+    from graphrt.bench.modes import MODES, bench_modes, parse_modes
     from graphrt.moe import preset
-    from graphrt.plots import markdown
+    from graphrt.bench.plots import markdown
     opt = lambda name, default=None: getattr(args, name, None) or default  # noqa: E731
     comm_name = opt("comm", "local")
     suites = _arg_list(opt("suite"), "modes" if comm_name != "local" else "runtime,modes")
@@ -400,7 +400,7 @@ def _main(args) -> int:
 
 def _plots(res: dict, out_dir: str) -> dict:
     """PNG plots next to results.json; file names relative to ``out_dir``."""
-    from graphrt.plots import write_plots
+    from graphrt.bench.plots import write_plots
     os.makedirs(out_dir, exist_ok=True)
     try:
         paths = write_plots(res, out_dir)
@@ -408,8 +408,3 @@ def _plots(res: dict, out_dir: str) -> dict:
         print(f"graphrt bench: no plots ({exc}); pip install matplotlib", file=sys.stderr)
         return {}
     return {k: (os.path.basename(v) if v else None) for k, v in paths.items()}
-
-
-if __name__ == "__main__":  # torchrun --nproc-per-node 2 -m graphrt.bench --comm deepep
-    from graphrt.cli import build_parser
-    raise SystemExit(main(build_parser().parse_args(["bench", *sys.argv[1:]])))

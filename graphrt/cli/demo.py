@@ -40,8 +40,8 @@ def main(args) -> int:
         return _cpu_demo(args)
     import graphrt
     from graphrt.moe import make_step, preset
-    from graphrt.runtime import row_rel_err
-    from graphrt.timing import cuda_time_us
+    from graphrt.capture.verify import row_rel_err
+    from graphrt.bench.timing import cuda_time_us
     experts = args.experts
     if experts is None and args.config == "dsv3-like":
         experts = 64  # 4 layers x 256 experts is 90 GB of bf16 weights; 64 leaves room to capture 19 sizes

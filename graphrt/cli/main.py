@@ -4,7 +4,7 @@
     graphrt demo  [--config dsv3-like] [--layers N] [--experts N] [--steps 300] [--max-bs 256]
     graphrt bench [--config ...] [--sizes 1,8,64] [--modes graph,eager] [--comm local|deepep|nccl]
 
-``demo`` and ``bench`` import ``graphrt.demo`` / ``graphrt.bench`` only when run and call
+``demo`` and ``bench`` import ``graphrt.cli.demo`` / ``graphrt.bench.run`` only when run and call
 their ``main(args)``; importing this module imports no triton, deep_ep or deep_gemm.
 Bad arguments print one line on stderr and exit 2.
 
@@ -86,14 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_module(name: str, args) -> int:
-    """Import ``graphrt.<name>`` now (it may pull in triton/deep_ep) and call ``main(args)``."""
+    """Import the subcommand's module now (it may pull in triton/deep_ep) and call ``main(args)``."""
+    path = {"demo": "graphrt.cli.demo", "bench": "graphrt.bench.run"}[name]
     try:
-        module = importlib.import_module(f"graphrt.{name}")
+        module = importlib.import_module(path)
     except ImportError as exc:
         missing = getattr(exc, "name", None)
-        why = ("is not available in this install" if missing == f"graphrt.{name}"
+        why = ("is not available in this install" if missing == path
                else f"cannot be imported: {type(exc).__name__}: {str(exc).splitlines()[0]}")
-        print(f"graphrt {name}: graphrt.{name} {why}", file=sys.stderr)
+        print(f"graphrt {name}: {path} {why}", file=sys.stderr)
         return 2
     rc = module.main(args)
     return int(rc or 0)
@@ -102,7 +103,7 @@ def _run_module(name: str, args) -> int:
 def print_report(result, stream=None) -> None:
     """A ``Validation`` as a table (rich on a terminal, plain otherwise) and a verdict line."""
     from graphrt.capture.report import SafetyReport
-    from graphrt.validate import show_path
+    from graphrt.cli.validate import show_path
     stream = stream or sys.stdout
     shown = SafetyReport([replace(f, file=show_path(f.file)) for f in result.report.findings])
     if stream.isatty():
@@ -118,7 +119,7 @@ def print_report(result, stream=None) -> None:
 
 def run_validate(args) -> int:
     """``graphrt validate``: exit 0 safe, 1 error findings, 2 one line on stderr."""
-    from graphrt.validate import ValidateError, parse_sizes, validate
+    from graphrt.cli.validate import ValidateError, parse_sizes, validate
     to_stdout = args.json == "-"
     quiet = contextlib.redirect_stdout(sys.stderr) if to_stdout else contextlib.nullcontext()
     try:

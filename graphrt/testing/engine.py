@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from graphrt.errors import GraphrtError, InputError
-from graphrt.scheduler import SizeTable
+from graphrt.replay_policy import SizeTable
 
 
 @dataclass

@@ -43,9 +43,9 @@ def equivalence(rank: int, world: int, comm_name: str, steps: int = 200, max_bs:
         rtol = 6e-2 if fp8 else 3e-2
     if max_off_frac is None:  # fp8 noise (~1.7% per row) flips near-tie expert choices more often
         max_off_frac = 0.02 if fp8 else 0.01
-    from graphrt.distributed import make_comm
+    from graphrt.testing.launch import make_comm
     from graphrt.moe import MoEModel
-    from graphrt.runtime import row_rel_err
+    from graphrt.capture.verify import row_rel_err
     device = torch.device("cuda", rank)
     cfg = ep_config()
     comm = make_comm(comm_name, cfg, device, max_bs, **({"fp8": True} if fp8 else {}))
