@@ -13,11 +13,10 @@ Graph safety: host-only.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
-import json
 import sys
-from dataclasses import replace
+
+from graphrt.cli import validate_cmd
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,17 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="graphrt", description="CUDA-graph-first MoE decode runtime.")
     sub = p.add_subparsers(dest="command", metavar="{validate,demo,bench}", parser_class=_Parser)
 
-    v = sub.add_parser("validate", help="check a step for graph hazards (exit 0 safe, 1 findings, "
-                       "2 cannot load)", description="Analyse FUNC(device)'s StepSpec at each "
-                       "size; on CUDA also capture it and compare replay with eager.")
-    v.add_argument("target", metavar="TARGET", help="FILE.py:FUNC or pkg.module:FUNC, where "
-                   "FUNC(device: torch.device) -> graphrt.StepSpec")
-    v.add_argument("--sizes", default=None, help="comma-separated batch sizes (default: 1,8,64 "
-                   "clipped to the step's max_batch_size)")
-    v.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, "
-                   "else cpu; cpu flags what would sync or bake on a GPU)")
-    v.add_argument("--json", default=None, metavar="-|PATH", help="also write the JSON report: "
-                   "'-' prints only JSON on stdout, PATH writes a file")
+    validate_cmd.add_parser(sub)
 
     d = sub.add_parser("demo", help="capture and run the reference MoE model in a decode loop")
     d.add_argument("--config", default="dsv3-like", help="model preset (default: dsv3-like)")
@@ -100,50 +89,6 @@ def _run_module(name: str, args) -> int:
     return int(rc or 0)
 
 
-def print_report(result, stream=None) -> None:
-    """A ``Validation`` as a table (rich on a terminal, plain otherwise) and a verdict line."""
-    from graphrt.capture.report import SafetyReport
-    from graphrt.cli.validate import show_path
-    stream = stream or sys.stdout
-    shown = SafetyReport([replace(f, file=show_path(f.file)) for f in result.report.findings])
-    if stream.isatty():
-        from rich.console import Console
-        shown.print_rich(Console(file=stream))
-    else:
-        print(shown.table(), file=stream)
-    errors = len(result.report.errors)
-    verdict = f"NOT graph-safe: {errors} error finding(s)" if errors else "graph-safe"
-    print(f"{result.target} on {result.device}, sizes {','.join(map(str, result.sizes))}: "
-          f"{verdict}", file=stream)
-
-
-def run_validate(args) -> int:
-    """``graphrt validate``: exit 0 safe, 1 error findings, 2 one line on stderr."""
-    from graphrt.cli.validate import ValidateError, parse_sizes, validate
-    to_stdout = args.json == "-"
-    quiet = contextlib.redirect_stdout(sys.stderr) if to_stdout else contextlib.nullcontext()
-    try:
-        with quiet:  # with --json -, stdout carries only JSON: the step's prints go to stderr
-            result = validate(args.target, parse_sizes(args.sizes), args.device)
-    except ValidateError as exc:
-        print(f"graphrt validate: {exc}", file=sys.stderr)
-        return 2
-    doc = json.dumps(result.to_dict(), indent=2)
-    if to_stdout:
-        print(doc)
-        return result.exit_code
-    print_report(result)
-    if args.json:
-        try:
-            with open(args.json, "w") as fh:
-                fh.write(doc + "\n")
-        except OSError as exc:
-            print(f"graphrt validate: cannot write --json {args.json!r}: {exc.strerror}",
-                  file=sys.stderr)
-            return 2
-    return result.exit_code
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``graphrt`` console script and ``python -m graphrt``."""
     parser = build_parser()
@@ -156,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     if args.command == "validate":
-        return run_validate(args)
+        return validate_cmd.run(args)
     return _run_module(args.command, args)
 
 
