@@ -1,13 +1,26 @@
 """``CaptureManager``: analysis, warm-up and capture of one graph per padded batch size.
 
 For every size: the graph-safety analysis runs on two eager calls with different valid
-random data (on a side stream), then ``warmup_iters`` plain calls on the static input
-buffers trigger JIT compilation and autotuning (Triton, DeepGEMM) before any capture.
-Then sizes are captured largest-first into one shared memory pool, so smaller graphs reuse
-the larger graphs' memory. Every graph ends by copying its outputs into one set of static
-output buffers (``[max_bs, ...]``, allocated outside the pool), so no graph's outputs pin
-pool memory. Per graph it records capture seconds, pool bytes added and the tensors the
-graph must keep alive (receiver-held tensors, the static input views).
+example data (on a warm-up stream), then ``warmup_iters`` plain calls on the static input
+buffers trigger JIT compilation and autotuning (Triton, DeepGEMM) before any capture. With
+a coordinator, the ranks agree after each size's analysis and after its warm-up, so no rank
+runs a size's collectives alone. Then sizes are captured largest-first into one shared
+memory pool, on a capture stream of their own, so smaller graphs reuse the larger graphs'
+memory. Every graph ends by copying its outputs into one set of static output buffers
+(batch-major ``[max_bs, ...]``, fixed-shape whole; allocated outside the pool), so no
+graph's outputs pin pool memory. Per graph it records capture seconds, pool bytes added and
+the tensors the graph must keep alive (receiver-held tensors, the static input views).
+
+**Memory a graph must own.** A graph replays raw device addresses, so everything it
+touches must outlive it and belong to nobody else. cuBLAS keeps one workspace per
+(handle, stream), created lazily by the first GEMM on a stream: created during warm-up it
+lives outside the graph pool, and ``torch.compile``'s cudagraph trees free every cuBLAS
+workspace (``torch._C._cuda_clearCublasWorkspaces``) before they record, after which the
+caching allocator hands that memory to others or returns it to the driver: the next replay
+of such a graph writes freed memory (illegal memory access). So the workspaces are cleared
+before the capture loop (each stream's first GEMM inside the capture allocates its
+workspace from the graph pool, side streams included) and again after it (later eager
+GEMMs never share a graph's workspace), as cudagraph trees do.
 
 With ``strict=True`` (default) any error finding refuses the whole capture with a
 ``GraphSafetyError`` listing every finding at every size; with ``strict=False`` a failing
@@ -17,6 +30,7 @@ Graph safety: host-only (it performs the captures).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 import warnings
@@ -24,28 +38,32 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from graphrt.capture.audit import ReceiverLedger
 from graphrt.capture.report import Finding, GraphSafetyError, SafetyReport
 from graphrt.capture.safety import analyze_step
-from graphrt.errors import CaptureError, GraphrtError
-from graphrt.outputs import OutputLayout
+from graphrt.errors import CaptureError, GraphrtError, InputError
+from graphrt.outputs import OutputLayout, OutputSignature, infer_signature
 from graphrt.replay_policy import Stager
 from graphrt.spec import StepSpec
 
 
 @dataclass
 class CapturedGraph:
-    """One captured size. ``outputs`` are the static output tensors (``[size, ...]``)."""
+    """One captured size. ``outputs`` are the static output tensors (batch-major ones
+    ``[size, ...]`` views, fixed-shape ones whole)."""
 
     size: int
     graph: Any  # torch.cuda.CUDAGraph
-    layout: OutputLayout
+    signature: OutputSignature
     outputs: list[torch.Tensor]
     capture_s: float
     pool_bytes: int
     keepalive: tuple = ()
+
+    @property
+    def layout(self) -> OutputLayout:
+        return self.signature.layout
 
 
 class CaptureWarning(UserWarning):
@@ -72,11 +90,17 @@ class CaptureManager:
         analyze: run the graph-safety analysis first (strongly recommended).
         strict: refuse everything on any error finding or failure (see module doc).
         progress: show a progress bar.
+        coordinator: a ``RankCoordinator``: ranks agree on every size before its warm-up.
+        pool: a graph memory pool handle to capture into (share one between runtimes, e.g.
+            draft and target model); default a new one.
+        capture_stream: the stream to capture on (an engine's own); default a new one.
+        capture_context: a zero-argument callable returning a context manager entered
+            around the whole capture loop (e.g. an engine's custom all-reduce registration).
     """
 
     def __init__(self, spec: StepSpec, sizes: list[int], stager: Stager, *, warmup_iters: int = 3,
                  analyze: bool = True, strict: bool = True, progress: bool = True, seed: int = 0,
-                 coordinator=None):
+                 coordinator=None, pool=None, capture_stream=None, capture_context=None):
         if stager.device.type != "cuda":
             raise CaptureError(max(sizes), "CUDA graphs need a CUDA device; on a CPU machine "
                                "run the analysis only (graphrt.capture.analyze_step, or "
@@ -88,34 +112,44 @@ class CaptureManager:
         self.spec, self.sizes, self.stager = spec, sorted(set(sizes)), stager
         self.warmup_iters, self.analyze, self.strict = warmup_iters, analyze, strict
         self.progress, self.seed, self.coordinator = progress, seed, coordinator
+        self.capture_context = capture_context
         self.device = stager.device
-        self.pool = None
+        self.pool = pool
+        self.capture_stream = capture_stream
         self.graphs: dict[int, CapturedGraph] = {}
         self.failures: dict[int, CaptureFailure] = {}
         self.report = SafetyReport()
         self.warmup_s = 0.0
-        self._out_sig = None  # (OutputLayout, [(trailing shape, dtype)]) of the first size
+        self.signature: OutputSignature | None = None
         self.static_outputs: list[torch.Tensor] = []
 
     def capture(self) -> dict[int, CapturedGraph]:
         """Analyse and warm every size, then capture largest-first. Returns ``self.graphs``."""
-        stream = torch.cuda.Stream(self.device)
+        warm = torch.cuda.Stream(self.device)
         t0 = time.perf_counter()
-        ok = self._prepare(stream)
+        with torch.inference_mode():
+            ok = self._prepare(warm)
         self.warmup_s = time.perf_counter() - t0
-        self.pool = torch.cuda.graph_pool_handle()
-        bar = tqdm(total=len(ok), desc=f"capture {self.spec.name}", unit="graph",
-                   disable=not self.progress, leave=False)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        stream = self.capture_stream or torch.cuda.Stream(self.device)
+        ctx = self.capture_context() if self.capture_context is not None else contextlib.nullcontext()
         try:
-            for size in sorted(ok, reverse=True):
-                bar.set_postfix(bs=size)
-                try:
-                    self.graphs[size] = self._capture_one(size, stream)
-                except Exception as exc:  # noqa: BLE001 - recorded or re-raised below
-                    self._fail(size, f"{type(exc).__name__}: {exc}", exc=exc)
-                bar.update()
+            with ctx, torch.inference_mode(), progress_bar(
+                    f"capture {self.spec.name}", len(ok), "graph", self.progress) as bar:
+                torch.cuda.synchronize(self.device)
+                torch._C._cuda_clearCublasWorkspaces()  # see "Memory a graph must own"
+                for size in sorted(ok, reverse=True):
+                    try:
+                        self.graphs[size] = self._capture_one(size, stream)
+                    except Exception as exc:  # noqa: BLE001 - recorded or re-raised below
+                        self._fail(size, f"{type(exc).__name__}: {exc}", exc=exc)
+                    if not self._agree(size, size in self.graphs, "capture"):
+                        self.graphs.pop(size, None)
+                    bar(size)
         finally:
-            bar.close()
+            torch.cuda.synchronize(self.device)
+            torch._C._cuda_clearCublasWorkspaces()
             _ensure_no_capture(stream)  # also after KeyboardInterrupt
             self._reset_buffers()
         for f in self.failures.values():
@@ -126,59 +160,85 @@ class CaptureManager:
     # -- phase 1: analysis and warm-up -------------------------------------------------
     def _prepare(self, stream) -> list[int]:
         gen = torch.Generator().manual_seed(self.seed)
-        for k, buf in self.stager.buffers.items():
-            buf.copy_(self.spec.inputs[k].random(self.stager.max_bs, self.device, gen))
-        ok = []
+        with torch.no_grad():
+            for k, t in self.spec.random_inputs(self.stager.max_bs, self.device, gen).items():
+                self.stager.buffers[k].copy_(t)
+        ok, outs = [], {}
         for size in self.sizes:
+            if self.strict and self.report.errors:
+                self._analyse(size, stream)  # strict: report every size's findings, warm none
+                continue
+            if not self._agree(size, self._analyse(size, stream), "the graph-safety analysis"):
+                continue
             try:
-                if self.analyze:
-                    # With collectives inside the step every rank must make the same calls:
-                    # a fixed number of analysis runs (and failures agreed on below).
-                    rep = analyze_step(self.spec, [size], self.device, self.seed + size, stream,
-                                       runs=3 if self.coordinator is not None else None)
-                    self.report.extend(rep.findings)
-                    if rep.errors:
-                        self._fail(size, "graph-safety findings", findings=rep.errors)
-                        continue
-                views = self.stager.views(size)
-                with torch.cuda.stream(stream):
-                    self.stager.n_dev.fill_(size)
-                    for _ in range(self.warmup_iters):
-                        out = self.spec.call(views, self.stager.n_dev)
-                    self._note_outputs(out, size)
-                    del out
-                ok.append(size)
-            except GraphSafetyError:
-                raise
-            except Exception as exc:  # noqa: BLE001
+                outs[size] = self._warm(size, stream)
+            except Exception as exc:  # noqa: BLE001 - recorded (strict: raised) by _fail
                 self._fail(size, f"warm-up raised {type(exc).__name__}: {exc}", exc=exc)
+            if self._agree(size, size in outs, "warm-up"):
+                ok.append(size)
+            else:
+                outs.pop(size, None)
         torch.cuda.synchronize(self.device)
-        everyone_ok = True
-        if self.coordinator is not None:
-            everyone_ok = self.coordinator.all_ok(not (self.strict and self.report.errors))
-            # Every rank walks the same sizes in the same order: one collective each, so a
-            # size that failed on any rank is dropped everywhere.
-            ok = [s for s in self.sizes if self.coordinator.all_ok(s not in self.failures)]
         if self.strict and self.report.errors:
             raise GraphSafetyError(self.report.errors, self.spec.name)
-        if not everyone_ok:
-            raise GraphrtError(f"{self.spec.name}: the graph-safety analysis refused capture on "
-                               "another rank; every rank stops (see that rank's findings)")
+        if outs:
+            self._set_signature(outs, stream)
         return ok
 
-    def _note_outputs(self, out, size: int) -> None:
-        """Check the output structure is the same at every size; allocate the shared static
-        outputs (``[max_bs, *trailing]`` each, outside the graph pool) once."""
-        layout, flat = OutputLayout.flatten(out, size, where=f"{self.spec.name} (batch {size})")
-        sig = (layout, [(t.shape[1:], t.dtype) for t in flat])
-        if self._out_sig is None:
-            self._out_sig = sig
-            self.static_outputs = [torch.empty((self.stager.max_bs, *t.shape[1:]), dtype=t.dtype,
-                                               device=self.device) for t in flat]
-        elif sig != self._out_sig:
-            raise GraphrtError(f"{self.spec.name}: outputs at batch {size} are {sig}, but "
-                               f"{self._out_sig} at another size; a step must return the same "
-                               "structure, trailing shapes and dtypes at every batch size")
+    def _agree(self, size: int, mine: bool, what: str) -> bool:
+        """Whether ``size`` goes on: ``mine`` on this rank and, with a coordinator, on every
+        rank (one collective per call, the same calls on every rank). Strict: a size that
+        failed anywhere stops every rank, each with its own reason."""
+        if self.coordinator is None or self.coordinator.all_ok(mine):
+            return mine
+        if self.strict:
+            if not mine and self.report.errors:
+                raise GraphSafetyError(self.report.errors, self.spec.name)
+            if not mine:
+                raise CaptureError(size, self.failures[size].reason)
+            raise GraphrtError(f"{self.spec.name}: batch size {size}: {what} failed on another "
+                               "rank; every rank stops so that no rank waits in a collective forever")
+        self.failures.setdefault(size, CaptureFailure(size, f"{what} failed on another rank"))
+        return False
+
+    def _analyse(self, size: int, stream) -> bool:
+        if not self.analyze:
+            return True
+        # With collectives inside the step every rank must make the same calls: a fixed
+        # number of analysis runs.
+        rep = analyze_step(self.spec, [size], self.device, self.seed + size, stream,
+                           runs=3 if self.coordinator is not None else None)
+        self.report.extend(rep.findings)
+        if rep.errors:
+            self._fail(size, "graph-safety findings", findings=rep.errors)
+            return False
+        return True
+
+    def _warm(self, size: int, stream) -> Any:
+        views = self.stager.views(size)
+        with torch.cuda.stream(stream):
+            self.stager.n_dev.fill_(size)
+            self._before_replay(size, size)
+            for _ in range(self.warmup_iters):
+                out = self.spec.call(views, self.stager.n_dev)
+        return out
+
+    def _before_replay(self, padded_bs: int, n: int) -> None:
+        if self.spec.before_replay is not None:
+            self.spec.before_replay(padded_bs, n)
+
+    def _set_signature(self, outs: dict[int, Any], stream) -> None:
+        """Each output's kind from two sizes (a probe call at another size when only one was
+        warmed); allocate the shared static outputs once, outside the graph pool."""
+        if len(outs) == 1 and self.stager.max_bs > 1:
+            (size,) = outs
+            probe = 1 if size > 1 else 2
+            outs = {**outs, probe: self._warm(probe, stream)}
+        self.signature = sig = infer_signature(outs, self.spec.outputs, where=self.spec.name)
+        with torch.inference_mode(False):
+            self.static_outputs = [torch.empty(sig.static_shape(i, self.stager.max_bs),
+                                               dtype=sig.dtypes[i], device=self.device)
+                                   for i in range(len(sig.rows))]
 
     # -- phase 2: capture ----------------------------------------------------------------
     def _capture_one(self, size: int, stream) -> CapturedGraph:
@@ -189,13 +249,19 @@ class CaptureManager:
         before = torch.cuda.memory_reserved(self.device)
         t0 = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
-        outs = [o[:size] for o in self.static_outputs]
+        outs = [o if r == "fixed" else o[:size] for o, r in zip(self.static_outputs, self.signature.rows)]
+        self.stager.n_dev.fill_(size)
+        self._before_replay(size, size)
         with ReceiverLedger() as ledger:
             with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                _, flat = OutputLayout.flatten(self.spec.call(views, self.stager.n_dev), size)
+                _, flat = OutputLayout.flatten(self.spec.call(views, self.stager.n_dev), self.spec.name)
                 # Every graph writes the same static outputs: the step's own output tensors
                 # die with the capture and their pool memory serves the next (smaller) graph.
-                for dst, src in zip(outs, flat):
+                for i, (dst, src) in enumerate(zip(outs, flat)):
+                    if src.shape != dst.shape:
+                        raise InputError(f"{self.spec.name} output {self.signature.layout.names[i]!r}: "
+                                         f"shape {tuple(src.shape)} at batch {size} under capture, "
+                                         f"{tuple(dst.shape)} during warm-up")
                     dst.copy_(src)
                 del flat
         torch.cuda.synchronize(self.device)
@@ -205,7 +271,7 @@ class CaptureManager:
             raise GraphSafetyError(unjoined, self.spec.name)
         pool_bytes = torch.cuda.memory_reserved(self.device) - before
         keep = tuple(ledger.keepalive) + tuple(views.values())
-        return CapturedGraph(size, graph, self._out_sig[0], outs, capture_s, pool_bytes, keep)
+        return CapturedGraph(size, graph, self.signature, outs, capture_s, pool_bytes, keep)
 
     def _fail(self, size: int, reason: str, findings: list[Finding] | None = None,
               exc: BaseException | None = None) -> None:
@@ -216,16 +282,32 @@ class CaptureManager:
         if findings:
             reason = f"{reason}: " + "; ".join(f"{f.where} {f.kind} [{f.op}]" for f in findings)
         self.failures[size] = CaptureFailure(size, reason, list(findings or []))
-        if self.strict and exc is not None:
-            if isinstance(exc, GraphSafetyError):
+        if self.strict and exc is not None and self.coordinator is None:
+            if isinstance(exc, (GraphSafetyError, InputError)):
                 raise exc
             raise CaptureError(size, reason) from exc
 
     def _reset_buffers(self) -> None:
-        for k, buf in self.stager.buffers.items():
-            buf.fill_(self.spec.inputs[k].pad_value)
+        with torch.no_grad():
+            for k, buf in self.stager.buffers.items():
+                buf.copy_(self.spec.inputs[k].pad(self.stager.max_bs, self.device))
         self.stager._dirty = 0
         torch.cuda.synchronize(self.device)
+
+
+@contextlib.contextmanager
+def progress_bar(desc: str, total: int, unit: str, enabled: bool):
+    """A rich progress bar on stderr; yields ``advance(label)``. Silent when not enabled."""
+    if not enabled:
+        yield lambda label=None: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn(unit + "s {task.fields[label]}"), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as prog:
+        task = prog.add_task(desc, total=total, label="")
+        yield lambda label=None: prog.update(task, advance=1, label="" if label is None else f"bs={label}")
 
 
 def _ensure_no_capture(stream=None) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from graphrt.errors import GraphrtError, ReplayMismatch
 from graphrt.outputs import OutputLayout
+from graphrt.state import StateGuard
 
 
 @dataclass(frozen=True)
@@ -46,12 +47,19 @@ def check_replay(rt, *, trials: int = 2, rtol: float | None = None,
        poisoned (NaN for floats, random valid values otherwise) give bitwise-equal live rows;
     2. ``graph-vs-eager``: that replay equals eager execution on the same padded buffers,
        bitwise (a graph replays the same kernels on the same data);
-    3. ``inputs-untouched``: the step left its padded input rows at ``pad_value``;
+    3. ``inputs-untouched``: the step left its padded input rows at their padding;
     4. ``live-rows-vs-unpadded-eager``: eager on the live rows alone (a different batch
        size, so cuBLAS may pick other GEMM kernels): integer outputs equal; floating rows
        within relative error ``rtol`` (2e-2 bf16/fp16, 1e-4 fp32) except at most
        ``max_off_rows`` of the rows (an MoE router may flip a near-tie expert choice when a
        different GEMM kernel changes the last bit; those rows are counted, not hidden).
+
+    5. ``state-graph-vs-eager``: the declared ``spec.state`` after the replay equals the
+       state after the eager run, bitwise.
+
+    Every run starts from the same declared state (snapshot and restore around each), and
+    the state is put back at the end. Equal values (equal infinities, NaN in both) count
+    as equal in every comparison. Fixed-shape outputs are compared whole.
 
     Host-only (synchronises). Returns every check; raises ``ReplayMismatch`` on failures.
     """
@@ -60,53 +68,79 @@ def check_replay(rt, *, trials: int = 2, rtol: float | None = None,
     gen = torch.Generator().manual_seed(seed)
     results: list[ReplayCheck] = []
     sizes = sorted(rt.graphs)
-    for i, size in enumerate(sizes):
-        lo = sizes[i - 1] + 1 if i else 1
-        for t in range(trials):
-            n = size if t == 0 else int(torch.randint(lo, size + 1, (1,), generator=gen))
-            inputs = rt.spec.random_inputs(n, rt.device, gen)
-            results += _check_one(rt, rt.graphs[size], inputs, n, gen, rtol, max_off_rows)
+    with torch.inference_mode(), StateGuard(rt.spec) as state:
+        for i, size in enumerate(sizes):
+            lo = sizes[i - 1] + 1 if i else 1
+            for t in range(trials):
+                n = size if t == 0 else int(torch.randint(lo, size + 1, (1,), generator=gen))
+                inputs = rt.spec.random_inputs(n, rt.device, gen)
+                results += _check_one(rt, rt.graphs[size], inputs, n, gen, rtol, max_off_rows, state)
     bad = [r for r in results if not r.ok]
     if bad and raise_on_mismatch:
         raise ReplayMismatch(bad)
     return results
 
+
 def _replay_poisoned_outputs(rt, g, n) -> list[torch.Tensor]:
     for o in g.outputs:
         _poison(o)
+    if rt.spec.before_replay is not None:
+        rt.spec.before_replay(g.size, n)
     g.graph.replay()
     rt._clock.bump()
-    return [o[:n].clone() for o in g.outputs]
+    return [o.clone() for o in g.signature.live(g.outputs, n)]
 
-def _check_one(rt, g, inputs, n, gen, rtol, max_off_rows) -> list[ReplayCheck]:
+
+def _eager(rt, g, inputs, live_n: int, padded_bs: int) -> list[torch.Tensor]:
+    """The step eagerly on ``inputs`` (``padded_bs`` rows, ``live_n`` live), outputs as a
+    replay hands them back."""
+    if rt.spec.before_replay is not None:
+        rt.spec.before_replay(padded_bs, live_n)
+    flat = OutputLayout.flatten(rt.spec.call(inputs, rt.spec.live_count_tensor(live_n, rt.device)),
+                                rt.spec.name)[1]
+    return g.signature.live(flat, live_n)
+
+
+def _check_one(rt, g, inputs, n, gen, rtol, max_off_rows, state) -> list[ReplayCheck]:
+    """One size and live batch; every run starts from the same declared state."""
     st, size, out = rt.stager, g.size, []
-    keys = g.layout.keys or (0,)
+    state.restore()
     st.stage(inputs, n, size)
     clean = _replay_poisoned_outputs(rt, g, n)
-    torch.cuda.synchronize(rt.device)
     dirty = st.pad_rows_intact(n, size)
     out.append(ReplayCheck(size, n, ",".join(dirty) or "-", "inputs-untouched", 0.0, not dirty))
+    state.restore()
     st.stage(inputs, n, size)
     st.poison(n, size, gen)
     poisoned = _replay_poisoned_outputs(rt, g, n)
-    same = OutputLayout.flatten(rt.spec.call(st.views(size), st.n_dev), size)[1]
-    unpadded = OutputLayout.flatten(rt.spec.call(inputs, rt.spec.live_count_tensor(
-        n, rt.device)), n)[1]
-    for key, c, p, e, u in zip(keys, clean, poisoned, same, unpadded):
+    after_graph = state.current()
+    state.restore()
+    same = _eager(rt, g, st.views(size), n, size)
+    after_eager = state.current()
+    state.restore()
+    unpadded = _eager(rt, g, inputs, n, n)
+    for i, (key, c, p, e, u) in enumerate(zip(g.layout.names, clean, poisoned, same, unpadded)):
         err = _max_err(p, c)
         out.append(ReplayCheck(size, n, key, "padding-inert", err, err == 0.0))
-        err = _max_err(p, e[:n])
+        err = _max_err(p, e)
         out.append(ReplayCheck(size, n, key, "graph-vs-eager", err, err == 0.0))
         err = _max_err(p, u)
         if p.is_floating_point():
-            off = _rows_off(p, u, _tolerance(p.dtype, rtol))
-            ok = off <= int(max_off_rows * n)
-            what = f"live-rows-vs-unpadded-eager ({off}/{n} rows off)"
+            rows = g.signature.rows[i] == "batch"
+            pr, ur = (p, u) if rows and p.dim() else (p.reshape(1, -1), u.reshape(1, -1))
+            off = _rows_off(pr, ur, _tolerance(p.dtype, rtol))
+            ok = off <= int(max_off_rows * pr.shape[0])
+            what = f"live-rows-vs-unpadded-eager ({off}/{pr.shape[0]} rows off)"
         else:
             ok, what = bool(torch.equal(p, u)), "live-rows-vs-unpadded-eager"
         out.append(ReplayCheck(size, n, key, what, err, ok))
+    for j, (a, b) in enumerate(zip(after_graph, after_eager)):
+        err = _max_err(a, b)
+        out.append(ReplayCheck(size, n, f"state[{j}]", "state-graph-vs-eager", err, err == 0.0))
+    state.restore()
     st.stage(inputs, n, size)  # leave clean padding behind
     return out
+
 
 def _poison(t: torch.Tensor) -> None:
     if t.is_floating_point():
@@ -117,30 +151,49 @@ def _poison(t: torch.Tensor) -> None:
         t.fill_(torch.iinfo(t.dtype).min)
 
 
+def same_values(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise "the same value": equal, or NaN in both (so equal infinities, e.g. -inf
+    logit masks, and NaN in both count as equal). Bool tensor of the common shape."""
+    eq = a == b
+    if a.is_floating_point() or a.is_complex():
+        eq |= torch.isnan(a) & torch.isnan(b)
+    return eq
+
+
 def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest absolute difference of two tensors, 0 where they hold the same value (see
+    ``same_values``); inf when the shapes differ or a non-finite value is not matched."""
     if a.shape != b.shape:
         return float("inf")
     if not a.is_floating_point():
         return 0.0 if torch.equal(a, b) else float((a.long() - b.long()).abs().max())
-    an, bn = torch.isnan(a), torch.isnan(b)
-    if not torch.equal(an, bn):
-        return float("nan")
-    # equal values (equal infinities too, e.g. masked logits) differ by 0, not inf - inf = NaN
-    d = torch.where(a == b, torch.zeros((), dtype=torch.float64, device=a.device),
-                    (a.double() - b.double()).abs())
-    d[an] = 0
-    return float(d.max()) if d.numel() else 0.0
+    same = same_values(a, b)
+    if bool(same.all()):
+        return 0.0
+    d = (a.double() - b.double()).abs()
+    d = torch.where(same, torch.zeros_like(d), torch.nan_to_num(d, nan=float("inf"), posinf=float("inf")))
+    return float(d.max())
 
 
 def row_rel_err(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per-row relative error ``||a_i - b_i|| / ||b_i||`` of two ``[rows, ...]`` tensors, in
-    their (floating) dtype: ``[rows]``. Host-only helper for checks (NaN rows give NaN)."""
+    """Per-row relative error ``||a_i - b_i|| / ||b_i||`` of two ``[rows, ...]`` floating
+    tensors, in their dtype: ``[rows]``. Entries holding the same value (``same_values``:
+    equal infinities, NaN in both) count as equal and the norms use the finite entries;
+    a row with a non-finite entry the other side does not share is ``inf``. Host-only
+    helper for checks."""
     a, b = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
-    return (a - b).norm(dim=1) / b.norm(dim=1).clamp_min(1e-30)
+    same = same_values(a, b)
+    finite = torch.isfinite(a) & torch.isfinite(b)
+    zero = torch.zeros((), dtype=a.dtype, device=a.device)
+    diff = torch.where(same | ~finite, zero, a - b)
+    ref = torch.where(finite, b, zero)
+    rel = diff.norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)
+    unmatched = (~same & ~finite).any(dim=1)
+    return torch.where(unmatched, torch.full_like(rel, float("inf")), rel)
 
 
 def _rows_off(a: torch.Tensor, b: torch.Tensor, rtol: float) -> int:
-    """Rows whose relative error exceeds ``rtol`` (NaN counts as off), in float64."""
+    """Rows whose relative error exceeds ``rtol`` (unmatched non-finite counts as off), in float64."""
     return int((~(row_rel_err(a.double(), b.double()) <= rtol)).sum())
 
 

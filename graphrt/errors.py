@@ -1,7 +1,21 @@
 """Typed errors of graphrt. Each says what was expected, what came, and what to do.
 
-``GraphSafetyError`` lives in :mod:`graphrt.capture.report` beside the findings it lists and
-is re-exported here.
+Every error graphrt raises on purpose derives from ``GraphrtError``. This module holds the
+errors of the embedding API (all re-exported by ``graphrt``): ``InputError``,
+``NoGraphForBatch``, ``StaleOutputError``, ``CaptureError``, ``ReplayMismatch``,
+``NotCapturedError``, ``ThreadOwnershipError`` and ``DeviceError``.
+
+Errors that belong to one part live beside it:
+
+- ``GraphSafetyError`` (capture refused; it lists the findings): ``graphrt.capture.report``,
+  re-exported as ``graphrt.GraphSafetyError``;
+- ``RankMismatch``: ``graphrt.coordinator``; ``StallError``: ``graphrt.watchdog``;
+- ``DeepEPRuleError``: ``graphrt.comm.deepep_ll``; ``DeepEPUnavailable`` (an ``ImportError``)
+  and ``DeepEPUsageError``: ``graphrt.comm.deepep_v2``;
+- ``NaiveTooLarge``: ``graphrt.bench.naive``.
+
+``graphrt validate`` reports a target that cannot be loaded with ``ValidateError``
+(``graphrt.cli.validate``; not a ``GraphrtError``: it becomes exit code 2 and one line).
 """
 from __future__ import annotations
 
@@ -17,12 +31,16 @@ class InputError(GraphrtError, ValueError):
 class NoGraphForBatch(GraphrtError):
     """The live batch is larger than the largest captured size and eager fallback is off."""
 
-    def __init__(self, batch: int, largest: int | None):
+    def __init__(self, batch: int, largest: int | None, why: str | None = None):
         self.batch, self.largest = batch, largest
-        super().__init__(
-            f"no captured graph for a batch of {batch} rows: the largest captured size is "
-            f"{largest}. Capture a larger size (sizes=[..., {batch}]), split the batch, or "
-            "create the runtime with oversize='eager'.")
+        if why is not None:
+            msg = (f"no captured graph for a batch of {batch} rows: {why}. Use run() (it runs "
+                   "that size eagerly) or fix the capture failure")
+        else:
+            msg = (f"no captured graph for a batch of {batch} rows: the largest captured size "
+                   f"is {largest}. Capture a larger size (sizes=[..., {batch}]), split the "
+                   "batch, or create the runtime with oversize='eager'.")
+        super().__init__(msg)
 
 
 class StaleOutputError(GraphrtError):
@@ -44,3 +62,15 @@ class ReplayMismatch(GraphrtError):
         self.mismatches = mismatches
         lines = "\n".join(f"  - {m}" for m in mismatches)
         super().__init__(f"{len(mismatches)} replay-vs-eager mismatch(es):\n{lines}")
+
+
+class NotCapturedError(GraphrtError):
+    """``run``/``replay``/``input_buffers`` on a runtime whose capture has not completed."""
+
+
+class ThreadOwnershipError(GraphrtError):
+    """A runtime was used from a thread other than the one that owns it."""
+
+
+class DeviceError(GraphrtError, ValueError):
+    """The requested device cannot be used (e.g. ``cuda`` on a machine without CUDA)."""

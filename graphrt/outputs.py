@@ -1,8 +1,10 @@
 """Step outputs: flattening ``fn``'s return value, copy-out, and leased zero-copy views.
 
-A step returns a tensor, a tuple/list of tensors or a dict of tensors, each batch-major.
-``OutputLayout`` remembers that structure so the runtime can hand back the same structure
-trimmed to the live rows.
+A step returns a tensor, a tuple/list of tensors or a dict of tensors, each batch-major
+(``[bs, ...]``) or fixed-shape (the same shape at every size: per-expert counters, flags).
+``OutputLayout`` remembers that structure and ``OutputSignature`` each output's kind, so the
+runtime hands back the same structure with batch-major outputs trimmed to the live rows and
+fixed-shape outputs whole; ``infer_signature`` tells the kinds apart from two batch sizes.
 
 Ownership (STYLE.md habit 8): by default ``run()`` copies the live rows out, so the caller
 owns its outputs. With zero-copy, ``run()`` returns ``LeasedTensor`` views of the graph's
@@ -16,7 +18,7 @@ Graph safety: host-only bookkeeping; no device work beyond the copy-out ``clone`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
@@ -32,8 +34,8 @@ class OutputLayout:
     keys: tuple = ()
 
     @staticmethod
-    def flatten(out: Any, batch: int, where: str = "step") -> tuple["OutputLayout", list[torch.Tensor]]:
-        """Split ``out`` into a layout and a flat tensor list; check each is batch-major."""
+    def flatten(out: Any, where: str = "step") -> tuple["OutputLayout", list[torch.Tensor]]:
+        """Split ``out`` into a layout and a flat tensor list; check each is a tensor."""
         if isinstance(out, torch.Tensor):
             layout, flat = OutputLayout("tensor"), [out]
         elif isinstance(out, (tuple, list)):
@@ -46,11 +48,12 @@ class OutputLayout:
         for key, t in zip(layout.keys or (0,), flat):
             if not isinstance(t, torch.Tensor):
                 raise InputError(f"{where} output {key!r} must be a tensor; got {type(t).__name__}")
-            if t.dim() == 0 or t.shape[0] != batch:
-                raise InputError(
-                    f"{where} output {key!r} must have the batch ({batch}) as its first "
-                    f"dimension; got shape {tuple(t.shape)}. Return per-row results only.")
         return layout, flat
+
+    @property
+    def names(self) -> tuple:
+        """One key per flat output (``0`` for a single tensor)."""
+        return self.keys or (0,)
 
     def build(self, flat: list[torch.Tensor]) -> Any:
         """Rebuild the step's structure from a flat list."""
@@ -59,6 +62,77 @@ class OutputLayout:
         if self.kind == "dict":
             return dict(zip(self.keys, flat))
         return tuple(flat) if self.kind == "tuple" else list(flat)
+
+
+@dataclass(frozen=True)
+class OutputSignature:
+    """What a step returns at every size: structure, per output its kind (``batch``: the
+    batch is dim 0, the live rows are handed back; ``fixed``: the same shape at every size,
+    handed back whole), its shape after the batch (or whole, when fixed) and dtype."""
+
+    layout: OutputLayout
+    rows: tuple          # "batch" | "fixed", one per flat output
+    shapes: tuple        # trailing shape (batch) or whole shape (fixed)
+    dtypes: tuple
+
+    def static_shape(self, i: int, max_bs: int) -> tuple:
+        return (max_bs, *self.shapes[i]) if self.rows[i] == "batch" else self.shapes[i]
+
+    def live(self, flat: list[torch.Tensor], n: int) -> list[torch.Tensor]:
+        """The part of each output a caller sees for ``n`` live rows (views, no copy)."""
+        return [t[:n] if r == "batch" else t for t, r in zip(flat, self.rows)]
+
+
+def infer_signature(calls: dict[int, Any], declared: Mapping | None = None,
+                    where: str = "step") -> OutputSignature:
+    """Each output's kind from the step's return values at two or more batch sizes
+    (``{bs: out}``): ``batch`` when dim 0 equals the size at every size, ``fixed`` when the
+    shape is the same at every size. ``declared`` (``StepSpec.outputs``) overrides the
+    inference and is checked against it. Raises ``InputError`` naming the output and the
+    shapes seen at each size when the structure changes or an output is neither."""
+    sizes = sorted(calls)
+    flats = {}
+    layout = None
+    for bs in sizes:
+        lay, flat = OutputLayout.flatten(calls[bs], where=f"{where} (batch {bs})")
+        if layout is None:
+            layout = lay
+        elif lay != layout:
+            raise InputError(f"{where}: returns {_show(layout)} at batch {sizes[0]} but "
+                             f"{_show(lay)} at batch {bs}; return the same structure at every size")
+        flats[bs] = flat
+    declared = dict(declared or {})
+    unknown = sorted(map(str, set(declared) - set(layout.names)))
+    if unknown:
+        raise InputError(f"{where}: StepSpec.outputs names {unknown}, but the step returns "
+                         f"{list(layout.names)}")
+    rows, shapes, dtypes = [], [], []
+    for i, key in enumerate(layout.names):
+        seen = {bs: tuple(flats[bs][i].shape) for bs in sizes}
+        dts = {flats[bs][i].dtype for bs in sizes}
+        shown = ", ".join(f"batch {bs}: {list(s)}" for bs, s in seen.items())
+        if len(dts) > 1:
+            raise InputError(f"{where} output {key!r} changes dtype across sizes ({sorted(map(str, dts))})")
+        batch = all(len(s) and s[0] == bs for bs, s in seen.items()) and \
+            len({s[1:] for s in seen.values()}) == 1
+        fixed = len(set(seen.values())) == 1
+        kind = declared.get(key)
+        if kind is None:
+            # With one size only (max_batch_size 1) dim 0 == 1 reads the same either way.
+            kind = "batch" if batch else "fixed" if fixed else None
+        if kind is None or (kind == "batch" and not batch) or (kind == "fixed" and not fixed):
+            want = {"batch": "the batch as dim 0", "fixed": "the same shape at every size",
+                    None: "either the batch as dim 0 or the same shape at every size"}[kind]
+            how = f"declared {kind!r}" if key in declared else "inferred"
+            raise InputError(f"{where} output {key!r} ({how}) must have {want}; got {shown}")
+        rows.append(kind)
+        shapes.append(seen[sizes[0]][1:] if kind == "batch" else seen[sizes[0]])
+        dtypes.append(dts.pop())
+    return OutputSignature(layout, tuple(rows), tuple(shapes), tuple(dtypes))
+
+
+def _show(layout: OutputLayout) -> str:
+    return layout.kind if layout.kind == "tensor" else f"a {layout.kind} of {list(layout.keys)}"
 
 
 class LeaseClock:

@@ -5,10 +5,11 @@ Plain Python plus a few torch copies; nothing here captures or replays (that is
 
 - ``capture_sizes(max_bs)``: the default padded sizes, dense where decode batches live.
 - ``SizeTable``: the captured sizes; ``pick(n)`` is the smallest size ``>= n`` (bisect).
-- ``Stager``: static input buffers of ``max_bs`` rows, allocated once; ``stage(inputs, n,
-  padded_bs)`` copies the live rows in and refills with ``pad_value`` only the padded rows
-  an earlier, larger batch may have dirtied (a high-water mark), so a steady-state step
-  costs one copy per input.
+- ``Stager``: static input buffers of ``max_bs`` rows (``max_bs + 1`` for offsets, the
+  declared shape for fixed inputs), allocated once; ``stage(inputs, n, padded_bs)`` copies
+  the live inputs in and refills with ``pad_value`` only the padded rows an earlier, larger
+  batch may have dirtied (a high-water mark), so a steady-state step costs one copy per
+  input (plus one per offsets input when the batch is padded).
 
 Graph safety: host-only (``stage`` launches copies on the current stream; call it before
 ``replay()`` on that stream, never inside a capture).
@@ -66,94 +67,131 @@ class SizeTable:
 
 
 class Stager:
-    """Owns the static input buffers (``[max_bs, *trailing]`` each) and the live-count scalar.
+    """Owns the static input buffers and the live-count scalar every graph reads.
 
     Args:
-        spec: the step; its ``inputs`` give names, dtypes, trailing shapes and pad values.
+        spec: the step; its ``inputs`` give names, kinds, dtypes, shapes and pad values.
         max_bs: rows to allocate (the largest captured size).
         device: where the buffers live.
 
-    ``buffers[name][:padded_bs]`` is what graph ``padded_bs`` was captured on; ``n_dev`` is
-    the int32 ``[1]`` device tensor holding the live count that every graph reads.
+    Buffers: batch inputs ``[max_bs, *trailing]``, offsets ``[max_bs + 1]``, fixed inputs
+    their shape. ``views(padded_bs)`` is what graph ``padded_bs`` was captured on; ``n_dev``
+    is the int32 ``[1]`` device tensor holding the live count.
     """
 
     def __init__(self, spec: StepSpec, max_bs: int, device: torch.device):
         self.spec, self.max_bs, self.device = spec, max_bs, device
         self.buffers = {k: inp.pad(max_bs, device) for k, inp in spec.inputs.items()}
         self.n_dev = torch.full((1,), max_bs, dtype=torch.int32, device=device)
-        self._pad_values = {k: inp.pad_value for k, inp in spec.inputs.items()}
-        # Rows [0, _dirty) may hold something other than pad_value.
+        self._batch = [k for k, inp in spec.inputs.items() if inp.rows == "batch"]
+        self._offsets = [k for k, inp in spec.inputs.items() if inp.rows == "offsets"]
+        self._pad_values = {k: spec.inputs[k].pad_value for k in self._batch}
+        # Rows [0, _dirty) of the batch inputs may hold something other than pad_value.
         self._dirty = 0
-        self._expect = {k: (inp.dtype, inp.trailing) for k, inp in spec.inputs.items()}
 
     def views(self, padded_bs: int) -> dict[str, torch.Tensor]:
-        """The static inputs a graph of ``padded_bs`` rows reads: ``{name: buffer[:padded_bs]}``."""
-        return {k: b[:padded_bs] for k, b in self.buffers.items()}
+        """The static inputs a graph of ``padded_bs`` rows reads (``shape_for(padded_bs)`` each)."""
+        return {k: self._view(k, padded_bs) for k in self.buffers}
+
+    def _view(self, k: str, bs: int) -> torch.Tensor:
+        rows = self.spec.inputs[k].rows
+        b = self.buffers[k]
+        return b if rows == "fixed" else b[:bs + 1] if rows == "offsets" else b[:bs]
 
     def check(self, inputs: Mapping[str, torch.Tensor]) -> int:
-        """Validate names, types, dtypes, trailing shapes, devices and a common batch; return it."""
-        if inputs.keys() != self._expect.keys():
-            missing = sorted(self._expect.keys() - inputs.keys())
-            extra = sorted(inputs.keys() - self._expect.keys())
-            raise InputError(f"inputs of step {self.spec.name!r}: expected {sorted(self._expect)}; "
+        """Validate names, types, dtypes, shapes, devices and a common batch; return the batch."""
+        expect = self.spec.inputs
+        if inputs.keys() != expect.keys():
+            missing = sorted(expect.keys() - inputs.keys())
+            extra = sorted(inputs.keys() - expect.keys())
+            raise InputError(f"inputs of step {self.spec.name!r}: expected {sorted(expect)}; "
                              f"missing {missing}, unexpected {extra}")
-        n = None
+        n = first = None
         for k, t in inputs.items():
-            dtype, trailing = self._expect[k]
+            inp = expect[k]
             if not isinstance(t, torch.Tensor):
                 raise InputError(f"input {k!r}: expected a torch.Tensor, got {type(t).__name__}")
-            if t.dtype != dtype:
-                raise InputError(f"input {k!r}: expected dtype {dtype}, got {t.dtype}; convert "
-                                 f"with .to({dtype})")
-            if t.dim() != len(trailing) + 1 or tuple(t.shape[1:]) != trailing:
-                raise InputError(f"input {k!r}: expected shape (bs, {', '.join(map(str, trailing))})"
-                                 f"{'' if trailing else ''}, got {tuple(t.shape)}")
+            if t.dtype != inp.dtype:
+                raise InputError(f"input {k!r}: expected dtype {inp.dtype}, got {t.dtype}; convert "
+                                 f"with .to({inp.dtype})")
+            if inp.rows == "fixed":
+                if tuple(t.shape) != inp.shape:
+                    raise InputError(f"input {k!r}: expected the fixed shape {inp.shape}, got "
+                                     f"{tuple(t.shape)}")
+            elif t.dim() != len(inp.shape) or tuple(t.shape[1:]) != inp.trailing:
+                lead = "bs + 1" if inp.offsets else "bs"
+                raise InputError(f"input {k!r}: expected shape ({', '.join([lead, *map(str, inp.trailing)])}"
+                                 f"{',' if not inp.trailing else ''}), got {tuple(t.shape)}")
             if t.device != self.device:
                 raise InputError(f"input {k!r}: expected device {self.device}, got {t.device}; move "
                                  f"it with .to({str(self.device)!r})")
+            if inp.rows == "fixed":
+                continue
+            rows = t.shape[0] - (1 if inp.offsets else 0)
             if n is None:
-                n = t.shape[0]
-            elif t.shape[0] != n:
-                raise InputError(f"input {k!r} has {t.shape[0]} rows but an earlier input has {n}; "
-                                 "all inputs share the batch dimension")
+                n, first = rows, k
+            elif rows != n:
+                raise InputError(f"input {k!r} holds a batch of {rows} but input {first!r} one of "
+                                 f"{n}; all inputs share the batch (offsets inputs have bs + 1 entries)")
         if n < 1:
-            raise InputError("run() needs at least one live row; got a batch of 0")
+            raise InputError(f"run() needs at least one live row; got a batch of {n}")
         return n
 
+    @torch.no_grad()
     def stage(self, inputs: Mapping[str, torch.Tensor], n: int, padded_bs: int) -> None:
-        """Copy rows ``[0, n)`` in, make rows ``[n, padded_bs)`` padding, set the live count."""
-        for k, buf in self.buffers.items():
-            buf[:n].copy_(inputs[k], non_blocking=True)
+        """Copy the live inputs in, make rows ``[n, padded_bs)`` padding, set the live count.
+        Staging records no autograd history (inputs that require grad are read as data)."""
+        for k, t in inputs.items():
+            self._view(k, n).copy_(t, non_blocking=True)
         self.pad_only(n, padded_bs)
 
+    @torch.no_grad()
     def pad_only(self, n: int, padded_bs: int) -> None:
-        """Rows ``[0, n)`` are already in place: pad rows ``[n, padded_bs)``, set the live count."""
+        """The live rows are in place: pad rows ``[n, padded_bs)``, set the live count.
+
+        Batch inputs are refilled with ``pad_value`` only where an earlier, larger batch may
+        have dirtied them (a high-water mark); offsets inputs continue their last live
+        offset on the device (no host read)."""
         stop = min(self._dirty, padded_bs)
         if stop > n:
-            for k, buf in self.buffers.items():
-                buf[n:stop].fill_(self._pad_values[k])
+            for k in self._batch:
+                self.buffers[k][n:stop].fill_(self._pad_values[k])
         self._dirty = self._dirty if self._dirty > padded_bs else n
+        if padded_bs > n:
+            for k in self._offsets:
+                b = self.buffers[k]
+                b[n + 1:padded_bs + 1].copy_(b[n:n + 1].expand(padded_bs - n))
         self.n_dev.fill_(n)
 
+    @torch.no_grad()
     def poison(self, n: int, padded_bs: int, generator: torch.Generator) -> None:
-        """Fill rows ``[n, padded_bs)`` with garbage (NaN for floats, random valid values
-        otherwise) to prove live rows never depend on them (``check_replay``)."""
+        """Fill padded rows ``[n, padded_bs)`` with garbage (NaN for floats, random valid
+        values otherwise; offsets grow by random valid increments) to prove live rows never
+        depend on them (``check_replay``)."""
         if padded_bs <= n:
             return
-        for k, buf in self.buffers.items():
-            inp = self.spec.inputs[k]
+        for k in self._batch:
+            inp, buf = self.spec.inputs[k], self.buffers[k]
             if inp.dtype.is_floating_point:
                 buf[n:padded_bs].fill_(float("nan"))
             else:
                 buf[n:padded_bs].copy_(inp.random(padded_bs - n, self.device, generator))
+        for k in self._offsets:
+            grow = self.spec.inputs[k].random(padded_bs - n, self.device, generator)[1:]  # prefix sums
+            b = self.buffers[k]
+            b[n + 1:padded_bs + 1].copy_(b[n:n + 1] + grow)
         self._dirty = max(self._dirty, padded_bs)
 
     def pad_rows_intact(self, n: int, padded_bs: int) -> list[str]:
-        """Names of inputs whose rows ``[n, padded_bs)`` no longer hold ``pad_value`` (a step
-        that writes its inputs breaks padding); host-only (syncs), used by checks."""
+        """Names of inputs whose padded rows no longer hold their padding (a step that writes
+        its inputs breaks padding); host-only (syncs), used by checks."""
         bad = []
-        for k, buf in self.buffers.items():
-            rows = buf[n:padded_bs]
+        for k in self._batch:
+            rows = self.buffers[k][n:padded_bs]
             if rows.numel() and not bool((rows == self._pad_values[k]).all()):
+                bad.append(k)
+        for k in self._offsets:
+            b = self.buffers[k]
+            if padded_bs > n and not bool((b[n + 1:padded_bs + 1] == b[n]).all()):
                 bad.append(k)
         return bad

@@ -13,14 +13,17 @@ it inside another capture.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
 
-from graphrt.errors import GraphrtError, NoGraphForBatch
+from graphrt.errors import (CaptureError, DeviceError, GraphrtError, InputError, NoGraphForBatch,
+                            NotCapturedError, ThreadOwnershipError)
 from graphrt.outputs import LeaseClock, LeasedTensor
 from graphrt.replay_policy import SizeTable, Stager, capture_sizes
 from graphrt.spec import StepSpec
+from graphrt.state import StateGuard
 
 
 class GraphRuntime:
@@ -38,33 +41,49 @@ class GraphRuntime:
         strict: refuse capture on any finding (``GraphSafetyError``); False captures the sizes
             that pass and runs failed sizes eagerly (``failures`` says why).
         warmup_iters, progress, seed: passed to the ``CaptureManager``.
+        coordinator: a ``graphrt.coordinator.RankCoordinator`` for multi-rank steps: ranks
+            agree on every size during capture and (uniform-batch backends) on the padded
+            size of every replay.
+        pool: a graph memory pool to capture into, e.g. ``other_runtime.pool`` or
+            ``torch.cuda.graph_pool_handle()`` to share one between a draft and a target
+            model (their replays must not overlap in time); default: a pool of its own.
+        capture_stream: the stream to capture on (an engine's own); default: a new one.
+        capture_context: a zero-argument callable returning a context manager entered
+            around the capture loop (an engine's capture context, e.g. custom all-reduce
+            buffer registration).
+
+    Threads: a runtime belongs to the thread that captured it; ``run``, ``replay`` and
+    ``input_buffers`` from another thread raise ``ThreadOwnershipError`` (their static
+    buffers are shared). Hand it over with ``bind_thread()`` from the new owner.
     """
 
     def __init__(self, spec: StepSpec, sizes: list[int] | None = None, *,
                  device: torch.device | str | None = None, copy_outputs: bool = True,
                  oversize: str = "eager", strict: bool = True, warmup_iters: int = 3,
-                 progress: bool = True, seed: int = 0, coordinator=None):
+                 progress: bool = True, seed: int = 0, coordinator=None, pool=None,
+                 capture_stream=None, capture_context=None):
         if oversize not in ("eager", "raise"):
             raise ValueError(f"oversize must be 'eager' or 'raise'; got {oversize!r}")
+        if not isinstance(spec, StepSpec):
+            raise InputError(f"GraphRuntime needs a graphrt.StepSpec; got {type(spec).__name__}")
         self.spec = spec
         self.table = SizeTable(sizes if sizes is not None else capture_sizes(spec.max_batch_size))
         if self.table.largest > spec.max_batch_size:
             raise ValueError(f"size {self.table.largest} exceeds spec.max_batch_size "
                              f"{spec.max_batch_size}")
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-                else torch.device("cpu")
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = _resolve_device(device)
         self.copy_outputs, self.oversize, self.strict = copy_outputs, oversize, strict
         self._capture_kw = dict(warmup_iters=warmup_iters, progress=progress, seed=seed,
-                                coordinator=coordinator)
+                                coordinator=coordinator, capture_stream=capture_stream,
+                                capture_context=capture_context)
         self.coordinator = coordinator
+        self.pool = pool
         self.stager = Stager(spec, self.table.largest, self.device)
         self.graphs: dict = {}
         self.failures: dict = {}
         self.manager = None
+        self._captured: str | None = "capture() has not been called"  # None once complete
+        self._owner = threading.get_ident()
         self._clock = LeaseClock()
         self.counters = {"replays": 0, "eager": 0}
 
@@ -72,24 +91,50 @@ class GraphRuntime:
     def sizes(self) -> list[int]:
         return list(self.table.sizes)
 
+    def bind_thread(self) -> "GraphRuntime":
+        """Make the calling thread the runtime's owner (hand-over to a decode-loop thread)."""
+        self._owner = threading.get_ident()
+        return self
+
     # -- capture -----------------------------------------------------------------------------
     def capture(self) -> "GraphRuntime":
-        """Analyse, warm up and capture every size (largest first, one pool). Returns self."""
+        """Analyse, warm up and capture every size (largest first, one pool). Returns self.
+
+        The declared ``spec.state`` is put back as it was found (warm-up and capture run the
+        step). Until a capture completes, ``run``/``replay`` raise ``NotCapturedError``
+        naming what failed (an exception, an interrupt)."""
         from graphrt.capture.manager import CaptureManager  # keeps `import graphrt` light
-        self.manager = CaptureManager(self.spec, self.table.sizes, self.stager,
-                                      strict=self.strict, **self._capture_kw)
-        self.graphs = self.manager.capture()
+        self._check_thread("capture")
+        self.graphs, self.failures, self.manager = {}, {}, None
+        self._captured = "capture() is in progress (or was interrupted)"
+        try:
+            self.manager = CaptureManager(self.spec, self.table.sizes, self.stager,
+                                          strict=self.strict, pool=self.pool, **self._capture_kw)
+            with StateGuard(self.spec):
+                self.graphs = self.manager.capture()
+        except BaseException as exc:
+            self.graphs = {}
+            self.failures = self.manager.failures if self.manager is not None else {}
+            self._captured = f"capture() did not complete ({type(exc).__name__}: {_first_line(exc)})"
+            raise
         self.failures = self.manager.failures
+        self.pool = self.manager.pool
+        if not self.graphs:
+            reasons = "; ".join(f"{s}: {f.reason}" for s, f in sorted(self.failures.items()))
+            self._captured = f"capture() captured no size ({reasons})"
+            raise CaptureError(self.table.largest, f"no size could be captured: {reasons}")
+        self._captured = None
+        self._owner = threading.get_ident()
         return self
 
     # -- the replay path -------------------------------------------------------------------
     def run(self, **inputs: torch.Tensor) -> Any:
-        """One decode step on ``inputs`` (``{name: [n, *trailing]}``); outputs have ``n`` rows.
+        """One decode step on ``inputs`` (batch inputs ``[n, *trailing]``, offsets ``[n + 1]``,
+        fixed ones whole); batch-major outputs have ``n`` rows, fixed-shape ones are whole.
 
         Graph safety: host-only staging, then one graph replay on the current stream.
         """
-        if self.manager is None:
-            raise GraphrtError("GraphRuntime.run() before capture(): call rt.capture() once first")
+        self._check_ready("run")
         n = self.stager.check(inputs)
         co = self.coordinator
         pick_n = co.agree_batch(n) if co is not None else n
@@ -102,22 +147,39 @@ class GraphRuntime:
         return self._replay(g, n)
 
     def input_buffers(self, n: int) -> dict[str, torch.Tensor]:
-        """Zero-copy staging: the static input rows ``[0, n)`` (``{name: [n, *trailing]}``) for
-        the engine to write in place, followed by ``replay(n)``. Saves one copy per input.
-        Graph safety: host-only. Not for uniform-batch multi-rank backends (use ``run``, which
-        agrees on the padded size across ranks first)."""
+        """Zero-copy staging: the static inputs for ``n`` live rows (batch ``[n, *trailing]``,
+        offsets ``[n + 1]``, fixed whole) for the engine to write in place, followed by
+        ``replay(n)``. Saves one copy per input. Graph safety: host-only. Not for
+        uniform-batch multi-rank backends (use ``run``, which agrees on the padded size
+        across ranks first)."""
+        self._check_ready("input_buffers")
         if self.coordinator is not None and self.coordinator.uniform:
             raise GraphrtError("input_buffers()/replay() pick the graph from this rank's batch "
                                "alone; with a uniform-batch backend (NCCL) use run()")
         self._captured_graph(n)
-        return {k: b[:n] for k, b in self.stager.buffers.items()}
+        return {k: self.stager._view(k, n) for k in self.stager.buffers}
 
     def replay(self, n: int) -> Any:
         """Replay on inputs already written through ``input_buffers(n)``: pads rows
         ``[n, padded_bs)``, sets the live count, replays. Graph safety: host-only."""
+        self._check_ready("replay")
         g = self._captured_graph(n)
         self.stager.pad_only(n, g.size)
         return self._replay(g, n)
+
+    def _check_thread(self, what: str) -> None:
+        if threading.get_ident() != self._owner:
+            raise ThreadOwnershipError(
+                f"GraphRuntime.{what}() from thread {threading.current_thread().name!r}, but the "
+                "runtime belongs to the thread that captured it: its static inputs and outputs "
+                "are shared, so concurrent steps would read each other's rows. Use one runtime "
+                "per thread, or hand it over with rt.bind_thread() from the new owner")
+
+    def _check_ready(self, what: str) -> None:
+        if self._captured is not None:
+            raise NotCapturedError(f"GraphRuntime.{what}(): {self._captured}; call capture() "
+                                   "and let it complete first")
+        self._check_thread(what)
 
     def _graph_for(self, n: int):
         """``(size, graph)``: the smallest captured size ``>= n`` and its graph (None when that
@@ -126,32 +188,45 @@ class GraphRuntime:
         return size, (self.graphs.get(size) if size is not None else None)
 
     def _captured_graph(self, n: int):
-        """The graph ``run`` would replay for ``n``, or ``NoGraphForBatch``."""
-        g = self._graph_for(n)[1]
+        """The graph ``replay`` would use for ``n`` live rows, or a typed error."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise InputError(f"the live batch must be an int >= 1; got {n!r}")
+        size, g = self._graph_for(n)
         if g is None:
+            if size is not None:
+                raise NoGraphForBatch(n, max(self.graphs) if self.graphs else None,
+                                      why=f"size {size} was not captured "
+                                          f"({self.failures[size].reason})" if size in self.failures else None)
             raise NoGraphForBatch(n, max(self.graphs) if self.graphs else None)
         return g
 
     def _replay(self, g, n: int) -> Any:
+        if self.spec.before_replay is not None:
+            self.spec.before_replay(g.size, n)
         g.graph.replay()
         self._clock.bump()
         self.counters["replays"] += 1
+        live = g.signature.live(g.outputs, n)
         if self.copy_outputs:
-            return g.layout.build([o[:n].clone() for o in g.outputs])
-        return g.layout.build([LeasedTensor.lease(o[:n], self._clock) for o in g.outputs])
+            return g.layout.build([o.clone() for o in live])
+        return g.layout.build([LeasedTensor.lease(o, self._clock) for o in live])
 
     def _no_graph(self, inputs, n: int, size: int | None, pick_n: int) -> Any:
         if size is None and self.oversize == "raise":
             raise NoGraphForBatch(pick_n, self.table.largest)
         # Uniform-batch backends run eagerly at the agreed batch, padded, like the other ranks.
         self.counters["eager"] += 1
-        return self.spec.call_padded(inputs, pick_n)
+        sig = self.manager.signature if self.manager is not None else None
+        with torch.no_grad():
+            return self.spec.call_padded(inputs, pick_n, dict(zip(sig.layout.names, sig.rows))
+                                         if sig is not None else None)
 
     def eager(self, **inputs: torch.Tensor) -> Any:
         """Run the step eagerly on exactly the live rows (no padding). Graph safety: host-only."""
         n = self.stager.check(inputs)
         self.counters["eager"] += 1
-        return self.spec.call(inputs, self.spec.live_count_tensor(n, self.device))
+        with torch.no_grad():
+            return self.spec.call(inputs, self.spec.live_count_tensor(n, self.device))
 
     # -- checks and stats --------------------------------------------------------------------
     def check_replay(self, *, trials: int = 2, rtol: float | None = None,
@@ -177,3 +252,30 @@ class GraphRuntime:
             "failures": {s: f.reason for s, f in self.failures.items()},
             **self.counters,
         }
+
+
+def _resolve_device(device) -> torch.device:
+    """The runtime's device: the current CUDA device by default (CPU without CUDA)."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise DeviceError(f"device must be 'cuda', 'cuda:N' or 'cpu'; got {device!r} ({exc})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(f"device {str(dev)!r} requested, but CUDA is not available here "
+                              f"(torch {torch.__version__}); run on a CUDA machine, or check the "
+                              "step on the CPU with `graphrt validate FILE.py:FUNC --device cpu`")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.index >= torch.cuda.device_count():
+            raise DeviceError(f"device {str(dev)!r} requested, but this machine has "
+                              f"{torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "no message"

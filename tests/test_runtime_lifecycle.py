@@ -1,0 +1,182 @@
+"""CPU tests of the runtime's lifecycle and ownership rules: a capture that did not
+complete refuses replays, a runtime belongs to one thread, grad inputs leave no history,
+bounds on replay(n)/input_buffers(n), a typed device error, and per-size rank agreement.
+
+Replays use ``tests/fakes/graphs.FakeCaptureManager`` (a CPU stand-in for capture)."""
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+
+import graphrt
+from graphrt.capture.manager import CaptureManager, CaptureFailure
+from graphrt.errors import InputError
+from graphrt.replay_policy import Stager
+from tests.fakes.graphs import FakeCaptureManager
+
+
+@pytest.fixture
+def fake_capture(monkeypatch):
+    monkeypatch.setattr("graphrt.capture.manager.CaptureManager", FakeCaptureManager)
+    monkeypatch.setattr(FakeCaptureManager, "fail_sizes", {})
+    monkeypatch.setattr(FakeCaptureManager, "interrupt_at", None)
+    return FakeCaptureManager
+
+
+def _spec():
+    w = torch.randn(4, 4)
+    return graphrt.StepSpec(lambda x: {"y": x @ w}, {"x": graphrt.Input((None, 4), torch.float32)}, 16)
+
+
+def test_failed_capture_refuses_run_until_a_capture_completes(fake_capture):
+    rt = graphrt.GraphRuntime(_spec(), sizes=[4, 16], device="cpu", oversize="raise")
+    fake_capture.fail_sizes = {4: RuntimeError("size 4 broke")}
+    with pytest.raises(RuntimeError, match="size 4 broke"):
+        rt.capture()
+    with pytest.raises(graphrt.NotCapturedError, match="did not complete \\(RuntimeError: size 4 broke\\)"):
+        rt.run(x=torch.randn(2, 4))
+    with pytest.raises(graphrt.NotCapturedError):
+        rt.replay(2)
+    fake_capture.fail_sizes = {}
+    rt.capture()
+    assert rt.run(x=torch.randn(2, 4))["y"].shape == (2, 4) and rt.counters["replays"] == 1
+
+
+def test_interrupted_capture_refuses_run(fake_capture):
+    rt = graphrt.GraphRuntime(_spec(), sizes=[4, 16], device="cpu")
+    fake_capture.interrupt_at = 4
+    with pytest.raises(KeyboardInterrupt):
+        rt.capture()
+    with pytest.raises(graphrt.NotCapturedError, match="KeyboardInterrupt"):
+        rt.run(x=torch.randn(2, 4))
+    assert rt.counters == {"replays": 0, "eager": 0}
+
+
+def test_lenient_capture_runs_failed_sizes_eagerly_but_replay_names_the_failure(fake_capture):
+    fake_capture.fail_sizes = {4: RuntimeError("size 4 broke")}
+    rt = graphrt.GraphRuntime(_spec(), sizes=[4, 16], device="cpu", strict=False).capture()
+    rt.run(x=torch.randn(2, 4))
+    assert rt.counters == {"replays": 0, "eager": 1}
+    with pytest.raises(graphrt.NoGraphForBatch, match="size 4 was not captured.*size 4 broke"):
+        rt.replay(2)
+    fake_capture.fail_sizes = {4: RuntimeError("a"), 16: RuntimeError("b")}
+    with pytest.raises(graphrt.CaptureError, match="no size could be captured"):
+        rt.capture()
+    with pytest.raises(graphrt.NotCapturedError, match="captured no size"):
+        rt.run(x=torch.randn(2, 4))
+
+
+def test_a_runtime_belongs_to_its_capturing_thread(fake_capture):
+    rt = graphrt.GraphRuntime(_spec(), sizes=[4, 16], device="cpu").capture()
+    errors = []
+
+    def other():
+        try:
+            rt.run(x=torch.randn(2, 4))
+        except graphrt.ThreadOwnershipError as exc:
+            errors.append(str(exc))
+    t = threading.Thread(target=other, name="decode-worker")
+    t.start()
+    t.join()
+    assert len(errors) == 1 and "'decode-worker'" in errors[0] and "bind_thread" in errors[0]
+    out = {}
+
+    def handed_over():
+        rt.bind_thread()
+        out["y"] = rt.run(x=torch.ones(3, 4))["y"]
+    t = threading.Thread(target=handed_over)
+    t.start()
+    t.join()
+    assert out["y"].shape == (3, 4)
+    with pytest.raises(graphrt.ThreadOwnershipError):   # the main thread handed it over
+        rt.run(x=torch.randn(2, 4))
+
+
+def test_grad_inputs_are_staged_without_history(fake_capture):
+    rt = graphrt.GraphRuntime(_spec(), sizes=[4, 16], device="cpu").capture()
+    refs = []
+    for _ in range(50):
+        x = torch.randn(3, 4, requires_grad=True)
+        refs.append(weakref.ref(x))
+        out = rt.run(x=x)
+        assert not out["y"].requires_grad and out["y"].grad_fn is None
+        del x, out
+    assert not rt.stager.buffers["x"].requires_grad and rt.stager.buffers["x"].grad_fn is None
+    gc.collect()
+    assert sum(r() is not None for r in refs) == 0   # nothing keeps the inputs alive
+
+
+@pytest.mark.parametrize("n,err,match", [
+    (-1, InputError, "int >= 1; got -1"), (0, InputError, "int >= 1; got 0"),
+    (True, InputError, "got True"), (2.0, InputError, "got 2.0"),
+    (17, graphrt.NoGraphForBatch, "largest captured size is 16"),
+])
+def test_replay_and_input_buffers_bounds(fake_capture, n, err, match):
+    rt = graphrt.GraphRuntime(_spec(), sizes=[4, 16], device="cpu").capture()
+    with pytest.raises(err, match=match):
+        rt.replay(n)
+    with pytest.raises(err, match=match):
+        rt.input_buffers(n)
+
+
+def test_input_buffers_and_replay_before_capture_say_so():
+    rt = graphrt.GraphRuntime(_spec(), sizes=[4, 16], device="cpu")
+    with pytest.raises(graphrt.NotCapturedError, match="has not been called"):
+        rt.input_buffers(3)
+    with pytest.raises(graphrt.NotCapturedError, match="has not been called"):
+        rt.replay(3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_device_without_cuda_is_a_typed_error():
+    with pytest.raises(graphrt.DeviceError, match="CUDA is not available here"):
+        graphrt.GraphRuntime(_spec(), device="cuda")
+    with pytest.raises(graphrt.DeviceError, match="'cuda', 'cuda:N' or 'cpu'"):
+        graphrt.GraphRuntime(_spec(), device="gpu0")
+
+
+class _Coordinator:
+    """Records agreement calls; rank ``bad`` fails ``what`` at ``size``."""
+
+    def __init__(self, log, others_fail=()):
+        self.log, self.others_fail = log, set(others_fail)
+
+    def all_ok(self, ok):
+        self.log.append(("agree", ok))
+        return ok and self.log[-2] not in self.others_fail
+
+
+def _manager(coordinator, strict):
+    m = object.__new__(CaptureManager)  # the phases only; CUDA-free parts
+    spec = _spec()
+    m.spec, m.sizes, m.strict, m.coordinator, m.analyze = spec, [1, 4, 16], strict, coordinator, True
+    m.failures, m.device, m.seed = {}, torch.device("cpu"), 0
+    m.stager = Stager(spec, 16, m.device)
+    from graphrt.capture.report import SafetyReport
+    m.report = SafetyReport()
+    return m
+
+
+def test_ranks_agree_on_each_size_before_its_warm_up(monkeypatch):
+    log = []
+    co = _Coordinator(log, others_fail={("analyse", 4)})
+    m = _manager(co, strict=False)
+    monkeypatch.setattr(m, "_analyse", lambda size, stream: log.append(("analyse", size)) or True)
+    monkeypatch.setattr(m, "_warm", lambda size, stream: log.append(("warm", size)) or {"y": torch.zeros(size, 4)})
+    monkeypatch.setattr(m, "_set_signature", lambda outs, stream: log.append(("signature", sorted(outs))))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    ok = m._prepare(None)
+    assert ok == [1, 16]                              # size 4 failed on another rank: skipped here too
+    assert ("warm", 4) not in log                     # ... before this rank warmed it
+    assert log[:4] == [("analyse", 1), ("agree", True), ("warm", 1), ("agree", True)]
+    assert isinstance(m.failures[4], CaptureFailure) and "another rank" in m.failures[4].reason
+    strict = _manager(_Coordinator([], others_fail=set()), strict=True)
+    strict.coordinator.log = log2 = []
+    strict.coordinator.others_fail = {("warm", 4)}
+    monkeypatch.setattr(strict, "_analyse", lambda size, stream: log2.append(("analyse", size)) or True)
+    monkeypatch.setattr(strict, "_warm", lambda size, stream: log2.append(("warm", size)) or {})
+    with pytest.raises(graphrt.GraphrtError, match="batch size 4: warm-up failed on another rank"):
+        strict._prepare(None)
+    assert ("analyse", 16) not in log2                # every rank stops at the same size
