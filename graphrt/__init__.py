@@ -10,17 +10,19 @@
 Importing graphrt imports torch but never initialises CUDA and never imports triton,
 deep_ep or deep_gemm; those load where they are used.
 """
-from graphrt.errors import (CaptureError, GraphrtError, InputError, NoGraphForBatch,
-                            ReplayMismatch, StaleOutputError)
+from graphrt.errors import (CaptureError, DeviceError, GraphrtError, InputError,
+                            NoGraphForBatch, NotCapturedError, ReplayMismatch, StaleOutputError,
+                            ThreadOwnershipError)
 from graphrt.spec import Input, StepSpec
 from graphrt.replay_policy import SizeTable, capture_sizes
 from graphrt.capture.report import Finding, GraphSafetyError, SafetyReport
 from graphrt.runtime import GraphRuntime
 
-__version__ = "0.1.0"
+from graphrt._version import __version__
 
 __all__ = [
-    "CaptureError", "Finding", "GraphRuntime", "GraphSafetyError", "GraphrtError", "Input",
-    "InputError", "NoGraphForBatch", "ReplayMismatch", "SafetyReport", "SizeTable",
-    "StaleOutputError", "StepSpec", "capture_sizes", "__version__",
+    "CaptureError", "DeviceError", "Finding", "GraphRuntime", "GraphSafetyError", "GraphrtError",
+    "Input", "InputError", "NoGraphForBatch", "NotCapturedError", "ReplayMismatch",
+    "SafetyReport", "SizeTable", "StaleOutputError", "StepSpec", "ThreadOwnershipError",
+    "capture_sizes", "__version__",
 ]
