@@ -1,10 +1,9 @@
 """Findings of the graph-safety analysis and the report that lists them (table and JSON).
 
 A ``Finding`` names one hazard at the user's own ``file:line``. The stable ``kind``s are
-the validator's contract (DESIGN.md): ``host-sync``, ``host-to-device-copy``,
-``data-dependent-shape``, ``unjoined-stream``, ``unjoined-receiver``, ``replay-mismatch``.
-
-Graph safety: host-only.
+the validator's contract (docs/validate.md, "Finding kinds"): ``host-sync``,
+``host-to-device-copy``, ``data-dependent-shape``, ``unjoined-stream``, ``unjoined-receiver``,
+``replay-mismatch``.
 """
 from __future__ import annotations
 
@@ -83,7 +82,7 @@ class SafetyReport:
         return [f for f in self.findings if f.file == file and f.line == line]
 
     def to_dict(self, target: str = "", device: str = "", sizes: list[int] | None = None) -> dict:
-        """The validator's JSON document (DESIGN.md, "Validator CLI")."""
+        """The validator's JSON document (docs/validate.md, "JSON")."""
         return {
             "target": target,
             "device": device,

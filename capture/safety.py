@@ -15,8 +15,6 @@
 On CPU tensors (``device.type == "cpu"``) the analysis reports what *would* sync or bake
 host data on a GPU: the CPU stands in for CUDA, and explicit CUDA synchronisation calls are
 recorded and skipped. ``analyze_step`` runs it at every size and returns a ``SafetyReport``.
-
-Graph safety: host-only (it drives eager runs; nothing is captured here).
 """
 from __future__ import annotations
 
@@ -58,10 +56,10 @@ class _FunctionMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         a = self.a
-        rule = classify_call(func, args, kwargs, simulate_cuda=not a.cuda)
-        suppress = rule is not None
-        if rule is not None and rule is not SAFE:
-            a.report(rule[0], rule[1], rule[2])
+        hit = classify_call(func, args, kwargs, simulate_cuda=not a.cuda)
+        suppress = hit is not None
+        if hit is not None and hit is not SAFE:
+            a.report(hit.kind, hit.op, hit.message)
         a.frames.append(suppress or (a.frames[-1] if a.frames else False))
         try:
             return func(*args, **kwargs)
@@ -79,9 +77,9 @@ class _DispatchMode(TorchDispatchMode):
         a = self.a
         suppressed = bool(a.frames and a.frames[-1])
         if not suppressed:
-            rule = classify_aten(func, args, kwargs, cuda=a.cuda)
-            if rule is not None:
-                a.report(*rule)
+            hit = classify_aten(func, args, kwargs, cuda=a.cuda)
+            if hit is not None:
+                a.report(hit.kind, hit.op, hit.message)
         n_warn = len(a.warnings) if a.warnings is not None else 0
         out = func(*args, **kwargs)
         if a.cuda:
@@ -206,7 +204,7 @@ def compare_traces(a: list[TraceOp], b: list[TraceOp], size: int,
     at that line (the sync is the root cause)."""
     sync_lines = {(f.file, f.line) for f in known if f.kind == "host-sync"}
     for x, y in zip(a, b):
-        # [validate] the line counts too: a host-state branch between two same-shaped ops
+        # The line counts too: a host-state branch between two same-shaped ops
         # (`x @ w0` vs `x @ w1`) is frozen into the graph just the same.
         moved = (x.file, x.line) != (y.file, y.line)
         if x.op != y.op or x.shapes != y.shapes or moved:

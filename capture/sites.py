@@ -4,8 +4,6 @@ Findings must point at the line the user wrote, never at a torch, triton or grap
 ``user_site()`` walks outward from the caller and returns the first frame outside those
 packages and the standard library; if every frame is inside graphrt (the reference model),
 it falls back to the innermost frame outside torch, triton and the standard library.
-
-Graph safety: host-only.
 """
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""Shared pytest fixtures and the hardware split: ``gpu`` / ``multigpu`` tests skip without CUDA."""
+"""Shared pytest fixtures and the hardware split: ``gpu`` / ``multigpu`` tests skip without CUDA.
+
+Markers (registered in pyproject.toml): ``gpu`` (one CUDA GPU), ``multigpu`` (two or more),
+``slow`` (subprocesses, the host engine, rank coordination: ``-m "not slow"`` skips them).
+"""
 from __future__ import annotations
 
 import os
@@ -13,7 +17,7 @@ if not torch.cuda.is_available():
 
 def pytest_collection_modifyitems(config, items):
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run with the device tool on an H200)")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_multi = pytest.mark.skip(reason=f"needs >= 2 CUDA GPUs, found {n_gpus}")
     # The CPU tests launch Triton kernels on CPU tensors, which only the interpreter runs; the
     # interpreter is chosen per process (when @triton.jit runs), so on a CUDA machine they

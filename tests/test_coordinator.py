@@ -4,6 +4,7 @@ never arrives becomes a timeout error instead of a hang."""
 import os
 import tempfile
 
+import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -56,20 +57,24 @@ def _run(scenario):
     return [open(os.path.join(out, f"{r}.txt")).read() for r in range(2)]
 
 
+@pytest.mark.slow
 def test_agree_batch_is_the_largest_live_batch():
     assert _run("agree") == ["agreed=17", "agreed=17"]
 
 
+@pytest.mark.slow
 def test_mismatch_names_both_ranks_sizes():
     r0, r1 = _run("mismatch")
     assert "rank 0 is about to run a graph step of batch 8 but rank 1 a graph step of batch 16" in r0
     assert "rank 1 is about to run a graph step of batch 16 but rank 0 a graph step of batch 8" in r1
 
 
+@pytest.mark.slow
 def test_per_rank_backends_need_no_agreement():
     assert _run("per-rank") == ["agreed=3", "agreed=17"]
 
 
+@pytest.mark.slow
 def test_missing_rank_is_a_timeout_not_a_hang():
     r0, _ = _run("missing")
     assert r0.startswith("timeout: rank 0: not every rank reached")

@@ -2,6 +2,7 @@
 at the user's line, stale leases, and 1,000 replays at random sizes with memory flat."""
 import gc
 import inspect
+import weakref
 
 import pytest
 import torch
@@ -162,3 +163,42 @@ def test_zero_copy_staging_matches_run(rt):
         assert torch.equal(got["y"], want["y"]) and torch.equal(got["argmax"], want["argmax"])
     with pytest.raises(graphrt.NoGraphForBatch):
         rt.input_buffers(257)
+
+
+class ReceiverStep:
+    """Hands a tensor made inside the step to a ``Receiver`` and to nothing else, as an
+    overlapped combine does with its in-flight buffers; remembers it weakly per batch size."""
+
+    def __init__(self):
+        self.held: dict[int, weakref.ref] = {}
+
+    def __call__(self, x, pos, n):
+        from graphrt.comm.base import Receiver
+        scratch = x * 2.0                          # only the receiver keeps this one
+        self.held[x.shape[0]] = weakref.ref(scratch)
+        out = torch.empty_like(x)
+        recv = Receiver(lambda s=scratch: out.copy_(s), out, keep=(scratch,))
+        del scratch
+        return {"y": recv() + pos.unsqueeze(1).float()}
+
+
+def test_receiver_held_tensor_lives_as_long_as_its_graph():
+    """The graph keeps what a receiver created during its capture holds (not only its input
+    views): the tensor outlives the step's references and dies with the runtime."""
+    step = ReceiverStep()
+    r = graphrt.GraphRuntime(_spec(step, 16), sizes=[4, 16], progress=False).capture()
+    gc.collect()
+    for size, g in r.graphs.items():
+        held = step.held[size]()                   # the tensor made while capturing `size`
+        assert held is not None, f"batch {size}: the receiver's tensor died after capture"
+        assert any(t is held for t in g.keepalive), f"batch {size}: not in the graph's keepalive"
+        del held
+    x = torch.randn(3, H, device="cuda")
+    pos = torch.randint(1, 100, (3,), dtype=torch.int32, device="cuda")
+    junk = [torch.full((1 << 16,), float("nan"), device="cuda") for _ in range(64)]
+    for _ in range(10):
+        y = r.run(x=x, pos=pos)["y"]
+    torch.testing.assert_close(y, x * 2.0 + pos.unsqueeze(1).float())
+    del junk, y, r
+    gc.collect()
+    assert all(ref() is None for ref in step.held.values()), "kept alive past its graph"

@@ -167,6 +167,7 @@ def test_instrumented_step_is_graph_safe(tiny_instrumented):
     assert rep.findings == [], rep.table()
 
 
+@pytest.mark.slow
 def test_engine_with_watchdog_on_cpu(tiny_instrumented):
     from graphrt.testing.engine import DecodeEngine, Request, eager_step
     spec, model, counters = tiny_instrumented
@@ -202,6 +203,7 @@ def test_cuda_stall_reported_with_layer_and_no_blocking_read():
     assert (err.step, err.last_layer) == (1, 0) and "rank 0: step 1 stalled after layer 0" in str(err)
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 def test_graph_engine_with_watchdog_no_false_alarm():
     import graphrt
@@ -221,6 +223,7 @@ def test_graph_engine_with_watchdog_no_false_alarm():
     assert p.tolist() == [int(s)] * 2
 
 
+@pytest.mark.slow
 @pytest.mark.multigpu
 def test_rank_skipping_a_deepep_step_is_reported_not_hung():
     """Rank 1 skips step 12; rank 0's replay waits in DeepEP's dispatch of layer 0 forever.
