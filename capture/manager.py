@@ -96,11 +96,13 @@ class CaptureManager:
         capture_stream: the stream to capture on (an engine's own); default a new one.
         capture_context: a zero-argument callable returning a context manager entered
             around the whole capture loop (e.g. an engine's custom all-reduce registration).
+        warmup_stream: the stream the analysis and warm-up run on; default a new one.
     """
 
     def __init__(self, spec: StepSpec, sizes: list[int], stager: Stager, *, warmup_iters: int = 3,
                  analyze: bool = True, strict: bool = True, progress: bool = True, seed: int = 0,
-                 coordinator=None, pool=None, capture_stream=None, capture_context=None):
+                 coordinator=None, pool=None, capture_stream=None, capture_context=None,
+                 warmup_stream=None):
         if stager.device.type != "cuda":
             raise CaptureError(max(sizes), "CUDA graphs need a CUDA device; on a CPU machine "
                                "run the analysis only (graphrt.capture.analyze_step, or "
@@ -115,7 +117,7 @@ class CaptureManager:
         self.capture_context = capture_context
         self.device = stager.device
         self.pool = pool
-        self.capture_stream = capture_stream
+        self.capture_stream, self.warmup_stream = capture_stream, warmup_stream
         self.graphs: dict[int, CapturedGraph] = {}
         self.failures: dict[int, CaptureFailure] = {}
         self.report = SafetyReport()
@@ -125,7 +127,7 @@ class CaptureManager:
 
     def capture(self) -> dict[int, CapturedGraph]:
         """Analyse and warm every size, then capture largest-first. Returns ``self.graphs``."""
-        warm = torch.cuda.Stream(self.device)
+        warm = self.warmup_stream or torch.cuda.Stream(self.device)
         t0 = time.perf_counter()
         with torch.inference_mode():
             ok = self._prepare(warm)
@@ -138,7 +140,7 @@ class CaptureManager:
             with ctx, torch.inference_mode(), progress_bar(
                     f"capture {self.spec.name}", len(ok), "graph", self.progress) as bar:
                 torch.cuda.synchronize(self.device)
-                torch._C._cuda_clearCublasWorkspaces()  # see "Memory a graph must own"
+                _clear_cublas_workspaces()  # see "Memory a graph must own"
                 for size in sorted(ok, reverse=True):
                     try:
                         self.graphs[size] = self._capture_one(size, stream)
@@ -149,7 +151,7 @@ class CaptureManager:
                     bar(size)
         finally:
             torch.cuda.synchronize(self.device)
-            torch._C._cuda_clearCublasWorkspaces()
+            _clear_cublas_workspaces()
             _ensure_no_capture(stream)  # also after KeyboardInterrupt
             self._reset_buffers()
         for f in self.failures.values():
@@ -308,6 +310,11 @@ def progress_bar(desc: str, total: int, unit: str, enabled: bool):
                   console=Console(stderr=True), transient=True) as prog:
         task = prog.add_task(desc, total=total, label="")
         yield lambda label=None: prog.update(task, advance=1, label="" if label is None else f"bs={label}")
+
+
+def _clear_cublas_workspaces() -> None:
+    """Free every cuBLAS/cuBLASLt workspace (the next GEMM on each stream allocates anew)."""
+    torch._C._cuda_clearCublasWorkspaces()
 
 
 def _ensure_no_capture(stream=None) -> None:

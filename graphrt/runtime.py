@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from graphrt.errors import (CaptureError, DeviceError, GraphrtError, InputError, NoGraphForBatch,
+from graphrt.errors import (DeviceError, GraphrtError, InputError, NoGraphForBatch,
                             NotCapturedError, ThreadOwnershipError)
 from graphrt.outputs import LeaseClock, LeasedTensor
 from graphrt.replay_policy import SizeTable, Stager, capture_sizes
@@ -102,7 +102,8 @@ class GraphRuntime:
 
         The declared ``spec.state`` is put back as it was found (warm-up and capture run the
         step). Until a capture completes, ``run``/``replay`` raise ``NotCapturedError``
-        naming what failed (an exception, an interrupt)."""
+        naming what failed (an exception, an interrupt; with ``strict=False``, every size
+        failing)."""
         from graphrt.capture.manager import CaptureManager  # keeps `import graphrt` light
         self._check_thread("capture")
         self.graphs, self.failures, self.manager = {}, {}, None
@@ -119,11 +120,11 @@ class GraphRuntime:
             raise
         self.failures = self.manager.failures
         self.pool = self.manager.pool
-        if not self.graphs:
+        if not self.graphs:  # strict=False and every size failed: nothing to replay
             reasons = "; ".join(f"{s}: {f.reason}" for s, f in sorted(self.failures.items()))
             self._captured = f"capture() captured no size ({reasons})"
-            raise CaptureError(self.table.largest, f"no size could be captured: {reasons}")
-        self._captured = None
+        else:
+            self._captured = None
         self._owner = threading.get_ident()
         return self
 
