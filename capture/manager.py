@@ -26,7 +26,6 @@ With ``strict=True`` (default) any error finding refuses the whole capture with 
 ``GraphSafetyError`` listing every finding at every size; with ``strict=False`` a failing
 size is recorded in ``failures`` (with its cause) and the other sizes are captured.
 
-Graph safety: host-only (it performs the captures).
 """
 from __future__ import annotations
 

@@ -4,7 +4,6 @@ Per captured size, on fresh random inputs with NaN-poisoned outputs: padding is 
 graph equals eager on the same padded buffers bitwise, the step leaves its padded inputs
 alone, and the live rows match eager on the unpadded batch within a per-row tolerance.
 
-Graph safety: host-only (replays, runs eagerly, synchronises).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ A step returns a tensor, a tuple/list of tensors or a dict of tensors, each batc
 runtime hands back the same structure with batch-major outputs trimmed to the live rows and
 fixed-shape outputs whole; ``infer_signature`` tells the kinds apart from two batch sizes.
 
-Ownership (STYLE.md habit 8): by default ``run()`` copies the live rows out, so the caller
+Ownership: by default ``run()`` copies the live rows out, so the caller
 owns its outputs. With zero-copy, ``run()`` returns ``LeasedTensor`` views of the graph's
 static outputs; every replay of any graph of the runtime ends all earlier leases (graphs
 share one memory pool, so a smaller graph's replay may overwrite a larger one's outputs),

@@ -1,6 +1,6 @@
 """``GraphRuntime``: the embedding API a host engine calls every decode step.
 
-Three lifetimes (STYLE.md habit 3):
+Three lifetimes:
 
 - ``__init__``: validates the spec and sizes, allocates the static input buffers once.
 - ``capture()``: analysis, warm-up and capture of every size (``graphrt.capture``).

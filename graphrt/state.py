@@ -13,7 +13,7 @@ would compare a graph run with an eager run that starts from the state the graph
 Snapshots are device copies of every declared tensor (one extra copy of the state's
 memory while a guard is open: declare what the step writes, not the whole model).
 
-Graph safety: host-only (copies and synchronises; never inside a capture).
+Host-only: copies and synchronises; never inside a capture.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ combine by a device-side event wait (or a DeepEP receive hook) — never a host 
 returns the output buffer. Work issued between the two (the shared expert) overlaps the
 combine, inside the captured graph.
 
-Receiver contract (DESIGN.md): a receiver created during capture registers with the
+Receiver contract (docs/architecture.md): a receiver created during capture registers with the
 capture (``graphrt.capture.audit``); the capture fails if one is never called, and the
 graph keeps the receiver's tensors alive for as long as it exists.
 

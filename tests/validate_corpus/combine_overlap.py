@@ -54,7 +54,7 @@ def bad_receiver_only_on_one_branch(device):
 
 
 def safe_receiver_joined(device):
-    """combine_async -> shared expert -> recv() -> residual add (the DESIGN.md step)."""
+    """combine_async -> shared expert -> recv() -> residual add (the reference MoE step of docs/architecture.md)."""
     ws = _shared(device)
 
     def step(x):
