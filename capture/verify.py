@@ -115,7 +115,8 @@ def _check_one(rt, g, inputs, n, gen, rtol, max_off_rows, state) -> list[ReplayC
     after_graph = state.current()
     state.restore()
     same = _eager(rt, g, st.views(size), n, size)
-    after_eager = state.current()
+    state_errs = [_max_err(a, b) for a, b in zip(after_graph, state.tensors)]
+    del after_graph
     state.restore()
     unpadded = _eager(rt, g, inputs, n, n)
     for i, (key, c, p, e, u) in enumerate(zip(g.layout.names, clean, poisoned, same, unpadded)):
@@ -133,8 +134,7 @@ def _check_one(rt, g, inputs, n, gen, rtol, max_off_rows, state) -> list[ReplayC
         else:
             ok, what = bool(torch.equal(p, u)), "live-rows-vs-unpadded-eager"
         out.append(ReplayCheck(size, n, key, what, err, ok))
-    for j, (a, b) in enumerate(zip(after_graph, after_eager)):
-        err = _max_err(a, b)
+    for j, err in enumerate(state_errs):
         out.append(ReplayCheck(size, n, f"state[{j}]", "state-graph-vs-eager", err, err == 0.0))
     state.restore()
     st.stage(inputs, n, size)  # leave clean padding behind

@@ -1,27 +1,34 @@
-"""GQA decode attention over a static KV cache (flash-decoding / split-K), plus the KV append.
+"""GQA decode attention over a paged KV cache (flash-decoding / split-K), plus the KV append.
 
-KV cache of one layer (static, allocated once by the host engine)::
+KV cache of one layer (static, allocated once; the engine owns which blocks hold what)::
 
-    k_cache, v_cache  bf16 [num_slots, max_ctx, num_kv_heads, head_dim]
+    k_cache, v_cache  bf16 [num_blocks, block_size, num_kv_heads, head_dim]
 
-One decode step, per layer (glossary: ``padded_bs`` rows, ``n`` int32 [1] live rows on the
-device; rows ``>= n`` are padding)::
+Position ``p`` of row ``b`` lives in block ``block_table[b, p // block_size]`` at offset
+``p % block_size``; its flat *slot* is ``block * block_size + offset`` (vLLM's
+``slot_mapping``). ``block_size`` is a power of two. The reference model keeps one *scratch
+block* (the last) that no request owns: padded rows point their slot and table at it, so
+every index a padded row carries is in bounds and no kernel branches on padding beyond ``n``.
 
-    kv_append(k, v, slots, positions, n, k_cache=..., v_cache=...)      # write the new token
-    decode_attention(q, k_cache, v_cache, slots, ctx_lens, n,
-                     out=..., workspace_o=..., workspace_lse=...)     # attend over the cache
+One decode step, per layer (``padded_bs`` rows; ``n`` int32 [1] live rows on the device)::
 
-``decode_attention`` splits ``max_ctx`` into ``num_splits`` fixed chunks. Kernel 1 runs one
-program per (row, kv head, chunk); it reads the row's ``ctx_len`` on the device and exits at
-once when its chunk starts at or past it (or the row is padding), so the cost follows the
-live context, not ``max_ctx``. Each program loads the K/V of its chunk once for the whole
-GQA group of q heads and keeps an fp32 online softmax. Kernel 2 merges the live chunks with
-log-sum-exp weights. Chunks past ``ctx_len`` are never written and never read: the merge
-derives the live chunks from the same ``ctx_lens``.
+    kv_append(k, v, slot_mapping, n, k_cache=..., v_cache=...)          # write the new token
+    decode_attention(q, k_cache, v_cache, block_table, seq_lens, n,
+                     out=..., workspace_o=..., workspace_lse=...)       # attend over the pages
+
+``decode_attention`` splits the table's reach ``max_ctx = max_blocks_per_seq * block_size``
+into ``num_splits`` chunks. Kernel 1 runs one program per (row, kv head, chunk), reads the
+row's ``seq_len`` on the device and exits at once past it (or on padding): cost follows the
+live context. An inner step covers ``BLOCK_N`` positions: their block ids from the table
+(``pos // block_size``, a shift), then each position's ``head_dim`` K/V row (contiguous,
+16-byte vectorised) for the whole GQA group. Within a page consecutive positions are
+``num_kv_heads * head_dim`` apart anyway, so walking page by page would not make loads more
+contiguous; a ``BLOCK_N`` independent of the page size keeps ``tl.dot`` tiles large for
+16-position pages. Kernel 2 merges the live chunks with log-sum-exp weights; chunks past
+``seq_len`` are neither written nor read.
 
 Workspace: allocate once per padded_bs, before capture, with
-``attention_workspace(padded_bs, num_heads, head_dim, max_ctx, device)`` (fp32 tensors of the
-shapes ``attention_workspace_shape(...)`` returns); nothing needs initialising.
+``attention_workspace(padded_bs, num_heads, head_dim, max_ctx, device)``; no initialisation.
 
 Graph safety: capturable (``kv_append``, ``decode_attention``)
 """
@@ -35,10 +42,10 @@ import triton.language as tl
 
 from ._util import check, check_tensor, interpreting
 
-BLOCK_N = 64  # cache positions per inner step of kernel 1
+BLOCK_N = 64  # cache positions per inner step of kernel 1 (spans pages when block_size < 64)
 # Default positions per split (rounded up to BLOCK_N). Measured on H200 (32 q / 8 kv heads,
-# head_dim 128, ctx 4096): 256 is best at bs 1 (13 us); 512 is ~4% faster at bs >= 64 and
-# costs less for short contexts at bs 256 (37 vs 46 us at ctx 64). 256 is the middle ground.
+# head_dim 128, ctx 4096, unpaged): 256 is best at bs 1 (13 us); 512 is ~4% faster at bs >= 64
+# and costs less for short contexts at bs 256 (37 vs 46 us at ctx 64). 256 is the middle ground.
 SPLIT_SIZE = 256
 MAX_SPLITS = 64  # default cap on splits (the merge loops over live splits)
 _LOG2E = 1.4426950408889634
@@ -46,9 +53,7 @@ _LOG2E = 1.4426950408889634
 
 def num_splits_for(max_ctx: int, *, split_size: int = SPLIT_SIZE, max_splits: int = MAX_SPLITS) -> int:
     """Number of context splits for ``max_ctx``: ``min(max_splits, ceil(max_ctx / split_size))``.
-
-    Graph safety: host-only (pure Python)
-    """
+    Graph safety: host-only (pure Python)"""
     check(max_ctx >= 1 and split_size >= 1 and max_splits >= 1, "num_splits_for arguments",
           "max_ctx, split_size, max_splits >= 1", (max_ctx, split_size, max_splits))
     return max(1, min(max_splits, -(-max_ctx // split_size)))
@@ -58,6 +63,7 @@ def attention_workspace_shape(padded_bs: int, num_heads: int, head_dim: int, max
                               split_size: int = SPLIT_SIZE, max_splits: int = MAX_SPLITS):
     """Shapes ``(o_shape, lse_shape)`` of the fp32 workspaces of :func:`decode_attention`.
 
+    ``max_ctx`` is ``max_blocks_per_seq * block_size`` (the block table's reach);
     ``o_shape = (padded_bs, num_heads, num_splits, head_dim)``,
     ``lse_shape = (padded_bs, num_heads, num_splits)``, ``num_splits = num_splits_for(...)``.
 
@@ -70,9 +76,7 @@ def attention_workspace_shape(padded_bs: int, num_heads: int, head_dim: int, max
 def attention_workspace(padded_bs: int, num_heads: int, head_dim: int, max_ctx: int,
                         device: torch.device, **kw):
     """Allocate ``(workspace_o, workspace_lse)`` (fp32, uninitialised) once, outside the run path.
-
-    Graph safety: host-only (allocates; call before capture)
-    """
+    Graph safety: host-only (allocates; call before capture)"""
     o_shape, lse_shape = attention_workspace_shape(padded_bs, num_heads, head_dim, max_ctx, **kw)
     return (torch.empty(o_shape, dtype=torch.float32, device=device),
             torch.empty(lse_shape, dtype=torch.float32, device=device))
@@ -82,29 +86,26 @@ def attention_workspace(padded_bs: int, num_heads: int, head_dim: int, max_ctx: 
 @triton.jit
 def _kv_append_kernel(
     k_ptr, v_ptr,  # bf16 [padded_bs, num_kv_heads, head_dim]: new keys / values
-    k_cache_ptr, v_cache_ptr,  # bf16 [num_slots, max_ctx, num_kv_heads, head_dim]
-    slots_ptr, positions_ptr,  # int32 [padded_bs]: cache slot and write position of each row
+    k_cache_ptr, v_cache_ptr,  # bf16 [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping_ptr,  # int32/int64 [padded_bs]: flat slot (block * block_size + offset) per row
     n_ptr,  # int32 [1]: live rows
-    num_slots, max_ctx,  # cache extents (out-of-range slot/position: the row writes nothing)
+    num_cache_slots,  # num_blocks * block_size (out-of-range slot: the row writes nothing)
     stride_kb, stride_kh, stride_vb, stride_vh,  # strides of k / v (row, head)
-    stride_cs, stride_ct, stride_ch,  # strides of the caches (slot, position, head)
+    stride_cb, stride_ct, stride_ch,  # strides of the caches (block, offset, head)
     HEAD_DIM: tl.constexpr,  # head_dim (a power of two)
+    PAGE: tl.constexpr,  # block_size (a power of two)
 ):
     b = tl.program_id(0)  # row
     h = tl.program_id(1)  # kv head
     if b >= tl.load(n_ptr):
         return  # padding row
-    slot = tl.load(slots_ptr + b)
-    pos = tl.load(positions_ptr + b)
-    if (slot < 0) | (slot >= num_slots) | (pos < 0) | (pos >= max_ctx):
+    slot = tl.load(slot_mapping_ptr + b).to(tl.int64)
+    if (slot < 0) | (slot >= num_cache_slots):
         return
     offs_d = tl.arange(0, HEAD_DIM)
-    mask_d = offs_d < HEAD_DIM
-    dst = slot.to(tl.int64) * stride_cs + pos.to(tl.int64) * stride_ct + h * stride_ch + offs_d
-    kv = tl.load(k_ptr + b * stride_kb + h * stride_kh + offs_d, mask=mask_d)
-    tl.store(k_cache_ptr + dst, kv, mask=mask_d)
-    kv = tl.load(v_ptr + b * stride_vb + h * stride_vh + offs_d, mask=mask_d)
-    tl.store(v_cache_ptr + dst, kv, mask=mask_d)
+    dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct + h * stride_ch + offs_d
+    tl.store(k_cache_ptr + dst, tl.load(k_ptr + b * stride_kb + h * stride_kh + offs_d))
+    tl.store(v_cache_ptr + dst, tl.load(v_ptr + b * stride_vb + h * stride_vh + offs_d))
 
 
 def _check_cache(k_cache, v_cache):
@@ -113,89 +114,92 @@ def _check_cache(k_cache, v_cache):
                  device=k_cache.device)
     check(k_cache.stride(3) == 1, "k_cache.stride(3)", 1, k_cache.stride(3))
     check(v_cache.stride() == k_cache.stride(), "v_cache.stride()", k_cache.stride(), v_cache.stride())
-    head_dim = k_cache.shape[3]
+    num_blocks, block_size, _, head_dim = k_cache.shape
+    check(num_blocks >= 1, "num_blocks (k_cache.shape[0])", ">= 1", num_blocks)
+    check(block_size >= 1 and block_size & (block_size - 1) == 0, "block_size (k_cache.shape[1])",
+          "a power of two (16 or 32 in practice)", block_size)
     check(head_dim in (16, 32, 64, 128, 256), "head_dim (k_cache.shape[3])",
           "a power of two in [16, 256] (64 or 128 in practice)", head_dim)
-    return k_cache.shape  # num_slots, max_ctx, num_kv_heads, head_dim
+    return k_cache.shape  # num_blocks, block_size, num_kv_heads, head_dim
 
 
-def _check_rows(padded_bs, dev, **int_rows):  # int32 [padded_bs] per-row inputs and n [1]
-    for name, t in int_rows.items():
-        check_tensor(t, name, shape=(1,) if name == "n" else (padded_bs,), dtype=torch.int32, device=dev)
-
-
-def kv_append(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-              n: torch.Tensor, *, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """Write the new token's K/V: ``k_cache[slots[b], positions[b]] = k[b]`` for rows ``b < n``.
+def kv_append(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, n: torch.Tensor, *,
+              k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Write the new token's K/V at its slot: ``k_cache[s // block_size, s % block_size] = k[b]``
+    with ``s = slot_mapping[b]``, for rows ``b < n``.
 
     Args:
-        k, v: bf16 [padded_bs, num_kv_heads, head_dim], keys/values of the new token.
-        slots: int32 [padded_bs], cache slot of each row's request.
-        positions: int32 [padded_bs], position to write (context length before this token).
-        n: int32 [1], live rows; rows ``>= n`` write nothing (their slots/positions may be
-            anything). A live row whose slot or position is out of range also writes nothing.
-        k_cache, v_cache: bf16 [num_slots, max_ctx, num_kv_heads, head_dim], updated in place.
+        k, v: bf16 [padded_bs, num_kv_heads, head_dim], keys/values of the new token (strided
+            views of a qkv GEMM output are fine: only the last dim must be contiguous).
+        slot_mapping: int64 (or int32) [padded_bs], flat slot ``block * block_size + offset``
+            of each row's new position; live rows must not share a slot.
+        n: int32 [1], live rows; rows ``>= n`` write nothing (their slots may be anything;
+            the reference model points them at its scratch block). A live row whose slot is
+            outside ``[0, num_blocks * block_size)`` (vLLM's ``-1``) also writes nothing.
+        k_cache, v_cache: bf16 [num_blocks, block_size, num_kv_heads, head_dim], in place.
 
     Graph safety: capturable
     """
-    num_slots, max_ctx, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
+    num_blocks, block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
     dev = k_cache.device
     check_tensor(k, "k", shape=(None, num_kv_heads, head_dim), dtype=torch.bfloat16, device=dev)
     padded_bs = k.shape[0]
     check_tensor(v, "v", shape=(padded_bs, num_kv_heads, head_dim), dtype=torch.bfloat16, device=dev)
     for name, t in (("k", k), ("v", v)):
         check(t.stride(2) == 1, f"{name}.stride(2)", 1, t.stride(2))
-    _check_rows(padded_bs, dev, slots=slots, positions=positions, n=n)
+    check_tensor(slot_mapping, "slot_mapping", shape=(padded_bs,),
+                 dtype=(torch.int64, torch.int32), device=dev)
+    check_tensor(n, "n", shape=(1,), dtype=torch.int32, device=dev)
     if padded_bs == 0:
         return
     _kv_append_kernel[(padded_bs, num_kv_heads)](
-        k, v, k_cache, v_cache, slots, positions, n, num_slots, max_ctx,
+        k, v, k_cache, v_cache, slot_mapping, n, num_blocks * block_size,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HEAD_DIM=head_dim, num_warps=1,
+        HEAD_DIM=head_dim, PAGE=block_size, num_warps=1,
     )
 
 
-def kv_append_ref(k, v, slots, positions, n, *, k_cache, v_cache) -> None:
+def kv_append_ref(k, v, slot_mapping, n, *, k_cache, v_cache) -> None:
     """Pure-torch reference of :func:`kv_append` (same shapes; updates the caches in place).
-
-    Graph safety: host-only (reads ``n`` and skips out-of-range rows on the host)
-    """
-    for b, (s, p) in enumerate(zip(slots.tolist()[:int(n[0])], positions.tolist())):
-        if 0 <= s < k_cache.shape[0] and 0 <= p < k_cache.shape[1]:
-            k_cache[s, p], v_cache[s, p] = k[b], v[b]
+    Graph safety: host-only (reads ``n`` and skips out-of-range slots on the host)"""
+    num_blocks, block_size = k_cache.shape[:2]
+    for b, s in enumerate(slot_mapping.tolist()[:int(n[0])]):
+        if 0 <= s < num_blocks * block_size:
+            k_cache[s // block_size, s % block_size] = k[b]
+            v_cache[s // block_size, s % block_size] = v[b]
 
 
 # ----------------------------------------------------------------------------- decode attention
 @triton.jit
 def _attn_split_kernel(
     q_ptr,  # bf16 [padded_bs, num_heads, head_dim]
-    k_cache_ptr, v_cache_ptr,  # bf16 [num_slots, max_ctx, num_kv_heads, head_dim]
-    slots_ptr, ctx_lens_ptr,  # int32 [padded_bs]: cache slot, valid positions of each row
+    k_cache_ptr, v_cache_ptr,  # bf16 [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table_ptr,  # int32 [padded_bs, max_blocks_per_seq]: block of each row's pages
+    seq_lens_ptr,  # int32 [padded_bs]: valid positions of each row (new token included)
     n_ptr,  # int32 [1]: live rows
     ws_o_ptr,  # fp32 [padded_bs, num_heads, num_splits, head_dim]: partial outputs
     ws_lse_ptr,  # fp32 [padded_bs, num_heads, num_splits]: partial log-sum-exp (natural log)
     qk_scale,  # sm_scale * log2(e): scores are kept in base 2
-    num_slots, max_ctx, split_size,  # cache extents; positions per split (multiple of BLOCK_N)
-    ctx_offset,  # added to every ctx_lens entry (1: pass the positions of the new tokens)
+    num_blocks, max_ctx, split_size,  # cache blocks; table reach; positions per split (x BLOCK_N)
     stride_qb, stride_qh,  # strides of q (row, head)
-    stride_cs, stride_ct, stride_ch,  # strides of the caches (slot, position, head)
+    stride_bt,  # row stride of block_table (entries are contiguous)
+    stride_cb, stride_ct, stride_ch,  # strides of the caches (block, offset, head)
     stride_ob, stride_oh, stride_os,  # strides of ws_o (row, head, split)
     stride_lb, stride_lh,  # strides of ws_lse (row, head); split stride is 1
     GROUP: tl.constexpr,  # q heads per kv head
     GROUP_PAD: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot rows)
     HEAD_DIM: tl.constexpr,  # head_dim (a power of two)
+    PAGE: tl.constexpr,  # block_size (a power of two)
     BLOCK_N: tl.constexpr,  # positions per inner step
     UPCAST: tl.constexpr,  # True under the interpreter: dots in fp32
 ):
     b = tl.program_id(0)  # row
     kvh = tl.program_id(1)  # kv head
     split = tl.program_id(2)  # chunk of the context
-    slot = tl.load(slots_ptr + b)
-    ctx = tl.minimum(tl.load(ctx_lens_ptr + b) + ctx_offset, max_ctx)
+    ctx = tl.minimum(tl.load(seq_lens_ptr + b), max_ctx)
     start = split * split_size
-    dead = (b >= tl.load(n_ptr)) | (slot < 0) | (slot >= num_slots)
-    if dead | (start >= ctx):
+    if (b >= tl.load(n_ptr)) | (start >= ctx):
         return  # padding row or chunk past the live context: no work, nothing written
     end = tl.minimum(start + split_size, ctx)
 
@@ -203,13 +207,12 @@ def _attn_split_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
     mask_g = offs_g < GROUP
-    mask_d = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g  # q heads of this group
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [GROUP_PAD, HEAD_DIM]
+                mask=mask_g[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
     if UPCAST:
         q = q.to(tl.float32)
-    kv_base = slot.to(tl.int64) * stride_cs + kvh * stride_ch
+    table = block_table_ptr + b * stride_bt
 
     m_i = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)  # running max (base 2)
     l_i = tl.zeros((GROUP_PAD,), dtype=tl.float32)  # running sum of exp2
@@ -217,10 +220,12 @@ def _attn_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         mask_n = pos < end
-        kv_off = kv_base + pos[:, None].to(tl.int64) * stride_ct + offs_d[None, :]
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM]
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        blk = tl.load(table + pos // PAGE, mask=mask_n, other=0)  # [BLOCK_N] page of each position
+        blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)  # a bad table never reads out of bounds
+        row = blk.to(tl.int64) * stride_cb + (pos % PAGE) * stride_ct + kvh * stride_ch
+        kv_off = row[:, None] + offs_d[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=mask_n[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+        v = tl.load(v_cache_ptr + kv_off, mask=mask_n[:, None], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -236,7 +241,7 @@ def _attn_split_kernel(
     o = acc / l_i[:, None]
     lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # back to natural log
     o_ptrs = ws_o_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
-    tl.store(o_ptrs, o, mask=mask_g[:, None] & mask_d[None, :])
+    tl.store(o_ptrs, o, mask=mask_g[:, None])
     tl.store(ws_lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=mask_g)
 
 
@@ -245,9 +250,9 @@ def _attn_merge_kernel(
     out_ptr,  # bf16 [padded_bs, num_heads, head_dim]
     ws_o_ptr,  # fp32 [padded_bs, num_heads, num_splits, head_dim]: partial outputs
     ws_lse_ptr,  # fp32 [padded_bs, num_heads, num_splits]: partial log-sum-exp
-    slots_ptr, ctx_lens_ptr,  # int32 [padded_bs]: cache slot, valid positions of each row
+    seq_lens_ptr,  # int32 [padded_bs]: valid positions of each row
     n_ptr,  # int32 [1]: live rows
-    num_slots, max_ctx, split_size, ctx_offset,  # same values kernel 1 ran with
+    max_ctx, split_size,  # same values kernel 1 ran with
     stride_outb, stride_outh,  # strides of out (row, head)
     stride_ob, stride_oh, stride_os,  # strides of ws_o (row, head, split)
     stride_lb, stride_lh,  # strides of ws_lse (row, head); split stride is 1
@@ -256,14 +261,10 @@ def _attn_merge_kernel(
     b = tl.program_id(0)  # row
     h = tl.program_id(1)  # q head
     offs_d = tl.arange(0, HEAD_DIM)
-    mask_d = offs_d < HEAD_DIM
     out_ptrs = out_ptr + b * stride_outb + h * stride_outh + offs_d
-    slot = tl.load(slots_ptr + b)
-    ctx = tl.minimum(tl.load(ctx_lens_ptr + b) + ctx_offset, max_ctx)
-    dead = (b >= tl.load(n_ptr)) | (slot < 0) | (slot >= num_slots)
-    if dead | (ctx <= 0):
-        tl.store(out_ptrs, tl.zeros((HEAD_DIM,), dtype=tl.float32).to(out_ptr.dtype.element_ty),
-                 mask=mask_d)
+    ctx = tl.minimum(tl.load(seq_lens_ptr + b), max_ctx)
+    if (b >= tl.load(n_ptr)) | (ctx <= 0):
+        tl.store(out_ptrs, tl.zeros((HEAD_DIM,), dtype=tl.float32).to(out_ptr.dtype.element_ty))
         return
     num_live = tl.cdiv(ctx, split_size)  # splits kernel 1 wrote
     e_max = float("-inf")
@@ -271,53 +272,58 @@ def _attn_merge_kernel(
     acc = tl.zeros((HEAD_DIM,), dtype=tl.float32)
     for s in range(0, num_live):
         lse = tl.load(ws_lse_ptr + b * stride_lb + h * stride_lh + s)
-        o = tl.load(ws_o_ptr + b * stride_ob + h * stride_oh + s * stride_os + offs_d,
-                    mask=mask_d, other=0.0)
+        o = tl.load(ws_o_ptr + b * stride_ob + h * stride_oh + s * stride_os + offs_d)
         new_max = tl.maximum(e_max, lse)
         scale = tl.exp(e_max - new_max)
         w = tl.exp(lse - new_max)
         acc = acc * scale + w * o
         e_sum = e_sum * scale + w
         e_max = new_max
-    tl.store(out_ptrs, (acc / e_sum).to(out_ptr.dtype.element_ty), mask=mask_d)
+    tl.store(out_ptrs, (acc / e_sum).to(out_ptr.dtype.element_ty))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     slots: torch.Tensor, ctx_lens: torch.Tensor, n: torch.Tensor, *,
+                     block_table: torch.Tensor, seq_lens: torch.Tensor, n: torch.Tensor, *,
                      out: torch.Tensor, workspace_o: torch.Tensor, workspace_lse: torch.Tensor,
-                     sm_scale: float | None = None, ctx_offset: int = 0) -> torch.Tensor:
-    """GQA decode attention of one new token per row over its cache slot.
+                     sm_scale: float | None = None) -> torch.Tensor:
+    """GQA decode attention of one new token per row over its pages of the KV cache.
 
     Args:
-        q: bf16 [padded_bs, num_heads, head_dim]; ``num_heads % num_kv_heads == 0``.
-        k_cache, v_cache: bf16 [num_slots, max_ctx, num_kv_heads, head_dim].
-        slots: int32 [padded_bs], cache slot of each row.
-        ctx_lens: int32 [padded_bs], valid positions of each row including the new token
-            (values above ``max_ctx`` are treated as ``max_ctx``).
-        n: int32 [1], live rows. Rows ``>= n``, rows with ``ctx_len <= 0`` and rows whose
-            slot is out of range are written as zeros.
-        out: bf16 [padded_bs, num_heads, head_dim].
+        q: bf16 [padded_bs, num_heads, head_dim]; ``num_heads % num_kv_heads == 0``; a
+            strided view is fine (last dim contiguous).
+        k_cache, v_cache: bf16 [num_blocks, block_size, num_kv_heads, head_dim];
+            ``block_size`` a power of two.
+        block_table: int32 [padded_bs, max_blocks_per_seq], row-contiguous: position ``p`` of
+            row ``b`` is in block ``block_table[b, p // block_size]``. Entries past a row's
+            ``seq_len`` are never read; ids outside ``[0, num_blocks)`` are clamped into it
+            (a bad table reads a wrong page, never out of bounds).
+        seq_lens: int32 [padded_bs], valid positions of each row including the new token
+            (values above ``max_ctx = max_blocks_per_seq * block_size`` count as ``max_ctx``).
+        n: int32 [1], live rows. Rows ``>= n`` and rows with ``seq_len <= 0`` are zeros.
+        out: bf16 [padded_bs, num_heads, head_dim] (last dim contiguous).
         workspace_o: fp32 [padded_bs, num_heads, num_splits, head_dim]; ``num_splits`` is
-            read from this shape (see :func:`attention_workspace_shape`).
+            read from this shape (see :func:`attention_workspace_shape` with ``max_ctx``).
         workspace_lse: fp32 [padded_bs, num_heads, num_splits]. Both workspaces contiguous,
             contents irrelevant (fully rewritten where read).
         sm_scale: softmax scale, default ``1 / sqrt(head_dim)``.
-        ctx_offset: added to every ``ctx_lens`` entry on the device, so a decode step can pass
-            the positions it appended at with ``ctx_offset=1`` instead of computing
-            ``positions + 1`` in a kernel of its own.
 
-    Returns ``out``. Two kernel launches, no allocation; the work done follows ``ctx_lens``.
+    Returns ``out``. Two kernel launches, no allocation; the work done follows ``seq_lens``.
 
     Graph safety: capturable
     """
-    num_slots, max_ctx, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
+    num_blocks, block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
     dev = k_cache.device
     check_tensor(q, "q", shape=(None, None, head_dim), dtype=torch.bfloat16, device=dev)
     padded_bs, num_heads, _ = q.shape
     check(num_heads >= 1 and num_heads % num_kv_heads == 0, "q.shape[1] (num_heads)",
           f"a positive multiple of num_kv_heads={num_kv_heads}", num_heads)
     check(q.stride(2) == 1, "q.stride(2)", 1, q.stride(2))
-    _check_rows(padded_bs, dev, slots=slots, ctx_lens=ctx_lens, n=n)
+    check_tensor(block_table, "block_table", shape=(padded_bs, None), dtype=torch.int32, device=dev)
+    max_blocks = block_table.shape[1]
+    check(max_blocks >= 1, "block_table.shape[1] (max_blocks_per_seq)", ">= 1", max_blocks)
+    check(block_table.stride(1) == 1, "block_table.stride(1)", 1, block_table.stride(1))
+    check_tensor(seq_lens, "seq_lens", shape=(padded_bs,), dtype=torch.int32, device=dev)
+    check_tensor(n, "n", shape=(1,), dtype=torch.int32, device=dev)
     check_tensor(out, "out", shape=(padded_bs, num_heads, head_dim), dtype=torch.bfloat16, device=dev)
     check(out.stride(2) == 1, "out.stride(2)", 1, out.stride(2))
     check_tensor(workspace_o, "workspace_o", shape=(padded_bs, num_heads, None, head_dim),
@@ -328,23 +334,23 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  dtype=torch.float32, device=dev, contiguous=True)
     if padded_bs == 0:
         return out
+    max_ctx = max_blocks * block_size
     group = num_heads // num_kv_heads
     split_size = triton.cdiv(triton.cdiv(max_ctx, num_splits), BLOCK_N) * BLOCK_N
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
 
     _attn_split_kernel[(padded_bs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, slots, ctx_lens, n, workspace_o, workspace_lse,
-        scale * _LOG2E, num_slots, max_ctx, split_size, int(ctx_offset),
-        q.stride(0), q.stride(1),
+        q, k_cache, v_cache, block_table, seq_lens, n, workspace_o, workspace_lse,
+        scale * _LOG2E, num_blocks, max_ctx, split_size,
+        q.stride(0), q.stride(1), block_table.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         workspace_o.stride(0), workspace_o.stride(1), workspace_o.stride(2),
         workspace_lse.stride(0), workspace_lse.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_N=BLOCK_N, UPCAST=interpreting(), num_warps=4, num_stages=2,
+        PAGE=block_size, BLOCK_N=BLOCK_N, UPCAST=interpreting(), num_warps=4, num_stages=2,
     )
     _attn_merge_kernel[(padded_bs, num_heads)](
-        out, workspace_o, workspace_lse, slots, ctx_lens, n, num_slots, max_ctx, split_size,
-        int(ctx_offset),
+        out, workspace_o, workspace_lse, seq_lens, n, max_ctx, split_size,
         out.stride(0), out.stride(1),
         workspace_o.stride(0), workspace_o.stride(1), workspace_o.stride(2),
         workspace_lse.stride(0), workspace_lse.stride(1),
@@ -353,25 +359,33 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-def decode_attention_ref(q, k_cache, v_cache, slots, ctx_lens, n, *, sm_scale=None,
-                         ctx_offset=0) -> torch.Tensor:
-    """Pure-torch reference of :func:`decode_attention` (fp32 math, allocates its result).
+def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """Each row's pages in order: cache ``[num_blocks, block_size, num_kv_heads, head_dim]``,
+    block_table int32 ``[bs, max_blocks_per_seq]`` -> ``[bs, max_blocks_per_seq * block_size,
+    num_kv_heads, head_dim]`` (ids clamped into range as the kernel does; allocates).
+    Graph safety: capturable (no host sync; allocates, so not for the run path)"""
+    return cache[block_table.long().clamp(0, cache.shape[0] - 1)].flatten(1, 2)
+
+
+def decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, n, *,
+                         sm_scale=None) -> torch.Tensor:
+    """Pure-torch reference of :func:`decode_attention` (gathers the pages, fp32 softmax).
 
     Same shapes; returns bf16 [padded_bs, num_heads, head_dim], zeros where the launcher
     writes zeros. Memory: gathers [padded_bs, max_ctx, num_kv_heads, head_dim] in fp32.
 
     Graph safety: capturable (no host sync; allocates, so not for the run path)
     """
-    num_slots, max_ctx, num_kv_heads, head_dim = k_cache.shape
+    num_kv_heads, head_dim = k_cache.shape[2:]
     padded_bs, num_heads, _ = q.shape
+    max_ctx = block_table.shape[1] * k_cache.shape[1]
     group = num_heads // num_kv_heads
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-    slots, ctx = slots.long(), (ctx_lens.long() + ctx_offset).clamp(max=max_ctx)
-    live = (torch.arange(padded_bs, device=q.device) < n.long()) & (slots >= 0) \
-        & (slots < num_slots) & (ctx > 0)  # [bs]
-    idx = slots.clamp(0, num_slots - 1)
+    ctx = seq_lens.long().clamp(max=max_ctx)
+    live = (torch.arange(padded_bs, device=q.device) < n.long()) & (ctx > 0)  # [bs]
     qf = q.float().view(padded_bs, num_kv_heads, group, head_dim)
-    kf, vf = k_cache[idx].float(), v_cache[idx].float()  # [bs, max_ctx, kvh, d]
+    kf = gather_pages(k_cache, block_table).float()             # [bs, max_ctx, kvh, d]
+    vf = gather_pages(v_cache, block_table).float()
     s = torch.einsum("bhgd,bthd->bhgt", qf, kf) * scale
     valid = torch.arange(max_ctx, device=q.device)[None, :] < ctx[:, None]  # [bs, max_ctx]
     s = s.masked_fill(~valid[:, None, None, :], float("-inf"))

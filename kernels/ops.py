@@ -17,9 +17,9 @@ every op returns ``None`` (a custom op may not return an alias of its input)::
     torch.ops.graphrt.silu_and_mul_masked(u, masked_m, out)
     torch.ops.graphrt.silu_and_mul_masked_fp8(u, masked_m, out_q, out_scale, group_size=128)
     torch.ops.graphrt.masked_grouped_gemm(a, b, masked_m, out, expected_m=None)
-    torch.ops.graphrt.kv_append(k, v, slots, positions, n, k_cache, v_cache)
-    torch.ops.graphrt.decode_attention(q, k_cache, v_cache, slots, ctx_lens, n, out,
-                                       workspace_o, workspace_lse, sm_scale=None, ctx_offset=0)
+    torch.ops.graphrt.kv_append(k, v, slot_mapping, n, k_cache, v_cache)
+    torch.ops.graphrt.decode_attention(q, k_cache, v_cache, block_table, seq_lens, n, out,
+                                       workspace_o, workspace_lse, sm_scale=None)
     torch.ops.graphrt.add_rmsnorm(x, d1, d2, weight, eps, out, out_residual)   # d1, d2 optional
     torch.ops.graphrt.silu_and_mul(u, out)
     torch.ops.graphrt.deepgemm_masked_bf16(a, b, d, masked_m, expected_m)
@@ -148,21 +148,21 @@ def deepgemm_masked_fp8(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, 
 
 # -------------------------------------------------------------------------------- attention
 @_op("kv_append", ("k_cache", "v_cache"))
-def kv_append(k: Tensor, v: Tensor, slots: Tensor, positions: Tensor, n: Tensor, k_cache: Tensor,
+def kv_append(k: Tensor, v: Tensor, slot_mapping: Tensor, n: Tensor, k_cache: Tensor,
               v_cache: Tensor) -> None:
-    """``graphrt.kernels.attention.kv_append``. Graph safety: capturable."""
+    """``graphrt.kernels.attention.kv_append`` (paged cache). Graph safety: capturable."""
     _launcher(f"{_KERNELS}.attention", "kv_append")(
-        k, v, slots, positions, n, k_cache=k_cache, v_cache=v_cache)
+        k, v, slot_mapping, n, k_cache=k_cache, v_cache=v_cache)
 
 
 @_op("decode_attention", ("out", "workspace_o", "workspace_lse"))
-def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, ctx_lens: Tensor,
-                     n: Tensor, out: Tensor, workspace_o: Tensor, workspace_lse: Tensor,
-                     sm_scale: Optional[float] = None, ctx_offset: int = 0) -> None:
-    """``graphrt.kernels.attention.decode_attention``. Graph safety: capturable."""
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
+                     seq_lens: Tensor, n: Tensor, out: Tensor, workspace_o: Tensor,
+                     workspace_lse: Tensor, sm_scale: Optional[float] = None) -> None:
+    """``graphrt.kernels.attention.decode_attention`` (paged cache). Graph safety: capturable."""
     _launcher(f"{_KERNELS}.attention", "decode_attention")(
-        q, k_cache, v_cache, slots, ctx_lens, n, out=out, workspace_o=workspace_o,
-        workspace_lse=workspace_lse, sm_scale=sm_scale, ctx_offset=ctx_offset)
+        q, k_cache, v_cache, block_table, seq_lens, n, out=out, workspace_o=workspace_o,
+        workspace_lse=workspace_lse, sm_scale=sm_scale)
 
 
 # ------------------------------------------------------------------------ norm / activation
@@ -232,13 +232,13 @@ def _wrappers() -> dict[tuple[str, str], object]:
         ops.masked_grouped_gemm(a, b, masked_m, out, expected_m)
         return out
 
-    def kv_append_(k, v, slots, positions, n, *, k_cache, v_cache):
-        ops.kv_append(k, v, slots, positions, n, k_cache, v_cache)
+    def kv_append_(k, v, slot_mapping, n, *, k_cache, v_cache):
+        ops.kv_append(k, v, slot_mapping, n, k_cache, v_cache)
 
-    def decode_attention_(q, k_cache, v_cache, slots, ctx_lens, n, *, out, workspace_o,
-                          workspace_lse, sm_scale=None, ctx_offset=0):
-        ops.decode_attention(q, k_cache, v_cache, slots, ctx_lens, n, out, workspace_o,
-                             workspace_lse, sm_scale, int(ctx_offset))
+    def decode_attention_(q, k_cache, v_cache, block_table, seq_lens, n, *, out, workspace_o,
+                          workspace_lse, sm_scale=None):
+        ops.decode_attention(q, k_cache, v_cache, block_table, seq_lens, n, out, workspace_o,
+                             workspace_lse, sm_scale)
         return out
 
     def add_rmsnorm_(x, *deltas, weight, eps, out, out_residual=None):

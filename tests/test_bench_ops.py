@@ -27,9 +27,11 @@ def _cases():
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(bs)])
     ids[4:] = -1
     masked_m = torch.tensor([3, 0, 16, 1, 2, 5, 0, 7], dtype=i32)
-    slots = torch.tensor([0, 2, 1, 3, 4, 4], dtype=i32)
-    positions = torch.tensor([5, 0, 9, 3, 1, 1], dtype=i32)
-    cache = lambda: _rand(5, 16, 2, 32, gen=g)  # noqa: E731 - [slots, max_ctx, kv heads, d]
+    # paged KV cache: 9 blocks of 8 positions, block 8 is scratch; rows 4, 5 are padding
+    block_table = torch.tensor([[3, 0], [5, 8], [1, 7], [2, 8], [8, 8], [8, 8]], dtype=i32)
+    seq_lens = torch.tensor([13, 1, 10, 4, 0, 0], dtype=i32)
+    slot_mapping = torch.tensor([0 * 8 + 4, 5 * 8, 7 * 8 + 1, 2 * 8 + 3, 64, 64], dtype=i64)
+    cache = lambda: _rand(9, 8, 2, 32, gen=g)  # noqa: E731 - [num_blocks, block_size, kv heads, d]
     from graphrt.kernels.attention import attention_workspace_shape
     o_shape, lse_shape = attention_workspace_shape(bs, 4, 32, 16)
     routed = dict(out_weights=torch.zeros(bs, k), out_ids=torch.zeros(bs, k, dtype=i64))
@@ -52,10 +54,10 @@ def _cases():
          (_rand(E, cap, H, gen=g), _rand(E, 32, H, gen=g), masked_m),
          dict(out=torch.zeros(E, cap, 32, dtype=bf16), expected_m=4)),
         ("kv_append", "attention",
-         (_rand(bs, 2, 32, gen=g), _rand(bs, 2, 32, gen=g), slots, positions, n),
+         (_rand(bs, 2, 32, gen=g), _rand(bs, 2, 32, gen=g), slot_mapping, n),
          dict(k_cache=cache(), v_cache=cache())),
         ("decode_attention", "attention",
-         (_rand(bs, 4, 32, gen=g), cache(), cache(), slots, positions + 1, n),
+         (_rand(bs, 4, 32, gen=g), cache(), cache(), block_table, seq_lens, n),
          dict(out=torch.zeros(bs, 4, 32, dtype=bf16), workspace_o=torch.zeros(o_shape),
               workspace_lse=torch.zeros(lse_shape))),
         ("silu_and_mul", "activation", (_rand(bs, 2 * inter, gen=g),),

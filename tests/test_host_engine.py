@@ -1,9 +1,11 @@
-"""The host engine (graphrt/engine.py, examples/host_engine_loop.py).
+"""The host engine (graphrt/testing/engine.py, examples/host_engine_loop.py) over a paged KV cache.
 
-CPU: slot bookkeeping, admission/retirement/teacher forcing with a toy step whose greedy
-sample is a known function of its inputs, idle steps, workload determinism, and the real
-``tiny`` model (kernels on the Triton interpreter): two engines built from the same seed,
-and the example's CPU mode (one model, KV restored between runs), give identical streams.
+CPU: block bookkeeping (reservations, lazy growth, reuse, waiting for blocks), admission/
+retirement/teacher forcing with a toy step whose greedy sample is a known function of its
+inputs and which checks every row's paged metadata, idle steps, workload determinism, and the
+real ``tiny`` model (kernels on the Triton interpreter): two engines built from the same
+seed, two engines placing the same requests in different blocks, and the example's CPU mode
+(one model, KV restored between runs), give identical streams.
 ``GraphRuntime.capture()`` needs CUDA, so on CPU the engine runs with the eager step.
 
 GPU: graph vs eager token streams identical over 1,000 steps; the 10,000-step soak (memory
@@ -11,6 +13,7 @@ flat, sampled replays bitwise equal to eager). Two GPUs: the example's DeepEP mo
 """
 import importlib.util
 import os
+import random
 import subprocess
 import sys
 from collections import defaultdict
@@ -18,8 +21,8 @@ from collections import defaultdict
 import pytest
 import torch
 
-from graphrt.testing.engine import (DecodeEngine, KVSnapshot, Request, SlotPool, Workload,
-                            compare_graph_eager, eager_step, soak)
+from graphrt.testing.engine import (BlockPool, DecodeEngine, KVSnapshot, Request, Workload,
+                                    compare_graph_eager, eager_step, soak)
 from graphrt.errors import GraphrtError, InputError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,29 +30,48 @@ VOCAB = 50
 
 
 class ToyStep:
-    """logits = one_hot((7 token + 3 position + slot) % VOCAB): a greedy sample we can predict.
-    Records every call's rows."""
+    """logits = one_hot((7 token + 3 position) % VOCAB): a greedy sample we can predict. Checks
+    each row's paged metadata against ``block_size``/``scratch`` and records every call's rows
+    as (token, position, slot, owned blocks)."""
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, block_size=4, scratch=None):
+        self.calls, self.block_size, self.scratch = [], block_size, scratch
 
-    def __call__(self, tokens, positions, slots):
-        assert tokens.dtype == torch.int64 and positions.dtype == slots.dtype == torch.int32
-        self.calls.append(list(zip(tokens.tolist(), positions.tolist(), slots.tolist())))
-        nxt = (7 * tokens + 3 * positions.long() + slots.long()) % VOCAB
+    def __call__(self, tokens, positions, slot_mapping, block_table, seq_lens):
+        assert tokens.dtype == slot_mapping.dtype == torch.int64
+        assert positions.dtype == block_table.dtype == seq_lens.dtype == torch.int32
+        B, rows = self.block_size, []
+        for tok, pos, slot, table, L in zip(tokens.tolist(), positions.tolist(),
+                                            slot_mapping.tolist(), block_table.tolist(), seq_lens.tolist()):
+            owned = -(-L // B)
+            assert L == pos + 1 and slot == table[pos // B] * B + pos % B
+            if self.scratch is not None:
+                assert all(b == self.scratch for b in table[owned:])   # unused entries: scratch
+            rows.append((tok, pos, slot, tuple(table[:owned])))
+        self.calls.append(rows)
+        nxt = (7 * tokens + 3 * positions.long()) % VOCAB
         return torch.nn.functional.one_hot(nxt, VOCAB).float()
 
 
-def test_slot_pool():
-    pool = SlotPool(3)
-    a, b, c = pool.take(), pool.take(), pool.take()
-    assert sorted((a, b, c)) == [0, 1, 2] and len(pool) == 0
-    with pytest.raises(GraphrtError, match="no free KV-cache slot"):
+def _toy_engine(toy, **kw):
+    kw = dict(num_slots=4, max_ctx=32, max_batch_size=4, device="cpu", block_size=toy.block_size) | kw
+    eng = DecodeEngine(toy, **kw)
+    toy.scratch = eng.scratch_block
+    return eng
+
+
+def test_block_pool():
+    pool = BlockPool(3)
+    assert pool.reserve(2) and not pool.reserve(2) and pool.available == 1
+    a, b = pool.take(), pool.take()
+    assert (a, b) == (0, 1) and len(pool) == 1 and pool.reserved == 0
+    with pytest.raises(GraphrtError, match="without a reservation"):
         pool.take()
-    pool.give(b)
-    assert pool.take() == b                        # a retired slot is reused first
+    assert pool.reserve(1)
+    pool.give([b], unreserve=1)                    # a finished request gives back its promise too
+    assert pool.available == 2 and pool.reserve(1) and pool.take() == b  # freed block reused first
     with pytest.raises(GraphrtError, match="double free"):
-        pool.give(7)
+        pool.give([7])
 
 
 def test_submit_validates_lengths():
@@ -59,62 +81,86 @@ def test_submit_validates_lengths():
     with pytest.raises(InputError, match="prompt token"):
         eng.submit(Request(1, [], 2))
     eng.submit(Request(2, [1] * 5, 3))             # 5 + 3 = max_ctx: fits
+    small = DecodeEngine(ToyStep(), num_slots=4, max_ctx=32, max_batch_size=4, device="cpu",
+                         block_size=4, num_blocks=3)
+    with pytest.raises(InputError, match="needs 3 KV blocks, the cache has 2"):
+        small.submit(Request(3, [1] * 6, 4))       # 9 positions: 3 blocks of 4
 
 
-def test_admission_teacher_forcing_slot_reuse_and_retirement():
-    toy = ToyStep()
-    eng = DecodeEngine(toy, num_slots=3, max_ctx=32, max_batch_size=2, device="cpu")
+def test_admission_teacher_forcing_block_reuse_and_retirement():
+    toy = ToyStep(block_size=2)
+    eng = _toy_engine(toy, num_slots=3, max_batch_size=2)
     reqs = [Request(i, [10 + i, 20 + i, 30 + i][: 1 + i % 3], 1 + (2 * i) % 5) for i in range(7)]
     eng.submit_all(reqs)
-    slot_of, steps = {}, 0
+    steps, owner = 0, {}
     while eng.live or eng.queue:
         eng.step()
         steps += 1
         assert steps < 100
-    by_req = defaultdict(list)
     for call in toy.calls:
         assert 1 <= len(call) <= 2                 # max_batch_size 2 < 3 slots
-        slots = [s for _, _, s in call]
-        assert len(set(slots)) == len(slots)       # live requests never share a slot
+        blocks = [b for *_, owned in call for b in owned]
+        assert len(set(blocks)) == len(blocks)     # live requests never share a block
     # Replay the bookkeeping: each request is fed prompt + output[:-1] at positions 0, 1, ...
+    by_req = defaultdict(list)
+    rows = [row for call in toy.calls for row in call]
     for r in reqs:
         assert r.done and len(r.output) == r.max_new and eng.finished[r.rid] is r
         fed = r.prompt + r.output[:-1]
-        want_out = []
-        for pos, tok in enumerate(fed):
-            if pos >= len(r.prompt) - 1:
-                want_out.append((7 * tok + 3 * pos + r.slot) % VOCAB)
-        assert r.output == want_out, r
-        slot_of[r.rid] = r.slot
-        by_req[r.slot].append(r.rid)
-    rows = [row for call in toy.calls for row in call]
+        assert r.output == [(7 * tok + 3 * pos) % VOCAB for pos, tok in enumerate(fed)
+                            if pos >= len(r.prompt) - 1], r
+        assert not r.blocks and r.reserved == 0    # everything went back
+    for tok, pos, slot, owned in rows:
+        assert len(owned) == pos // 2 + 1          # a block is taken when the context enters it
+        by_req[owned[0]].append(owned)
+        owner.setdefault(owned, tok)
     assert len(rows) == sum(len(r.prompt) + r.max_new - 1 for r in reqs) == eng.stats.rows
     assert eng.stats.tokens == sum(r.max_new for r in reqs) and eng.stats.finished == 7
-    assert any(len(v) > 1 for v in by_req.values())  # slots were reused after retirement
-    assert len(eng.slots) == 3 and not eng.live
+    assert len(by_req) < len(reqs)                 # first blocks were reused after retirement
+    assert len(eng.blocks) == eng.blocks.num_blocks and eng.blocks.reserved == 0 and not eng.live
     assert max(eng.stats.batch_sizes) == 2
 
 
+def test_a_request_waits_for_blocks_without_preemption():
+    toy = ToyStep(block_size=2)
+    eng = _toy_engine(toy, num_blocks=5)           # 4 blocks + scratch
+    eng.submit(Request(0, [1, 2, 3], 4))           # 6 positions: 3 blocks, taken one by one
+    eng.submit(Request(1, [4], 4))                 # 4 positions: 2 blocks > 1 left: waits
+    eng.submit(Request(2, [5], 1))                 # behind it in the queue (FIFO): waits too
+    eng.step()
+    assert [r.rid for r in eng.live] == [0] and len(eng.queue) == 2
+    assert eng.live[0].blocks == [0] and eng.live[0].reserved == 2 and eng.blocks.available == 1
+    while 0 not in eng.finished:
+        assert [r.rid for r in eng.live] == [0]
+        eng.step()
+    assert toy.calls[5][0][3] == (0, 1, 2)         # position 5 in its third block
+    eng.step()                                      # request 0 retired: 1 and 2 admitted
+    assert [row[0] for row in toy.calls[6]] == [4, 5]
+    assert toy.calls[6][0][3] == (2,) and toy.calls[6][1][3] == (1,)   # LIFO reuse
+
+
 def test_continuous_batching_admits_while_others_run():
-    toy = ToyStep()
-    eng = DecodeEngine(toy, num_slots=8, max_ctx=32, max_batch_size=8, device="cpu")
+    toy = ToyStep(block_size=2)
+    eng = _toy_engine(toy, num_slots=8, max_batch_size=8)
     eng.submit(Request(0, [1, 2, 3], 10))
     eng.step()
     eng.step()
     eng.submit(Request(1, [4], 1))                 # arrives mid-flight, admitted next step
     eng.step()
-    assert toy.calls[:2] == [[(1, 0, 0)], [(2, 1, 0)]]
-    assert toy.calls[2] == [(3, 2, 0), (4, 0, 1)]
-    assert 1 in eng.finished and eng.live[0].rid == 0 and eng.slots.take() == 1  # slot 1 is back
+    assert toy.calls[:2] == [[(1, 0, 0, (0,))], [(2, 1, 1, (0,))]]
+    assert toy.calls[2] == [(3, 2, 2, (0, 1)), (4, 0, 4, (2,))]
+    assert 1 in eng.finished and eng.live[0].rid == 0
+    assert eng.blocks.reserve(1) and eng.blocks.take() == 2       # request 1's block is back
 
 
 def test_idle_steps():
     toy = ToyStep()
-    eng = DecodeEngine(toy, num_slots=4, max_ctx=8, max_batch_size=4, device="cpu")
+    eng = _toy_engine(toy)
     assert eng.step() == 0 and toy.calls == []     # nothing live: no model call
-    eng = DecodeEngine(toy, num_slots=4, max_ctx=8, max_batch_size=4, device="cpu",
-                       keep_stepping=True)
-    assert eng.step() == 0 and toy.calls == [[(0, 0, 4)]]  # EP: a row on the scratch slot
+    eng = _toy_engine(toy, keep_stepping=True)
+    s = eng.scratch_block
+    assert s == 4 * 8                              # num_slots 4 x ceil(32 / 4) blocks, then scratch
+    assert eng.step() == 0 and toy.calls == [[(0, 0, s * 4, (s,))]]  # EP: a row on the scratch block
     assert eng.stats.rows == 0 and eng.stats.model_calls == 1
 
 
@@ -131,18 +177,20 @@ def test_workload_is_deterministic_and_fits():
 
 def _tiny(seed=0):
     from graphrt.moe import make_step, preset
-    cfg = preset("tiny", layers=1, experts=4, n_group=2, topk_group=1)
-    return make_step(cfg, "cpu", max_batch_size=4, backend="triton", seed=seed)
+    cfg = preset("tiny", layers=1, experts=4, n_group=2, topk_group=1, block_size=2)  # short
+    return make_step(cfg, "cpu", max_batch_size=4, backend="triton", seed=seed)   # requests cross pages
 
 
-def _run_tiny(spec, model, steps):
-    eng = DecodeEngine(eager_step(spec, [1, 2, 4]), num_slots=model.cfg.num_slots,
-                       max_ctx=model.cfg.max_ctx, max_batch_size=4, device="cpu")
+def _run_tiny(spec, model, steps, shuffle_blocks=None):
+    eng = DecodeEngine.for_config(eager_step(spec, [1, 2, 4]), model.cfg, max_batch_size=4, device="cpu")
+    if shuffle_blocks is not None:  # another placement of the same requests' pages
+        random.Random(shuffle_blocks).shuffle(eng.blocks._free)
     eng.run(steps, Workload(1, vocab=model.cfg.vocab_size, max_ctx=model.cfg.max_ctx,
                             prompt=(1, 3), output=(1, 4), rate=1.5, phase=4))
     return eng
 
 
+@pytest.mark.slow
 def test_two_eager_engines_same_seed_identical_streams():
     (sa, ma), (sb, mb) = _tiny(), _tiny()
     a, b = _run_tiny(sa, ma, 8), _run_tiny(sb, mb, 8)
@@ -150,6 +198,17 @@ def test_two_eager_engines_same_seed_identical_streams():
     assert a.streams() == b.streams()
     for la, lb in zip(ma.layers, mb.layers):     # and the same KV history
         assert torch.equal(la.attn.k_cache, lb.attn.k_cache)
+
+
+@pytest.mark.slow
+def test_block_placement_does_not_change_streams():
+    """The same workload with the pool's free list shuffled: other blocks, same tokens."""
+    spec, model = _tiny()
+    snap = KVSnapshot(model)
+    a = _run_tiny(spec, model, 8)
+    snap.restore()
+    b = _run_tiny(spec, model, 8, shuffle_blocks=3)
+    assert a.stats.tokens >= 5 and a.streams() == b.streams()
 
 
 def _example():
@@ -160,6 +219,7 @@ def _example():
     return mod
 
 
+@pytest.mark.slow
 def test_example_cpu_mode():
     assert _example().main(["--device", "cpu", "--steps", "6", "--layers", "1", "--experts", "4",
                             "--max-bs", "4"]) == 0
@@ -181,6 +241,7 @@ class FakeRuntime:
         return {"logits": LeasedTensor.lease(self._step(**inputs), self._clock)}
 
 
+@pytest.mark.slow
 def test_compare_and_soak_drivers_on_cpu(monkeypatch):
     spec, model = _tiny()
     rt, kw = FakeRuntime(spec, [1, 2, 4]), dict(prompt=(1, 3), output=(1, 4), rate=1.5, phase=4)
@@ -203,6 +264,7 @@ def _captured(layers, experts, max_bs=64):
     return rt, model
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 def test_graph_engine_matches_eager_engine_1000_steps():
     rt, model = _captured(layers=2, experts=16)
@@ -229,6 +291,7 @@ def test_kv_snapshot_restores(one_layer):
     assert torch.equal(model.layers[0].attn.k_cache, k0)
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 def test_soak_10000_steps_memory_flat_and_bitwise(one_layer):
     rt, model = one_layer
@@ -239,6 +302,7 @@ def test_soak_10000_steps_memory_flat_and_bitwise(one_layer):
     assert r["mem_growth"] <= 0, f"memory_allocated grew by {r['mem_growth']} bytes: {r}"
 
 
+@pytest.mark.slow
 @pytest.mark.multigpu
 def test_example_two_ranks_deepep_identical():
     out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "host_engine_loop.py"),

@@ -1,10 +1,14 @@
-"""CPU tests of the reference MoE model (kernels on the Triton interpreter): presets, padding
-is inert, overlap on/off agree, masked_m counts only live tokens, and the step is graph-safe."""
+"""CPU tests of the reference MoE model (kernels on the Triton interpreter): presets, the paged
+KV cache's metadata (declarations, consistent examples, padding sentinels), padding is inert
+and writes no live block, where a request's pages sit does not change its logits, overlap
+on/off agree, masked_m counts only live tokens, and the step is graph-safe."""
+
 import pytest
 import torch
 
 from graphrt.capture import analyze_step
 from graphrt.moe import PRESETS, make_step, preset
+from graphrt.moe.paged_kv import slot_of
 
 
 def test_presets():
@@ -23,6 +27,47 @@ def test_presets():
         preset("tiny", num_topk=99)
 
 
+def test_paged_cache_geometry():
+    d = preset("dsv3-like")
+    assert (d.block_size, d.max_blocks_per_seq) == (16, 128)
+    assert d.kv_blocks == 256 * 128 + 1 and d.scratch_block == d.kv_blocks - 1
+    assert d.scratch_slot == d.scratch_block * 16
+    t = preset("tiny", max_ctx=30, block_size=8, num_slots=3)
+    assert t.max_blocks_per_seq == 4 and t.kv_blocks == 13          # ceil(30 / 8) per request
+    assert preset("tiny", num_blocks=100).kv_blocks == 100
+    with pytest.raises(ValueError, match="power of two"):
+        preset("tiny", block_size=12)
+    with pytest.raises(ValueError, match="num_blocks"):
+        preset("tiny", num_blocks=4)                               # 4 pages per request + scratch
+
+
+def test_inputs_examples_and_padding_sentinels(tiny):
+    spec, model = tiny
+    cfg = model.cfg
+    assert spec.example_inputs == model.example_inputs and spec.state is None
+    inp = spec.inputs
+    assert inp["slot_mapping"].dtype == torch.int64 and inp["block_table"].dtype == torch.int32
+    assert inp["block_table"].shape == (None, cfg.max_blocks_per_seq)
+    pads = {k: inp[k].pad(2)[0] for k in inp}
+    assert int(pads["slot_mapping"]) == cfg.scratch_slot and int(pads["seq_lens"]) == 0
+    assert (pads["block_table"] == cfg.scratch_block).all() and int(pads["tokens"]) == 0
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):  # independent random draws are in bounds and never touch the scratch block
+        r = {k: i.random(8, "cpu", g) for k, i in inp.items()}
+        assert r["block_table"].min() >= 0 and r["block_table"].max() < cfg.scratch_block
+        assert r["slot_mapping"].unique().numel() == 8 and r["slot_mapping"].max() < cfg.scratch_slot
+        assert 1 <= r["seq_lens"].min() and r["seq_lens"].max() <= cfg.max_blocks_per_seq * cfg.block_size
+    for bs in (1, 8, 32):
+        x = model.example_inputs(bs, "cpu", g)
+        lens, table = x["seq_lens"], x["block_table"]
+        assert ((1 <= lens) & (lens <= cfg.max_ctx)).all() and torch.equal(x["positions"], lens - 1)
+        need = (lens + cfg.block_size - 1) // cfg.block_size
+        owned = torch.arange(cfg.max_blocks_per_seq)[None, :] < need[:, None]
+        assert (table[owned] < cfg.scratch_block).all() and (table[~owned] == cfg.scratch_block).all()
+        assert table[owned].unique().numel() == int(need.sum())     # requests own distinct blocks
+        assert torch.equal(x["slot_mapping"], slot_of(table, x["positions"], cfg.block_size))
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return make_step(preset("tiny"), "cpu", max_batch_size=8, backend="triton")
@@ -39,6 +84,49 @@ def test_padding_is_inert_and_masked_m_counts_live(tiny):
     assert rel < 2e-2, rel
     for layer in model.layers:
         assert int(layer.moe.last_masked_m.sum()) == 5 * model.cfg.num_topk
+
+
+def _caches(model):
+    return [t.clone() for t in model.kv_caches()]
+
+
+def test_padded_rows_write_no_cache_block(tiny):
+    """Every layer's append writes exactly the live rows' slots: padded rows (scratch slot,
+    scratch table, seq_len 0) write nothing, and no live block changes elsewhere."""
+    spec, model = tiny
+    cfg = model.cfg
+    live = model.example_inputs(5, "cpu", torch.Generator().manual_seed(4))
+    padded = {k: torch.cat([v, spec.inputs[k].pad(3)]) for k, v in live.items()}
+    before = _caches(model)
+    out = spec.call(padded, torch.tensor([5], dtype=torch.int32))["logits"]
+    assert (out[5:] != out[5:]).sum() == 0                       # no NaN from padded rows
+    want = torch.zeros(cfg.kv_blocks, cfg.block_size, dtype=torch.bool)
+    for s in live["slot_mapping"].tolist():
+        want[s // cfg.block_size, s % cfg.block_size] = True
+    for old, new in zip(before, model.kv_caches()):
+        assert torch.equal((old != new).flatten(2).any(-1), want)
+
+
+def test_page_placement_does_not_change_logits(tiny):
+    """The same requests with their pages moved to other blocks (a relabelling of every block
+    but the scratch block): bitwise the same logits and the same K/V written."""
+    spec, model = tiny
+    cfg = model.cfg
+    x = model.example_inputs(6, "cpu", torch.Generator().manual_seed(5))
+    start = _caches(model)
+    a = spec.call(x)["logits"]
+    written = _caches(model)
+    perm = torch.cat([torch.randperm(cfg.scratch_block, generator=torch.Generator().manual_seed(6)),
+                      torch.tensor([cfg.scratch_block])])              # old block -> new block
+    for t, s in zip(model.kv_caches(), start):
+        t[perm] = s                                                   # same contents, new places
+    y = dict(x, block_table=perm[x["block_table"].long()].int(),
+             slot_mapping=perm[x["slot_mapping"] // cfg.block_size] * cfg.block_size
+             + x["slot_mapping"] % cfg.block_size)
+    b = spec.call(y)["logits"]
+    assert torch.equal(a, b)
+    for t, w in zip(model.kv_caches(), written):
+        assert torch.equal(t[perm], w)
 
 
 def test_overlap_on_off_agree(tiny):

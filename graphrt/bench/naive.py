@@ -4,9 +4,12 @@ What a user writes without graphrt, following gpt-fast's Mixtral (``mixtral-moe/
 the router is ``softmax``/``topk`` (or DeepSeek's grouped sigmoid top-k) in plain torch, the
 routed experts gather each token's expert weights (``w1[expert_indices]``) and contract them
 with ``einsum``, the shared expert is a dense MLP on every row, and attention writes the new
-token with ``index_put`` and runs ``scaled_dot_product_attention`` over the whole cache slot
-with a length mask (gpt-fast attends over ``max_seq_length`` the same way). No padding
-handling: every row is live.
+token into the paged KV cache with ``index_put`` at ``slot_mapping``, gathers each row's
+pages through its block table into ``[bs, max_blocks_per_seq * block_size, num_kv_heads,
+head_dim]`` and runs ``scaled_dot_product_attention`` over all of it with a ``seq_lens``
+mask (gpt-fast attends over ``max_seq_length`` the same way). No padding handling: every row
+is live (a padded row's sentinels keep its indices in bounds: it writes the scratch block, and
+its output, over zero positions, is NaN and meaningless).
 
 ``NaiveMoE(model)`` borrows the ``MoEModel``'s weights and KV caches (registered as
 non-persistent buffers: no copy), so both compute the same function and their logits agree
@@ -98,32 +101,37 @@ class NaiveMoE(torch.nn.Module):
                                 f"{need / 2**30:.1f} GiB per layer (limit "
                                 f"{self.max_gather_bytes / 2**30:.1f} GiB)")
 
-    def forward(self, tokens, positions, slots, n=None) -> dict:
-        return self.step(tokens, positions, slots, n)
+    def forward(self, tokens, positions, slot_mapping, block_table, seq_lens, n=None) -> dict:
+        return self.step(tokens, positions, slot_mapping, block_table, seq_lens, n)
 
-    def step(self, tokens, positions, slots, n=None) -> dict:
-        """tokens int64 ``[bs]``, positions int32 ``[bs]``, slots int32 ``[bs]`` (``n`` ignored:
-        every row is live) -> ``{"logits": [bs, vocab_size] bf16}``. Graph safety: capturable."""
+    def step(self, tokens, positions, slot_mapping, block_table, seq_lens, n=None) -> dict:
+        """tokens int64 ``[bs]``, positions int32 ``[bs]`` (unused: no RoPE), slot_mapping int64
+        ``[bs]``, block_table int32 ``[bs, max_blocks_per_seq]``, seq_lens int32 ``[bs]``
+        (``n`` ignored: every row is live) -> ``{"logits": [bs, vocab_size] bf16}``.
+        Graph safety: capturable."""
         self.check(tokens.shape[0])
         eps = self.cfg.rms_eps
         x = self.embed[tokens]                                              # [bs, hidden]
         for layer in self.layers:
-            x = x + self._attention(layer, _rmsnorm(x, layer.attn_norm, eps), positions, slots)
+            h = _rmsnorm(x, layer.attn_norm, eps)
+            x = x + self._attention(layer, h, slot_mapping, block_table, seq_lens)
             x = x + self._moe(layer, _rmsnorm(x, layer.moe_norm, eps))
         return {"logits": _rmsnorm(x, self.final_norm, eps) @ self.lm_head.t()}
 
-    def _attention(self, layer, h, positions, slots):
+    def _attention(self, layer, h, slot_mapping, block_table, seq_lens):
         cfg, bs = self.cfg, h.shape[0]
+        kvh, d = cfg.num_kv_heads, cfg.head_dim
         qkv = h @ layer.wqkv.t()                                            # [bs, q + 2 kv]
         q, k, v = qkv.split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
-        pos, slot = positions.long(), slots.long()
-        layer.k_cache[slot, pos] = k.view(bs, cfg.num_kv_heads, cfg.head_dim)
-        layer.v_cache[slot, pos] = v.view(bs, cfg.num_kv_heads, cfg.head_dim)
-        keys = layer.k_cache[slot].transpose(1, 2)                          # [bs, kvh, max_ctx, d]
-        values = layer.v_cache[slot].transpose(1, 2)
-        mask = torch.arange(cfg.max_ctx, device=h.device)[None, :] <= pos[:, None]  # [bs, max_ctx]
+        slot = slot_mapping.long()
+        layer.k_cache.view(-1, kvh, d)[slot] = k.view(bs, kvh, d)           # [blocks * block_size, kvh, d]
+        layer.v_cache.view(-1, kvh, d)[slot] = v.view(bs, kvh, d)
+        pages = block_table.long()                                          # [bs, max_blocks]
+        keys = layer.k_cache[pages].flatten(1, 2).transpose(1, 2)           # [bs, kvh, max_len, d]
+        values = layer.v_cache[pages].flatten(1, 2).transpose(1, 2)
+        mask = torch.arange(keys.shape[2], device=h.device)[None, :] < seq_lens[:, None]  # [bs, max_len]
         o = F.scaled_dot_product_attention(
-            q.view(bs, cfg.num_heads, 1, cfg.head_dim), keys, values,
+            q.view(bs, cfg.num_heads, 1, d), keys, values,
             attn_mask=mask[:, None, None, :], scale=self.scale, enable_gqa=True)  # [bs, h, 1, d]
         return o.reshape(bs, cfg.q_dim) @ layer.wo.t()
 

@@ -5,6 +5,13 @@ and expert counts are overridable so a preset fits one GPU. The ``-like`` preset
 MoE dimensions of the models they are named after; attention is a GQA stand-in (no MLA, no
 RoPE) and the vocabulary is 32,768 so the LM head does not dominate the step.
 
+KV cache (paged, vLLM/SGLang style): ``kv_blocks`` blocks of ``block_size`` positions per
+layer; ``num_blocks`` (0: derived) counts them, the *scratch block* included: the last block,
+``scratch_block = kv_blocks - 1``, belongs to no request; padded rows write into it
+(``scratch_slot``) and their block tables point at it. Derived: ``num_slots`` requests at
+``max_ctx`` positions each, ``num_slots * max_blocks_per_seq + 1`` blocks (the memory of the
+former one-slot-per-request cache).
+
 Graph safety: host-only (plain data).
 """
 from __future__ import annotations
@@ -28,8 +35,10 @@ class MoEConfig:
     num_kv_heads: int = 4
     head_dim: int = 128
     vocab_size: int = 32768
-    max_ctx: int = 2048            # KV-cache positions per slot
-    num_slots: int = 256           # KV-cache slots (requests); one more scratch slot for padding
+    max_ctx: int = 2048            # KV positions per request at most
+    num_slots: int = 256           # requests (rows) a step serves at most
+    block_size: int = 16           # KV positions per cache block (a power of two)
+    num_blocks: int = 0            # KV-cache blocks incl. scratch; 0: num_slots * max_blocks_per_seq + 1
     routing: str = "softmax"       # "softmax" (top-k, renormalized) | "grouped_sigmoid" (DeepSeek)
     n_group: int = 1
     topk_group: int = 1
@@ -54,6 +63,12 @@ class MoEConfig:
                  "num_topk exceeds the experts in the kept groups")
         need(self.num_shared_experts == 0 or self.shared_inter > 0, "shared_inter must be > 0 "
              "with shared experts")
+        need(self.max_ctx > 0 and self.num_slots > 0, "max_ctx and num_slots must be > 0")
+        need(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+             f"block_size must be a power of two; got {self.block_size}")
+        need(self.num_blocks == 0 or self.num_blocks > self.max_blocks_per_seq,
+             f"num_blocks must be 0 (derived) or hold one request at max_ctx plus the scratch "
+             f"block (> {self.max_blocks_per_seq}); got {self.num_blocks}")
 
     @property
     def q_dim(self) -> int:
@@ -62,6 +77,26 @@ class MoEConfig:
     @property
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Block-table width: ``ceil(max_ctx / block_size)``."""
+        return -(-self.max_ctx // self.block_size)
+
+    @property
+    def kv_blocks(self) -> int:
+        """KV-cache blocks per layer, the scratch block included."""
+        return self.num_blocks or self.num_slots * self.max_blocks_per_seq + 1
+
+    @property
+    def scratch_block(self) -> int:
+        """The block no request owns (the last): padded rows' block tables point at it."""
+        return self.kv_blocks - 1
+
+    @property
+    def scratch_slot(self) -> int:
+        """The flat slot padded rows write their K/V into: ``scratch_block * block_size``."""
+        return self.scratch_block * self.block_size
 
 
 PRESETS = {

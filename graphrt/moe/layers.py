@@ -1,5 +1,5 @@
 """Building blocks of the reference decode step: the fused residual-add + RMSNorm, the router,
-the shared expert and GQA decode attention over a static KV cache.
+the shared expert and GQA decode attention over a paged KV cache.
 
 Glossary: bs (= padded_bs inside a graph), hidden, num_experts, num_topk. ``n`` is the
 int32 ``[1]`` live-row count on the device; rows ``>= n`` are padding.
@@ -69,31 +69,35 @@ class SharedExpert:
 
 
 class Attention:
-    """GQA decode attention (no RoPE) over a static KV cache of ``num_slots + 1`` slots (the
-    last is a scratch slot padded rows point at). Cost follows each row's live context."""
+    """GQA decode attention (no RoPE) over a paged KV cache: ``k_cache``/``v_cache`` bf16
+    ``[kv_blocks, block_size, num_kv_heads, head_dim]`` (``MoEConfig``; the last block is the
+    scratch block padded rows point at). Cost follows each row's live context."""
 
     def __init__(self, cfg: MoEConfig, device, gen):
         self.cfg = cfg
         self.wqkv = _randn(gen, device, cfg.dtype, cfg.q_dim + 2 * cfg.kv_dim, cfg.hidden, fan_in=cfg.hidden)
         self.wo = _randn(gen, device, cfg.dtype, cfg.hidden, cfg.q_dim, fan_in=cfg.q_dim)
-        shape = (cfg.num_slots + 1, cfg.max_ctx, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.kv_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
         # A cache full of earlier context (random, not zeros: zeros hide indexing bugs).
         self.k_cache = torch.randn(shape, generator=gen, device=device, dtype=cfg.dtype)
         self.v_cache = torch.randn(shape, generator=gen, device=device, dtype=cfg.dtype)
 
-    def __call__(self, h, positions, slots, n) -> torch.Tensor:
+    def __call__(self, h, slot_mapping, block_table, seq_lens, n) -> torch.Tensor:
+        """h ``[bs, hidden]``; slot_mapping int64 ``[bs]``, block_table int32
+        ``[bs, max_blocks_per_seq]``, seq_lens int32 ``[bs]`` (the new token included) ->
+        ``[bs, hidden]``. Writes the new K/V at ``slot_mapping`` (live rows only)."""
         from graphrt.kernels.attention import attention_workspace_shape, decode_attention, kv_append
         cfg, bs = self.cfg, h.shape[0]
         qkv = h @ self.wqkv.t()                                            # [bs, q + 2 kv]
         q = qkv[:, :cfg.q_dim].view(bs, cfg.num_heads, cfg.head_dim)
         k = qkv[:, cfg.q_dim:cfg.q_dim + cfg.kv_dim].view(bs, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, cfg.q_dim + cfg.kv_dim:].view(bs, cfg.num_kv_heads, cfg.head_dim)
-        kv_append(k, v, slots, positions, n, k_cache=self.k_cache, v_cache=self.v_cache)
-        o_shape, lse_shape = attention_workspace_shape(bs, cfg.num_heads, cfg.head_dim, cfg.max_ctx)
+        kv_append(k, v, slot_mapping, n, k_cache=self.k_cache, v_cache=self.v_cache)
+        o_shape, lse_shape = attention_workspace_shape(
+            bs, cfg.num_heads, cfg.head_dim, cfg.max_blocks_per_seq * cfg.block_size)
         ws_o = torch.empty(o_shape, dtype=torch.float32, device=h.device)
         ws_lse = torch.empty(lse_shape, dtype=torch.float32, device=h.device)
         o = torch.empty(bs, cfg.num_heads, cfg.head_dim, dtype=cfg.dtype, device=h.device)
-        # The row attends over positions 0..positions[b] inclusive: ctx_offset=1 on the device.
-        decode_attention(q, self.k_cache, self.v_cache, slots, positions, n, out=o,
-                         workspace_o=ws_o, workspace_lse=ws_lse, ctx_offset=1)
+        decode_attention(q, self.k_cache, self.v_cache, block_table, seq_lens, n, out=o,
+                         workspace_o=ws_o, workspace_lse=ws_lse)
         return o.view(bs, cfg.q_dim) @ self.wo.t()

@@ -14,12 +14,15 @@ One decode step (DESIGN.md, "The MoE decode step"), per layer::
 
 ``make_step(cfg, device, ...)`` builds the model and returns ``(StepSpec, model)``: inputs
 ``tokens`` int64 ``[bs]``, ``positions`` int32 ``[bs]`` (context length before this token),
-``slots`` int32 ``[bs]`` (KV-cache slot; padding points at a scratch slot); output
-``{"logits": [bs, vocab_size] bf16}``; ``live_count="n"``.
+and the paged KV cache's ``slot_mapping`` int64 ``[bs]``, ``block_table`` int32
+``[bs, max_blocks_per_seq]``, ``seq_lens`` int32 ``[bs]`` (``graphrt.moe.paged_kv``; padding
+points at the scratch block, seq_len 0); output ``{"logits": [bs, vocab_size] bf16}``;
+``live_count="n"``. ``model.example_inputs(bs, device, generator)`` draws consistent batches.
 
 Graph safety: capturable (``model.step``); everything is allocated at construction.
 """
 from __future__ import annotations
+
 
 import torch
 
@@ -27,6 +30,7 @@ from graphrt.comm.base import EPComm
 from graphrt.comm.local import LocalComm
 from graphrt.moe.config import MoEConfig
 from graphrt.moe.experts import Experts
+from graphrt.moe import paged_kv
 from graphrt.moe.layers import Attention, Router, SharedExpert, add_rmsnorm
 from graphrt.moe.workspace import Workspace
 from graphrt.spec import Input, StepSpec
@@ -70,11 +74,13 @@ class DecoderLayer:
         self.attn = Attention(cfg, device, gen)
         self.moe = MoEBlock(cfg, comm, device, gen, seed, **kw)
 
-    def __call__(self, x, h, positions, slots, n, next_norm):
-        """x: the residual stream ``[bs, hidden]``; h: ``rmsnorm(x) * attn_norm``; next_norm:
-        the next layer's attention-norm weight (or the final norm's) -> the new ``(x, h)``."""
+    def __call__(self, x, h, slot_mapping, block_table, seq_lens, n, next_norm):
+        """x: the residual stream ``[bs, hidden]``; h: ``rmsnorm(x) * attn_norm``; the paged
+        KV metadata (``graphrt.moe.paged_kv``); next_norm: the next layer's attention-norm
+        weight (or the final norm's) -> the new ``(x, h)``."""
         eps = self.cfg.rms_eps
-        x, h = add_rmsnorm(x, self.attn(h, positions, slots, n), weight=self.moe_norm, eps=eps)
+        attn = self.attn(h, slot_mapping, block_table, seq_lens, n)
+        x, h = add_rmsnorm(x, attn, weight=self.moe_norm, eps=eps)
         return add_rmsnorm(x, *self.moe(h, n), weight=next_norm, eps=eps)
 
 
@@ -121,13 +127,18 @@ class MoEModel:
         for layer in self.layers:
             layer.moe.overlap = on
 
-    def step(self, tokens, positions, slots, n) -> dict:
-        """tokens int64 ``[bs]``, positions int32 ``[bs]``, slots int32 ``[bs]``, n int32 ``[1]``
-        -> ``{"logits": [bs, vocab_size] bf16}``. Graph safety: capturable."""
+    def step(self, tokens, positions, slot_mapping, block_table, seq_lens, n) -> dict:
+        """One decode token per row -> ``{"logits": [bs, vocab_size] bf16}``.
+
+        tokens int64 ``[bs]``; positions int32 ``[bs]`` (taken as engines pass it; this GQA
+        stand-in has no RoPE, so the math does not read it); slot_mapping int64 ``[bs]``,
+        block_table int32 ``[bs, max_blocks_per_seq]``, seq_lens int32 ``[bs]``: the paged KV
+        metadata (``graphrt.moe.paged_kv``); n int32 ``[1]`` live rows. Writes each live
+        row's K/V at its slot in every layer. Graph safety: capturable."""
         x = self.embed.index_select(0, tokens)                             # [bs, hidden]
         x, h = add_rmsnorm(x, weight=self._norms[0], eps=self.cfg.rms_eps)
         for layer, next_norm in zip(self.layers, self._norms[1:]):
-            x, h = layer(x, h, positions, slots, n, next_norm)
+            x, h = layer(x, h, slot_mapping, block_table, seq_lens, n, next_norm)
         self.comm.end_step()
         return {"logits": h @ self.lm_head.t()}                            # h: final-normed x
 
@@ -143,17 +154,27 @@ class MoEModel:
         dense += self.lm_head.numel() * self.lm_head.element_size()
         return {"experts": expert, "dense": dense}
 
+    def kv_caches(self) -> list[torch.Tensor]:
+        """Every layer's ``k_cache`` and ``v_cache`` (the state a step writes)."""
+        return [t for layer in self.layers for t in (layer.attn.k_cache, layer.attn.v_cache)]
+
+    def example_inputs(self, bs: int, device, generator: torch.Generator | None = None) -> dict:
+        """Consistent inputs for ``bs`` requests (``graphrt.moe.paged_kv.example_inputs``):
+        distinct requests own distinct blocks, ``positions = seq_lens - 1``. Host-only."""
+        return paged_kv.example_inputs(self.cfg, bs, device, generator)
+
     def spec(self, max_batch_size: int = 256) -> StepSpec:
+        """The step as graphrt captures it, for batches of up to ``max_batch_size`` requests."""
         cfg = self.cfg
         if max_batch_size > cfg.num_slots:
-            raise ValueError(f"max_batch_size {max_batch_size} exceeds the KV cache's "
-                             f"{cfg.num_slots} slots")
-        return StepSpec(self.step, {
-            "tokens": Input((None,), torch.int64, high=cfg.vocab_size),
-            "positions": Input((None,), torch.int32, high=cfg.max_ctx - 1),
-            "slots": Input((None,), torch.int32, high=cfg.num_slots, unique=True,
-                           pad_value=cfg.num_slots),
-        }, max_batch_size, name=f"{cfg.name}-{cfg.num_layers}L", live_count="n")
+            raise ValueError(f"max_batch_size {max_batch_size} exceeds the {cfg.num_slots} "
+                             f"requests {cfg.name}'s KV cache is sized for (num_slots)")
+        # The KV caches are not declared as state: a snapshot would double their memory, and
+        # graph and eager write the same K/V into the same slots, so checks need no restore.
+        inputs = {"tokens": Input((None,), torch.int64, high=cfg.vocab_size),
+                  **paged_kv.step_inputs(cfg)}
+        return StepSpec(self.step, inputs, max_batch_size, name=f"{cfg.name}-{cfg.num_layers}L",
+                        live_count="n", example_inputs=self.example_inputs)
 
 
 def make_step(cfg: MoEConfig, device, max_batch_size: int = 256, **kw) -> tuple[StepSpec, MoEModel]:

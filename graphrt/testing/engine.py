@@ -1,11 +1,15 @@
-"""A small host decode engine around a graphrt step: requests, KV slots, continuous batching.
+"""A small host decode engine around a graphrt step: requests, paged KV blocks, continuous batching.
 
-The engine owns the request state and the KV-cache *slots* (the model owns the cache
-tensors; graphrt the static inputs/outputs and graphs). Each ``step()`` admits queued
-requests while slots are free (continuous batching); gathers every live request's (last
-token, position, slot), feeding prompt tokens one per step (teacher forcing: no prefill
-kernel); calls ``step_fn(tokens=, positions=, slots=)`` -> logits ``[n, vocab]``; samples
-greedily on the device and reads the ``n`` tokens on the host once; retires finished requests.
+The engine owns the request state and the KV cache's *block allocation* (the model owns the
+cache tensors; graphrt the static inputs/outputs and graphs), the way vLLM/SGLang engines
+do. Each ``step()`` admits queued requests while rows and blocks allow (continuous
+batching); gives each live request a new block when its context crosses into one; builds on
+the host, per live row, the token, its position, ``slot_mapping`` (flat slot of that
+position), ``block_table`` (the row's blocks, then the scratch block) and ``seq_lens``
+(position + 1), feeding prompt tokens one per step (teacher forcing: no prefill kernel);
+calls ``step_fn(tokens=, positions=, slot_mapping=, block_table=, seq_lens=)`` -> logits
+``[n, vocab]``; samples greedily on the device and reads the ``n`` tokens on the host once;
+retires finished requests, whose blocks go back to the pool.
 ``compare_graph_eager`` and ``soak`` drive it (``examples/host_engine_loop.py`` is the CLI).
 
 Glossary: ``n`` live rows, ``padded_bs`` the captured size that serves them, ``vocab``.
@@ -14,99 +18,20 @@ Graph safety: host-only (the engine drives replays; nothing here is captured).
 from __future__ import annotations
 
 import gc
-import random
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
 
-from graphrt.errors import GraphrtError, InputError
+from graphrt.errors import InputError
 from graphrt.replay_policy import SizeTable
+from graphrt.testing.requests import BlockPool, Request, Workload
 
+__all__ = ["BlockPool", "DecodeEngine", "EngineStats", "KVSnapshot", "Request", "Workload",
+           "compare_graph_eager", "eager_step", "graph_step", "soak"]
 
-@dataclass
-class Request:
-    """One request: ``prompt`` token ids, ``max_new`` tokens to generate, its ``arrival`` step.
-    ``pos`` is the position of the next token fed (= the context length before it)."""
-
-    rid: int
-    prompt: list
-    max_new: int
-    arrival: int = 0
-    slot: int = -1
-    pos: int = 0
-    output: list = field(default_factory=list)
-
-    @property
-    def next_token(self) -> int:
-        return self.prompt[self.pos] if self.pos < len(self.prompt) else self.output[-1]
-
-    @property
-    def done(self) -> bool:
-        return len(self.output) >= self.max_new
-
-    def advance(self, sampled: int) -> int:
-        """The step fed ``next_token`` at ``pos`` and sampled ``sampled`` after it; returns
-        the tokens generated (0 while the prompt is still being fed, else 1)."""
-        self.pos += 1
-        if self.pos < len(self.prompt):
-            return 0
-        self.output.append(sampled)
-        return 1
-
-
-class SlotPool:
-    """Free KV-cache slots ``0 .. num_slots-1``, LIFO (a retired slot is reused first)."""
-
-    def __init__(self, num_slots: int):
-        self.num_slots, self._free = num_slots, list(range(num_slots - 1, -1, -1))
-        self._used: set[int] = set()
-
-    def __len__(self) -> int:
-        return len(self._free)
-
-    def take(self) -> int:
-        if not self._free:
-            raise GraphrtError(f"no free KV-cache slot (all {self.num_slots} in use)")
-        s = self._free.pop()
-        self._used.add(s)
-        return s
-
-    def give(self, slot: int) -> None:
-        if slot not in self._used:
-            raise GraphrtError(f"slot {slot} returned but not in use (double free?)")
-        self._used.remove(slot)
-        self._free.append(slot)
-
-
-class Workload:
-    """Deterministic arrivals from ``seed``: per step ``rate`` requests on average (the rate
-    is redrawn in ``[0, 2 * rate]`` every ``phase`` steps so live batches swing), plus a
-    burst of up to ``burst`` requests with probability ``burst_p``. Lengths are uniform in
-    ``prompt`` / ``output`` (inclusive), capped so prompt + output <= ``max_ctx``."""
-
-    def __init__(self, seed: int, *, vocab: int, max_ctx: int, prompt=(1, 16), output=(1, 48),
-                 rate: float = 1.0, phase: int = 64, burst_p: float = 0.02, burst: int = 32):
-        self.rng, self.vocab, self.max_ctx = random.Random(seed), vocab, max_ctx
-        self.prompt, self.output, self.rate, self.phase = prompt, output, rate, phase
-        self.burst_p, self.burst, self._rid, self._now = burst_p, burst, 0, rate
-
-    def arrivals(self, step: int) -> list[Request]:
-        rng = self.rng
-        if step % self.phase == 0:
-            self._now = rng.uniform(0, 2 * self.rate)
-        k = int(self._now) + (rng.random() < self._now - int(self._now))
-        if rng.random() < self.burst_p:
-            k += rng.randint(1, self.burst)
-        out = []
-        for _ in range(k):
-            p = rng.randint(*self.prompt)
-            o = min(rng.randint(*self.output), self.max_ctx - p)
-            toks = [rng.randrange(1, self.vocab) for _ in range(p)]
-            out.append(Request(self._rid, toks, o, step))
-            self._rid += 1
-        return out
+STEP_INPUTS = ("tokens", "positions", "slot_mapping", "block_table", "seq_lens")
 
 
 @dataclass
@@ -125,34 +50,54 @@ class EngineStats:
 
 
 class DecodeEngine:
-    """Continuous batching over a static KV cache of ``num_slots`` slots (+1 scratch slot).
+    """Continuous batching over a paged KV cache (``num_blocks`` blocks of ``block_size``
+    positions; the last is the scratch block).
 
     Args:
-        step_fn: ``step_fn(tokens=int64 [n], positions=int32 [n], slots=int32 [n])`` -> logits
+        step_fn: ``step_fn(tokens=int64 [n], positions=int32 [n], slot_mapping=int64 [n],
+            block_table=int32 [n, ceil(max_ctx / block_size)], seq_lens=int32 [n])`` -> logits
             ``[n, vocab]`` on ``device`` (``graph_step(rt)``, ``eager_step(spec, sizes)``).
-        num_slots, max_ctx: the model's KV cache (``cfg.num_slots``, ``cfg.max_ctx``); the
-            scratch slot ``num_slots`` serves idle steps.
+        num_slots: requests served at once at most (with ``max_batch_size``).
+        max_ctx: positions per request at most (prompt + max_new).
         max_batch_size: live rows per step at most.
         device: where the step's inputs go.
-        keep_stepping: run a one-row idle step (scratch slot) when no request is live: every
-            rank of an expert-parallel group must call the step every iteration.
+        block_size, num_blocks: the model's cache (``MoEConfig.block_size`` / ``kv_blocks``;
+            :meth:`for_config` passes them); ``num_blocks`` defaults to the config's derived
+            ``num_slots * ceil(max_ctx / block_size) + 1``.
+        keep_stepping: run a one-row idle step (scratch block, seq_len 1) when no request is
+            live: every rank of an expert-parallel group must call the step every iteration.
         watchdog: a started ``graphrt.watchdog.Watchdog`` watching the model's progress.
     """
 
     def __init__(self, step_fn, *, num_slots: int, max_ctx: int, max_batch_size: int, device,
-                 keep_stepping: bool = False, watchdog=None):
+                 block_size: int = 16, num_blocks: int | None = None, keep_stepping: bool = False,
+                 watchdog=None):
         self.step_fn, self.max_ctx, self.device = step_fn, max_ctx, torch.device(device)
         self.max_bs = min(max_batch_size, num_slots)
-        self.scratch_slot, self.keep_stepping, self.watchdog = num_slots, keep_stepping, watchdog
-        self.slots = SlotPool(num_slots)
+        self.block_size, self.max_blocks = block_size, -(-max_ctx // block_size)
+        self.scratch_block = (num_blocks or num_slots * self.max_blocks + 1) - 1
+        self.keep_stepping, self.watchdog = keep_stepping, watchdog
+        self.blocks = BlockPool(self.scratch_block)
         self.queue, self.live, self.finished = deque(), [], {}   # Requests: waiting, running, done
         self.stats = EngineStats()
         pin = self.device.type == "cuda"
-        self._host = {k: torch.zeros(self.max_bs, dtype=d, pin_memory=pin)
-                      for k, d in (("tokens", torch.int64), ("positions", torch.int32),
-                                   ("slots", torch.int32), ("sampled", torch.int64))}
+        shapes = {"tokens": torch.int64, "positions": torch.int32, "slot_mapping": torch.int64,
+                  "block_table": torch.int32, "seq_lens": torch.int32, "sampled": torch.int64}
+        self._host = {k: torch.zeros((self.max_bs, self.max_blocks) if k == "block_table"
+                                     else (self.max_bs,), dtype=d, pin_memory=pin)
+                      for k, d in shapes.items()}
         self._np = {k: t.numpy() for k, t in self._host.items()}  # writable views, made once
         self._read_done = torch.cuda.Event() if pin else None     # re-recorded every step
+
+    @classmethod
+    def for_config(cls, step_fn, cfg, *, max_batch_size: int, device, **kw) -> "DecodeEngine":
+        """An engine for a ``graphrt.moe.MoEConfig``'s cache (num_slots, max_ctx, block_size,
+        kv_blocks)."""
+        return cls(step_fn, num_slots=cfg.num_slots, max_ctx=cfg.max_ctx, block_size=cfg.block_size,
+                   num_blocks=cfg.kv_blocks, max_batch_size=max_batch_size, device=device, **kw)
+
+    def _blocks_for(self, req: Request) -> int:
+        return -(-req.positions_needed // self.block_size)
 
     def submit(self, req: Request) -> None:
         """Queue a request (host-only). Raises ``InputError`` if it cannot fit the KV cache."""
@@ -160,7 +105,10 @@ class DecodeEngine:
             raise InputError(f"request {req.rid}: needs >= 1 prompt token and max_new >= 1")
         if len(req.prompt) + req.max_new > self.max_ctx:
             raise InputError(f"request {req.rid}: prompt {len(req.prompt)} + max_new {req.max_new} "
-                             f"exceeds the KV cache's {self.max_ctx} positions per slot")
+                             f"exceeds the KV cache's {self.max_ctx} positions per request")
+        if self._blocks_for(req) > self.blocks.num_blocks:
+            raise InputError(f"request {req.rid}: needs {self._blocks_for(req)} KV blocks, the "
+                             f"cache has {self.blocks.num_blocks} besides the scratch block")
         self.queue.append(req)
 
     def submit_all(self, reqs) -> None:
@@ -168,10 +116,32 @@ class DecodeEngine:
             self.submit(r)
 
     def _admit(self) -> None:
-        while self.queue and len(self.live) < self.max_bs and len(self.slots):
+        """FIFO: the head of the queue waits (and those behind it) until its blocks are free."""
+        while self.queue and len(self.live) < self.max_bs:
+            need = self._blocks_for(self.queue[0])
+            if not self.blocks.reserve(need):
+                break
             req = self.queue.popleft()
-            req.slot = self.slots.take()
+            req.reserved = need
             self.live.append(req)
+
+    def _stage(self, live: list[Request]) -> dict[str, torch.Tensor]:
+        """The step's inputs for ``live`` (or one idle row on the scratch block), through the
+        pinned host buffers, copied to the device without a sync."""
+        B, h, scratch = self.block_size, self._np, self.scratch_block
+        n = max(len(live), 1)
+        h["block_table"][:n] = scratch
+        h["tokens"][0], h["positions"][0], h["seq_lens"][0] = 0, 0, 1   # the idle row
+        h["slot_mapping"][0] = scratch * B
+        for i, r in enumerate(live):
+            while len(r.blocks) * B <= r.pos:                          # context enters a new block
+                r.blocks.append(self.blocks.take())
+                r.reserved -= 1
+            h["tokens"][i], h["positions"][i], h["seq_lens"][i] = r.next_token, r.pos, r.pos + 1
+            h["slot_mapping"][i] = r.blocks[r.pos // B] * B + r.pos % B
+            h["block_table"][i, :len(r.blocks)] = r.blocks
+        return {k: self._host[k][:n].to(self.device, non_blocking=True, copy=True)
+                for k in STEP_INPUTS}
 
     def step(self) -> int:
         """One decode iteration; returns the live rows it ran (0: idle). Graph safety: host-only."""
@@ -182,11 +152,7 @@ class DecodeEngine:
         if not live and not self.keep_stepping:
             st.wall_s += time.perf_counter() - t0
             return 0
-        rows = [(r.next_token, r.pos, r.slot) for r in live] or [(0, 0, self.scratch_slot)]
-        inputs, n = {}, len(rows)
-        for k, col in zip(("tokens", "positions", "slots"), zip(*rows)):  # pinned -> device
-            self._np[k][:n] = col
-            inputs[k] = self._host[k][:n].to(self.device, non_blocking=True, copy=True)
+        inputs = self._stage(live)
         wd = self.watchdog
         if wd is not None:
             wd.expect_step()
@@ -216,7 +182,8 @@ class DecodeEngine:
         keep = []
         for r in self.live:
             if r.done:
-                self.slots.give(r.slot)
+                self.blocks.give(r.blocks, unreserve=r.reserved)
+                r.blocks, r.reserved = [], 0
                 self.finished[r.rid] = r
                 self.stats.finished += 1
             else:
@@ -260,8 +227,8 @@ def eager_step(spec, sizes):
 
 
 class KVSnapshot:
-    """A copy of every layer's KV cache (``layer.attn.k_cache``/``v_cache``), to restore so two
-    engines start from the same history (capture's warm-up writes random K/V)."""
+    """A copy of every layer's paged KV cache (``layer.attn.k_cache``/``v_cache``), to restore so
+    two engines start from the same history (capture's warm-up may write K/V)."""
 
     def __init__(self, model):
         self.model = model
@@ -274,8 +241,8 @@ class KVSnapshot:
 
 
 def _engine(step_fn, model, max_bs, **kw) -> DecodeEngine:
-    return DecodeEngine(step_fn, num_slots=model.cfg.num_slots, max_ctx=model.cfg.max_ctx,
-                        max_batch_size=max_bs, device=model.device, **kw)
+    return DecodeEngine.for_config(step_fn, model.cfg, max_batch_size=max_bs, device=model.device,
+                                   **kw)
 
 
 def compare_graph_eager(rt, model, *, steps: int, seed: int = 0, keep_stepping: bool = False,
@@ -319,7 +286,7 @@ def soak(rt, model, *, steps: int = 10_000, check_every: int = 100, warmup: int 
     work = Workload(seed, vocab=model.cfg.vocab_size, max_ctx=model.cfg.max_ctx, **kw)
     eng, before = _engine(checked, model, rt.table.largest), None
     for size in rt.sizes:  # eager once per size on this stream (e.g. cuBLAS workspace) first
-        eager(**rt.spec.random_inputs(size, rt.device))  # random K/V: never read by a request
+        eager(**rt.spec.random_inputs(size, rt.device))  # K/V a request overwrites before reading
     for i in range(steps):
         if i == warmup:
             before = _allocated(rt.device)
