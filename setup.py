@@ -1,16 +1,14 @@
-"""graphrt: a CUDA-graph-first decode runtime for Mixture-of-Experts models.
+"""The package layout, the one thing pyproject.toml's ``[project]`` table cannot say briefly.
 
 One distribution, one import package. The top-level folders ``capture/`` and ``kernels/``
 install as ``graphrt.capture`` and ``graphrt.kernels`` (PyPI already has unrelated
 ``capture`` and ``kernels`` packages, so they never install under their folder names).
+Everything else (name, version, requirements, extras, the ``graphrt`` command) is in
+pyproject.toml.
 """
 from setuptools import setup
 
 setup(
-    name="graphrt",
-    version="0.1.0",
-    description="CUDA-graph-first decode runtime for Mixture-of-Experts models",
-    python_requires=">=3.10",
     packages=[
         "graphrt",
         "graphrt.comm",
@@ -26,21 +24,4 @@ setup(
         "graphrt.capture": "capture",
         "graphrt.kernels": "kernels",
     },
-    install_requires=[
-        "torch>=2.6",
-        "numpy",
-        "tqdm",
-        "rich",
-    ],
-    extras_require={
-        # triton>=3.9: the CPU interpreter of older releases breaks with numpy 2.5.
-        "dev": ["pytest>=7", "triton>=3.9", "matplotlib"],
-        # Versions tested on the H200 machines (torch 2.11+cu130, Python 3.12); see README.
-        "gpu": [
-            "triton>=3.1",
-            "tokenspeed-deepep==1.2.1.post20251110",
-            "tokenspeed-deepgemm==2.5.0.post20260424",
-        ],
-    },
-    entry_points={"console_scripts": ["graphrt = graphrt.cli.main:main"]},
 )

@@ -26,24 +26,109 @@ import sys
 import torch
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an argument error is one line on stderr and exit 2 (no usage block)."""
+
+    def error(self, message):
+        print(f"{self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {text!r}")
+        return value
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
+
+
+def _refusal(args, cuda_gpus: int) -> str | None:
+    """The first flag this run cannot honour (what came, what is expected, what to do)."""
+    if args.device == "cpu":  # cpu() runs tiny, eager, one process: see its docstring
+        for flag, value, why in (("--soak", args.soak, "the soak replays graphs"),
+                                 ("--ranks", args.ranks > 1 and args.ranks, "EP runs over GPUs"),
+                                 ("--watchdog", args.watchdog, "the watchdog watches replays")):
+            if value:
+                return f"{flag} {value} needs CUDA ({why}); the CPU run is the eager step only: drop it"
+        for flag, value, ok, allowed in (
+                ("--config", args.config, args.config in (None, "tiny"), "tiny"),
+                ("--layers", args.layers, args.layers is None or args.layers <= 2, "1 or 2"),
+                ("--experts", args.experts, args.experts in (None, 4, 8), "4 or 8"),
+                ("--max-bs", args.max_bs, args.max_bs is None or args.max_bs <= 8, "1..8")):
+            if not ok:
+                return (f"{flag} {value}: the CPU run (the tiny preset on the Triton interpreter) "
+                        f"takes {allowed}: pass that or run on a GPU")
+        return None
+    if args.ranks > 1 and args.soak:
+        return f"--soak with --ranks {args.ranks}: the soak is single-GPU: drop one of them"
+    if args.ranks > cuda_gpus:
+        return f"--ranks {args.ranks} needs {args.ranks} CUDA GPUs; torch sees {cuda_gpus}"
+    if args.ranks > 1:
+        import importlib.util
+        if importlib.util.find_spec("deep_ep") is None:
+            return (f"--ranks {args.ranks} runs DeepEP (the deep_ep module), which is not "
+                    "installed here: pip install -e '.[gpu]'")
+    from graphrt.moe import preset
+    try:
+        preset(args.config or "dsv3-like", layers=args.layers, experts=args.experts)
+    except ValueError as exc:
+        return f"{str(exc).splitlines()[0]}: change --layers/--experts"
+    return None
+
+
 def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="dsv3-like", help="tiny | qwen3-moe-like | dsv3-like")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--experts", type=int, default=32)
-    p.add_argument("--steps", type=int, default=None, help="engine steps (1000 GPU, 12 CPU)")
-    p.add_argument("--max-bs", type=int, default=64, help="largest captured batch")
-    p.add_argument("--soak", type=int, default=0, metavar="N", help="soak N steps instead")
-    p.add_argument("--ranks", type=int, default=1, help="2: DeepEP low-latency over 2 GPUs")
-    p.add_argument("--watchdog", type=float, default=0.0, metavar="S",
-                   help="stall watchdog with a timeout of S seconds (0: off)")
-    p.add_argument("--seed", type=int, default=0, help="workload seed (rank r uses seed + r)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    """The flags, each checked against this machine (one line on stderr and ``SystemExit(2)``
+    for one the run cannot honour), with the defaults of the device filled in."""
+    p = _Parser(prog="host_engine_loop.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=None, choices=("tiny", "qwen3-moe-like", "dsv3-like"),
+                   help="model preset (default: dsv3-like; the CPU run is tiny)")
+    p.add_argument("--layers", type=_at_least(1), default=None, help="(default: 2; CPU: 1 or 2)")
+    p.add_argument("--experts", type=_at_least(1), default=None,
+                   help="(default: 32; CPU: 4 or 8, default 8)")
+    p.add_argument("--steps", type=_at_least(1), default=None,
+                   help="engine steps (default: 1000 GPU, 12 CPU)")
+    p.add_argument("--max-bs", type=_at_least(1), default=None,
+                   help="largest captured batch (default: 64; CPU: at most 8, default 8)")
+    p.add_argument("--soak", type=_at_least(0), default=0, metavar="N",
+                   help="soak N steps instead (default: 0, off; GPU only)")
+    p.add_argument("--ranks", type=_at_least(1), default=1,
+                   help="2: DeepEP low-latency over 2 GPUs (default: 1)")
+    p.add_argument("--watchdog", type=_seconds, default=0.0, metavar="S",
+                   help="stall watchdog with a timeout of S seconds (default: 0, off; GPU only)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed, rank r uses seed + r "
+                   "(default: 0)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="(default: auto: cuda when available)")
     args = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if args.device == "cuda" and not cuda:
+        p.exit(2, f"{p.prog}: --device cuda, but torch sees no CUDA GPU here: run with "
+               "--device cpu (the eager step on the Triton interpreter) or on a GPU\n")
     if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.steps is None:
-        args.steps = 1000 if args.device == "cuda" else 12
+        args.device = "cuda" if cuda else "cpu"
+    problem = _refusal(args, torch.cuda.device_count() if cuda else 0)
+    if problem:
+        p.exit(2, f"{p.prog}: {problem}\n")
+    gpu = args.device == "cuda"
+    args.config = args.config or ("dsv3-like" if gpu else "tiny")
+    args.layers = args.layers or 2
+    args.experts = args.experts or (32 if gpu else 8)
+    args.max_bs = args.max_bs or (64 if gpu else 8)
+    args.steps = args.steps or (1000 if gpu else 12)
     return args
 
 
@@ -165,7 +250,10 @@ def cpu(args) -> int:
 
 
 def main(argv=None) -> int:
-    args = parse(argv)
+    try:
+        args = parse(argv)
+    except SystemExit as exc:  # --help: 0; a flag this run cannot honour: 2, one line
+        return int(exc.code or 0)
     if args.device == "cpu":
         return cpu(args)
     if args.ranks > 1:

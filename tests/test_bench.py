@@ -1,5 +1,7 @@
-"""CPU tests of ``graphrt bench``: the tiny smoke run and its JSON fields, refusals (exit 2,
-one line), the idle-fraction interval union, the naive peer, plots and the markdown."""
+"""CPU tests of ``graphrt bench``: the tiny smoke run and its JSON fields, exit 1 when nothing
+is measured, refusals (exit 2, one line, before any work) including ``--out``, symlink-safe
+writes, the EP launcher (with a fake spawn), the idle-fraction interval union, the naive
+peer, plots and the markdown."""
 import json
 import os
 import sys
@@ -8,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import graphrt
 from graphrt.cli import main as cli
 from graphrt.bench.modes import MODES, floor_bytes, parse_modes
 from graphrt.moe import make_step, preset
@@ -103,8 +106,9 @@ def test_bench_cpu_smoke(tmp_path, capsys):
     assert cli.main(["bench", "--config", "tiny", "--device", "cpu", "--sizes", "1,2",
                      "--out", str(out)]) == 0
     res = json.load(open(out / "results.json"))
-    assert res["device"] == "cpu" and res["suites"] == ["runtime", "modes"]
-    assert "CUDA" in res["skipped_suites"]["runtime"]
+    assert res["schema_version"] == 1 and res["graphrt_version"] == graphrt.__version__
+    assert res["device"] == "cpu" and res["suites"] == ["modes"] and res["measured"] is True
+    assert res["comms"] == ["local"] and res["ranks"] == 1
     m = res["modes"]
     for key in ("config", "layers", "experts", "hidden", "num_topk", "moe_inter", "fp8", "device",
                 "comm", "num_ranks", "sizes", "modes", "expert_backend", "hbm_gbs", "skipped",
@@ -127,19 +131,57 @@ def test_bench_cpu_smoke(tmp_path, capsys):
     assert m["rows"][0]["rel_err_vs_eager"]["compile"] == 0.0
     md = (out / "results.md").read_text()
     assert "| bs | eager µs | naive µs | floor µs |" in md and "graph: skipped" in md
-    assert "eager µs" in capsys.readouterr().out
+    stdout = capsys.readouterr().out
+    assert "eager µs" in stdout  # the tables, as markdown (no terminal)
+    assert stdout.splitlines()[-1] == (f"graphrt bench: wrote results.json, results.md, "
+                                       f"step_time.png in {out}")  # where the files went
+    assert not [p for p in os.listdir(out) if p.startswith(".")]  # no temporary files left
+
+
+def test_bench_nothing_measured_exits_1(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "o"
+    argv = ["bench", "--device", "cpu", "--sizes", "1", "--out", str(out)]
+    assert cli.main([*argv, "--modes", "graph,naive-graph"]) == 1  # every mode skipped on CPU
+    err = capsys.readouterr().err
+    assert "nothing was measured (graph: CUDA graphs need a CUDA GPU" in err, err
+    assert json.load(open(out / "results.json"))["measured"] is False
+
+    import graphrt.bench.modes as modes_mod
+
+    def broken(b, mode):
+        raise RuntimeError("kernel exploded")
+    monkeypatch.setitem(modes_mod.RUNNERS, "eager", broken)
+    assert cli.main([*argv, "--modes", "eager"]) == 1  # every mode failed
+    err = capsys.readouterr().err
+    assert "eager: RuntimeError: kernel exploded" in err.splitlines()[-1], err
+    assert json.load(open(out / "results.json"))["modes"]["errors"] == {
+        "eager": "RuntimeError: kernel exploded"}
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["--device", "cpu"], "only the smoke mode"),
-    (["--config", "tiny", "--device", "cpu", "--modes", "eager,warp"], "unknown mode"),
-    (["--config", "tiny", "--device", "cpu", "--suite", "modes,fast"], "unknown suite"),
-    (["--config", "nope", "--device", "cpu"], "unknown preset"),
-    (["--config", "tiny", "--device", "cpu", "--sizes", "1,64"], "KV-cache slots"),
-    (["--config", "tiny", "--device", "cpu", "--comm", "nccl"], "torchrun --nproc-per-node 2"),
-    (["--config", "tiny", "--device", "cpu", "--comm", "deepep"], "cannot be imported"),
+    (["--device", "cpu", "--config", "dsv3-like"], "only the smoke mode"),
+    (["--device", "cpu", "--suite", "runtime"], "suite runtime needs a CUDA GPU"),
+    (["--device", "cpu", "--suite", "modes,moe"], "suite moe needs a CUDA GPU"),
+    (["--device", "cpu", "--suite", "ep"], "suite ep needs an expert-parallel --comm"),
+    (["--device", "cpu", "--sizes", "1,64"], "KV-cache slots"),
+    (["--device", "cpu", "--fp8"], "--fp8 needs DeepGEMM on a CUDA GPU"),
+    (["--device", "cpu", "--max-tokens", "8"], "--max-tokens sizes the expert-parallel buffers"),
+    (["--device", "cpu", "--experts", "1"], "num_topk must be in [1, num_experts]"),
+    (["--device", "cuda"], "torch sees no CUDA GPU here"),
+    (["--ranks", "2"], "--ranks 2 needs an expert-parallel --comm"),
+    (["--comm", "local,nccl"], "--comm local is one GPU"),
+    (["--comm", "nccl", "--ranks", "1"], "needs --ranks 2 or more, got 1"),
+    (["--comm", "nccl"], "runs one process per CUDA GPU; torch sees none"),
+    (["--comm", "deepep-hook"], "cannot be imported here"),
+    (["--layers", "0"], "argument --layers: expected an int >= 1, got '0'"),
+    (["--comm", "deepep"], "expected comma-separated backends from local, deepep-hook"),
+    (["--modes", "eager,warp"], "expected comma-separated modes from eager"),
+    (["--suite", "modes,fast"], "expected comma-separated suites from runtime"),
+    (["--config", "nope"], "invalid choice: 'nope' (choose from 'dsv3-like', 'qwen3-moe-like'"),
 ])
 def test_bench_refuses_in_one_line(argv, match, monkeypatch, capsys, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("the refusals of a machine without CUDA")
     monkeypatch.setitem(sys.modules, "graphrt.comm.deepep_ll", None)  # as if not written yet
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
         monkeypatch.delenv(var, raising=False)
@@ -147,6 +189,106 @@ def test_bench_refuses_in_one_line(argv, match, monkeypatch, capsys, tmp_path):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("graphrt bench: ") and match in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_bench_under_torchrun_takes_one_backend(monkeypatch, capsys, tmp_path):
+    from graphrt.bench.plan import Refusal, plan
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "x", "MASTER_PORT": "1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    args = cli.build_parser().parse_args(["bench", "--out", str(tmp_path / "o"), "--comm", "nccl"])
+    p = plan(args)
+    assert (p.ranks, p.torchrun, p.suites, p.sizes, p.max_tokens) == (2, True, ["ep"], [1, 8, 32, 128], 128)
+    for argv, match in ((["--comm", "nccl,deepep-hook"], "under torchrun one --comm per run"),
+                        (["--comm", "nccl", "--ranks", "4"], "torchrun started 2 processes"),
+                        (["--comm", "nccl", "--suite", "runtime"], "suite runtime is single-GPU"),
+                        (["--comm", "nccl", "--device", "cuda:1"], "put rank r on cuda:r"),
+                        (["--comm", "nccl", "--max-tokens", "64"], "below the largest --sizes 128"),
+                        (["--comm", "nccl", "--suite", "ep", "--modes", "eager"],
+                         "--modes applies to the modes suite"),
+                        ([], "torchrun started 2 processes, but --comm local is one GPU")):
+        with pytest.raises(Refusal, match=match):
+            plan(cli.build_parser().parse_args(["bench", "--out", str(tmp_path / "o"), *argv]))
+
+
+def test_bench_ep_spawns_each_backend(monkeypatch, tmp_path, capsys):
+    """One launcher: each --comm runs in its own spawned ranks; rank 0's results land under
+    ep[comm]; a backend failing on a rank is recorded and makes the exit code 1."""
+    import graphrt.testing.launch as launch
+    from graphrt.bench import run
+    from graphrt.bench.plan import Plan
+    calls = []
+
+    def fake_spawn(fn, world, comm, opts, timeout_s=600):
+        calls.append((fn.__name__, world, comm, opts["sizes"], opts["suites"]))
+        if comm == "nccl":
+            return [{"rank": 0, "ok": True}, {"rank": 1, "ok": False, "error": "RuntimeError: NCCL",
+                                              "traceback": "Traceback ..."}]
+        row = {"bs": 8, "eager_us": 900.0, "replay_us": 300.0, "replay_no_overlap_us": 320.0,
+               "comm_only_us": 40.0, "raw_deepep_us": 38.0, "overhead_vs_deepep": 40 / 38 - 1,
+               "speedup_vs_eager": 3.0}
+        ep = {"comm": comm, "config": "dsv3-like", "layers": 4, "experts": 256, "ranks": world,
+              "max_tokens": 8, "rows": [row]}
+        return [{"rank": 0, "ok": True, "ep": ep}, {"rank": 1, "ok": True}]
+    monkeypatch.setattr(launch, "spawn", fake_spawn)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "FakeGPU")
+    p = Plan(suites=["ep"], cfg=preset("dsv3-like"), sizes=[8], modes=list(MODES),
+             comms=["deepep-hook", "nccl"], ranks=2, torchrun=False, device="cuda",
+             out=str(tmp_path / "o"), fp8=False, max_tokens=8)
+    assert run._run_ep(p) == 1
+    assert calls == [("run_rank", 2, "deepep-hook", [8], ["ep"]), ("run_rank", 2, "nccl", [8], ["ep"])]
+    res = json.load(open(tmp_path / "o" / "results.json"))
+    assert res["comms"] == ["deepep-hook", "nccl"] and res["ranks"] == 2 and res["measured"]
+    assert res["ep"]["deepep-hook"]["ep"]["rows"][0]["raw_deepep_us"] == 38.0
+    assert res["ep"]["nccl"] == {"error": "rank 1: RuntimeError: NCCL"}
+    out, err = capsys.readouterr()
+    assert "| 8 | 900 | 300 | 3.00 | 320 | 40.0 | 38.0 | +5.3% |" in out
+    assert "--comm nccl failed on rank 1: RuntimeError: NCCL" in err
+
+
+def test_out_is_checked_before_any_work(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dir").mkdir()
+    os.symlink(tmp_path / "elsewhere.json", tmp_path / "dir" / "results.json")
+    (tmp_path / "dir2").mkdir()
+    (tmp_path / "dir2" / "results.md").mkdir()
+    for out, match in ((tmp_path / "file", "is a file, expected a folder"),
+                       (tmp_path / "file" / "sub", "cannot be created"),
+                       (tmp_path / "dir", "results.json there is a symbolic link"),
+                       (tmp_path / "dir2", "results.md there is not a regular file")):
+        assert cli.main(["bench", "--device", "cpu", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and match in err, err
+    assert not (tmp_path / "elsewhere.json").exists()
+
+
+def test_write_file_replaces_a_symlink_instead_of_following_it(tmp_path):
+    from graphrt.bench.output import write_file
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    os.symlink(victim, tmp_path / "results.json")  # planted after the up-front check
+    path = write_file(str(tmp_path), "results.json", '{"a": 1}\n')
+    assert victim.read_text() == "keep me"
+    assert not os.path.islink(path) and open(path).read() == '{"a": 1}\n'
+    assert write_file(str(tmp_path / "new"), "results.md", b"x") == str(tmp_path / "new" / "results.md")
+    assert sorted(os.listdir(tmp_path)) == ["new", "results.json", "victim.txt"]  # no temp files
+
+
+def test_cli_names_match_their_sources():
+    """graphrt.cli.main spells the preset, mode, suite and backend names (it imports none of
+    their modules); they must stay equal to the sources."""
+    from graphrt.bench.ep import BACKENDS
+    from graphrt.bench.plan import SUITES
+    from graphrt.moe.config import PRESETS
+    assert cli.PRESETS == tuple(sorted(PRESETS)) and cli.MODES == MODES
+    assert cli.SUITES == SUITES and cli.BACKENDS == BACKENDS
+    import inspect
+    from graphrt.comm.deepep_ll import DeepEPLowLatencyComm
+    src = inspect.getsource(DeepEPLowLatencyComm.__init__)  # deepep-<mode> -> mode=<mode>
+    assert all(f'"{b.split("-", 1)[1]}"' in src for b in BACKENDS if b.startswith("deepep-"))
 
 
 # -- rendering of a GPU-shaped result ----------------------------------------------------------

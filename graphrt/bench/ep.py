@@ -1,28 +1,31 @@
-"""Expert-parallel step benchmarks on several GPUs (one process per GPU).
+"""Expert-parallel runs of ``graphrt bench``: the ``ep`` suite and the per-rank driver.
 
-    python -m graphrt.bench.ep --ranks 2 --comms deepep-hook,nccl --layers 4 --sizes 1,8,32,128
+    graphrt bench --ranks 2 --comm deepep-hook,nccl --layers 4 --sizes 1,8,32,128
+    torchrun --nproc-per-node 2 -m graphrt.bench --comm nccl --suite ep,modes
 
-Per backend and per-rank batch size: the reference model's step time eager vs replayed,
-combine overlap on vs off; and the communication alone — DeepEP's own low-latency
-dispatch+combine captured in a graph vs the same through graphrt's backend — so graphrt's
-overhead on top of DeepEP is visible. Every rank runs the same loop (collectives keep them
-in step); rank 0 reports. Writes ``results.json`` / ``results.md`` under ``--out``.
+``run_rank`` is what every rank runs (started by ``graphrt.testing.launch.spawn``, one
+process per GPU and backend, or by torchrun): it builds the backend once and runs the
+requested suites with it; rank 0 returns the results, the others ``{}``. Collectives keep
+the ranks in step.
 
-Graph safety: host-only.
+The ``ep`` suite, per backend and per-rank batch size: the reference model's step eager vs
+replayed, combine overlap on vs off; and the communication alone, graphrt's backend
+(dispatch + combine captured in a graph) vs DeepEP's own low-latency calls captured the
+same way, so graphrt's overhead on top of DeepEP is visible (``overhead_vs_deepep``).
 """
 from __future__ import annotations
-
-import argparse
-import json
-import os
 
 import torch
 
 from graphrt.bench.timing import graph_time_us
 
+BACKENDS = ("local", "deepep-hook", "deepep-event", "nccl")  # the names make_comm takes
+EP_BACKENDS = BACKENDS[1:]
+
 
 def _routed_batch(cfg, bs, device):
-    """Random tokens, distinct top-k expert ids per token, weights and an output buffer."""
+    """Random tokens ``[bs, hidden]`` bf16, distinct top-k expert ids ``[bs, num_topk]`` per
+    token, weights ``[bs, num_topk]`` fp32 and an output buffer like the tokens."""
     x = torch.randn(bs, cfg.hidden, device=device, dtype=torch.bfloat16)
     ids = torch.stack([torch.randperm(cfg.num_experts, device=device)[:cfg.num_topk]
                        for _ in range(bs)])
@@ -51,20 +54,18 @@ def _raw_deepep_us(comm, cfg, bs, device) -> float:
     return graph_time_us(step)
 
 
-def bench_rank(rank: int, world: int, comm_name: str, layers: int, experts: int,
-               sizes: list[int], max_tokens: int) -> dict:
-    from graphrt.bench.run import capture_overlap_pair, step_times_us
+def bench_ep(comm_name: str, comm, cfg, device, sizes: list[int], world: int,
+             max_tokens: int) -> dict:
+    """The ``ep`` suite on this rank with backend ``comm`` (named ``comm_name``, buffers for
+    ``max_tokens`` rows) for the reference model ``cfg``; ``sizes``: live rows per rank."""
+    from graphrt.bench.suites import capture_overlap_pair, step_times_us
     from graphrt.coordinator import RankCoordinator
-    from graphrt.testing.launch import make_comm
-    from graphrt.moe import MoEModel, preset
-    device = torch.device("cuda", rank)
-    cfg = preset("dsv3-like", layers=layers, experts=experts)
-    comm = make_comm(comm_name, cfg, device, max_tokens)
+    from graphrt.moe import MoEModel
     model = MoEModel(cfg, device, comm=comm)
-    spec = model.spec(max(max(sizes), 1))
+    spec = model.spec(max(sizes))
     co = RankCoordinator(uniform=comm.uniform_batch)
     rt_on, rt_off = capture_overlap_pair(model, spec, sizes, coordinator=co, progress=False)
-    gen = torch.Generator().manual_seed(rank)
+    gen = torch.Generator().manual_seed(getattr(comm, "rank", 0))
     rows = []
     for bs in sizes:
         inputs = spec.random_inputs(bs, device, gen)
@@ -76,14 +77,43 @@ def bench_rank(rank: int, world: int, comm_name: str, layers: int, experts: int,
             row["overhead_vs_deepep"] = row["comm_only_us"] / row["raw_deepep_us"] - 1
         row["speedup_vs_eager"] = row["eager_us"] / row["replay_us"]
         rows.append(row)
-    return {"comm": comm_name, "layers": layers, "experts": experts, "world": world,
-            "max_tokens": max_tokens, "rows": rows}
+    return {"comm": comm_name, "config": cfg.name, "layers": cfg.num_layers,
+            "experts": cfg.num_experts, "ranks": world, "max_tokens": max_tokens, "rows": rows}
 
 
-def _md(res: dict) -> str:
-    lines = [f"### {res['comm']}: dsv3-like {res['layers']}L, {res['experts']} experts over "
-             f"{res['world']} ranks, max {res['max_tokens']} tokens/rank",
-             "| bs/rank | eager µs | replay µs | ×eager | no-overlap µs | comm-only µs | DeepEP raw µs | overhead |",
+def run_rank(rank: int, world: int, comm_name: str, opts: dict) -> dict:
+    """One rank of an expert-parallel run; the process group is up and this rank's GPU set.
+
+    ``opts``: ``cfg`` (a ``MoEConfig``), ``sizes``, ``max_tokens``, ``suites`` (``ep`` and/or
+    ``modes``), ``modes``, ``fp8``. Builds ``comm_name`` once and runs the suites with it;
+    returns ``{"ep": ..., "modes": ...}`` on rank 0, ``{}`` elsewhere.
+    """
+    import gc
+
+    from graphrt.bench.modes import bench_modes
+    from graphrt.coordinator import RankCoordinator
+    from graphrt.testing.launch import make_comm
+    device = torch.device("cuda", torch.cuda.current_device())
+    cfg = opts["cfg"]
+    comm = make_comm(comm_name, cfg, device, opts["max_tokens"])
+    out = {}
+    if "ep" in opts["suites"]:
+        out["ep"] = bench_ep(comm_name, comm, cfg, device, opts["sizes"], world, opts["max_tokens"])
+        gc.collect()  # the model and its graphs form cycles: free them before the next suite
+        torch.cuda.empty_cache()
+    if "modes" in opts["suites"]:
+        out["modes"] = bench_modes(cfg, device, opts["sizes"], opts["modes"], comm=comm,
+                                   fp8=opts["fp8"], progress=rank == 0,
+                                   coordinator=RankCoordinator(uniform=comm.uniform_batch))
+    return out if rank == 0 else {}
+
+
+def md_ep(res: dict) -> str:
+    """The ``ep`` result as a markdown table."""
+    lines = [f"## ep: {res['comm']}: {res['config']} {res['layers']}L, {res['experts']} experts "
+             f"over {res['ranks']} ranks, max {res['max_tokens']} tokens/rank",
+             "| bs/rank | eager µs | replay µs | ×eager | no-overlap µs | comm-only µs "
+             "| DeepEP raw µs | overhead |",
              "|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         raw = r.get("raw_deepep_us")
@@ -93,38 +123,3 @@ def _md(res: dict) -> str:
                      f"{r['speedup_vs_eager']:.2f} | {r['replay_no_overlap_us']:.0f} | "
                      f"{r['comm_only_us']:.1f} | {raw_s} | {over_s} |")
     return "\n".join(lines)
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m graphrt.bench.ep")
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--comms", default="deepep-hook,nccl")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--sizes", default="1,8,32,128")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--out", default="bench-ep-out")
-    a = p.parse_args(argv)
-    from graphrt.testing.launch import spawn
-    sizes = [int(s) for s in a.sizes.split(",")]
-    os.makedirs(a.out, exist_ok=True)
-    results, md = [], []
-    for name in a.comms.split(","):
-        per_rank = spawn(bench_rank, a.ranks, name, a.layers, a.experts, sizes, a.max_tokens)
-        bad = [r for r in per_rank if not r.get("ok")]
-        if bad:
-            print(f"{name}: rank {bad[0]['rank']} failed: {bad[0].get('error')}\n{bad[0].get('traceback', '')}")
-            results.append({"comm": name, "error": bad[0].get("error")})
-            continue
-        results.append(per_rank[0])
-        md.append(_md(per_rank[0]))
-        print(md[-1], flush=True)
-        with open(os.path.join(a.out, "results.json"), "w") as f:
-            json.dump(results, f, indent=2)
-        with open(os.path.join(a.out, "results.md"), "w") as f:
-            f.write("\n\n".join(md) + "\n")
-    return 0 if all("error" not in r for r in results) else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

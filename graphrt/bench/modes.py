@@ -17,21 +17,20 @@ Modes (``--modes``; ``naive`` alone selects its three variants):
 On the CPU only ``eager`` and ``naive`` run (kernels on the Triton interpreter); ``compile`` is
 traced once with ``backend="eager"`` to count graph breaks; the other modes are skipped with
 the reason recorded. With ``num_ranks > 1`` the naive peer and ``compile`` are skipped (the
-peer needs every expert's weights; DeepEP/NCCL calls are no custom ops).
-
-Graph safety: host-only (a driver: captures, compiles, synchronises).
+peer needs every expert's weights; DeepEP/NCCL calls are no custom ops). The compile modes
+are in ``graphrt.bench.modes_compile``.
 """
 from __future__ import annotations
 
 import gc
-import logging
 import time
 
 import torch
-from tqdm.auto import tqdm
 
-from graphrt.capture.verify import row_rel_err
+from graphrt.bench.console import Progress
+from graphrt.bench.modes_compile import run_compile, run_naive_compile, trace_compile_cpu
 from graphrt.bench.timing import cuda_time_us, hbm_bandwidth_gbs, host_call_us, wall_time_us
+from graphrt.capture.verify import row_rel_err
 
 MODES = ("eager", "compile", "graph", "graph-overlap", "naive", "naive-compile", "naive-graph")
 _NEEDS_CUDA = {"graph": "CUDA graphs need a CUDA GPU", "graph-overlap": "CUDA graphs need a CUDA GPU",
@@ -91,33 +90,6 @@ class _CountHits:
         return getattr(self.inner, name)
 
 
-def _graphrt_tensors(root) -> list[torch.Tensor]:
-    """Every tensor reachable from ``root`` through graphrt objects, lists and dicts."""
-    out, seen, stack = [], set(), [root]
-    while stack:
-        o = stack.pop()
-        if id(o) in seen:
-            continue
-        seen.add(id(o))
-        if isinstance(o, torch.Tensor):
-            out.append(o)
-        elif isinstance(o, (list, tuple)):
-            stack.extend(o)
-        elif isinstance(o, dict):
-            stack.extend(o.values())
-        elif type(o).__module__.startswith("graphrt") and hasattr(o, "__dict__"):
-            stack.extend(vars(o).values())
-    return out
-
-
-class _SkipLog(logging.Handler):
-    """Collects inductor's 'skipping cudagraphs due to ...' messages."""
-    messages: list
-
-    def emit(self, record):
-        self.messages.append(record.getMessage()[:300])
-
-
 class ModesBench:
     """State shared by the mode runners: the model, its inputs per size, the result rows."""
 
@@ -143,8 +115,7 @@ class ModesBench:
                     "hbm_gbs": None, "skipped": {}, "errors": {}, "capture": {}, "compile": {}}
         # cheap modes first, the torch.compile ones last: a run cut short keeps the most
         self.run_modes = sorted((m for m in modes if not self._skip(m)), key=RUN_ORDER.index)
-        self.bar = tqdm(total=len(self.run_modes) * len(self.sizes), desc="bench", unit="step",
-                        disable=not progress)
+        self.bar = Progress(len(self.run_modes) * len(self.sizes), "bench modes", enabled=progress)
 
     def _skip(self, mode) -> bool:
         why = None
@@ -181,14 +152,25 @@ class ModesBench:
 
     def done(self, mode, bs, us) -> None:
         self.rows[bs]["step_us"][mode] = us
-        self.bar.set_postfix_str(f"{mode} bs={bs}")
-        self.bar.update()
+        self.bar.advance(f"{mode} bs={bs}")
 
     def naive(self):
         if self._naive is None:
             from graphrt.bench.naive import NaiveMoE
             self._naive = NaiveMoE(self.model)
         return self._naive
+
+    def naive_fits(self, mode, nv, bs: int) -> bool:
+        """False (with a note, and the size marked done) when the naive gather at ``bs`` is
+        too large (``NaiveMoE.check``)."""
+        from graphrt.bench.naive import NaiveTooLarge
+        try:
+            nv.check(bs)
+        except NaiveTooLarge as exc:
+            self.rows[bs]["notes"][mode] = str(exc)
+            self.done(mode, bs, None)
+            return False
+        return True
 
     # -- the suite -----------------------------------------------------------------------
     def run(self, checkpoint=None) -> dict:
@@ -206,14 +188,14 @@ class ModesBench:
                 if self.ranks > 1:
                     raise  # the other ranks would wait in a collective forever
                 self.res["errors"][mode] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-                self.bar.write(f"graphrt bench: mode {mode} failed: {self.res['errors'][mode]}")
+                self.bar.log(f"graphrt bench: mode {mode} failed: {self.res['errors'][mode]}")
             finally:
                 self._cleanup()
             if checkpoint is not None:
                 checkpoint(self._finish())
         self.bar.close()
         if not self.cuda:
-            _trace_compile_cpu(self)
+            trace_compile_cpu(self)
         return self._finish()
 
     def _finish(self) -> dict:
@@ -266,71 +248,11 @@ def _graph(b: ModesBench, mode: str) -> None:
         b.done(mode, bs, us)
 
 
-def _compiled(b: ModesBench, mode: str, fn, call, static) -> None:
-    """Compile ``fn`` (reduce-overhead, one graph per size), time ``call(compiled, bs)``,
-    record compile seconds, graph breaks and cudagraph skips under ``res["compile"][mode]``."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-    torch._dynamo.reset()
-    counters.clear()
-    torch._dynamo.config.recompile_limit = max(8, 2 * len(b.sizes))
-    for t in static:  # weights, caches, workspaces: no per-call copies into the graph's inputs
-        torch._dynamo.mark_static_address(t, guard=False)
-    skips = _SkipLog(logging.WARNING)
-    skips.messages = []
-    log = logging.getLogger("torch._inductor.cudagraph_utils.__cudagraphs")
-    log.addHandler(skips)
-    info = b.res["compile"][mode] = {"mode": "reduce-overhead", "dynamic": False, "compile_s": {}}
-    try:
-        compiled = torch.compile(fn, mode="reduce-overhead", dynamic=False)
-        with torch.no_grad():
-            for bs in b.sizes:
-                t0 = time.perf_counter()
-                for _ in range(3):  # compile, cudagraph warm-up, record
-                    call(compiled, bs)
-                torch.cuda.synchronize()
-                info["compile_s"][bs] = time.perf_counter() - t0
-                b.check(mode, bs, lambda: call(compiled, bs)["logits"])
-                b.done(mode, bs, cuda_time_us(lambda: call(compiled, bs), iters=20))
-    finally:
-        log.removeHandler(skips)
-        info.update(_dynamo_counts(counters), cudagraph_skip_reasons=skips.messages,
-                    cudagraph_skips=int(counters["inductor"]["cudagraph_skips"]))
-
-
-def _dynamo_counts(counters) -> dict:
-    reasons = {str(k)[:300]: int(v) for k, v in counters["graph_break"].items()}
-    return {"graph_breaks": sum(reasons.values()), "break_reasons": reasons,
-            "unique_graphs": int(counters["stats"]["unique_graphs"])}
-
-
-def _compile(b: ModesBench, mode: str) -> None:
-    from graphrt.kernels.ops import launchers_as_ops
-    b.model.overlap = False  # the event fork/join of the overlap is graphrt's, not dynamo's
-    with launchers_as_ops():
-        _compiled(b, mode, b.model.step, lambda f, bs: f(**b.inputs[bs], n=b.n[bs]),
-                  _graphrt_tensors(b.model))
-    b.res["compile"][mode].update(overlap=False, ops="graphrt.kernels.ops (launchers_as_ops)")
-
-
-def _naive_fits(b: ModesBench, mode: str, nv, bs: int) -> bool:
-    """False (with a note, and the size marked done) when the naive gather at ``bs`` is too
-    large (``NaiveMoE.check``)."""
-    from graphrt.bench.naive import NaiveTooLarge
-    try:
-        nv.check(bs)
-    except NaiveTooLarge as exc:
-        b.rows[bs]["notes"][mode] = str(exc)
-        b.done(mode, bs, None)
-        return False
-    return True
-
-
 def _naive(b: ModesBench, mode: str) -> None:
     nv = b.naive()
     for bs in b.sizes:
         x = b.inputs[bs]
-        if not _naive_fits(b, mode, nv, bs):
+        if not b.naive_fits(mode, nv, bs):
             continue
         with torch.no_grad():
             if mode == "naive":
@@ -361,46 +283,10 @@ def _naive_graph(b: ModesBench, mode: str, nv, bs: int) -> None:
     cap["capture_s_total"] += cap["per_graph"][bs]["capture_s"]
     b.check(mode, bs, lambda: (g.replay(), out)[1])
     b.done(mode, bs, cuda_time_us(g.replay, iters=20))
-    del g, out
 
 
-def _naive_compile(b: ModesBench, mode: str) -> None:
-    nv = b.naive()
-    all_sizes = b.sizes
-    b.sizes = [bs for bs in all_sizes if _naive_fits(b, mode, nv, bs)]
-    try:
-        _compiled(b, mode, nv, lambda f, bs: f(**b.inputs[bs]), list(nv.buffers()))
-    finally:
-        b.sizes = all_sizes
-
-
-def _trace_compile_cpu(b: ModesBench) -> None:
-    """CPU: trace ``model.step`` once through dynamo (``backend="eager"``, overlap off, ops
-    routed) and record its graph breaks, so the smoke run still reports them."""
-    if "compile" not in b.res["modes"]:
-        return
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-    from graphrt.kernels.ops import launchers_as_ops
-    torch._dynamo.reset()
-    counters.clear()
-    bs = b.sizes[0]
-    b.model.overlap = False
-    try:
-        step = torch.compile(b.model.step, backend="eager", dynamic=False)
-        with launchers_as_ops(), torch.no_grad():
-            b.check("compile", bs, lambda: step(**b.inputs[bs], n=b.n[bs])["logits"])
-        b.res["compile"]["compile"] = {"mode": "trace only (backend='eager', CPU)", "traced_bs": bs,
-                                       "overlap": False, **_dynamo_counts(counters)}
-    except Exception as exc:  # noqa: BLE001 - recorded like a failing mode
-        b.res["errors"]["compile"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-    finally:
-        b.model.overlap = True
-        torch._dynamo.reset()
-
-
-RUNNERS = {"eager": _eager, "graph": _graph, "graph-overlap": _graph, "compile": _compile,
-           "naive": _naive, "naive-graph": _naive, "naive-compile": _naive_compile}
+RUNNERS = {"eager": _eager, "graph": _graph, "graph-overlap": _graph, "compile": run_compile,
+           "naive": _naive, "naive-graph": _naive, "naive-compile": run_naive_compile}
 
 
 def bench_modes(cfg, device, sizes, modes=MODES, *, checkpoint=None, **kw) -> dict:

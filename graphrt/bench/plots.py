@@ -8,11 +8,12 @@
 - ``over_floor.png``: each mode's step time over the bandwidth floor (1.0 = reads at the
   measured HBM bandwidth); only when a floor exists (GPU runs).
 
-Graph safety: host-only.
+Plots are written through ``graphrt.bench.output.write_file`` (a rename, never through a
+symlink).
 """
 from __future__ import annotations
 
-import os
+import io
 
 
 def _series(rows, key, mode=None):
@@ -24,9 +25,16 @@ def _style(mode: str) -> dict:
     return {"marker": "o", "linestyle": "--" if mode.startswith("naive") else "-", "label": mode}
 
 
-def write_plots(res: dict, out_dir: str) -> dict:
-    """Write the plots of a ``modes`` result into ``out_dir``; returns ``{name: path or None}``
-    (None: nothing to plot). Raises ``ImportError`` without matplotlib."""
+def plot_names(tag: str = "") -> dict:
+    """``{plot: file name}``; ``tag`` (a backend name) makes them ``step_time-<tag>.png``."""
+    return {name: f"{name}{'-' + tag if tag else ''}.png" for name in ("step_time", "over_floor")}
+
+
+def write_plots(res: dict, out_dir: str, tag: str = "") -> dict:
+    """Write the plots of a ``modes`` result into ``out_dir`` (names from ``plot_names(tag)``);
+    returns ``{name: path or None}`` (None: nothing to plot). Raises ``ImportError`` without
+    matplotlib."""
+    from graphrt.bench.output import write_file
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -56,9 +64,10 @@ def write_plots(res: dict, out_dir: str) -> dict:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
-        paths[name] = os.path.join(out_dir, f"{name}.png")
-        fig.savefig(paths[name], dpi=120)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=120)
         plt.close(fig)
+        paths[name] = write_file(out_dir, plot_names(tag)[name], png.getvalue())
     return paths
 
 
@@ -88,7 +97,9 @@ def markdown(r: dict) -> str:
         for row in rows:
             cells = []
             for m in graphs:
-                g, idle = r["capture"][m]["per_graph"].get(row["bs"], {}), row["idle"].get(m, {})
+                per_graph = r["capture"][m]["per_graph"]  # int keys; str once through JSON
+                g = per_graph.get(row["bs"]) or per_graph.get(str(row["bs"]), {})
+                idle = row["idle"].get(m, {})
                 cells += [fmt(idle.get("idle_frac"), ".1%"), fmt(row["run_host_us"].get(m), ".1f"),
                           fmt(g.get("capture_s"), ".2f"),
                           fmt((g.get("pool_bytes") or 0) / 2**20, ".1f")]

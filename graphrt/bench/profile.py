@@ -12,8 +12,6 @@ every stream) and bracketed by CUDA events::
 Only kernels, memcpys and memsets count as work: synchronisation records (``Event Sync``,
 ``Stream Wait Event``) are waits and GPU user annotations span gaps; both are left out.
 ``union_us`` is plain Python (a sorted sweep), tested on the CPU.
-
-Graph safety: host-only (profiles and synchronises).
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Timing helpers for benchmarks (device METHOD.md): warm-up, CUDA events, medians.
-
-Graph safety: host-only (they synchronise).
-"""
+"""Timing helpers for benchmarks (device METHOD.md): warm-up, CUDA events, medians. Each
+synchronises the device, so none belongs inside a captured step."""
 from __future__ import annotations
 
 import statistics
@@ -69,7 +67,6 @@ def hbm_bandwidth_gbs(device, nbytes: int = 4 << 30) -> float:
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device).random_(0, 255)
     dst = torch.empty_like(src)
     us = cuda_time_us(lambda: dst.copy_(src), iters=5, reps=5)
-    del src, dst
     return 2 * (nbytes // 2) / (us * 1e-6) / 1e9
 
 

@@ -1,14 +1,17 @@
-"""The ``graphrt`` command: ``validate``, ``demo``, ``bench``.
+"""The ``graphrt`` command: ``validate``, ``demo``, ``bench`` (and ``--version``).
 
-    graphrt validate FILE.py:FUNC [--sizes 1,8,64] [--device cpu|cuda] [--json -|PATH]
-    graphrt demo  [--config dsv3-like] [--layers N] [--experts N] [--steps 300] [--max-bs 256]
-    graphrt bench [--config ...] [--sizes 1,8,64] [--modes graph,eager] [--comm local|deepep|nccl]
+    graphrt validate FILE.py:FUNC [--sizes 1,8,64] [--device cpu|cuda] [--json -|PATH] [--timeout 300]
+    graphrt demo  [--config NAME] [--layers N] [--experts N] [--steps N] [--max-bs N]
+                  [--device cpu|cuda]
+    graphrt bench [--suite runtime,modes,moe,ep] [--config NAME] [--layers N] [--experts N]
+                  [--sizes 1,8,64] [--modes graph,eager] [--comm local|deepep-hook,nccl,...]
+                  [--ranks N] [--max-tokens N] [--fp8] [--out DIR] [--device cpu|cuda]
 
 ``demo`` and ``bench`` import ``graphrt.cli.demo`` / ``graphrt.bench.run`` only when run and call
-their ``main(args)``; importing this module imports no triton, deep_ep or deep_gemm.
-Bad arguments print one line on stderr and exit 2.
-
-Graph safety: host-only.
+their ``main(args)``; importing this module imports no triton, deep_ep or deep_gemm (so the
+preset, mode and backend names are spelled here; ``tests/test_bench.py`` keeps them equal to
+their sources). Bad arguments print one line on stderr and exit 2; so do flags a command
+cannot honour here (checked by the command before any work).
 """
 from __future__ import annotations
 
@@ -16,15 +19,49 @@ import argparse
 import importlib
 import sys
 
+from graphrt._version import __version__
 from graphrt.cli import validate_cmd
+
+PRESETS = ("dsv3-like", "qwen3-moe-like", "tiny")            # graphrt.moe.config.PRESETS
+SUITES = ("runtime", "modes", "moe", "ep")                     # graphrt.bench.run
+MODES = ("eager", "compile", "graph", "graph-overlap", "naive", "naive-compile", "naive-graph")
+BACKENDS = ("local", "deepep-hook", "deepep-event", "nccl")   # graphrt.testing.launch.make_comm
+
+
+class _Help(argparse.HelpFormatter):
+    """Help with each option's default appended, unless it is None or already stated."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.default not in (None, False, argparse.SUPPRESS) and "default" not in text
+                and action.option_strings):
+            shown = (",".join(map(str, action.default)) if isinstance(action.default, (list, tuple))
+                     else action.default)
+            text += f" (default: {shown})"
+        return text
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but an argument error is one line on stderr and exit 2 (no usage block)."""
+    """argparse, but an argument error is one line on stderr and exit 2 (no usage block), and
+    ``--help`` shows defaults."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         print(f"{self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(2)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return value
 
 
 def _ints(text: str) -> list[int]:
@@ -37,40 +74,89 @@ def _ints(text: str) -> list[int]:
     return values
 
 
-def _names(text: str) -> list[str]:
-    values = [s.strip() for s in text.split(",") if s.strip()]
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
-    return values
+def _names(choices: tuple[str, ...], what: str):
+    def parse(text: str) -> list[str]:
+        values = [s.strip() for s in text.split(",") if s.strip()]
+        bad = [v for v in values if v not in choices]
+        if not values or bad:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated {what} from {', '.join(choices)}; got {text!r}")
+        return values
+    return parse
+
+
+def _device(text: str) -> str:
+    if text in ("cpu", "cuda") or (text.startswith("cuda:") and text[5:].isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+
+
+def _model_args(p, what: str) -> None:
+    p.add_argument("--config", choices=PRESETS, default=None, metavar="NAME",
+                   help=f"model preset: {', '.join(PRESETS)} ({what})")
+    p.add_argument("--layers", type=_positive, default=None, metavar="N",
+                   help="override the preset's layer count (default: the preset's)")
+    p.add_argument("--experts", type=_positive, default=None, metavar="N",
+                   help="override the preset's expert count (default: the preset's)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="graphrt", description="CUDA-graph-first MoE decode runtime.")
+    p.add_argument("--version", action="version", version=f"graphrt {__version__}")
     sub = p.add_subparsers(dest="command", metavar="{validate,demo,bench}", parser_class=_Parser)
 
     validate_cmd.add_parser(sub)
 
-    d = sub.add_parser("demo", help="capture and run the reference MoE model in a decode loop")
-    d.add_argument("--config", default="dsv3-like", help="model preset (default: dsv3-like)")
-    d.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
-    d.add_argument("--experts", type=int, default=None, help="override the preset's expert count")
-    d.add_argument("--steps", type=int, default=300, help="decode steps to run (default: 300)")
-    d.add_argument("--max-bs", type=int, default=256, help="largest captured batch (default: 256)")
-    d.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    d = sub.add_parser("demo", help="capture and run the reference MoE model in a decode loop",
+                       description="On a CUDA GPU: build the reference model, capture every "
+                       "size, run decode steps at random batch sizes against eager and print eager "
+                       "vs replay step times. Without CUDA: the graph-safety analysis of the tiny "
+                       "reference step (capture needs a GPU; --steps and --max-bs need one too).")
+    _model_args(d, "default: dsv3-like with 64 experts on a GPU, tiny on CPU")
+    d.add_argument("--steps", type=_positive, default=None, metavar="N",
+                   help="decode steps to run (default: 300; GPU only)")
+    d.add_argument("--max-bs", type=_positive, default=None, metavar="N",
+                   help="largest captured batch (default: 256, or the preset's KV-cache "
+                   "slots if fewer; GPU only)")
+    d.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="default: cuda when available, else cpu")
 
-    b = sub.add_parser("bench", help="replay microbenchmarks")
-    b.add_argument("--config", default="dsv3-like", help="model preset (default: dsv3-like)")
-    b.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
-    b.add_argument("--experts", type=int, default=None, help="override the preset's expert count")
-    b.add_argument("--sizes", type=_ints, default=None, help="comma-separated batch sizes (a list of ints)")
-    b.add_argument("--modes", type=_names, default=None, help="comma-separated modes (a list of names)")
-    b.add_argument("--comm", choices=("local", "deepep", "nccl"), default="local",
-                   help="expert-parallel backend (default: local)")
-    b.add_argument("--out", default=None, metavar="DIR", help="folder for results")
-    b.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    b.add_argument("--suite", type=_names, default=None, help="comma-separated suites: runtime, "
-                   "modes, moe (default: runtime,modes; modes only with --comm deepep|nccl)")
-    b.add_argument("--fp8", action="store_true", help="fp8 experts (DeepGEMM); moe also runs bf16")
+    b = sub.add_parser("bench", help="replay microbenchmarks (one GPU, or expert-parallel)",
+                       description="Suites: runtime (capture and run() costs of a small dense "
+                       "step), modes (the reference model eager, graph, graph-overlap, compile and "
+                       "a naive peer), moe (overlap on/off, bandwidth floor), ep (expert-parallel "
+                       "step and communication alone, vs DeepEP's own calls). Expert-parallel runs "
+                       "(--comm other than local) start --ranks processes, one per GPU, or run "
+                       "under torchrun. Results: results.json, results.md and plots in --out. "
+                       "Exit 0: measured; 1: nothing measured (every mode skipped or failed) or "
+                       "a backend failed; 2: bad or unusable arguments.")
+    b.add_argument("--suite", type=_names(SUITES, "suites"), default=None, metavar="NAMES",
+                   help=f"comma-separated suites from {', '.join(SUITES)} (default: runtime,modes "
+                   "on a GPU, modes on CPU, ep with an expert-parallel --comm)")
+    _model_args(b, "default: dsv3-like; on CPU only tiny runs")
+    b.add_argument("--sizes", type=_ints, default=None, metavar="N,N",
+                   help="comma-separated live batch sizes, per rank under EP (default: 1,8,64,256 "
+                   "clipped to the preset's KV-cache slots; EP: 1,8,32,128)")
+    b.add_argument("--modes", type=_names(MODES, "modes"), default=None, metavar="NAMES",
+                   help=f"comma-separated modes of the modes suite from {', '.join(MODES)}; "
+                   "naive selects its three variants (default: all)")
+    b.add_argument("--comm", type=_names(BACKENDS, "backends"), default=None, metavar="NAMES",
+                   help=f"expert-parallel backend(s) from {', '.join(BACKENDS)}; several run one "
+                   "after the other (default: local, one GPU)")
+    b.add_argument("--ranks", type=_positive, default=None, metavar="N",
+                   help="processes (GPUs) of an expert-parallel run (default: 2 with an "
+                   "expert-parallel --comm, WORLD_SIZE under torchrun, else 1)")
+    b.add_argument("--max-tokens", type=_positive, default=None, metavar="N",
+                   help="tokens per rank the EP buffers hold (default: the largest --sizes)")
+    b.add_argument("--fp8", action="store_true",
+                   help="fp8 experts (DeepGEMM, CUDA): the modes suite runs fp8, moe runs bf16 "
+                   "and fp8")
+    b.add_argument("--out", default="bench-out", metavar="DIR",
+                   help="folder for results.json, results.md and plots (made if missing; its "
+                   "path is printed at the end)")
+    b.add_argument("--device", type=_device, default=None,
+                   help="cpu, cuda or cuda:N (default: cuda when available, else cpu; EP runs "
+                   "put rank r on cuda:r)")
     return p
 
 
@@ -94,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help exits 0; bad arguments exit 2 after one line
+    except SystemExit as exc:  # --help and --version exit 0; bad arguments exit 2 after one line
         return int(exc.code or 0)
     if args.command is None:
         print("graphrt: missing command: validate, demo or bench (see graphrt --help)",

@@ -1,0 +1,67 @@
+"""Where ``graphrt bench`` writes: the ``--out`` folder checked before any work, and files
+written without following symbolic links.
+
+``check_out_dir`` runs before the benchmark starts (an ``--out`` that names a file, a folder
+that cannot be written, or an output file that is a symlink or a folder: refused in one
+line). ``write_file`` writes a temporary file in the folder and renames it over the target:
+a reader never sees half a file, and a symlink planted at the target after the check is
+replaced, not followed.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+OUTPUT_NAMES = ("results.json", "results.md", "step_time.png", "over_floor.png")
+
+
+class OutDirError(Exception):
+    """``--out`` cannot take the results; the message is one line for stderr."""
+
+
+def check_out_dir(path: str, names=OUTPUT_NAMES) -> str:
+    """The absolute folder ``path`` if results can be written there, else ``OutDirError``.
+    Creates nothing: a missing folder is made at the first write."""
+    full = os.path.abspath(path)
+    if os.path.lexists(full) and not os.path.isdir(full):
+        raise OutDirError(f"--out {path!r} is a file, expected a folder for results.json, "
+                          "results.md and plots: pass a new or existing folder")
+    if os.path.isdir(full):
+        if not os.access(full, os.W_OK | os.X_OK):
+            raise OutDirError(f"--out {path!r}: the folder is not writable: pass another folder")
+        for name in names:
+            target = os.path.join(full, name)
+            if os.path.islink(target) or (os.path.lexists(target) and not os.path.isfile(target)):
+                what = "a symbolic link" if os.path.islink(target) else "not a regular file"
+                raise OutDirError(f"--out {path!r}: {name} there is {what}; refusing to write "
+                                  "through it: remove it or pass another folder")
+        return full
+    parent = os.path.dirname(full)
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise OutDirError(f"--out {path!r} cannot be created: {parent} is not a writable "
+                          "folder: pass another folder")
+    return full
+
+
+def write_file(folder: str, name: str, data: str | bytes) -> str:
+    """Write ``data`` to ``folder/name`` (made if missing) by a rename over the target, so a
+    symlink at the target is replaced, never followed; returns the path."""
+    os.makedirs(folder, exist_ok=True)
+    target = os.path.join(folder, name)
+    if os.path.isdir(target) and not os.path.islink(target):
+        raise OutDirError(f"cannot write {target}: it is a folder")
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data.encode() if isinstance(data, str) else data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
+    return target

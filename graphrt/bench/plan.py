@@ -1,0 +1,178 @@
+"""The flags of one ``graphrt bench`` run, checked against this machine and each other
+before any work (``plan(args) -> Plan``): a flag the run cannot honour raises ``Refusal``,
+one line for stderr (exit 2). Nothing here runs a benchmark or creates a file.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from graphrt.bench.ep import EP_BACKENDS
+from graphrt.bench.output import OutDirError, check_out_dir
+
+SUITES = ("runtime", "modes", "moe", "ep")
+_SINGLE_GPU = ("runtime", "moe")
+
+
+class Refusal(Exception):
+    """A flag this run cannot honour: one line on stderr, exit 2."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one ``graphrt bench`` run does, every flag checked (``plan(args)``)."""
+    suites: list
+    cfg: object          # graphrt.moe.MoEConfig
+    sizes: list
+    modes: list
+    comms: list          # ["local"] or EP backend names
+    ranks: int
+    torchrun: bool
+    device: str          # "cpu", "cuda" or "cuda:N"
+    out: str             # absolute folder
+    fp8: bool
+    max_tokens: int
+
+    @property
+    def ep(self) -> bool:
+        return self.comms != ["local"]
+
+
+def plan(args) -> Plan:
+    """Check every flag against this machine and each other; ``Refusal`` names the first one
+    that cannot be honoured. Does no work and creates nothing."""
+    from graphrt.bench.modes import MODES, parse_modes
+    from graphrt.moe import preset
+    arg = lambda name: getattr(args, name, None)  # noqa: E731 - tolerate partial namespaces
+    comms = list(dict.fromkeys(arg("comm") or ["local"]))
+    ep = comms != ["local"]
+    if ep and "local" in comms:
+        raise Refusal("--comm local is one GPU (EP=1) and cannot run with "
+                      f"{', '.join(c for c in comms if c != 'local')}: run it separately")
+    ranks, torchrun = arg("ranks"), "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if torchrun and ep:
+        world = int(os.environ["WORLD_SIZE"])
+        if ranks is not None and ranks != world:
+            raise Refusal(f"--ranks {ranks}, but torchrun started {world} processes: drop --ranks")
+        if len(comms) > 1:
+            raise Refusal(f"under torchrun one --comm per run, got {','.join(comms)}: run "
+                          f"`graphrt bench --ranks {world} --comm {','.join(comms)}` instead")
+        if missing := [v for v in ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]:
+            raise Refusal(f"RANK and WORLD_SIZE are set but not {', '.join(missing)}: start EP "
+                          "runs with torchrun or with graphrt bench --ranks N")
+        ranks = world
+    if torchrun and not ep and int(os.environ["WORLD_SIZE"]) > 1:
+        raise Refusal(f"torchrun started {os.environ['WORLD_SIZE']} processes, but --comm local "
+                      f"is one GPU: pass an expert-parallel --comm ({', '.join(EP_BACKENDS)})")
+    ranks = ranks or (2 if ep else 1)
+    if ep and ranks < 2:
+        raise Refusal(f"--comm {','.join(comms)} splits the experts over ranks: it needs "
+                      f"--ranks 2 or more, got {ranks}")
+    if not ep and ranks > 1:
+        raise Refusal(f"--ranks {ranks} needs an expert-parallel --comm "
+                      f"({', '.join(EP_BACKENDS)}); --comm local is one GPU")
+    device = _device(arg("device"), comms if ep else None, ranks, torchrun)
+    suites = list(dict.fromkeys(arg("suite") or (
+        ["ep"] if ep else ["runtime", "modes"] if device != "cpu" else ["modes"])))
+    if bad := [s for s in suites if s not in SUITES]:
+        raise Refusal(f"unknown suite(s) {bad}; expected some of {', '.join(SUITES)}")
+    if ep and (bad := [s for s in suites if s in _SINGLE_GPU]):
+        raise Refusal(f"suite {bad[0]} is single-GPU: run it without --comm/--ranks, or pick "
+                      "--suite ep,modes for an expert-parallel run")
+    if not ep and "ep" in suites:
+        raise Refusal(f"suite ep needs an expert-parallel --comm ({', '.join(EP_BACKENDS)}), "
+                      "e.g. graphrt bench --ranks 2 --comm nccl")
+    if device == "cpu" and (bad := [s for s in suites if s in _SINGLE_GPU]):
+        raise Refusal(f"suite {bad[0]} needs a CUDA GPU; on CPU only the modes smoke run "
+                      "works: graphrt bench --device cpu")
+    name = arg("config") or ("tiny" if device == "cpu" else "dsv3-like")
+    if device == "cpu" and name != "tiny":
+        raise Refusal(f"no GPU in use: on CPU only the smoke mode runs (--config tiny, kernels "
+                      f"on the Triton interpreter), not {name}: graphrt bench --device cpu")
+    try:
+        cfg = preset(name, layers=arg("layers"), experts=arg("experts"))
+    except ValueError as exc:
+        raise Refusal(f"{str(exc).splitlines()[0]}: change --layers/--experts")
+    try:
+        modes = parse_modes(arg("modes") or list(MODES))
+    except ValueError as exc:
+        raise Refusal(str(exc).splitlines()[0])
+    _check_applies(arg, suites, device, ep)
+    default = [1, 8, 32, 128] if ep else [1, 8, 64, 256]
+    sizes = sorted(set(arg("sizes") or [s for s in default if s <= cfg.num_slots]))
+    if max(sizes) > cfg.num_slots:
+        raise Refusal(f"--sizes up to {max(sizes)} exceed {cfg.name}'s {cfg.num_slots} KV-cache "
+                      "slots (one request a row)")
+    max_tokens = arg("max_tokens") or max(sizes)
+    if max_tokens < max(sizes):
+        raise Refusal(f"--max-tokens {max_tokens} is below the largest --sizes {max(sizes)}: "
+                      "the EP buffers must hold every row of a step")
+    from graphrt.bench.plots import plot_names
+    names = ["results.json", "results.md"] + [
+        n for tag in (comms if ep else [""]) for n in plot_names(tag).values()]
+    try:
+        out = check_out_dir(arg("out") or "bench-out", names)
+    except OutDirError as exc:
+        raise Refusal(str(exc))
+    return Plan(suites, cfg, sizes, modes, comms, ranks, torchrun, device, out,
+                bool(arg("fp8")), max_tokens)
+
+
+def _device(want, ep_comms, ranks: int, torchrun: bool) -> str:
+    """The device of a one-GPU run, or "cuda" for EP once the backends import and the GPUs
+    are there."""
+    cuda = torch.cuda.is_available()
+    if ep_comms is None:
+        device = want or ("cuda" if cuda else "cpu")
+        if device.startswith("cuda") and not cuda:
+            raise Refusal(f"--device {device}, but torch sees no CUDA GPU here; on CPU run the "
+                          "smoke mode: graphrt bench --device cpu")
+        if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+            raise Refusal(f"--device {device}, but torch sees {torch.cuda.device_count()} GPU(s)")
+        return device
+    for name in ep_comms:
+        _check_backend(name)
+    if not cuda:
+        raise Refusal(f"--comm {','.join(ep_comms)} runs one process per CUDA GPU; torch sees "
+                      "none here")
+    if want is not None:
+        raise Refusal(f"--device {want}: expert-parallel runs put rank r on cuda:r: drop --device")
+    if not torchrun and torch.cuda.device_count() < ranks:
+        raise Refusal(f"--ranks {ranks} needs {ranks} CUDA GPUs; torch sees "
+                      f"{torch.cuda.device_count()}")
+    return "cuda"
+
+
+def _check_backend(name: str) -> None:
+    """Refuse a backend whose module (or DeepEP itself) cannot be imported here."""
+    module, cls_name = (("graphrt.comm.deepep_ll", "DeepEPLowLatencyComm")
+                        if name.startswith("deepep") else ("graphrt.comm.nccl", "NCCLComm"))
+    try:
+        getattr(importlib.import_module(module), cls_name)
+    except (ImportError, AttributeError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise Refusal(f"--comm {name} needs {module}.{cls_name}, which cannot be imported here "
+                      f"({type(exc).__name__}: {first})")
+    if name.startswith("deepep") and importlib.util.find_spec("deep_ep") is None:
+        raise Refusal(f"--comm {name} needs DeepEP (the deep_ep module), which is not installed "
+                      "here: pip install -e '.[gpu]' on the GPU machine")
+
+
+def _check_applies(arg, suites: list, device: str, ep: bool) -> None:
+    """Refuse flags that no selected suite uses."""
+    uses = {"modes": ("modes",), "fp8": ("modes", "moe"), "sizes": ("modes", "moe", "ep"),
+            "layers": ("modes", "moe", "ep"), "experts": ("modes", "moe", "ep"),
+            "config": ("modes", "moe", "ep")}
+    for flag, by in uses.items():
+        if arg(flag) and not set(by) & set(suites):
+            raise Refusal(f"--{flag} applies to the {' or '.join(by)} suite, which this run does "
+                          f"not include (--suite {','.join(suites)}): add one or drop --{flag}")
+    if arg("fp8") and device == "cpu":
+        raise Refusal("--fp8 needs DeepGEMM on a CUDA GPU; the CPU smoke run is bf16: drop --fp8")
+    if arg("max_tokens") is not None and not ep:
+        raise Refusal("--max-tokens sizes the expert-parallel buffers: it needs an EP --comm "
+                      f"({', '.join(EP_BACKENDS)})")

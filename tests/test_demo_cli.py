@@ -1,0 +1,134 @@
+"""Honest flags of ``graphrt demo``, ``graphrt --version`` / ``--help`` and the flags of
+``examples/host_engine_loop.py``: what a command cannot honour on this machine exits 2 with
+one line on stderr (what came, what is expected, what to do) before any work; the CPU demo
+ends with what to try next."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+import torch
+
+import graphrt
+from graphrt.cli import main as cli
+
+ROOT = Path(__file__).resolve().parents[1]
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="the refusals of a CPU machine")
+
+
+def test_version_and_help_show_defaults_and_choices(capsys):
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"graphrt {graphrt.__version__}"
+    assert cli.main(["bench", "--help"]) == 0
+    text = re.sub(r"-\s+", "-", " ".join(capsys.readouterr().out.split()))  # unwrapped
+    for shown in ("(default: bench-out)", "deepep-hook, deepep-event, nccl",
+                  "runtime, modes, moe, ep", "dsv3-like, qwen3-moe-like, tiny", "naive-graph"):
+        assert shown in text, shown
+    assert cli.main(["demo", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 300; GPU only)" in text and "{cpu,cuda}" in text
+
+
+@NO_CUDA
+@pytest.mark.parametrize("argv,match", [
+    (["--config", "nope"], "invalid choice: 'nope' (choose from 'dsv3-like', 'qwen3-moe-like', 'tiny')"),
+    (["--config", "qwen3-moe-like"], "on CPU the demo analyses the tiny preset only"),
+    (["--steps", "5"], "--steps 5: the CPU demo runs no decode loop"),
+    (["--max-bs", "8"], "--max-bs 8: the CPU demo runs no decode loop"),
+    (["--device", "cuda"], "--device cuda, but torch sees no CUDA GPU here"),
+    (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["--layers", "0"], "argument --layers: expected an int >= 1, got '0'"),
+    (["--experts", "-3"], "argument --experts: expected an int >= 1, got '-3'"),
+    (["--experts", "1"], "num_topk must be in [1, num_experts]; got 2 of 1: change --layers/--experts"),
+])
+def test_demo_refuses_what_it_cannot_honour(argv, match, capsys):
+    assert cli.main(["demo", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("graphrt demo: ") and match in err, err
+
+
+def test_demo_gpu_flags_checked_up_front(monkeypatch):
+    from graphrt.cli import demo
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = Namespace(config=None, layers=None, experts=None, steps=None, max_bs=None, device=None)
+    device, cfg, steps, max_bs = demo._plan(args)
+    assert (device, cfg.name, cfg.num_experts, steps, max_bs) == ("cuda", "dsv3-like", 64, 300, 256)
+    _, cfg, _, max_bs = demo._plan(Namespace(**{**vars(args), "config": "tiny"}))
+    assert max_bs == cfg.num_slots == 32  # the default fits the preset
+    with pytest.raises(demo._Refusal, match="--max-bs 64 exceeds tiny's 32 KV-cache slots"):
+        demo._plan(Namespace(**{**vars(args), "config": "tiny", "max_bs": 64}))
+
+
+@NO_CUDA
+def test_cpu_demo_ends_with_what_to_try_next(monkeypatch, capsys):
+    import graphrt.capture as capture
+
+    class Report:
+        safe = True
+
+        def table(self):
+            return "no findings: the step is graph-safe at every size checked"
+    seen = {}
+    monkeypatch.setattr(capture, "analyze_step",
+                        lambda spec, sizes, device: seen.update(sizes=sizes) or Report())
+    assert cli.main(["demo", "--layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert seen["sizes"] == [1, 4, 8]
+    lines = out.strip().splitlines()
+    assert lines[-1] == "then embed graphrt in your engine's decode loop: docs/embedding.md."
+    example = (ROOT / "examples" / "validate_step.py").read_text()
+    for line in lines[-3:-1]:  # the two commands name real functions of the example
+        target = line.split()[2]
+        assert line.split()[:2] == ["graphrt", "validate"] and "--device cpu" in line
+        assert f"def {target.split(':')[1]}(" in example, target
+    assert (ROOT / "docs" / "embedding.md").exists()
+
+
+# -- examples/host_engine_loop.py ---------------------------------------------------------
+def _example():
+    spec = importlib.util.spec_from_file_location(
+        "host_engine_loop", os.path.join(ROOT, "examples", "host_engine_loop.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@NO_CUDA
+@pytest.mark.parametrize("argv,match", [
+    (["--device", "cuda"], "--device cuda, but torch sees no CUDA GPU here"),
+    (["--soak", "100"], "--soak 100 needs CUDA"),
+    (["--ranks", "2"], "--ranks 2 needs CUDA"),
+    (["--watchdog", "30"], "--watchdog 30.0 needs CUDA"),
+    (["--config", "dsv3-like"], "--config dsv3-like: the CPU run (the tiny preset"),
+    (["--layers", "4"], "--layers 4: the CPU run (the tiny preset on the Triton interpreter) takes 1 or 2"),
+    (["--experts", "32"], "takes 4 or 8"),
+    (["--max-bs", "64"], "takes 1..8"),
+    (["--steps", "0"], "argument --steps: expected an int >= 1, got '0'"),
+    (["--watchdog", "-1"], "argument --watchdog: expected seconds >= 0, got '-1'"),
+])
+def test_example_refuses_what_it_cannot_honour(argv, match, capsys):
+    assert _example().main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("host_engine_loop.py: ") and match in err, err
+
+
+def test_example_defaults_follow_the_device(monkeypatch):
+    ex = _example()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    a = ex.parse([])
+    assert (a.device, a.config, a.layers, a.experts, a.max_bs, a.steps) == ("cpu", "tiny", 2, 8, 8, 12)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    a = ex.parse([])
+    assert (a.device, a.config, a.layers, a.experts, a.max_bs, a.steps) == (
+        "cuda", "dsv3-like", 2, 32, 64, 1000)
+    for argv, match in ((["--ranks", "2"], "--ranks 2 needs 2 CUDA GPUs; torch sees 1"),
+                        (["--soak", "10", "--ranks", "2"], "the soak is single-GPU"),
+                        (["--experts", "1"], "num_topk must be in [1, num_experts]")):
+        with pytest.raises(SystemExit) as info:
+            ex.parse(argv)
+        assert info.value.code == 2, argv
