@@ -1,6 +1,10 @@
 """``graphrt validate`` as a command: exit codes, the one-line exit-2 errors, the JSON
 document, the table, default sizes/device, loading without side effects; and the
-``demo`` / ``bench`` subcommands' lazy imports."""
+``demo`` / ``bench`` subcommands' lazy imports.
+
+The command runs the target in a child process (tests/test_validate_isolation.py tests the
+isolation itself): tests through it are ``slow`` (a child imports torch, ~2 s); the exit-2
+messages are also checked through the in-process ``validate()`` API, fast."""
 from __future__ import annotations
 
 import json
@@ -15,11 +19,12 @@ import pytest
 import torch
 
 from graphrt.cli import main as cli
-from graphrt.cli.validate import default_sizes, validate
+from graphrt.cli.validate import ValidateError, default_sizes, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "validate_step.py"
 FIELDS = ["kind", "severity", "op", "file", "line", "message", "size"]
+slow = pytest.mark.slow
 
 STEP = '''
 import torch
@@ -39,9 +44,10 @@ def _write(tmp_path: Path, body: str, name="target.py", maxbs=8) -> Path:
     return path
 
 
-def _main(capsys, *argv):
+def _main(capfd, *argv):
+    """The command in this process; the target in its child, whose output is on fd 2."""
     rc = cli.main(["validate", *map(str, argv)])
-    out = capsys.readouterr()
+    out = capfd.readouterr()
     return rc, out.out, out.err
 
 
@@ -70,45 +76,68 @@ EXIT2 = {
                      "    return graphrt.StepSpec(fn=step, inputs={'x': graphrt.Input((None, 4), "
                      "torch.float32)}, max_batch_size=8)\n", ":crashy",
                      "raised RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
+    "func-exits": (STEP + "\ndef quits(device):\n    raise SystemExit(3)\n", ":quits",
+                   "quits(device) called sys.exit(3) ("),
 }
 
 
-@pytest.mark.parametrize("name", sorted(EXIT2))
-def test_exit_2_is_one_line(name, tmp_path, capsys):
+def _target(tmp_path: Path, name: str) -> tuple[str, str]:
     body, target, expect = EXIT2[name]
-    if body is not None:
-        target = str(_write(tmp_path, body)) + target
-    rc, out, err = _main(capsys, target, "--device", "cpu")
+    return (target if body is None else str(_write(tmp_path, body)) + target), expect
+
+
+@pytest.mark.parametrize("name", sorted(EXIT2))
+def test_exit_2_message(name, tmp_path):
+    """Each exit-2 case is one ``ValidateError`` line, in process (the API)."""
+    target, expect = _target(tmp_path, name)
+    with pytest.raises(ValidateError) as info:
+        validate(target, None, "cpu")
+    assert expect in str(info.value) and "\n" not in str(info.value), info.value
+
+
+SPAWNS = {"import-error", "func-raises", "step-crashes"}  # the others fail before a child starts
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=slow) if n in SPAWNS else n
+                                  for n in ["missing-file", "bad-target", *sorted(SPAWNS)]])
+def test_exit_2_is_one_line(name, tmp_path, capfd):
+    """Through the command: the child's one line comes back; nothing on stdout."""
+    target, expect = _target(tmp_path, name)
+    rc, out, err = _main(capfd, target, "--device", "cpu")
     assert rc == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("graphrt validate: "), err
     assert expect in err and "Traceback" not in err
 
 
-def test_exit_2_names_the_users_line(tmp_path, capsys):
+def test_exit_2_names_the_users_line(tmp_path):
     path = _write(tmp_path, EXIT2["step-crashes"][0])
-    rc, _, err = _main(capsys, f"{path}:crashy", "--device", "cpu")
+    with pytest.raises(ValidateError) as info:
+        validate(f"{path}:crashy", None, "cpu")
     line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if "x @ x" in t)
-    assert rc == 2 and f"target.py:{line})" in err and "during the analysis" in err
+    assert f"target.py:{line})" in str(info.value) and "during the analysis" in str(info.value)
 
 
 @pytest.mark.parametrize("args,expect", [
     (["--sizes", "1,x"], "bad --sizes '1,x'"),
     (["--sizes", "0"], "bad --sizes '0'"),
-    (["--sizes", "1,16"], "16 exceeds the step's max_batch_size 8"),
+    pytest.param(["--sizes", "1,16"], "16 exceeds the step's max_batch_size 8", marks=slow),
     (["--device", "tpu"], "bad --device 'tpu'"),
+    (["--timeout", "0"], "argument --timeout: expected seconds > 0"),
+    (["--timeout", "soon"], "argument --timeout: expected seconds > 0"),
 ])
-def test_exit_2_bad_arguments(args, expect, tmp_path, capsys):
+def test_exit_2_bad_arguments(args, expect, tmp_path, capfd):
     path = _write(tmp_path, STEP)
-    rc, out, err = _main(capsys, f"{path}:make", *args)
+    rc, out, err = _main(capfd, f"{path}:make", *args)
     assert rc == 2 and out == "" and err.count("\n") == 1 and expect in err, err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_exit_2_cuda_without_cuda(tmp_path, capsys):
-    rc, _, err = _main(capsys, f"{_write(tmp_path, STEP)}:make", "--device", "cuda")
+def test_exit_2_cuda_without_cuda(tmp_path, capfd):
+    rc, _, err = _main(capfd, f"{_write(tmp_path, STEP)}:make", "--device", "cuda")
     assert rc == 2 and err.count("\n") == 1 and "CUDA is not available" in err
 
 
+@slow
 def test_exit_2_through_the_real_command(tmp_path):
     path = _write(tmp_path, "import not_a_module_xyz\n")
     proc = _cli("validate", f"{path}:make")
@@ -121,6 +150,7 @@ def test_exit_2_through_the_real_command(tmp_path):
 
 
 # -- exit 0 / 1, JSON, table --------------------------------------------------------------------
+@slow
 def test_json_to_stdout_shape(tmp_path):
     target = f"{EXAMPLE}:make_hazardous_step"
     proc = _cli("validate", target, "--sizes", "1,8", "--json", "-")
@@ -140,28 +170,32 @@ def test_json_to_stdout_shape(tmp_path):
             ("host-sync", "Tensor.tolist")} <= ops
 
 
-def test_json_to_path_and_table(tmp_path, capsys):
+@slow
+def test_json_to_path_and_table(tmp_path, capfd):
     out_json = tmp_path / "report.json"
-    rc, out, err = _main(capsys, f"{EXAMPLE}:make_hazardous_step", "--device", "cpu",
+    rc, out, err = _main(capfd, f"{EXAMPLE}:make_hazardous_step", "--device", "cpu",
                          "--sizes", "1,8", "--json", out_json)
     assert rc == 1 and err == ""
     doc = json.loads(out_json.read_text())
     assert doc["device"] == "cpu" and not doc["safe"] and len(doc["findings"]) >= 3
+    assert doc == validate(f"{EXAMPLE}:make_hazardous_step", [1, 8], "cpu").to_dict()
     header = out.splitlines()[0].split()
     assert header[:4] == ["kind", "where", "op", "size"]
     assert "examples/validate_step.py:" in out or "validate_step.py:" in out
     assert "NOT graph-safe" in out.splitlines()[-1]
 
 
-def test_exit_0_on_the_fixed_example(capsys):
-    rc, out, err = _main(capsys, f"{EXAMPLE}:make_fixed_step", "--device", "cpu")
+@slow
+def test_exit_0_on_the_fixed_example(capfd):
+    rc, out, err = _main(capfd, f"{EXAMPLE}:make_fixed_step", "--device", "cpu")
     assert rc == 0 and err == ""
     assert "no findings" in out and out.splitlines()[-1].endswith("sizes 1,8,64: graph-safe")
 
 
-def test_json_dash_keeps_user_prints_off_stdout(capsys):
+@slow
+def test_json_dash_keeps_user_prints_off_stdout(capfd):
     path = ROOT / "tests" / "validate_corpus" / "sampling.py"
-    rc, out, err = _main(capsys, f"{path}:bad_debug_print", "--device", "cpu", "--sizes", "1",
+    rc, out, err = _main(capfd, f"{path}:bad_debug_print", "--device", "cpu", "--sizes", "1",
                          "--json", "-")
     assert rc == 1 and json.loads(out)["findings"][0]["op"] == "Tensor.__repr__"
     assert "top logits" in err
@@ -178,39 +212,42 @@ def test_default_sizes_and_device():
 
 
 # -- loading has no side effects --------------------------------------------------------------
-def test_loading_writes_nothing_and_keeps_cwd(tmp_path, capsys):
+@pytest.mark.parametrize("through", ["api", pytest.param("command", marks=slow)])
+def test_loading_writes_nothing_and_keeps_cwd(through, tmp_path, capfd):
     helper = tmp_path / "helper_mod_for_validate.py"  # imported by the target: sibling import
     helper.write_text("SCALE = 3\n")
     path = _write(tmp_path, STEP.replace("import graphrt", "import graphrt\n"
                                          "from helper_mod_for_validate import SCALE"))
     cwd, before = os.getcwd(), sorted(p.name for p in tmp_path.iterdir())
     path_before = list(sys.path)
-    rc, _, _ = _main(capsys, f"{path}:make", "--device", "cpu")
-    assert rc == 0
+    if through == "api":
+        assert validate(f"{path}:make", None, "cpu").exit_code == 0
+    else:
+        assert _main(capfd, f"{path}:make", "--device", "cpu", "--sizes", "1")[0] == 0
     assert os.getcwd() == cwd and sorted(p.name for p in tmp_path.iterdir()) == before
     assert not any(tmp_path.rglob("__pycache__")) and sys.path == path_before
     assert not any(m.startswith("_graphrt_validate_target_") for m in sys.modules)
 
 
-def test_module_target(tmp_path, monkeypatch, capsys):
+@slow
+def test_module_target(tmp_path, monkeypatch, capfd):
     pkg = tmp_path / "my_engine_pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     _write(pkg, STEP, name="steps.py")
     monkeypatch.chdir(tmp_path)
-    rc, out, _ = _main(capsys, "my_engine_pkg.steps:make", "--device", "cpu", "--sizes", "2")
+    rc, out, _ = _main(capfd, "my_engine_pkg.steps:make", "--device", "cpu", "--sizes", "2")
     assert rc == 0 and "sizes 2: graph-safe" in out
     assert not any(tmp_path.rglob("__pycache__"))
-    rc, _, err = _main(capsys, "my_engine_pkg.nope:make", "--device", "cpu")
+    rc, _, err = _main(capfd, "my_engine_pkg.nope:make", "--device", "cpu")
     assert rc == 2 and "cannot import 'my_engine_pkg.nope': ModuleNotFoundError" in err
-    for name in [m for m in sys.modules if m.startswith("my_engine_pkg")]:
-        monkeypatch.delitem(sys.modules, name)
+    assert not any(m.startswith("my_engine_pkg") for m in sys.modules)  # loaded in the child
 
 
 # -- the command itself ------------------------------------------------------------------------
 def test_cli_imports_no_heavy_dependencies():
-    code = ("import sys, graphrt.cli.main; print(sorted(m for m in ('triton', 'deep_ep', 'deep_gemm') "
-            "if m in sys.modules))")
+    code = ("import sys, graphrt.cli.main, graphrt.cli.isolate; print(sorted(m for m in "
+            "('triton', 'deep_ep', 'deep_gemm') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr
 
@@ -218,6 +255,9 @@ def test_cli_imports_no_heavy_dependencies():
 def test_help_and_missing_command(capsys):
     assert cli.main(["--help"]) == 0
     assert "validate" in capsys.readouterr().out
+    assert cli.main(["validate", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--timeout SECONDS" in out and "(default: 300)" in out
     assert cli.main([]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "missing command" in err
@@ -231,9 +271,9 @@ MODULES = {"demo": "graphrt.cli.demo", "bench": "graphrt.bench.run"}
 
 @pytest.mark.parametrize("command,argv,expect", [
     ("demo", ["--layers", "2", "--steps", "5"],
-     dict(config="dsv3-like", layers=2, experts=None, steps=5, max_bs=256, device=None)),
+     dict(config=None, layers=2, experts=None, steps=5, max_bs=None, device=None)),
     ("bench", ["--sizes", "1,8", "--modes", "graph,eager", "--comm", "nccl", "--out", "o"],
-     dict(config="dsv3-like", sizes=[1, 8], modes=["graph", "eager"], comm="nccl", out="o")),
+     dict(config=None, sizes=[1, 8], modes=["graph", "eager"], comm=["nccl"], out="o")),
 ])
 def test_demo_and_bench_call_main_lazily(command, argv, expect, monkeypatch):
     seen = {}

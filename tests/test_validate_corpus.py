@@ -82,6 +82,7 @@ def _cli(*args, cwd=None):
                           capture_output=True, text=True, env=env, timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["moe_routing:bad_align_block_size_counts_on_host",
                                   "sampling:bad_debug_print",
                                   "batch_metadata:safe_static_cache_attention"])

@@ -7,7 +7,11 @@ tensors under the analysis, which flags what *would* sync, bake or change shape 
 cuda: the same, then a real capture of every size and a replay-vs-eager check; their
 findings have no op line and are reported at FUNC's ``def`` line.
 Exit 0: no error findings; 1: error findings; 2 (``ValidateError``, one line): bad
-arguments, a target that cannot be loaded, or a step that crashes.
+arguments, a target that cannot be loaded, or a step that crashes or exits.
+
+``validate()`` runs in the calling process (tests, library users). The ``graphrt validate``
+command runs it in a child process instead (``graphrt.cli.isolate``): a step that exits,
+hangs, crashes the interpreter or writes to fd 1 cannot take the command down with it.
 
 Graph safety: host-only (drives eager runs, captures and replays).
 """
@@ -62,6 +66,12 @@ class Validation:
     def to_dict(self) -> dict:
         return self.report.to_dict(target=self.target, device=self.device, sizes=self.sizes)
 
+    @classmethod
+    def from_dict(cls, doc: dict) -> Validation:
+        """The inverse of ``to_dict`` (the document the isolated child sends back)."""
+        findings = [Finding(**f) for f in doc["findings"]]  # already deduplicated: keep as is
+        return cls(doc["target"], doc["device"], list(doc["sizes"]), SafetyReport(findings))
+
 
 # -- arguments ---------------------------------------------------------------------------------
 def parse_sizes(text: str | None) -> list[int] | None:
@@ -101,9 +111,16 @@ def default_sizes(max_batch_size: int) -> list[int]:
 
 
 # -- loading -----------------------------------------------------------------------------------
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
+    """``Type: first line of the message``."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _raised(exc: BaseException) -> str:
+    """``raised Type: message``; ``called sys.exit(0)`` for a ``SystemExit``."""
+    return f"called sys.exit({exc.code!r})" if isinstance(exc, SystemExit) else \
+        f"raised {one_line(exc)}"
 
 
 def show_path(path: str) -> str:
@@ -112,13 +129,18 @@ def show_path(path: str) -> str:
     return path if rel.startswith("..") else rel
 
 
-def _site(tb, prefer: str | None) -> str:
-    """`` (file:line)`` of the last traceback frame in ``prefer``, else the last user frame."""
+def pick_site(frames: list[tuple[str, int]], prefer: str | None = None) -> str:
+    """`` (file:line)`` of the innermost of ``frames`` (``(file, line)``, outermost first) in
+    the file ``prefer``, else the innermost user frame, else ``""``."""
     from graphrt.capture.sites import _classify  # the findings' notion of "user code"
-    frames = traceback.extract_tb(tb)
-    pick = [f for f in frames if prefer and os.path.abspath(f.filename) == prefer]
-    pick = pick or [f for f in frames if _classify(f.filename) == 0]
-    return f" ({show_path(pick[-1].filename)}:{pick[-1].lineno})" if pick else ""
+    pick = [f for f in frames if prefer and os.path.abspath(f[0]) == prefer]
+    pick = pick or [f for f in frames if _classify(f[0]) == 0]
+    return f" ({show_path(pick[-1][0])}:{pick[-1][1]})" if pick else ""
+
+
+def _site(tb, prefer: str | None) -> str:
+    """``pick_site`` of a traceback."""
+    return pick_site([(f.filename, f.lineno) for f in traceback.extract_tb(tb)], prefer)
 
 
 @contextlib.contextmanager
@@ -132,8 +154,10 @@ def _importing(path_entry: str):
         sys.dont_write_bytecode, sys.path[:] = saved
 
 
-def load_target(text: str) -> Target:
-    """Import TARGET and fetch FUNC; any failure is a one-line ``ValidateError``."""
+def split_target(text: str) -> tuple[str, str, str | None]:
+    """TARGET -> ``(where, func, path)``: ``path`` is the absolute FILE.py, None for
+    ``pkg.module``. Raises ``ValidateError`` for a malformed TARGET or a missing file;
+    imports nothing."""
     where, sep, func = text.rpartition(":")
     if not sep or not where or not func:
         raise ValidateError(f"bad TARGET {text!r}: expected FILE.py:FUNC or pkg.module:FUNC")
@@ -142,6 +166,32 @@ def load_target(text: str) -> Target:
         path = os.path.abspath(where)
         if not os.path.isfile(path):
             raise ValidateError(f"cannot import {where!r}: No such file")
+    return where, func, path
+
+
+def target_source(text: str) -> str | None:
+    """The source file TARGET would load: FILE.py, or the file ``pkg.module`` resolves to on
+    the current directory and ``sys.path`` (found without importing, so no package code
+    runs); None when it cannot be told. Raises ``ValidateError`` like ``split_target``."""
+    from importlib.machinery import PathFinder
+    where, _, path = split_target(text)
+    if path is not None:
+        return path
+    search, spec, parts = [os.getcwd(), *sys.path], None, where.split(".")
+    try:
+        for i in range(len(parts)):
+            spec = PathFinder.find_spec(".".join(parts[:i + 1]), search)
+            if spec is None:
+                return None
+            search = list(spec.submodule_search_locations or [])
+    except (ImportError, ValueError):
+        return None
+    return spec.origin if spec and spec.has_location else None
+
+
+def load_target(text: str) -> Target:
+    """Import TARGET and fetch FUNC; any failure is a one-line ``ValidateError``."""
+    where, func, path = split_target(text)
     name = _MODULE_PREFIX + "".join(c if c.isalnum() else "_" for c in path) if path else where
     try:
         with _importing(os.path.dirname(path) if path else os.getcwd()):
@@ -155,7 +205,7 @@ def load_target(text: str) -> Target:
     except (Exception, SystemExit) as exc:
         if path is not None:
             sys.modules.pop(name, None)
-        raise ValidateError(f"cannot import {where!r}: {_one_line(exc)}"
+        raise ValidateError(f"cannot import {where!r}: {one_line(exc)}"
                             f"{_site(exc.__traceback__, path)}") from None
     make = getattr(module, func, None)
     if not callable(make):
@@ -176,8 +226,8 @@ def build_spec(target: Target, device: torch.device) -> StepSpec:
     try:
         spec = target.make(device)
     except (Exception, SystemExit) as exc:
-        raise ValidateError(f"{name}(device) raised {_one_line(exc)}"
-                            f"{_site(exc.__traceback__, target.file)}{_cuda_hint(exc)}") from None
+        raise ValidateError(f"{name}(device) {_raised(exc)}{_site(exc.__traceback__, target.file)}"
+                            f"{_cuda_hint(exc)}{_exit_hint(exc)}") from None
     if not isinstance(spec, StepSpec):
         raise ValidateError(f"{name}(device) returned {type(spec).__name__}; expected a graphrt.StepSpec")
     return spec
@@ -190,9 +240,16 @@ def _cuda_hint(exc: BaseException) -> str:
     return ""
 
 
+def _exit_hint(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return "; FUNC and the step must return, not exit the process"
+    return ""
+
+
 def _crash(spec: StepSpec, target: Target, exc: BaseException, stage: str) -> ValidateError:
-    return ValidateError(f"step {spec.name!r} raised {_one_line(exc)} during {stage}"
-                         f"{_site(exc.__traceback__, target.file)}{_cuda_hint(exc)}")
+    return ValidateError(f"step {spec.name!r} {_raised(exc)} during {stage}"
+                         f"{_site(exc.__traceback__, target.file)}{_cuda_hint(exc)}"
+                         f"{_exit_hint(exc)}")
 
 
 _MISMATCH = {  # keyed by the first word of ReplayCheck.what
@@ -216,7 +273,7 @@ def _cuda_checks(spec: StepSpec, target: Target, sizes: list[int], device: torch
     rt = GraphRuntime(spec, sizes, device=device, strict=False, progress=False)
     try:
         rt.capture()
-    except Exception as exc:  # noqa: BLE001 - strict=False: only the unexpected gets here
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - strict=False: only the unexpected
         raise _crash(spec, target, exc, "capture") from None
     report.extend(rt.manager.report.findings)
     for size, fail in sorted(rt.failures.items()):
@@ -238,7 +295,7 @@ def _cuda_checks(spec: StepSpec, target: Target, sizes: list[int], device: torch
         return
     try:
         checks = rt.check_replay(raise_on_mismatch=False)
-    except Exception as exc:  # noqa: BLE001
+    except (Exception, SystemExit) as exc:  # noqa: BLE001
         raise _crash(spec, target, exc, "the replay check") from None
     first_bad: dict = {}  # one finding per size: its first bad output
     for c in checks:
@@ -268,7 +325,7 @@ def validate(target: str, sizes: list[int] | str | None = None, device: str | No
         from graphrt.capture.safety import analyze_step
         try:
             report = analyze_step(spec, sizes, run_dev)
-        except Exception as exc:  # noqa: BLE001 - a crashing step is not a finding: exit 2
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a crash is no finding: exit 2
             raise _crash(spec, tgt, exc, "the analysis") from None
         if run_dev.type == "cuda":
             _cuda_checks(spec, tgt, sizes, run_dev, report)

@@ -1,18 +1,25 @@
 """The ``graphrt validate`` subcommand: its arguments, its run and its printed report.
 
     graphrt validate FILE.py:FUNC [--sizes 1,8,64] [--device cpu|cuda] [--json -|PATH]
+                                  [--timeout 300]
 
-The analysis itself is ``graphrt.cli.validate``. Exit 0: no error findings; 1: error
-findings; 2: one line on stderr (bad arguments, a target that cannot be loaded or crashes).
+Arguments (sizes, device, TARGET's file, the ``--json`` path) are checked here, before
+anything of the target runs; the analysis itself (``graphrt.cli.validate``) runs in a child
+process (``graphrt.cli.isolate``) that is killed, with all it started, at the end. Exit 0:
+no error findings; 1: error findings; 2: one line on stderr (bad arguments, a target that
+cannot be loaded, crashes, exits or runs past ``--timeout``).
 
 Graph safety: host-only.
 """
 from __future__ import annotations
 
-import contextlib
+import argparse
 import json
+import os
 import sys
 from dataclasses import replace
+
+DEFAULT_TIMEOUT_S = 300.0
 
 
 def add_parser(sub) -> None:
@@ -28,6 +35,42 @@ def add_parser(sub) -> None:
                    "else cpu; cpu flags what would sync or bake on a GPU)")
     v.add_argument("--json", default=None, metavar="-|PATH", help="also write the JSON report: "
                    "'-' prints only JSON on stdout, PATH writes a file")
+    v.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help="stop the run (exit 2) after this many seconds (default: "
+                   f"{DEFAULT_TIMEOUT_S:g}); the target runs in a child process")
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, e.g. --timeout 300; got {text!r}")
+    return value
+
+
+def check_json_path(path: str | None, target: str) -> None:
+    """Refuse ``--json PATH`` before anything runs (``ValidateError``, exit 2) when it cannot
+    be written (a folder, a missing folder, no permission) or is TARGET's own source file
+    (the report would overwrite the user's code). ``None`` and ``-`` pass."""
+    from graphrt.cli.validate import ValidateError, target_source
+    if path is None or path == "-":
+        return
+    full = os.path.abspath(path)
+    folder, exists, source = os.path.dirname(full), os.path.exists(full), target_source(target)
+    why = None
+    if os.path.isdir(full):
+        why = "it is a folder; expected a file path, e.g. --json report.json"
+    elif not os.path.isdir(folder):
+        why = f"folder {folder!r} does not exist; create it first"
+    elif source and (os.path.realpath(full) == os.path.realpath(source)
+                     or (exists and os.path.samefile(full, source))):
+        why = "it is TARGET's source file, which the report would overwrite; write it elsewhere"
+    elif not (os.access(full, os.W_OK) if exists else os.access(folder, os.W_OK | os.X_OK)):
+        why = "permission denied"
+    if why:
+        raise ValidateError(f"cannot write --json {path!r}: {why}")
 
 
 def print_report(result, stream=None) -> None:
@@ -48,18 +91,29 @@ def print_report(result, stream=None) -> None:
 
 
 def run(args) -> int:
-    """``graphrt validate``: exit 0 safe, 1 error findings, 2 one line on stderr."""
-    from graphrt.cli.validate import ValidateError, parse_sizes, validate
-    to_stdout = args.json == "-"
-    quiet = contextlib.redirect_stdout(sys.stderr) if to_stdout else contextlib.nullcontext()
+    """``graphrt validate``: exit 0 safe, 1 error findings, 2 one line on stderr (130:
+    interrupted by Ctrl-C).
+
+    ``args``: ``target``, ``sizes``, ``device``, ``json``, ``timeout`` (argparse's). The
+    arguments are checked first, then the target runs in a child process (its prints, even
+    on fd 1, go to stderr, so with ``--json -`` stdout carries only the JSON document)."""
+    from graphrt.cli.isolate import run_isolated
+    from graphrt.cli.validate import ValidateError, parse_sizes, resolve_device, split_target
     try:
-        with quiet:  # with --json -, stdout carries only JSON: the step's prints go to stderr
-            result = validate(args.target, parse_sizes(args.sizes), args.device)
+        sizes = parse_sizes(args.sizes)
+        resolve_device(args.device)
+        split_target(args.target)
+        check_json_path(args.json, args.target)
+        result = run_isolated(args.target, sizes, args.device, args.timeout)
     except ValidateError as exc:
         print(f"graphrt validate: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the child's group is already dead (run_isolated's finally)
+        print("graphrt validate: interrupted; the target and all it started were stopped",
+              file=sys.stderr)
+        return 130
     doc = json.dumps(result.to_dict(), indent=2)
-    if to_stdout:
+    if args.json == "-":
         print(doc)
         return result.exit_code
     print_report(result)
