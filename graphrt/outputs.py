@@ -131,6 +131,25 @@ def infer_signature(calls: dict[int, Any], declared: Mapping | None = None,
     return OutputSignature(layout, tuple(rows), tuple(shapes), tuple(dtypes))
 
 
+def probe_signature(spec, sizes, device, seed: int = 0) -> OutputSignature:
+    """``infer_signature`` from eager calls of ``spec`` at the smallest and largest of
+    ``sizes`` (plus another size when only one is given), on example inputs: the check
+    ``graphrt validate`` runs on the CPU, so it gives the same verdict as capture on CUDA.
+    Host-only (runs the step eagerly)."""
+    import torch
+    sizes = sorted(set(sizes))
+    probe = [sizes[0], sizes[-1]]
+    if probe[0] == probe[1] and spec.max_batch_size > 1:
+        probe[1] = 1 if sizes[0] > 1 else 2
+    gen = torch.Generator().manual_seed(seed)
+    calls = {}
+    with torch.inference_mode():
+        for bs in sorted(set(probe)):
+            inputs = spec.random_inputs(bs, device, gen)
+            calls[bs] = spec.call(inputs, spec.live_count_tensor(bs, device) if spec.live_count else None)
+    return infer_signature(calls, spec.outputs, where=spec.name)
+
+
 def _show(layout: OutputLayout) -> str:
     return layout.kind if layout.kind == "tensor" else f"a {layout.kind} of {list(layout.keys)}"
 

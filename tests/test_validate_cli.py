@@ -78,6 +78,18 @@ EXIT2 = {
                      "raised RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
     "func-exits": (STEP + "\ndef quits(device):\n    raise SystemExit(3)\n", ":quits",
                    "quits(device) called sys.exit(3) ("),
+    # what capture on CUDA refuses, the CPU validator refuses too (same verdict)
+    "output-neither-batch-nor-fixed": (
+        STEP + "\ndef doubled(device):\n    def step(x):\n        return torch.cat([x, x])\n"
+        "    return graphrt.StepSpec(fn=step, inputs={'x': graphrt.Input((None, 4), "
+        "torch.float32)}, max_batch_size=8)\n", ":doubled",
+        "output 0 (inferred) must have either the batch as dim 0 or the same shape at every "
+        "size; got batch 1: [2, 4], batch 8: [16, 4]"),
+    "output-declared-wrong": (
+        STEP + "\ndef declared(device):\n    def step(x):\n        return {'y': x.sum(0)}\n"
+        "    return graphrt.StepSpec(fn=step, inputs={'x': graphrt.Input((None, 4), "
+        "torch.float32)}, max_batch_size=8, outputs={'y': 'batch'})\n", ":declared",
+        "output 'y' (declared 'batch') must have the batch as dim 0; got batch 1: [4], batch 8: [4]"),
 }
 
 
@@ -186,6 +198,14 @@ def test_json_to_path_and_table(tmp_path, capfd):
 
 
 @slow
+def test_fixed_shape_outputs_are_safe_on_cpu():
+    """A step returning per-expert counts [E] and a 0-d flag beside its batch-major output
+    passes on CPU, as capture on CUDA accepts it (tests/test_contract_gpu.py)."""
+    corpus = ROOT / "tests" / "validate_corpus" / "moe_routing.py"
+    result = validate(f"{corpus}:safe_expert_load_counter_output", [1, 4, 8], "cpu")
+    assert result.exit_code == 0 and not result.report.findings
+
+
 def test_exit_0_on_the_fixed_example(capfd):
     rc, out, err = _main(capfd, f"{EXAMPLE}:make_fixed_step", "--device", "cpu")
     assert rc == 0 and err == ""

@@ -327,6 +327,15 @@ def validate(target: str, sizes: list[int] | str | None = None, device: str | No
             report = analyze_step(spec, sizes, run_dev)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - a crash is no finding: exit 2
             raise _crash(spec, tgt, exc, "the analysis") from None
+        from graphrt.errors import InputError
+        from graphrt.outputs import probe_signature
+        try:  # what capture checks on CUDA: outputs batch-major or fixed-shape, as declared
+            if not report.errors:  # (a step with hazards is not run outside the analysis)
+                probe_signature(spec, sizes, run_dev)
+        except InputError as exc:
+            raise ValidateError(f"{one_line(exc)} (FUNC {tgt.file}:{tgt.line})") from None
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a crash is no finding: exit 2
+            raise _crash(spec, tgt, exc, "the output check") from None
         if run_dev.type == "cuda":
             _cuda_checks(spec, tgt, sizes, run_dev, report)
     finally:

@@ -246,3 +246,17 @@ def safe_to_own_device(device):
         return x + lens[:, None] + bias.to(device)
 
     return _spec(step)
+
+
+def safe_query_start_loc_offsets(device):
+    """vLLM-style ``query_start_loc`` ([bs + 1] offsets) and a fixed-size device table: per
+    request token counts read on the device; padding continues the last offset."""
+    scale = torch.linspace(0.5, 1.5, H).to(device)                            # [H]
+
+    def step(x, seq_lens, query_start_loc, head_scale):
+        q_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(x.dtype)     # [bs]
+        return x * head_scale * q_lens[:, None] + seq_lens[:, None].to(x.dtype) + scale
+
+    return _spec(step, query_start_loc=graphrt.Input((None,), torch.int32, low=1, high=2,
+                                                     offsets=True),
+                 head_scale=graphrt.Input((H,), torch.float32))

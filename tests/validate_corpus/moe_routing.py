@@ -274,3 +274,20 @@ def safe_histc_fixed_range(device):
 
     return graphrt.StepSpec(fn=step, inputs={"x": graphrt.Input((None, H), torch.float32)},
                             max_batch_size=8, live_count="n")
+
+
+def safe_expert_load_counter_output(device):
+    """Engine-style load recorder: a persistent per-expert counter updated in the graph
+    (padded rows count nothing), returned whole beside the batch-major hidden state."""
+    wg, w1 = _weights(device)
+    load = torch.zeros(E, dtype=torch.long, device=device)                    # persistent [E]
+
+    def step(x, n):
+        w, ids = _route(x, wg)
+        live = torch.arange(x.shape[0], device=x.device) < n                  # [T]
+        flat = torch.where(live[:, None], ids, -1).flatten()                   # [T*K]
+        load.scatter_add_(0, flat.clamp(min=0), (flat >= 0).long())            # [E], in place
+        return {"hidden": x * 2, "expert_load": load.clone(), "overflow": (load > 1000).any()}
+
+    return graphrt.StepSpec(fn=step, inputs={"x": graphrt.Input((None, H), torch.float32)},
+                            max_batch_size=8, live_count="n", state=[load])

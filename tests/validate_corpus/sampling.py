@@ -221,3 +221,18 @@ def safe_stop_on_eos(device):
         return torch.where(finished, 0, tok), finished
 
     return _spec(step, done=graphrt.Input((None,), torch.bool))
+
+
+def safe_inf_masked_logits(device):
+    """Logits masked with -inf (top-k filtering, banned tokens) returned as they are, plus a
+    0-d "all rows finished" flag: equal infinities compare equal in the replay check."""
+    banned = torch.zeros(V, dtype=torch.bool, device=device)
+    banned[EOS + 1] = True
+
+    def step(logits, done):
+        kth = logits.topk(4, dim=-1).values[:, -1:]                           # [T, 1]
+        masked = logits.masked_fill(logits < kth, float("-inf"))
+        masked = masked.masked_fill(banned, float("-inf"))                    # [T, V]
+        return {"logits": masked, "all_done": done.all()}
+
+    return _spec(step, done=graphrt.Input((None,), torch.bool))
