@@ -1,8 +1,9 @@
 """A host decode engine with graphrt in its loop: requests arrive and finish, continuous batching
-over a static KV cache, one ``GraphRuntime.run`` per step, greedy sampling on the device.
+over a paged KV cache, one ``GraphRuntime.run`` per step, greedy sampling on the device.
 
-The engine itself is ``graphrt.testing.engine.DecodeEngine`` (slots, admission, teacher-forced
-prompts, retirement); this script builds the reference MoE model, captures it, and runs the
+The engine itself is ``graphrt.testing.engine.DecodeEngine`` (KV block allocation, block
+tables / slot mapping / seq_lens built on the host, admission, teacher-forced prompts,
+retirement); this script builds the reference MoE model, captures it, and runs the
 same workload twice, through the graphs and eagerly at the same padded sizes (same KV
 history), and checks the token streams are identical::
 
@@ -14,8 +15,6 @@ history), and checks the token streams are identical::
 
 Without CUDA it runs the ``tiny`` preset on the CPU (kernels on the Triton interpreter) with
 the eager step only: capture needs a GPU. See docs/embedding.md.
-
-Graph safety: host-only (a driver program).
 """
 from __future__ import annotations
 
@@ -151,8 +150,8 @@ def build(args, device, comm=None, coordinator=None):
 
 def describe(cfg, args) -> str:
     return (f"{cfg.name}: {cfg.num_layers} layers, {cfg.num_experts} experts top-{cfg.num_topk}, "
-            f"hidden {cfg.hidden}, {cfg.num_slots} KV slots x {cfg.max_ctx}; batches up to "
-            f"{args.max_bs}")
+            f"hidden {cfg.hidden}, paged KV {cfg.kv_blocks} blocks x {cfg.block_size} "
+            f"(up to {cfg.num_slots} requests x {cfg.max_ctx}); batches up to {args.max_bs}")
 
 
 def summary(r: dict, prefix: str = "") -> str:
@@ -237,8 +236,8 @@ def cpu(args) -> int:
     snap, runs = KVSnapshot(model), []
     for _ in range(2):
         snap.restore()
-        eng = DecodeEngine(eager_step(spec, capture_sizes(max_bs)), num_slots=cfg.num_slots,
-                           max_ctx=cfg.max_ctx, max_batch_size=max_bs, device="cpu")
+        eng = DecodeEngine.for_config(eager_step(spec, capture_sizes(max_bs)), cfg,
+                                      max_batch_size=max_bs, device="cpu")
         eng.run(args.steps, Workload(args.seed, vocab=cfg.vocab_size, max_ctx=cfg.max_ctx,
                                      prompt=(1, 4), output=(1, 6), rate=1.5, phase=4))
         runs.append(eng)

@@ -86,6 +86,10 @@ class Stager:
         self._batch = [k for k, inp in spec.inputs.items() if inp.rows == "batch"]
         self._offsets = [k for k, inp in spec.inputs.items() if inp.rows == "offsets"]
         self._pad_values = {k: spec.inputs[k].pad_value for k in self._batch}
+        # (name, kind, dtype, shape after the batch or whole, rank): read once per run()
+        self._checks = [(k, inp.rows, inp.dtype, inp.trailing, len(inp.shape))
+                        for k, inp in spec.inputs.items()]
+        self._kind = {k: inp.rows for k, inp in spec.inputs.items()}
         # Rows [0, _dirty) of the batch inputs may hold something other than pad_value.
         self._dirty = 0
 
@@ -94,58 +98,58 @@ class Stager:
         return {k: self._view(k, padded_bs) for k in self.buffers}
 
     def _view(self, k: str, bs: int) -> torch.Tensor:
-        rows = self.spec.inputs[k].rows
+        rows = self._kind[k]
         b = self.buffers[k]
         return b if rows == "fixed" else b[:bs + 1] if rows == "offsets" else b[:bs]
 
     def check(self, inputs: Mapping[str, torch.Tensor]) -> int:
         """Validate names, types, dtypes, shapes, devices and a common batch; return the batch."""
-        expect = self.spec.inputs
-        if inputs.keys() != expect.keys():
-            missing = sorted(expect.keys() - inputs.keys())
-            extra = sorted(inputs.keys() - expect.keys())
-            raise InputError(f"inputs of step {self.spec.name!r}: expected {sorted(expect)}; "
+        if len(inputs) != len(self._checks) or inputs.keys() != self.buffers.keys():
+            missing = sorted(self.buffers.keys() - inputs.keys())
+            extra = sorted(inputs.keys() - self.buffers.keys())
+            raise InputError(f"inputs of step {self.spec.name!r}: expected {sorted(self.buffers)}; "
                              f"missing {missing}, unexpected {extra}")
         n = first = None
-        for k, t in inputs.items():
-            inp = expect[k]
+        for k, rows, dtype, trailing, rank in self._checks:
+            t = inputs[k]
             if not isinstance(t, torch.Tensor):
                 raise InputError(f"input {k!r}: expected a torch.Tensor, got {type(t).__name__}")
-            if t.dtype != inp.dtype:
-                raise InputError(f"input {k!r}: expected dtype {inp.dtype}, got {t.dtype}; convert "
-                                 f"with .to({inp.dtype})")
-            if inp.rows == "fixed":
-                if tuple(t.shape) != inp.shape:
-                    raise InputError(f"input {k!r}: expected the fixed shape {inp.shape}, got "
-                                     f"{tuple(t.shape)}")
-            elif t.dim() != len(inp.shape) or tuple(t.shape[1:]) != inp.trailing:
-                lead = "bs + 1" if inp.offsets else "bs"
-                raise InputError(f"input {k!r}: expected shape ({', '.join([lead, *map(str, inp.trailing)])}"
-                                 f"{',' if not inp.trailing else ''}), got {tuple(t.shape)}")
+            if t.dtype != dtype:
+                raise InputError(f"input {k!r}: expected dtype {dtype}, got {t.dtype}; convert "
+                                 f"with .to({dtype})")
+            shape = t.shape
+            if rows == "fixed":
+                if shape != trailing:
+                    raise InputError(f"input {k!r}: expected the fixed shape {trailing}, got "
+                                     f"{tuple(shape)}")
+            elif len(shape) != rank or shape[1:] != trailing:
+                lead = "bs + 1" if rows == "offsets" else "bs"
+                raise InputError(f"input {k!r}: expected shape ({', '.join([lead, *map(str, trailing)])}"
+                                 f"{',' if not trailing else ''}), got {tuple(shape)}")
             if t.device != self.device:
                 raise InputError(f"input {k!r}: expected device {self.device}, got {t.device}; move "
                                  f"it with .to({str(self.device)!r})")
-            if inp.rows == "fixed":
+            if rows == "fixed":
                 continue
-            rows = t.shape[0] - (1 if inp.offsets else 0)
+            live = shape[0] - 1 if rows == "offsets" else shape[0]
             if n is None:
-                n, first = rows, k
-            elif rows != n:
-                raise InputError(f"input {k!r} holds a batch of {rows} but input {first!r} one of "
+                n, first = live, k
+            elif live != n:
+                raise InputError(f"input {k!r} holds a batch of {live} but input {first!r} one of "
                                  f"{n}; all inputs share the batch (offsets inputs have bs + 1 entries)")
         if n < 1:
             raise InputError(f"run() needs at least one live row; got a batch of {n}")
         return n
 
-    @torch.no_grad()
     def stage(self, inputs: Mapping[str, torch.Tensor], n: int, padded_bs: int) -> None:
         """Copy the live inputs in, make rows ``[n, padded_bs)`` padding, set the live count.
         Staging records no autograd history (inputs that require grad are read as data)."""
         for k, t in inputs.items():
+            if t.requires_grad:  # a copy from it would give the static buffer a grad_fn
+                t = t.detach()
             self._view(k, n).copy_(t, non_blocking=True)
         self.pad_only(n, padded_bs)
 
-    @torch.no_grad()
     def pad_only(self, n: int, padded_bs: int) -> None:
         """The live rows are in place: pad rows ``[n, padded_bs)``, set the live count.
 

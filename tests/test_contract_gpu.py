@@ -15,19 +15,20 @@ E = 16
 def _engine_step(device, seen):
     load = torch.zeros(E, dtype=torch.int64, device=device)
     w = torch.randn(64, 64, device=device) / 8
-    plan = torch.zeros(1, dtype=torch.int32, device=device)   # "planned" metadata the graph reads
+    plan = torch.zeros(1, dtype=torch.int32, device=device)   # planned metadata the graph reads
 
     def step(x, cu_seqlens, expert, bias, n):
         seen.append(torch.is_inference_mode_enabled())
         live = torch.arange(x.shape[0], device=x.device) < n                    # [bs]
         seq = (cu_seqlens[1:] - cu_seqlens[:-1]).to(x.dtype)                    # [bs]
-        logits = x @ w + bias[expert][:, None] + seq[:, None] + plan            # [bs, 64]
+        planned = torch.arange(x.shape[0], device=x.device) < plan              # [bs] from the plan
+        logits = (x @ w + bias[expert][:, None] + seq[:, None]) * planned[:, None]  # [bs, 64]
         logits = torch.where(logits > 0, logits, float("-inf"))                 # -inf masks
         load.scatter_add_(0, expert, live.to(torch.int64))                      # live rows only
         return {"logits": logits, "load": load.clone(), "any_long": (seq > 3).any()}
 
     def before_replay(padded_bs, n):
-        plan.fill_(padded_bs)                                                    # host planning
+        plan.fill_(n)                   # host planning: a stale plan would zero live rows
 
     spec = graphrt.StepSpec(step, {
         "x": graphrt.Input((None, 64), torch.float32),
@@ -35,7 +36,12 @@ def _engine_step(device, seen):
         "expert": graphrt.Input((None,), torch.int64, high=E),
         "bias": graphrt.Input((E,), torch.float32)},
         max_batch_size=64, live_count="n", state=[load], before_replay=before_replay)
+    spec.meta["plan"] = plan
     return spec, load
+
+
+def _plan(spec):
+    return spec.meta["plan"]
 
 
 @pytest.mark.gpu
@@ -59,20 +65,23 @@ def test_engine_shaped_step_on_real_graphs(cuda_device):
     assert all(c.ok for c in checks) and any(c.what == "state-graph-vs-eager" for c in checks)
     assert int(load.sum()) == 0
     gen = torch.Generator().manual_seed(5)
-    total = 0
+    total, saw_inf = 0, False
     for n in (1, 3, 16, 50, 64):
         inputs = spec.random_inputs(n, cuda_device, gen)
         out = rt.run(**inputs)
         total += n
         assert out["logits"].shape == (n, 64) and out["load"].shape == (E,) and out["any_long"].shape == ()
         assert int(load.sum()) == total                   # padded rows counted nothing
+        assert int(spec.state[0].sum()) == total and int(_plan(spec)) == n   # planned for n
         assert torch.equal(out["load"], load)
         # eager on the same padded batch: -inf entries equal, everything else bitwise
         load.sub_(torch.bincount(inputs["expert"], minlength=E))
         spec.before_replay(rt.table.pick(n), n)
         want = spec.call_padded(inputs, rt.table.pick(n), {"logits": "batch", "load": "fixed", "any_long": "fixed"})
         assert torch.equal(out["logits"], want["logits"]) and torch.equal(out["load"], want["load"])
-        assert bool(torch.isinf(out["logits"]).any())
+        saw_inf |= bool(torch.isinf(out["logits"]).any())
+
+    assert saw_inf                                        # -inf entries were compared too
 
     # a second runtime in the same pool (draft and target), on the same capture stream
     spec2, load2 = _engine_step(cuda_device, [])

@@ -36,7 +36,7 @@ def _docs() -> list[str]:
 DOCS = _docs()
 
 # Paths in code spans that name files of other projects' repositories (read there, not here).
-EXTERNAL = ("deep_ep/",)
+EXTERNAL = ("deep_ep/", "bench-out/")  # another project's path; what `graphrt bench` writes
 # A path-like token in code: it has a '/' and ends in one of these (or in '/': a folder).
 FILE_EXTS = (".py", ".md", ".toml", ".png", ".json", ".txt", ".sh", ".cfg", ".yml", ".yaml")
 # Places outside the repository that a document must not send a reader to.

@@ -192,7 +192,7 @@ def test_receiver_held_tensor_lives_as_long_as_its_graph():
         held = step.held[size]()                   # the tensor made while capturing `size`
         assert held is not None, f"batch {size}: the receiver's tensor died after capture"
         assert any(t is held for t in g.keepalive), f"batch {size}: not in the graph's keepalive"
-        del held
+        del held, g
     x = torch.randn(3, H, device="cuda")
     pos = torch.randint(1, 100, (3,), dtype=torch.int32, device="cuda")
     junk = [torch.full((1 << 16,), float("nan"), device="cuda") for _ in range(64)]
