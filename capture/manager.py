@@ -203,6 +203,7 @@ class CaptureManager:
         return False
 
     def _analyse(self, size: int, stream) -> bool:
+        self._before_replay(size, size)  # host planning for this size, before any run of it
         if not self.analyze:
             return True
         # With collectives inside the step every rank must make the same calls: a fixed
