@@ -189,22 +189,22 @@ class LeasedTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        leased = [a for a in _tensors(args, kwargs) if isinstance(a, LeasedTensor)]
-        for a in leased:
-            if a._epoch != a._clock.epoch:
-                raise StaleOutputError(
-                    f"stale read of a leased graph output: it was handed out at replay "
-                    f"{a._epoch} and replay {a._clock.epoch} has overwritten it. Copy what you "
-                    "need (t.clone()) before the next run(), or use copy-out mode.")
+        src = None
+        for a in _tensors(args, kwargs):
+            if type(a) is LeasedTensor:
+                if a._epoch != a._clock.epoch:
+                    raise StaleOutputError(
+                        f"stale read of a leased graph output: it was handed out at replay "
+                        f"{a._epoch} and replay {a._clock.epoch} has overwritten it. Copy what "
+                        "you need (t.clone()) before the next run(), or use copy-out mode.")
+                src = src or a
         with DisableTorchFunctionSubclass():
-            ret = func(*args, **kwargs)
-        if not leased:
-            return ret
-        src = leased[0]
-        if isinstance(ret, torch.Tensor) and _shares_memory(ret, src):
-            return LeasedTensor.lease(ret, src._clock) if src._epoch == src._clock.epoch else ret
-        return ret
+            ret = func(*args, **(kwargs or {}))
+            # Only a view can alias the leased memory: everything else is a plain new tensor.
+            if src is None or type(ret) is not torch.Tensor or not ret._is_view() \
+                    or not _shares_memory(ret, src):
+                return ret
+        return LeasedTensor.lease(ret, src._clock)
 
 
 def _tensors(args, kwargs):
@@ -213,9 +213,10 @@ def _tensors(args, kwargs):
             yield a
         elif isinstance(a, (tuple, list)):
             yield from (x for x in a if isinstance(x, torch.Tensor))
-    for a in kwargs.values():
-        if isinstance(a, torch.Tensor):
-            yield a
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, torch.Tensor):
+                yield a
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
