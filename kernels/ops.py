@@ -17,6 +17,9 @@ every op returns ``None`` (a custom op may not return an alias of its input)::
     torch.ops.graphrt.silu_and_mul_masked(u, masked_m, out)
     torch.ops.graphrt.silu_and_mul_masked_fp8(u, masked_m, out_q, out_scale, group_size=128)
     torch.ops.graphrt.masked_grouped_gemm(a, b, masked_m, out, expected_m=None)
+    torch.ops.graphrt.decode_grouped_gemm(a, b, masked_m, out, expected_m=None, block_n=32,
+                                          split_k=1, workspace=None, a_scale=None,
+                                          b_scale=None, num_warps=4, num_stages=4)
     torch.ops.graphrt.kv_append(k, v, slot_mapping, n, k_cache, v_cache)
     torch.ops.graphrt.decode_attention(q, k_cache, v_cache, block_table, seq_lens, n, out,
                                        workspace_o, workspace_lse, sm_scale=None)
@@ -126,6 +129,19 @@ def masked_grouped_gemm(a: Tensor, b: Tensor, masked_m: Tensor, out: Tensor,
         a, b, masked_m, out=out, expected_m=expected_m)
 
 
+@_op("decode_grouped_gemm", ("out", "workspace"))
+def decode_grouped_gemm(a: Tensor, b: Tensor, masked_m: Tensor, out: Tensor,
+                        expected_m: Optional[int] = None, block_n: int = 32, split_k: int = 1,
+                        workspace: Optional[Tensor] = None, a_scale: Optional[Tensor] = None,
+                        b_scale: Optional[Tensor] = None, num_warps: int = 4,
+                        num_stages: int = 4) -> None:
+    """``graphrt.kernels.grouped_gemm_decode.decode_grouped_gemm``. Graph safety: capturable."""
+    _launcher(f"{_KERNELS}.grouped_gemm_decode", "decode_grouped_gemm")(
+        a, b, masked_m, out=out, expected_m=expected_m, block_n=block_n, split_k=split_k,
+        workspace=workspace, a_scale=a_scale, b_scale=b_scale, num_warps=num_warps,
+        num_stages=num_stages)
+
+
 @_op("deepgemm_masked_bf16", ("d",))
 def deepgemm_masked_bf16(a: Tensor, b: Tensor, d: Tensor, masked_m: Tensor, expected_m: int) -> None:
     """``deep_gemm.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m)``: a bf16
@@ -184,8 +200,8 @@ def silu_and_mul(u: Tensor, out: Tensor) -> None:
 
 
 OPS = (topk_softmax, grouped_topk_sigmoid, dispatch_masked, combine_masked, silu_and_mul_masked,
-       silu_and_mul_masked_fp8, masked_grouped_gemm, deepgemm_masked_bf16, deepgemm_masked_fp8,
-       kv_append, decode_attention, add_rmsnorm, silu_and_mul)
+       silu_and_mul_masked_fp8, masked_grouped_gemm, decode_grouped_gemm, deepgemm_masked_bf16,
+       deepgemm_masked_fp8, kv_append, decode_attention, add_rmsnorm, silu_and_mul)
 
 
 def _no_outputs(*args, **kwargs) -> None:
@@ -232,6 +248,13 @@ def _wrappers() -> dict[tuple[str, str], object]:
         ops.masked_grouped_gemm(a, b, masked_m, out, expected_m)
         return out
 
+    def decode_grouped_gemm_(a, b, masked_m, *, out, expected_m=None, block_n=32, split_k=1,
+                             workspace=None, a_scale=None, b_scale=None, num_warps=4,
+                             num_stages=4):
+        ops.decode_grouped_gemm(a, b, masked_m, out, expected_m, block_n, split_k, workspace,
+                                a_scale, b_scale, num_warps, num_stages)
+        return out
+
     def kv_append_(k, v, slot_mapping, n, *, k_cache, v_cache):
         ops.kv_append(k, v, slot_mapping, n, k_cache, v_cache)
 
@@ -266,6 +289,7 @@ def _wrappers() -> dict[tuple[str, str], object]:
             (f"{k}.activation", "silu_and_mul_masked"): silu_and_mul_masked_,
             (f"{k}.activation", "silu_and_mul_masked_fp8"): silu_and_mul_masked_fp8_,
             (f"{k}.grouped_gemm", "masked_grouped_gemm"): masked_grouped_gemm_,
+            (f"{k}.grouped_gemm_decode", "decode_grouped_gemm"): decode_grouped_gemm_,
             (f"{k}.attention", "kv_append"): kv_append_,
             (f"{k}.attention", "decode_attention"): decode_attention_,
             (f"{k}.norm", "add_rmsnorm"): add_rmsnorm_,

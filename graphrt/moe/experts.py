@@ -6,11 +6,15 @@ per-token 128-group scales); ``gemm2``: ``-> [num_local_experts, cap, hidden]``.
 dispatched tokens are quantized too: by DeepEP's fp8 dispatch in its send kernel, or (EP=1)
 here by ``kernels.activation.quantize_fp8_masked`` over the live rows.
 
-The GEMM is DeepGEMM's ``m_grouped_bf16_gemm_nt_masked`` (or ``m_grouped_fp8_gemm_nt_masked``
-with the quantized activation and 128x128 block-scaled fp8 weights) when ``deep_gemm``
-imports on a Hopper GPU, else graphrt's Triton fallback. DeepGEMM compiles per shape and
+Each GEMM is one of three kernels (``Choice.kernel``): DeepGEMM's ``m_grouped_bf16_gemm_nt_masked``
+(or ``m_grouped_fp8_gemm_nt_masked`` with the quantized activation and 128x128 block-scaled
+fp8 weights) when ``deep_gemm`` imports on a Hopper GPU; graphrt's row-tiled Triton masked
+GEMM (``kernels.grouped_gemm``, bf16); or the decode kernel (``kernels.grouped_gemm_decode``:
+each live expert's weights streamed once, bf16 and fp8). With ``backend="auto"`` an
+``ExpertPlan`` (``graphrt.moe.expert_plan``) picks per padded batch size, measured at capture
+time; otherwise ``backend`` is used throughout. DeepGEMM compiles per shape and
 ``expected_m`` on first call, so every padded size is warmed before capture (the capture
-manager's warm-up does it).
+manager's warm-up and the plan's timing do it).
 
 Graph safety: capturable (every call; weights are allocated in ``__init__``).
 """
@@ -19,6 +23,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from graphrt.moe.expert_plan import MAX_SPLIT, SPLIT_ROWS, Choice, shape_key
 
 
 @functools.lru_cache(maxsize=1)
@@ -54,27 +60,45 @@ class Experts:
     Args:
         hidden, inter: model and expert dims.
         num_local_experts: experts held on this device.
-        backend: ``"auto"`` (DeepGEMM on Hopper when importable, else Triton), ``"deepgemm"``
-            or ``"triton"``.
-        fp8: fp8 e4m3 weights and activations (DeepGEMM only).
+        backend: the expert GEMM when no plan entry says otherwise: ``"auto"`` (DeepGEMM on
+            Hopper when importable, else the Triton masked GEMM, or the decode kernel for
+            fp8), ``"deepgemm"``, ``"triton"`` (the row-tiled masked GEMM, bf16) or
+            ``"decode"`` (``kernels.grouped_gemm_decode``). Only ``"auto"`` lets a ``plan``
+            pick per padded size.
+        fp8: fp8 e4m3 weights and activations (DeepGEMM's layout; DeepGEMM or decode kernel).
         quantize_input: with fp8, tokens arrive in bf16 and are quantized here (EP=1); False
             when the dispatch delivers them quantized (DeepEP's fp8 dispatch) with scales.
+        plan: an ``ExpertPlan`` shared by the model's layers (``graphrt.moe.expert_plan``);
+            ``None``: always ``backend``.
     """
 
     def __init__(self, hidden: int, inter: int, num_local_experts: int, device, *, seed: int = 0,
                  first_expert: int = 0, backend: str = "auto", fp8: bool = False,
                  dtype=torch.bfloat16, max_cap: int = 256, workspace=None,
-                 quantize_input: bool = True):
+                 quantize_input: bool = True, plan=None):
+        on_cuda = torch.device(device).type == "cuda"
+        self.planned = backend == "auto"
         if backend == "auto":
-            backend = "deepgemm" if deep_gemm_available() and torch.device(device).type == "cuda" else "triton"
-        if backend not in ("deepgemm", "triton"):
-            raise ValueError(f"backend must be auto, deepgemm or triton; got {backend!r}")
+            backend = ("deepgemm" if deep_gemm_available() and on_cuda
+                       else "decode" if fp8 else "triton")
+        if backend not in ("deepgemm", "triton", "decode"):
+            raise ValueError(f"backend must be auto, deepgemm, triton or decode; got {backend!r}")
         if backend == "deepgemm" and not deep_gemm_available():
             raise RuntimeError("backend='deepgemm' but deep_gemm does not import on a Hopper GPU here")
-        if fp8 and backend != "deepgemm":
-            raise ValueError("fp8 experts need DeepGEMM (backend='deepgemm' on Hopper)")
+        if fp8 and backend == "triton":
+            raise ValueError("fp8 experts need DeepGEMM or the decode kernel (backend='deepgemm', "
+                             "'decode' or 'auto'); the row-tiled Triton GEMM is bf16 only")
         self.hidden, self.inter, self.E = hidden, inter, num_local_experts
         self.backend, self.fp8, self.dtype = backend, fp8, dtype
+        self.device = torch.device(device)
+        self.plan = plan if self.planned else None
+        self._fixed = Choice(backend)
+        self._keys = (shape_key(num_local_experts, 2 * inter, hidden, fp8),
+                      shape_key(num_local_experts, hidden, inter, fp8))
+        # Kernels a plan may pick from: the decode kernel always; the row-tiled one for bf16.
+        self.kernels = tuple(k for k in ("decode", "triton", "deepgemm")
+                             if not (k == "triton" and fp8)
+                             and not (k == "deepgemm" and not (deep_gemm_available() and on_cuda)))
         # Each expert's weights come from its own seed (layer seed, global expert id), so a
         # rank holding experts [first_expert, first_expert + E) has exactly EP=1's weights.
         self.w13 = torch.empty(self.E, 2 * inter, hidden, device=device, dtype=dtype)
@@ -93,6 +117,9 @@ class Experts:
         E = self.E
         self.ws.reserve("u", (E, max_cap, 2 * inter), dtype)
         self.ws.reserve("y", (E, max_cap, hidden), dtype)
+        if self.planned or backend == "decode":  # split-K partials of the decode kernel
+            self.ws.reserve("gemm_partials", (MAX_SPLIT, SPLIT_ROWS, max(2 * inter, hidden)),
+                            torch.float32)
         if fp8:
             self.ws.reserve("a_q", (E, max_cap, inter), torch.float8_e4m3fn)
             self.ws.reserve("a_s", (E, max_cap, inter // 128), torch.float32)
@@ -109,24 +136,75 @@ class Experts:
             return sum(t.numel() * t.element_size() for p in (self.w13_q, self.w2_q) for t in p)
         return (self.w13.numel() + self.w2.numel()) * self.w13.element_size()
 
-    def _gemm(self, a, b, masked_m, expected_m, out, a_scale=None, b_scaled=None):
-        if self.backend == "deepgemm":
+    def gemm_shapes(self) -> dict[str, tuple[str, int, int]]:
+        """``{"w13" | "w2": (plan key, n, k)}`` of the two GEMMs. Host-only."""
+        h, i = self.hidden, self.inter
+        return {"w13": (self._keys[0], 2 * i, h), "w2": (self._keys[1], h, i)}
+
+    def choices(self, bs: int | None = None) -> tuple[Choice, Choice]:
+        """The (W13, W2) kernels for padded batch ``bs`` (None: the plan's current size):
+        the plan's entries, else ``backend``. Host-only (a dict lookup)."""
+        sel = None
+        if self.plan is not None:
+            sel = self.plan.current if bs is None else self.plan.choices(bs)
+        if not sel:
+            return self._fixed, self._fixed
+        return sel.get(self._keys[0], self._fixed), sel.get(self._keys[1], self._fixed)
+
+    def gemm(self, which: str, a, masked_m, expected_m: int, out, choice: Choice, a_scale=None):
+        """``out = a @ W.T`` on live rows with ``choice``'s kernel; ``which`` is ``"w13"`` or
+        ``"w2"``; ``a`` [E, cap, k] bf16 (or fp8 with ``a_scale`` [E, cap, k // 128]),
+        ``out`` [E, cap, n] bf16. Graph safety: capturable."""
+        w = (self.w13_q if which == "w13" else self.w2_q) if self.fp8 else \
+            (self.w13 if which == "w13" else self.w2)
+        if choice.kernel == "deepgemm":
             import deep_gemm
-            if a_scale is not None:
-                deep_gemm.m_grouped_fp8_gemm_nt_masked((a, a_scale), b_scaled, out, masked_m, expected_m)
+            if self.fp8:
+                deep_gemm.m_grouped_fp8_gemm_nt_masked((a, a_scale), w, out, masked_m, expected_m)
             else:
-                deep_gemm.m_grouped_bf16_gemm_nt_masked(a, b, out, masked_m, expected_m)
-        else:
+                deep_gemm.m_grouped_bf16_gemm_nt_masked(a, w, out, masked_m, expected_m)
+        elif choice.kernel == "triton":
             from graphrt.kernels.grouped_gemm import masked_grouped_gemm
-            masked_grouped_gemm(a, b, masked_m, out=out, expected_m=expected_m)
+            masked_grouped_gemm(a, w, masked_m, out=out, expected_m=expected_m)
+        else:
+            from graphrt.kernels.grouped_gemm_decode import decode_grouped_gemm
+            n = out.shape[2]
+            ws = (self.ws.view("gemm_partials", (choice.split_k, SPLIT_ROWS, n))
+                  if choice.split_k > 1 else None)
+            w, b_scale = w if self.fp8 else (w, None)
+            decode_grouped_gemm(a, w, masked_m, out=out, expected_m=expected_m,
+                                block_n=choice.block_n, split_k=choice.split_k, workspace=ws,
+                                a_scale=a_scale, b_scale=b_scale, num_warps=choice.num_warps)
         return out
 
+    def synthetic_io(self, which: str, cap: int):
+        """``(a, a_scale, out)`` for timing ``which`` at ``cap`` rows an expert: views of this
+        layer's workspace filled with random finite values (scratch between steps).
+        Host-only setup (launches fills)."""
+        E, h, i = self.E, self.hidden, self.inter
+        k, n, out_name = (h, 2 * i, "u") if which == "w13" else (i, h, "y")
+        out = self.ws.view(out_name, (E, cap, n))
+        if not self.fp8:
+            a = self.ws.view("y" if which == "w13" else "a", (E, cap, k))
+            return a.normal_(), None, out
+        names = ("x_q", "x_s") if which == "w13" else ("a_q", "a_s")
+        try:
+            a, s = (self.ws.view(names[0], (E, cap, k)), self.ws.view(names[1], (E, cap, k // 128)))
+        except KeyError:  # the dispatch quantizes (no x_q here): a scratch copy for timing
+            a = torch.empty(E, cap, k, dtype=torch.float8_e4m3fn, device=self.device)
+            s = torch.empty(E, cap, k // 128, dtype=torch.float32, device=self.device)
+        a.view(torch.uint8).random_(0, 0x77)  # positive finite e4m3 values
+        return a, s.fill_(1e-2), out
+
     def __call__(self, recv_x: torch.Tensor, masked_m: torch.Tensor, expected_m: int,
-                 recv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 recv_scale: torch.Tensor | None = None, bs: int | None = None) -> torch.Tensor:
         """recv_x ``[E, cap, hidden]`` (bf16, or fp8 with ``recv_scale``) -> ``[E, cap, hidden]``
-        bf16; rows past ``masked_m`` are not computed. Graph safety: capturable."""
+        bf16; rows past ``masked_m`` are not computed. ``bs``: the padded batch, whose plan
+        entry picks the kernels (None: the size the plan last selected). Graph safety:
+        capturable."""
         from graphrt.kernels.activation import (quantize_fp8_masked, silu_and_mul_masked,
                                                 silu_and_mul_masked_fp8)
+        c13, c2 = self.choices(bs)
         E, cap = recv_x.shape[0], recv_x.shape[1]
         u = self.ws.view("u", (E, cap, 2 * self.inter))
         y = self.ws.view("y", (E, cap, self.hidden))
@@ -136,12 +214,12 @@ class Experts:
                 x_q = self.ws.view("x_q", (E, cap, self.hidden))
                 x_s = self.ws.view("x_s", (E, cap, self.hidden // 128))
                 recv_x, recv_scale = quantize_fp8_masked(recv_x, masked_m, out_q=x_q, out_scale=x_s)
-            self._gemm(recv_x, None, masked_m, expected_m, u, recv_scale, self.w13_q)
+            self.gemm("w13", recv_x, masked_m, expected_m, u, c13, recv_scale)
             a_q = self.ws.view("a_q", (E, cap, self.inter))
             a_s = self.ws.view("a_s", (E, cap, self.inter // 128))
             silu_and_mul_masked_fp8(u, masked_m, out_q=a_q, out_scale=a_s)
-            return self._gemm(a_q, None, masked_m, expected_m, y, a_s, self.w2_q)
-        self._gemm(recv_x, self.w13, masked_m, expected_m, u)
+            return self.gemm("w2", a_q, masked_m, expected_m, y, c2, a_s)
+        self.gemm("w13", recv_x, masked_m, expected_m, u, c13)
         a = self.ws.view("a", (E, cap, self.inter))
         silu_and_mul_masked(u, masked_m, out=a)
-        return self._gemm(a, self.w2, masked_m, expected_m, y)
+        return self.gemm("w2", a, masked_m, expected_m, y, c2)

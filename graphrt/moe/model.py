@@ -56,7 +56,8 @@ class MoEBlock:
         w, ids = self.router(h, n)                                         # [bs, k] fp32, int64
         d = self.comm.dispatch(h, ids, n, topk_weights=w)
         self.last_masked_m = d.masked_m  # a reference for benchmarks/tests (no sync)
-        y = self.experts(d.recv_x, d.masked_m, d.expected_m, d.recv_scale)  # [E, cap, hidden]
+        y = self.experts(d.recv_x, d.masked_m, d.expected_m, d.recv_scale,
+                         bs=h.shape[0])                                    # [E, cap, hidden]
         out = torch.empty_like(h)                                          # [bs, hidden]
         if self.overlap and self.shared is not None:
             recv = self.comm.combine_async(y, ids, w, d, n, out=out)
@@ -92,13 +93,19 @@ class MoEModel:
         device: where weights and KV caches live.
         comm: the expert-parallel backend (default ``LocalComm``: EP=1).
         overlap: run the combine asynchronously, overlapped with the shared expert.
-        backend: expert GEMMs: ``auto`` | ``deepgemm`` | ``triton``. fp8: fp8 experts (DeepGEMM).
+        backend: expert GEMMs: ``auto`` (a per-size plan, see ``expert_plan``) | ``deepgemm`` |
+            ``triton`` | ``decode``. fp8: fp8 experts (DeepGEMM or the decode kernel).
         seed: weights are random but deterministic from it.
+        expert_plan: with ``backend="auto"``, a fixed kernel table to start from: an
+            ``ExpertPlan``, its ``to_json()`` dict, or the path of a JSON file holding one
+            (``graphrt.moe.expert_plan``); sizes it lacks are measured by ``prepare``.
     """
 
     def __init__(self, cfg: MoEConfig, device, *, comm: EPComm | None = None, overlap: bool = True,
-                 backend: str = "auto", fp8: bool = False, seed: int = 0):
+                 backend: str = "auto", fp8: bool = False, seed: int = 0, expert_plan=None):
         self.cfg, self.device = cfg, torch.device(device)
+        self._plan = _make_plan(expert_plan, backend)
+        self._prepared: set[int] = set()
         self.comm = comm or LocalComm(cfg.num_experts, cfg.hidden, cfg.num_topk, self.device,
                                       max_tokens=cfg.num_slots)
         if self.comm.num_experts != cfg.num_experts:
@@ -117,6 +124,34 @@ class MoEModel:
                                    dtype=cfg.dtype) * cfg.hidden ** -0.5
         # Each layer's input norm, then the final norm: layer i ends with the norm of i + 1.
         self._norms = [l.attn_norm for l in self.layers] + [self.final_norm]
+        for layer in self.layers:  # one plan for every layer: their GEMM shapes are the same
+            layer.moe.experts.plan = self._plan
+
+    def prepare(self, padded_bs: int, n: int | None = None) -> None:
+        """The step's ``before_replay`` hook: the expert kernels for ``padded_bs``.
+
+        The first call for a size measures the candidate kernels of each expert GEMM shape on
+        a synthetic routing of that size (``graphrt.moe.expert_plan.plan_size``: CUDA graphs
+        and events, synchronizes; on a CPU device the decode kernel is recorded untimed);
+        every call then selects that size's entries, which a step of that size reads (a dict
+        lookup and an attribute store). ``n`` (live rows) is not used. No-op unless
+        ``backend="auto"``. Host-only: refuses to measure while a stream captures."""
+        plan = self._plan
+        if plan is None:
+            return
+        if padded_bs not in self._prepared:
+            from graphrt.moe.expert_plan import plan_size
+            plan_size(plan, self.layers[0].moe.experts, padded_bs,
+                      cap=self.comm.cap_for(padded_bs), num_topk=self.cfg.num_topk,
+                      num_experts=self.cfg.num_experts, num_ranks=self.comm.num_ranks)
+            self._prepared.add(padded_bs)
+        plan.select(padded_bs)
+
+    def expert_plan(self) -> dict | None:
+        """The per-size kernel table as JSON-ready data (``ExpertPlan.to_json``: kernel,
+        config and the candidates' µs per shape and padded size), or None when the backend
+        is fixed. Pass it back as ``MoEModel(expert_plan=...)`` to skip measuring. Host-only."""
+        return None if self._plan is None else self._plan.to_json()
 
     @property
     def overlap(self) -> bool:
@@ -174,7 +209,23 @@ class MoEModel:
         inputs = {"tokens": Input((None,), torch.int64, high=cfg.vocab_size),
                   **paged_kv.step_inputs(cfg)}
         return StepSpec(self.step, inputs, max_batch_size, name=f"{cfg.name}-{cfg.num_layers}L",
-                        live_count="n", example_inputs=self.example_inputs)
+                        live_count="n", example_inputs=self.example_inputs,
+                        before_replay=self.prepare if self._plan is not None else None)
+
+
+def _make_plan(expert_plan, backend: str):
+    """The model's ``ExpertPlan`` (None when ``backend`` is fixed)."""
+    from graphrt.moe.expert_plan import ExpertPlan
+    if backend != "auto":
+        if expert_plan is not None:
+            raise ValueError(f"expert_plan= needs backend='auto' (a per-size plan); got "
+                             f"backend={backend!r}, which fixes the expert GEMM")
+        return None
+    if expert_plan is None or isinstance(expert_plan, ExpertPlan):
+        return ExpertPlan() if expert_plan is None else expert_plan
+    if isinstance(expert_plan, dict):
+        return ExpertPlan(expert_plan)
+    return ExpertPlan.load(str(expert_plan))
 
 
 def make_step(cfg: MoEConfig, device, max_batch_size: int = 256, **kw) -> tuple[StepSpec, MoEModel]:

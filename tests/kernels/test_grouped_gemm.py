@@ -165,3 +165,125 @@ def test_gpu_weight_bandwidth_report(cuda_device):
         print(f"\nmasked_grouped_gemm n={n} k={k} m=8/group: {us:.1f} us, "
               f"{b.numel() * 2 / us / 1e6:.2f} TB/s of weights")
         assert us > 0
+
+
+# ------------------------------------------------------------ decode kernel (CPU interpreter)
+from graphrt.kernels.grouped_gemm_decode import (decode_grouped_gemm,  # noqa: E402
+                                                 decode_grouped_gemm_ref)
+
+
+def _decode(a, b, masked_m, split_k=1, ws_rows=64, **kw):
+    """Run the decode kernel into a NaN-poisoned out; returns out."""
+    E, cap, _ = a.shape
+    n = b.shape[1]
+    out = torch.full((E, cap, n), float("nan"), dtype=torch.bfloat16)
+    ws = torch.full((split_k, ws_rows, n), float("nan")) if split_k > 1 else None
+    assert decode_grouped_gemm(a, b, masked_m, out=out, split_k=split_k, workspace=ws, **kw) is out
+    return out
+
+
+def _random_rows(num_experts, seed, high=17):
+    """masked_m with zeros and 1..16 rows (several experts idle, as at decode)."""
+    g = torch.Generator().manual_seed(seed)
+    m = torch.randint(1, high, (num_experts,), generator=g, dtype=torch.int32)
+    m[torch.randperm(num_experts, generator=g)[: num_experts // 2]] = 0
+    return m
+
+
+@pytest.mark.parametrize("block_n, split_k", [(16, 1), (32, 1), (64, 1), (16, 2), (32, 3)])
+def test_decode_matches_ref_untouched_rows(block_n, split_k):
+    # n, k not multiples of the tiles (k=160: a ragged last K tile); rows 1..16 with zeros
+    a, b = _inputs(6, 20, 80, 160, seed=5)
+    masked_m = _random_rows(6, seed=6)
+    out = _decode(a, b, masked_m, split_k=split_k, block_n=block_n, expected_m=8)
+    _check_against_ref(a, b, masked_m, out)
+    ref = decode_grouped_gemm_ref(a, b, masked_m)
+    assert torch.equal(ref, masked_grouped_gemm_ref(a, b, masked_m))
+
+
+def test_decode_split_k_deterministic_and_close_to_unsplit():
+    a, b = _inputs(5, 16, 48, 256, seed=7)
+    masked_m = torch.tensor([3, 0, 16, 1, 9], dtype=torch.int32)
+    runs = [_decode(a, b, masked_m, split_k=s, block_n=16) for s in (1, 1, 4, 4)]
+    bits = [r.view(torch.int16) for r in runs]                         # NaN poison compares too
+    assert torch.equal(bits[0], bits[1]) and torch.equal(bits[2], bits[3])   # bitwise, run to run
+    for out in runs:
+        _check_against_ref(a, b, masked_m, out)
+
+
+def test_decode_workspace_too_small_runs_unsplit():
+    # compacted rows: expert 0 -> [0, 5), expert 2 -> [5, 12), expert 3 -> [12, 28): with 12
+    # workspace rows experts 0 and 2 split, expert 3 (rows up to 28) runs unsplit
+    a, b = _inputs(4, 16, 32, 256, seed=8)
+    masked_m = torch.tensor([5, 0, 7, 16], dtype=torch.int32)
+    out = torch.full((4, 16, 32), float("nan"), dtype=torch.bfloat16)
+    ws = torch.full((2, 14, 32), float("nan"))
+    decode_grouped_gemm(a, b, masked_m, out=out, split_k=2, workspace=ws, block_n=16)
+    _check_against_ref(a, b, masked_m, out)
+    assert not ws[:, :12].isnan().any() and ws[:, 12:].isnan().all()   # split rows only
+    assert (ws[1, :12] != 0).all()                                     # both halves of K did work
+    total = ws[0] + ws[1]                                              # within one bf16 step
+    assert torch.allclose(total[:5], out[0, :5].float(), rtol=2 ** -7, atol=0)
+    assert torch.allclose(total[5:12], out[2, :7].float(), rtol=2 ** -7, atol=0)
+
+
+def test_decode_clamps_above_cap_and_loops_row_blocks():
+    a, b = _inputs(3, 40, 32, 64, seed=9)
+    masked_m = torch.tensor([99, 0, 33], dtype=torch.int32)        # 99 > cap: treated as cap
+    out = _decode(a, b, masked_m, block_n=32, expected_m=1)        # 16-row blocks, 3 per expert
+    _check_against_ref(a, b, masked_m, out)
+
+
+def test_decode_all_idle_writes_nothing():
+    a, b = _inputs(3, 16, 32, 32, seed=3)
+    out = _decode(a, b, torch.zeros(3, dtype=torch.int32), split_k=2)
+    assert torch.isnan(out.float()).all()
+
+
+def test_decode_fp8_matches_dequantized_ref():
+    from graphrt.kernels.activation import quantize_fp8_masked_ref
+    from graphrt.moe.experts import quantize_weight_fp8
+    a, b = _inputs(4, 8, 256, 384, seed=11)
+    masked_m = torch.tensor([0, 3, 8, 1], dtype=torch.int32)
+    a_q, a_s = quantize_fp8_masked_ref(a, torch.full((4,), 8, dtype=torch.int32))
+    b_q, b_s = quantize_weight_fp8(b)
+    a_s = a_s.transpose(1, 2).contiguous().transpose(1, 2)              # MN-major scales
+    ref = decode_grouped_gemm_ref(a_q, b_q, masked_m, a_s, b_s)
+    for split_k in (1, 3):
+        out = _decode(a_q, b_q, masked_m, split_k=split_k, block_n=64, a_scale=a_s, b_scale=b_s)
+        live = torch.arange(8)[None, :] < masked_m[:, None]
+        assert torch.isnan(out[~live].float()).all()
+        assert _rel_err(out[live], ref[live]) < 1e-2
+    assert _rel_err(ref[live], masked_grouped_gemm_ref(a, b, masked_m)[live]) < 0.1  # fp8 noise
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(block_n=24), r"block_n: expected one of"),
+    (dict(split_k=2), r"workspace: expected fp32 \[2, rows, 16\]"),
+    (dict(split_k=2, workspace=torch.zeros(2, 4, 15)), r"workspace\.shape"),
+    (dict(split_k=0), r"split_k"),
+    (dict(a_scale=torch.zeros(2, 8, 1)), r"a_scale, b_scale: expected None with bf16"),
+    (dict(masked_m=torch.zeros(2, dtype=torch.int64)), r"masked_m\.dtype"),
+    (dict(out=torch.zeros(2, 8, 16)), r"out\.dtype"),
+])
+def test_decode_validation(bad, match):
+    args = dict(a=torch.zeros(2, 8, 32, dtype=torch.bfloat16),
+                b=torch.zeros(2, 16, 32, dtype=torch.bfloat16),
+                masked_m=torch.zeros(2, dtype=torch.int32),
+                out=torch.zeros(2, 8, 16, dtype=torch.bfloat16))
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        decode_grouped_gemm(args.pop("a"), args.pop("b"), args.pop("masked_m"), **args)
+
+
+def test_decode_op_matches_launcher():
+    import graphrt.kernels.ops  # noqa: F401 - registers torch.ops.graphrt.*
+    a, b = _inputs(3, 8, 32, 64, seed=12)
+    masked_m = torch.tensor([2, 0, 5], dtype=torch.int32)
+    want = _decode(a, b, masked_m, split_k=2, ws_rows=16, block_n=16)
+    got = torch.full_like(want, float("nan"))
+    torch.ops.graphrt.decode_grouped_gemm(a, b, masked_m, got, None, 16, 2, torch.zeros(2, 16, 32))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    torch.library.opcheck(torch.ops.graphrt.decode_grouped_gemm.default,
+                          (a, b, masked_m, torch.zeros_like(want)), dict(block_n=16),
+                          test_utils=("test_schema", "test_faketensor"))

@@ -1,0 +1,271 @@
+"""Per-size expert-kernel plan: which grouped GEMM each captured size bakes in.
+
+The routed experts' GEMMs have three implementations with different sweet spots: the
+decode kernel (``kernels.grouped_gemm_decode``: live experts' weights streamed once, best
+at a few rows an expert), the row-tiled Triton masked GEMM (``kernels.grouped_gemm``) and
+DeepGEMM's masked GEMM (many rows an expert). Which is fastest depends on the padded batch
+(rows per live expert, live experts), the GEMM's shape and the GPU, so it is *measured*:
+
+    plan = ExpertPlan()                          # or ExpertPlan.load("plan.json")
+    plan_size(plan, experts, padded_bs, ...)     # once per size, host-side (CUDA events)
+    plan.select(padded_bs)                       # before every replay: one dict lookup
+    plan.choices(padded_bs)["bf16:64x1536x2048"] # -> Choice(kernel="decode", block_n=16, ...)
+
+``MoEModel.prepare`` (the step's ``before_replay`` hook) drives this; each captured graph
+then holds the kernels chosen for its size. A table can be saved (``to_json``) and passed
+back (``MoEModel(expert_plan=...)``) so a run skips measuring.
+
+Table keys: ``"<dtype>:<num_local_experts>x<n>x<k>"`` (``dtype`` is ``bf16`` or ``fp8``), then
+the padded batch size. JSON::
+
+    {"version": 1, "plan": {"bf16:64x1536x2048": {"1": {"kernel": "decode", "block_n": 16,
+      "split_k": 1, "us": 14.2, "candidates": {"decode/bn16": 14.2, "triton": 25.0, ...}}}}}
+
+Synthetic batch for a padded size (``routed_rows``): ``padded_bs * num_ranks`` tokens pick
+``num_topk`` experts each; the expected number of distinct local experts hit is
+``E_local * (1 - (1 - 1/num_experts) ** (tokens * num_topk))`` (at least 1) and the expected
+routed rows ``tokens * num_topk * E_local / num_experts`` are spread evenly over them.
+
+Graph safety: host-only (``select`` and the lookups are plain Python; ``plan_size`` times
+kernels with CUDA events and synchronizes, and refuses to run while a stream captures).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+PLAN_VERSION = 1
+KERNELS = ("decode", "triton", "deepgemm")
+SPLIT_ROWS = 256  # split-K workspace rows (compacted live rows); larger routings run unsplit
+MAX_SPLIT = 4
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One expert-GEMM implementation: ``kernel`` (``decode`` | ``triton`` | ``deepgemm``);
+    the decode kernel's ``block_n``, ``split_k`` and ``num_warps``; ``us`` as measured (None:
+    not timed)."""
+
+    kernel: str
+    block_n: int = 32
+    split_k: int = 1
+    us: float | None = field(default=None, compare=False)
+    num_warps: int = 4
+
+    def __post_init__(self):
+        if self.kernel not in KERNELS:
+            raise ValueError(f"Choice.kernel: expected one of {KERNELS}, got {self.kernel!r}")
+        if self.kernel == "decode" and not (1 <= self.split_k <= MAX_SPLIT):
+            raise ValueError(f"Choice.split_k: expected 1..{MAX_SPLIT}, got {self.split_k}")
+
+    @property
+    def name(self) -> str:
+        """``decode/bn32`` (``/sk2`` when split, ``/w8`` at other than 4 warps), ``triton``
+        or ``deepgemm``."""
+        if self.kernel != "decode":
+            return self.kernel
+        return (f"decode/bn{self.block_n}" + (f"/sk{self.split_k}" if self.split_k > 1 else "")
+                + (f"/w{self.num_warps}" if self.num_warps != 4 else ""))
+
+
+def shape_key(num_local_experts: int, n: int, k: int, fp8: bool) -> str:
+    """The plan's key of one GEMM shape, e.g. ``bf16:64x1536x2048``."""
+    return f"{'fp8' if fp8 else 'bf16'}:{num_local_experts}x{n}x{k}"
+
+
+def routed_rows(padded_bs: int, num_topk: int, num_experts: int, num_local_experts: int,
+                num_ranks: int = 1) -> list[int]:
+    """Rows of each live local expert in a typical routing of ``padded_bs`` rows per rank
+    (module docstring): a list of ``live`` positive ints summing to the expected routed rows."""
+    picks = padded_bs * num_ranks * num_topk
+    hit = num_local_experts * (1.0 - (1.0 - 1.0 / num_experts) ** picks)
+    live = max(1, min(num_local_experts, round(hit)))
+    rows = max(live, round(picks * num_local_experts / num_experts))
+    return [rows // live + (1 if i < rows % live else 0) for i in range(live)]
+
+
+def synthetic_masked_m(rows: list[int], num_local_experts: int, rotate: int = 0) -> torch.Tensor:
+    """int32 ``[num_local_experts]`` (CPU): ``rows`` on live experts spread evenly, the spread
+    shifted by ``rotate`` experts (different rotations touch different weights)."""
+    m = torch.zeros(num_local_experts, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        m[(i * num_local_experts // len(rows) + rotate) % num_local_experts] = r
+    return m
+
+
+def decode_candidates(n: int, k: int, live: int, num_sms: int, fp8: bool = False) -> list[Choice]:
+    """Decode-kernel configurations worth timing: column tiles 16/32/64, plus split-K (2, 4)
+    when fewer than two work items per SM would run unsplit. Pure Python."""
+    out = [Choice("decode", block_n=bn) for bn in (16, 32, 64)]
+    if live * -(-n // 32) < 2 * num_sms:
+        out += [Choice("decode", block_n=32, split_k=s) for s in (2, MAX_SPLIT)
+                if k // s >= (128 if fp8 else 256)]
+    return out
+
+
+def default_choice(n: int, live: int, num_sms: int = 132) -> Choice:
+    """The decode kernel without timing (CPU, or a size not measured): ``block_n`` 32 when
+    that still gives two work items per SM, else 16; no split."""
+    return Choice("decode", block_n=32 if live * -(-n // 32) >= 2 * num_sms else 16)
+
+
+class ExpertPlan:
+    """``{shape key: {padded_bs: Choice}}`` plus the candidates' timings, and the selection
+    of the current size. Host-only plain data."""
+
+    def __init__(self, table: dict | None = None):
+        self._by_size: dict[int, dict[str, Choice]] = {}
+        self._timings: dict[tuple[str, int], dict[str, float | str]] = {}
+        self.current: dict[str, Choice] | None = None
+        if table:
+            self._load(table)
+
+    # -- lookups (per replay) ------------------------------------------------------------
+    def select(self, padded_bs: int) -> dict[str, Choice] | None:
+        """Make ``padded_bs``'s choices current (what a step without its size reads)."""
+        self.current = self._by_size.get(padded_bs)
+        return self.current
+
+    def choices(self, padded_bs: int) -> dict[str, Choice] | None:
+        """``{shape key: Choice}`` of ``padded_bs``, or None when that size has no entry."""
+        return self._by_size.get(padded_bs)
+
+    def has(self, key: str, padded_bs: int) -> bool:
+        return key in self._by_size.get(padded_bs, ())
+
+    # -- recording -----------------------------------------------------------------------
+    def record(self, key: str, padded_bs: int, choice: Choice,
+               timings: dict[str, float | str] | None = None) -> None:
+        """Store ``choice`` for (``key``, ``padded_bs``) with the candidates' ``timings``
+        (µs, or an error string for a candidate that failed)."""
+        self._by_size.setdefault(int(padded_bs), {})[key] = choice
+        if timings is not None:
+            self._timings[(key, int(padded_bs))] = dict(timings)
+
+    # -- JSON ----------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        """The table as JSON-ready data (see the module docstring)."""
+        plan: dict[str, dict[str, dict]] = {}
+        for bs in sorted(self._by_size):
+            for key, c in sorted(self._by_size[bs].items()):
+                entry = {k: v for k, v in asdict(c).items() if v is not None}
+                if (key, bs) in self._timings:
+                    entry["candidates"] = self._timings[(key, bs)]
+                plan.setdefault(key, {})[str(bs)] = entry
+        return {"version": PLAN_VERSION, "plan": plan}
+
+    @classmethod
+    def load(cls, path: str) -> ExpertPlan:
+        """Read a table written by ``save`` (or a JSON holding ``{"expert_plan": table}``)."""
+        with open(path) as f:
+            data = json.load(f)
+        return cls(data.get("expert_plan", data))
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+
+    def _load(self, table: dict) -> None:
+        if table.get("version") != PLAN_VERSION or not isinstance(table.get("plan"), dict):
+            raise ValueError(f"expert plan: expected {{'version': {PLAN_VERSION}, 'plan': "
+                             f"{{key: {{padded_bs: choice}}}}}}, got keys {sorted(table)}")
+        for key, sizes in table["plan"].items():
+            for bs, entry in sizes.items():
+                c = Choice(entry["kernel"], int(entry.get("block_n", 32)),
+                           int(entry.get("split_k", 1)), entry.get("us"),
+                           int(entry.get("num_warps", 4)))
+                self.record(key, int(bs), c, entry.get("candidates"))
+
+
+# ----------------------------------------------------------------------- measurement (CUDA)
+def _graph_us(fns, samples: int = 7, replays: int = 5) -> float:
+    """Device µs per call: the calls ``fns`` captured back to back in one CUDA graph (after an
+    eager warm-up, which also compiles); median over ``samples`` of ``replays`` back-to-back
+    replays, divided by the calls. Captured on a side stream without ``torch.cuda.graph``'s
+    gc/empty_cache on entry."""
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        try:
+            for fn in fns:
+                fn()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    times = []
+    for _ in range(samples):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (replays * len(fns)))
+    return statistics.median(times)
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (132 on an H200); 132 elsewhere."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: int,
+              num_experts: int, num_ranks: int = 1, rotations: int = 4) -> None:
+    """Fill ``plan`` for ``padded_bs`` with the fastest kernel of each of ``experts``' GEMMs
+    (``experts.gemm_shapes()``), timed on a synthetic routing (``routed_rows``) in the
+    experts' own workspace; shapes already in the plan are skipped. On a CPU device the
+    decode kernel is recorded without timing. A candidate that fails (e.g. does not compile)
+    is recorded with its error and never chosen. Host-only: synchronizes the device."""
+    from graphrt.kernels.dispatch import expected_m as expected_m_of
+    todo = {w: s for w, s in experts.gemm_shapes().items() if not plan.has(s[0], padded_bs)}
+    if not todo:
+        return
+    E = experts.E
+    rows = routed_rows(padded_bs, num_topk, num_experts, E, num_ranks)
+    device = experts.device
+    if device.type != "cuda":
+        for key, n, _ in todo.values():
+            plan.record(key, padded_bs, default_choice(n, len(rows)))
+        return
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"expert plan for batch {padded_bs}: measuring needs the device "
+                           "synchronized, but a stream is capturing; call the model's "
+                           "prepare(padded_bs) before capture (graphrt does, via before_replay)")
+    em = expected_m_of(padded_bs, num_topk, E, cap=cap)
+    masked = [synthetic_masked_m(rows, E, r * max(1, E // (len(rows) * rotations))).to(device)
+              for r in range(rotations)]
+    torch.cuda.synchronize(device)
+    for which, (key, n, k) in todo.items():
+        a, a_scale, out = experts.synthetic_io(which, cap)
+        cands = [Choice(kname) for kname in experts.kernels if kname != "decode"]
+        if "decode" in experts.kernels:
+            cands = decode_candidates(n, k, len(rows), num_sms(device), experts.fp8) + cands
+        timings: dict[str, float | str] = {}
+        best = None
+        for c in cands:
+            fns = [functools.partial(experts.gemm, which, a, m, em, out, c, a_scale) for m in masked]
+            try:
+                us = _graph_us(fns)
+            except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is skipped
+                torch.cuda.synchronize(device)
+                timings[c.name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                continue
+            timings[c.name] = round(us, 2)
+            if best is None or us < best.us:
+                best = Choice(c.kernel, c.block_n, c.split_k, round(us, 2), c.num_warps)
+        if best is None:
+            raise RuntimeError(f"expert plan for {key} at batch {padded_bs}: every candidate "
+                               f"failed: {timings}")
+        plan.record(key, padded_bs, best, timings)
+    torch.cuda.synchronize(device)

@@ -1,0 +1,312 @@
+"""Decode-shaped grouped GEMM over the masked layout: stream each live expert's weights once.
+
+Same contract as :func:`graphrt.kernels.grouped_gemm.masked_grouped_gemm` (DeepGEMM's
+``m_grouped_*_gemm_nt_masked``)::
+
+    out[e, :masked_m[e]] = a[e, :masked_m[e]] @ b[e].T        # fp32 accumulation, bf16 out
+
+built for decode: 1-16 live rows per expert and most experts idle. DeepGEMM's masked kernel
+(and the row-tiled Triton fallback) launch programs for every (expert, row block, column
+block) and are tuned for many rows an expert; at a bs-1 step they read the routed weights at
+~48% of HBM bandwidth. Here:
+
+- **Compacted work.** A fixed grid (two waves of resident programs) reads ``masked_m`` once,
+  numbers the live experts in the kernel (a prefix sum over ``masked_m > 0``) and walks the
+  work items ``(live expert, column tile, K split)`` round-robin. Idle experts cost no
+  programs (a grid over every expert would launch thousands of empty ones at dsv3 sizes),
+  and one captured graph serves any ``masked_m``.
+- **All rows in one program.** A work item keeps every live row of its expert (row blocks of
+  ``BLOCK_M``, usually one) against one ``[BLOCK_N, K]`` slice of the weights, so each weight
+  byte is read once. Narrow column tiles (``BLOCK_N`` 16-64) give hundreds of work items
+  even at 8 live experts.
+- **Deterministic split-K.** When too few items would run (one live expert of a rank), the K
+  range is split ``split_k`` ways; each split writes fp32 partials to a workspace indexed by
+  the expert's *compacted* live rows, and a second kernel sums the splits in a fixed order.
+  No atomics: replays are bitwise equal to eager. An expert whose compacted rows do not fit
+  the workspace (``workspace.shape[1]`` rows) is computed unsplit instead; the choice is a
+  function of ``masked_m`` alone, so it is deterministic too.
+
+fp8 (DeepGEMM's layout): ``a`` float8_e4m3fn with fp32 per-token 1x128 group scales
+``a_scale [E, cap, k // 128]`` (any strides, e.g. MN-major), ``b`` float8_e4m3fn with fp32
+128x128 block scales ``b_scale [E, n // 128, k // 128]``: per 128-wide K block the fp8 tiles
+are widened to bf16 (exact), multiplied with fp32 accumulation and scaled by
+``a_scale[m, kb] * b_scale[n // 128, kb]``, as DeepGEMM promotes per K block.
+
+Glossary: ``E`` = num_local_experts, ``cap`` rows per local expert, ``n`` output columns,
+``k`` the reduction length.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import check, check_tensor, interpreting
+
+_FP8 = torch.float8_e4m3fn
+_SCALE_BLOCK = 128  # DeepGEMM's fp8 scale granularity (weights 128x128, activations 1x128)
+BLOCK_NS = (16, 32, 64, 128)
+
+
+@triton.jit
+def _live_prologue(masked_m_ptr, num_experts, cap, E_POW2: tl.constexpr):
+    """masked_m clamped to [0, cap] and its live-expert and row prefix sums (inclusive)."""
+    idx = tl.arange(0, E_POW2)
+    mvec = tl.load(masked_m_ptr + idx, mask=idx < num_experts, other=0)
+    mvec = tl.minimum(tl.maximum(mvec, 0), cap)
+    live = (mvec > 0).to(tl.int32)
+    return idx, mvec, tl.cumsum(live, axis=0), tl.cumsum(mvec, axis=0), tl.sum(live, axis=0)
+
+
+@triton.jit
+def _pick_expert(j, idx, mvec, live_cum, row_cum):
+    """The j-th live expert (0-based): its id, live rows and the end of its compacted rows."""
+    e = tl.sum((live_cum <= j).to(tl.int32), axis=0)
+    sel = idx == e
+    return e, tl.sum(tl.where(sel, mvec, 0), axis=0), tl.sum(tl.where(sel, row_cum, 0), axis=0)
+
+
+@triton.jit
+def _decode_gemm_kernel(
+    a_ptr,  # bf16 | fp8 [E, cap, k]
+    b_ptr,  # bf16 | fp8 [E, n, k]
+    out_ptr,  # bf16 [E, cap, n]
+    ws_ptr,  # fp32 [SPLIT_K, ws_rows, n] contiguous split-K partials (unused when SPLIT_K == 1)
+    masked_m_ptr,  # int32 [E]: live rows of each expert
+    as_ptr, bs_ptr,  # fp32 scales (FP8 only): a [E, cap, k // 128], b [E, n // 128, k // 128]
+    num_experts, cap, n, k, ws_rows,  # ints
+    stride_ae, stride_am, stride_ak,  # strides of a (elements)
+    stride_be, stride_bn, stride_bk,  # strides of b (elements)
+    stride_oe, stride_om, stride_on,  # strides of out (elements)
+    stride_ase, stride_asm, stride_ask,  # strides of a_scale (FP8 only)
+    stride_bse, stride_bsn, stride_bsk,  # strides of b_scale (FP8 only)
+    E_POW2: tl.constexpr,  # next power of 2 >= E
+    BLOCK_M: tl.constexpr,  # rows per row block (>= 16 for tl.dot)
+    BLOCK_N: tl.constexpr,  # output columns per work item
+    BLOCK_K: tl.constexpr,  # reduction tile (128 with FP8)
+    SPLIT_K: tl.constexpr,  # K splits per (expert, column tile)
+    EVEN_K: tl.constexpr,  # k % BLOCK_K == 0: no K masks
+    FP8: tl.constexpr,  # fp8 operands with DeepGEMM's scales
+    UPCAST: tl.constexpr,  # interpreter: dot in fp32 (bf16 math gives NaN there)
+):
+    idx, mvec, live_cum, row_cum, num_live = _live_prologue(masked_m_ptr, num_experts, cap, E_POW2)
+    tiles_n = tl.cdiv(n, BLOCK_N)
+    k_step = tl.cdiv(tl.cdiv(k, BLOCK_K), SPLIT_K) * BLOCK_K  # K per split
+    offs_k = tl.arange(0, BLOCK_K)
+    for w in range(tl.program_id(0), num_live * tiles_n * SPLIT_K, tl.num_programs(0)):
+        s = w % SPLIT_K
+        n0 = ((w // SPLIT_K) % tiles_n) * BLOCK_N
+        e, m, row_end = _pick_expert(w // (SPLIT_K * tiles_n), idx, mvec, live_cum, row_cum)
+        if SPLIT_K > 1:
+            split = row_end <= ws_rows  # this expert's partials fit the workspace
+        else:
+            split = row_end < 0  # never
+        k_lo = tl.where(split, s * k_step, 0)
+        k_hi = tl.where(split, tl.minimum(k_lo + k_step, k), k)
+        m_work = tl.where(split | (s == 0), m, 0)  # unsplit: split 0 does all of K, the rest idle
+        e64 = e.to(tl.int64)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < n
+        b_base = b_ptr + e64 * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+        for r0 in range(0, m_work, BLOCK_M):
+            offs_m = r0 + tl.arange(0, BLOCK_M)
+            mask_m = offs_m < m
+            a_ptrs = a_ptr + e64 * stride_ae + offs_m[:, None] * stride_am + (k_lo + offs_k)[None, :] * stride_ak
+            b_ptrs = b_base + k_lo * stride_bk
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)  # [BM, BK]
+                    b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)  # [BK, BN]
+                else:
+                    mask_k = offs_k < k - k0
+                    a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                    b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+                if UPCAST:
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                elif FP8:
+                    a = a.to(tl.bfloat16)  # e4m3 -> bf16 is exact
+                    b = b.to(tl.bfloat16)
+                if FP8:
+                    kb = k0 // BLOCK_K
+                    sa = tl.load(as_ptr + e64 * stride_ase + offs_m * stride_asm + kb * stride_ask,
+                                 mask=mask_m, other=0.0)  # [BM]
+                    sb = tl.load(bs_ptr + e64 * stride_bse + (n0 // BLOCK_K) * stride_bsn + kb * stride_bsk)
+                    acc += tl.dot(a, b) * (sa[:, None] * sb)
+                else:
+                    acc += tl.dot(a, b)
+                a_ptrs += BLOCK_K * stride_ak
+                b_ptrs += BLOCK_K * stride_bk
+            if SPLIT_K > 1:
+                rows = row_end - m + offs_m  # compacted live rows
+                ws_ptrs = ws_ptr + (s * ws_rows + rows[:, None]).to(tl.int64) * n + offs_n[None, :]
+                m_ws = tl.where(split, m, 0)
+                tl.store(ws_ptrs, acc, mask=(offs_m < m_ws)[:, None] & mask_n[None, :])
+            m_out = tl.where(split, 0, m)
+            out_ptrs = out_ptr + e64 * stride_oe + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty),
+                     mask=(offs_m < m_out)[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    ws_ptr,  # fp32 [SPLIT_K, ws_rows, n] partials
+    out_ptr,  # bf16 [E, cap, n]
+    masked_m_ptr,  # int32 [E]
+    num_experts, cap, n, ws_rows,  # ints
+    stride_oe, stride_om, stride_on,  # strides of out (elements)
+    E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    """out = sum over splits s = 0, 1, ... (in that order) of the partials, split experts only."""
+    idx, mvec, live_cum, row_cum, num_live = _live_prologue(masked_m_ptr, num_experts, cap, E_POW2)
+    tiles_n = tl.cdiv(n, BLOCK_N)
+    for w in range(tl.program_id(0), num_live * tiles_n, tl.num_programs(0)):
+        e, m, row_end = _pick_expert(w // tiles_n, idx, mvec, live_cum, row_cum)
+        offs_n = (w % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < n
+        for r0 in range(0, tl.where(row_end <= ws_rows, m, 0), BLOCK_M):
+            offs_m = r0 + tl.arange(0, BLOCK_M)
+            mask = (offs_m < m)[:, None] & mask_n[None, :]
+            rows = (row_end - m + offs_m)[:, None]
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                acc += tl.load(ws_ptr + (s * ws_rows + rows).to(tl.int64) * n + offs_n[None, :],
+                               mask=mask, other=0.0)
+            out_ptrs = (out_ptr + e.to(tl.int64) * stride_oe + offs_m[:, None] * stride_om
+                        + offs_n[None, :] * stride_on)
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_programs(device: torch.device, work_items: int, smem_bytes: int) -> int:
+    """Grid size: two waves of resident programs (as many per SM as ``smem_bytes`` of shared
+    memory lets reside, 1 to 8), never more than ``work_items`` (an upper bound: every expert
+    live). Up to that many live work items each program takes at most one and the hardware
+    balances the SMs; beyond it programs loop. 4 on the CPU interpreter. Host-only."""
+    if device.type != "cuda":
+        return max(1, min(work_items, 4))
+    per_sm = max(1, min(8, (220 << 10) // max(smem_bytes, 1)))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return max(1, min(work_items, 2 * per_sm * _num_sms(index)))
+
+
+def block_m_for(expected_m: int) -> int:
+    """Row block for ``expected_m`` live rows an expert (host int): 16, 32 or 64. Host-only."""
+    return 16 if expected_m <= 16 else 32 if expected_m <= 32 else 64
+
+
+def decode_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *,
+                        out: torch.Tensor, expected_m: int | None = None, block_n: int = 32,
+                        split_k: int = 1, workspace: torch.Tensor | None = None,
+                        a_scale: torch.Tensor | None = None, b_scale: torch.Tensor | None = None,
+                        num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+    """``out[e, :masked_m[e]] = a[e, :masked_m[e]] @ b[e].T`` reading only live experts' weights.
+
+    Args:
+        a: bf16 [num_local_experts, cap, k], or float8_e4m3fn with ``a_scale``; rows past
+            ``masked_m[e]`` are never read.
+        b: [num_local_experts, n, k] in a's dtype ("NT": K-major weights); an idle expert's
+            weights are never read.
+        masked_m: int32 [num_local_experts] live rows of each expert, read on the device
+            (values above ``cap`` count as ``cap``).
+        out: bf16 [num_local_experts, cap, n]; rows past ``masked_m[e]`` are left untouched.
+        expected_m: host int, typical live rows an expert; picks the row block (16/32/64).
+            ``None``: ``min(cap, 16)``. More rows than the block loop over row blocks.
+        block_n: output columns per work item, one of 16, 32, 64, 128 (fp8: divides 128).
+        split_k: K splits (1-16). With ``split_k > 1`` pass ``workspace``.
+        workspace: fp32 [split_k, rows, n] contiguous (e.g. rows = bs * num_topk, the live
+            rows a step can route); experts whose compacted live rows exceed ``rows`` run
+            unsplit. Scratch: overwritten by every call.
+        a_scale: fp32 [num_local_experts, cap, k // 128] per-token 1x128 scales (fp8), any strides.
+        b_scale: fp32 [num_local_experts, n // 128, k // 128] 128x128 block scales (fp8).
+        num_warps, num_stages: Triton launch options.
+
+    Returns ``out``. One launch (two with split-K), allocates nothing, no host sync.
+
+    Graph safety: capturable
+    """
+    fp8 = a.dtype == _FP8
+    check_tensor(a, "a", shape=(None, None, None), dtype=(torch.bfloat16, _FP8))
+    E, cap, k = a.shape
+    check_tensor(b, "b", shape=(E, None, k), dtype=a.dtype, device=a.device)
+    n = b.shape[1]
+    check_tensor(masked_m, "masked_m", shape=(E,), dtype=torch.int32, device=a.device,
+                 contiguous=True)
+    check_tensor(out, "out", shape=(E, cap, n), dtype=torch.bfloat16, device=a.device)
+    check(block_n in BLOCK_NS, "block_n", f"one of {BLOCK_NS}", block_n)
+    check(isinstance(split_k, int) and 1 <= split_k <= 16, "split_k", "an int in [1, 16]", split_k)
+    check(expected_m is None or (isinstance(expected_m, int) and expected_m >= 0),
+          "expected_m", "None or a non-negative host int", repr(expected_m))
+    if fp8:
+        check(a_scale is not None and b_scale is not None, "a_scale, b_scale",
+              "fp32 scales with fp8 operands", "None")
+        check(k % _SCALE_BLOCK == 0 and n % _SCALE_BLOCK == 0, "(n, k) with fp8",
+              "multiples of 128", (n, k))
+        check_tensor(a_scale, "a_scale", shape=(E, cap, k // _SCALE_BLOCK), dtype=torch.float32,
+                     device=a.device)
+        check_tensor(b_scale, "b_scale", shape=(E, n // _SCALE_BLOCK, k // _SCALE_BLOCK),
+                     dtype=torch.float32, device=a.device)
+        check(block_n <= _SCALE_BLOCK, "block_n with fp8", "<= 128", block_n)
+    else:
+        check(a_scale is None and b_scale is None, "a_scale, b_scale", "None with bf16", "tensors")
+    ws_rows = 0
+    if split_k > 1:
+        check(workspace is not None, "workspace", f"fp32 [{split_k}, rows, {n}] with split_k > 1",
+              None)
+        check_tensor(workspace, "workspace", shape=(split_k, None, n), dtype=torch.float32,
+                     device=a.device, contiguous=True)
+        ws_rows = workspace.shape[1]
+    if E == 0 or cap == 0 or n == 0 or k == 0:
+        return out
+
+    block_k = _SCALE_BLOCK if fp8 else max(16, min(128, triton.next_power_of_2(k)))
+    block_m = block_m_for(min(cap, 16) if expected_m is None else expected_m)
+    tiles_n = triton.cdiv(n, block_n)
+    e_pow2 = max(16, triton.next_power_of_2(E))
+    ws = workspace if split_k > 1 else out
+    scales = (a_scale, b_scale) if fp8 else (masked_m, masked_m)
+    s_strides = (*a_scale.stride(), *b_scale.stride()) if fp8 else (0,) * 6
+    smem = num_stages * (block_m + block_n) * block_k * a.element_size()
+    grid = (num_programs(a.device, E * tiles_n * split_k, smem),)
+    _decode_gemm_kernel[grid](
+        a, b, out, ws, masked_m, *scales, E, cap, n, k, ws_rows,
+        *a.stride(), *b.stride(), *out.stride(), *s_strides,
+        E_POW2=e_pow2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        EVEN_K=k % block_k == 0, FP8=fp8, UPCAST=interpreting(),
+        num_warps=num_warps, num_stages=num_stages)
+    if split_k > 1:
+        rn = min(128, triton.next_power_of_2(n))
+        _decode_reduce_kernel[(num_programs(a.device, E * triton.cdiv(n, rn), 32 << 10),)](
+            workspace, out, masked_m, E, cap, n, ws_rows, *out.stride(),
+            E_POW2=e_pow2, BLOCK_M=block_m, BLOCK_N=rn, SPLIT_K=split_k, num_warps=4)
+    return out
+
+
+def decode_grouped_gemm_ref(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor,
+                            a_scale: torch.Tensor | None = None,
+                            b_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch reference of :func:`decode_grouped_gemm`: an fp32 matmul of each live expert's
+    live rows (fp8 operands dequantised with their scales first).
+
+    Returns bf16 [num_local_experts, cap, n], rows ``>= masked_m[e]`` zero.
+
+    Graph safety: host-only (reads masked_m on the host)
+    """
+    E, cap, _ = a.shape
+    out = torch.zeros(E, cap, b.shape[1], dtype=torch.float32, device=a.device)
+    for e, m in enumerate(masked_m.clamp(0, cap).tolist()):
+        if m == 0:
+            continue
+        x, w = a[e, :m].float(), b[e].float()
+        if a_scale is not None:
+            x = x * a_scale[e, :m].repeat_interleave(_SCALE_BLOCK, dim=1)
+            w = w * b_scale[e].repeat_interleave(_SCALE_BLOCK, 0).repeat_interleave(_SCALE_BLOCK, 1)
+        out[e, :m] = x @ w.t()
+    return out.to(torch.bfloat16)
