@@ -5,13 +5,18 @@ The engine itself is ``graphrt.testing.engine.DecodeEngine`` (KV block allocatio
 tables / slot mapping / seq_lens built on the host, admission, teacher-forced prompts,
 retirement); this script builds the reference MoE model, captures it, and runs the
 same workload twice, through the graphs and eagerly at the same padded sizes (same KV
-history), and checks the token streams are identical::
+history), and checks the token streams are identical. ``--loop async`` runs it through the
+synchronous loop and the asynchronous one (``graphrt.testing.async_engine``: step N+1 is
+enqueued while step N runs, sampled ids stay on the device and are read one step late)
+and checks those streams are identical; ``--loop both`` does both::
 
     python examples/host_engine_loop.py                            # 1 GPU, 1,000 steps
     python examples/host_engine_loop.py --config qwen3-moe-like --layers 2 --experts 32
     python examples/host_engine_loop.py --soak 10000 --layers 1 --experts 16
     python examples/host_engine_loop.py --ranks 2                  # DeepEP low-latency, 2 GPUs
     python examples/host_engine_loop.py --watchdog 30              # with the stall watchdog
+    python examples/host_engine_loop.py --loop async               # sync vs async loop (1 GPU)
+    python examples/host_engine_loop.py --loop both                # both comparisons
 
 Without CUDA it runs the ``tiny`` preset on the CPU (kernels on the Triton interpreter) with
 the eager step only: capture needs a GPU. See docs/embedding.md.
@@ -57,6 +62,14 @@ def _seconds(text: str) -> float:
 
 def _refusal(args, cuda_gpus: int) -> str | None:
     """The first flag this run cannot honour (what came, what is expected, what to do)."""
+    if args.loop != "sync":
+        for flag, value, why in (("--soak", args.soak, "the soak drives the synchronous engine"),
+                                 ("--ranks", args.ranks > 1 and args.ranks,
+                                  "the asynchronous loop runs on one device here"),
+                                 ("--watchdog", args.watchdog,
+                                  "the asynchronous engine reads its ids without the watchdog")):
+            if value:
+                return f"--loop {args.loop} with {flag} {value}: {why}: drop one of them"
     if args.device == "cpu":  # cpu() runs tiny, eager, one process: see its docstring
         for flag, value, why in (("--soak", args.soak, "the soak replays graphs"),
                                  ("--ranks", args.ranks > 1 and args.ranks, "EP runs over GPUs"),
@@ -110,6 +123,9 @@ def parse(argv=None) -> argparse.Namespace:
                    help="stall watchdog with a timeout of S seconds (default: 0, off; GPU only)")
     p.add_argument("--seed", type=int, default=0, help="workload seed, rank r uses seed + r "
                    "(default: 0)")
+    p.add_argument("--loop", default="sync", choices=("sync", "async", "both"),
+                   help="sync: graph vs eager engines (default); async: the synchronous vs the "
+                   "asynchronous loop (one step in flight); both: both comparisons")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="(default: auto: cuda when available)")
     args = p.parse_args(argv)
@@ -161,11 +177,30 @@ def summary(r: dict, prefix: str = "") -> str:
             f"; graph {r['graph_steps_per_s']:.0f} steps/s, eager {r['eager_steps_per_s']:.0f} steps/s")
 
 
+def loop_summary(r: dict, prefix: str = "sync vs async: ") -> str:
+    return (f"{prefix}{r['steps']} steps, {r['tokens']} tokens, {r['finished']} requests finished, "
+            f"largest batch {r['largest_batch']}: identical: {'yes' if r['identical'] else 'NO'}"
+            f"{'' if r['identical'] else ' (first differing request ' + str(r['first_mismatch']) + ')'}"
+            f"; sync {r['sync_steps_per_s']:.0f} steps/s, async {r['async_steps_per_s']:.0f} steps/s "
+            f"(host blocked on the device: sync {r['sync_wait_s']:.2f} s, async "
+            f"{r['async_wait_s']:.2f} s)")
+
+
 def single_gpu(args) -> int:
+    from graphrt.testing.async_engine import compare_sync_async
     from graphrt.testing.engine import compare_graph_eager, soak
     cfg, model, rt, wd = build(args, torch.device("cuda", torch.cuda.current_device()))
     print(f"captured {describe(cfg, args)}; sizes {rt.sizes}")
     try:
+        if args.loop != "sync":
+            ok = True
+            if args.loop == "both":
+                r = compare_graph_eager(rt, model, steps=args.steps, seed=args.seed)
+                print(summary(r, "graph vs eager: "))
+                ok = r["identical"]
+            r = compare_sync_async(rt, model, steps=args.steps, seed=args.seed)
+            print(loop_summary(r))
+            return 0 if ok and r["identical"] else 1
         if args.soak:
             r = soak(rt, model, steps=args.soak, seed=args.seed)
             flat = r["mem_growth"] is not None and r["mem_growth"] <= 0
@@ -230,6 +265,18 @@ def cpu(args) -> int:
                  **({} if experts == 8 else {"n_group": 2, "topk_group": 1}))
     max_bs = min(args.max_bs, 8)
     spec, model = make_step(cfg, "cpu", max_batch_size=max_bs, backend="triton")
+    work = dict(prompt=(1, 4), output=(1, 6), rate=1.5, phase=4)
+    if args.loop != "sync":
+        from graphrt.testing.async_engine import compare_sync_async
+        from graphrt.testing.staging import EagerRuntime
+        print(f"No CUDA here: the synchronous and the asynchronous loop on the eager step "
+              f"(padded like the graphs) from the same KV history ({cfg.name}: "
+              f"{cfg.num_layers} layers, {cfg.num_experts} experts; Triton interpreter).")
+        r = compare_sync_async(EagerRuntime(spec, capture_sizes(max_bs)), model, steps=args.steps,
+                               seed=args.seed, **work)
+        print(loop_summary(r))
+        if not r["identical"] or args.loop == "async":
+            return 0 if r["identical"] else 1
     print(f"No CUDA here: GraphRuntime.capture() needs a GPU. Running the engine with the eager "
           f"step (padded like the graphs) twice from the same KV history on the CPU "
           f"({cfg.name}: {cfg.num_layers} layers, {cfg.num_experts} experts; Triton interpreter).")
@@ -238,8 +285,7 @@ def cpu(args) -> int:
         snap.restore()
         eng = DecodeEngine.for_config(eager_step(spec, capture_sizes(max_bs)), cfg,
                                       max_batch_size=max_bs, device="cpu")
-        eng.run(args.steps, Workload(args.seed, vocab=cfg.vocab_size, max_ctx=cfg.max_ctx,
-                                     prompt=(1, 4), output=(1, 6), rate=1.5, phase=4))
+        eng.run(args.steps, Workload(args.seed, vocab=cfg.vocab_size, max_ctx=cfg.max_ctx, **work))
         runs.append(eng)
     a, b = runs
     same = a.streams() == b.streams()

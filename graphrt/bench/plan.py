@@ -14,8 +14,8 @@ import torch
 from graphrt.bench.ep import EP_BACKENDS
 from graphrt.bench.output import OutDirError, check_out_dir
 
-SUITES = ("runtime", "modes", "moe", "ep")
-_SINGLE_GPU = ("runtime", "moe")
+SUITES = ("runtime", "modes", "moe", "ep", "loop")
+_SINGLE_GPU = ("runtime", "moe", "loop")
 
 
 class Refusal(Exception):
@@ -164,9 +164,9 @@ def _check_backend(name: str) -> None:
 
 def _check_applies(arg, suites: list, device: str, ep: bool) -> None:
     """Refuse flags that no selected suite uses."""
-    uses = {"modes": ("modes",), "fp8": ("modes", "moe"), "sizes": ("modes", "moe", "ep"),
-            "layers": ("modes", "moe", "ep"), "experts": ("modes", "moe", "ep"),
-            "config": ("modes", "moe", "ep")}
+    uses = {"modes": ("modes",), "fp8": ("modes", "moe"), "sizes": ("modes", "moe", "ep", "loop"),
+            "layers": ("modes", "moe", "ep", "loop"), "experts": ("modes", "moe", "ep", "loop"),
+            "config": ("modes", "moe", "ep", "loop")}
     for flag, by in uses.items():
         if arg(flag) and not set(by) & set(suites):
             raise Refusal(f"--{flag} applies to the {' or '.join(by)} suite, which this run does "

@@ -2,7 +2,7 @@
 replays, medians, modes side by side in one run, random inputs, HBM bandwidth measured in the
 same run), on one GPU or expert-parallel over several.
 
-    graphrt bench [--suite runtime,modes,moe,ep] [--config dsv3-like|qwen3-moe-like|tiny]
+    graphrt bench [--suite runtime,modes,moe,ep,loop] [--config dsv3-like|qwen3-moe-like|tiny]
                   [--layers N] [--experts N] [--sizes 1,8,64,256] [--modes eager,graph,...]
                   [--comm local|deepep-hook,deepep-event,nccl] [--ranks N] [--max-tokens N]
                   [--fp8] [--out DIR] [--device cpu|cuda|cuda:N]
@@ -24,6 +24,9 @@ Suites (default ``runtime,modes`` on a GPU, ``modes`` on CPU, ``ep`` with an EP 
   shared expert and combine alone.
 - ``ep`` (EP only, ``graphrt.bench.ep``): per backend, the step eager vs replayed and the
   communication alone, graphrt's backend vs DeepEP's own calls.
+- ``loop`` (one GPU, ``graphrt.bench.loop``): the host decode loop at each ``--sizes`` live
+  batch (kept fixed), synchronous vs asynchronous (one step in flight): tokens/s, GPU busy
+  fraction (replay device time / loop wall time), host µs per step, over 1,000 steps.
 
 Every flag is checked before any work; one this run cannot honour (a GPU suite on CPU,
 ``--modes`` without the modes suite, ``--ranks`` with ``--comm local``, an ``--out`` that
@@ -72,6 +75,13 @@ printed at the end. ``results.json``::
                          span_us, activities, trials, idle_frac_all}}   one profiled replay
                    run_host_us {graph|graph-overlap: µs}   host cost of GraphRuntime.run()
                    notes {mode: why}}]}          e.g. the naive gather is too large at this bs
+    loop: {config, layers, experts, hidden, device, steps, warmup, sizes, loops,
+           rows [{bs, identical                  token streams equal across loops
+                  loops {sync|sync-zero-copy|async|async-fused: {tokens_per_s,
+                         output_tokens_per_s, steps_per_s, step_us, replay_us_median,
+                         gpu_busy, host_us_median, wait_s, mean_batch, timed_replays,
+                         staging_waits}}
+                  speedup_vs_sync {loop: x}}]}   tokens/s over the sync loop's
     ep: {comm: {ep: {comm, config, layers, experts, ranks, max_tokens,
                      rows [{bs, eager_us, replay_us, replay_no_overlap_us, comm_only_us,
                             raw_deepep_us?, overhead_vs_deepep?, speedup_vs_eager}]},
@@ -114,7 +124,7 @@ def measured(doc: dict) -> bool:
     """True when ``doc`` (results.json) holds at least one measurement."""
     def modes_ok(m):
         return any(v for row in (m or {}).get("rows", []) for v in row["step_us"].values())
-    if doc.get("runtime") or any((doc.get(k) or {}).get("rows") for k in ("moe", "moe_fp8")):
+    if doc.get("runtime") or any((doc.get(k) or {}).get("rows") for k in ("moe", "moe_fp8", "loop")):
         return True
     if modes_ok(doc.get("modes")):
         return True
@@ -223,6 +233,10 @@ def _run_local(p: Plan) -> int:
                     f"{r['hbm_gbs']:.0f} GB/s, capture {r['capture_s_total']:.1f} s\n" + S.md_moe(r))
             gc.collect()  # the model, its graphs and runtimes form cycles: free them before
             torch.cuda.empty_cache()  # the next model (bf16 then fp8 do not both fit at 256 experts)
+    if "loop" in p.suites:
+        from graphrt.bench.loop import bench_loop, md_loop
+        r = bench_loop(p.cfg, device, p.sizes)
+        res.add("loop", r, "## loop\n" + md_loop(r))
     return res.finish()
 
 

@@ -3,7 +3,7 @@
     graphrt validate FILE.py:FUNC [--sizes 1,8,64] [--device cpu|cuda] [--json -|PATH] [--timeout 300]
     graphrt demo  [--config NAME] [--layers N] [--experts N] [--steps N] [--max-bs N]
                   [--device cpu|cuda]
-    graphrt bench [--suite runtime,modes,moe,ep] [--config NAME] [--layers N] [--experts N]
+    graphrt bench [--suite runtime,modes,moe,ep,loop] [--config NAME] [--layers N] [--experts N]
                   [--sizes 1,8,64] [--modes graph,eager] [--comm local|deepep-hook,nccl,...]
                   [--ranks N] [--max-tokens N] [--fp8] [--out DIR] [--device cpu|cuda]
 
@@ -23,7 +23,7 @@ from graphrt._version import __version__
 from graphrt.cli import validate_cmd
 
 PRESETS = ("dsv3-like", "qwen3-moe-like", "tiny")            # graphrt.moe.config.PRESETS
-SUITES = ("runtime", "modes", "moe", "ep")                     # graphrt.bench.run
+SUITES = ("runtime", "modes", "moe", "ep", "loop")             # graphrt.bench.plan
 MODES = ("eager", "compile", "graph", "graph-overlap", "naive", "naive-compile", "naive-graph")
 BACKENDS = ("local", "deepep-hook", "deepep-event", "nccl")   # graphrt.testing.launch.make_comm
 
@@ -125,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Suites: runtime (capture and run() costs of a small dense "
                        "step), modes (the reference model eager, graph, graph-overlap, compile and "
                        "a naive peer), moe (overlap on/off, bandwidth floor), ep (expert-parallel "
-                       "step and communication alone, vs DeepEP's own calls). Expert-parallel runs "
+                       "step and communication alone, vs DeepEP's own calls), loop (a decode "
+                       "loop synchronous vs asynchronous: tokens/s, GPU busy). Expert-parallel runs "
                        "(--comm other than local) start --ranks processes, one per GPU, or run "
                        "under torchrun. Results: results.json, results.md and plots in --out. "
                        "Exit 0: measured; 1: nothing measured (every mode skipped or failed) or "

@@ -10,7 +10,8 @@ position), ``block_table`` (the row's blocks, then the scratch block) and ``seq_
 calls ``step_fn(tokens=, positions=, slot_mapping=, block_table=, seq_lens=)`` -> logits
 ``[n, vocab]``; samples greedily on the device and reads the ``n`` tokens on the host once;
 retires finished requests, whose blocks go back to the pool.
-``compare_graph_eager`` and ``soak`` drive it (``examples/host_engine_loop.py`` is the CLI).
+``compare_graph_eager`` and ``soak`` drive it (``examples/host_engine_loop.py`` is the CLI);
+``graphrt.testing.async_engine.AsyncDecodeEngine`` is this engine with one step in flight.
 
 Glossary: ``n`` live rows, ``padded_bs`` the captured size that serves them, ``vocab``.
 Graph safety: host-only (the engine drives replays; nothing here is captured).
@@ -42,6 +43,7 @@ class EngineStats:
     tokens: int = 0           # output tokens generated
     finished: int = 0
     wall_s: float = 0.0
+    wait_s: float = 0.0       # host time blocked on the device (the sampled ids' read)
     batch_sizes: Counter = field(default_factory=Counter)
 
     @property
@@ -125,21 +127,33 @@ class DecodeEngine:
             req.reserved = need
             self.live.append(req)
 
-    def _stage(self, live: list[Request]) -> dict[str, torch.Tensor]:
-        """The step's inputs for ``live`` (or one idle row on the scratch block), through the
-        pinned host buffers, copied to the device without a sync."""
-        B, h, scratch = self.block_size, self._np, self.scratch_block
+    def _fill_rows(self, live: list[Request], h: dict) -> int:
+        """Write the paged metadata of ``live`` (or one idle row on the scratch block) into the
+        host arrays ``h`` (numpy views: positions, slot_mapping, block_table, seq_lens), taking
+        a reserved block where a context enters a new one; returns the rows ``n``. Tokens are
+        the caller's (host tokens here, a device gather in the asynchronous loop)."""
+        B, scratch = self.block_size, self.scratch_block
         n = max(len(live), 1)
         h["block_table"][:n] = scratch
-        h["tokens"][0], h["positions"][0], h["seq_lens"][0] = 0, 0, 1   # the idle row
+        h["positions"][0], h["seq_lens"][0] = 0, 1                       # the idle row
         h["slot_mapping"][0] = scratch * B
         for i, r in enumerate(live):
             while len(r.blocks) * B <= r.pos:                          # context enters a new block
                 r.blocks.append(self.blocks.take())
                 r.reserved -= 1
-            h["tokens"][i], h["positions"][i], h["seq_lens"][i] = r.next_token, r.pos, r.pos + 1
+            h["positions"][i], h["seq_lens"][i] = r.pos, r.pos + 1
             h["slot_mapping"][i] = r.blocks[r.pos // B] * B + r.pos % B
             h["block_table"][i, :len(r.blocks)] = r.blocks
+        return n
+
+    def _stage(self, live: list[Request]) -> dict[str, torch.Tensor]:
+        """The step's inputs for ``live`` (or one idle row on the scratch block), through the
+        pinned host buffers, copied to the device without a sync."""
+        h = self._np
+        n = self._fill_rows(live, h)
+        h["tokens"][0] = 0
+        for i, r in enumerate(live):
+            h["tokens"][i] = r.next_token
         return {k: self._host[k][:n].to(self.device, non_blocking=True, copy=True)
                 for k in STEP_INPUTS}
 
@@ -169,14 +183,19 @@ class DecodeEngine:
         return len(live)
 
     def _read(self, sampled: torch.Tensor) -> list[int]:
-        """The one host read of a step: the ``n`` sampled ids (int64 ``[n]``)."""
-        if self.watchdog is None or not sampled.is_cuda:
-            return sampled.tolist()
-        host = self._host["sampled"][:sampled.shape[0]]
-        host.copy_(sampled, non_blocking=True)
-        self._read_done.record()
-        self.watchdog.wait(self._read_done)  # polls the event: a stalled step raises, no hang
-        return host.tolist()
+        """The one host read of a step: the ``n`` sampled ids (int64 ``[n]``); the time it
+        blocks goes to ``stats.wait_s``."""
+        t0 = time.perf_counter()
+        try:
+            if self.watchdog is None or not sampled.is_cuda:
+                return sampled.tolist()
+            host = self._host["sampled"][:sampled.shape[0]]
+            host.copy_(sampled, non_blocking=True)
+            self._read_done.record()
+            self.watchdog.wait(self._read_done)  # polls the event: a stalled step raises, no hang
+            return host.tolist()
+        finally:
+            self.stats.wait_s += time.perf_counter() - t0
 
     def _retire(self) -> None:
         keep = []

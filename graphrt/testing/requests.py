@@ -1,5 +1,6 @@
-"""The host side of requests in the example engine: ``Request``, the paged-KV ``BlockPool``
-and the deterministic ``Workload`` (``graphrt.testing.engine`` drives them).
+"""The host side of requests in the example engine: ``Request``, the paged-KV ``BlockPool``,
+the deterministic ``Workload`` and ``long_requests`` (a fixed live batch for the ``loop``
+bench); ``graphrt.testing.engine`` and ``graphrt.testing.async_engine`` drive them.
 
 Graph safety: host-only (plain Python bookkeeping).
 """
@@ -48,6 +49,17 @@ class Request:
             return 0
         self.output.append(sampled)
         return 1
+
+    def advance_unread(self) -> int | None:
+        """``advance`` before the sampled id is on the host (the asynchronous loop): the
+        output gets a ``None`` placeholder, filled one step later; returns its index in
+        ``output`` (None while the prompt is still being fed). ``done`` counts placeholders,
+        so a request whose length is known finishes without reading its tokens."""
+        self.pos += 1
+        if self.pos < len(self.prompt):
+            return None
+        self.output.append(None)
+        return len(self.output) - 1
 
 
 class BlockPool:
@@ -122,3 +134,17 @@ class Workload:
             out.append(Request(self._rid, toks, o, step))
             self._rid += 1
         return out
+
+
+def long_requests(count: int, seed: int, *, vocab: int, max_ctx: int, prompt=(1, 16),
+                  output=(256, 1024)) -> list[Request]:
+    """``count`` requests arriving at step 0 (deterministic from ``seed``), outputs uniform in
+    ``output`` (capped so prompt + output <= ``max_ctx``): queued behind a batch limit of
+    ``bs`` rows they keep the live batch at ``bs``; a finished request's row is taken by the
+    next in the queue (a composition change)."""
+    rng, out = random.Random(seed), []
+    for rid in range(count):
+        p = rng.randint(*prompt)
+        o = max(1, min(rng.randint(*output), max_ctx - p))
+        out.append(Request(rid, [rng.randrange(1, vocab) for _ in range(p)], o, 0))
+    return out
