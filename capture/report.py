@@ -58,9 +58,14 @@ class Finding:
 
 @dataclass
 class SafetyReport:
-    """All findings of one analysis, deduplicated by (kind, file, line, op), first size kept."""
+    """All findings of one analysis, deduplicated by (kind, file, line, op), first size kept.
+
+    ``state``: the closed-over device tensors the step writes, as the analysis found them
+    (``capture.writes``); not part of the JSON document.
+    """
 
     findings: list[Finding] = field(default_factory=list)
+    state: list = field(default_factory=list, repr=False, compare=False)
 
     def add(self, finding: Finding) -> None:
         if all(f.key() != finding.key() for f in self.findings):

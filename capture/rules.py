@@ -10,6 +10,10 @@ Its knowledge is ``RULES``: one ``Rule`` per op, covering every function that is
 ``classify_aten`` looks at each ATen op (seen by a ``TorchDispatchMode``) and catches what
 the first level cannot name: ops inside library code, syncs reached through other paths.
 
+Both know *where* data lives (``capture.host.HostData``): work on host tensors is no hazard
+(``.item()`` of a CPU tensor does not sync), host data going to the device is. The ops
+whose host work exists only in their CUDA implementation are in ``capture.rules_cuda``.
+
 Each returns None (not a hazard) or a ``Hit(kind, op, message)``; ``SAFE`` means "a safe
 form: suppress the ATen ops inside".
 """
@@ -20,6 +24,8 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from graphrt.capture.host import HostData
+
 
 class Hit(NamedTuple):
     """A classified call: the finding's ``kind``, ``op`` label and ``message``."""
@@ -29,10 +35,21 @@ class Hit(NamedTuple):
     message: str
 
 
+class Ctx(NamedTuple):
+    """What a rule's ``when`` may ask: whether CPU tensors stand in for CUDA ones, and which
+    tensors live in host memory."""
+
+    simulate: bool
+    host: HostData
+
+
 SAFE = Hit("safe", "", "")
 
 _SYNC = "host-sync"
 _H2D = "host-to-device-copy"
+UPLOAD = ("copies host data (a Python list, a NumPy array or a CPU tensor) to the device "
+          "on every call: a host-to-device copy that the graph cannot replay. Build the "
+          "tensor on the device once in FUNC (device=device) and close over it")
 
 _F = torch.nn.functional
 _T = torch.Tensor
@@ -49,19 +66,24 @@ class Rule:
         message: what happens on a GPU and the fix (shown to users as is).
         functions: the callables a ``TorchFunctionMode`` sees for this op
             (e.g. ``(torch.nonzero, torch.Tensor.nonzero)``).
-        when: None: the op is always a hazard. Else ``when(args, kwargs, simulate_cuda)``
+        when: None: the op is always a hazard. Else ``when(args, kwargs, ctx)`` (``Ctx``)
             decides for one call: True: a hazard; False: a safe form (the ATen ops inside are
-            not flagged either); None: not a hazard, look inside as usual.
+            not flagged either); None: not a hazard, look inside as usual; a ``Hit``: a
+            hazard of another kind than ``kind`` (indexing: a sync with a device mask, an
+            upload with host indices).
         op: a fixed label for every function of the op (``one_hot``, ``boolean-mask
             indexing``), when the ``torch.``/``Tensor.`` form is not what users wrote.
+        host_args_safe: a call whose tensors all live in host memory is no hazard (work on
+            host data); False for copies between host and device.
     """
 
     name: str
     kind: str
     message: str
     functions: tuple = ()
-    when: Callable[[tuple, dict, bool], bool | None] | None = None
+    when: Callable[[tuple, dict, Ctx], "bool | Hit | None"] | None = None
     op: str | None = None
+    host_args_safe: bool = True
 
     def label(self, func) -> str:
         if self.op is not None:
@@ -81,94 +103,87 @@ def _has_bool_index(index) -> bool:
     return _is_bool_tensor(index)
 
 
-def _wants_cpu_str(args, kwargs) -> bool:
-    return any(isinstance(a, str) and a.split(":")[0] == "cpu"
-               for a in list(args[1:]) + [kwargs.get("device")])
+def _copies_to_host(args, kwargs, ctx):
+    """``.cpu()`` / ``.numpy()``: a device-to-host copy unless the source is a host tensor
+    (when CPU tensors stand in for CUDA ones, only those ``HostData`` knows)."""
+    return not ctx.host.is_host(args[0] if args else None)
 
 
-def _wants_cpu(args, kwargs) -> bool:
-    targets = list(args[1:]) + [kwargs.get("device")]
-    for a in targets:
-        if isinstance(a, torch.device) and a.type == "cpu":
-            return True
-        if isinstance(a, str) and a.split(":")[0] == "cpu":
-            return True
-    return False
-
-
-def _line_names_cpu() -> bool:
-    """Whether the user's source line of the current call mentions ``cpu``."""
-    import linecache
-
-    from graphrt.capture.sites import user_site
-    file, line = user_site(2)
-    return "cpu" in linecache.getline(file, line)
-
-
-def _copies_to_host(args, kwargs, simulate_cuda):
-    """``.cpu()`` / ``.numpy()``: a device-to-host copy unless the source really is a CPU
-    tensor (when CPU tensors stand in for CUDA ones, every source counts as a device one)."""
-    src = args[0] if args else None
-    if not simulate_cuda and isinstance(src, torch.Tensor) and src.device.type == "cpu":
-        return False
-    return True
-
-
-def _to_cpu(args, kwargs, simulate_cuda):
+def _to(args, kwargs, ctx):
     # On CPU stand-ins every device is "cpu": `x.to(device)` / `x.to(y.device)` with the
-    # step's own device is a no-op on a GPU, not a copy to the host. Flag it there only when
-    # the user wrote cpu: a "cpu" string or a line that names cpu.
+    # step's own device is a no-op on a GPU, not a copy to the host. HostData says where the
+    # result goes (host only when the user wrote cpu: a "cpu" string or a line naming it).
     src = args[0] if args else None
-    real_d2h = isinstance(src, torch.Tensor) and src.device.type != "cpu"
-    simulated = simulate_cuda and isinstance(src, torch.Tensor) and (
-        _wants_cpu_str(args, kwargs) or _line_names_cpu())
-    return True if _wants_cpu(args, kwargs) and (real_d2h or simulated) else None
+    if not isinstance(src, torch.Tensor):
+        return None
+    target = ctx.host.target(_T.to, args, kwargs)
+    if target is True and not ctx.host.is_host(src):
+        return True
+    if target is False and ctx.host.is_host(src) and src.dim() > 0:
+        return Hit(_H2D, "Tensor.to (host->device)", UPLOAD)
+    return None
 
 
 def _host_data(position: int):
     """Factories that take host data at ``args[position]`` (or ``data=``); a tensor passed
     to ``as_tensor``/``asarray``/``new_tensor`` is no host data."""
-    def when(args, kwargs, simulate_cuda):
+    def when(args, kwargs, ctx):
         data = args[position] if len(args) > position else kwargs.get("data")
         return None if isinstance(data, torch.Tensor) else True
     return when
 
 
-def _one_hot_without_classes(args, kwargs, simulate_cuda):
+def _one_hot_without_classes(args, kwargs, ctx):
     nc = kwargs.get("num_classes", args[1] if len(args) > 1 else -1)
     return nc is None or nc < 0
 
 
-def _repeats_without_output_size(args, kwargs, simulate_cuda):
+def _repeats_without_output_size(args, kwargs, ctx):
     repeats = kwargs.get("repeats", args[1] if len(args) > 1 else None)
     return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
 
 
-def _where_one_argument(args, kwargs, simulate_cuda):
+def _where_one_argument(args, kwargs, ctx):
     return True if len(args) + len(kwargs) == 1 else None
 
 
-def _bool_mask_read(args, kwargs, simulate_cuda):
+def _indexing_host(args, ctx, what: str) -> Hit | None:
+    """Indexing a device tensor with host data uploads the index (``index``/``index_put_``
+    move every index to ``self``'s device first; a host bool mask goes through nonzero on
+    the host, then up)."""
+    if len(args) > 1 and not ctx.host.is_host(args[0]) and ctx.host.host_index(args[1]):
+        return Hit(_H2D, f"{what} (host indices)", UPLOAD)
+    return None
+
+
+def _bool_mask_read(args, kwargs, ctx):
+    upload = _indexing_host(args, ctx, "indexing")
+    if upload is not None:
+        return upload
     return True if len(args) > 1 and _has_bool_index(args[1]) else None
 
 
-def _bool_mask_write(args, kwargs, simulate_cuda):
+def _bool_mask_write(args, kwargs, ctx):
+    upload = _indexing_host(args, ctx, "indexed assignment")
+    if upload is not None:
+        return upload
     if not (len(args) > 2 and _has_bool_index(args[1])):
         return None
     value = args[2]
-    if isinstance(value, (int, float, bool)) or (isinstance(value, torch.Tensor) and value.numel() == 1):
-        return False  # becomes masked_fill_: no sync
+    if isinstance(value, (int, float, bool)) or (
+            isinstance(value, torch.Tensor) and value.numel() == 1 and ctx.host.is_host(value)):
+        return False  # becomes masked_fill_ (a host value only): no sync
     return True
 
 
-def _histc_default_range(args, kwargs, simulate_cuda):
+def _histc_default_range(args, kwargs, ctx):
     # measured: CUDA histc syncs when min == max
     lo = kwargs.get("min", args[2] if len(args) > 2 else 0)
     hi = kwargs.get("max", args[3] if len(args) > 3 else 0)
     return lo == hi
 
 
-def _never(args, kwargs, simulate_cuda):
+def _never(args, kwargs, ctx):
     return False
 
 
@@ -182,8 +197,8 @@ _HOST_DATA = "builds a tensor from host data inside the step; its values are bak
              "graph at capture. Build it once outside the step (at setup) and close over it"
 
 
-def _sync(name, message, *functions, when=None, op=None) -> Rule:
-    return Rule(name, _SYNC, message, functions, when, op)
+def _sync(name, message, *functions, when=None, op=None, host_args_safe=True) -> Rule:
+    return Rule(name, _SYNC, message, functions, when, op, host_args_safe)
 
 
 def _h2d(name, *functions, when=None, op=None) -> Rule:
@@ -209,7 +224,7 @@ RULES: tuple[Rule, ...] = (
     _sync("cpu", "device-to-host copy: a sync inside the step. Keep it on the device", _T.cpu,
           when=_copies_to_host),
     _sync("to", "device-to-host copy: a sync inside the step. Keep it on the device", _T.to,
-          when=_to_cpu, op="Tensor.to('cpu')"),
+          when=_to, op="Tensor.to('cpu')", host_args_safe=False),
     # Printing reads the whole tensor on the host; on CPU the read is a direct data access
     # that no ATen op shows (a CUDA repr syncs: measured on the H200, torch 2.11).
     _sync("__repr__", "printing a tensor copies it to the host: a sync. Remove debug prints "
@@ -271,18 +286,22 @@ def _index(rules) -> dict[Any, tuple[Rule, str]]:
     return table
 
 
-_BY_FUNCTION = _index(RULES)
-
-
-def classify_call(func, args, kwargs, simulate_cuda: bool) -> Hit | None:
-    """Classify a top-level torch call; ``simulate_cuda``: the tensors are CPU stand-ins."""
+def classify_call(func, args, kwargs, simulate_cuda: bool, host: HostData | None = None) -> Hit | None:
+    """Classify a top-level torch call; ``simulate_cuda``: the tensors are CPU stand-ins;
+    ``host``: which tensors live in host memory (default: none known on CPU stand-ins)."""
     found = _BY_FUNCTION.get(func)
     if found is None:
         return None
     rule, label = found
-    verdict = True if rule.when is None else rule.when(args, kwargs or {}, simulate_cuda)
+    kwargs = kwargs or {}
+    ctx = Ctx(simulate_cuda, host if host is not None else HostData(simulate_cuda))
+    if rule.host_args_safe and ctx.host.all_host(args, kwargs):
+        return SAFE  # host work on host data: no sync, nothing to copy
+    verdict = True if rule.when is None else rule.when(args, kwargs, ctx)
     if verdict is None:
         return None
+    if isinstance(verdict, Hit):
+        return verdict
     return Hit(rule.kind, label, rule.message) if verdict else SAFE
 
 
@@ -302,27 +321,19 @@ _ATEN_SYNC = {
 }
 
 
-def classify_aten(func, args, kwargs, cuda: bool) -> Hit | None:
-    """Classify one ATen op; ``cuda``: real CUDA tensors (copies across devices are visible)."""
+def classify_aten(func, args, kwargs, cuda: bool, host: HostData | None = None) -> Hit | None:
+    """Classify one ATen op; ``cuda``: real CUDA tensors (copies across devices are visible);
+    ``host``: which tensors live in host memory (default: by device on CUDA, none on CPU)."""
+    kwargs = kwargs or {}
+    host = host if host is not None else HostData(not cuda)
     packet = func.overloadpacket
-    msg = _ATEN_SYNC.get(packet)
-    if msg is not None:
-        return Hit(_SYNC, f"aten.{packet.__name__}", msg + ". Keep shapes fixed and values on the device")
-    if packet is _A.repeat_interleave and func is _A.repeat_interleave.Tensor:
-        if (kwargs or {}).get("output_size") is None:
-            return Hit(_SYNC, "aten.repeat_interleave", "reads sum(repeats) on the host. Pass output_size=N")
-    if packet in (_A.index, _A.index_put, _A.index_put_):
-        indices = args[1] if len(args) > 1 else ()
-        if any(_is_bool_tensor(i) for i in indices or ()):
-            return Hit(_SYNC, f"aten.{packet.__name__} (bool mask)", "boolean-mask indexing needs "
-                       "nonzero(mask): a sync. Use torch.where(mask, a, b)")
     if cuda and packet in (_A._to_copy, _A.copy_):
         if packet is _A.copy_:
             dst, src = args[0], args[1]
             dst_dev, src_dev = dst.device.type, src.device.type
         else:
             src = args[0]
-            dev = (kwargs or {}).get("device")
+            dev = kwargs.get("device")
             src_dev = src.device.type
             dst_dev = torch.device(dev).type if dev is not None else src_dev
         if src_dev == "cuda" and dst_dev == "cpu":
@@ -330,4 +341,27 @@ def classify_aten(func, args, kwargs, cuda: bool) -> Hit | None:
                        "sync inside the step. Keep it on the device")
         if src_dev == "cpu" and dst_dev == "cuda" and src.dim() > 0:
             return Hit(_H2D, f"aten.{packet.__name__} (host->device)", _HOST_DATA)
+        return None
+    if host.all_host(args, kwargs):
+        return None  # host work on host data
+    msg = _ATEN_SYNC.get(packet)
+    if msg is not None:
+        return Hit(_SYNC, f"aten.{packet.__name__}", msg + ". Keep shapes fixed and values on the device")
+    if packet is _A.repeat_interleave and func is _A.repeat_interleave.Tensor:
+        if kwargs.get("output_size") is None:
+            return Hit(_SYNC, "aten.repeat_interleave", "reads sum(repeats) on the host. Pass output_size=N")
+    hit = classify_aten_cuda(func, args, kwargs, host)
+    if hit is not None:
+        return hit
+    if packet in (_A.index, _A.index_put, _A.index_put_):
+        indices = args[1] if len(args) > 1 else ()
+        if any(_is_bool_tensor(i) for i in indices or ()):
+            return Hit(_SYNC, f"aten.{packet.__name__} (bool mask)", "boolean-mask indexing needs "
+                       "nonzero(mask): a sync. Use torch.where(mask, a, b)")
     return None
+
+
+# The CUDA-only rules need Rule/Hit from this module: imported once both exist.
+from graphrt.capture.rules_cuda import CUDA_RULES, classify_aten_cuda  # noqa: E402
+
+_BY_FUNCTION = _index(RULES + CUDA_RULES)

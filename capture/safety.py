@@ -13,8 +13,10 @@
 - on CUDA, the stream audit (``capture.audit.StreamAudit``); always, a receiver ledger.
 
 On CPU tensors (``device.type == "cpu"``) the analysis reports what *would* sync or bake
-host data on a GPU: the CPU stands in for CUDA, and explicit CUDA synchronisation calls are
-recorded and skipped. ``analyze_step`` runs it at every size and returns a ``SafetyReport``.
+host data on a GPU: the CPU stands in for CUDA (``capture.host.HostData`` remembers which
+tensors would be in host memory), and explicit CUDA synchronisation calls are recorded and
+skipped. ``analyze_step`` runs it at every size and returns a ``SafetyReport``; its
+``state`` lists the closed-over device tensors the step writes (``capture.writes``).
 """
 from __future__ import annotations
 
@@ -30,9 +32,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from graphrt.capture.audit import ReceiverLedger, StreamAudit
+from graphrt.capture.host import HostData
 from graphrt.capture.report import Finding, SafetyReport
 from graphrt.capture.rules import SAFE, classify_aten, classify_call
 from graphrt.capture.sites import user_site
+from graphrt.capture.writes import WriteLog
 from graphrt.spec import StepSpec
 
 _SYNC_WARNING = "synchronizing"
@@ -56,15 +60,17 @@ class _FunctionMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         a = self.a
-        hit = classify_call(func, args, kwargs, simulate_cuda=not a.cuda)
+        hit = classify_call(func, args, kwargs, simulate_cuda=not a.cuda, host=a.host)
         suppress = hit is not None
         if hit is not None and hit is not SAFE:
             a.report(hit.kind, hit.op, hit.message)
         a.frames.append(suppress or (a.frames[-1] if a.frames else False))
         try:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
         finally:
             a.frames.pop()
+        a.host.note(func, args, kwargs, out)
+        return out
 
 
 class _DispatchMode(TorchDispatchMode):
@@ -77,11 +83,14 @@ class _DispatchMode(TorchDispatchMode):
         a = self.a
         suppressed = bool(a.frames and a.frames[-1])
         if not suppressed:
-            hit = classify_aten(func, args, kwargs, cuda=a.cuda)
+            hit = classify_aten(func, args, kwargs, cuda=a.cuda, host=a.host)
             if hit is not None:
                 a.report(hit.kind, hit.op, hit.message)
+                suppressed = True  # the rule names the cause: not the sync debug mode too
         n_warn = len(a.warnings) if a.warnings is not None else 0
         out = func(*args, **kwargs)
+        if a.writes is not None:
+            a.writes.note(func, args, kwargs, out)
         if a.cuda:
             if a.warnings is not None and len(a.warnings) > n_warn and not suppressed:
                 if any(_SYNC_WARNING in str(w.message) for w in a.warnings[n_warn:]):
@@ -104,11 +113,17 @@ class SafetyAnalyzer:
         device: where the step's tensors live; ``cpu`` means "simulate CUDA".
         size: the padded batch size of this run (stamped on findings).
         trace: record the op trace for the data-dependent-shape comparison.
+        host: which tensors live in host memory (``HostData``; shared with build-time
+            tracking so tables FUNC built on the host are known). Default: a fresh one.
+        writes: a ``WriteLog`` that records the persistent state the step writes.
     """
 
-    def __init__(self, device: torch.device | str, size: int | None = None, trace: bool = True):
+    def __init__(self, device: torch.device | str, size: int | None = None, trace: bool = True,
+                 host: HostData | None = None, writes: WriteLog | None = None):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        self.host = host if host is not None else HostData(simulate=not self.cuda)
+        self.writes = writes
         self.size = size
         self.findings: list[Finding] = []
         self.frames: list[bool] = []
@@ -228,19 +243,24 @@ def compare_traces(a: list[TraceOp], b: list[TraceOp], size: int,
 
 
 def analyze_step(spec: StepSpec, sizes: Iterable[int], device: torch.device | str,
-                 seed: int = 0, stream: Any = None, runs: int | None = None) -> SafetyReport:
+                 seed: int = 0, stream: Any = None, runs: int | None = None,
+                 host: HostData | None = None) -> SafetyReport:
     """Run ``spec`` twice (three times when the first two disagree in shapes) at each size on
     different valid random data under the analysis.
 
     ``runs`` fixes the number of runs per size (the last two are compared), for steps with
-    collectives where every rank must make the same calls.
-    Returns every finding (deduplicated, first size kept). On CUDA the runs happen on
-    ``stream`` (a side stream by default, like a warm-up). Exceptions raised by the step
-    propagate (the caller decides whether that is a finding or a crash).
+    collectives where every rank must make the same calls. ``host``: the ``HostData`` that
+    tracked FUNC at build time (CPU stand-ins; ``graphrt validate`` passes it).
+    Returns every finding (deduplicated, first size kept) and, in ``report.state``, the
+    closed-over device tensors the step writes. On CUDA the runs happen on ``stream`` (a side
+    stream by default, like a warm-up). Exceptions raised by the step propagate (the caller
+    decides whether that is a finding or a crash).
     """
     device = torch.device(device)
     report = SafetyReport()
     gen = torch.Generator().manual_seed(seed)
+    host = host if host is not None else HostData(simulate=device.type != "cuda")
+    writes = WriteLog(host)
     ctx = _stream_ctx(device, stream)
     with ctx:
         for size in sorted(set(sizes)):
@@ -249,7 +269,8 @@ def analyze_step(spec: StepSpec, sizes: Iterable[int], device: torch.device | st
             def traced_run():
                 inputs = spec.random_inputs(size, device, gen)
                 n = spec.live_count_tensor(size, device) if spec.live_count else None
-                with SafetyAnalyzer(device, size) as an:
+                writes.add_inputs(inputs, n)
+                with SafetyAnalyzer(device, size, host=host, writes=writes) as an:
                     spec.call(inputs, n)
                 traces.append(an.trace)
                 found.extend(an.findings)
@@ -267,6 +288,7 @@ def analyze_step(spec: StepSpec, sizes: Iterable[int], device: torch.device | st
             report.extend(found)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    report.state = writes.tensors()
     return report
 
 

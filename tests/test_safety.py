@@ -37,7 +37,7 @@ def safe(x, ids, n):
     rows = torch.arange(x.shape[0], device=x.device)
     live = (rows < n).unsqueeze(1)
     y = torch.where(live, x, torch.zeros_like(x))
-    cnt = torch.zeros(4, dtype=torch.int64).scatter_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
+    cnt = torch.zeros(4, dtype=torch.int64, device=x.device).scatter_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
     first = torch.nonzero_static(x[:, 0] > 0, size=x.shape[0], fill_value=-1)
     rep = torch.repeat_interleave(ids[:, 0], 2, output_size=2 * x.shape[0])
     srt, _ = torch.sort(x, dim=1)

@@ -1,21 +1,26 @@
 """``graphrt validate --device cuda``: analysis + real capture + replay-vs-eager on a GPU.
 
 Skipped without CUDA. The CUDA-only cases live in tests/validate_corpus/gpu_steps.py with
-the same ``# expect: KIND`` markers as the CPU corpus; the CPU corpus runs here too, so the
-CPU stand-in analysis is checked against what a GPU really does.
+the same ``# expect: KIND`` markers as the CPU corpus; the CPU corpus runs here both ways
+(``test_corpus_parity_cpu_cuda``), so the CPU stand-in analysis and a GPU must report the
+same ``(kind, line)`` set for every case. Also here: undeclared persistent state is no
+replay mismatch, and a capture failure is reported at the line of the op call.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from graphrt.cli.validate import validate
-from test_validate_corpus import CORPUS, CPU_CASES, cases, expectations
+from graphrt.capture.report import SafetyReport
+from graphrt.cli.validate import build_spec, load_target, validate
+from test_validate_corpus import CORPUS, CPU_CASES, expectations
 
 pytestmark = pytest.mark.gpu
 
@@ -49,7 +54,8 @@ def test_replay_mismatch_names_each_size():
     assert all(f.op == "CUDAGraph.replay" and f.file == str(GPU) for f in mismatches)
 
 
-@pytest.mark.parametrize("func", ["gpu_safe_joined_stream", "gpu_safe_scale"])
+@pytest.mark.parametrize("func", ["gpu_safe_joined_stream", "gpu_safe_scale",
+                                  "gpu_safe_kv_cache_and_counter"])
 def test_clean_gpu_steps(func):
     result, found = _found(func)
     assert found == set() and result.exit_code == 0, result.report.table()
@@ -65,15 +71,60 @@ def test_clean_step_exits_0_through_the_command():
     assert doc["device"] == "cuda" and doc["safe"] and doc["findings"] == []
 
 
+def test_undeclared_state_is_restored_not_reported(monkeypatch):
+    """The KV cache and the step counter the step writes are found by the analysis and passed
+    on as ``state``; without that (detection off) the same safe step mismatches."""
+    result, found = _found("gpu_safe_kv_cache_and_counter")
+    assert found == set() and len(result.report.state) == 2, result.report.table()
+    monkeypatch.setattr("graphrt.capture.writes.WriteLog.tensors", lambda self: [])
+    result, found = _found("gpu_safe_kv_cache_and_counter")
+    assert {k for k, _ in found} == {"replay-mismatch"}, result.report.table()
+
+
+def _marker(path: Path, name: str) -> int:
+    lines = path.read_text().splitlines()
+    return next(i + 1 for i, line in enumerate(lines) if re.search(rf"# at: {name}\b", line))
+
+
+HELPER = CORPUS / "corpus_helpers.py"
+SITES = {"gpu_sync_in_helper": (HELPER, "helper-host-read"),
+         "gpu_sync_inside_aten": (GPU, "multinomial-call")}
+
+
+@pytest.mark.parametrize("func", sorted(SITES))
+def test_locate_names_the_op_line(func):
+    """A second, op-by-op capture names the line of the op call: inside a helper of another
+    module, and where the sync happens deep inside an ATen kernel."""
+    from graphrt.capture.locate import locate_capture_failure
+    device = torch.device("cuda", torch.cuda.current_device())
+    spec = build_spec(load_target(f"{GPU}:{func}"), device)
+    site = locate_capture_failure(spec, 4, device)
+    path, name = SITES[func]
+    assert site is not None and (site.file, site.line) == (str(path), _marker(path, name)), site
+    assert site.kind == "host-sync" and site.op.startswith("aten.")
+
+
+@pytest.mark.parametrize("func", sorted(SITES))
+def test_capture_failure_reported_at_the_op_line(func, monkeypatch):
+    """With the analysis blind to the hazard, the capture fails and the finding still names
+    the op call's line, once per size, not FUNC's def line."""
+    monkeypatch.setattr("graphrt.capture.safety.analyze_step", lambda *a, **k: SafetyReport())
+    monkeypatch.setattr("graphrt.capture.manager.analyze_step", lambda *a, **k: SafetyReport())
+    result = validate(f"{GPU}:{func}", SIZES, "cuda")
+    path, name = SITES[func]
+    got = {(f.kind, f.file, f.line, f.size) for f in result.report.findings}
+    assert got == {("host-sync", str(path), _marker(path, name), s) for s in SIZES}, result.report.table()
+    assert all("capture of batch" in f.message for f in result.report.findings)
+
+
 @pytest.mark.parametrize("path,func,expected", CPU_CASES)
-def test_cpu_corpus_on_cuda(path, func, expected):
-    """What the CPU analysis predicts, a GPU confirms: each expected hazard is found on CUDA
-    (more may be, e.g. the sync debug mode's own view), and safe steps capture, replay equal
-    to eager, and report nothing."""
+def test_corpus_parity_cpu_cuda(path, func, expected):
+    """CPU/CUDA parity: the CPU stand-in analysis and a GPU (analysis, sync debug mode,
+    capture, replay) report the same ``(kind, line)`` set, the one the corpus marks; safe
+    steps capture, replay equal to eager and report nothing."""
+    cpu = {(f.kind, f.line) for f in validate(f"{path}:{func}", SIZES, "cpu").report.findings}
     result = validate(f"{path}:{func}", SIZES, "cuda")
-    found = {(f.kind, f.line) for f in result.report.findings}
-    detail = result.report.table()
-    if expected:
-        assert expected <= found, f"missing on CUDA: {expected - found}\n{detail}"
-    else:
-        assert found == set(), detail
+    cuda = {(f.kind, f.line) for f in result.report.findings}
+    detail = f"cpu only: {sorted(cpu - cuda)}, cuda only: {sorted(cuda - cpu)}\n{result.report.table()}"
+    assert cpu == cuda, detail
+    assert cuda == expected, f"missing {expected - cuda}, unexpected {cuda - expected}\n{detail}"

@@ -4,8 +4,12 @@ replay it) and report every graph hazard at the user's own ``file:line`` (docs/v
 TARGET is ``FILE.py:FUNC`` (imported from its path, no ``__pycache__`` written) or
 ``pkg.module:FUNC``; ``FUNC(device) -> graphrt.StepSpec``. cpu: the step runs on CPU
 tensors under the analysis, which flags what *would* sync, bake or change shape on a GPU.
-cuda: the same, then a real capture of every size and a replay-vs-eager check; their
-findings have no op line and are reported at FUNC's ``def`` line.
+cuda: the same, then a real capture of every size and a replay-vs-eager check. A capture
+that fails is captured once more op by op to name the line it failed at (FUNC's ``def``
+line only when none can be told); a replay mismatch has no op line (FUNC's ``def`` line).
+Persistent state the step writes but does not declare (a KV cache, a device step counter)
+is found by the analysis and passed on as ``StepSpec.state``, so the replay check compares
+graph and eager from the same state.
 Exit 0: no error findings; 1: error findings; 2 (``ValidateError``, one line): bad
 arguments, a target that cannot be loaded, or a step that crashes or exits.
 
@@ -18,6 +22,7 @@ Graph safety: host-only (drives eager runs, captures and replays).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import inspect
@@ -285,12 +290,7 @@ def _cuda_checks(spec: StepSpec, target: Target, sizes: list[int], device: torch
                                 "finding: free GPU memory or validate smaller --sizes)")
         if reason.startswith("warm-up raised"):  # the step crashed eagerly
             raise ValidateError(f"step {spec.name!r} {reason} at batch {size}")
-        kind = "unjoined-stream" if "unjoined" in reason.lower() else "host-sync"
-        report.findings.append(Finding(  # one per size, like replay mismatches below
-            kind, "error", "torch.cuda.graph", target.file, target.line,
-            f"capture of batch {size} failed though the analysis saw no hazard: {reason}. "
-            "Usually an op that syncs or touches the host, or a stream the capture does not "
-            "own; the line is FUNC's", size))
+        report.findings.append(_capture_failure(spec, target, size, device, reason))
     if not rt.graphs:
         return
     try:
@@ -308,6 +308,30 @@ def _cuda_checks(spec: StepSpec, target: Target, sizes: list[int], device: torch
             c.size))
 
 
+def _capture_failure(spec: StepSpec, target: Target, size: int, device: torch.device,
+                     reason: str) -> Finding:
+    """One finding per failed size: at the op the capture failed at when a second,
+    op-by-op capture can tell it (``capture.locate``), else at FUNC's ``def`` line."""
+    unjoined = "unjoined" in reason.lower()
+    site = None
+    if not unjoined:  # an unjoined stream fails at the end of the capture: no op to name
+        from graphrt.capture.locate import locate_capture_failure
+        try:
+            site = locate_capture_failure(spec, size, device)
+        except Exception:  # noqa: BLE001 - a diagnosis that fails leaves the def line
+            site = None
+    if site is not None:
+        return Finding(site.kind, "error", site.op, site.file, site.line,
+                       f"capture of batch {size} failed at this op though the analysis saw no "
+                       f"hazard: {site.error}. The op syncs or touches the host inside CUDA's "
+                       "implementation; keep it out of the step or use a sync-free form", size)
+    return Finding("unjoined-stream" if unjoined else "host-sync", "error", "torch.cuda.graph",
+                   target.file, target.line,
+                   f"capture of batch {size} failed though the analysis saw no hazard: {reason}. "
+                   "Usually an op that syncs or touches the host, or a stream the capture does "
+                   "not own; the line is FUNC's", size)
+
+
 def validate(target: str, sizes: list[int] | str | None = None, device: str | None = None) -> Validation:
     """Validate TARGET at ``sizes`` (default ``default_sizes``) on ``device`` (default: cuda
     when available, else cpu). Raises ``ValidateError`` for the exit-2 cases."""
@@ -316,15 +340,18 @@ def validate(target: str, sizes: list[int] | str | None = None, device: str | No
     tgt = load_target(target)
     run_dev = dev if dev.type == "cpu" or dev.index is not None else \
         torch.device("cuda", torch.cuda.current_device())
+    from graphrt.capture.host import HostData
+    host = HostData(simulate=run_dev.type == "cpu")  # which tensors FUNC left in host memory
     try:
-        spec = build_spec(tgt, run_dev)
+        with host.track() if host.simulate else contextlib.nullcontext():
+            spec = build_spec(tgt, run_dev)
         sizes = sorted(set(sizes)) if sizes else default_sizes(spec.max_batch_size)
         if sizes[-1] > spec.max_batch_size:
             raise ValidateError(f"bad --sizes: {sizes[-1]} exceeds the step's max_batch_size "
                                 f"{spec.max_batch_size}")
         from graphrt.capture.safety import analyze_step
         try:
-            report = analyze_step(spec, sizes, run_dev)
+            report = analyze_step(spec, sizes, run_dev, host=host)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - a crash is no finding: exit 2
             raise _crash(spec, tgt, exc, "the analysis") from None
         from graphrt.errors import InputError
@@ -337,6 +364,8 @@ def validate(target: str, sizes: list[int] | str | None = None, device: str | No
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - a crash is no finding: exit 2
             raise _crash(spec, tgt, exc, "the output check") from None
         if run_dev.type == "cuda":
+            if spec.state is None and report.state:  # undeclared state: compare from the same
+                spec = dataclasses.replace(spec, state=list(report.state))
             _cuda_checks(spec, tgt, sizes, run_dev, report)
     finally:
         if tgt.module.__name__.startswith(_MODULE_PREFIX):

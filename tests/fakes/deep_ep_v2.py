@@ -355,7 +355,7 @@ class _FakeBufferBase:
             _expect(tuple(b.shape) == (num_tokens, hidden) and b.dtype == x.dtype, "bad bias")
 
         def reduce(posts):
-            acc = torch.zeros(num_tokens, hidden, dtype=torch.float32)
+            acc = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
             for k in range(ids.shape[1]):  # fixed top-k order, fp32
                 for d in range(self.num_ranks):
                     m = (slots[:, k] >= 0) & (ids[:, k] // E == d)
@@ -376,7 +376,8 @@ class _FakeBufferBase:
             ev = FakeEventOverlap(None)
             rec["event"] = ev
             return run(), None, ev
-        combined = torch.full((num_tokens, hidden), float("nan"), dtype=torch.bfloat16)
+        combined = torch.full((num_tokens, hidden), float("nan"), dtype=torch.bfloat16,
+                              device=x.device)
         event = FakeEventHandle()
         event._pending.append(lambda: combined.copy_(run()))
         ev = FakeEventOverlap(event)

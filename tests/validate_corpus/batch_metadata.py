@@ -44,7 +44,6 @@ def bad_max_seq_len_item(device):
 
 def bad_host_lens_tensor(device):
     """cu_seqlens built from a host-side list of lengths inside the step."""
-    kv = _cache(device)
     host_lens = [3, 5, 7, 9, 11, 13, 15, 16]  # the engine's per-request lengths
 
     def step(x, seq_lens):
@@ -71,7 +70,6 @@ def bad_block_table_tolist(device):
 
 def bad_live_token_gather(device):
     """Gather live tokens (seq_len > 0) with a boolean mask, compute, scatter back."""
-    kv = _cache(device)
 
     def step(x, seq_lens):
         live = seq_lens > 0

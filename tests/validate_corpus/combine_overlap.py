@@ -31,7 +31,7 @@ def bad_receiver_never_called(device):
 
     def step(x):
         moe_out = torch.zeros_like(x)
-        recv = Receiver(lambda: moe_out.copy_(x), moe_out)  # expect: unjoined-receiver
+        _recv = Receiver(lambda: moe_out.copy_(x), moe_out)  # expect: unjoined-receiver
         s = x @ ws                                                           # shared expert
         return x + moe_out + s
 

@@ -1,12 +1,16 @@
-"""Validator corpus, CUDA only: side streams, a receiver under real capture, and a replay
-that differs from eager. ``tests/test_validate_gpu.py`` runs these with ``--device cuda``.
+"""Validator corpus, CUDA only: side streams, a receiver under real capture, a replay that
+differs from eager, persistent state the step writes without declaring it, and syncs whose
+line must be named however deep they happen. ``tests/test_validate_gpu.py`` runs these with
+``--device cuda``.
 
 ``gpu_bad_*`` FUNCs mark each expected finding with ``# expect: KIND`` (a replay mismatch has
-no op line: it is reported at FUNC's ``def`` line); ``gpu_safe_*`` FUNCs have none.
+no op line: it is reported at FUNC's ``def`` line); ``gpu_safe_*`` FUNCs have none;
+``gpu_sync_*`` FUNCs feed the capture-failure locator (their line: ``# at:`` markers).
 """
 import torch
 
 import graphrt
+from corpus_helpers import live_scale
 from graphrt.comm.base import Receiver
 
 H = 16
@@ -29,7 +33,7 @@ def gpu_bad_unjoined_stream(device):
     def step(x):
         side.wait_stream(torch.cuda.current_stream())                       # fork
         with torch.cuda.stream(side):
-            s = x @ w  # expect: unjoined-stream
+            _s = x @ w  # expect: unjoined-stream
         return x * 2
 
     return _spec(step)
@@ -57,7 +61,7 @@ def gpu_bad_receiver_never_called(device):
 
     def step(x):
         moe_out = torch.zeros_like(x)
-        recv = Receiver(lambda: moe_out.copy_(x), moe_out)  # expect: unjoined-receiver
+        _recv = Receiver(lambda: moe_out.copy_(x), moe_out)  # expect: unjoined-receiver
         return x + moe_out + x @ w
 
     return _spec(step)
@@ -79,5 +83,47 @@ def gpu_safe_scale(device):
 
     def step(x):
         return x * 2.0 + 1.0
+
+    return _spec(step)
+
+
+SLOTS = 16  # KV slots; slot SLOTS is a scratch slot padded rows write
+
+
+def gpu_safe_kv_cache_and_counter(device):
+    """A KV cache written at ``positions`` and a device step counter, neither declared as
+    ``state``: the analysis finds both, so graph and eager start from the same state. Padded
+    rows write zeros into the scratch slot, which nothing reads."""
+    kv = torch.zeros(SLOTS + 1, H, device=device)                           # [SLOTS + 1, H]
+    step_t = torch.zeros((), dtype=torch.int64, device=device)              # step counter
+    w = _w(device)
+
+    def step(x, positions, n):
+        live = torch.arange(x.shape[0], device=x.device) < n                 # [T]
+        kv.index_copy_(0, torch.where(live, positions, SLOTS), torch.where(live[:, None], x, 0.0))
+        step_t.add_(1)
+        return x @ w + 0.01 * kv[:SLOTS].sum(0) + step_t.to(x.dtype)
+
+    return graphrt.StepSpec(fn=step, inputs={
+        "x": graphrt.Input((None, H), torch.float32),
+        "positions": graphrt.Input((None,), torch.int64, high=SLOTS, unique=True)},
+        max_batch_size=8, live_count="n")
+
+
+def gpu_sync_in_helper(device):
+    """A host read inside a helper function of another module (corpus_helpers.py)."""
+    w = _w(device)
+
+    def step(x):
+        return (x @ w) * live_scale(x)
+
+    return _spec(step)
+
+
+def gpu_sync_inside_aten(device):
+    """torch.multinomial syncs inside ATen (its input checks call .item())."""
+
+    def step(x):
+        return torch.multinomial(torch.softmax(x, -1), 1)  # at: multinomial-call
 
     return _spec(step)

@@ -1,0 +1,150 @@
+"""Where a tensor would live on a GPU: device memory or host memory.
+
+A graph hazard often depends on *where* data lives: indexing a CUDA tensor with a CPU index
+tensor (or a Python list) uploads the index every call, ``host_buf.copy_(t)`` is a
+device-to-host copy, and ``.item()`` on a CPU tensor is no sync at all. On CUDA the device
+says it (``t.device``); when the analysis runs on CPU tensors standing in for CUDA ones
+("simulate CUDA"), every tensor says ``cpu``, so ``HostData`` remembers which tensors would be
+in host memory on a GPU:
+
+- factories called without ``device=`` (or with ``device="cpu"``): ``torch.arange(n)``,
+  ``torch.tensor(lst)``, ``torch.randperm(n)``, ``torch.from_numpy(a)``;
+- ``t.cpu()``, ``t.to("cpu")``, ``t.pin_memory()``;
+- the results of calls whose tensor arguments all live on the host (``host_t % 4``, views).
+
+``t.to(device)`` / ``t.cuda()`` / a factory with ``device=device`` give a device tensor. The
+step's inputs and anything created outside tracking count as device tensors (no finding is
+made on a guess). ``track()`` is a ``TorchFunctionMode`` for build time (FUNC); the safety
+analyzer calls ``note`` for every call of the step.
+
+Graph safety: host-only bookkeeping for the analysis.
+"""
+from __future__ import annotations
+
+import linecache
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+_T = torch.Tensor
+_TO_HOST = (_T.cpu, _T.pin_memory)
+_TO_DEVICE = (_T.cuda,)
+
+
+def tensors(*trees) -> list[torch.Tensor]:
+    """Every tensor among the leaves of ``trees`` (args, kwargs, outputs)."""
+    return [t for tree in trees for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _line_names_cpu() -> bool:
+    """Whether the user's source line of the current call mentions ``cpu``."""
+    from graphrt.capture.sites import user_site
+    file, line = user_site()
+    return "cpu" in linecache.getline(file, line)
+
+
+class HostData:
+    """Which tensors live (or, simulating CUDA, would live) in host memory.
+
+    Args:
+        simulate: the tensors are CPU stand-ins for CUDA ones: remember host tensors as they
+            are made. Otherwise a tensor is on the host when ``t.device.type == "cpu"``.
+    """
+
+    def __init__(self, simulate: bool):
+        self.simulate = simulate
+        self._host = WeakIdKeyDictionary()
+
+    def is_host(self, x: Any) -> bool:
+        """A tensor in host memory (a CPU tensor on a GPU machine)."""
+        if not isinstance(x, torch.Tensor):
+            return False
+        if not self.simulate:
+            return x.device.type == "cpu"
+        return x in self._host
+
+    def all_host(self, args, kwargs=None) -> bool:
+        """Some tensor among ``args``/``kwargs``, and every one in host memory."""
+        ts = tensors(args, kwargs or {})
+        return bool(ts) and all(self.is_host(t) for t in ts)
+
+    def host_index(self, index: Any) -> bool:
+        """An index that is host data: a Python list of numbers, a NumPy array, or a host
+        tensor with at least one dimension (alone or inside a tuple index). Indexing a
+        device tensor with it copies it to the device first."""
+        for i in index if isinstance(index, tuple) else (index,):
+            if isinstance(i, torch.Tensor):
+                if i.dim() > 0 and self.is_host(i):
+                    return True
+            elif isinstance(i, list):
+                if i and all(isinstance(v, (bool, int, list)) for v in i):
+                    return True
+            elif hasattr(i, "__array__") and getattr(i, "ndim", 0) > 0:
+                return True
+        return False
+
+    # -- bookkeeping (simulating CUDA only) --------------------------------------------------
+    def mark(self, outs, host: bool) -> None:
+        for t in tensors(outs):
+            if host:
+                self._host[t] = True
+            else:
+                self._host.pop(t, None)
+
+    def target(self, func, args, kwargs) -> bool | None:
+        """Where the call puts its result: True host, False device, None not said. On CPU
+        stand-ins a ``torch.device("cpu")`` is the step's own device unless the user's line
+        names cpu."""
+        if func in _TO_HOST:
+            return True
+        if func in _TO_DEVICE:
+            return False
+        places = list(args[1:]) if func is _T.to else []
+        places.append(kwargs.get("device"))
+        for p in places:
+            if isinstance(p, torch.Tensor):
+                return self.is_host(p)
+            if isinstance(p, str):
+                return p.split(":")[0] == "cpu"
+            if isinstance(p, torch.device):
+                return p.type == "cpu" and (not self.simulate or _line_names_cpu())
+        return None
+
+    def note(self, func, args, kwargs, out) -> None:
+        """Record where the result of ``func(*args, **kwargs)`` lives (simulating CUDA)."""
+        if self.simulate:
+            try:
+                self._note(func, args, kwargs or {}, out)
+            except Exception:  # noqa: BLE001 - bookkeeping must never break the user's code
+                pass
+
+    def _note(self, func, args, kwargs, out) -> None:
+        outs = tensors(out)
+        if not outs:
+            return
+        target = self.target(func, args, kwargs)
+        if target is not None:
+            self.mark(outs, target)
+        elif not tensors(args, kwargs):  # a factory without device=: host memory
+            self.mark(outs, True)
+        elif self.all_host(args, kwargs):
+            self.mark(outs, True)
+
+    def track(self) -> "_Track":
+        """A ``TorchFunctionMode`` that notes every torch call (build time)."""
+        return _Track(self)
+
+
+class _Track(TorchFunctionMode):
+    def __init__(self, host: HostData):
+        super().__init__()
+        self.host = host
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.host.note(func, args, kwargs, out)
+        return out
