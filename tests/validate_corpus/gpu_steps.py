@@ -121,9 +121,10 @@ def gpu_sync_in_helper(device):
 
 
 def gpu_sync_inside_aten(device):
-    """torch.multinomial syncs inside ATen (its input checks call .item())."""
+    """masked_fill with a device-tensor value syncs inside ATen (the CUDA kernel calls
+    .item() on the value): one torch call whose sync is deep in ATen."""
 
     def step(x):
-        return torch.multinomial(torch.softmax(x, -1), 1)  # at: multinomial-call
+        return x.masked_fill(x < 0, x.amax())  # at: aten-sync-call
 
     return _spec(step)
