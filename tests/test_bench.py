@@ -102,6 +102,7 @@ def test_floor_counts_experts_hit_per_layer(tiny):
 
 # -- the CLI --------------------------------------------------------------------------------------
 def test_bench_cpu_smoke(tmp_path, capsys):
+    pytest.importorskip("matplotlib")  # the smoke run checks the plot it writes
     out = tmp_path / "o"
     assert cli.main(["bench", "--config", "tiny", "--device", "cpu", "--sizes", "1,2",
                      "--out", str(out)]) == 0
@@ -319,6 +320,7 @@ def _gpu_result():
 
 
 def test_markdown_and_plots_of_a_gpu_result(tmp_path):
+    pytest.importorskip("matplotlib")
     from graphrt.bench.plots import markdown, write_plots
     res = _gpu_result()
     md = markdown(res)

@@ -143,8 +143,9 @@ def test_overlap_on_and_off_agree(built):
 def test_receiver_tensors_live_for_the_graph():
     spec, model = make_step(preset("dsv3-like", layers=1, experts=16), "cuda", max_batch_size=64)
     rt = graphrt.GraphRuntime(spec, sizes=[16, 64], progress=False).capture()
-    keep = [len(g.keepalive) for g in rt.graphs.values()]
-    assert all(k > 0 for k in keep)
+    # beyond the static input views, each graph holds what the combine receivers keep alive
+    assert all(len(g.keepalive) > len(rt.stager.views(g.size)) for g in rt.graphs.values()), \
+        [(g.size, len(g.keepalive)) for g in rt.graphs.values()]
     inputs = spec.random_inputs(50, "cuda", torch.Generator().manual_seed(9))
     first = rt.run(**inputs)["logits"]
     gc.collect()
