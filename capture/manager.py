@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from graphrt.capture.audit import ReceiverLedger
+from graphrt.capture.progress import Progress
 from graphrt.capture.report import Finding, GraphSafetyError, SafetyReport
 from graphrt.capture.safety import analyze_step
 from graphrt.errors import CaptureError, GraphrtError, InputError
@@ -135,9 +136,9 @@ class CaptureManager:
             self.pool = torch.cuda.graph_pool_handle()
         stream = self.capture_stream or torch.cuda.Stream(self.device)
         ctx = self.capture_context() if self.capture_context is not None else contextlib.nullcontext()
+        bar = Progress(len(ok), f"capture {self.spec.name}", enabled=self.progress, transient=True)
         try:
-            with ctx, torch.inference_mode(), progress_bar(
-                    f"capture {self.spec.name}", len(ok), "graph", self.progress) as bar:
+            with ctx, torch.inference_mode():
                 torch.cuda.synchronize(self.device)
                 _clear_cublas_workspaces()  # see "Memory a graph must own"
                 for size in sorted(ok, reverse=True):
@@ -147,8 +148,9 @@ class CaptureManager:
                         self._fail(size, f"{type(exc).__name__}: {exc}", exc=exc)
                     if not self._agree(size, size in self.graphs, "capture"):
                         self.graphs.pop(size, None)
-                    bar(size)
+                    bar.advance(f"graphs bs={size}")
         finally:
+            bar.close()
             torch.cuda.synchronize(self.device)
             _clear_cublas_workspaces()
             _ensure_no_capture(stream)  # also after KeyboardInterrupt
@@ -295,21 +297,6 @@ class CaptureManager:
                 buf.copy_(self.spec.inputs[k].pad(self.stager.max_bs, self.device))
         self.stager._dirty = 0
         torch.cuda.synchronize(self.device)
-
-
-@contextlib.contextmanager
-def progress_bar(desc: str, total: int, unit: str, enabled: bool):
-    """A rich progress bar on stderr; yields ``advance(label)``. Silent when not enabled."""
-    if not enabled:
-        yield lambda label=None: None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn(unit + "s {task.fields[label]}"), TimeElapsedColumn(),
-                  console=Console(stderr=True), transient=True) as prog:
-        task = prog.add_task(desc, total=total, label="")
-        yield lambda label=None: prog.update(task, advance=1, label="" if label is None else f"bs={label}")
 
 
 def _clear_cublas_workspaces() -> None:

@@ -201,11 +201,15 @@ class GraphRuntime:
             raise NoGraphForBatch(n, max(self.graphs) if self.graphs else None)
         return g
 
-    def _replay(self, g, n: int) -> Any:
+    def _launch(self, g, n: int) -> None:
+        """Plan (``spec.before_replay``), replay ``g`` and end earlier leases."""
         if self.spec.before_replay is not None:
             self.spec.before_replay(g.size, n)
         g.graph.replay()
         self._clock.bump()
+
+    def _replay(self, g, n: int) -> Any:
+        self._launch(g, n)
         self.counters["replays"] += 1
         live = g.signature.live(g.outputs, n)
         if self.copy_outputs:

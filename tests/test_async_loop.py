@@ -11,7 +11,6 @@ GPU: sync vs async token streams identical over 1,000 steps through ``GraphRunti
 model's graphs and the fused graphs); the steady state with batch-composition changes
 under ``torch.cuda.set_sync_debug_mode("error")`` with flat device memory; the bench suite.
 """
-import importlib.util
 import os
 
 import pytest
@@ -23,6 +22,7 @@ from graphrt.testing.async_engine import AsyncDecodeEngine, compare_sync_async
 from graphrt.testing.engine import DecodeEngine, Workload, graph_step
 from graphrt.testing.requests import Request, long_requests
 from graphrt.testing.staging import EagerRuntime, PinnedRing
+from tests.examples import load_example
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 50
@@ -213,11 +213,7 @@ def test_bench_loop_is_refused_on_cpu(tmp_path, capsys):
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("host_engine_loop",
-                                                  os.path.join(ROOT, "examples", "host_engine_loop.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example("host_engine_loop")
 
 
 def test_example_loop_flag_refusals(capsys):

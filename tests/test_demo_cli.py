@@ -4,8 +4,6 @@ one line on stderr (what came, what is expected, what to do) before any work; th
 ends with what to try next."""
 from __future__ import annotations
 
-import importlib.util
-import os
 import re
 from argparse import Namespace
 from pathlib import Path
@@ -15,6 +13,7 @@ import torch
 
 import graphrt
 from graphrt.cli import main as cli
+from tests.examples import load_example
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="the refusals of a CPU machine")
@@ -90,11 +89,7 @@ def test_cpu_demo_ends_with_what_to_try_next(monkeypatch, capsys):
 
 # -- examples/host_engine_loop.py ---------------------------------------------------------
 def _example():
-    spec = importlib.util.spec_from_file_location(
-        "host_engine_loop", os.path.join(ROOT, "examples", "host_engine_loop.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example("host_engine_loop")
 
 
 @NO_CUDA

@@ -11,7 +11,6 @@ seed, two engines placing the same requests in different blocks, and the example
 GPU: graph vs eager token streams identical over 1,000 steps; the 10,000-step soak (memory
 flat, sampled replays bitwise equal to eager). Two GPUs: the example's DeepEP mode.
 """
-import importlib.util
 import os
 import random
 import subprocess
@@ -24,6 +23,7 @@ import torch
 from graphrt.testing.engine import (BlockPool, DecodeEngine, KVSnapshot, Request, Workload,
                                     compare_graph_eager, eager_step, soak)
 from graphrt.errors import GraphrtError, InputError
+from tests.examples import load_example
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 50
@@ -212,11 +212,7 @@ def test_block_placement_does_not_change_streams():
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("host_engine_loop",
-                                                  os.path.join(ROOT, "examples", "host_engine_loop.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example("host_engine_loop")
 
 
 @pytest.mark.slow

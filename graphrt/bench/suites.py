@@ -135,7 +135,7 @@ def overlap_region_us(model, moe, bs: int, device) -> dict:
     n = torch.full((1,), bs, dtype=torch.int32, device=device)
     w, ids = moe.router(h, n)
     d = moe.comm.dispatch(h, ids, n, topk_weights=w)
-    y = moe.experts(d.recv_x, d.masked_m, d.expected_m, d.recv_scale)
+    y = moe.experts(d.recv_x, d.masked_m, d.expected_m, d.recv_scale, bs=bs)
     out = torch.empty_like(h)
     shared = moe.shared if moe.shared is not None else (lambda _h: None)
 
