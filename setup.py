@@ -13,6 +13,7 @@ setup(
         "graphrt",
         "graphrt.comm",
         "graphrt.moe",
+        "graphrt.eplb",
         "graphrt.bench",
         "graphrt.cli",
         "graphrt.testing",

@@ -329,3 +329,47 @@ def test_markdown_and_plots_of_a_gpu_result(tmp_path):
     assert "naive-graph: FAILED" in md and "naive at bs 64: too large" in md
     paths = write_plots(res, str(tmp_path))
     assert all(os.path.getsize(p) > 1000 for p in paths.values()), paths
+
+
+def test_bench_eplb_plans_and_spawns_each_redundancy(monkeypatch, tmp_path, capsys):
+    """--suite eplb: refused without an EP --comm or under torchrun; --redundant only with it;
+    one spawn per (backend, redundancy), rank 0's rows rendered and saved."""
+    from graphrt.bench import run
+    from graphrt.bench.plan import Plan, Refusal, plan
+    import graphrt.testing.launch as launch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+    parse = lambda *a: cli.build_parser().parse_args(["bench", "--out", str(tmp_path / "o"), *a])  # noqa: E731
+    p = plan(parse("--comm", "nccl", "--suite", "eplb", "--sizes", "64,128", "--redundant", "0,8"))
+    assert (p.suites, p.redundant, p.sizes) == (["eplb"], (0, 8), [64, 128])
+    for argv, match in ((["--suite", "eplb"], "suite eplb needs an expert-parallel --comm"),
+                        (["--comm", "nccl", "--suite", "ep", "--redundant", "4"],
+                         "--redundant applies to the eplb suite")):
+        with pytest.raises(Refusal, match=match):
+            plan(parse(*argv))
+    calls = []
+
+    def fake_spawn(fn, world, comm, opts, timeout_s=600):
+        calls.append((fn.__name__, comm, opts["redundant"]))
+        if opts["redundant"] == 8:
+            return [{"rank": 0, "ok": False, "error": "RuntimeError: boom"}, {"rank": 1, "ok": True}]
+        row = {"bs": 64, "redundant": 0, "step_us_before": 500.0, "step_us_after": 400.0,
+               "gain": 1.25, "slot_max_mean_before": 3.0, "slot_max_mean_after": 1.5,
+               "rank_max_mean_before": 1.8, "rank_max_mean_after": 1.05, "rows_off": 0,
+               "rows": 64, "median_row_err": 0.004, "nan": False, "outputs_ok": True}
+        res = {"comm": comm, "config": "qwen3-moe-like", "layers": 4, "experts": 64,
+               "ranks": world, "redundant": 0, "zipf_s": 1.2, "loop_steps": 300,
+               "interval": 100, "rebalanced_at_steps": [101], "slot_copies": 40,
+               "same_graphs": True, "sync_free_loop": True, "store_gb": 2.4, "rows": [row]}
+        return [{"rank": 0, "ok": True, **res}, {"rank": 1, "ok": True}]
+    monkeypatch.setattr(launch, "spawn", fake_spawn)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "FakeGPU")
+    rc = run.main(parse("--comm", "nccl", "--suite", "eplb", "--sizes", "64", "--redundant", "0,8"))
+    assert rc == 1 and calls == [("bench_eplb_rank", "nccl", 0), ("bench_eplb_rank", "nccl", 8)]
+    doc = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert [e.get("error") for e in doc["eplb"]] == [None, "rank 0: RuntimeError: boom"]
+    md = (tmp_path / "o" / "results.md").read_text()
+    assert "| nccl | 0 | 64 | 500 → 400 | 1.25× | 3.00 → 1.50 | 1.80 → 1.05 | 0 / 64 | yes |" in md

@@ -14,7 +14,7 @@ import torch
 from graphrt.bench.ep import EP_BACKENDS
 from graphrt.bench.output import OutDirError, check_out_dir
 
-SUITES = ("runtime", "modes", "moe", "ep", "loop")
+SUITES = ("runtime", "modes", "moe", "ep", "loop", "eplb")
 _SINGLE_GPU = ("runtime", "moe", "loop")
 
 
@@ -36,6 +36,7 @@ class Plan:
     out: str             # absolute folder
     fp8: bool
     max_tokens: int
+    redundant: tuple = (0, 4, 8)   # eplb: redundant slots per rank, one run each
 
     @property
     def ep(self) -> bool:
@@ -83,9 +84,10 @@ def plan(args) -> Plan:
     if ep and (bad := [s for s in suites if s in _SINGLE_GPU]):
         raise Refusal(f"suite {bad[0]} is single-GPU: run it without --comm/--ranks, or pick "
                       "--suite ep,modes for an expert-parallel run")
-    if not ep and "ep" in suites:
-        raise Refusal(f"suite ep needs an expert-parallel --comm ({', '.join(EP_BACKENDS)}), "
-                      "e.g. graphrt bench --ranks 2 --comm nccl")
+    for s in ("ep", "eplb"):
+        if not ep and s in suites:
+            raise Refusal(f"suite {s} needs an expert-parallel --comm ({', '.join(EP_BACKENDS)}), "
+                          "e.g. graphrt bench --ranks 2 --comm nccl")
     if device == "cpu" and (bad := [s for s in suites if s in _SINGLE_GPU]):
         raise Refusal(f"suite {bad[0]} needs a CUDA GPU; on CPU only the modes smoke run "
                       "works: graphrt bench --device cpu")
@@ -118,8 +120,12 @@ def plan(args) -> Plan:
         out = check_out_dir(arg("out") or "bench-out", names)
     except OutDirError as exc:
         raise Refusal(str(exc))
+    if "eplb" in suites and torchrun:
+        raise Refusal("suite eplb starts one process group per redundancy setting: run it with "
+                      "graphrt bench --ranks N, not under torchrun")
+    redundant = tuple(dict.fromkeys(arg("redundant") or (0, 4, 8)))
     return Plan(suites, cfg, sizes, modes, comms, ranks, torchrun, device, out,
-                bool(arg("fp8")), max_tokens)
+                bool(arg("fp8")), max_tokens, redundant)
 
 
 def _device(want, ep_comms, ranks: int, torchrun: bool) -> str:
@@ -164,9 +170,9 @@ def _check_backend(name: str) -> None:
 
 def _check_applies(arg, suites: list, device: str, ep: bool) -> None:
     """Refuse flags that no selected suite uses."""
-    uses = {"modes": ("modes",), "fp8": ("modes", "moe"), "sizes": ("modes", "moe", "ep", "loop"),
-            "layers": ("modes", "moe", "ep", "loop"), "experts": ("modes", "moe", "ep", "loop"),
-            "config": ("modes", "moe", "ep", "loop")}
+    sized = ("modes", "moe", "ep", "loop", "eplb")
+    uses = {"modes": ("modes",), "fp8": ("modes", "moe"), "sizes": sized, "layers": sized,
+            "experts": sized, "config": sized, "redundant": ("eplb",)}
     for flag, by in uses.items():
         if arg(flag) and not set(by) & set(suites):
             raise Refusal(f"--{flag} applies to the {' or '.join(by)} suite, which this run does "

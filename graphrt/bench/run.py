@@ -2,7 +2,7 @@
 replays, medians, modes side by side in one run, random inputs, HBM bandwidth measured in the
 same run), on one GPU or expert-parallel over several.
 
-    graphrt bench [--suite runtime,modes,moe,ep,loop] [--config dsv3-like|qwen3-moe-like|tiny]
+    graphrt bench [--suite runtime,modes,moe,ep,loop,eplb] [--config dsv3-like|qwen3-moe-like|tiny]
                   [--layers N] [--experts N] [--sizes 1,8,64,256] [--modes eager,graph,...]
                   [--comm local|deepep-hook,deepep-event,nccl] [--ranks N] [--max-tokens N]
                   [--fp8] [--out DIR] [--device cpu|cuda|cuda:N]
@@ -27,6 +27,9 @@ Suites (default ``runtime,modes`` on a GPU, ``modes`` on CPU, ``ep`` with an EP 
 - ``loop`` (one GPU, ``graphrt.bench.loop``): the host decode loop at each ``--sizes`` live
   batch (kept fixed), synchronous vs asynchronous (one step in flight): tokens/s, GPU busy
   fraction (replay device time / loop wall time), host µs per step, over 1,000 steps.
+- ``eplb`` (EP only, ``graphrt.bench.eplb``): expert load balancing under Zipf-skewed
+  routing, per backend and ``--redundant`` slots per rank: load max/mean per slot and per
+  rank and step time before and after a rebalance made inside a sync-free loop.
 
 Every flag is checked before any work; one this run cannot honour (a GPU suite on CPU,
 ``--modes`` without the modes suite, ``--ranks`` with ``--comm local``, an ``--out`` that
@@ -126,7 +129,7 @@ def measured(doc: dict) -> bool:
         return any(v for row in (m or {}).get("rows", []) for v in row["step_us"].values())
     if doc.get("runtime") or any((doc.get(k) or {}).get("rows") for k in ("moe", "moe_fp8", "loop")):
         return True
-    if modes_ok(doc.get("modes")):
+    if modes_ok(doc.get("modes")) or any(r.get("rows") for r in doc.get("eplb") or []):
         return True
     return any((r.get("ep") or {}).get("rows") or modes_ok(r.get("modes"))
                for r in (doc.get("ep") or {}).values())
@@ -251,6 +254,35 @@ def _add_ep(res: Results, comm: str, out: dict) -> None:
         res.add("modes", m, f"## modes over {comm}\n" + markdown(m), comm=comm)
 
 
+def _run_eplb(p: Plan, res: Results) -> list:
+    """The eplb suite: one process group per backend and redundancy (the backend is built for
+    the physical slot count). Returns the backends that failed."""
+    from graphrt.bench.eplb import bench_eplb_rank, md_eplb
+    from graphrt.testing.launch import spawn
+    done, failed = [], []
+    for comm in p.comms:
+        for r in p.redundant:
+            opts = {"cfg": p.cfg, "sizes": p.sizes, "max_tokens": p.max_tokens, "redundant": r}
+            try:
+                per_rank = spawn(bench_eplb_rank, p.ranks, comm, opts)
+            except TimeoutError as exc:
+                per_rank = [{"rank": 0, "ok": False, "error": f"TimeoutError: {exc}"}]
+            if bad := [x for x in per_rank if not x.get("ok")]:
+                error = f"rank {bad[0]['rank']}: {bad[0].get('error')}"
+                print(f"graphrt bench: eplb --comm {comm} redundant {r} failed on {error}\n"
+                      f"{bad[0].get('traceback', '')}", file=sys.stderr)
+                res.doc.setdefault("eplb", []).append({"comm": comm, "redundant": r, "error": error})
+                failed.append(comm)
+                continue
+            out = {k: v for k, v in per_rank[0].items() if k not in ("ok", "rank")}
+            done.append(out)
+            res.doc.setdefault("eplb", []).append(out)
+            res.save([md_eplb(done)])
+    if done:
+        res.add("eplb", res.doc["eplb"], md_eplb(done))
+    return failed
+
+
 def _run_ep(p: Plan) -> int:
     from graphrt.bench.ep import run_rank
     opts = {"cfg": p.cfg, "sizes": p.sizes, "max_tokens": p.max_tokens, "suites": p.suites,
@@ -275,6 +307,10 @@ def _run_ep(p: Plan) -> int:
     from graphrt.testing.launch import spawn
     res, failed = Results(p, torch.cuda.get_device_name(0)), []
     print(f"graphrt bench: results go to {p.out}", file=sys.stderr)
+    if "eplb" in p.suites:
+        failed += _run_eplb(p, res)
+        if not set(p.suites) - {"eplb"}:
+            return res.finish(sorted(set(failed)))
     for comm in p.comms:
         try:
             per_rank = spawn(run_rank, p.ranks, comm, opts)

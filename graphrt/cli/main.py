@@ -23,7 +23,7 @@ from graphrt._version import __version__
 from graphrt.cli import validate_cmd
 
 PRESETS = ("dsv3-like", "qwen3-moe-like", "tiny")            # graphrt.moe.config.PRESETS
-SUITES = ("runtime", "modes", "moe", "ep", "loop")             # graphrt.bench.plan
+SUITES = ("runtime", "modes", "moe", "ep", "loop", "eplb")     # graphrt.bench.plan
 MODES = ("eager", "compile", "graph", "graph-overlap", "naive", "naive-compile", "naive-graph")
 BACKENDS = ("local", "deepep-hook", "deepep-event", "nccl")   # graphrt.testing.launch.make_comm
 
@@ -64,14 +64,18 @@ def _positive(text: str) -> int:
     return value
 
 
-def _ints(text: str) -> list[int]:
+def _ints(text: str, low: int = 1) -> list[int]:
     try:
         values = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
         values = []
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints >= 1, got {text!r}")
+    if not values or any(v < low for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints >= {low}, got {text!r}")
     return values
+
+
+def _counts(text: str) -> list[int]:
+    return _ints(text, low=0)
 
 
 def _names(choices: tuple[str, ...], what: str):
@@ -126,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "step), modes (the reference model eager, graph, graph-overlap, compile and "
                        "a naive peer), moe (overlap on/off, bandwidth floor), ep (expert-parallel "
                        "step and communication alone, vs DeepEP's own calls), loop (a decode "
-                       "loop synchronous vs asynchronous: tokens/s, GPU busy). Expert-parallel runs "
+                       "loop synchronous vs asynchronous: tokens/s, GPU busy), eplb (expert "
+                       "load balancing under Zipf routing, expert-parallel). Expert-parallel runs "
                        "(--comm other than local) start --ranks processes, one per GPU, or run "
                        "under torchrun. Results: results.json, results.md and plots in --out. "
                        "Exit 0: measured; 1: nothing measured (every mode skipped or failed) or "
@@ -152,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--fp8", action="store_true",
                    help="fp8 experts (DeepGEMM, CUDA): the modes suite runs fp8, moe runs bf16 "
                    "and fp8")
+    b.add_argument("--redundant", type=_counts, default=None, metavar="N,N",
+                   help="eplb suite: redundant expert slots per rank, one run each "
+                   "(default: 0,4,8)")
     b.add_argument("--out", default="bench-out", metavar="DIR",
                    help="folder for results.json, results.md and plots (made if missing; its "
                    "path is printed at the end)")

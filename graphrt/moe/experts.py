@@ -54,6 +54,18 @@ def quantize_weight_fp8(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor
     return q, scale
 
 
+def expert_weights(seed: int, expert: int, hidden: int, inter: int, device,
+                   dtype=torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference weights of logical expert ``expert`` of the layer seeded ``seed``:
+    (w13 ``[2 * inter, hidden]``, w2 ``[hidden, inter]``), random but deterministic, the same
+    on every rank and for every replica. Host-only (setup)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed * 1_000_003 + expert)
+    w13 = torch.randn(2 * inter, hidden, generator=gen, device=device, dtype=dtype) * hidden ** -0.5
+    w2 = torch.randn(hidden, inter, generator=gen, device=device, dtype=dtype) * inter ** -0.5
+    return w13, w2
+
+
 class Experts:
     """``num_local_experts`` SwiGLU experts. Weights are random but deterministic from ``seed``.
 
@@ -68,6 +80,8 @@ class Experts:
         fp8: fp8 e4m3 weights and activations (DeepGEMM's layout; DeepGEMM or decode kernel).
         quantize_input: with fp8, tokens arrive in bf16 and are quantized here (EP=1); False
             when the dispatch delivers them quantized (DeepEP's fp8 dispatch) with scales.
+        expert_ids: the logical expert of each local slot (EPLB's physical slots, replicas
+            included); default ``first_expert, first_expert + 1, ...``.
         plan: an ``ExpertPlan`` shared by the model's layers (``graphrt.moe.expert_plan``);
             ``None``: always ``backend``.
     """
@@ -75,7 +89,7 @@ class Experts:
     def __init__(self, hidden: int, inter: int, num_local_experts: int, device, *, seed: int = 0,
                  first_expert: int = 0, backend: str = "auto", fp8: bool = False,
                  dtype=torch.bfloat16, max_cap: int = 256, workspace=None,
-                 quantize_input: bool = True, plan=None):
+                 quantize_input: bool = True, plan=None, expert_ids=None):
         on_cuda = torch.device(device).type == "cuda"
         self.planned = backend == "auto"
         if backend == "auto":
@@ -101,13 +115,18 @@ class Experts:
                              and not (k == "deepgemm" and not (deep_gemm_available() and on_cuda)))
         # Each expert's weights come from its own seed (layer seed, global expert id), so a
         # rank holding experts [first_expert, first_expert + E) has exactly EP=1's weights.
+        # ``expert_ids`` (EPLB) names the logical expert of each slot instead; replicas of one
+        # expert get identical weights.
+        self.seed = seed
+        self.expert_ids = (list(range(first_expert, first_expert + self.E)) if expert_ids is None
+                           else [int(e) for e in expert_ids])
+        if len(self.expert_ids) != self.E:
+            raise ValueError(f"expert_ids names {len(self.expert_ids)} experts for "
+                             f"{self.E} local slots")
         self.w13 = torch.empty(self.E, 2 * inter, hidden, device=device, dtype=dtype)
         self.w2 = torch.empty(self.E, hidden, inter, device=device, dtype=dtype)
-        gen = torch.Generator(device=device)
-        for e in range(self.E):
-            gen.manual_seed(seed * 1_000_003 + first_expert + e)
-            self.w13[e] = torch.randn(2 * inter, hidden, generator=gen, device=device, dtype=dtype) * hidden ** -0.5
-            self.w2[e] = torch.randn(hidden, inter, generator=gen, device=device, dtype=dtype) * inter ** -0.5
+        for slot, e in enumerate(self.expert_ids):
+            self.w13[slot], self.w2[slot] = expert_weights(seed, e, hidden, inter, device, dtype)
         if fp8:
             self.w13_q = quantize_weight_fp8(self.w13)
             self.w2_q = quantize_weight_fp8(self.w2)
@@ -128,6 +147,15 @@ class Experts:
                 self.ws.reserve("x_s", (E, max_cap, hidden // 128), torch.float32)
         else:
             self.ws.reserve("a", (E, max_cap, inter), dtype)
+
+    def slot_tensors(self) -> dict[str, torch.Tensor]:
+        """The per-slot weight tensors, each ``[num_local_experts, ...]`` (bf16 ``w13``/``w2``,
+        or fp8 ``w13_q``/``w2_q`` with fp32 block scales ``w13_s``/``w2_s``): what a
+        rebalance rewrites in place, slot by slot (``graphrt.eplb``). Host-only."""
+        if self.fp8:
+            return {"w13_q": self.w13_q[0], "w13_s": self.w13_q[1],
+                    "w2_q": self.w2_q[0], "w2_s": self.w2_q[1]}
+        return {"w13": self.w13, "w2": self.w2}
 
     @property
     def weight_bytes(self) -> int:

@@ -38,11 +38,15 @@ class Router:
         self.w = _randn(gen, device, cfg.dtype, cfg.num_experts, cfg.hidden, fan_in=cfg.hidden)
         self.bias = (torch.rand(cfg.num_experts, generator=gen, device=device) * 0.1
                      if cfg.routing == "grouped_sigmoid" else None)
+        self.logit_bias = None  # [num_experts] in cfg.dtype, added to the logits (skew studies)
 
     def __call__(self, h: torch.Tensor, n: torch.Tensor):
         from graphrt.kernels import routing
         cfg, bs = self.cfg, h.shape[0]
-        logits = h @ self.w.t()                                            # [bs, num_experts]
+        if self.logit_bias is None:
+            logits = h @ self.w.t()                                        # [bs, num_experts]
+        else:
+            logits = torch.addmm(self.logit_bias, h, self.w.t())
         w = torch.empty(bs, cfg.num_topk, dtype=torch.float32, device=h.device)
         ids = torch.empty(bs, cfg.num_topk, dtype=torch.int64, device=h.device)
         if cfg.routing == "softmax":

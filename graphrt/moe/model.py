@@ -40,21 +40,28 @@ class MoEBlock:
     """Router, dispatch, routed experts, combine (overlapped with the shared expert)."""
 
     def __init__(self, cfg: MoEConfig, comm: EPComm, device, gen, seed: int, *, overlap: bool,
-                 backend: str, fp8: bool, workspace):
+                 backend: str, fp8: bool, workspace, expert_map=None, index: int = 0):
         self.cfg, self.comm, self.overlap = cfg, comm, overlap
+        self.expert_map, self.index = expert_map, index  # EPLB: logical -> physical ids
         self.router = Router(cfg, device, gen)
         self.experts = Experts(cfg.hidden, cfg.moe_inter, comm.num_local_experts, device,
                                seed=seed, first_expert=comm.rank * comm.num_local_experts,
                                backend=backend, fp8=fp8, dtype=cfg.dtype,
                                max_cap=comm.cap_for(cfg.num_slots), workspace=workspace,
-                               quantize_input=not getattr(comm, "fp8", False))
+                               quantize_input=not getattr(comm, "fp8", False),
+                               expert_ids=None if expert_map is None else
+                               expert_map.local_experts(index))
         self.shared = SharedExpert(cfg, device, gen) if cfg.num_shared_experts else None
 
     def __call__(self, h: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """h ``[bs, hidden]`` -> the routed experts' output and the shared expert's (when the
         model has one), each ``[bs, hidden]``; the caller adds them into the residual."""
         w, ids = self.router(h, n)                                         # [bs, k] fp32, int64
+        if self.expert_map is not None:  # logical -> physical slots (replica per token)
+            ids = self.expert_map.route(self.index, ids)
         d = self.comm.dispatch(h, ids, n, topk_weights=w)
+        if self.expert_map is not None:
+            self.expert_map.record(self.index, d.masked_m)
         self.last_masked_m = d.masked_m  # a reference for benchmarks/tests (no sync)
         y = self.experts(d.recv_x, d.masked_m, d.expected_m, d.recv_scale,
                          bs=h.shape[0])                                    # [E, cap, hidden]
@@ -99,17 +106,35 @@ class MoEModel:
         expert_plan: with ``backend="auto"``, a fixed kernel table to start from: an
             ``ExpertPlan``, its ``to_json()`` dict, or the path of a JSON file holding one
             (``graphrt.moe.expert_plan``); sizes it lacks are measured by ``prepare``.
+        eplb: an ``EPLBConfig`` (``graphrt.eplb``): physical expert slots with replicas, a
+            device-resident logical-to-physical map read by the captured routing, and load
+            counters (``model.expert_map``); ``comm`` must then be built with
+            ``eplb.physical_experts(num_experts, num_ranks)`` experts. An
+            ``ExpertBalancer`` rebalances between steps.
     """
 
     def __init__(self, cfg: MoEConfig, device, *, comm: EPComm | None = None, overlap: bool = True,
-                 backend: str = "auto", fp8: bool = False, seed: int = 0, expert_plan=None):
+                 backend: str = "auto", fp8: bool = False, seed: int = 0, expert_plan=None,
+                 eplb=None):
         self.cfg, self.device = cfg, torch.device(device)
         self._plan = _make_plan(expert_plan, backend)
         self._prepared: set[int] = set()
-        self.comm = comm or LocalComm(cfg.num_experts, cfg.hidden, cfg.num_topk, self.device,
+        ranks = comm.num_ranks if comm is not None else 1
+        physical = cfg.num_experts if eplb is None else eplb.physical_experts(cfg.num_experts, ranks)
+        self.comm = comm or LocalComm(physical, cfg.hidden, cfg.num_topk, self.device,
                                       max_tokens=cfg.num_slots)
-        if self.comm.num_experts != cfg.num_experts:
-            raise ValueError(f"comm has {self.comm.num_experts} experts, config {cfg.num_experts}")
+        if self.comm.num_experts != physical:
+            raise ValueError(f"comm has {self.comm.num_experts} experts; this model needs "
+                             f"{physical}" + ("" if eplb is None else
+                             f" physical slots ({cfg.num_experts} experts, {eplb}, "
+                             f"{ranks} ranks): build the comm with num_experts={physical}"))
+        self.expert_map = None
+        if eplb is not None:
+            from graphrt.eplb.expert_map import ExpertMap
+            from graphrt.eplb.policy import home_placement
+            placement = home_placement(cfg.num_layers, cfg.num_experts, ranks,
+                                       eplb.slots_per_rank(cfg.num_experts, ranks), eplb.table_size)
+            self.expert_map = ExpertMap(placement, self.comm.rank, self.device)
         gen = torch.Generator(device=self.device).manual_seed(seed)
         self.embed = torch.randn(cfg.vocab_size, cfg.hidden, generator=gen, device=self.device,
                                  dtype=cfg.dtype)
@@ -117,7 +142,7 @@ class MoEModel:
         self.workspace = Workspace(self.device)  # expert intermediates, shared by all layers
         self.layers = [DecoderLayer(cfg, self.comm, self.device, gen, seed * 1000 + i + 1,
                                     overlap=overlap, backend=backend, fp8=fp8,
-                                    workspace=self.workspace)
+                                    workspace=self.workspace, expert_map=self.expert_map, index=i)
                        for i in range(cfg.num_layers)]
         self.final_norm = torch.ones(cfg.hidden, device=self.device, dtype=cfg.dtype)
         self.lm_head = torch.randn(cfg.vocab_size, cfg.hidden, generator=gen, device=self.device,
@@ -153,6 +178,18 @@ class MoEModel:
         is fixed. Pass it back as ``MoEModel(expert_plan=...)`` to skip measuring. Host-only."""
         return None if self._plan is None else self._plan.to_json()
 
+    def set_router_bias(self, bias: torch.Tensor | None) -> None:
+        """Add ``bias`` (``[num_experts]``, any float dtype) to every layer's router logits, or
+        remove it (None): skews which experts the router picks, e.g. ``log p`` of a Zipf law
+        for load-balance studies (``graphrt.bench.eplb``). Set it before capture: graphs
+        bake the bias tensor (its values may change in place later). Host-only."""
+        if bias is not None:
+            if bias.shape != (self.cfg.num_experts,):
+                raise ValueError(f"router bias must be [{self.cfg.num_experts}]; got {tuple(bias.shape)}")
+            bias = bias.to(device=self.device, dtype=self.cfg.dtype)
+        for layer in self.layers:
+            layer.moe.router.logit_bias = bias
+
     @property
     def overlap(self) -> bool:
         return self.layers[0].moe.overlap
@@ -175,6 +212,8 @@ class MoEModel:
         for layer, next_norm in zip(self.layers, self._norms[1:]):
             x, h = layer(x, h, slot_mapping, block_table, seq_lens, n, next_norm)
         self.comm.end_step()
+        if self.expert_map is not None:
+            self.expert_map.advance()
         return {"logits": h @ self.lm_head.t()}                            # h: final-normed x
 
     def weight_bytes(self, bs: int | None = None) -> dict:
@@ -208,8 +247,10 @@ class MoEModel:
         # graph and eager write the same K/V into the same slots, so checks need no restore.
         inputs = {"tokens": Input((None,), torch.int64, high=cfg.vocab_size),
                   **paged_kv.step_inputs(cfg)}
+        # The EPLB counters and tick are state: checks compare graph and eager from the same.
+        state = None if self.expert_map is None else self.expert_map.state()
         return StepSpec(self.step, inputs, max_batch_size, name=f"{cfg.name}-{cfg.num_layers}L",
-                        live_count="n", example_inputs=self.example_inputs,
+                        live_count="n", example_inputs=self.example_inputs, state=state,
                         before_replay=self.prepare if self._plan is not None else None)
 
 

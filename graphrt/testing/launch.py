@@ -43,19 +43,21 @@ def init(rank: int, world: int, port: int) -> torch.device:
     return device
 
 
-def make_comm(name: str, cfg, device, max_tokens: int, **kw):
-    """``deepep`` / ``deepep-hook`` / ``deepep-event`` / ``nccl`` / ``local``."""
+def make_comm(name: str, cfg, device, max_tokens: int, *, num_experts: int | None = None, **kw):
+    """``deepep`` / ``deepep-hook`` / ``deepep-event`` / ``nccl`` / ``local``, for
+    ``num_experts`` experts (default ``cfg.num_experts``; EPLB: the physical slot count)."""
+    E = num_experts or cfg.num_experts
     if name.startswith("deepep"):
         from graphrt.comm.deepep_ll import DeepEPLowLatencyComm
         mode = name.split("-", 1)[1] if "-" in name else "hook"
-        return DeepEPLowLatencyComm(cfg.num_experts, cfg.hidden, cfg.num_topk, device,
+        return DeepEPLowLatencyComm(E, cfg.hidden, cfg.num_topk, device,
                                     max_tokens=max_tokens, mode=mode, **kw)
     if name == "nccl":
         from graphrt.comm.nccl import NCCLComm
-        return NCCLComm(cfg.num_experts, cfg.hidden, cfg.num_topk, device, max_tokens=max_tokens)
+        return NCCLComm(E, cfg.hidden, cfg.num_topk, device, max_tokens=max_tokens)
     if name == "local":
         from graphrt.comm.local import LocalComm
-        return LocalComm(cfg.num_experts, cfg.hidden, cfg.num_topk, device, max_tokens=max_tokens)
+        return LocalComm(E, cfg.hidden, cfg.num_topk, device, max_tokens=max_tokens)
     raise ValueError(f"unknown comm {name!r}; expected deepep[-hook|-event], nccl or local")
 
 

@@ -1,0 +1,230 @@
+"""``ExpertBalancer``: rebalance a model's experts between decode steps, with no host sync in
+the loop and no recapture.
+
+An engine calls ``balancer.step()`` once per decode step, before launching it::
+
+    balancer = ExpertBalancer(model, interval=256)   # collective on every rank (gloo group)
+    while serving:
+        balancer.step()
+        out = rt.run(**inputs)
+
+Every ``interval`` steps, ``step`` starts an asynchronous read of the in-graph load counters
+(``ExpertMap.load`` and ``slot_load``): a side stream waits for the work queued so far, copies
+the counters into pinned buffers and records an event. On each later step it asks
+``event.query()`` (never blocks); with several ranks the answer is agreed by a host
+all-reduce on a gloo group, so every rank acts on the same step. Once the read has landed,
+the window's load is the difference of the cumulative counters (summed over ranks), the
+policy (``graphrt.eplb.policy.rebalance``, greedy like DeepSeek's EPLB) computes a new
+placement, and when it predicts a better rank balance ``apply`` issues, on the side stream
+after every queued step, the weight copies of this rank's moved slots (from a
+``HostExpertStore``) and the new map, and makes the current stream wait for them by an
+event: the next replay reads the new map and weights, through the same graphs.
+
+The read lands once the steps queued when it was issued have run: in a loop that keeps one
+step in flight (an engine reading its tokens back with a one-step lag), one or two steps
+later; a host that queues far ahead of the GPU delays it by as many steps.
+
+The window boundary is approximate: a replay queued after the read was issued may add to
+the counters while they are copied (each element is read whole). Counters are cumulative,
+so nothing is lost between windows.
+
+Graph safety: host-only; every device operation it issues is asynchronous (sync-debug
+mode ``"error"`` passes, tested on the GPU).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from graphrt.eplb import policy as P
+from graphrt.eplb.store import HostExpertStore
+
+
+class ExpertBalancer:
+    """The host side of in-graph EPLB for one ``MoEModel`` built with ``eplb=``.
+
+    Args:
+        model: the model (``model.expert_map`` and its layers' experts).
+        interval: steps between counter reads (a rebalance needs one read).
+        store: the weight source (default ``HostExpertStore.for_model(model)``).
+        group: the ranks to agree with (default WORLD when torch.distributed is initialised
+            with more than one rank); a gloo group is made from it (collective).
+        min_gain: rebalance only when the predicted max/mean load per rank drops by at
+            least this fraction (avoids moving weights for noise).
+        stream: the side stream for reads and copies (default: a new one).
+    """
+
+    def __init__(self, model, *, interval: int = 256, store: HostExpertStore | None = None,
+                 group=None, min_gain: float = 0.02, stream=None):
+        if getattr(model, "expert_map", None) is None:
+            raise ValueError("ExpertBalancer needs a model built with eplb=EPLBConfig(...)")
+        if interval < 1:
+            raise ValueError(f"interval must be >= 1 step; got {interval}")
+        self.model, self.map = model, model.expert_map
+        self.interval, self.min_gain = interval, min_gain
+        self.placement = self.map.placement
+        self.store = store or HostExpertStore.for_model(model)
+        self._slots = [layer.moe.experts.slot_tensors() for layer in model.layers]
+        for i, slots in enumerate(self._slots):
+            self.store.check_fits(i, slots)
+        self.cuda = self.map.device.type == "cuda"
+        self.stream = (stream or torch.cuda.Stream(self.map.device)) if self.cuda else None
+        self._group = self._gloo(group)
+        pin = {"pin_memory": self.cuda}
+        self._pin_load = torch.zeros(self.map.load.shape, dtype=torch.int64, **pin)
+        self._pin_slot = torch.zeros(self.map.slot_load.shape, dtype=torch.int64, **pin)
+        self._prev = (np.zeros(self.map.load.shape, np.int64), np.zeros(self.map.slot_load.shape, np.int64))
+        self._read = None          # the event of a read in flight
+        self._keep: list = []      # (event, pinned table) of applied rebalances, until done
+        self.steps = self.rebalances = self.slot_copies = 0
+        self.last_window: dict | None = None
+
+    def _gloo(self, group):
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+            return None
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        return dist.new_group(ranks=ranks, backend="gloo")
+
+    # -- the loop -------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Call once per decode step, before launching it. Returns True when this call
+        applied a rebalance (the step about to launch uses it). Never synchronizes."""
+        self.steps += 1
+        self._keep = [k for k in self._keep if not k[0].query()]
+        if self._read is None:
+            if self.steps % self.interval == 0:
+                self._start_read()
+            return False
+        if not self._agree(self._read.query()):
+            return False
+        self._read = None
+        window = self._window()
+        return self._maybe_rebalance(window["load"])
+
+    def _start_read(self) -> None:
+        if not self.cuda:
+            self._pin_load.copy_(self.map.load)
+            self._pin_slot.copy_(self.map.slot_load)
+            self._read = _Done()
+            return
+        cur = torch.cuda.current_stream(self.map.device)
+        self.stream.wait_stream(cur)
+        with torch.cuda.stream(self.stream):
+            self._pin_load.copy_(self.map.load, non_blocking=True)
+            self._pin_slot.copy_(self.map.slot_load, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        self._read = ev
+
+    def _agree(self, ready: bool) -> bool:
+        if self._group is None:
+            return ready
+        import torch.distributed as dist
+        flag = torch.tensor([int(ready)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
+        return bool(flag.item())  # a CPU tensor: no device sync
+
+    def _window(self) -> dict:
+        """The load since the previous read: ``load [L, E]`` summed over ranks and
+        ``slot_load [L, P]`` (every rank's slots, in global slot order)."""
+        load, slot = self._pin_load.numpy().copy(), self._pin_slot.numpy().copy()
+        d_load, d_slot = load - self._prev[0], slot - self._prev[1]
+        self._prev = (load, slot)
+        if self._group is not None:
+            import torch.distributed as dist
+            t = torch.from_numpy(d_load)
+            dist.all_reduce(t, group=self._group)
+            parts = [torch.empty_like(torch.from_numpy(d_slot)) for _ in range(self.map.num_ranks)]
+            dist.all_gather(parts, torch.from_numpy(d_slot), group=self._group)
+            d_load, d_slot = t.numpy(), torch.cat(parts, dim=1).numpy()
+        self.last_window = {"load": d_load, "slot_load": d_slot}
+        return self.last_window
+
+    def _maybe_rebalance(self, load: np.ndarray) -> bool:
+        if load.sum() == 0:
+            return False
+        new = self.propose(load)
+        if not self.gains(self.placement, new, load):
+            return False
+        self.apply(new)
+        return True
+
+    def gains(self, old, new, load: np.ndarray) -> bool:
+        """True when ``new`` is predicted to beat ``old`` for ``load`` by ``min_gain``: a
+        lower max/mean load per rank (the EP step waits for its busiest rank), or, ranks
+        no worse, per slot (a GEMM's rows per expert; what EP=1 balances). Host-only."""
+        def worst(p):
+            return (P.balance(P.rank_load(p, load)).max(), P.balance(P.slot_load(p, load)).max())
+        (r0, s0), (r1, s1) = worst(old), worst(new)
+        if r1 <= r0 * (1 - self.min_gain):
+            return True
+        return r1 <= r0 * (1 + 1e-9) and s1 <= s0 * (1 - self.min_gain)
+
+    # -- explicit use -----------------------------------------------------------------------
+    def propose(self, load: np.ndarray):
+        """The policy's placement for ``load`` float ``[L, E]`` (tokens per logical expert),
+        moving as few slots as it can from the current one. Host-only, deterministic."""
+        m = self.map
+        return P.rebalance(np.asarray(load, dtype=np.float64), m.num_ranks, m.slots_per_rank,
+                           m.table_size, previous=self.placement)
+
+    def apply(self, placement) -> int:
+        """Make ``placement`` current before the next step: copy this rank's moved slots'
+        weights from the store and write the map, on the side stream after every step
+        queued so far; the current stream waits for them by an event. Same graphs, no host
+        sync. Every rank must apply the same placement at the same step. Returns the number
+        of slots copied on this rank."""
+        m = self.map
+        m.check_placement(placement)
+        moved = P.moved_slots(self.placement, placement)
+        S, lo = m.slots_per_rank, m.rank * m.slots_per_rank
+        table = torch.from_numpy(np.ascontiguousarray(placement.table, dtype=np.int32))
+        copies = 0
+        ctx = None
+        if self.cuda:
+            table = table.pin_memory()
+            cur = torch.cuda.current_stream(m.device)
+            self.stream.wait_stream(cur)
+            ctx = torch.cuda.stream(self.stream)
+            ctx.__enter__()
+        try:
+            for layer in range(m.num_layers):
+                for s in np.flatnonzero(moved[layer, lo:lo + S]):
+                    self.store.copy_into(layer, self._slots[layer], int(s),
+                                         int(placement.slot_expert[layer, lo + s]))
+                    copies += 1
+            m.table.copy_(table, non_blocking=self.cuda)
+            if self.cuda:
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+        finally:
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
+        if self.cuda:
+            cur.wait_event(ev)
+            self._keep.append((ev, table))
+        self.placement = m.placement = placement
+        for layer, l in enumerate(self.model.layers):
+            l.moe.experts.expert_ids = m.local_experts(layer)
+        self.rebalances += 1
+        self.slot_copies += copies
+        return copies
+
+    def read_now(self) -> dict:
+        """Synchronously read the counters' window (for tests and reports, not the loop:
+        it synchronizes). Returns ``{"load": [L, E], "slot_load": [L, P]}``."""
+        if self.cuda:
+            torch.cuda.current_stream(self.map.device).synchronize()
+        self._pin_load.copy_(self.map.load)
+        self._pin_slot.copy_(self.map.slot_load)
+        self._read = None
+        return self._window()
+
+
+class _Done:
+    """A finished "event" for the CPU path."""
+
+    @staticmethod
+    def query() -> bool:
+        return True
