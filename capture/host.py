@@ -8,7 +8,9 @@ says it (``t.device``); when the analysis runs on CPU tensors standing in for CU
 in host memory on a GPU:
 
 - factories called without ``device=`` (or with ``device="cpu"``): ``torch.arange(n)``,
-  ``torch.tensor(lst)``, ``torch.randperm(n)``, ``torch.from_numpy(a)``;
+  ``torch.tensor(lst)``, ``torch.randperm(n)``; ``torch.from_numpy(a)`` (seen as
+  ``aten.lift_fresh``, which reaches a ``TorchFunctionMode`` only while a dispatch mode is
+  active: ``track()`` enters one);
 - ``t.cpu()``, ``t.to("cpu")``, ``t.pin_memory()``;
 - the results of calls whose tensor arguments all live on the host (``host_t % 4``, views).
 
@@ -26,11 +28,14 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 _T = torch.Tensor
-_TO_HOST = (_T.cpu, _T.pin_memory)
+# aten.lift_fresh reaches the function mode only from calls it does not see itself
+# (torch.from_numpy, legacy constructors such as torch.LongTensor(list)): CPU tensors.
+_TO_HOST = (_T.cpu, _T.pin_memory, torch.ops.aten.lift_fresh.default)
 _TO_DEVICE = (_T.cuda,)
 
 
@@ -134,7 +139,9 @@ class HostData:
             self.mark(outs, True)
 
     def track(self) -> "_Track":
-        """A ``TorchFunctionMode`` that notes every torch call (build time)."""
+        """A context manager that notes every torch call (build time): a ``TorchFunctionMode``,
+        with a pass-through ``TorchDispatchMode`` inside it so that ``torch.from_numpy``
+        reaches it (as ``aten.lift_fresh``), as it does in the analysis of the step."""
         return _Track(self)
 
 
@@ -142,9 +149,34 @@ class _Track(TorchFunctionMode):
     def __init__(self, host: HostData):
         super().__init__()
         self.host = host
+        self._inner = _PassThrough()
+
+    def __enter__(self):
+        super().__enter__()
+        try:
+            self._inner.__enter__()
+        except BaseException:
+            super().__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self._inner.__exit__(*exc)
+        finally:
+            super().__exit__(*exc)
+        return False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.host.note(func, args, kwargs, out)
         return out
+
+
+class _PassThrough(TorchDispatchMode):
+    """Runs every ATen op as is; its calls from Python let the function mode see the ops that
+    no torch function wraps (``aten.lift_fresh`` of ``torch.from_numpy``)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))

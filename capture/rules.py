@@ -201,8 +201,8 @@ def _sync(name, message, *functions, when=None, op=None, host_args_safe=True) ->
     return Rule(name, _SYNC, message, functions, when, op, host_args_safe)
 
 
-def _h2d(name, *functions, when=None, op=None) -> Rule:
-    return Rule(name, _H2D, _HOST_DATA, functions, when, op)
+def _h2d(name, *functions, when=None, op=None, host_args_safe=True) -> Rule:
+    return Rule(name, _H2D, _HOST_DATA, functions, when, op, host_args_safe)
 
 
 RULES: tuple[Rule, ...] = (
@@ -270,9 +270,13 @@ RULES: tuple[Rule, ...] = (
     # on CUDA fails capture (measured on the H200, torch 2.11).
     _h2d("asarray", torch.asarray, when=_host_data(0)),
     _h2d("new_tensor", _T.new_tensor, when=_host_data(1)),
-    # from_numpy surfaces as aten.lift_fresh under the function mode too.
+    # torch.from_numpy is no function a TorchFunctionMode sees: it surfaces as
+    # aten.lift_fresh(t), once the dispatch mode calls it from Python (torch 2.11 and 2.13).
+    # `t` is the array's fresh CPU tensor: a real host tensor on CUDA, one the analysis has not
+    # seen yet on CPU stand-ins. So "work on host data" must not excuse it
+    # (host_args_safe=False), or CUDA mode alone would call it safe.
     _h2d("from_numpy", torch.from_numpy, torch.ops.aten.lift_fresh.default,
-         op="torch.from_numpy"),
+         op="torch.from_numpy", host_args_safe=False),
 )
 
 

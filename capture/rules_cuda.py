@@ -8,8 +8,7 @@ looks harmless on CPU tensors. The rules come from an audit of ATen's CUDA kerne
 
 - a tensor read as a Python number inside the kernel (``value.item()``): ``masked_fill`` /
   ``index_fill`` with a tensor value, ``linspace``/``logspace`` with tensor bounds,
-  ``multinomial``'s input checks, ``segment_reduce``'s ``lengths`` checks, ``ctc_loss``'s
-  lengths (copied to the host);
+  ``segment_reduce``'s ``lengths`` checks, ``ctc_loss``'s lengths (copied to the host);
 - host data copied to the device inside the op: indexing with a CPU index tensor or a
   Python list (``index``/``index_put_`` move every index to ``self``'s device first);
 - copies between host and device memory (``t.to(device)`` / ``t.cuda()`` / ``copy_`` of a
@@ -22,8 +21,11 @@ finding the op's name and its sync-free form.
 Audited and sync-free on CUDA (no rule): ``index_put_(accumulate=True)`` (asynchronous
 bounds check), ``masked_scatter`` (asynchronous size check), ``embedding_bag`` with
 ``offsets``, ``max_unpool``, ``searchsorted``/``bucketize``, ``take``/``put_``, ``sort``,
-``topk``, ``cumsum``, ``nonzero_static``; ``tensor_split(x, tensor)`` refuses a CUDA tensor
-(an error, not a sync). docs/validate.md lists them all.
+``topk``, ``cumsum``, ``nonzero_static``, ``multinomial`` (its input checks are
+``_assert_async`` kernels in the torch versions graphrt runs on, not the ``.item()`` of older
+ATen: every argument form runs under sync debug mode "error" and captures on the H200, torch
+2.11; ``tests/test_rules_cuda_gpu.py`` proves it in a fresh process); ``tensor_split(x,
+tensor)`` refuses a CUDA tensor (an error, not a sync). docs/validate.md lists them all.
 
 Each rule's ``when`` takes ``(args, kwargs, ctx)``; ``ctx.host`` (``capture.host.HostData``)
 says which tensors live in host memory, so the same rule decides the same way on CPU
@@ -67,11 +69,6 @@ def _full_value(args, kwargs, ctx):
 
 def _any_device_tensor(args, kwargs, ctx):
     return any(_device_tensor(a, ctx) for a in list(args) + list(kwargs.values())) or None
-
-
-def _multinomial_checks(args, kwargs, ctx):
-    k = _arg(args, kwargs, 1, "num_samples")
-    return k == 1 or not _arg(args, kwargs, 2, "replacement")
 
 
 def _segment_lengths_checked(args, kwargs, ctx):
@@ -129,10 +126,6 @@ CUDA_RULES: tuple[Rule, ...] = (
     _sync("narrow", _READS_VALUE.format(what="start") + "Gather the rows instead: "
           "x.index_select(dim, start + torch.arange(length, device=d))", torch.narrow,
           _T.narrow, when=_device_value(2, "start")),
-    _sync("multinomial", "checks its input on the host (.item() of max/min/sum): a sync, with "
-          "num_samples=1 or without replacement. Sample with the exponential trick: "
-          "argmax(probs / noise) with noise = -log(u), u an input drawn outside the step",
-          torch.multinomial, _T.multinomial, when=_multinomial_checks),
     _sync("segment_reduce", "with lengths= it checks them on the host (.item() of min/sum): a "
           "sync. Pass unsafe=True or offsets=, or index_add_ rows into a fixed [segments] "
           "buffer by segment id", torch.segment_reduce, when=_segment_lengths_checked),
@@ -157,12 +150,6 @@ def _aten_value(pos):
     return check
 
 
-def _aten_multinomial(func, args, kwargs, host):
-    k = args[1] if len(args) > 1 else kwargs.get("num_samples")
-    repl = args[2] if len(args) > 2 else kwargs.get("replacement", False)
-    return k == 1 or not repl
-
-
 def _aten_any_tensor(func, args, kwargs, host):
     return any(isinstance(a, torch.Tensor) and not host.is_host(a) for a in args[:2])
 
@@ -175,8 +162,6 @@ ATEN_CUDA = {
     _A.index_fill_: (_aten_value(3), _ATEN_READS + ". Pass a Python number"),
     _A.linspace: (_aten_any_tensor, _ATEN_READS + ". Build it from torch.arange on the device"),
     _A.logspace: (_aten_any_tensor, _ATEN_READS + ". Build it from torch.arange on the device"),
-    _A.multinomial: (_aten_multinomial, "checks its input on the host: a sync. Use the "
-                     "exponential trick, argmax(probs / noise)"),
 }
 _INDEX_OPS = (_A.index, _A.index_put, _A.index_put_, _A._index_put_impl_)
 

@@ -11,13 +11,14 @@ import ast
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 import graphrt
 from graphrt.capture import analyze_step
 from graphrt.capture.host import HostData
-from graphrt.capture.rules import SAFE, classify_aten, classify_call
+from graphrt.capture.rules import RULES, SAFE, classify_aten, classify_call
 from graphrt.capture.rules_cuda import CUDA_RULES
 from graphrt.cli.validate import validate
 
@@ -30,7 +31,7 @@ CASES = {
     "masked_fill": "bad_masked_fill_device_value", "index_fill": "bad_index_fill_device_value",
     "full": "bad_full_device_value", "linspace": "bad_linspace_device_bounds",
     "arange": "bad_arange_live_count", "narrow": "bad_narrow_device_start",
-    "multinomial": "bad_multinomial_sample", "segment_reduce": "bad_segment_reduce_lengths",
+    "segment_reduce": "bad_segment_reduce_lengths",
     "ctc_loss": "bad_ctc_loss", "index_put": "bad_index_put_host_rows",
     "copy_": "bad_copy_into_host_buffer",
     "cuda": None,  # Tensor.cuda() cannot run on a CPU machine: test_cuda_method_on_host_data
@@ -38,7 +39,7 @@ CASES = {
 # ops audited and found sync-free on CUDA: each has a row in docs/validate.md
 AUDITED_SAFE = ("index_put_(accumulate=True)", "masked_scatter", "embedding_bag", "max_unpool",
                 "searchsorted", "take", "sort", "topk", "cumsum", "nonzero_static",
-                "tensor_split")
+                "tensor_split", "multinomial")
 
 
 def _funcs(path: Path) -> set[str]:
@@ -69,6 +70,34 @@ def test_docs_table_lists_every_audited_op():
         assert any(f"| {kind} |" in r for r in rows)
 
 
+# every rule of capture/rules.py -> how the first table of docs/validate.md writes it
+RULE_DOC_FORMS = {
+    "item": "t.item()", "__bool__": "if t:", "__int__": "int(t)", "__float__": "float(t)",
+    "__index__": "range(t)", "tolist": "t.tolist()", "numpy": "t.numpy()", "cpu": "t.cpu()",
+    "to": 't.to("cpu")', "__repr__": "print(t)", "__format__": 'f"{t}"',
+    "equal": "torch.equal", "allclose": "torch.allclose", "nonzero": "nonzero",
+    "argwhere": "argwhere", "where": "torch.where(cond)", "masked_select": "masked_select",
+    "__getitem__": "x[mask]", "__setitem__": "x[mask] = values", "unique": "unique",
+    "unique_consecutive": "unique_consecutive", "bincount": "torch.bincount(x)",
+    "histc": "torch.histc(x)", "one_hot": "F.one_hot(x)",
+    "repeat_interleave": "repeat_interleave(x, tensor_repeats)",
+    "nonzero_static": "torch.nonzero_static(x, size=N)", "tensor": "torch.tensor(list)",
+    "as_tensor": "torch.as_tensor(list)", "asarray": "torch.asarray(list)",
+    "new_tensor": "t.new_tensor(list)", "from_numpy": "torch.from_numpy",
+}
+
+
+def test_docs_first_table_lists_every_rule():
+    """The table of docs/validate.md's CPU mode names every rule of ``RULES`` (the CUDA-only
+    rules have their own table, below it): a new rule fails here until it is documented."""
+    doc = DOC.read_text()
+    start = doc.index("| syncs on CUDA (flagged) |")
+    table = doc[start:doc.index("\n\n", start)]
+    assert {r.name for r in RULES} == set(RULE_DOC_FORMS), {r.name for r in RULES} ^ set(RULE_DOC_FORMS)
+    missing = [name for name, form in RULE_DOC_FORMS.items() if f"`{form}`" not in table]
+    assert not missing, missing
+
+
 # -- where data lives ----------------------------------------------------------------------
 def test_host_data_follows_factories_moves_and_results():
     host = HostData(simulate=True)
@@ -81,7 +110,10 @@ def test_host_data_follows_factories_moves_and_results():
         e = torch.ones(4, device="cpu")              # an explicit "cpu" string
         f = b + a                                    # mixes device and host: device
         g = torch.randn(4).to(b.device)              # moved to the step's device
-    assert host.is_host(a) and host.is_host(c) and host.is_host(e)
+        h = torch.from_numpy(np.arange(4))           # an array's memory: the host
+        k = torch.from_numpy(np.arange(4)).to(dev)   # moved to the device
+    assert host.is_host(a) and host.is_host(c) and host.is_host(e) and host.is_host(h)
+    assert not host.is_host(k)
     assert host.is_host(d)                           # .to("cpu")
     assert not host.is_host(b) and not host.is_host(f) and not host.is_host(g)
     assert host.host_index([0, 1]) and host.host_index((slice(None), a))
@@ -114,7 +146,6 @@ def test_cuda_method_on_host_data():
 @pytest.mark.parametrize("op,args,kind", [
     (torch.ops.aten.masked_fill.Tensor, lambda x, m, v, i: (x, m, v), "host-sync"),
     (torch.ops.aten.index_fill.int_Tensor, lambda x, m, v, i: (x, 0, i, v), "host-sync"),
-    (torch.ops.aten.multinomial.default, lambda x, m, v, i: (x, 1), "host-sync"),
     (torch.ops.aten.index.Tensor, lambda x, m, v, i: (x, [i]), "host-to-device-copy"),
 ])
 def test_aten_level_rules_for_library_code(op, args, kind):
@@ -128,6 +159,47 @@ def test_aten_level_rules_for_library_code(op, args, kind):
     # the same call on host data only is no hazard
     host.mark((x, m, v), True)
     assert classify_aten(op, args(x, m, v, i), {}, cuda=False, host=host) is None
+
+
+def test_from_numpy_is_an_upload_in_both_modes():
+    """``torch.from_numpy(a)`` in the step reaches the function mode as ``aten.lift_fresh(t)``,
+    ``t`` the array's fresh CPU tensor. CUDA mode (``simulate_cuda=False``, ``HostData`` by
+    device) sees a real host tensor there; CPU stand-ins one nothing has noted. Both must
+    report the upload: CUDA mode used to call it "work on host data" (SAFE) and miss it
+    (``moe_routing:bad_numpy_offsets`` on the H200). No mock: on a GPU ``t`` is this very
+    CPU tensor."""
+    lift = torch.ops.aten.lift_fresh.default
+    for simulate in (True, False):
+        host = HostData(simulate=simulate)
+        t = torch.from_numpy(np.arange(4))
+        hit = classify_call(lift, (t,), {}, simulate_cuda=simulate, host=host)
+        assert hit is not None and hit is not SAFE, (simulate, hit)
+        assert (hit.kind, hit.op) == ("host-to-device-copy", "torch.from_numpy"), hit
+    # the array in FUNC (build time) is no finding, and on CPU stand-ins it is host memory
+    host = HostData(simulate=True)
+    with host.track():
+        table = torch.from_numpy(np.arange(4))
+    assert host.is_host(table)
+
+
+@pytest.mark.parametrize("args,kwargs", [((1,), {}), ((2,), {}), ((2,), {"replacement": True}),
+                                         ((1,), {"replacement": True})])
+def test_multinomial_is_no_hazard(args, kwargs):
+    """Audited: ``torch.multinomial`` checks its input with ``_assert_async``, in every form
+    (sync-free and capturable on the H200, torch 2.11: tests/test_rules_cuda_gpu.py proves it
+    in a fresh process). No rule flags it, at either level."""
+    probs = torch.softmax(torch.randn(4, 8), -1)
+    for simulate in (True, False):
+        assert classify_call(torch.multinomial, (probs, *args), kwargs, simulate) is None
+        assert classify_call(torch.Tensor.multinomial, (probs, *args), kwargs, simulate) is None
+    assert classify_aten(torch.ops.aten.multinomial.default, (probs, *args), kwargs, cuda=False) is None
+
+    def step(x):
+        return torch.multinomial(torch.softmax(x, -1), *args, **kwargs)
+
+    spec = graphrt.StepSpec(step, {"x": graphrt.Input((None, 8), torch.float32)}, 8)
+    rep = analyze_step(spec, [1, 4], "cpu")
+    assert rep.findings == [], rep.table()
 
 
 def test_mask_assignment_value_decides():

@@ -3,7 +3,9 @@
 Each corpus module holds ``bad_*`` and ``safe_*`` FUNCs. A hazardous line carries a
 trailing ``# expect: KIND[, KIND]``; the expected findings of a FUNC are the markers inside
 its body, so line numbers cannot drift. Every case must report exactly its expected
-``(kind, line)`` set on CPU; safe cases must report nothing.
+``(kind, line)`` set on CPU; safe cases must report nothing. The same set must come out of
+the analysis when it decides as CUDA mode does (``test_corpus_case_with_cuda_mode_decisions``:
+CPU/CUDA parity of the rules without a GPU; tests/test_validate_gpu.py checks it on one).
 """
 from __future__ import annotations
 
@@ -16,9 +18,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
+from graphrt.capture import safety
+from graphrt.capture.host import HostData, tensors
 from graphrt.capture.report import KINDS
-from graphrt.cli.validate import validate
+from graphrt.capture.writes import WriteLog
+from graphrt.cli.validate import build_spec, load_target, validate
 
 CORPUS = Path(__file__).parent / "validate_corpus"
 GPU_ONLY = ("gpu_steps.py",)
@@ -95,3 +102,102 @@ def test_corpus_through_cli(case):
     doc = json.loads(proc.stdout)  # the step's own prints went to stderr, not into the JSON
     assert {(f["kind"], f["line"]) for f in doc["findings"]} == expected
     assert doc["safe"] is (not expected) and doc["sizes"] == [1, 4]
+
+
+# -- CUDA mode's decisions, without a GPU --------------------------------------------------
+class _CudaMemory(HostData):
+    """CUDA mode's ``HostData`` (``simulate=False``: a tensor is in host memory when its
+    device is the CPU) over CPU tensors. Mocked: ``t.device``, the one thing a machine
+    without CUDA cannot give. A tensor is device memory when it is a step input, was moved or
+    made there (``.to(device)``, ``device=device``; a device a line names as ``cpu`` is the
+    host) or is a new result computed from device memory; every other tensor is a real CPU
+    tensor, host memory, as it is next to CUDA tensors (a fresh ``torch.from_numpy`` tensor
+    before anything noted it, say)."""
+
+    def __init__(self):
+        super().__init__(simulate=False)
+        self._device = WeakIdKeyDictionary()
+
+    def is_host(self, x) -> bool:
+        return isinstance(x, torch.Tensor) and x not in self._device
+
+    def on_device(self, *trees) -> None:
+        for t in tensors(*trees):
+            self._device[t] = True
+
+    def target(self, func, args, kwargs):
+        names = HostData(simulate=True)  # `x.device` says cpu here where CUDA says cuda
+        names.is_host = self.is_host
+        return names.target(func, args, kwargs)
+
+    def note(self, func, args, kwargs, out) -> None:
+        kwargs = kwargs or {}
+        ins = tensors(args, kwargs)
+        target = self.target(func, args, kwargs)
+        if target is not None:
+            for t in tensors(out):
+                if target:
+                    self._device.pop(t, None)
+                else:
+                    self._device[t] = True
+        elif any(t in self._device for t in ins):  # in place: a host buffer stays host
+            self.on_device([t for t in tensors(out) if not any(t is a for a in ins)])
+
+
+class _NoStreams:
+    """Stands in for ``StreamAudit``, which needs CUDA streams: no side-stream findings."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def note_work(self, *args, **kwargs):
+        pass
+
+    def findings(self, size=None):
+        return []
+
+
+class _AsCuda(safety.SafetyAnalyzer):
+    """``SafetyAnalyzer`` on CUDA (``cuda=True``: ``classify_call(simulate_cuda=False)``,
+    ``classify_aten(cuda=True)``, the sync debug mode's bookkeeping) over CPU tensors."""
+
+    def __init__(self, device, size=None, trace=True, host=None, writes=None):
+        super().__init__(torch.device("cuda"), size, trace, host, writes)
+
+
+class _InputsOnDevice(WriteLog):
+    """The step's inputs live in device memory, as ``spec.random_inputs(size, cuda)`` makes them."""
+
+    def add_inputs(self, *ts):
+        self.host.on_device(*ts)
+        super().add_inputs(*ts)
+
+
+@pytest.mark.parametrize("path,func,expected", CPU_CASES)
+def test_corpus_case_with_cuda_mode_decisions(path, func, expected, monkeypatch):
+    """The real ``analyze_step`` with the analyzer deciding as it does with ``--device
+    cuda``: ``HostData`` by device (``_CudaMemory``), CUDA-mode rules, no stand-in
+    bookkeeping. Only what needs a CUDA runtime is mocked: ``t.device`` (``_CudaMemory``),
+    ``torch.cuda.get/set_sync_debug_mode`` and ``torch.cuda.synchronize`` (no-ops: the sync
+    debug mode sees nothing here), and the side-stream audit (``_NoStreams``). It reports the
+    corpus's ``(kind, line)`` set, as the CPU does: what CUDA mode's rules decide cannot differ
+    from CPU mode's without failing here (``moe_routing:bad_numpy_offsets`` did, as measured on
+    the H200: ``torch.from_numpy`` counted as work on host data)."""
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(safety, "StreamAudit", _NoStreams)
+    monkeypatch.setattr(safety, "SafetyAnalyzer", _AsCuda)
+    monkeypatch.setattr(safety, "WriteLog", _InputsOnDevice)
+    memory, target = _CudaMemory(), load_target(f"{path}:{func}")
+    try:
+        with memory.track():  # FUNC's tables: where they would live on the GPU
+            spec = build_spec(target, torch.device("cpu"))
+        report = safety.analyze_step(spec, SIZES, "cpu", host=memory)
+    finally:  # as validate() does: the target's private module leaves no trace
+        sys.modules.pop(target.module.__name__, None)
+    found = {(f.kind, f.line) for f in report.findings}
+    assert found == expected, f"missing {expected - found}, unexpected {found - expected}\n{report.table()}"

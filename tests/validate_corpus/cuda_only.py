@@ -239,18 +239,11 @@ def safe_window_gather(device):
     return _spec(step, start=graphrt.Input((1,), torch.int64, high=3 * L))
 
 
-def bad_multinomial_sample(device):
-    """torch.multinomial(probs, 1) checks the distribution on the host first."""
-
-    def step(x):
-        probs = torch.softmax(x, -1)
-        return torch.multinomial(probs, 1)  # expect: host-sync
-
-    return _spec(step)
-
-
 def safe_exponential_sample(device):
-    """Sampling with the exponential trick; the noise is an input (replay == eager)."""
+    """Sampling with the exponential trick; the noise is an input (replay == eager).
+    ``torch.multinomial`` does the same inside and is sync-free on CUDA too (audited, no rule:
+    tests/test_rules_cuda_gpu.py), but it draws on the device generator, so its replay
+    differs from eager: not a corpus case."""
 
     def step(x, u):
         probs = torch.softmax(x, -1)
