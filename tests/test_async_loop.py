@@ -199,6 +199,7 @@ def test_bench_loop_on_cpu():
         assert v["mean_batch"] == 2 and v["timed_replays"] == 3 and 0 < v["gpu_busy"] <= 1.01
         assert v["tokens_per_s"] > 0 and v["host_us_median"] > 0
     assert row["speedup_vs_sync"]["sync"] == 1.0
+    assert (res["comm"], res["ranks"], res["skipped"]) == ("local", 1, {})
     md = md_loop(res)
     assert "| bs | loop | tokens/s |" in md and "| 2 | async-fused |" in md and "identical" in md
 
@@ -314,3 +315,33 @@ def test_bench_loop_suite_on_gpu(tmp_path):
     for row in res["rows"]:
         assert row["identical"] and all(v["mean_batch"] == row["bs"] for v in row["loops"].values())
         assert row["loops"]["async"]["staging_waits"] == 0
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("comm", ["deepep-hook", "nccl"])
+def test_bench_loop_suite_over_two_ranks(comm):
+    """The loop suite under EP (``run_rank``, as ``graphrt bench --ranks 2 --suite loop``
+    spawns it): ranks in lockstep, each on its own requests; streams identical across loops
+    on every rank; NCCL (uniform batch) runs the sync loop only."""
+    import json
+    from graphrt.bench.ep import run_rank
+    from graphrt.moe import preset
+    from graphrt.testing.launch import spawn
+    if comm.startswith("deepep"):
+        pytest.importorskip("deep_ep")
+    opts = {"cfg": preset("qwen3-moe-like", layers=2, experts=16), "sizes": [1, 8],
+            "max_tokens": 8, "suites": ["loop"], "modes": [], "fp8": False,
+            "loop_steps": 200, "loop_warmup": 10}
+    results = spawn(run_rank, 2, comm, opts)
+    for r in results:
+        assert r.get("ok"), r.get("traceback") or r
+    res = results[0]["loop"]
+    print(json.dumps(res["rows"], indent=1))
+    assert res["ranks"] == 2 and res["comm"] == comm
+    assert res["loops"] == (["sync"] if comm == "nccl" else
+                            ["sync", "sync-zero-copy", "async", "async-fused"])
+    for row in res["rows"]:
+        assert row["identical"] and row["identical_per_rank"] == [True, True]
+        for v in row["loops"].values():
+            assert v["mean_batch"] == row["bs"] and v["timed_replays"] == 200
+            assert len(v["per_rank"]["gpu_busy"]) == 2 and 0 < v["gpu_busy_min"] <= 1.01

@@ -304,7 +304,8 @@ def _gpu_result():
                      "over_floor": {m: t / floor for m, t in step.items() if t},
                      "speedup_vs_eager": {m: step["eager"] / t for m, t in step.items() if t},
                      "rel_err_vs_eager": {}, "rows_off_vs_eager": {},
-                     "idle": {"graph": {"idle_frac": 0.04}, "graph-overlap": {"idle_frac": 0.02}},
+                     "idle": {"graph": {"idle_frac": 0.3, "idle_frac_in_span": 0.04},
+                              "graph-overlap": {"idle_frac": 0.3, "idle_frac_in_span": 0.02}},
                      "run_host_us": {"graph": 20.0, "graph-overlap": 21.0},
                      "notes": {"naive": "too large"} if bs == 64 else {}})
     per_graph = {bs: {"capture_s": 0.5, "pool_bytes": 3 << 20} for bs in (1, 8, 64)}
@@ -373,3 +374,422 @@ def test_bench_eplb_plans_and_spawns_each_redundancy(monkeypatch, tmp_path, caps
     assert [e.get("error") for e in doc["eplb"]] == [None, "rank 0: RuntimeError: boom"]
     md = (tmp_path / "o" / "results.md").read_text()
     assert "| nccl | 0 | 64 | 500 → 400 | 1.25× | 3.00 → 1.50 | 1.80 → 1.05 | 0 / 64 | yes |" in md
+
+
+# -- kernel timeline of one replay (graphrt.bench.timeline) -------------------------------------
+_DG = "void deep_gemm::sm90_bf16_gemm_impl<0u, 2u, (deep_gemm::GemmType)2>(__nv_bfloat16*, int)"
+
+
+def _replay_events():
+    """One synthetic replay: the host launch at 90 µs, kernels on streams 7 and 9 from 100 µs,
+    plus records the timeline must ignore (a wait, a CPU op, another launch API)."""
+    return [("cudaGraphLaunch", "cuda_runtime", None, 90.0, 4.0),
+            ("cudaLaunchKernel", "cuda_runtime", None, 80.0, 2.0),
+            ("aten::mm", "cpu_op", None, 85.0, 1.0),
+            {"name": _DG, "kind": "kernel", "stream": 7, "start_us": 100.0, "dur_us": 30.0},
+            ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "kernel", 9, 125.0, 10.0),
+            ("_attn_split_kernel", "kernel", 7, 132.0, 8.0),
+            ("Stream Wait Event", "cuda_sync", 7, 135.0, 15.0),
+            ("_add_rmsnorm_kernel", "kernel", 7, 150.0, 2.0),
+            ("Memcpy DtoD (Device -> Device)", "gpu_memcpy", 9, 160.0, 1.0),
+            ("zero", "kernel", 9, 170.0, 0.0)]
+
+
+@pytest.mark.parametrize("name,cls", [
+    (_DG, "expert_gemm"), ("_masked_grouped_gemm_kernel", "expert_gemm"),
+    ("_decode_gemm_kernel", "expert_gemm"), ("_decode_reduce_kernel", "expert_gemm"),
+    ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "dense_gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64_execute_kernel__5x_cublas", "dense_gemm"),
+    ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_bf16_64x64_64x4_tn_align8>(Params)",
+     "dense_gemm"),
+    ("void gemv2T_kernel_val<int, int, __nv_bfloat16, 128, 16, 4, 4, false>(float)", "dense_gemm"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float>(float)", "dense_gemm"),
+    ("_attn_split_kernel", "attention"), ("_attn_merge_kernel", "attention"),
+    ("_kv_append_kernel", "attention"), ("attn_split_kernel", "attention"),
+    ("attn_fused_kernel", "attention"), ("_add_rmsnorm_kernel", "norm"),
+    ("_topk_softmax_kernel", "routing"), ("_grouped_topk_sigmoid_kernel", "routing"),
+    ("_dispatch_plan_kernel", "routing"), ("_dispatch_copy_kernel", "routing"),
+    ("_combine_masked_kernel", "routing"), ("_map_and_count_kernel", "routing"),
+    ("void deep_ep::internode_ll::dispatch<true, 3, 7168>(void*)", "comm"),
+    ("void deep_ep::internode_ll::combine<3, 7168, 9>(void*)", "comm"),
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "comm"),
+    ("_silu_and_mul_masked_kernel", "other"),
+    ("void at::native::index_elementwise_kernel<128, 4>(long)", "other"),
+])
+def test_timeline_classifies_kernels_by_name(name, cls):
+    from graphrt.bench.timeline import CLASSES, classify
+    assert classify(name) == cls and cls in CLASSES
+    assert classify(name, "gpu_memcpy") == "other"  # copies and fills are never a GEMM
+
+
+def test_timeline_short_names():
+    from graphrt.bench.timeline import short_name
+    assert short_name(_DG) == "deep_gemm::sm90_bf16_gemm_impl"
+    assert short_name("Memcpy DtoD (Device -> Device)") == "Memcpy DtoD"
+    assert short_name("_attn_split_kernel") == "_attn_split_kernel"
+    assert short_name("x" * 100, width=10) == "x" * 9 + "…"
+
+
+def test_timeline_gaps_union_latency_and_floors():
+    from graphrt.bench.timeline import build_timeline
+    gbs = 4300.0
+    floors = {"expert_gemm": int(15 * gbs * 1e3), "dense_gemm": int(5 * gbs * 1e3),
+              "attention": int(2 * gbs * 1e3)}
+    tl = build_timeline(_replay_events(), floor_bytes=floors, hbm_gbs=gbs, wall_us=80.0)
+    ks = tl["kernels"]
+    assert [k["class"] for k in ks] == ["expert_gemm", "dense_gemm", "attention", "norm", "other"]
+    assert [k["stream"] for k in ks] == [7, 9, 7, 7, 9]
+    assert [k["start_us"] for k in ks] == [0.0, 25.0, 32.0, 50.0, 60.0]  # from the first kernel
+    assert [k["gap_stream_us"] for k in ks] == [None, None, 2.0, 10.0, 25.0]
+    assert [k["gap_union_us"] for k in ks] == [0.0, 0.0, 0.0, 10.0, 8.0]
+    assert ks[0]["short"] == "deep_gemm::sm90_bf16_gemm_impl" and ks[0]["name"] == _DG
+    assert tl["launch_latency_us"] == 10.0 and tl["launch_call_us"] == 4.0  # 100 - 90
+    assert tl["span_us"] == 61.0 and tl["busy_us"] == 43.0                  # 100..140, 150..152, 160..161
+    assert tl["gaps_in_span_us"] == 18.0 == sum(k["gap_union_us"] for k in ks)
+    assert tl["gap_frac_in_span"] == pytest.approx(18 / 61)
+    assert tl["wall_us"] == 80.0 and tl["outside_span_us"] == 19.0
+    assert tl["activities"] == 5 and tl["streams"] == 2                     # zero-length dropped
+    c = tl["classes"]
+    assert set(c) == {"expert_gemm", "dense_gemm", "attention", "norm", "other"}
+    assert c["expert_gemm"]["count"] == 1 and c["expert_gemm"]["busy_us"] == 30.0
+    assert c["expert_gemm"]["floor_us"] == pytest.approx(15.0)
+    assert c["expert_gemm"]["busy_over_floor"] == pytest.approx(2.0)
+    assert c["dense_gemm"]["busy_over_floor"] == pytest.approx(2.0)
+    assert c["attention"]["busy_over_floor"] == pytest.approx(4.0)
+    assert c["norm"]["floor_us"] is None and c["norm"]["busy_over_floor"] is None
+    assert tl["floor_us"] == pytest.approx(22.0)
+    # no launch record, no floors, no bandwidth: those figures are None, the rest stands
+    bare = build_timeline([e for e in _replay_events() if "Launch" not in str(e[0] if
+                                                                            isinstance(e, tuple) else "")])
+    assert bare["launch_latency_us"] is None and bare["outside_span_us"] is None
+    assert bare["busy_us"] == 43.0 and bare["floor_us"] is None
+    assert all(v["floor_us"] is None for v in bare["classes"].values())
+    empty = build_timeline([])
+    assert empty["span_us"] == 0.0 and empty["gap_frac_in_span"] is None and empty["kernels"] == []
+
+
+def test_timeline_union_counts_a_class_on_two_streams_once():
+    from graphrt.bench.timeline import build_timeline, summarize, top_kernels
+    evs = [("_decode_gemm_kernel", "kernel", 1, 0.0, 10.0), ("_decode_gemm_kernel", "kernel", 2, 5.0, 10.0),
+           ("_decode_reduce_kernel", "kernel", 1, 20.0, 2.0)]
+    tl = build_timeline(evs)
+    assert tl["classes"]["expert_gemm"]["busy_us"] == 17.0 and tl["busy_us"] == 17.0
+    top = top_kernels(tl["kernels"], 1)
+    assert top == [{"name": "_decode_gemm_kernel", "class": "expert_gemm", "calls": 2,
+                    "total_us": 20.0, "max_us": 10.0, "mean_us": 10.0}]
+    s = summarize(tl)
+    assert "kernels" not in s and len(s["top_kernels"]) == 2 and s["busy_us"] == 17.0
+    kept = summarize(tl, keep_kernels=True)["kernels"]
+    assert [k["name"] for k in kept] == ["_decode_gemm_kernel"] * 2 + ["_decode_reduce_kernel"]
+    assert set(kept[0]) == {"name", "class", "stream", "start_us", "dur_us", "gap_stream_us",
+                            "gap_union_us"}
+    json.dumps(s)  # results.json takes it as is
+
+
+def test_trace_events_adapter_feeds_the_timeline():
+    from torch.autograd import DeviceType
+    from graphrt.bench.profile import trace_events
+    from graphrt.bench.timeline import build_timeline
+
+    class Ev:
+        def __init__(self, kind, dev, name, start, dur, stream=0):
+            self.k, self.d, self.n, self.s, self.u, self.r = kind, dev, name, start, dur, stream
+        activity_type = lambda self: self.k  # noqa: E731
+        device_type = lambda self: self.d  # noqa: E731
+        device_resource_id = lambda self: self.r  # noqa: E731
+        name = lambda self: self.n  # noqa: E731
+        start_ns = lambda self: self.s  # noqa: E731
+        duration_ns = lambda self: self.u  # noqa: E731
+
+    evs = [Ev("cuda_runtime", DeviceType.CPU, "cudaGraphLaunch_v10000", 1000, 3000, 55),
+           Ev("cpu_op", DeviceType.CPU, "aten::empty", 0, 500),
+           Ev("kernel", DeviceType.CUDA, "_attn_split_kernel", 9000, 2000, 7),
+           Ev("gpu_memset", DeviceType.CUDA, "Memset (Device)", 12000, 1000, 9),
+           Ev("cuda_sync", DeviceType.CUDA, "Event Sync", 11000, 500, 7)]
+    prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: evs)))
+    got = trace_events(prof)
+    assert got == [{"name": "cudaGraphLaunch_v10000", "kind": "cuda_runtime", "stream": None,
+                    "start_us": 1.0, "dur_us": 3.0},
+                   {"name": "_attn_split_kernel", "kind": "kernel", "stream": 7, "start_us": 9.0,
+                    "dur_us": 2.0},
+                   {"name": "Memset (Device)", "kind": "gpu_memset", "stream": 9, "start_us": 12.0,
+                    "dur_us": 1.0}]
+    tl = build_timeline(got)
+    assert tl["launch_latency_us"] == 8.0 and tl["span_us"] == 4.0 and tl["busy_us"] == 3.0
+
+
+def test_replay_timeline_keeps_the_measurement_when_the_report_fails(monkeypatch):
+    import graphrt.bench.profile as profile
+    from graphrt.bench.timeline import replay_timeline
+    idle = {"wall_us": 80.0, "idle_frac": 0.4}
+    monkeypatch.setattr(profile, "replay_profile", lambda replay, trials=3: (idle, _replay_events()))
+    got_idle, tl = replay_timeline(None, floor_bytes=None, hbm_gbs=None, keep_kernels=True)
+    assert got_idle is idle and tl["outside_span_us"] == 19.0 and len(tl["kernels"]) == 5
+    monkeypatch.setattr(profile, "replay_profile", lambda replay, trials=3: (idle, [("k", "kernel")]))
+    got_idle, tl = replay_timeline(None, floor_bytes=None, hbm_gbs=None)
+    assert got_idle is idle and tl == {"error": "KeyError: 'dur_us'"}
+
+
+def test_model_floor_bytes_of_the_reference_model(tiny):
+    from graphrt.bench.timeline import dense_parts, experts_hit, model_floor_bytes
+    spec, model = tiny
+    cfg, L = model.cfg, model.cfg.num_layers
+    parts = dense_parts(model)
+    assert sum(parts.values()) == model.weight_bytes()["dense"] and parts["lm_head"] > 0
+    f = model_floor_bytes(model, 3, [5, 9, 2])
+    assert f["expert_gemm"] == model.weight_bytes()["experts"]        # every local expert
+    assert f["dense_gemm"] == model.weight_bytes()["dense"]
+    assert f["attention"] == 2 * 16 * cfg.kv_dim * 2 * L              # K and V, bf16
+    assert f["norm"] > 0 and f["routing"] > 0 and "comm" not in f and "other" not in f
+    per_expert = model.layers[0].moe.experts.weight_bytes // cfg.num_experts
+    assert model_floor_bytes(model, 3, torch.tensor([5, 9, 2]), experts_hit=3)["expert_gemm"] == 3 * per_expert
+    # with the experts an eager step hit, the classes add up to the modes suite's floor
+    inputs = spec.random_inputs(5, "cpu", torch.Generator().manual_seed(2))
+    total = floor_bytes(model, spec, inputs)
+    hits = experts_hit(model, spec, inputs)
+    assert L * cfg.num_topk <= hits <= L * cfg.num_experts
+    assert all(type(l.moe.experts).__name__ == "Experts" for l in model.layers)  # restored
+    f = model_floor_bytes(model, 5, inputs["seq_lens"], experts_hit=hits)
+    assert f["expert_gemm"] + f["dense_gemm"] + f["attention"] == total
+
+
+def _with_timelines(res):
+    from graphrt.bench.timeline import build_timeline, summarize
+    gbs = res["hbm_gbs"]
+    for row in res["rows"]:
+        keep = row["bs"] in (res["sizes"][0], res["sizes"][-1])
+        tl = build_timeline(_replay_events(), floor_bytes={"expert_gemm": int(15 * gbs * 1e3)},
+                            hbm_gbs=gbs, wall_us=80.0)
+        row["timeline"] = {"graph": summarize(tl), "graph-overlap": summarize(tl, keep_kernels=keep)}
+    res["rows"][1]["timeline"]["graph"] = {"error": "ValueError: boom"}
+    return json.loads(json.dumps(res))  # as results.json gives it back
+
+
+def test_timeline_markdown():
+    from graphrt.bench.run import md_modes
+    from graphrt.bench.timeline import md_timelines
+    res = _with_timelines(_gpu_result())
+    md = md_timelines(res)
+    assert "| bs | mode | launch µs | span µs | busy µs | gaps in span µs | gaps % of span |" in md
+    assert "| 1 | graph-overlap | 10.0 | 61 | 43 | 18.0 | 29.5% | 19 | 5 | 2 |" in md
+    assert "| 8 | graph | timeline failed: ValueError: boom |" in md
+    assert "| expert GEMM | dense GEMM | attention | norm | elementwise/other |" in md
+    assert "| 1 | graph | 30.0 (2.00×) | 10.0 | 8.0 | 2.0 | 1.0 |" in md
+    assert "Top kernels, bs 1 graph-overlap" in md and "Top kernels, bs 64 graph-overlap" in md
+    assert "Top kernels, bs 8" not in md and "Top kernels, bs 1 graph " not in md
+    assert "| `deep_gemm::sm90_bf16_gemm_impl` | expert GEMM | 1 | 30.0 | 30.0 | 69.8% |" in md
+    full = md_modes(res)
+    assert full.startswith("## modes: dsv3-like") and full.endswith(md) and "×floor" in full
+    assert md_timelines(_gpu_result()) == "" and md_modes(_gpu_result()) == md_modes(_gpu_result())
+
+
+def test_timeline_plots_and_their_names(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from graphrt.bench.plots import plot_names, write_timeline_plots
+    names = plot_names("nccl")
+    assert names["timeline_smallest"] == "timeline_smallest-nccl.png"
+    assert plot_names()["timeline_largest"] == "timeline_largest.png"
+    res = _with_timelines(_gpu_result())
+    paths = write_timeline_plots(res, str(tmp_path))
+    assert sorted(os.path.basename(p) for p in paths.values()) == ["timeline_largest.png",
+                                                                   "timeline_smallest.png"]
+    assert all(os.path.getsize(p) > 5000 for p in paths.values())
+    for row in res["rows"][1:]:  # one plotted size: the smallest only
+        row["timeline"]["graph-overlap"].pop("kernels", None)
+    assert write_timeline_plots(res, str(tmp_path / "one"))["timeline_largest"] is None
+    assert write_timeline_plots(_gpu_result(), str(tmp_path / "none")) == {
+        "timeline_smallest": None, "timeline_largest": None}
+    assert not (tmp_path / "none").exists()
+    # the plan checks the timeline files too: a symlink planted there is refused up front
+    (tmp_path / "out").mkdir()
+    os.symlink(tmp_path / "elsewhere.png", tmp_path / "out" / "timeline_largest.png")
+    assert cli.main(["bench", "--device", "cpu", "--out", str(tmp_path / "out")]) == 2
+    assert "timeline_largest.png there is a symbolic link" in capsys.readouterr().err
+
+
+# -- the loop suite under expert parallelism ---------------------------------------------------
+def _ep_machine(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_bench_plan_takes_the_loop_suite_under_ep(monkeypatch, tmp_path):
+    """--suite loop runs under EP now (with ep/modes too); runtime and moe stay single-GPU and
+    the refusal names the EP suites; on the CPU loop still needs a GPU."""
+    from graphrt.bench.plan import Refusal, plan
+    _ep_machine(monkeypatch)
+    parse = lambda *a: cli.build_parser().parse_args(["bench", "--out", str(tmp_path / "o"), *a])  # noqa: E731
+    p = plan(parse("--ranks", "2", "--comm", "deepep-hook", "--suite", "loop", "--config",
+                   "qwen3-moe-like", "--experts", "64", "--layers", "4", "--sizes", "1,8,64"))
+    assert (p.suites, p.comms, p.ranks, p.sizes, p.max_tokens, p.ep) == (
+        ["loop"], ["deepep-hook"], 2, [1, 8, 64], 64, True)
+    assert (p.cfg.name, p.cfg.num_experts, p.cfg.num_layers) == ("qwen3-moe-like", 64, 4)
+    p = plan(parse("--comm", "deepep-hook,nccl", "--suite", "ep,loop", "--config", "dsv3-like"))
+    assert p.suites == ["ep", "loop"] and p.sizes == [1, 8, 32, 128] and p.cfg.num_experts == 256
+    for argv, match in ((["--comm", "nccl", "--suite", "loop,moe"],
+                         "suite moe is single-GPU: run it without --comm/--ranks, or pick from "
+                         "--suite ep,modes,loop,eplb"),
+                        (["--comm", "nccl", "--suite", "runtime"], "suite runtime is single-GPU"),
+                        (["--comm", "nccl", "--suite", "loop", "--modes", "eager"],
+                         "--modes applies to the modes suite"),
+                        (["--comm", "nccl", "--suite", "loop", "--max-tokens", "8", "--sizes", "64"],
+                         "--max-tokens 8 is below the largest --sizes 64")):
+        with pytest.raises(Refusal, match=match):
+            plan(parse(*argv))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(Refusal, match="suite loop needs a CUDA GPU"):
+        plan(parse("--device", "cpu", "--suite", "loop"))
+
+
+def _loop_v(tps, busy, *, replay=360.0):
+    return {"tokens_per_s": tps, "output_tokens_per_s": tps * 0.9, "steps_per_s": tps,
+            "step_us": 1e6 / tps, "replay_us_median": replay, "gpu_busy": busy,
+            "host_us_median": 100.0, "wait_s": 0.1, "mean_batch": 1.0, "timed_replays": 1000,
+            "staging_waits": 0}
+
+
+def _rank_rows(rank):
+    """One rank's loop rows at bs 1: rank 1 is 10% slower and busier."""
+    f = 1.0 if rank == 0 else 0.9
+    loops = {"sync": _loop_v(2000.0 * f, 0.70 + 0.1 * rank),
+             "async": _loop_v(2600.0 * f, 0.90 + 0.05 * rank)}
+    return [{"bs": 1, "loops": loops, "identical": rank == 0,
+             "speedup_vs_sync": {k: v["tokens_per_s"] / loops["sync"]["tokens_per_s"]
+                                 for k, v in loops.items()}}]
+
+
+def test_loop_merge_ranks_sums_tokens_and_keeps_the_lowest_busy():
+    from graphrt.bench.loop import merge_ranks, rank_summary
+    every = [rank_summary(_rank_rows(r)) for r in (0, 1)]
+    assert set(every[1][0]["loops"]["sync"]) == {"tokens_per_s", "gpu_busy", "step_us"}
+    row = merge_ranks(_rank_rows(0), every)[0]
+    a = row["loops"]["async"]
+    assert a["tokens_per_s"] == 2600.0 and a["global_tokens_per_s"] == pytest.approx(2600 + 2340)
+    assert a["gpu_busy"] == 0.90 and a["gpu_busy_min"] == 0.90                 # rank 0 the lower
+    assert row["loops"]["sync"]["gpu_busy_min"] == 0.70
+    assert a["per_rank"]["gpu_busy"] == pytest.approx([0.90, 0.95])
+    assert a["per_rank"]["tokens_per_s"] == pytest.approx([2600.0, 2340.0])
+    assert row["identical_per_rank"] == [True, False] and row["identical"] is False
+    other = _rank_rows(1)
+    other[0]["bs"] = 8
+    with pytest.raises(ValueError, match="ranks ran different rows at bs 1"):
+        merge_ranks(_rank_rows(0), [every[0], rank_summary(other)])
+
+
+def _ep_loop_result(comm, loops=("sync", "async"), skipped=None):
+    from graphrt.bench.loop import merge_ranks, rank_summary
+    rows = [{**r, "loops": {k: v for k, v in r["loops"].items() if k in loops}}
+            for r in _rank_rows(0)]
+    every = [rank_summary(_rank_rows(r)) for r in (0, 1)]
+    every = [[{**s, "identical": True, "loops": {k: v for k, v in s["loops"].items() if k in loops}}
+              for s in e] for e in every]
+    return {"config": "qwen3-moe-like", "layers": 4, "experts": 64, "hidden": 2048,
+            "device": "cuda:0", "comm": comm, "ranks": 2, "rank": 0, "steps": 1000,
+            "warmup": 50, "sizes": [1], "loops": list(loops), "skipped": skipped or {},
+            "rows": merge_ranks(rows, every)}
+
+
+def test_bench_ep_loop_lands_under_each_backend(monkeypatch, tmp_path, capsys):
+    """--suite loop under EP: run_rank is spawned per backend with the loop suite; rank 0's
+    result lands under ep[comm].loop and is rendered with the all-ranks columns; NCCL's
+    skipped loops are named."""
+    import graphrt.testing.launch as launch
+    from graphrt.bench import run
+    _ep_machine(monkeypatch)
+    calls = []
+
+    def fake_spawn(fn, world, comm, opts, timeout_s=600):
+        calls.append((fn.__name__, world, comm, opts["sizes"], opts["suites"], opts["cfg"].name))
+        if comm == "nccl":
+            loop = _ep_loop_result(comm, ("sync",), {"async": "a uniform-batch backend (NCCL)"})
+        else:
+            loop = _ep_loop_result(comm)
+        return [{"rank": 0, "ok": True, "loop": loop}, {"rank": 1, "ok": True}]
+    monkeypatch.setattr(launch, "spawn", fake_spawn)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "FakeGPU")
+    args = cli.build_parser().parse_args(
+        ["bench", "--out", str(tmp_path / "o"), "--ranks", "2", "--comm", "deepep-hook,nccl",
+         "--suite", "loop", "--config", "qwen3-moe-like", "--experts", "64", "--sizes", "1"])
+    assert run.main(args) == 0
+    assert calls == [("run_rank", 2, "deepep-hook", [1], ["loop"], "qwen3-moe-like"),
+                     ("run_rank", 2, "nccl", [1], ["loop"], "qwen3-moe-like")]
+    res = json.load(open(tmp_path / "o" / "results.json"))
+    assert res["measured"] and res["suites"] == ["loop"] and "loop" not in res
+    hook = res["ep"]["deepep-hook"]["loop"]
+    assert hook["ranks"] == 2 and hook["rows"][0]["loops"]["async"]["gpu_busy_min"] == 0.90
+    assert res["ep"]["nccl"]["loop"]["loops"] == ["sync"]
+    out = capsys.readouterr().out
+    assert "## loop over deepep-hook" in out and "over 2 ranks (deepep-hook)" in out
+    assert "| bs/rank | loop | tokens/s rank 0 | tokens/s all ranks | ×sync |" in out
+    assert "| 1 | async | 2600 | 4940 | 1.30 | 384.6 | 360.0 | 90.0% | 90.0% | 100.0 | identical |" in out
+    assert "| 1 | sync | 2000 | 3800 | 1.00 | 500.0 | 360.0 | 70.0% | 70.0% | 100.0 | identical |" in out
+    assert "async: skipped (a uniform-batch backend (NCCL))" in out
+    md = (tmp_path / "o" / "results.md").read_text()
+    assert "## loop over nccl" in md and "| 1 | async |" in md
+
+
+def test_loop_md_names_the_ranks_whose_streams_differ():
+    from graphrt.bench.loop import md_loop, merge_ranks, rank_summary
+    res = _ep_loop_result("deepep-hook")
+    res["rows"] = merge_ranks(_rank_rows(0), [rank_summary(_rank_rows(r)) for r in (0, 1)])
+    assert "| DIFFER (rank 1) |" in md_loop(res)
+
+
+@pytest.mark.slow
+def test_bench_loop_keeps_only_sync_under_a_uniform_coordinator():
+    from graphrt.bench.loop import LOOPS, bench_loop, runnable_loops
+    assert runnable_loops(LOOPS, None) == (list(LOOPS), {})
+    assert runnable_loops(LOOPS, SimpleNamespace(uniform=False)) == (list(LOOPS), {})
+    cfg = preset("tiny", layers=1, experts=4, n_group=2, topk_group=1)
+    res = bench_loop(cfg, "cpu", [2], steps=2, warmup=1, coordinator=SimpleNamespace(uniform=True))
+    assert res["loops"] == ["sync"] and list(res["rows"][0]["loops"]) == ["sync"]
+    assert set(res["skipped"]) == {"sync-zero-copy", "async", "async-fused"}
+    assert all("input_buffers()" in why and "NCCL" in why for why in res["skipped"].values())
+    assert (res["comm"], res["ranks"], res["rank"]) == ("local", 1, 0)
+    assert res["rows"][0]["identical"] and "identical_per_rank" not in res["rows"][0]
+
+
+def _loop_rank(rank, world, port, out_dir):
+    """One gloo rank of bench_loop's EP path on the CPU: a LocalComm posing as rank ``rank``
+    of ``world`` (its experts are all local; only the lockstep, the barrier and the gather
+    across ranks are under test)."""
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from graphrt.bench.loop import bench_loop
+        from graphrt.comm.local import LocalComm
+        from graphrt.coordinator import RankCoordinator
+        cfg = preset("tiny", layers=1, experts=4, n_group=2, topk_group=1)
+        comm = LocalComm(cfg.num_experts, cfg.hidden, cfg.num_topk, torch.device("cpu"),
+                         max_tokens=cfg.num_slots)
+        comm.rank, comm.num_ranks = rank, world
+        res = bench_loop(cfg, "cpu", [2], steps=2, warmup=1, loops=("sync", "async"), comm=comm,
+                         comm_name="fake", coordinator=RankCoordinator(uniform=False))
+        with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+            json.dump(res, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_bench_loop_gathers_every_rank_over_gloo(tmp_path):
+    import torch.multiprocessing as mp
+    from graphrt.testing.launch import free_port
+    mp.start_processes(_loop_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
+    r0, r1 = (json.load(open(tmp_path / f"{r}.json")) for r in (0, 1))
+    assert (r0["rank"], r1["rank"], r0["ranks"], r0["comm"]) == (0, 1, 2, "fake")
+    for res in (r0, r1):
+        row = res["rows"][0]
+        assert row["identical"] and row["identical_per_rank"] == [True, True]
+        for v in row["loops"].values():
+            assert v["mean_batch"] == 2 and v["timed_replays"] == 2
+            assert len(v["per_rank"]["gpu_busy"]) == 2
+            assert v["global_tokens_per_s"] == pytest.approx(sum(v["per_rank"]["tokens_per_s"]))
+            assert v["gpu_busy_min"] == min(v["per_rank"]["gpu_busy"])
+    assert r0["rows"][0]["loops"]["async"]["per_rank"] == r1["rows"][0]["loops"]["async"]["per_rank"]

@@ -1,12 +1,14 @@
 """Expert-parallel runs of ``graphrt bench``: the ``ep`` suite and the per-rank driver.
 
     graphrt bench --ranks 2 --comm deepep-hook,nccl --layers 4 --sizes 1,8,32,128
+    graphrt bench --ranks 2 --comm deepep-hook --suite loop --config qwen3-moe-like --experts 64
     torchrun --nproc-per-node 2 -m graphrt.bench --comm nccl --suite ep,modes
 
 ``run_rank`` is what every rank runs (started by ``graphrt.testing.launch.spawn``, one
 process per GPU and backend, or by torchrun): it builds the backend once and runs the
-requested suites with it; rank 0 returns the results, the others ``{}``. Collectives keep
-the ranks in step.
+requested suites with it (``ep``, ``modes``, ``loop``: ``graphrt.bench.loop.bench_loop``
+over the backend); rank 0 returns the results, the others ``{}``. Collectives keep the
+ranks in step: every rank runs the same suites, sizes and replays in the same order.
 
 The ``ep`` suite, per backend and per-rank batch size: the reference model's step eager vs
 replayed, combine overlap on vs off; and the communication alone, graphrt's backend
@@ -84,9 +86,11 @@ def bench_ep(comm_name: str, comm, cfg, device, sizes: list[int], world: int,
 def run_rank(rank: int, world: int, comm_name: str, opts: dict) -> dict:
     """One rank of an expert-parallel run; the process group is up and this rank's GPU set.
 
-    ``opts``: ``cfg`` (a ``MoEConfig``), ``sizes``, ``max_tokens``, ``suites`` (``ep`` and/or
-    ``modes``), ``modes``, ``fp8``. Builds ``comm_name`` once and runs the suites with it;
-    returns ``{"ep": ..., "modes": ...}`` on rank 0, ``{}`` elsewhere.
+    ``opts``: ``cfg`` (a ``MoEConfig``), ``sizes``, ``max_tokens``, ``suites`` (``ep``,
+    ``modes`` and/or ``loop``), ``modes``, ``fp8``; ``loop_steps``/``loop_warmup`` (optional:
+    the loop suite's steps). Builds ``comm_name`` once and runs the suites with it, each on a
+    model of its own (freed before the next); returns ``{"ep": ..., "modes": ..., "loop":
+    ...}`` on rank 0, ``{}`` elsewhere.
     """
     import gc
 
@@ -105,6 +109,14 @@ def run_rank(rank: int, world: int, comm_name: str, opts: dict) -> dict:
         out["modes"] = bench_modes(cfg, device, opts["sizes"], opts["modes"], comm=comm,
                                    fp8=opts["fp8"], progress=rank == 0,
                                    coordinator=RankCoordinator(uniform=comm.uniform_batch))
+        gc.collect()
+        torch.cuda.empty_cache()
+    if "loop" in opts["suites"]:
+        from graphrt.bench.loop import LOOP_STEPS, LOOP_WARMUP, bench_loop
+        out["loop"] = bench_loop(cfg, device, opts["sizes"], comm=comm, comm_name=comm_name,
+                                 coordinator=RankCoordinator(uniform=comm.uniform_batch),
+                                 steps=opts.get("loop_steps", LOOP_STEPS),
+                                 warmup=opts.get("loop_warmup", LOOP_WARMUP))
     return out if rank == 0 else {}
 
 

@@ -21,6 +21,21 @@ returns) / the loop's wall time (from a synchronised start to a synchronised end
 whether the token streams of all loops are identical. On the CPU (tests only: the plan
 refuses the suite there) runtimes are ``EagerRuntime`` and device times host wall times.
 
+Expert parallelism (``graphrt bench --ranks 2 --comm deepep-hook --suite loop``, from
+``graphrt.bench.ep.run_rank``): every rank builds the model over its ``comm``, captures the
+same sizes (a ``RankCoordinator`` agrees on them) and runs the same loops, warm-up and
+measured steps in the same order, one replay per step (``keep_stepping``), so the
+collectives inside the graphs pair up. Each rank serves its own queue of ``bs`` rows (seeded
+by rank: ``seed + bs + 1000 * rank``), so ``bs`` is per rank; the token streams are compared
+across loops on each rank. A barrier on the coordinator's CPU group lines the ranks up
+before each measured window. At the end every rank's figures are gathered (a CPU
+collective): per loop ``tokens_per_s`` and ``gpu_busy`` stay this rank's (rank 0's in
+``results.json``), ``global_tokens_per_s`` is the sum over ranks, ``gpu_busy_min`` the
+minimum, ``per_rank`` lists each; a replay's device time includes waiting for the other
+ranks' tokens. Uniform-batch backends (NCCL) run the ``sync`` loop only: the other loops
+stage through ``input_buffers()``/``replay()``, which pick the graph from this rank's batch
+alone and are refused there (``skipped`` says so).
+
 Graph safety: host-only (drives captures and replays; timing syncs outside the loop).
 """
 from __future__ import annotations
@@ -110,19 +125,19 @@ def _timed(spec, timer: ReplayTimer):
     return replace(spec, before_replay=before_replay)
 
 
-def _runtime(spec, sizes, device):
+def _runtime(spec, sizes, device, coordinator=None):
     if device.type == "cuda":
         import graphrt
         return graphrt.GraphRuntime(spec, sizes=sizes, device=device, copy_outputs=False,
-                                    progress=False).capture()
+                                    progress=False, coordinator=coordinator).capture()
     from graphrt.testing.staging import EagerRuntime
     return EagerRuntime(spec, sizes, device)
 
 
-def _engine(loop: str, rts: dict, cfg, bs: int, device):
+def _engine(loop: str, rts: dict, cfg, bs: int, device, keep_stepping: bool = False):
     from graphrt.testing.async_engine import AsyncDecodeEngine
     from graphrt.testing.engine import DecodeEngine, graph_step
-    kw = dict(max_batch_size=bs, device=device)
+    kw = dict(max_batch_size=bs, device=device, keep_stepping=keep_stepping)
     if loop == "sync":
         return DecodeEngine.for_config(graph_step(rts["plain"]), cfg, **kw)
     rt = rts["fused" if loop == "async-fused" else "plain"]
@@ -145,11 +160,16 @@ def _requests(cfg, bs: int, total: int, seed: int):
                          prompt=(1, 16), output=(lo, hi))
 
 
-def measure(eng, timer: ReplayTimer, device, steps: int, warmup: int) -> tuple[dict, dict]:
-    """``warmup`` then ``steps`` timed iterations of ``eng``; ``(result, token streams)``."""
+def measure(eng, timer: ReplayTimer, device, steps: int, warmup: int,
+            barrier=None) -> tuple[dict, dict]:
+    """``warmup`` then ``steps`` timed iterations of ``eng``; ``(result, token streams)``.
+    ``barrier()`` (EP: every rank's) runs after the warm-up's device sync, before the clock
+    starts."""
     for _ in range(warmup):
         eng.step()
     _sync(device)
+    if barrier is not None:
+        barrier()
     st = eng.stats
     rows0, tok0, wait0 = st.rows, st.tokens, st.wait_s
     host = []
@@ -173,50 +193,132 @@ def measure(eng, timer: ReplayTimer, device, steps: int, warmup: int) -> tuple[d
     return res, eng.streams()
 
 
+def runnable_loops(loops, coordinator) -> tuple[list, dict]:
+    """``(loops to run, {loop: why skipped})``: a uniform-batch coordinator (NCCL) keeps the
+    ``sync`` loop only (``GraphRuntime.input_buffers`` refuses uniform-batch backends)."""
+    if coordinator is None or not coordinator.uniform:
+        return list(loops), {}
+    why = ("stages through input_buffers()/replay(), which pick the graph from this rank's "
+           "batch alone; a uniform-batch backend (NCCL) agrees the padded size in run() only")
+    return [x for x in loops if x == "sync"], {x: why for x in loops if x != "sync"}
+
+
 def bench_loop(cfg, device, sizes: list[int], *, steps: int = LOOP_STEPS, warmup: int = LOOP_WARMUP,
-               loops=LOOPS, seed: int = 0) -> dict:
+               loops=LOOPS, seed: int = 0, comm=None, comm_name: str = "local",
+               coordinator=None) -> dict:
     """The ``loop`` suite for the reference model ``cfg`` on ``device`` at each live batch in
-    ``sizes`` (see the module docstring and ``results.json`` in ``graphrt.bench.run``)."""
+    ``sizes`` (see the module docstring and ``results.json`` in ``graphrt.bench.run``).
+
+    ``comm``: the model's expert-parallel backend (default ``LocalComm``: one GPU), named
+    ``comm_name``; over more than one rank ``coordinator`` (a ``RankCoordinator`` with
+    ``uniform=comm.uniform_batch``) is required, and every rank must call this with the
+    same arguments. ``sizes``: live rows per rank."""
     from graphrt.moe import MoEModel
     from graphrt.testing.async_step import fused_spec
     device = torch.device(device)
-    model = MoEModel(cfg, device)
+    model = MoEModel(cfg, device, comm=comm)
+    rank, world = model.comm.rank, model.comm.num_ranks
+    if world > 1 and coordinator is None:
+        raise ValueError(f"bench_loop over {world} ranks needs coordinator=RankCoordinator("
+                         "uniform=comm.uniform_batch): ranks agree on the captured sizes")
+    loops, skipped = runnable_loops(loops, coordinator)
+    barrier = None
+    if world > 1:
+        import torch.distributed as dist
+        barrier = lambda: dist.barrier(group=coordinator.group)  # noqa: E731
     max_bs, timer = max(sizes), ReplayTimer(device, steps)
     specs = {"plain": model.spec(max_bs)}
     if "async-fused" in loops:
         specs["fused"] = fused_spec(model, max_bs)
-    rts = {k: TimedRuntime(_runtime(_timed(s, timer), sizes, device), timer)
+    rts = {k: TimedRuntime(_runtime(_timed(s, timer), sizes, device, coordinator), timer)
            for k, s in specs.items()}
     rows = []
     for bs in sizes:
         row, streams = {"bs": bs, "loops": {}}, {}
         for loop in loops:
-            eng = _engine(loop, rts, cfg, bs, device)
-            eng.submit_all(_requests(cfg, bs, warmup + steps, seed + bs))
-            row["loops"][loop], streams[loop] = measure(eng, timer, device, steps, warmup)
-        row["identical"] = all(s == streams[loops[0]] for s in streams.values())
+            eng = _engine(loop, rts, cfg, bs, device, keep_stepping=world > 1)
+            eng.submit_all(_requests(cfg, bs, warmup + steps, seed + bs + 1000 * rank))
+            row["loops"][loop], streams[loop] = measure(eng, timer, device, steps, warmup, barrier)
+        first = next(iter(streams.values()), None)
+        row["identical"] = all(s == first for s in streams.values())
         base = row["loops"].get("sync")
         row["speedup_vs_sync"] = ({k: v["tokens_per_s"] / base["tokens_per_s"]
                                    for k, v in row["loops"].items()} if base else {})
         rows.append(row)
+    if world > 1:
+        every = [None] * world
+        dist.all_gather_object(every, rank_summary(rows), group=coordinator.group)
+        rows = merge_ranks(rows, every)
     return {"config": cfg.name, "layers": cfg.num_layers, "experts": cfg.num_experts,
-            "hidden": cfg.hidden, "device": str(device), "steps": steps, "warmup": warmup,
-            "sizes": list(sizes), "loops": list(loops), "rows": rows}
+            "hidden": cfg.hidden, "device": str(device), "comm": comm_name, "ranks": world,
+            "rank": rank, "steps": steps, "warmup": warmup, "sizes": list(sizes),
+            "loops": list(loops), "skipped": skipped, "rows": rows}
+
+
+RANK_FIELDS = ("tokens_per_s", "gpu_busy", "step_us")
+
+
+def rank_summary(rows: list) -> list:
+    """What one rank sends to the others: per row ``bs``, ``identical`` and per loop
+    ``RANK_FIELDS``."""
+    return [{"bs": r["bs"], "identical": r["identical"],
+             "loops": {k: {f: v[f] for f in RANK_FIELDS} for k, v in r["loops"].items()}}
+            for r in rows]
+
+
+def merge_ranks(rows: list, every: list) -> list:
+    """This rank's ``rows`` with every rank's summaries (``every[r] = rank_summary(...)`` of
+    rank ``r``): per row ``identical`` over all ranks and ``identical_per_rank``; per loop
+    ``global_tokens_per_s`` (sum over ranks), ``gpu_busy_min`` and ``per_rank``
+    ``{field: [rank 0, rank 1, ...]}``. ``tokens_per_s``/``gpu_busy`` stay this rank's."""
+    for i, row in enumerate(rows):
+        per = [s[i] for s in every]
+        if any(p["bs"] != row["bs"] or set(p["loops"]) != set(row["loops"]) for p in per):
+            raise ValueError(f"ranks ran different rows at bs {row['bs']}: "
+                             f"{[(p['bs'], sorted(p['loops'])) for p in per]}")
+        row["identical_per_rank"] = [p["identical"] for p in per]
+        row["identical"] = all(row["identical_per_rank"])
+        for name, v in row["loops"].items():
+            v["per_rank"] = {f: [p["loops"][name][f] for p in per] for f in RANK_FIELDS}
+            v["global_tokens_per_s"] = sum(v["per_rank"]["tokens_per_s"])
+            v["gpu_busy_min"] = min(v["per_rank"]["gpu_busy"])
+    return rows
 
 
 def md_loop(res: dict) -> str:
-    """The ``loop`` result as a summary line and a markdown table."""
-    lines = [(f"{res['config']} {res['layers']}L {res['experts']} experts: {res['steps']} steps "
-              f"per loop after {res['warmup']} warm-up, live batch fixed at bs; GPU busy = "
-              "replay device time / loop wall time"), "",
-             ("| bs | loop | tokens/s | ×sync | step µs | replay µs | GPU busy | host µs/step "
-              "| streams |"), "|---|---|---|---|---|---|---|---|---|"]
+    """The ``loop`` result as a summary line and a markdown table (over several ranks:
+    rank 0's tokens/s and GPU busy, the sum of tokens/s and the lowest GPU busy over ranks)."""
+    ranks = res.get("ranks", 1)
+    where = "" if ranks == 1 else f" over {ranks} ranks ({res['comm']}), bs rows per rank"
+    lines = [(f"{res['config']} {res['layers']}L {res['experts']} experts{where}: {res['steps']} "
+              f"steps per loop after {res['warmup']} warm-up, live batch fixed at bs; GPU busy = "
+              "replay device time / loop wall time"), ""]
+    lines += [f"{loop}: skipped ({why})" for loop, why in res.get("skipped", {}).items()]
+    if ranks == 1:
+        lines += [("| bs | loop | tokens/s | ×sync | step µs | replay µs | GPU busy | host µs/step "
+                   "| streams |"), "|---|---|---|---|---|---|---|---|---|"]
+    else:
+        lines += [("| bs/rank | loop | tokens/s rank 0 | tokens/s all ranks | ×sync | step µs | "
+                   "replay µs | GPU busy rank 0 | GPU busy min | host µs/step | streams |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         for name, v in r["loops"].items():
             x = r["speedup_vs_sync"].get(name)
             rep = v["replay_us_median"]
-            lines.append(f"| {r['bs']} | {name} | {v['tokens_per_s']:.0f} | "
-                         f"{'n/a' if x is None else f'{x:.2f}'} | {v['step_us']:.1f} | "
-                         f"{'n/a' if rep is None else f'{rep:.1f}'} | {v['gpu_busy']:.1%} | "
-                         f"{v['host_us_median']:.1f} | {'identical' if r['identical'] else 'DIFFER'} |")
+            cells = [str(r["bs"]), name, f"{v['tokens_per_s']:.0f}"]
+            if ranks > 1:
+                cells.append(f"{v['global_tokens_per_s']:.0f}")
+            cells += ["n/a" if x is None else f"{x:.2f}", f"{v['step_us']:.1f}",
+                      "n/a" if rep is None else f"{rep:.1f}", f"{v['gpu_busy']:.1%}"]
+            if ranks > 1:
+                cells.append(f"{v['gpu_busy_min']:.1%}")
+            cells += [f"{v['host_us_median']:.1f}", _streams(r)]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _streams(row: dict) -> str:
+    if row["identical"]:
+        return "identical"
+    bad = [str(i) for i, ok in enumerate(row.get("identical_per_rank", [])) if not ok]
+    return "DIFFER" + (f" (rank {', '.join(bad)})" if bad else "")

@@ -228,8 +228,9 @@ def _eager(b: ModesBench, mode: str) -> None:
 
 def _graph(b: ModesBench, mode: str) -> None:
     import graphrt
-    from graphrt.bench.profile import replay_idle
+    from graphrt.bench.timeline import experts_hit, model_floor_bytes, replay_timeline
     b.model.overlap = mode == "graph-overlap"
+    plotted = "graph-overlap" if "graph-overlap" in b.run_modes else "graph"  # its timeline is drawn
     kw = {"coordinator": b.coordinator} if b.coordinator is not None else {}
     rt = graphrt.GraphRuntime(b.spec, sizes=b.sizes, device=b.device, progress=False, **kw).capture()
     st = rt.stats()
@@ -240,11 +241,15 @@ def _graph(b: ModesBench, mode: str) -> None:
                       for bs, v in st["sizes"].items()}}
     for bs in b.sizes:
         b.check(mode, bs, lambda: rt.run(**b.inputs[bs])["logits"])
+        hits = experts_hit(b.model, b.spec, b.inputs[bs])  # one eager step of these inputs
+        floors = model_floor_bytes(b.model, bs, b.inputs[bs]["seq_lens"], experts_hit=hits)
         b.rows[bs]["run_host_us"][mode] = host_call_us(lambda: rt.run(**b.inputs[bs]), iters=100)
         rt.stager.stage(b.inputs[bs], bs, bs)
         replay = rt.graphs[bs].graph.replay
         us = cuda_time_us(replay, iters=20)
-        b.rows[bs]["idle"][mode] = replay_idle(replay)
+        b.rows[bs]["idle"][mode], b.rows[bs].setdefault("timeline", {})[mode] = replay_timeline(
+            replay, floor_bytes=floors, hbm_gbs=b.res["hbm_gbs"],
+            keep_kernels=mode == plotted and bs in (b.sizes[0], b.sizes[-1]))
         b.done(mode, bs, us)
 
 

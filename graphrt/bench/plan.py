@@ -15,7 +15,8 @@ from graphrt.bench.ep import EP_BACKENDS
 from graphrt.bench.output import OutDirError, check_out_dir
 
 SUITES = ("runtime", "modes", "moe", "ep", "loop", "eplb")
-_SINGLE_GPU = ("runtime", "moe", "loop")
+_SINGLE_GPU = ("runtime", "moe")          # no expert-parallel form
+_NEEDS_GPU = ("runtime", "moe", "loop")    # refused on the CPU
 
 
 class Refusal(Exception):
@@ -83,12 +84,12 @@ def plan(args) -> Plan:
         raise Refusal(f"unknown suite(s) {bad}; expected some of {', '.join(SUITES)}")
     if ep and (bad := [s for s in suites if s in _SINGLE_GPU]):
         raise Refusal(f"suite {bad[0]} is single-GPU: run it without --comm/--ranks, or pick "
-                      "--suite ep,modes for an expert-parallel run")
+                      "from --suite ep,modes,loop,eplb for an expert-parallel run")
     for s in ("ep", "eplb"):
         if not ep and s in suites:
             raise Refusal(f"suite {s} needs an expert-parallel --comm ({', '.join(EP_BACKENDS)}), "
                           "e.g. graphrt bench --ranks 2 --comm nccl")
-    if device == "cpu" and (bad := [s for s in suites if s in _SINGLE_GPU]):
+    if device == "cpu" and (bad := [s for s in suites if s in _NEEDS_GPU]):
         raise Refusal(f"suite {bad[0]} needs a CUDA GPU; on CPU only the modes smoke run "
                       "works: graphrt bench --device cpu")
     name = arg("config") or ("tiny" if device == "cpu" else "dsv3-like")

@@ -7,6 +7,10 @@
   with the bandwidth floor dotted where it was measured.
 - ``over_floor.png``: each mode's step time over the bandwidth floor (1.0 = reads at the
   measured HBM bandwidth); only when a floor exists (GPU runs).
+- ``timeline_smallest.png`` / ``timeline_largest.png`` (``write_timeline_plots``): the kernel
+  timeline of one replay of graph-overlap (graph when graph-overlap did not run) at the
+  smallest and largest size, Gantt-like, one lane per stream and one for the host's graph
+  launch, colored by kernel class (``graphrt.bench.timeline``); GPU runs only.
 
 Plots are written through ``graphrt.bench.output.write_file`` (a rename, never through a
 symlink).
@@ -25,9 +29,12 @@ def _style(mode: str) -> dict:
     return {"marker": "o", "linestyle": "--" if mode.startswith("naive") else "-", "label": mode}
 
 
+PLOTS = ("step_time", "over_floor", "timeline_smallest", "timeline_largest")
+
+
 def plot_names(tag: str = "") -> dict:
     """``{plot: file name}``; ``tag`` (a backend name) makes them ``step_time-<tag>.png``."""
-    return {name: f"{name}{'-' + tag if tag else ''}.png" for name in ("step_time", "over_floor")}
+    return {name: f"{name}{'-' + tag if tag else ''}.png" for name in PLOTS}
 
 
 def write_plots(res: dict, out_dir: str, tag: str = "") -> dict:
@@ -71,6 +78,81 @@ def write_plots(res: dict, out_dir: str, tag: str = "") -> dict:
     return paths
 
 
+# one color per kernel class (graphrt.bench.timeline.CLASSES), colorblind-safe (Okabe-Ito)
+CLASS_COLORS = {"expert_gemm": "#D55E00", "dense_gemm": "#0072B2", "attention": "#009E73",
+                "norm": "#CC79A7", "routing": "#E69F00", "comm": "#56B4E9", "other": "#999999"}
+
+
+def plot_timeline(tl: dict, out_dir: str, name: str, title: str = "") -> str:
+    """Draw one replay's timeline (a ``timeline`` entry with its ``kernels``, see
+    ``graphrt.bench.timeline.summarize``) into ``out_dir/name``: one lane per stream, bars
+    colored by kernel class, x in µs from the first device activity; the host's graph launch
+    call on its own lane at ``-launch_latency_us``. Returns the path. Raises ``ImportError``
+    without matplotlib."""
+    from graphrt.bench.output import write_file
+    from graphrt.bench.timeline import CLASSES, LABELS
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    kernels = tl.get("kernels") or []
+    streams = sorted({k["stream"] for k in kernels}, key=str)
+    lanes = [f"stream {s}" for s in streams]
+    lat, call = tl.get("launch_latency_us"), tl.get("launch_call_us")
+    host = lat is not None and call is not None
+    if host:
+        lanes.append("host launch")
+    fig, ax = plt.subplots(figsize=(11, 1.6 + 0.55 * len(lanes)))
+    for cls in CLASSES:
+        for y, s in enumerate(streams):
+            bars = [(k["start_us"], k["dur_us"]) for k in kernels
+                    if k["class"] == cls and k["stream"] == s]
+            if bars:
+                ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=CLASS_COLORS[cls],
+                               edgecolor="none")  # white between bars is a real gap
+    if host:
+        ax.broken_barh([(-lat, call)], (len(streams) - 0.4, 0.8), facecolors="black")
+        ax.axvline(-lat, color="black", linestyle=":", linewidth=0.8)
+    ax.set_yticks(range(len(lanes)), lanes, fontsize=8)
+    ax.set_ylim(-0.6, len(lanes) - 0.4)
+    ax.set_xlabel("µs from the first device activity")
+    used = [c for c in CLASSES if any(k["class"] == c for k in kernels)]
+    ax.legend(handles=[Patch(color=CLASS_COLORS[c], label=LABELS[c]) for c in used],
+              fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0), frameon=False)
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    ax.set_title(f"{title}\nlaunch {fmt(lat, '.1f')} µs, span {fmt(tl.get('span_us'), '.0f')} µs, "
+                 f"busy {fmt(tl.get('busy_us'), '.0f')} µs, gaps {fmt(tl.get('gaps_in_span_us'), '.1f')}"
+                 f" µs, {tl.get('activities', len(kernels))} activities", fontsize=9)
+    ax.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120, bbox_inches="tight")  # keeps the legend
+    plt.close(fig)
+    return write_file(out_dir, name, png.getvalue())
+
+
+def write_timeline_plots(res: dict, out_dir: str, tag: str = "") -> dict:
+    """The timelines that kept their activities (the smallest and largest size of the plotted
+    mode, ``graphrt.bench.modes``) as ``timeline_smallest`` / ``timeline_largest`` (names from
+    ``plot_names(tag)``); returns ``{name: path or None}``. Raises ``ImportError`` without
+    matplotlib."""
+    kept = [(row["bs"], m, t) for row in res.get("rows", [])
+            for m, t in (row.get("timeline") or {}).items() if t.get("kernels")]
+    paths = {"timeline_smallest": None, "timeline_largest": None}
+    if not kept:
+        return paths
+    kept.sort(key=lambda c: c[0])
+    picks = {"timeline_smallest": kept[0]}
+    if kept[-1][0] != kept[0][0]:
+        picks["timeline_largest"] = kept[-1]
+    for name, (bs, mode, tl) in picks.items():
+        title = (f"{res['config']} {res['layers']}L, {res['experts']} experts, {mode} bs {bs}"
+                 f"{' fp8' if res.get('fp8') else ''} ({res['device']})")
+        paths[name] = plot_timeline(tl, out_dir, plot_names(tag)[name], title)
+    return paths
+
+
 def markdown(r: dict) -> str:
     """The ``modes`` result as markdown: step times, ratios to the floor, replay details
     (idle, ``run()`` host cost, capture), compile and skip notes."""
@@ -91,7 +173,7 @@ def markdown(r: dict) -> str:
                 + " |" for row in rows]
     graphs = [m for m in ("graph", "graph-overlap") if m in r["capture"]]
     if graphs:
-        out += ["", "| bs | " + " | ".join(f"{m} idle | {m} run() host µs | {m} capture s | "
+        out += ["", "| bs | " + " | ".join(f"{m} gaps in span | {m} run() host µs | {m} capture s | "
                                             f"{m} pool MiB" for m in graphs) + " |",
                 "|---|" + "---|" * 4 * len(graphs)]
         for row in rows:
@@ -100,7 +182,9 @@ def markdown(r: dict) -> str:
                 per_graph = r["capture"][m]["per_graph"]  # int keys; str once through JSON
                 g = per_graph.get(row["bs"]) or per_graph.get(str(row["bs"]), {})
                 idle = row["idle"].get(m, {})
-                cells += [fmt(idle.get("idle_frac"), ".1%"), fmt(row["run_host_us"].get(m), ".1f"),
+                # gaps between the first and last kernel of the replay: launch latency and
+                # profiler overhead outside the span are not idle GPU time (see the timeline)
+                cells += [fmt(idle.get("idle_frac_in_span"), ".1%"), fmt(row["run_host_us"].get(m), ".1f"),
                           fmt(g.get("capture_s"), ".2f"),
                           fmt((g.get("pool_bytes") or 0) / 2**20, ".1f")]
             out.append(f"| {row['bs']} | " + " | ".join(cells) + " |")

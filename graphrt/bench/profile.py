@@ -1,7 +1,7 @@
 """How idle the GPU is inside one replayed step, from torch.profiler's device events.
 
 One replay is profiled (CUPTI records every kernel, memcpy and memset of the graph, on
-every stream) and bracketed by CUDA events::
+every stream, and the host's ``cudaGraphLaunch`` call) and bracketed by CUDA events::
 
     busy_us   = | union of the device activity intervals |      (overlapping streams count once)
     wall_us   = end_event - start_event                          (the step as the host sees it)
@@ -9,9 +9,16 @@ every stream) and bracketed by CUDA events::
     span_us   = last activity end - first activity start         (no launch latency at the ends)
     idle_frac_in_span = 1 - busy_us / span_us
 
+``idle_frac`` is idle over the event-bracketed wall, so it counts the graph's launch latency,
+the event records and the profiler's own overhead at both ends as idle, not only gaps between
+kernels: for the gaps read ``idle_frac_in_span`` (or the timeline's ``gap_frac_in_span``);
+``graphrt.bench.timeline`` splits the rest into launch latency (host call to first kernel)
+and ``wall_us - span_us``.
+
 Only kernels, memcpys and memsets count as work: synchronisation records (``Event Sync``,
 ``Stream Wait Event``) are waits and GPU user annotations span gaps; both are left out.
-``union_us`` is plain Python (a sorted sweep), tested on the CPU.
+``union_us`` is plain Python (a sorted sweep), tested on the CPU; ``trace_events`` turns a
+profiler run into the plain event dicts that ``graphrt.bench.timeline`` reads.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ from typing import Callable, Iterable
 
 _WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 _WAITS = ("Sync", "Wait")  # CUPTI synchronisation records: time spent waiting, not working
+_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")  # the host's graph launch (runtime, driver API)
 
 
 def union_us(intervals: Iterable[tuple[float, float]]) -> float:
@@ -49,32 +57,63 @@ def idle_stats(intervals: list[tuple[float, float]], wall_us: float) -> dict:
             "activities": len(live)}
 
 
-def _is_work(kind: str | None, device_is_gpu: bool, name: str) -> bool:
-    if kind is not None:  # kineto's activity kind: kernel | gpu_memcpy | gpu_memset | ...
-        return kind in _WORK
-    return device_is_gpu and not any(w in name for w in _WAITS)
+def _kind(kind: str | None, device_is_gpu: bool, name: str) -> str | None:
+    """``kernel`` | ``gpu_memcpy`` | ``gpu_memset`` for device work, ``cuda_runtime`` for a
+    graph launch, None for what the timeline ignores."""
+    if kind is None:  # no activity kind (an older event API): guess from device and name
+        if device_is_gpu:
+            return None if any(w in name for w in _WAITS) else "kernel"
+        kind = "cuda_runtime"
+    if kind in _WORK:
+        return kind
+    return kind if name.startswith(_LAUNCHES) else None
+
+
+def _stream(e) -> int | None:
+    """A kineto device event's stream (its resource id), None where the API lacks it."""
+    get = getattr(e, "device_resource_id", None)
+    return get() if get is not None else None
+
+
+def trace_events(prof) -> list[dict]:
+    """The device work (kernels, memcpys, memsets on every stream) and host graph launches
+    of a ``torch.profiler`` run as ``{"name", "kind", "stream", "start_us", "dur_us"}`` dicts
+    (``graphrt.bench.timeline``'s input); times on the profiler's clock, in µs."""
+    from torch.autograd import DeviceType
+    out = []
+    try:
+        events = prof.profiler.kineto_results.events()
+    except AttributeError:  # private API moved: use the public event list
+        for e in prof.events():
+            gpu = e.device_type == DeviceType.CUDA
+            kind = _kind(getattr(e, "activity_type", None), gpu, e.name)
+            if kind is not None:
+                out.append({"name": e.name, "kind": kind,
+                            "stream": getattr(e, "device_resource_id", None) if gpu else None,
+                            "start_us": float(e.time_range.start),
+                            "dur_us": float(e.time_range.end - e.time_range.start)})
+        return out
+    for e in events:
+        gpu = e.device_type() == DeviceType.CUDA
+        kind = _kind(e.activity_type() if hasattr(e, "activity_type") else None, gpu, e.name())
+        if kind is not None:
+            out.append({"name": e.name(), "kind": kind,
+                        "stream": _stream(e) if gpu else None,
+                        "start_us": e.start_ns() / 1e3, "dur_us": e.duration_ns() / 1e3})
+    return out
 
 
 def device_intervals_us(prof) -> list[tuple[float, float]]:
     """``(start, end)`` in µs of every GPU kernel/memcpy/memset a ``torch.profiler`` run saw
     (GPU user annotations and synchronisation records are left out)."""
-    from torch.autograd import DeviceType
-    try:
-        events = prof.profiler.kineto_results.events()
-    except AttributeError:  # private API moved: use the public event list
-        return [(float(e.time_range.start), float(e.time_range.end)) for e in prof.events()
-                if _is_work(None, e.device_type == DeviceType.CUDA, e.name)]
-    out = []
-    for e in events:
-        kind = e.activity_type() if hasattr(e, "activity_type") else None
-        if _is_work(kind, e.device_type() == DeviceType.CUDA, e.name()):
-            out.append((e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3))
-    return out
+    return [(e["start_us"], e["start_us"] + e["dur_us"]) for e in trace_events(prof)
+            if e["kind"] in _WORK]
 
 
-def replay_idle(replay: Callable[[], object], *, trials: int = 3) -> dict:
-    """Profile ``trials`` single replays (after one discarded warm-up session); returns the
-    ``idle_stats`` of the median trial by ``idle_frac``, plus ``trials``."""
+def replay_profile(replay: Callable[[], object], *, trials: int = 3) -> tuple[dict, list[dict]]:
+    """Profile ``trials`` single replays (after one discarded warm-up session): ``(idle,
+    events)``, ``idle`` the ``idle_stats`` of the median trial by ``idle_frac`` plus
+    ``trials`` and ``idle_frac_all``, ``events`` that trial's ``trace_events``."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     results = []
@@ -90,7 +129,15 @@ def replay_idle(replay: Callable[[], object], *, trials: int = 3) -> dict:
             end.record()
             end.synchronize()
         if i:  # the first session pays CUPTI's start-up
-            results.append(idle_stats(device_intervals_us(prof), start.elapsed_time(end) * 1e3))
-    results.sort(key=lambda r: -1.0 if r["idle_frac"] is None else r["idle_frac"])
-    return {**results[len(results) // 2], "trials": trials,
-            "idle_frac_all": [r["idle_frac"] for r in results]}
+            events = trace_events(prof)
+            work = [(e["start_us"], e["start_us"] + e["dur_us"]) for e in events
+                    if e["kind"] in _WORK]
+            results.append((idle_stats(work, start.elapsed_time(end) * 1e3), events))
+    results.sort(key=lambda r: -1.0 if r[0]["idle_frac"] is None else r[0]["idle_frac"])
+    idle, events = results[len(results) // 2]
+    return {**idle, "trials": trials, "idle_frac_all": [r[0]["idle_frac"] for r in results]}, events
+
+
+def replay_idle(replay: Callable[[], object], *, trials: int = 3) -> dict:
+    """``replay_profile(replay, trials=trials)[0]``: the median trial's ``idle_stats``."""
+    return replay_profile(replay, trials=trials)[0]

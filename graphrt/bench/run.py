@@ -8,6 +8,7 @@ same run), on one GPU or expert-parallel over several.
                   [--fp8] [--out DIR] [--device cpu|cuda|cuda:N]
     graphrt bench --device cpu                                  # CPU smoke run (tiny, modes)
     graphrt bench --ranks 2 --comm deepep-hook,nccl             # EP: one process per GPU
+    graphrt bench --ranks 2 --comm deepep-hook --suite loop     # the decode loops under EP
     torchrun --nproc-per-node 2 -m graphrt.bench --comm nccl    # EP under torchrun (one --comm)
 
 Suites (default ``runtime,modes`` on a GPU, ``modes`` on CPU, ``ep`` with an EP ``--comm``):
@@ -24,9 +25,12 @@ Suites (default ``runtime,modes`` on a GPU, ``modes`` on CPU, ``ep`` with an EP 
   shared expert and combine alone.
 - ``ep`` (EP only, ``graphrt.bench.ep``): per backend, the step eager vs replayed and the
   communication alone, graphrt's backend vs DeepEP's own calls.
-- ``loop`` (one GPU, ``graphrt.bench.loop``): the host decode loop at each ``--sizes`` live
-  batch (kept fixed), synchronous vs asynchronous (one step in flight): tokens/s, GPU busy
-  fraction (replay device time / loop wall time), host µs per step, over 1,000 steps.
+- ``loop`` (one GPU or EP, ``graphrt.bench.loop``): the host decode loop at each ``--sizes``
+  live batch (kept fixed; per rank under EP), synchronous vs asynchronous (one step in
+  flight): tokens/s, GPU busy fraction (replay device time / loop wall time), host µs per
+  step, over 1,000 steps. Under EP every rank runs the loops in lockstep on its own
+  requests; rank 0's figures, the tokens/s of all ranks and the lowest GPU busy are
+  reported; with NCCL (uniform batch) only the sync loop runs.
 - ``eplb`` (EP only, ``graphrt.bench.eplb``): expert load balancing under Zipf-skewed
   routing, per backend and ``--redundant`` slots per rank: load max/mean per slot and per
   rank and step time before and after a rebalance made inside a sync-free loop.
@@ -36,7 +40,8 @@ Every flag is checked before any work; one this run cannot honour (a GPU suite o
 is a file, ...) exits 2 with one line on stderr.
 
 Writes ``results.json``, ``results.md`` and the modes plots (``step_time.png`` /
-``over_floor.png``; EP: ``step_time-<comm>.png``) under ``--out`` (default ``bench-out``),
+``over_floor.png``, on a GPU the kernel timelines ``timeline_smallest.png`` /
+``timeline_largest.png``; EP: ``step_time-<comm>.png``, ...) under ``--out`` (default ``bench-out``),
 after every suite and mode, each by a rename (never through a symlink); the paths are
 printed at the end. ``results.json``::
 
@@ -65,7 +70,8 @@ printed at the end. ``results.json``::
             compile {compile|naive-compile: {mode, dynamic, overlap?, compile_s {bs: s},
                      graph_breaks, break_reasons {reason: count}, unique_graphs,
                      cudagraph_skips, cudagraph_skip_reasons [str]}}
-            plots {step_time, over_floor}  PNG file names (null: nothing to plot)
+            plots {step_time, over_floor, timeline_smallest, timeline_largest}  PNG file names
+                                        (null: nothing to plot; timelines: GPU graph modes)
             rows [{bs,
                    step_us {mode: µs}            median device time of one step (null: not run)
                    floor_us                      bytes the step must read / hbm_gbs (null on CPU)
@@ -75,20 +81,44 @@ printed at the end. ``results.json``::
                    rows_off_vs_eager {mode: f}   fraction of rows with that error > 5% (bf16
                                                  near-ties can route a row to another expert)
                    idle {graph|graph-overlap: {idle_frac, idle_frac_in_span, busy_us, wall_us,
-                         span_us, activities, trials, idle_frac_all}}   one profiled replay
+                         span_us, activities, trials, idle_frac_all}}   one profiled replay;
+                         idle_frac = 1 - busy / CUDA-event wall: launch latency and profiler
+                         overhead count as idle; gaps between kernels: idle_frac_in_span
+                   timeline {graph|graph-overlap: {    the median trial of idle, by kernel
+                                                       (graphrt.bench.timeline; GPU only)
+                         launch_latency_us       first device activity - host cudaGraphLaunch start
+                         launch_call_us          the host's cudaGraphLaunch call itself
+                         span_us, busy_us        first start to last end; union of activities
+                         gaps_in_span_us         span_us - busy_us; gap_frac_in_span: / span_us
+                         wall_us, outside_span_us   CUDA-event wall; wall - span
+                         activities, streams     kernels+memcpys+memsets; streams they ran on
+                         floor_us                sum of the class floors / hbm_gbs
+                         classes {expert_gemm|dense_gemm|attention|norm|routing|comm|other:
+                                  {count, busy_us, floor_bytes, floor_us, busy_over_floor}}
+                         top_kernels [{name, class, calls, total_us, mean_us, max_us}]  15
+                         kernels [{name, class, stream, start_us, dur_us, gap_stream_us,
+                                   gap_union_us}]   plotted replays only (smallest and
+                                                    largest size of graph-overlap)
+                         error                   "Type: msg" instead, if building it failed}}
                    run_host_us {graph|graph-overlap: µs}   host cost of GraphRuntime.run()
                    notes {mode: why}}]}          e.g. the naive gather is too large at this bs
-    loop: {config, layers, experts, hidden, device, steps, warmup, sizes, loops,
-           rows [{bs, identical                  token streams equal across loops
+    loop: {config, layers, experts, hidden, device, comm ("local" on one GPU), ranks, rank,
+           steps, warmup, sizes, loops (run), skipped {loop: why},
+           rows [{bs,                            live rows (per rank under EP)
+                  identical                      token streams equal across loops (every rank)
+                  identical_per_rank [bool]?     EP only
                   loops {sync|sync-zero-copy|async|async-fused: {tokens_per_s,
                          output_tokens_per_s, steps_per_s, step_us, replay_us_median,
                          gpu_busy, host_us_median, wait_s, mean_batch, timed_replays,
-                         staging_waits}}
-                  speedup_vs_sync {loop: x}}]}   tokens/s over the sync loop's
+                         staging_waits,          the above: this rank's (rank 0's)
+                         global_tokens_per_s?, gpu_busy_min?,   EP: sum / min over ranks
+                         per_rank? {tokens_per_s, gpu_busy, step_us: [per rank]}}}
+                  speedup_vs_sync {loop: x}}]}   tokens/s over the sync loop's (rank 0's)
     ep: {comm: {ep: {comm, config, layers, experts, ranks, max_tokens,
                      rows [{bs, eager_us, replay_us, replay_no_overlap_us, comm_only_us,
                             raw_deepep_us?, overhead_vs_deepep?, speedup_vs_eager}]},
                 modes: {as modes above, over the backend},
+                loop: {as loop above, over the backend},
                 error: "rank r: Type: msg"}}      a backend that failed (the others still ran)
 
 Exit 0: measured (a failing mode is recorded in ``errors``); 1: nothing was measured (every
@@ -132,7 +162,7 @@ def measured(doc: dict) -> bool:
     if modes_ok(doc.get("modes")) or any(r.get("rows") for r in doc.get("eplb") or []):
         return True
     return any((r.get("ep") or {}).get("rows") or modes_ok(r.get("modes"))
-               for r in (doc.get("ep") or {}).values())
+               or (r.get("loop") or {}).get("rows") for r in (doc.get("ep") or {}).values())
 
 
 def _why_nothing(doc: dict) -> str:
@@ -169,12 +199,14 @@ class Results:
         write_file(self.p.out, "results.md", "\n\n".join([*self.md, *extra_md]) + "\n")
 
     def plot(self, modes_res: dict, tag: str = "") -> dict:
-        """The modes plots next to results.json; ``{name: file name or None}``."""
-        from graphrt.bench.plots import write_plots
+        """The modes plots (timelines included) next to results.json; ``{name: file name or
+        None}``."""
+        from graphrt.bench.plots import write_plots, write_timeline_plots
         if not self.rank0:
             return {}
         try:
-            paths = write_plots(modes_res, self.p.out, tag)
+            paths = {**write_plots(modes_res, self.p.out, tag),
+                     **write_timeline_plots(modes_res, self.p.out, tag)}
         except ImportError as exc:  # matplotlib missing: the tables still stand
             print(f"graphrt bench: no plots ({exc}); pip install matplotlib "
                   "(the graphrt[bench] extra)", file=sys.stderr)
@@ -218,14 +250,13 @@ def _run_local(p: Plan) -> int:
         res.add("runtime", r, "## runtime\n" + S.md_runtime(r))
     if "modes" in p.suites:
         from graphrt.bench.modes import bench_modes
-        from graphrt.bench.plots import markdown
 
         def partial(m):  # after each mode: what a run cut short leaves behind
             res.doc["modes"] = m
-            res.save([markdown(m)])
+            res.save([md_modes(m)])
         m = bench_modes(p.cfg, device, p.sizes, p.modes, fp8=p.fp8, checkpoint=partial)
         m["plots"] = res.plot(m)
-        res.add("modes", m, markdown(m))
+        res.add("modes", m, md_modes(m))
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if "moe" in p.suites:
@@ -243,15 +274,26 @@ def _run_local(p: Plan) -> int:
     return res.finish()
 
 
+def md_modes(m: dict) -> str:
+    """The modes tables (``graphrt.bench.plots.markdown``) and, when the graph modes were
+    profiled, their kernel timelines (``graphrt.bench.timeline.md_timelines``)."""
+    from graphrt.bench.plots import markdown
+    from graphrt.bench.timeline import md_timelines
+    tl = md_timelines(m)
+    return markdown(m) + ("\n\n" + tl if tl else "")
+
+
 def _add_ep(res: Results, comm: str, out: dict) -> None:
     from graphrt.bench.ep import md_ep
-    from graphrt.bench.plots import markdown
+    from graphrt.bench.loop import md_loop
     if "ep" in out:
         res.add("ep", out["ep"], md_ep(out["ep"]), comm=comm)
     if "modes" in out:
         m = out["modes"]
         m["plots"] = res.plot(m, tag=comm)
-        res.add("modes", m, f"## modes over {comm}\n" + markdown(m), comm=comm)
+        res.add("modes", m, f"## modes over {comm}\n" + md_modes(m), comm=comm)
+    if "loop" in out:
+        res.add("loop", out["loop"], f"## loop over {comm}\n" + md_loop(out["loop"]), comm=comm)
 
 
 def _run_eplb(p: Plan, res: Results) -> list:
