@@ -1,6 +1,7 @@
 """Small helpers shared by the kernel launchers (no triton import at module load)."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -36,3 +37,27 @@ def check_tensor(t: torch.Tensor, name: str, *, shape=None, dtype=None, device=N
         check(t.device == device, f"{name}.device", device, t.device)
     if contiguous:
         check(t.is_contiguous(), f"{name}", "a contiguous tensor", f"strides {t.stride()}")
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_or_newer(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_enabled() -> bool:
+    """True when graphrt's Triton kernels launch with programmatic dependent launch (PDL):
+    ``GRAPHRT_PDL=1`` in the environment, a CUDA GPU of compute capability >= 9.0 (Hopper)
+    and not the interpreter. Off by default (measured on and off: BENCHMARKS.md)."""
+    if os.environ.get("GRAPHRT_PDL", "0") in ("", "0") or interpreting():
+        return False
+    return torch.cuda.is_available() and _hopper_or_newer(torch.cuda.current_device())
+
+
+def pdl_args() -> dict:
+    """Launch keywords for a kernel with a ``USE_GDC`` constexpr: with PDL on,
+    ``launch_pdl=True`` (the launch may start while the previous kernel in the stream still
+    runs) and ``USE_GDC=True`` (the kernel's first instructions wait for that kernel's writes,
+    ``griddepcontrol.wait``, then let the next kernel start launching); ``{}`` otherwise.
+    Under CUDA graph capture the launch attribute becomes a programmatic dependency edge.
+    Correctness does not depend on it: the wait precedes every read."""
+    return {"launch_pdl": True, "USE_GDC": True} if pdl_enabled() else {}

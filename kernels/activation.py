@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import check, check_tensor
+from ._util import check, check_tensor, pdl_args
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8_MAX = 448.0
@@ -43,7 +43,11 @@ def _silu_and_mul_masked_kernel(
     stride_ue, stride_um,  # int: u strides of the expert and row dims (elements)
     stride_oe, stride_om,  # int: out strides of the expert and row dims (elements)
     BLOCK_N: tl.constexpr,  # columns per inner step (power of 2)
+    USE_GDC: tl.constexpr = False,  # PDL: launched with launch_pdl (kernels._util.pdl_args)
 ):
+    if USE_GDC:  # wait for the previous kernel's writes; let the next one start launching
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     e = tl.program_id(0)
     r = tl.program_id(1)
     num_r = tl.num_programs(1)
@@ -95,7 +99,11 @@ def _silu_and_mul_masked_fp8_kernel(
     GROUP: tl.constexpr,  # columns per quantisation group (power of 2, e.g. 128)
     GROUPS_PER_STEP: tl.constexpr,  # groups handled per inner step (power of 2)
     SILU: tl.constexpr = True,  # False: quantize u itself ([.., inter] columns, no up half)
+    USE_GDC: tl.constexpr = False,  # PDL: launched with launch_pdl (kernels._util.pdl_args)
 ):
+    if USE_GDC:  # wait for the previous kernel's writes; let the next one start launching
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     e = tl.program_id(0)
     r = tl.program_id(1)
     num_r = tl.num_programs(1)
@@ -134,7 +142,11 @@ def _silu_and_mul_kernel(
     inter,  # int: output columns
     stride_u, stride_o,  # int: row strides (elements)
     BLOCK_N: tl.constexpr,  # columns per program (power of 2)
+    USE_GDC: tl.constexpr = False,  # PDL: launched with launch_pdl (kernels._util.pdl_args)
 ):
+    if USE_GDC:  # wait for the previous kernel's writes; let the next one start launching
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     m = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < inter
@@ -163,7 +175,7 @@ def silu_and_mul(u, *, out):
         return out
     block = min(triton.next_power_of_2(inter), 1024)
     _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](
-        u, out, inter, u.stride(0), out.stride(0), BLOCK_N=block, num_warps=4)
+        u, out, inter, u.stride(0), out.stride(0), BLOCK_N=block, num_warps=4, **pdl_args())
     return out
 
 
@@ -213,7 +225,7 @@ def silu_and_mul_masked(u, masked_m, *, out):
         return out
     _silu_and_mul_masked_kernel[_grid(num_experts, cap)](
         u, masked_m, out, inter, cap, u.stride(0), u.stride(1), out.stride(0), out.stride(1),
-        BLOCK_N=min(triton.next_power_of_2(inter), 1024), num_warps=4)
+        BLOCK_N=min(triton.next_power_of_2(inter), 1024), num_warps=4, **pdl_args())
     return out
 
 
@@ -254,7 +266,7 @@ def _fp8_masked(src, masked_m, out_q, out_scale, num_experts, cap, cols, group_s
     _silu_and_mul_masked_fp8_kernel[_grid(num_experts, cap)](
         src, masked_m, out_q, out_scale, cols, cap, src.stride(0), src.stride(1),
         out_q.stride(0), out_q.stride(1), *out_scale.stride(),
-        GROUP=group_size, GROUPS_PER_STEP=gps, SILU=silu, num_warps=4)
+        GROUP=group_size, GROUPS_PER_STEP=gps, SILU=silu, num_warps=4, **pdl_args())
     return out_q, out_scale
 
 

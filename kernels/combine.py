@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import check, check_tensor
+from ._util import check, check_tensor, pdl_args
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ID_DTYPES = (torch.int64, torch.int32)
@@ -34,7 +34,11 @@ def _combine_masked_kernel(
     stride_out,  # int: row stride of out (elements)
     NUM_TOPK: tl.constexpr,  # experts per token
     BLOCK_H: tl.constexpr,  # hidden columns per program (power of 2)
+    USE_GDC: tl.constexpr = False,  # PDL: launched with launch_pdl (kernels._util.pdl_args)
 ):
+    if USE_GDC:  # wait for the previous kernel's writes; let the next one start launching
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     hb = tl.program_id(1)
     live = t < tl.load(n_ptr)
@@ -83,7 +87,7 @@ def combine_masked(y, topk_ids, topk_weights, pos, n, *, out):
     block_h = min(triton.next_power_of_2(hidden), 512)
     _combine_masked_kernel[(padded_bs, triton.cdiv(hidden, block_h))](
         y, topk_ids, topk_weights, pos, n, out, hidden, cap, num_experts, out.stride(0),
-        NUM_TOPK=num_topk, BLOCK_H=block_h, num_warps=4)
+        NUM_TOPK=num_topk, BLOCK_H=block_h, num_warps=4, **pdl_args())
     return out
 
 

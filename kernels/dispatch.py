@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import check, check_tensor
+from ._util import check, check_tensor, pdl_args
 
 _ID_DTYPES = (torch.int64, torch.int32)
 _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -43,7 +43,11 @@ def _dispatch_plan_kernel(
     cap,  # int: rows per local expert
     NUM_TOPK: tl.constexpr,  # experts per token
     BLOCK: tl.constexpr,  # flat ids scanned per loop step (power of 2)
+    USE_GDC: tl.constexpr = False,  # PDL: launched with launch_pdl (kernels._util.pdl_args)
 ):
+    if USE_GDC:  # wait for the previous kernel's writes; let the next one start launching
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     e = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     count = e * 0  # int32 scalar: hits of expert e so far
@@ -75,7 +79,11 @@ def _dispatch_copy_kernel(
     stride_x,  # int: row stride of x (elements)
     NUM_TOPK: tl.constexpr,  # experts per token
     BLOCK_H: tl.constexpr,  # hidden columns per program (power of 2)
+    USE_GDC: tl.constexpr = False,  # PDL: launched with launch_pdl (kernels._util.pdl_args)
 ):
+    if USE_GDC:  # wait for the previous kernel's writes; let the next one start launching
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     f = tl.program_id(0)
     hb = tl.program_id(1)
     p = tl.load(pos_ptr + f)
@@ -122,13 +130,13 @@ def dispatch_masked(x, topk_ids, *, out_recv_x, out_masked_m, out_src_idx, out_p
     block = min(max(triton.next_power_of_2(max(num_flat, 1)), 16), 1024)
     _dispatch_plan_kernel[(num_experts,)](
         topk_ids, out_masked_m, out_src_idx, out_pos, num_flat, num_experts, cap,
-        NUM_TOPK=max(num_topk, 1), BLOCK=block, num_warps=4)
+        NUM_TOPK=max(num_topk, 1), BLOCK=block, num_warps=4, **pdl_args())
     if num_flat == 0:
         return out_recv_x, out_masked_m, out_src_idx, out_pos
     block_h = min(triton.next_power_of_2(hidden), 1024)
     _dispatch_copy_kernel[(num_flat, triton.cdiv(hidden, block_h))](
         x, topk_ids, out_pos, out_recv_x, hidden, cap, x.stride(0),
-        NUM_TOPK=num_topk, BLOCK_H=block_h, num_warps=4)
+        NUM_TOPK=num_topk, BLOCK_H=block_h, num_warps=4, **pdl_args())
     return out_recv_x, out_masked_m, out_src_idx, out_pos
 
 

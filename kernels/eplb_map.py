@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import check, check_tensor
+from ._util import check, check_tensor, pdl_args
 
 _COUNT_DTYPES = (torch.int64, torch.int32)
 _BLOCK = 256
@@ -41,7 +41,11 @@ def _map_and_count_kernel(
     table_size,  # int: M, entries per logical expert
     HAS_COUNTS: tl.constexpr,  # accumulate counts
     BLOCK: tl.constexpr,  # flat ids per program (power of 2)
+    USE_GDC: tl.constexpr = False,  # PDL: launched with launch_pdl (kernels._util.pdl_args)
 ):
+    if USE_GDC:  # wait for the previous kernel's writes; let the next one start launching
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     f = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     fmask = f < num_flat
     e = tl.load(ids_ptr + f, mask=fmask, other=-1)
@@ -101,7 +105,7 @@ def map_and_count(logical_ids, table, tick, *, out, counts=None):
     _map_and_count_kernel[(triton.cdiv(num_flat, _BLOCK),)](
         logical_ids, table, tick, out, out if counts is None else counts, num_flat,
         logical_ids.shape[1], num_experts,
-        table_size, HAS_COUNTS=counts is not None, BLOCK=_BLOCK, num_warps=4)
+        table_size, HAS_COUNTS=counts is not None, BLOCK=_BLOCK, num_warps=4, **pdl_args())
     return out, counts
 
 

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import check, check_tensor, interpreting
+from ._util import check, check_tensor, interpreting, pdl_args
 
 # (largest expected_m served, BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps).
 # Picked for streaming b at decode sizes; the last row serves everything larger.
@@ -72,7 +72,11 @@ def _masked_grouped_gemm_kernel(
     BLOCK_N: tl.constexpr,  # output columns per program
     BLOCK_K: tl.constexpr,  # reduction tile
     UPCAST: tl.constexpr,  # True under the interpreter: dot in fp32 (bf16 math gives NaN there)
+    USE_GDC: tl.constexpr = False,  # PDL: launched with launch_pdl (kernels._util.pdl_args)
 ):
+    if USE_GDC:  # wait for the previous kernel's writes; let the next one start launching
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_gm = tl.program_id(0)  # group * num_m_blocks + row block
     pid_n = tl.program_id(1)  # column block
     num_m_blocks = tl.cdiv(m_max, BLOCK_M)
@@ -146,6 +150,7 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         UPCAST=interpreting(), num_stages=cfg["num_stages"], num_warps=cfg["num_warps"],
+        **pdl_args(),
     )
     return out
 

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import check, check_tensor, interpreting
+from ._util import check, check_tensor, interpreting, pdl_args
 
 _FP8 = torch.float8_e4m3fn
 _SCALE_BLOCK = 128  # DeepGEMM's fp8 scale granularity (weights 128x128, activations 1x128)
@@ -90,7 +90,11 @@ def _decode_gemm_kernel(
     EVEN_K: tl.constexpr,  # k % BLOCK_K == 0: no K masks
     FP8: tl.constexpr,  # fp8 operands with DeepGEMM's scales
     UPCAST: tl.constexpr,  # interpreter: dot in fp32 (bf16 math gives NaN there)
+    USE_GDC: tl.constexpr = False,  # PDL: launched with launch_pdl (kernels._util.pdl_args)
 ):
+    if USE_GDC:  # wait for the previous kernel's writes; let the next one start launching
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     idx, mvec, live_cum, row_cum, num_live = _live_prologue(masked_m_ptr, num_experts, cap, E_POW2)
     tiles_n = tl.cdiv(n, BLOCK_N)
     k_step = tl.cdiv(tl.cdiv(k, BLOCK_K), SPLIT_K) * BLOCK_K  # K per split
@@ -159,7 +163,11 @@ def _decode_reduce_kernel(
     num_experts, cap, n, ws_rows,  # ints
     stride_oe, stride_om, stride_on,  # strides of out (elements)
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+    USE_GDC: tl.constexpr = False,  # PDL: launched with launch_pdl (kernels._util.pdl_args)
 ):
+    if USE_GDC:  # wait for the previous kernel's writes; let the next one start launching
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     """out = sum over splits s = 0, 1, ... (in that order) of the partials, split experts only."""
     idx, mvec, live_cum, row_cum, num_live = _live_prologue(masked_m_ptr, num_experts, cap, E_POW2)
     tiles_n = tl.cdiv(n, BLOCK_N)
@@ -280,12 +288,12 @@ def decode_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
         *a.stride(), *b.stride(), *out.stride(), *s_strides,
         E_POW2=e_pow2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
         EVEN_K=k % block_k == 0, FP8=fp8, UPCAST=interpreting(),
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **pdl_args())
     if split_k > 1:
         rn = min(128, triton.next_power_of_2(n))
         _decode_reduce_kernel[(num_programs(a.device, E * triton.cdiv(n, rn), 32 << 10),)](
             workspace, out, masked_m, E, cap, n, ws_rows, *out.stride(),
-            E_POW2=e_pow2, BLOCK_M=block_m, BLOCK_N=rn, SPLIT_K=split_k, num_warps=4)
+            E_POW2=e_pow2, BLOCK_M=block_m, BLOCK_N=rn, SPLIT_K=split_k, num_warps=4, **pdl_args())
     return out
 
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import check, check_tensor
+from ._util import check, check_tensor, pdl_args
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HIDDEN = 32768  # one row per program must fit in registers
@@ -38,7 +38,11 @@ def _add_rmsnorm_kernel(
     stride_x, stride_d1, stride_d2, stride_res, stride_out,  # row strides (elements)
     NUM_ADD: tl.constexpr,  # 0, 1 or 2 deltas
     BLOCK: tl.constexpr,  # next power of two >= hidden
+    USE_GDC: tl.constexpr = False,  # PDL: launched with launch_pdl (kernels._util.pdl_args)
 ):
+    if USE_GDC:  # wait for the previous kernel's writes; let the next one start launching
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -101,6 +105,7 @@ def add_rmsnorm(x: torch.Tensor, *deltas: torch.Tensor, weight: torch.Tensor, ep
         x, d1, d2, weight, res, out, hidden, float(eps),
         x.stride(0), d1.stride(0), d2.stride(0), res.stride(0), out.stride(0),
         NUM_ADD=len(deltas), BLOCK=block, num_warps=min(16, max(1, block // 512)),
+        **pdl_args(),
     )
     return out
 

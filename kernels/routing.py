@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import check, check_tensor
+from ._util import check, check_tensor, pdl_args
 
 _LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_EXPERTS = 512
@@ -36,7 +36,11 @@ def _topk_softmax_kernel(
     BLOCK_E: tl.constexpr,  # next power of 2 >= num_experts
     BLOCK_K: tl.constexpr,  # next power of 2 >= NUM_TOPK
     RENORMALIZE: tl.constexpr,  # rescale the k weights to sum to 1
+    USE_GDC: tl.constexpr = False,  # PDL: launched with launch_pdl (kernels._util.pdl_args)
 ):
+    if USE_GDC:  # wait for the previous kernel's writes; let the next one start launching
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     live = row < tl.load(n_ptr)
     offs_e = tl.arange(0, BLOCK_E)
@@ -81,7 +85,11 @@ def _grouped_topk_sigmoid_kernel(
     BLOCK_S: tl.constexpr,  # next power of 2 >= GROUP_SIZE
     BLOCK_K: tl.constexpr,  # next power of 2 >= NUM_TOPK
     RENORMALIZE: tl.constexpr,  # rescale the k weights to sum to 1 (before scaling)
+    USE_GDC: tl.constexpr = False,  # PDL: launched with launch_pdl (kernels._util.pdl_args)
 ):
+    if USE_GDC:  # wait for the previous kernel's writes; let the next one start launching
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     live = row < tl.load(n_ptr)
     g1 = tl.arange(0, BLOCK_G)  # [BLOCK_G]
@@ -160,7 +168,7 @@ def topk_softmax(logits, n, num_topk, *, out_weights, out_ids, renormalize=True)
     _topk_softmax_kernel[(padded_bs,)](
         logits, n, out_weights, out_ids, num_experts, logits.stride(0),
         NUM_TOPK=num_topk, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(num_topk),
-        RENORMALIZE=bool(renormalize), num_warps=4 if block_e >= 256 else 1)
+        RENORMALIZE=bool(renormalize), num_warps=4 if block_e >= 256 else 1, **pdl_args())
     return out_weights, out_ids
 
 
@@ -200,7 +208,7 @@ def grouped_topk_sigmoid(logits, bias, n, num_topk, n_group, topk_group, *, out_
         N_GROUP=n_group, GROUP_SIZE=group_size, TOPK_GROUP=topk_group, NUM_TOPK=num_topk,
         BLOCK_G=triton.next_power_of_2(n_group), BLOCK_S=triton.next_power_of_2(group_size),
         BLOCK_K=triton.next_power_of_2(num_topk), RENORMALIZE=bool(renormalize),
-        num_warps=4 if num_experts >= 256 else 1)
+        num_warps=4 if num_experts >= 256 else 1, **pdl_args())
     return out_weights, out_ids
 
 

@@ -1,0 +1,29 @@
+"""Programmatic dependent launch: graphrt's Triton kernels launched with PDL inside a captured
+step compute what they compute without it (a missing wait would race), and the launch keywords
+stay off on the interpreter or without GRAPHRT_PDL."""
+
+import pytest
+import torch
+
+from graphrt.kernels._util import pdl_args
+
+
+def test_pdl_is_off_unless_asked(monkeypatch):
+    monkeypatch.delenv("GRAPHRT_PDL", raising=False)
+    assert pdl_args() == {}
+    monkeypatch.setenv("GRAPHRT_PDL", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert pdl_args() == {}                       # the interpreter has no griddepcontrol
+
+
+@pytest.mark.gpu
+def test_pdl_graph_matches_plain_graph(cuda_device):
+    if torch.cuda.get_device_capability(cuda_device)[0] < 9:
+        pytest.skip("PDL needs compute capability 9.0+")
+    from graphrt.bench.pdl import bench_pdl
+    from graphrt.moe import preset
+    cfg = preset("qwen3-moe-like", layers=2, experts=16, num_slots=64, max_ctx=256, vocab_size=4096)
+    res = bench_pdl(cfg, cuda_device, [1, 8, 32], rounds=1)
+    for row in res["rows"]:
+        assert row["max_row_rel_diff"] < 1e-3, row
+        assert row["on_us"] > 0 and row["off_us"] > 0
