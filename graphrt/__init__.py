@@ -11,7 +11,7 @@ Importing graphrt imports torch but never initialises CUDA and never imports tri
 deep_ep or deep_gemm; those load where they are used.
 """
 from graphrt.errors import (CaptureError, DeviceError, GraphrtError, InputError,
-                            NoGraphForBatch, NotCapturedError, ReplayMismatch, StaleOutputError,
+                            LeaseHeldError, NoGraphForBatch, NotCapturedError, ReplayMismatch, StaleOutputError,
                             ThreadOwnershipError)
 from graphrt.spec import Input, StepSpec
 from graphrt.replay_policy import SizeTable, capture_sizes
@@ -22,7 +22,7 @@ from graphrt._version import __version__
 
 __all__ = [
     "CaptureError", "DeviceError", "Finding", "GraphRuntime", "GraphSafetyError", "GraphrtError",
-    "Input", "InputError", "NoGraphForBatch", "NotCapturedError", "ReplayMismatch",
+    "Input", "InputError", "LeaseHeldError", "NoGraphForBatch", "NotCapturedError", "ReplayMismatch",
     "SafetyReport", "SizeTable", "StaleOutputError", "StepSpec", "ThreadOwnershipError",
     "capture_sizes", "__version__",
 ]

@@ -2,7 +2,7 @@
 
 Every error graphrt raises on purpose derives from ``GraphrtError``. This module holds the
 errors of the embedding API (all re-exported by ``graphrt``): ``InputError``,
-``NoGraphForBatch``, ``StaleOutputError``, ``CaptureError``, ``ReplayMismatch``,
+``NoGraphForBatch``, ``StaleOutputError`` (and ``LeaseHeldError``), ``CaptureError``, ``ReplayMismatch``,
 ``NotCapturedError``, ``ThreadOwnershipError`` and ``DeviceError``.
 
 Errors that belong to one part live beside it:
@@ -45,6 +45,11 @@ class NoGraphForBatch(GraphrtError):
 
 class StaleOutputError(GraphrtError):
     """A leased output was read after a later replay overwrote it."""
+
+
+class LeaseHeldError(StaleOutputError):
+    """A replay would overwrite outputs still leased with ``lease="explicit"``: the caller
+    has not called ``GraphRuntime.release()`` since the replay that handed them out."""
 
 
 class CaptureError(GraphrtError):

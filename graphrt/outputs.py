@@ -6,12 +6,18 @@ A step returns a tensor, a tuple/list of tensors or a dict of tensors, each batc
 runtime hands back the same structure with batch-major outputs trimmed to the live rows and
 fixed-shape outputs whole; ``infer_signature`` tells the kinds apart from two batch sizes.
 
-Ownership: by default ``run()`` copies the live rows out, so the caller
-owns its outputs. With zero-copy, ``run()`` returns ``LeasedTensor`` views of the graph's
-static outputs; every replay of any graph of the runtime ends all earlier leases (graphs
-share one memory pool, so a smaller graph's replay may overwrite a larger one's outputs),
-and any torch operation on an ended lease raises ``StaleOutputError`` instead of reading
-the next step's data.
+Ownership: by default ``run()`` copies the live rows out, so the caller owns its outputs.
+With zero-copy, ``run()`` hands back views of the static outputs (every graph of a runtime
+writes the same ones), built once per live batch (``LiveOutputs``), as:
+
+- plain tensors (the default, lean): the same tensor objects every step of that batch, no
+  per-step allocation, torch ops on them at full speed. A lease ends at the next replay
+  (``lease="step"``) or at ``GraphRuntime.release()`` (``lease="explicit"``: a replay while
+  one is held raises ``LeaseHeldError`` before it overwrites anything). A read after the
+  lease ended is not detected: it sees the newer step's data.
+- ``LeasedTensor`` (debug mode, ``GraphRuntime(debug=True)`` or ``GRAPHRT_DEBUG=1``): every
+  torch operation on one checks a ``LeaseClock`` and raises ``StaleOutputError`` once its
+  lease ended (the next replay, or ``release()``), instead of reading the next step's data.
 
 Graph safety: host-only bookkeeping; no device work beyond the copy-out ``clone``.
 """
@@ -23,7 +29,7 @@ from typing import Any, Mapping
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
-from graphrt.errors import InputError, StaleOutputError
+from graphrt.errors import InputError, LeaseHeldError, StaleOutputError
 
 
 @dataclass(frozen=True)
@@ -154,8 +160,40 @@ def _show(layout: OutputLayout) -> str:
     return layout.kind if layout.kind == "tensor" else f"a {layout.kind} of {list(layout.keys)}"
 
 
+class LiveOutputs:
+    """What a replay hands back for ``n`` live rows, built once per ``n``: ``views`` of the
+    static outputs (batch-major ``[n, ...]``, fixed-shape whole) and the step's structure
+    around them.
+
+    ``plain()`` returns the same tensors every call (a fresh dict or list around them, so a
+    caller that edits the container does not edit the next step's); ``copies()`` fresh
+    tensors the caller owns; ``leased(clock)`` checked ``LeasedTensor`` views (debug mode).
+    """
+
+    __slots__ = ("layout", "views", "_result", "_kind")
+
+    def __init__(self, signature: "OutputSignature", static: list[torch.Tensor], n: int):
+        self.layout = signature.layout
+        self.views = tuple(signature.live(static, n))
+        self._kind = self.layout.kind
+        self._result = self.layout.build(list(self.views))
+
+    def plain(self) -> Any:
+        kind = self._kind
+        if kind == "dict":
+            return self._result.copy()
+        return list(self._result) if kind == "list" else self._result  # tensor, tuple: as is
+
+    def copies(self) -> Any:
+        return self.layout.build([v.clone() for v in self.views])
+
+    def leased(self, clock: "LeaseClock") -> Any:
+        return self.layout.build([LeasedTensor.lease(v, clock) for v in self.views])
+
+
 class LeaseClock:
-    """Counts replays of one runtime; a lease is valid while the count has not moved."""
+    """Counts lease ends (replays, ``release()``) of one runtime; a ``LeasedTensor`` is valid
+    while the count has not moved since it was handed out."""
 
     __slots__ = ("epoch",)
 
@@ -167,7 +205,8 @@ class LeaseClock:
 
 
 class LeasedTensor(torch.Tensor):
-    """A zero-copy view of a graph's static output, valid until the runtime's next replay.
+    """A zero-copy view of a graph's static output, valid until the runtime's next replay
+    (or ``release()``); handed out in debug mode only (lean mode hands out plain views).
 
     Every torch operation on it (including ``data_ptr``, printing and ``clone``) first checks
     the lease and raises ``StaleOutputError`` once a later replay has ended it. Results that
@@ -184,7 +223,7 @@ class LeasedTensor(torch.Tensor):
         return out
 
     def lease_valid(self) -> bool:
-        """True while no replay has happened since this view was handed out."""
+        """True while no replay (or ``release()``) has happened since this view was handed out."""
         return self._epoch == self._clock.epoch
 
     @classmethod
@@ -194,9 +233,10 @@ class LeasedTensor(torch.Tensor):
             if type(a) is LeasedTensor:
                 if a._epoch != a._clock.epoch:
                     raise StaleOutputError(
-                        f"stale read of a leased graph output: it was handed out at replay "
-                        f"{a._epoch} and replay {a._clock.epoch} has overwritten it. Copy what "
-                        "you need (t.clone()) before the next run(), or use copy-out mode.")
+                        f"stale read of a leased graph output: it was handed out at lease epoch "
+                        f"{a._epoch} and the runtime is at epoch {a._clock.epoch} (a later "
+                        "replay or release() ended it). Copy what you need (t.clone()) before "
+                        "the next run(), or use copy-out mode.")
                 src = src or a
         with DisableTorchFunctionSubclass():
             ret = func(*args, **(kwargs or {}))

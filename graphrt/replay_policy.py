@@ -8,8 +8,14 @@ Plain Python plus a few torch copies; nothing here captures or replays (that is
 - ``Stager``: static input buffers of ``max_bs`` rows (``max_bs + 1`` for offsets, the
   declared shape for fixed inputs), allocated once; ``stage(inputs, n, padded_bs)`` copies
   the live inputs in and refills with ``pad_value`` only the padded rows an earlier, larger
-  batch may have dirtied (a high-water mark), so a steady-state step costs one copy per
-  input (plus one per offsets input when the batch is padded).
+  batch may have dirtied (a high-water mark), so a steady-state step costs one
+  ``torch._foreach_copy_`` per input dtype (a ``copy_`` for a dtype with one input), the
+  live count riding along with the int32 inputs (else filled only when it changed), plus
+  one copy per offsets input when the batch is padded.
+
+The per-step host path does no work it can cache: ``check_cached`` remembers the verdict
+of ``check`` per input signature (names, and per input type, dtype, shape, device), and
+the live-row views of the static inputs and their copy groups are built once per ``n``.
 
 Graph safety: host-only (``stage`` launches copies on the current stream; call it before
 ``replay()`` on that stream, never inside a capture).
@@ -17,12 +23,16 @@ Graph safety: host-only (``stage`` launches copies on the current stream; call i
 from __future__ import annotations
 
 import bisect
+from operator import attrgetter
 from typing import Iterable, Mapping
 
 import torch
 
 from graphrt.errors import InputError
 from graphrt.spec import StepSpec
+
+
+_signature = attrgetter("__class__", "dtype", "shape", "device")  # one input's, for check_cached
 
 
 def capture_sizes(max_bs: int) -> list[int]:
@@ -81,8 +91,13 @@ class Stager:
 
     def __init__(self, spec: StepSpec, max_bs: int, device: torch.device):
         self.spec, self.max_bs, self.device = spec, max_bs, device
-        self.buffers = {k: inp.pad(max_bs, device) for k, inp in spec.inputs.items()}
-        self.n_dev = torch.full((1,), max_bs, dtype=torch.int32, device=device)
+        with torch.inference_mode(False):  # written outside inference mode too
+            self.buffers = {k: inp.pad(max_bs, device) for k, inp in spec.inputs.items()}
+            self.n_dev = torch.full((1,), max_bs, dtype=torch.int32, device=device)
+            self._counts = torch.arange(max_bs + 1, dtype=torch.int32, device=device)  # n_dev sources
+        # (value, version counter) of n_dev after our last write: any later in-place write
+        # (capture, checks, a user) bumps the version, so the next pad_only fills again.
+        self._n_written = (None, -1)
         self._batch = [k for k, inp in spec.inputs.items() if inp.rows == "batch"]
         self._offsets = [k for k, inp in spec.inputs.items() if inp.rows == "offsets"]
         self._pad_values = {k: spec.inputs[k].pad_value for k in self._batch}
@@ -92,15 +107,52 @@ class Stager:
         self._kind = {k: inp.rows for k, inp in spec.inputs.items()}
         # Rows [0, _dirty) of the batch inputs may hold something other than pad_value.
         self._dirty = 0
+        self._live: list = [None] * (max_bs + 1)   # n -> _Staging, built on first use
+        self._offset_pads: dict = {}                # (n, padded_bs) -> [(dst, src)] views
+        self._verdicts: dict = {}                   # input signature -> n (check passed)
+        self._max_verdicts = 4 * max_bs + 64        # bounded: oversize batches vary freely
 
     def views(self, padded_bs: int) -> dict[str, torch.Tensor]:
         """The static inputs a graph of ``padded_bs`` rows reads (``shape_for(padded_bs)`` each)."""
         return {k: self._view(k, padded_bs) for k in self.buffers}
 
+    def live_views(self, n: int) -> dict[str, torch.Tensor]:
+        """The static inputs' live part for ``n <= max_bs`` rows (batch ``[n, ...]``, offsets
+        ``[n + 1]``, fixed whole), built once per ``n``: the same dict and tensors every call,
+        so the caller must not mutate either (``GraphRuntime.input_buffers`` hands out a copy
+        of the dict)."""
+        return self._staging(n).views
+
+    def _staging(self, n: int) -> "_Staging":
+        if not 0 < n <= self.max_bs:
+            raise InputError(f"{n} live rows: the static inputs hold 1 to {self.max_bs}")
+        st = self._live[n]
+        if st is None:
+            st = self._live[n] = _Staging({k: self._view(k, n) for k in self.buffers},
+                                          self.n_dev, self._counts[n:n + 1])
+        return st
+
     def _view(self, k: str, bs: int) -> torch.Tensor:
         rows = self._kind[k]
         b = self.buffers[k]
         return b if rows == "fixed" else b[:bs + 1] if rows == "offsets" else b[:bs]
+
+    def check_cached(self, inputs: Mapping[str, torch.Tensor]) -> int:
+        """``check(inputs)``, its verdict cached per input signature: the names in order and,
+        per input, its type, dtype, shape and device. A repeat signature costs building and
+        hashing that key (no per-input comparisons); a new one runs ``check`` (which raises
+        the same errors) and is remembered only when it passes."""
+        try:
+            key = (tuple(inputs), *map(_signature, inputs.values()))
+            n = self._verdicts.get(key)
+        except (AttributeError, TypeError):  # not tensors: check() names the culprit
+            return self.check(inputs)
+        if n is None:
+            n = self.check(inputs)
+            if len(self._verdicts) >= self._max_verdicts:
+                self._verdicts.clear()
+            self._verdicts[key] = n
+        return n
 
     def check(self, inputs: Mapping[str, torch.Tensor]) -> int:
         """Validate names, types, dtypes, shapes, devices and a common batch; return the batch."""
@@ -143,11 +195,24 @@ class Stager:
 
     def stage(self, inputs: Mapping[str, torch.Tensor], n: int, padded_bs: int) -> None:
         """Copy the live inputs in, make rows ``[n, padded_bs)`` padding, set the live count.
-        Staging records no autograd history (inputs that require grad are read as data)."""
-        for k, t in inputs.items():
-            if t.requires_grad:  # a copy from it would give the static buffer a grad_fn
-                t = t.detach()
-            self._view(k, n).copy_(t, non_blocking=True)
+        Staging records no autograd history (inputs that require grad are read as data).
+
+        The inputs of one dtype go in one ``torch._foreach_copy_`` (one launch on CUDA), and
+        the live count rides along with the int32 ones (a copy from a constant table), so a
+        step with int64 and int32 inputs costs two launches whatever their number."""
+        st = self._live[n] if 0 < n <= self.max_bs else None
+        if st is None:
+            st = self._staging(n)
+        for k, dst in st.singles:
+            t = inputs[k]
+            dst.copy_(t if not t.requires_grad else t.detach())  # no grad_fn on the static buffers
+        for names, dsts, count in st.groups:
+            srcs = [t if not t.requires_grad else t.detach() for t in map(inputs.__getitem__, names)]
+            if count is not None:
+                srcs.append(count)
+            torch._foreach_copy_(dsts, srcs)
+        if st.counted:
+            self._n_written = (n, self.n_dev._version)
         self.pad_only(n, padded_bs)
 
     def pad_only(self, n: int, padded_bs: int) -> None:
@@ -155,17 +220,26 @@ class Stager:
 
         Batch inputs are refilled with ``pad_value`` only where an earlier, larger batch may
         have dirtied them (a high-water mark); offsets inputs continue their last live
-        offset on the device (no host read)."""
-        stop = min(self._dirty, padded_bs)
-        if stop > n:
+        offset on the device (no host read). The live count is filled only when it differs
+        from our last fill or anything wrote ``n_dev`` since (its version counter moved)."""
+        dirty = self._dirty
+        if dirty > n and padded_bs > n:
+            stop = dirty if dirty < padded_bs else padded_bs
             for k in self._batch:
                 self.buffers[k][n:stop].fill_(self._pad_values[k])
-        self._dirty = self._dirty if self._dirty > padded_bs else n
-        if padded_bs > n:
-            for k in self._offsets:
-                b = self.buffers[k]
-                b[n + 1:padded_bs + 1].copy_(b[n:n + 1].expand(padded_bs - n))
-        self.n_dev.fill_(n)
+        self._dirty = dirty if dirty > padded_bs else n
+        if self._offsets and padded_bs > n:
+            pads = self._offset_pads.get((n, padded_bs))
+            if pads is None:
+                pads = self._offset_pads[(n, padded_bs)] = [
+                    (b[n + 1:padded_bs + 1], b[n:n + 1].expand(padded_bs - n))
+                    for b in (self.buffers[k] for k in self._offsets)]
+            for dst, src in pads:
+                dst.copy_(src)
+        nd = self.n_dev
+        if self._n_written != (n, nd._version):
+            nd.fill_(n)
+            self._n_written = (n, nd._version)
 
     @torch.no_grad()
     def poison(self, n: int, padded_bs: int, generator: torch.Generator) -> None:
@@ -199,3 +273,34 @@ class Stager:
             if padded_bs > n and not bool((b[n + 1:padded_bs + 1] == b[n]).all()):
                 bad.append(k)
         return bad
+
+
+# dtypes torch._foreach_copy_ handles on CUDA in one launch; others get a copy_ each.
+_FOREACH_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
+                   torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool}
+
+
+class _Staging:
+    """The staging of ``n`` live rows, built once per ``n``: ``views`` (name -> live view of
+    the static input); ``groups``: per dtype of two or more copies ``(names, destination
+    views, count)``, where ``count`` is the live-count source that joins the int32 group
+    (destination ``n_dev``; ``counted`` says whether one did); ``singles``: ``(name, view)``
+    for an input alone in its dtype (a plain ``copy_``)."""
+
+    __slots__ = ("views", "groups", "singles", "counted")
+
+    def __init__(self, views: dict, n_dev: torch.Tensor, count: torch.Tensor):
+        by_dtype: dict = {}
+        for k, v in views.items():
+            by_dtype.setdefault(v.dtype if v.dtype in _FOREACH_DTYPES else k, []).append(k)
+        self.views, self.groups, self.singles, self.counted = views, [], [], False
+        for dtype, names in by_dtype.items():
+            dsts = [views[k] for k in names]
+            src = None
+            if dtype is n_dev.dtype:
+                dsts.append(n_dev)
+                src, self.counted = count, True
+            if len(dsts) == 1:
+                self.singles.append((names[0], dsts[0]))
+            else:
+                self.groups.append((tuple(names), dsts, src))

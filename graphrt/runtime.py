@@ -8,19 +8,29 @@ Three lifetimes:
   size ``>= n``, stage live rows and padding, set the live count, replay, hand back outputs
   with the live batch (copied by default; leased zero-copy views with ``copy_outputs=False``).
 
+The replay path is lean: what depends on the live batch ``n`` alone (its graph, the live
+views of the static inputs and outputs, the structure handed back) is built once per ``n``
+(``_Plan``), and the input checks' verdict is cached per input signature, so a repeat step
+is: the cached check, one copy per input, the live count when it changed, ``before_replay``,
+``graph.replay()`` and the prebuilt outputs. ``debug=True`` (or ``GRAPHRT_DEBUG=1``) checks
+every input in full on every call and hands out ``LeasedTensor`` leases that raise
+``StaleOutputError`` on a read after their lease ended.
+
 Graph safety: ``run`` is the replay path (host-only staging + ``graph.replay``); never call
 it inside another capture.
 """
 from __future__ import annotations
 
+import os
 import threading
+from threading import get_ident
 from typing import Any
 
 import torch
 
 from graphrt.errors import (DeviceError, GraphrtError, InputError, NoGraphForBatch,
                             NotCapturedError, ThreadOwnershipError)
-from graphrt.outputs import LeaseClock, LeasedTensor
+from graphrt.outputs import LeaseClock, LeaseHeldError, LiveOutputs
 from graphrt.replay_policy import SizeTable, Stager, capture_sizes
 from graphrt.spec import StepSpec
 from graphrt.state import StateGuard
@@ -34,8 +44,16 @@ class GraphRuntime:
         sizes: padded batch sizes to capture (default ``capture_sizes(spec.max_batch_size)``).
         device: the CUDA device (default: the current one).
         copy_outputs: True (default): ``run`` returns fresh tensors the caller owns. False:
-            zero-copy ``LeasedTensor`` views, valid until the next ``run`` of this runtime;
-            reading one later raises ``StaleOutputError``.
+            zero-copy views of the static outputs, leased (see ``lease``); plain tensors,
+            the same objects every step of a live batch; in debug mode ``LeasedTensor``
+            views whose reads raise ``StaleOutputError`` once the lease ended.
+        lease: with ``copy_outputs=False``, when a lease ends. ``"step"`` (default): at the
+            next ``run``/``replay`` of this runtime (a read after that is not detected
+            outside debug mode). ``"explicit"``: at ``release()``; a ``run``/``replay``
+            while a lease is held raises ``LeaseHeldError`` and overwrites nothing.
+        debug: check every input in full on every call and hand out checked
+            ``LeasedTensor`` leases (slower; for tests and bring-up). Default: the
+            ``GRAPHRT_DEBUG`` environment variable (``1`` turns it on).
         oversize: ``"eager"`` (default) runs a batch larger than every size eagerly;
             ``"raise"`` raises ``NoGraphForBatch``.
         strict: refuse capture on any finding (``GraphSafetyError``); False captures the sizes
@@ -59,11 +77,16 @@ class GraphRuntime:
 
     def __init__(self, spec: StepSpec, sizes: list[int] | None = None, *,
                  device: torch.device | str | None = None, copy_outputs: bool = True,
+                 lease: str = "step", debug: bool | None = None,
                  oversize: str = "eager", strict: bool = True, warmup_iters: int = 3,
                  progress: bool = True, seed: int = 0, coordinator=None, pool=None,
                  capture_stream=None, capture_context=None):
         if oversize not in ("eager", "raise"):
             raise ValueError(f"oversize must be 'eager' or 'raise'; got {oversize!r}")
+        if lease not in ("step", "explicit"):
+            raise ValueError(f"lease must be 'step' or 'explicit'; got {lease!r}")
+        if lease == "explicit" and copy_outputs:
+            raise ValueError("lease='explicit' is for leased outputs: pass copy_outputs=False")
         if not isinstance(spec, StepSpec):
             raise InputError(f"GraphRuntime needs a graphrt.StepSpec; got {type(spec).__name__}")
         self.spec = spec
@@ -84,7 +107,14 @@ class GraphRuntime:
         self.manager = None
         self._captured: str | None = "capture() has not been called"  # None once complete
         self._owner = threading.get_ident()
+        self.lease = lease
+        self.debug = debug_from_env() if debug is None else bool(debug)
+        self._explicit = lease == "explicit"
+        self._held: int | None = None  # lease="explicit": the epoch of the outputs held
         self._clock = LeaseClock()
+        self._largest = self.table.largest
+        self._plans: list = [None] * (self._largest + 1)  # n -> _Plan, built on first use
+        self._before = spec.before_replay
         self.counters = {"replays": 0, "eager": 0}
 
     @property
@@ -107,6 +137,8 @@ class GraphRuntime:
         from graphrt.capture.manager import CaptureManager  # keeps `import graphrt` light
         self._check_thread("capture")
         self.graphs, self.failures, self.manager = {}, {}, None
+        self._plans = [None] * (self._largest + 1)
+        self._held = None
         self._captured = "capture() is in progress (or was interrupted)"
         try:
             self.manager = CaptureManager(self.spec, self.table.sizes, self.stager,
@@ -135,8 +167,24 @@ class GraphRuntime:
 
         Graph safety: host-only staging, then one graph replay on the current stream.
         """
+        if self._captured is not None or get_ident() != self._owner or self.debug \
+                or self.coordinator is not None:
+            return self._run_checked(inputs)
+        n = self.stager.check_cached(inputs)
+        plan = self._plans[n] if n <= self._largest else None
+        if plan is None:  # first step of this batch, oversize, or a size that failed capture
+            return self._run_checked(inputs)
+        if self._held is not None:
+            self._refuse_held()
+        self.stager.stage(inputs, n, plan.size)
+        return self._fire(plan, n)
+
+    def _run_checked(self, inputs) -> Any:
+        """``run`` with every branch: readiness, the full check in debug mode, rank agreement,
+        building the plan of a new batch, the eager fallback."""
         self._check_ready("run")
-        n = self.stager.check(inputs)
+        st = self.stager
+        n = st.check(inputs) if self.debug else st.check_cached(inputs)
         co = self.coordinator
         pick_n = co.agree_batch(n) if co is not None else n
         size, g = self._graph_for(pick_n)
@@ -144,29 +192,51 @@ class GraphRuntime:
             co.check_replay(size if g is not None else pick_n, "graph" if g is not None else "eager")
         if g is None:
             return self._no_graph(inputs, n, size, pick_n)
-        self.stager.stage(inputs, n, size)
-        return self._replay(g, n)
+        plan = self._plans[n]
+        if plan is None or plan.g is not g:  # a new batch, or a larger size agreed across ranks
+            plan = self._plan_for(n, g)
+        if self._held is not None:
+            self._refuse_held()
+        st.stage(inputs, n, size)
+        return self._fire(plan, n)
 
     def input_buffers(self, n: int) -> dict[str, torch.Tensor]:
         """Zero-copy staging: the static inputs for ``n`` live rows (batch ``[n, *trailing]``,
         offsets ``[n + 1]``, fixed whole) for the engine to write in place, followed by
-        ``replay(n)``. Saves one copy per input. Graph safety: host-only. Not for
-        uniform-batch multi-rank backends (use ``run``, which agrees on the padded size
-        across ranks first)."""
-        self._check_ready("input_buffers")
+        ``replay(n)``. Saves one copy per input. The same tensors every call for a given
+        ``n`` (write their contents; never resize or rebind them). Graph safety: host-only.
+        Not for uniform-batch multi-rank backends (use ``run``, which agrees on the padded
+        size across ranks first)."""
+        if self._captured is not None or get_ident() != self._owner:
+            self._check_ready("input_buffers")
         if self.coordinator is not None and self.coordinator.uniform:
             raise GraphrtError("input_buffers()/replay() pick the graph from this rank's batch "
                                "alone; with a uniform-batch backend (NCCL) use run()")
-        self._captured_graph(n)
-        return {k: self.stager._view(k, n) for k in self.stager.buffers}
+        if not (type(n) is int and 0 < n <= self._largest and self._plans[n] is not None):
+            self._plan_for(n, self._captured_graph(n))
+        return self.stager.live_views(n).copy()
 
     def replay(self, n: int) -> Any:
         """Replay on inputs already written through ``input_buffers(n)``: pads rows
         ``[n, padded_bs)``, sets the live count, replays. Graph safety: host-only."""
-        self._check_ready("replay")
-        g = self._captured_graph(n)
-        self.stager.pad_only(n, g.size)
-        return self._replay(g, n)
+        if self._captured is not None or get_ident() != self._owner:
+            self._check_ready("replay")
+        plan = self._plans[n] if type(n) is int and 0 < n <= self._largest else None
+        if plan is None:
+            plan = self._plan_for(n, self._captured_graph(n))
+        if self._held is not None:
+            self._refuse_held()
+        self.stager.pad_only(n, plan.size)
+        return self._fire(plan, n)
+
+    def release(self) -> None:
+        """End the lease on the outputs handed out last. With ``lease="explicit"`` this is
+        what lets the next ``run``/``replay`` overwrite them; in debug mode a read of them
+        afterwards raises ``StaleOutputError``. Otherwise a no-op (a step lease ends at the
+        next replay anyway). Graph safety: host-only."""
+        self._held = None
+        if self.debug:
+            self._clock.bump()
 
     def _check_thread(self, what: str) -> None:
         if threading.get_ident() != self._owner:
@@ -201,20 +271,38 @@ class GraphRuntime:
             raise NoGraphForBatch(n, max(self.graphs) if self.graphs else None)
         return g
 
+    def _plan_for(self, n: int, g) -> "_Plan":
+        """The plan of ``n`` live rows on graph ``g``; cached when ``g`` is the one ``n`` picks."""
+        plan = _Plan(g, LiveOutputs(g.signature, g.outputs, n))
+        if g.size == self.table.pick(n):
+            self._plans[n] = plan
+        return plan
+
+    def _refuse_held(self):
+        raise LeaseHeldError(
+            f"a replay of {self.spec.name!r} would overwrite outputs still leased (handed out "
+            f"at lease epoch {self._held}, lease='explicit'); call rt.release() once you are "
+            "done with them (t.clone() what you keep), or use lease='step'")
+
     def _launch(self, g, n: int) -> None:
-        """Plan (``spec.before_replay``), replay ``g`` and end earlier leases."""
-        if self.spec.before_replay is not None:
-            self.spec.before_replay(g.size, n)
+        """Plan (``spec.before_replay``), replay ``g`` and end earlier leases; refuse while
+        an explicit lease is held."""
+        if self._held is not None:
+            self._refuse_held()
+        if self._before is not None:
+            self._before(g.size, n)
         g.graph.replay()
         self._clock.bump()
 
-    def _replay(self, g, n: int) -> Any:
-        self._launch(g, n)
+    def _fire(self, plan: "_Plan", n: int) -> Any:
+        """Replay ``plan`` for ``n`` live rows and hand back its outputs."""
+        self._launch(plan.g, n)
         self.counters["replays"] += 1
-        live = g.signature.live(g.outputs, n)
         if self.copy_outputs:
-            return g.layout.build([o.clone() for o in live])
-        return g.layout.build([LeasedTensor.lease(o, self._clock) for o in live])
+            return plan.outs.copies()
+        if self._explicit:
+            self._held = self._clock.epoch
+        return plan.outs.leased(self._clock) if self.debug else plan.outs.plain()
 
     def _no_graph(self, inputs, n: int, size: int | None, pick_n: int) -> Any:
         if size is None and self.oversize == "raise":
@@ -238,8 +326,11 @@ class GraphRuntime:
                      max_off_rows: float = 0.05, seed: int = 1234,
                      raise_on_mismatch: bool = True) -> list:
         """Replay every captured size on fresh inputs and compare with eager
-        (``graphrt.capture.verify.check_replay``). Host-only (synchronises)."""
+        (``graphrt.capture.verify.check_replay``); refused while an explicit lease is held
+        (it overwrites the outputs). Host-only (synchronises)."""
         from graphrt.capture.verify import check_replay
+        if self._held is not None:
+            self._refuse_held()
         return check_replay(self, trials=trials, rtol=rtol, max_off_rows=max_off_rows,
                             seed=seed, raise_on_mismatch=raise_on_mismatch)
 
@@ -257,6 +348,21 @@ class GraphRuntime:
             "failures": {s: f.reason for s, f in self.failures.items()},
             **self.counters,
         }
+
+
+class _Plan:
+    """What a replay of ``n`` live rows needs that depends on ``n`` alone: the graph (its
+    ``size`` is the padded size) and the outputs handed back."""
+
+    __slots__ = ("g", "size", "outs")
+
+    def __init__(self, g, outs: LiveOutputs):
+        self.g, self.size, self.outs = g, g.size, outs
+
+
+def debug_from_env() -> bool:
+    """``GRAPHRT_DEBUG`` set to anything but empty, ``0``, ``false``, ``no`` or ``off``."""
+    return os.environ.get("GRAPHRT_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def _resolve_device(device) -> torch.device:

@@ -104,7 +104,7 @@ def test_bad_inputs_are_named(rt):
 
 def test_stale_lease_raises():
     r = graphrt.GraphRuntime(_spec(SideStreamStep("cuda", layers=1), 8), sizes=[4, 8],
-                             copy_outputs=False, progress=False).capture()
+                             copy_outputs=False, progress=False, debug=True).capture()
     a = r.run(**r.spec.random_inputs(3, r.device))
     y = a["y"]
     kept = y.clone()

@@ -1,8 +1,12 @@
 """The ``runtime`` and ``moe`` suites of ``graphrt bench`` (one GPU each).
 
 - ``runtime``: a small dense step (``small_step``): capture seconds and pool bytes per graph
-  for the default size list; the host cost of ``run()`` (median of 1,000 calls), leases,
-  ``input_buffers`` + ``replay()`` and a bare ``graph.replay()``.
+  for the default size list; then the host path (``host_path_us``), for one input and one
+  output (``small_step``) and for the reference model's five inputs (``five_input_step``):
+  host µs of ``run()`` copy-out, ``run()`` lease, ``input_buffers`` + ``replay()``, a
+  hand-written dict of per-size graphs (``hand_written``) and a bare ``graph.replay()``,
+  measured in one interleaved run, the ratio ``run()`` lease / hand-written, and the wall
+  time per step of a loop of each.
 - ``moe``: the reference model eager vs replayed, combine overlap off vs on, and one
   layer's overlap region alone (``overlap_region_us``).
 
@@ -10,10 +14,15 @@
 """
 from __future__ import annotations
 
+import bisect
+import statistics
+import time
+from typing import Callable
+
 import torch
 
 import graphrt
-from graphrt.bench.timing import cuda_time_us, graph_time_us, hbm_bandwidth_gbs, host_time_us
+from graphrt.bench.timing import cuda_time_us, graph_time_us, hbm_bandwidth_gbs
 
 
 def small_step(device, layers: int = 4, hidden: int = 1024, max_bs: int = 256) -> graphrt.StepSpec:
@@ -30,31 +39,164 @@ def small_step(device, layers: int = 4, hidden: int = 1024, max_bs: int = 256) -
                             name=f"mlp-{layers}L-{hidden}", live_count="n")
 
 
+def five_input_step(device, layers: int = 4, hidden: int = 1024, max_bs: int = 256,
+                    max_blocks: int = 16) -> graphrt.StepSpec:
+    """``small_step``'s layers behind the reference model's five decode inputs (``tokens``
+    int64, ``positions`` int32, ``slot_mapping`` int64, ``block_table`` int32
+    ``[bs, max_blocks]``, ``seq_lens`` int32), each read by the step; one output
+    ``{"logits": [bs, hidden]}``: the host path of the reference model without its kernels."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    embed = torch.randn(1024, hidden, generator=gen, device=device, dtype=torch.bfloat16)
+    ws = [torch.randn(hidden, hidden, generator=gen, device=device, dtype=torch.bfloat16)
+          * hidden ** -0.5 for _ in range(layers)]
+
+    def step(tokens, positions, slot_mapping, block_table, seq_lens, n):
+        meta = (positions + seq_lens + block_table.sum(-1)).to(torch.bfloat16) + slot_mapping   # [bs]
+        x = embed[tokens] + meta[:, None] * 1e-3                                            # [bs, H]
+        for w in ws:
+            x = x + torch.nn.functional.silu(x @ w)
+        return {"logits": x}
+    ctx = 4096
+    inputs = {"tokens": graphrt.Input((None,), torch.int64, high=1024),
+              "positions": graphrt.Input((None,), torch.int32, high=ctx),
+              "slot_mapping": graphrt.Input((None,), torch.int64, high=ctx, unique=True,
+                                            pad_value=ctx - 1),
+              "block_table": graphrt.Input((None, max_blocks), torch.int32, high=255, pad_value=255),
+              "seq_lens": graphrt.Input((None,), torch.int32, low=1, high=ctx, pad_value=0)}
+    return graphrt.StepSpec(step, inputs, max_bs, name=f"five-inputs-{layers}L-{hidden}",
+                            live_count="n")
+
+
+def hand_written(rt: graphrt.GraphRuntime) -> Callable:
+    """``run()``'s job written by hand over ``rt``'s own graphs and static buffers, as an
+    engine without graphrt would: a dict of per-size graphs; per step pad, copy, set the
+    live count, replay, slice. Batch inputs and one batch-major output only."""
+    sizes = rt.sizes
+    pick = [None] + [sizes[bisect.bisect_left(sizes, n)] for n in range(1, sizes[-1] + 1)]
+    bufs = [(k, b, rt.spec.inputs[k].pad_value) for k, b in rt.stager.buffers.items()]
+    assert all(rt.spec.inputs[k].rows == "batch" for k, _, _ in bufs)
+    graphs = {s: (g.graph, g.outputs[0]) for s, g in rt.graphs.items()}
+    (key,) = next(iter(rt.graphs.values())).layout.names
+    n_dev = rt.stager.n_dev
+
+    def step(**inputs):
+        n = next(iter(inputs.values())).shape[0]
+        size = pick[n]
+        graph, out = graphs[size]
+        for k, b, pad in bufs:
+            b[:n].copy_(inputs[k])
+            if size > n:
+                b[n:size].fill_(pad)
+        n_dev.fill_(n)
+        graph.replay()
+        return out[:n] if key == 0 else {key: out[:n]}
+    return step
+
+
+def interleaved_us(fns: dict[str, Callable], *, iters: int = 1000, rounds: int = 10,
+                   warmup: int = 50, sync: Callable | None = None) -> dict[str, float]:
+    """Median host µs of one call of each of ``fns``, measured in one run: ``rounds`` rounds,
+    each timing ``iters / rounds`` consecutive calls of every function in turn (drift hits
+    all alike). ``sync`` (``torch.cuda.synchronize``) runs untimed before each call, so each
+    is timed on an idle device: its own host cost, not the launch queue's back-pressure."""
+    block = max(1, iters // rounds)
+    samples: dict[str, list] = {k: [] for k in fns}
+    clock = time.perf_counter_ns
+    for k, fn in fns.items():
+        for _ in range(warmup):
+            fn()
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            out = samples[k]
+            for _ in range(block):
+                if sync is not None:
+                    sync()
+                t0 = clock()
+                fn()
+                out.append(clock() - t0)
+    return {k: statistics.median(v) / 1e3 for k, v in samples.items()}
+
+
+def loop_wall_us(fn: Callable, *, steps: int = 200, reps: int = 5,
+                 sync: Callable | None = None) -> float:
+    """Wall µs per step of ``steps`` back-to-back calls, then ``sync``: median of ``reps``.
+    A host path shorter than the device step hides behind it (ratio near 1)."""
+    out = []
+    for _ in range(reps + 1):  # the first rep warms up
+        if sync is not None:
+            sync()
+        t0 = time.perf_counter_ns()
+        for _ in range(steps):
+            fn()
+        if sync is not None:
+            sync()
+        out.append((time.perf_counter_ns() - t0) / 1e3 / steps)
+    return statistics.median(out[1:])
+
+
+def host_path_us(spec: graphrt.StepSpec, device, batches=(1, 64), *, iters: int = 1000,
+                 rounds: int = 10, steps: int = 200) -> dict:
+    """The host path of ``spec`` at each live batch in ``batches`` (each also a captured
+    size): copy-out and leased runtimes captured at ``batches``, then per batch, in one
+    interleaved run (``interleaved_us``, on an idle device): ``run()`` copy-out, ``run()``
+    lease, ``input_buffers`` + ``replay()``, the hand-written dict (``hand_written``) and a
+    bare ``graph.replay()``, host µs medians; ``run_over_hand`` (lease / hand-written, host);
+    ``wall_*``: wall µs per step of a loop of ``steps`` (``loop_wall_us``) and their ratio;
+    ``argmax_*``: an op on the lease against one on a debug-mode ``LeasedTensor``.
+    Host-only (synchronises); CPU runtimes work too (tests, with a stand-in capture)."""
+    from graphrt.outputs import LeaseClock, LeasedTensor
+    cuda = torch.device(device).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else None
+    kw = dict(sizes=list(batches), device=device, progress=False)
+    copy = graphrt.GraphRuntime(spec, **kw).capture()
+    lease = graphrt.GraphRuntime(spec, copy_outputs=False, **kw).capture()
+    hand = hand_written(lease)
+    res = {}
+    gen = torch.Generator().manual_seed(0)
+    for bs in batches:
+        inputs = spec.random_inputs(bs, device, gen)
+        bufs = lease.input_buffers(bs)   # the engine writes its rows in place once
+        for k, t in inputs.items():
+            bufs[k].copy_(t)
+        out = lease.run(**inputs)
+        out = out if isinstance(out, torch.Tensor) else next(iter(out.values()))
+        checked = LeasedTensor.lease(out, LeaseClock())
+        g = lease.graphs[bs].graph
+        us = interleaved_us({
+            "copy_out": lambda: copy.run(**inputs), "lease": lambda: lease.run(**inputs),
+            "zero_copy_replay": lambda: lease.replay(bs), "hand_written": lambda: hand(**inputs),
+            "bare_replay": g.replay, "argmax_lease": lambda: torch.argmax(out, -1),
+            "argmax_debug_lease": lambda: torch.argmax(checked, -1)},
+            iters=iters, rounds=rounds, sync=sync)
+        for k, v in us.items():
+            res[f"{k}_bs{bs}_us"] = v
+        res[f"run_over_hand_bs{bs}"] = us["lease"] / us["hand_written"]
+        wl = loop_wall_us(lambda: lease.run(**inputs), steps=steps, sync=sync)
+        wh = loop_wall_us(lambda: hand(**inputs), steps=steps, sync=sync)
+        res[f"wall_lease_bs{bs}_us"], res[f"wall_hand_written_bs{bs}_us"] = wl, wh
+        res[f"wall_run_over_hand_bs{bs}"] = wl / wh
+        if cuda:
+            res[f"device_step_bs{bs}_us"] = cuda_time_us(g.replay, iters=50)
+    return res
+
+
 def bench_runtime(device) -> dict:
-    """The ``runtime`` suite on ``device`` (a CUDA device): capture and ``run()`` host costs
-    of ``small_step`` (see the ``results.json`` fields in ``graphrt.bench.run``)."""
+    """The ``runtime`` suite on ``device`` (a CUDA device): capture costs of ``small_step``
+    at the default sizes, and ``host_path_us`` for one input (``small_step``) and for five
+    (``five_input_step``) at live batches 1 and 64 (see the ``results.json`` fields in
+    ``graphrt.bench.run``)."""
     spec = small_step(device)
     rt = graphrt.GraphRuntime(spec, device=device).capture()
     st = rt.stats()
-    lease = graphrt.GraphRuntime(spec, sizes=[1, 64], device=device, copy_outputs=False,
-                                 progress=False).capture()
-    overhead = {}
-    for bs in (1, 64):
-        x = spec.inputs["x"].random(bs, device)
-        overhead[f"copy_out_bs{bs}_us"] = host_time_us(lambda: rt.run(x=x))
-        overhead[f"lease_bs{bs}_us"] = host_time_us(lambda: lease.run(x=x))
-        lease.input_buffers(bs)["x"].copy_(x)  # the engine writes its rows in place once
-        overhead[f"zero_copy_replay_bs{bs}_us"] = host_time_us(lambda: lease.replay(bs))
-        g = rt.graphs[rt.table.pick(bs)].graph
-        overhead[f"bare_replay_bs{bs}_us"] = host_time_us(g.replay)
-        overhead[f"device_step_bs{bs}_us"] = cuda_time_us(g.replay, iters=50)
+    five = five_input_step(device)
     return {
         "step": spec.name, "sizes": rt.sizes,
         "capture_s_total": st["capture_s"], "warmup_s": st["warmup_s"],
         "capture_s_per_graph": {s: v["capture_s"] for s, v in st["sizes"].items()},
         "pool_bytes_total": st["pool_bytes"], "pool_bytes_largest": st["largest_graph_pool_bytes"],
         "pool_ratio": st["pool_bytes"] / max(1, st["largest_graph_pool_bytes"]),
-        "run_host_us": overhead,
+        "run_host_us": host_path_us(spec, device),
+        "five_input_step": five.name, "run_host_us_five_inputs": host_path_us(five, device),
     }
 
 
@@ -181,18 +323,31 @@ def md_moe(res: dict) -> str:
 
 
 def md_runtime(res: dict) -> str:
-    """The ``runtime`` result as a summary line and a markdown table."""
-    o = res["run_host_us"]
-    return "\n".join([
+    """The ``runtime`` result as a summary line and a host-path table per step."""
+    lines = [
         f"step {res['step']}, {len(res['sizes'])} sizes: capture {res['capture_s_total']:.2f} s "
         f"(warm-up+analysis {res['warmup_s']:.2f} s), pool {res['pool_bytes_total'] / 2**20:.1f} MiB "
         f"total vs {res['pool_bytes_largest'] / 2**20:.1f} MiB largest graph "
-        f"(ratio {res['pool_ratio']:.2f})",
-        "| bs | run() copy-out µs | run() lease µs | input_buffers + replay() µs | bare graph.replay() µs "
-        "| device step µs |",
-        "|---|---|---|---|---|---|",
-        *[f"| {bs} | {o[f'copy_out_bs{bs}_us']:.1f} | {o[f'lease_bs{bs}_us']:.1f} | "
-          f"{o[f'zero_copy_replay_bs{bs}_us']:.1f} | {o[f'bare_replay_bs{bs}_us']:.1f} | "
-          f"{o[f'device_step_bs{bs}_us']:.1f} |" for bs in (1, 64)],
-    ])
-
+        f"(ratio {res['pool_ratio']:.2f})"]
+    for title, key in ((f"one input ({res['step']})", "run_host_us"),
+                       (f"five inputs ({res.get('five_input_step')})", "run_host_us_five_inputs")):
+        o = res.get(key)
+        if not o:
+            continue
+        batches = sorted({int(k.split("_bs")[1].split("_")[0]) for k in o if "_bs" in k})
+        lines += ["", f"Host path, {title}: host µs per call on an idle device (medians, one "
+                  "interleaved run); wall µs per step of a 200-step loop:", "",
+                  "| bs | run() copy-out | run() lease | input_buffers + replay() | hand-written dict "
+                  "| bare graph.replay() | run()/hand | wall run() | wall hand | wall ratio "
+                  "| argmax on lease / debug lease | device step |",
+                  "|" + "---|" * 12]
+        for bs in batches:
+            def f(k, fmt=".1f"):
+                v = o.get(f"{k}_bs{bs}_us", o.get(f"{k}_bs{bs}"))
+                return "n/a" if v is None else format(v, fmt)
+            lines.append(
+                f"| {bs} | {f('copy_out')} | {f('lease')} | {f('zero_copy_replay')} | "
+                f"{f('hand_written')} | {f('bare_replay')} | {f('run_over_hand', '.2f')} | "
+                f"{f('wall_lease')} | {f('wall_hand_written')} | {f('wall_run_over_hand', '.3f')} | "
+                f"{f('argmax_lease')} / {f('argmax_debug_lease')} | {f('device_step')} |")
+    return "\n".join(lines)
