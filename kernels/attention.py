@@ -13,22 +13,38 @@ every index a padded row carries is in bounds and no kernel branches on padding 
 One decode step, per layer (``padded_bs`` rows; ``n`` int32 [1] live rows on the device)::
 
     kv_append(k, v, slot_mapping, n, k_cache=..., v_cache=...)          # write the new token
-    decode_attention(q, k_cache, v_cache, block_table, seq_lens, n,
-                     out=..., workspace_o=..., workspace_lse=...)       # attend over the pages
+    decode_attention(q, k_cache, v_cache, block_table, seq_lens, n, out=...,
+                     workspace_o=..., workspace_lse=..., semaphore=..., variant="auto")
 
 ``decode_attention`` splits the table's reach ``max_ctx = max_blocks_per_seq * block_size``
-into ``num_splits`` chunks. Kernel 1 runs one program per (row, kv head, chunk), reads the
-row's ``seq_len`` on the device and exits at once past it (or on padding): cost follows the
-live context. An inner step covers ``BLOCK_N`` positions: their block ids from the table
-(``pos // block_size``, a shift), then each position's ``head_dim`` K/V row (contiguous,
-16-byte vectorised) for the whole GQA group. Within a page consecutive positions are
-``num_kv_heads * head_dim`` apart anyway, so walking page by page would not make loads more
-contiguous; a ``BLOCK_N`` independent of the page size keeps ``tl.dot`` tiles large for
-16-position pages. Kernel 2 merges the live chunks with log-sum-exp weights; chunks past
-``seq_len`` are neither written nor read.
+into ``num_splits`` chunks (read from the workspace's shape). One program per (row, kv head,
+chunk) reads the row's ``seq_len`` on the device and exits at once past it (or on padding):
+cost follows the live context. An inner step covers ``BLOCK_N`` positions: their block ids
+from the table (``pos // block_size``, a shift), then each position's ``head_dim`` K/V row
+(contiguous, 16-byte vectorised) for the whole GQA group; a ``BLOCK_N`` independent of the
+page size keeps ``tl.dot`` tiles large for 16-position pages. The chunks' partials are merged
+with log-sum-exp weights; chunks past ``seq_len`` are neither written nor read. ``variant=``
+picks one of three schedules, or lets ``"auto"`` pick (kernels and the exact protocol:
+``graphrt.kernels.attention_kernels``):
 
-Workspace: allocate once per padded_bs, before capture, with
-``attention_workspace(padded_bs, num_heads, head_dim, max_ctx, device)``; no initialisation.
+- ``"split"``: two launches, split then merge (the original path, kept for comparison).
+- ``"fused"``: one launch; the last program of each (row, kv head) to finish merges, found
+  with an int32 *semaphore* counter per (row, kv head) that it resets to 0 afterwards. Rows
+  whose context fits one chunk are written directly (no partial, no atomic).
+- ``"single"``: one launch, one program per (row, kv head) over the whole context; no
+  workspace, no semaphore.
+- ``"auto"``: :func:`select_variant` from host ints only (never device values):
+  ``"single"`` if ``max_ctx <= SINGLE_PASS_MAX_CTX`` or ``num_splits == 1``, else ``"fused"``
+  if ``num_splits <= FUSED_MAX_SPLITS``, else ``"split"``. ``FUSED_MAX_SPLITS`` is 0: on an
+  H200 (``python -m graphrt.bench.attention``, BENCHMARKS.md) the fused launch was 0.97-1.08x
+  the two launches, slower at a 2048-position reach, so auto keeps the two launches there.
+
+Workspaces: allocate once per padded_bs, before capture, with
+``attention_workspace(padded_bs, num_heads, head_dim, max_ctx, device)`` (no initialisation)
+and, for ``"fused"``, ``attention_semaphore(padded_bs, num_kv_heads, device)`` (zeros; every
+launch leaves it zero again, so replays need no memset). One semaphore may serve every layer
+and every captured size as long as launches that use it run one after another on one stream
+(never two at once, e.g. on two streams or with programmatic dependent launch).
 
 Graph safety: capturable (``kv_append``, ``decode_attention``)
 """
@@ -41,6 +57,7 @@ import triton
 import triton.language as tl
 
 from ._util import check, check_tensor, interpreting
+from .attention_kernels import attn_fused_kernel, attn_merge_kernel, attn_split_kernel
 
 BLOCK_N = 64  # cache positions per inner step of kernel 1 (spans pages when block_size < 64)
 # Default positions per split (rounded up to BLOCK_N). Measured on H200 (32 q / 8 kv heads,
@@ -48,8 +65,16 @@ BLOCK_N = 64  # cache positions per inner step of kernel 1 (spans pages when blo
 # and costs less for short contexts at bs 256 (37 vs 46 us at ctx 64). 256 is the middle ground.
 SPLIT_SIZE = 256
 MAX_SPLITS = 64  # default cap on splits (the merge loops over live splits)
+# variant="auto" (select_variant): one pass without partials up to this table reach (one
+# SPLIT_SIZE: the split path would use one chunk anyway); the fused launch up to this many
+# splits (its last program merges them in tiles of _MERGE_TILE fp32). Measured on an H200
+# (qwen3-like heads; python -m graphrt.bench.attention): fused / two-launch = 1.03, 1.00,
+# 0.97 at a 512 reach and 1.08, 1.02, 1.04 at 2048 (bs 1, 8, 64), so auto never fuses.
+SINGLE_PASS_MAX_CTX = 256
+FUSED_MAX_SPLITS = 0
+VARIANTS = ("split", "fused", "single", "auto")
 _LOG2E = 1.4426950408889634
-
+_MERGE_TILE = 8192  # fp32 elements of one [GROUP_P2, MERGE_S, HEAD_DIM] merge tile (64 / thread)
 
 def num_splits_for(max_ctx: int, *, split_size: int = SPLIT_SIZE, max_splits: int = MAX_SPLITS) -> int:
     """Number of context splits for ``max_ctx``: ``min(max_splits, ceil(max_ctx / split_size))``.
@@ -80,6 +105,25 @@ def attention_workspace(padded_bs: int, num_heads: int, head_dim: int, max_ctx: 
     o_shape, lse_shape = attention_workspace_shape(padded_bs, num_heads, head_dim, max_ctx, **kw)
     return (torch.empty(o_shape, dtype=torch.float32, device=device),
             torch.empty(lse_shape, dtype=torch.float32, device=device))
+
+
+def attention_semaphore(padded_bs: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+    """The int32 ``[padded_bs, num_kv_heads]`` counters of ``variant="fused"``, zeroed once here
+    (every launch leaves them zero). Graph safety: host-only (allocates; call before capture)"""
+    return torch.zeros(padded_bs, num_kv_heads, dtype=torch.int32, device=device)
+
+
+def select_variant(max_ctx: int, num_splits: int) -> str:
+    """The kernel ``variant="auto"`` runs, from host ints known at capture time: ``"single"`` if
+    ``max_ctx <= SINGLE_PASS_MAX_CTX`` or ``num_splits == 1``; else ``"fused"`` if
+    ``num_splits <= FUSED_MAX_SPLITS``; else ``"split"``. ``max_ctx`` is the table reach
+    (``max_blocks_per_seq * block_size``), ``num_splits`` the workspace's split count.
+    Graph safety: host-only (pure Python)"""
+    check(max_ctx >= 1 and num_splits >= 1, "select_variant arguments", "max_ctx, num_splits >= 1",
+          (max_ctx, num_splits))
+    if max_ctx <= SINGLE_PASS_MAX_CTX or num_splits == 1:
+        return "single"
+    return "fused" if num_splits <= FUSED_MAX_SPLITS else "split"
 
 
 # ----------------------------------------------------------------------------- kv append
@@ -169,123 +213,12 @@ def kv_append_ref(k, v, slot_mapping, n, *, k_cache, v_cache) -> None:
             k_cache[s // block_size, s % block_size] = k[b]
             v_cache[s // block_size, s % block_size] = v[b]
 
-
 # ----------------------------------------------------------------------------- decode attention
-@triton.jit
-def _attn_split_kernel(
-    q_ptr,  # bf16 [padded_bs, num_heads, head_dim]
-    k_cache_ptr, v_cache_ptr,  # bf16 [num_blocks, block_size, num_kv_heads, head_dim]
-    block_table_ptr,  # int32 [padded_bs, max_blocks_per_seq]: block of each row's pages
-    seq_lens_ptr,  # int32 [padded_bs]: valid positions of each row (new token included)
-    n_ptr,  # int32 [1]: live rows
-    ws_o_ptr,  # fp32 [padded_bs, num_heads, num_splits, head_dim]: partial outputs
-    ws_lse_ptr,  # fp32 [padded_bs, num_heads, num_splits]: partial log-sum-exp (natural log)
-    qk_scale,  # sm_scale * log2(e): scores are kept in base 2
-    num_blocks, max_ctx, split_size,  # cache blocks; table reach; positions per split (x BLOCK_N)
-    stride_qb, stride_qh,  # strides of q (row, head)
-    stride_bt,  # row stride of block_table (entries are contiguous)
-    stride_cb, stride_ct, stride_ch,  # strides of the caches (block, offset, head)
-    stride_ob, stride_oh, stride_os,  # strides of ws_o (row, head, split)
-    stride_lb, stride_lh,  # strides of ws_lse (row, head); split stride is 1
-    GROUP: tl.constexpr,  # q heads per kv head
-    GROUP_PAD: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot rows)
-    HEAD_DIM: tl.constexpr,  # head_dim (a power of two)
-    PAGE: tl.constexpr,  # block_size (a power of two)
-    BLOCK_N: tl.constexpr,  # positions per inner step
-    UPCAST: tl.constexpr,  # True under the interpreter: dots in fp32
-):
-    b = tl.program_id(0)  # row
-    kvh = tl.program_id(1)  # kv head
-    split = tl.program_id(2)  # chunk of the context
-    ctx = tl.minimum(tl.load(seq_lens_ptr + b), max_ctx)
-    start = split * split_size
-    if (b >= tl.load(n_ptr)) | (start >= ctx):
-        return  # padding row or chunk past the live context: no work, nothing written
-    end = tl.minimum(start + split_size, ctx)
-
-    offs_g = tl.arange(0, GROUP_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_g = offs_g < GROUP
-    heads = kvh * GROUP + offs_g  # q heads of this group
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_g[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
-    if UPCAST:
-        q = q.to(tl.float32)
-    table = block_table_ptr + b * stride_bt
-
-    m_i = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)  # running max (base 2)
-    l_i = tl.zeros((GROUP_PAD,), dtype=tl.float32)  # running sum of exp2
-    acc = tl.zeros((GROUP_PAD, HEAD_DIM), dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
-        mask_n = pos < end
-        blk = tl.load(table + pos // PAGE, mask=mask_n, other=0)  # [BLOCK_N] page of each position
-        blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)  # a bad table never reads out of bounds
-        row = blk.to(tl.int64) * stride_cb + (pos % PAGE) * stride_ct + kvh * stride_ch
-        kv_off = row[:, None] + offs_d[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=mask_n[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
-        v = tl.load(v_cache_ptr + kv_off, mask=mask_n[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N]
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every step has a live position
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-
-    o = acc / l_i[:, None]
-    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # back to natural log
-    o_ptrs = ws_o_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
-    tl.store(o_ptrs, o, mask=mask_g[:, None])
-    tl.store(ws_lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=mask_g)
-
-
-@triton.jit
-def _attn_merge_kernel(
-    out_ptr,  # bf16 [padded_bs, num_heads, head_dim]
-    ws_o_ptr,  # fp32 [padded_bs, num_heads, num_splits, head_dim]: partial outputs
-    ws_lse_ptr,  # fp32 [padded_bs, num_heads, num_splits]: partial log-sum-exp
-    seq_lens_ptr,  # int32 [padded_bs]: valid positions of each row
-    n_ptr,  # int32 [1]: live rows
-    max_ctx, split_size,  # same values kernel 1 ran with
-    stride_outb, stride_outh,  # strides of out (row, head)
-    stride_ob, stride_oh, stride_os,  # strides of ws_o (row, head, split)
-    stride_lb, stride_lh,  # strides of ws_lse (row, head); split stride is 1
-    HEAD_DIM: tl.constexpr,  # head_dim (a power of two)
-):
-    b = tl.program_id(0)  # row
-    h = tl.program_id(1)  # q head
-    offs_d = tl.arange(0, HEAD_DIM)
-    out_ptrs = out_ptr + b * stride_outb + h * stride_outh + offs_d
-    ctx = tl.minimum(tl.load(seq_lens_ptr + b), max_ctx)
-    if (b >= tl.load(n_ptr)) | (ctx <= 0):
-        tl.store(out_ptrs, tl.zeros((HEAD_DIM,), dtype=tl.float32).to(out_ptr.dtype.element_ty))
-        return
-    num_live = tl.cdiv(ctx, split_size)  # splits kernel 1 wrote
-    e_max = float("-inf")
-    e_sum = 0.0
-    acc = tl.zeros((HEAD_DIM,), dtype=tl.float32)
-    for s in range(0, num_live):
-        lse = tl.load(ws_lse_ptr + b * stride_lb + h * stride_lh + s)
-        o = tl.load(ws_o_ptr + b * stride_ob + h * stride_oh + s * stride_os + offs_d)
-        new_max = tl.maximum(e_max, lse)
-        scale = tl.exp(e_max - new_max)
-        w = tl.exp(lse - new_max)
-        acc = acc * scale + w * o
-        e_sum = e_sum * scale + w
-        e_max = new_max
-    tl.store(out_ptrs, (acc / e_sum).to(out_ptr.dtype.element_ty))
-
-
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_table: torch.Tensor, seq_lens: torch.Tensor, n: torch.Tensor, *,
-                     out: torch.Tensor, workspace_o: torch.Tensor, workspace_lse: torch.Tensor,
-                     sm_scale: float | None = None) -> torch.Tensor:
+                     out: torch.Tensor, workspace_o: torch.Tensor | None = None,
+                     workspace_lse: torch.Tensor | None = None, sm_scale: float | None = None,
+                     semaphore: torch.Tensor | None = None, variant: str = "split") -> torch.Tensor:
     """GQA decode attention of one new token per row over its pages of the KV cache.
 
     Args:
@@ -303,16 +236,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out: bf16 [padded_bs, num_heads, head_dim] (last dim contiguous).
         workspace_o: fp32 [padded_bs, num_heads, num_splits, head_dim]; ``num_splits`` is
             read from this shape (see :func:`attention_workspace_shape` with ``max_ctx``).
+            Needed by ``"split"`` and ``"fused"`` (with ``num_splits == 1`` neither workspace
+            is touched); ignored by ``"single"``; ``"auto"`` without it counts one split.
         workspace_lse: fp32 [padded_bs, num_heads, num_splits]. Both workspaces contiguous,
             contents irrelevant (fully rewritten where read).
         sm_scale: softmax scale, default ``1 / sqrt(head_dim)``.
+        semaphore: int32 [padded_bs, num_kv_heads], row-contiguous, **all zero** (from
+            :func:`attention_semaphore`); needed by ``"fused"`` with ``num_splits > 1``, which
+            leaves it zero again. Not to be shared by launches that may run concurrently.
+        variant: ``"split"`` (two launches), ``"fused"`` (one launch, the last program merges),
+            ``"single"`` (one launch, no partials) or ``"auto"`` (:func:`select_variant`).
 
-    Returns ``out``. Two kernel launches, no allocation; the work done follows ``seq_lens``.
+    Returns ``out``. One or two launches, no allocation; the work done follows ``seq_lens``.
 
     Graph safety: capturable
     """
     num_blocks, block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
     dev = k_cache.device
+    check(variant in VARIANTS, "variant", " | ".join(VARIANTS), repr(variant))
     check_tensor(q, "q", shape=(None, None, head_dim), dtype=torch.bfloat16, device=dev)
     padded_bs, num_heads, _ = q.shape
     check(num_heads >= 1 and num_heads % num_kv_heads == 0, "q.shape[1] (num_heads)",
@@ -326,36 +267,61 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     check_tensor(n, "n", shape=(1,), dtype=torch.int32, device=dev)
     check_tensor(out, "out", shape=(padded_bs, num_heads, head_dim), dtype=torch.bfloat16, device=dev)
     check(out.stride(2) == 1, "out.stride(2)", 1, out.stride(2))
-    check_tensor(workspace_o, "workspace_o", shape=(padded_bs, num_heads, None, head_dim),
-                 dtype=torch.float32, device=dev, contiguous=True)
-    num_splits = workspace_o.shape[2]
-    check(num_splits >= 1, "workspace_o.shape[2] (num_splits)", ">= 1", num_splits)
-    check_tensor(workspace_lse, "workspace_lse", shape=(padded_bs, num_heads, num_splits),
-                 dtype=torch.float32, device=dev, contiguous=True)
+    max_ctx = max_blocks * block_size
+    num_splits = 1
+    if variant != "single" and (workspace_o is not None or variant != "auto"):
+        check(workspace_o is not None, "workspace_o", f"a tensor with variant={variant!r}", None)
+        check_tensor(workspace_o, "workspace_o", shape=(padded_bs, num_heads, None, head_dim),
+                     dtype=torch.float32, device=dev, contiguous=True)
+        num_splits = workspace_o.shape[2]
+        check(num_splits >= 1, "workspace_o.shape[2] (num_splits)", ">= 1", num_splits)
+        check_tensor(workspace_lse, "workspace_lse", shape=(padded_bs, num_heads, num_splits),
+                     dtype=torch.float32, device=dev, contiguous=True)
+    if variant == "auto":
+        variant = select_variant(max_ctx, num_splits)
+    if variant == "single":
+        num_splits = 1
+    if variant == "fused" and num_splits > 1:
+        check(semaphore is not None, "semaphore", "an int32 tensor with variant='fused' "
+              "(attention_semaphore(padded_bs, num_kv_heads, device), zeros)", None)
+        check_tensor(semaphore, "semaphore", shape=(padded_bs, num_kv_heads), dtype=torch.int32,
+                     device=dev)
+        check(semaphore.stride(1) == 1, "semaphore.stride(1)", 1, semaphore.stride(1))
     if padded_bs == 0:
         return out
-    max_ctx = max_blocks * block_size
     group = num_heads // num_kv_heads
     split_size = triton.cdiv(triton.cdiv(max_ctx, num_splits), BLOCK_N) * BLOCK_N
-    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-
-    _attn_split_kernel[(padded_bs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_table, seq_lens, n, workspace_o, workspace_lse,
-        scale * _LOG2E, num_blocks, max_ctx, split_size,
-        q.stride(0), q.stride(1), block_table.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        workspace_o.stride(0), workspace_o.stride(1), workspace_o.stride(2),
-        workspace_lse.stride(0), workspace_lse.stride(1),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        PAGE=block_size, BLOCK_N=BLOCK_N, UPCAST=interpreting(), num_warps=4, num_stages=2,
-    )
-    _attn_merge_kernel[(padded_bs, num_heads)](
-        out, workspace_o, workspace_lse, seq_lens, n, max_ctx, split_size,
-        out.stride(0), out.stride(1),
-        workspace_o.stride(0), workspace_o.stride(1), workspace_o.stride(2),
-        workspace_lse.stride(0), workspace_lse.stride(1),
-        HEAD_DIM=head_dim, num_warps=1,
-    )
+    scale = (1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)) * _LOG2E
+    geometry = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+                    HEAD_DIM=head_dim, PAGE=block_size, BLOCK_N=BLOCK_N, UPCAST=interpreting())
+    grid = (padded_bs, num_kv_heads, num_splits)
+    cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    if variant == "split":
+        attn_split_kernel[grid](
+            q, k_cache, v_cache, block_table, seq_lens, n, workspace_o, workspace_lse,
+            scale, num_blocks, max_ctx, split_size, q.stride(0), q.stride(1),
+            block_table.stride(0), *cache_strides,
+            workspace_o.stride(0), workspace_o.stride(1), workspace_o.stride(2),
+            workspace_lse.stride(0), workspace_lse.stride(1), **geometry, num_warps=4, num_stages=2)
+        attn_merge_kernel[(padded_bs, num_heads)](
+            out, workspace_o, workspace_lse, seq_lens, n, max_ctx, split_size,
+            out.stride(0), out.stride(1),
+            workspace_o.stride(0), workspace_o.stride(1), workspace_o.stride(2),
+            workspace_lse.stride(0), workspace_lse.stride(1), HEAD_DIM=head_dim, num_warps=1)
+        return out
+    split = num_splits > 1  # else one program per (row, kv head): no partial, no semaphore
+    # without SPLIT the kernel never touches these three: any tensors stand in for None
+    ws_o, ws_lse, sem = (workspace_o, workspace_lse, semaphore) if split else (out, out, seq_lens)
+    group_p2 = triton.next_power_of_2(group)
+    merge_s = max(1, min(triton.next_power_of_2(num_splits), _MERGE_TILE // (group_p2 * head_dim)))
+    attn_fused_kernel[grid](
+        q, k_cache, v_cache, block_table, seq_lens, n, out, ws_o, ws_lse, sem,
+        scale, num_blocks, max_ctx, split_size, q.stride(0), q.stride(1),
+        block_table.stride(0), *cache_strides, out.stride(0), out.stride(1),
+        *((ws_o.stride(0), ws_o.stride(1), ws_o.stride(2)) if split else (0, 0, 0)),
+        *((ws_lse.stride(0), ws_lse.stride(1)) if split else (0, 0)),
+        sem.stride(0) if split else 0,
+        **geometry, GROUP_P2=group_p2, SPLIT=split, MERGE_S=merge_s, num_warps=4, num_stages=2)
     return out
 
 

@@ -22,7 +22,8 @@ every op returns ``None`` (a custom op may not return an alias of its input)::
                                           b_scale=None, num_warps=4, num_stages=4)
     torch.ops.graphrt.kv_append(k, v, slot_mapping, n, k_cache, v_cache)
     torch.ops.graphrt.decode_attention(q, k_cache, v_cache, block_table, seq_lens, n, out,
-                                       workspace_o, workspace_lse, sm_scale=None)
+                                       workspace_o, workspace_lse, sm_scale=None,
+                                       semaphore=None, variant="split")
     torch.ops.graphrt.add_rmsnorm(x, d1, d2, weight, eps, out, out_residual)   # d1, d2 optional
     torch.ops.graphrt.silu_and_mul(u, out)
     torch.ops.graphrt.deepgemm_masked_bf16(a, b, d, masked_m, expected_m)
@@ -171,14 +172,20 @@ def kv_append(k: Tensor, v: Tensor, slot_mapping: Tensor, n: Tensor, k_cache: Te
         k, v, slot_mapping, n, k_cache=k_cache, v_cache=v_cache)
 
 
-@_op("decode_attention", ("out", "workspace_o", "workspace_lse"))
+@_op("decode_attention", ("out", "workspace_o", "workspace_lse", "semaphore"))
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
-                     seq_lens: Tensor, n: Tensor, out: Tensor, workspace_o: Tensor,
-                     workspace_lse: Tensor, sm_scale: Optional[float] = None) -> None:
-    """``graphrt.kernels.attention.decode_attention`` (paged cache). Graph safety: capturable."""
+                     seq_lens: Tensor, n: Tensor, out: Tensor, workspace_o: Optional[Tensor],
+                     workspace_lse: Optional[Tensor], sm_scale: Optional[float] = None,
+                     semaphore: Optional[Tensor] = None, variant: str = "split") -> None:
+    """``graphrt.kernels.attention.decode_attention`` (paged cache, every ``variant``). A 1-D
+    empty workspace or semaphore stands for ``None`` (the launcher wrapper passes one: a
+    ``None`` mutated argument breaks fake-tensor tracing). Graph safety: capturable."""
+    def given(t):
+        return None if t is None or (t.dim() == 1 and t.numel() == 0) else t
     _launcher(f"{_KERNELS}.attention", "decode_attention")(
-        q, k_cache, v_cache, block_table, seq_lens, n, out=out, workspace_o=workspace_o,
-        workspace_lse=workspace_lse, sm_scale=sm_scale)
+        q, k_cache, v_cache, block_table, seq_lens, n, out=out, workspace_o=given(workspace_o),
+        workspace_lse=given(workspace_lse), sm_scale=sm_scale, semaphore=given(semaphore),
+        variant=variant)
 
 
 # ------------------------------------------------------------------------ norm / activation
@@ -260,10 +267,12 @@ def _wrappers() -> dict[tuple[str, str], object]:
     def kv_append_(k, v, slot_mapping, n, *, k_cache, v_cache):
         ops.kv_append(k, v, slot_mapping, n, k_cache, v_cache)
 
-    def decode_attention_(q, k_cache, v_cache, block_table, seq_lens, n, *, out, workspace_o,
-                          workspace_lse, sm_scale=None):
-        ops.decode_attention(q, k_cache, v_cache, block_table, seq_lens, n, out, workspace_o,
-                             workspace_lse, sm_scale)
+    def decode_attention_(q, k_cache, v_cache, block_table, seq_lens, n, *, out, workspace_o=None,
+                          workspace_lse=None, sm_scale=None, semaphore=None, variant="split"):
+        none = lambda t, dt: out.new_empty((0,), dtype=dt) if t is None else t  # noqa: E731
+        ops.decode_attention(q, k_cache, v_cache, block_table, seq_lens, n, out,
+                             none(workspace_o, torch.float32), none(workspace_lse, torch.float32),
+                             sm_scale, none(semaphore, torch.int32), variant)
         return out
 
     def add_rmsnorm_(x, *deltas, weight, eps, out, out_residual=None):

@@ -8,6 +8,8 @@ Graph safety: capturable (every ``__call__``); weights and caches are allocated 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from graphrt.moe.config import MoEConfig
@@ -75,7 +77,16 @@ class SharedExpert:
 class Attention:
     """GQA decode attention (no RoPE) over a paged KV cache: ``k_cache``/``v_cache`` bf16
     ``[kv_blocks, block_size, num_kv_heads, head_dim]`` (``MoEConfig``; the last block is the
-    scratch block padded rows point at). Cost follows each row's live context."""
+    scratch block padded rows point at). Cost follows each row's live context.
+
+    ``variant`` picks the decode-attention kernel (``graphrt.kernels.attention``): ``"auto"``
+    (``select_variant`` from the table reach ``max_blocks_per_seq * block_size``: split +
+    merge for the presets' 2048 positions, one pass without partials up to 256), or
+    ``"split"`` (split + merge, two launches), ``"fused"``, ``"single"``. Set it before capture
+    (a graph bakes the kernel): on an instance, on the class, or for a whole run (A/B
+    benchmarks) with ``GRAPHRT_ATTN_VARIANT`` in the environment at import."""
+
+    variant = os.environ.get("GRAPHRT_ATTN_VARIANT", "auto")
 
     def __init__(self, cfg: MoEConfig, device, gen):
         self.cfg = cfg
@@ -85,23 +96,33 @@ class Attention:
         # A cache full of earlier context (random, not zeros: zeros hide indexing bugs).
         self.k_cache = torch.randn(shape, generator=gen, device=device, dtype=cfg.dtype)
         self.v_cache = torch.randn(shape, generator=gen, device=device, dtype=cfg.dtype)
+        # The fused kernel's counters, int32 [num_slots, num_kv_heads]: zero here, zero after
+        # every launch (the kernel resets them), so graphs need no memset; rows [:bs] serve a
+        # step of bs rows. Per layer; every use is ordered on the compute stream.
+        self.semaphore = torch.zeros(cfg.num_slots, cfg.num_kv_heads, dtype=torch.int32,
+                                     device=device)
 
     def __call__(self, h, slot_mapping, block_table, seq_lens, n) -> torch.Tensor:
         """h ``[bs, hidden]``; slot_mapping int64 ``[bs]``, block_table int32
         ``[bs, max_blocks_per_seq]``, seq_lens int32 ``[bs]`` (the new token included) ->
         ``[bs, hidden]``. Writes the new K/V at ``slot_mapping`` (live rows only)."""
-        from graphrt.kernels.attention import attention_workspace_shape, decode_attention, kv_append
+        from graphrt.kernels.attention import (attention_workspace_shape, decode_attention,
+                                               kv_append, select_variant)
         cfg, bs = self.cfg, h.shape[0]
         qkv = h @ self.wqkv.t()                                            # [bs, q + 2 kv]
         q = qkv[:, :cfg.q_dim].view(bs, cfg.num_heads, cfg.head_dim)
         k = qkv[:, cfg.q_dim:cfg.q_dim + cfg.kv_dim].view(bs, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, cfg.q_dim + cfg.kv_dim:].view(bs, cfg.num_kv_heads, cfg.head_dim)
         kv_append(k, v, slot_mapping, n, k_cache=self.k_cache, v_cache=self.v_cache)
-        o_shape, lse_shape = attention_workspace_shape(
-            bs, cfg.num_heads, cfg.head_dim, cfg.max_blocks_per_seq * cfg.block_size)
-        ws_o = torch.empty(o_shape, dtype=torch.float32, device=h.device)
-        ws_lse = torch.empty(lse_shape, dtype=torch.float32, device=h.device)
+        max_ctx = cfg.max_blocks_per_seq * cfg.block_size
+        o_shape, lse_shape = attention_workspace_shape(bs, cfg.num_heads, cfg.head_dim, max_ctx)
+        variant = select_variant(max_ctx, o_shape[2]) if self.variant == "auto" else self.variant
+        ws_o = ws_lse = None
+        if variant != "single":                           # partials: [bs, heads, splits, d], [.., splits]
+            ws_o = torch.empty(o_shape, dtype=torch.float32, device=h.device)
+            ws_lse = torch.empty(lse_shape, dtype=torch.float32, device=h.device)
         o = torch.empty(bs, cfg.num_heads, cfg.head_dim, dtype=cfg.dtype, device=h.device)
         decode_attention(q, self.k_cache, self.v_cache, block_table, seq_lens, n, out=o,
-                         workspace_o=ws_o, workspace_lse=ws_lse)
+                         workspace_o=ws_o, workspace_lse=ws_lse,
+                         semaphore=self.semaphore[:bs] if variant == "fused" else None, variant=variant)
         return o.view(bs, cfg.q_dim) @ self.wo.t()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from graphrt.kernels.attention import attention_workspace, decode_attention
+from graphrt.kernels.attention import attention_semaphore, attention_workspace, decode_attention
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -48,18 +48,29 @@ def slots_of(block_table, positions, block_size):
     return blk * block_size + pos % block_size
 
 
-def run_attention(q, k_cache, v_cache, block_table, seq_lens, n, split_size, sm_scale=None):
-    """Launch with NaN-poisoned out and workspaces; returns out."""
+def run_attention(q, k_cache, v_cache, block_table, seq_lens, n, split_size, sm_scale=None,
+                  variant="split", semaphore=None):
+    """Launch with NaN-poisoned out and workspaces; returns out. With ``variant`` other than
+    ``"split"`` the launch runs twice (poisoned again in between) on one semaphore: both outputs
+    must be bitwise equal and the semaphore all zero after each (it resets itself)."""
     bs, num_heads, head_dim = q.shape
     max_ctx = block_table.shape[1] * k_cache.shape[1]
     wo, wl = attention_workspace(bs, num_heads, head_dim, max_ctx, q.device, split_size=split_size)
-    wo.fill_(float("nan"))
-    wl.fill_(float("nan"))
-    out = torch.full_like(q, float("nan"))
-    res = decode_attention(q, k_cache, v_cache, block_table, seq_lens, n, out=out, workspace_o=wo,
-                           workspace_lse=wl, sm_scale=sm_scale)
-    assert res is out
-    return out
+    if semaphore is None:
+        semaphore = attention_semaphore(bs, k_cache.shape[2], q.device)
+    outs = []
+    for _ in range(1 if variant == "split" else 2):
+        wo.fill_(float("nan"))
+        wl.fill_(float("nan"))
+        out = torch.full_like(q, float("nan"))
+        res = decode_attention(q, k_cache, v_cache, block_table, seq_lens, n, out=out,
+                               workspace_o=wo, workspace_lse=wl, sm_scale=sm_scale,
+                               semaphore=semaphore, variant=variant)
+        assert res is out
+        assert not semaphore.any(), f"semaphore not reset: {semaphore.tolist()}"
+        outs.append(out)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:]), "a repeated launch changed the output"
+    return outs[0]
 
 
 def check_attention(out, ref, n_live, tol=1e-2):

@@ -1,14 +1,18 @@
 """KV append + GQA split-K decode attention over a paged KV cache, on the CPU interpreter
 (GPU checks at real sizes: test_attention_gpu.py). Block tables are random (shuffled,
-non-contiguous blocks); the last block is the scratch block padded rows point at."""
+non-contiguous blocks); the last block is the scratch block padded rows point at. Every
+variant (``split``, ``fused``, ``single``) against the torch reference; ``run_attention``
+launches one-launch variants twice on one semaphore: reset to zeros, output bitwise equal."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from graphrt.kernels.attention import (attention_workspace_shape, decode_attention,
+from graphrt.kernels import attention as attn
+from graphrt.kernels.attention import (attention_semaphore, attention_workspace,
+                                       attention_workspace_shape, decode_attention,
                                        decode_attention_ref, gather_pages, kv_append,
-                                       kv_append_ref, num_splits_for)
+                                       kv_append_ref, num_splits_for, select_variant)
 from paged_cases import (block_table_for, check_attention, i32, paged_cache, randn_bf16, rel_err,
                          run_attention, slots_of)
 
@@ -25,6 +29,20 @@ def test_num_splits_and_workspace_shape():
         num_splits_for(0)
 
 
+def test_select_variant_depends_on_host_shapes_only():
+    """The rule of variant="auto": one pass up to SINGLE_PASS_MAX_CTX or with one split, the
+    fused launch up to FUSED_MAX_SPLITS splits (0: measured slower on an H200), the two-launch
+    path past that."""
+    assert select_variant(16, 1) == select_variant(4096, 1) == "single"
+    assert select_variant(attn.SINGLE_PASS_MAX_CTX, 4) == "single"
+    assert attn.FUSED_MAX_SPLITS == 0
+    assert select_variant(512, num_splits_for(512)) == "split"
+    assert select_variant(2048, num_splits_for(2048)) == "split"        # the presets: 8 splits
+    assert select_variant(10 ** 5, 17) == "split"
+    with pytest.raises(ValueError, match="num_splits"):
+        select_variant(64, 0)
+
+
 def test_gather_pages_orders_positions_through_the_table():
     cache = torch.arange(5 * 4, dtype=torch.float32).view(5, 4, 1, 1)   # value = slot
     table = i32([[3, 0, 4], [1, 1, 2]])
@@ -33,6 +51,10 @@ def test_gather_pages_orders_positions_through_the_table():
                             [4, 5, 6, 7, 4, 5, 6, 7, 8, 9, 10, 11]]
 
 
+VARIANTS = ["split", "fused", "single"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("block_size, split_size", [
     (16, 64),      # 4 pages per inner step, 1 step per split
@@ -40,7 +62,7 @@ def test_gather_pages_orders_positions_through_the_table():
     (128, 64),     # half a page per inner step
     (8, 10 ** 4),  # 8 pages per inner step, one split
 ])
-def test_decode_attention_matches_ref(group, block_size, split_size):
+def test_decode_attention_matches_ref(group, block_size, split_size, variant):
     kvh, d, max_blocks = 2, 64, -(-200 // block_size)
     max_ctx = max_blocks * block_size
     seq_lens = [1, max_ctx, 77, 0, block_size, block_size + 1, 2 * block_size - 1, 50, 9]
@@ -49,13 +71,14 @@ def test_decode_attention_matches_ref(group, block_size, split_size):
     table = block_table_for(seq_lens, block_size, max_blocks, num_blocks, seed=block_size)
     q = randn_bf16(len(seq_lens), kvh * group, d, seed=2)
     n = i32([7])  # rows 7, 8 are padding
-    out = run_attention(q, k_cache, v_cache, table, i32(seq_lens), n, split_size)
+    out = run_attention(q, k_cache, v_cache, table, i32(seq_lens), n, split_size, variant=variant)
     ref = decode_attention_ref(q, k_cache, v_cache, table, i32(seq_lens), n)
     check_attention(out, ref, 7)
     assert (out[3] == 0).all(), "a row with seq_len 0 must be zeros"
 
 
-def test_placement_of_pages_does_not_change_the_result():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_placement_of_pages_does_not_change_the_result(variant):
     """The same logical K/V in shuffled blocks and in blocks 0, 1, 2, ... give bitwise the same
     output; positions past seq_len (tail of the last page, unused table entries) are never read."""
     block_size, kvh, d, max_blocks, heads = 16, 2, 32, 6, 8
@@ -76,7 +99,7 @@ def test_placement_of_pages_does_not_change_the_result():
                 k_cache[blk, p % block_size] = logical_k[b, p]
                 v_cache[blk, p % block_size] = logical_v[b, p]
         table[:, -1] = 10 ** 6 if table is shuffled else -5  # garbage past every seq_len
-        outs.append(run_attention(q, k_cache, v_cache, table, i32(seq_lens), n, 64))
+        outs.append(run_attention(q, k_cache, v_cache, table, i32(seq_lens), n, 64, variant=variant))
     assert not torch.isnan(outs[0].float()).any(), "read a position past seq_len"
     assert torch.equal(outs[0], outs[1])
     clean = (logical_k.view(bs * max_blocks, block_size, kvh, d),
@@ -84,7 +107,8 @@ def test_placement_of_pages_does_not_change_the_result():
     check_attention(outs[0], decode_attention_ref(q, *clean, dense, i32(seq_lens), n), bs)
 
 
-def test_decode_attention_sm_scale_and_clamps():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_attention_sm_scale_and_clamps(variant):
     block_size, kvh, d, max_blocks = 16, 2, 64, 6       # max_ctx 96
     k_cache, v_cache = paged_cache(20, block_size, kvh, d, seed=3)
     table = block_table_for([96, 30, 96, 5], block_size, max_blocks, 20, seed=3)
@@ -92,7 +116,7 @@ def test_decode_attention_sm_scale_and_clamps():
     table[3, 0] = 999
     q = randn_bf16(4, 8, d, seed=4)
     seq_lens, n = i32([500, 30, 96, 5]), i32([4])      # 500 > max_ctx: treated as max_ctx
-    out = run_attention(q, k_cache, v_cache, table, seq_lens, n, 64, sm_scale=0.3)
+    out = run_attention(q, k_cache, v_cache, table, seq_lens, n, 64, sm_scale=0.3, variant=variant)
     ref = decode_attention_ref(q, k_cache, v_cache, table, seq_lens, n, sm_scale=0.3)
     check_attention(out, ref, 4)
     clamped = decode_attention_ref(q, k_cache, v_cache, table, i32([96, 30, 96, 5]), n, sm_scale=0.3)
@@ -100,6 +124,111 @@ def test_decode_attention_sm_scale_and_clamps():
     fixed = table.clone()
     fixed[1, 0], fixed[3, 0] = 0, 19
     assert torch.equal(ref, decode_attention_ref(q, k_cache, v_cache, fixed, seq_lens, n, sm_scale=0.3))
+
+
+@pytest.mark.parametrize("group, block_size, merge_s", [(1, 8, None), (8, 16, None), (3, 32, 2),
+                                                         (4, 16, 1)])
+def test_fused_lengths_straddling_splits(group, block_size, merge_s, monkeypatch):
+    """4 splits of 64: lengths on both sides of every split edge, 1, 0, past the reach; GQA
+    groups not powers of two; merges in steps of 1 or 2 splits (``merge_s``: smaller merge
+    tiles). One-split rows are bitwise the two-launch path's; only rows with 2+ write partials."""
+    kvh, d, max_ctx, split, max_blocks = 2, 32, 256, 64, 256 // block_size
+    if merge_s is not None:
+        monkeypatch.setattr(attn, "_MERGE_TILE", merge_s * (1 << (group - 1).bit_length()) * d)
+    seq_lens = [63, 64, 65, 128, 129, 192, 193, 256, 1, 0, 300, 40]
+    bs, n_live = len(seq_lens), len(seq_lens) - 1           # the last row is padding
+    num_blocks = bs * max_blocks + 1
+    k_cache, v_cache = paged_cache(num_blocks, block_size, kvh, d, seed=20)
+    table = block_table_for(seq_lens, block_size, max_blocks, num_blocks, seed=21)
+    q = randn_bf16(bs, kvh * group, d, seed=22)
+    lens, n = i32(seq_lens), i32([n_live])
+    ref = decode_attention_ref(q, k_cache, v_cache, table, lens, n)
+    outs = {v: run_attention(q, k_cache, v_cache, table, lens, n, split, variant=v) for v in VARIANTS}
+    for out in outs.values():
+        check_attention(out, ref, n_live)
+    live = [-(-min(L, max_ctx) // split) if b < n_live and L > 0 else 0 for b, L in enumerate(seq_lens)]
+    one = [b for b, s in enumerate(live) if s == 1]
+    assert torch.equal(outs["fused"][one], outs["split"][one])
+    wo, wl = attention_workspace(bs, kvh * group, d, max_ctx, "cpu", split_size=split)
+    wo.fill_(float("nan")), wl.fill_(float("nan"))
+    decode_attention(q, k_cache, v_cache, table, lens, n, out=torch.empty_like(q), workspace_o=wo,
+                     workspace_lse=wl, semaphore=attention_semaphore(bs, kvh, "cpu"), variant="fused")
+    written = (~torch.isnan(wl)).sum(dim=(1, 2)) // (kvh * group)  # partials per row
+    assert written.tolist() == [s if s >= 2 else 0 for s in live]
+
+
+def test_fused_semaphore_serves_consecutive_launches():
+    """One buffer (the model's: rows [:bs] of [num_slots, num_kv_heads]) serves launches of
+    other sizes, lengths and live counts one after another, as layers and replays use it."""
+    block_size, kvh, d, max_blocks, heads = 16, 2, 32, 8, 8     # reach 128: 2 splits of 64
+    sem = attention_semaphore(8, kvh, "cpu")
+    for it, (lens, live) in enumerate([([128, 65, 3, 0, 100], 4), ([64, 65, 128, 1, 127, 90, 2, 70], 8),
+                                       ([70, 128, 1], 2), ([128] * 8, 8)]):
+        bs, num_blocks = len(lens), len(lens) * max_blocks + 1
+        k_cache, v_cache = paged_cache(num_blocks, block_size, kvh, d, seed=30 + it)
+        table = block_table_for(lens, block_size, max_blocks, num_blocks, seed=31 + it)
+        q, n = randn_bf16(bs, heads, d, seed=32 + it), i32([live])
+        out = run_attention(q, k_cache, v_cache, table, i32(lens), n, 64, variant="fused",
+                            semaphore=sem[:bs])
+        check_attention(out, decode_attention_ref(q, k_cache, v_cache, table, i32(lens), n), live)
+        assert not sem.any()
+
+
+def test_variants_through_the_custom_op():
+    """torch.ops.graphrt.decode_attention takes ``semaphore`` and ``variant``: bitwise the launcher,
+    opcheck passes; the launcher-shaped wrapper maps missing workspaces to empty tensors."""
+    import graphrt.kernels.ops as gops
+    block_size, kvh, d, max_blocks, heads, bs = 16, 2, 32, 8, 4, 4
+    lens, n = i32([128, 65, 0, 30]), i32([3])
+    k_cache, v_cache = paged_cache(bs * max_blocks + 1, block_size, kvh, d, seed=40)
+    table = block_table_for(lens.tolist(), block_size, max_blocks, bs * max_blocks + 1, seed=41)
+    q = randn_bf16(bs, heads, d, seed=42)
+    args = (q, k_cache, v_cache, table, lens, n)
+    kw = lambda: dict(out=torch.zeros_like(q), semaphore=attention_semaphore(bs, kvh, "cpu"),  # noqa: E731
+                      **dict(zip(("workspace_o", "workspace_lse"),
+                                 attention_workspace(bs, heads, d, 128, "cpu", split_size=64))))
+    want, got = kw(), kw()
+    decode_attention(*args, **want, variant="fused")
+    assert torch.ops.graphrt.decode_attention(*args, **got, variant="fused") is None
+    assert torch.equal(got["out"], want["out"]) and not got["semaphore"].any()
+    torch.library.opcheck(torch.ops.graphrt.decode_attention.default, args, dict(kw(), variant="fused"),
+                          test_utils=("test_schema", "test_faketensor"))
+    with gops.launchers_as_ops():
+        got = attn.decode_attention(*args, out=torch.zeros_like(q), variant="single")
+    check_attention(got, decode_attention_ref(*args), 3)
+
+
+def test_model_attention_layer_runs_the_fused_kernel(monkeypatch):
+    """The reference model's ``Attention`` at a 512-position reach (2 splits): ``variant="fused"``
+    runs the fused launch on the layer's own semaphore (zero again afterwards) and matches
+    the two-launch path (what ``"auto"`` picks there); padded rows stay zeros."""
+    from graphrt.moe import preset
+    from graphrt.moe.layers import Attention
+    from graphrt.moe.paged_kv import example_inputs
+    cfg = preset("tiny", max_ctx=512, num_slots=4)
+    layer = Attention(cfg, "cpu", torch.Generator().manual_seed(0))
+    assert select_variant(512, num_splits_for(512)) == "split"
+    layer.variant = "fused"                                    # whatever GRAPHRT_ATTN_VARIANT says
+    assert layer.semaphore.shape == (cfg.num_slots, cfg.num_kv_heads) and not layer.semaphore.any()
+    inp = example_inputs(cfg, 3, "cpu", torch.Generator().manual_seed(1))
+    inp["seq_lens"][0] = 300                                   # two live splits at least once
+    caches = layer.k_cache.clone(), layer.v_cache.clone()
+    args = (randn_bf16(3, cfg.hidden, seed=2), inp["slot_mapping"], inp["block_table"],
+            inp["seq_lens"], i32([2]))
+    seen = []
+
+    def spy(*a, **kw):
+        seen.append((kw["variant"], kw["semaphore"]))
+        return decode_attention(*a, **kw)
+    monkeypatch.setattr(attn, "decode_attention", spy)
+    fused = layer(*args)
+    assert seen[0][0] == "fused" and seen[0][1].data_ptr() == layer.semaphore.data_ptr()
+    assert not layer.semaphore.any()
+    layer.k_cache.copy_(caches[0]), layer.v_cache.copy_(caches[1])
+    layer.variant = "split"
+    split = layer(*args)
+    assert [v for v, _ in seen] == ["fused", "split"]
+    assert torch.equal(fused[2:], split[2:]) and rel_err(fused, split) < 1e-2
 
 
 @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
@@ -233,6 +362,26 @@ def test_decode_attention_validation(bad, match):
         decode_attention(a["q"], a["k_cache"], a["v_cache"], a["block_table"], a["seq_lens"],
                          a["n"], out=a["out"], workspace_o=a["workspace_o"],
                          workspace_lse=a["workspace_lse"])
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(variant="merge"), r"variant: expected split \| fused \| single \| auto, got 'merge'"),
+    (dict(variant="fused"), r"semaphore: expected an int32 tensor with variant='fused'"),
+    (dict(variant="fused", semaphore=torch.zeros(2, 4, dtype=torch.int32)),
+     r"semaphore\.shape: expected \(2, 2\), got \(2, 4\)"),
+    (dict(variant="fused", semaphore=torch.zeros(2, 2)), r"semaphore\.dtype: expected torch\.int32"),
+    (dict(variant="split", workspace_o=None), r"workspace_o: expected a tensor with variant='split'"),
+    (dict(variant="fused", workspace_o=None), r"workspace_o: expected a tensor with variant='fused'"),
+    (dict(variant="single", workspace_o=None, workspace_lse=None), None),  # no workspace needed
+    (dict(variant="auto", workspace_o=None, workspace_lse=None), None),    # counts 1 split: single
+])
+def test_decode_attention_variant_validation(over, match):
+    a = _attn_args(**{"workspace_o": torch.zeros(2, 4, 2, 64), "workspace_lse": torch.zeros(2, 4, 2), **over})
+    if match is None:
+        assert torch.equal(decode_attention(**a), torch.zeros_like(a["out"]))  # q, caches: zeros
+        return
+    with pytest.raises(ValueError, match=match):
+        decode_attention(**a)
 
 
 @pytest.mark.parametrize("bad, match", [

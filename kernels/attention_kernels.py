@@ -1,0 +1,281 @@
+"""Triton bodies of paged GQA decode attention (launchers, policy and the torch reference:
+``graphrt.kernels.attention``).
+
+Three kernels share one inner loop (:func:`_attend`, online softmax over a range of positions
+for the whole GQA group of one kv head):
+
+- ``attn_split_kernel`` + ``attn_merge_kernel``: the two-launch path (``variant="split"``).
+  Kernel 1 writes one fp32 partial ``(o, lse)`` per (row, q head, live split); kernel 2
+  combines them with log-sum-exp weights.
+- ``attn_fused_kernel``: one launch (``variant="fused"`` / ``"single"``). With ``SPLIT`` the
+  programs of a (row, kv head) write their partials, then count themselves on an int32
+  semaphore (atomic add, acq_rel, gpu scope); the program that sees ``num_live - 1`` merges
+  every partial into ``out`` and sets the semaphore back to 0. Without ``SPLIT`` there is one
+  program per (row, kv head) and no partial at all.
+
+Which programs take part (both paths): a (row, kv head) has ``num_live = cdiv(ctx,
+split_size)`` live splits, ``ctx = min(seq_len, max_ctx)``, and ``num_live = 0`` on padding
+rows (``>= n``) and rows with ``seq_len <= 0``. Splits ``>= num_live`` are *excluded*: they
+return before touching a partial or the semaphore, so the count a (row, kv head) waits for is
+``num_live``, which every one of its programs computes from the same ``seq_lens[b]`` and ``n``.
+Every split ``< num_live`` holds at least one position (``split * split_size < ctx``).
+In the fused kernel a row with ``num_live == 0`` gets zeros from its split 0; a row with
+``num_live == 1`` is written directly by split 0 (no partial, no atomic: bitwise what the
+two-launch path writes, since a one-split merge is ``1 * o / 1``); only rows with two or more
+live splits use the partials and the semaphore.
+
+Memory ordering of the fused merge (the "last block" pattern of CUTLASS's semaphore): the
+partial stores of all threads of a program, then a CTA barrier, then one thread's
+``atom.add.acq_rel.gpu`` (release: the partials are visible before the count; acquire: the
+last program sees every other program's partials), and the merge reads partials with
+``.cg`` loads (L2, never a stale L1 line).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_LN2 = tl.constexpr(0.6931471805599453)  # ln 2: base-2 lse back to natural log
+
+
+@triton.jit
+def _attend(q, k_cache_ptr, v_cache_ptr, table, kvh, start, end, qk_scale, num_blocks,
+            stride_cb, stride_ct, stride_ch,
+            GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+            BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+    """Online softmax of ``q`` [GROUP_PAD, HEAD_DIM] over positions ``[start, end)`` (at least
+    one) of one row (``table``: its block-table row) and kv head -> ``(acc, m, l)``: the
+    unnormalised output [GROUP_PAD, HEAD_DIM] fp32, the running max and sum (base 2)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)  # running max (base 2)
+    l_i = tl.zeros((GROUP_PAD,), dtype=tl.float32)  # running sum of exp2
+    acc = tl.zeros((GROUP_PAD, HEAD_DIM), dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        mask_n = pos < end
+        blk = tl.load(table + pos // PAGE, mask=mask_n, other=0)  # [BLOCK_N] page of each position
+        blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)  # a bad table never reads out of bounds
+        row = blk.to(tl.int64) * stride_cb + (pos % PAGE) * stride_ct + kvh * stride_ch
+        kv_off = row[:, None] + offs_d[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=mask_n[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+        v = tl.load(v_cache_ptr + kv_off, mask=mask_n[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N]
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every step has a live position
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _load_q(q_ptr, b, kvh, stride_qb, stride_qh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+            HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
+    """The GQA group of kv head ``kvh`` of row ``b``: [GROUP_PAD, HEAD_DIM], zero rows past GROUP."""
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kvh * GROUP + offs_g
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=(offs_g < GROUP)[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
+def attn_split_kernel(
+    q_ptr,  # bf16 [padded_bs, num_heads, head_dim]
+    k_cache_ptr, v_cache_ptr,  # bf16 [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table_ptr,  # int32 [padded_bs, max_blocks_per_seq]: block of each row's pages
+    seq_lens_ptr,  # int32 [padded_bs]: valid positions of each row (new token included)
+    n_ptr,  # int32 [1]: live rows
+    ws_o_ptr,  # fp32 [padded_bs, num_heads, num_splits, head_dim]: partial outputs
+    ws_lse_ptr,  # fp32 [padded_bs, num_heads, num_splits]: partial log-sum-exp (natural log)
+    qk_scale,  # sm_scale * log2(e): scores are kept in base 2
+    num_blocks, max_ctx, split_size,  # cache blocks; table reach; positions per split (x BLOCK_N)
+    stride_qb, stride_qh,  # strides of q (row, head)
+    stride_bt,  # row stride of block_table (entries are contiguous)
+    stride_cb, stride_ct, stride_ch,  # strides of the caches (block, offset, head)
+    stride_ob, stride_oh, stride_os,  # strides of ws_o (row, head, split)
+    stride_lb, stride_lh,  # strides of ws_lse (row, head); split stride is 1
+    GROUP: tl.constexpr,  # q heads per kv head
+    GROUP_PAD: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot rows)
+    HEAD_DIM: tl.constexpr,  # head_dim (a power of two)
+    PAGE: tl.constexpr,  # block_size (a power of two)
+    BLOCK_N: tl.constexpr,  # positions per inner step
+    UPCAST: tl.constexpr,  # True under the interpreter: dots in fp32
+):
+    b = tl.program_id(0)  # row
+    kvh = tl.program_id(1)  # kv head
+    split = tl.program_id(2)  # chunk of the context
+    ctx = tl.minimum(tl.load(seq_lens_ptr + b), max_ctx)
+    start = split * split_size
+    if (b >= tl.load(n_ptr)) | (start >= ctx):
+        return  # padding row or chunk past the live context: no work, nothing written
+    end = tl.minimum(start + split_size, ctx)
+    q = _load_q(q_ptr, b, kvh, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM, UPCAST)
+    acc, m_i, l_i = _attend(q, k_cache_ptr, v_cache_ptr, block_table_ptr + b * stride_bt, kvh,
+                            start, end, qk_scale, num_blocks, stride_cb, stride_ct, stride_ch,
+                            GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N, UPCAST)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_g = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    o = acc / l_i[:, None]
+    lse = (m_i + tl.log2(l_i)) * _LN2  # back to natural log
+    o_ptrs = ws_o_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+    tl.store(o_ptrs, o, mask=mask_g[:, None])
+    tl.store(ws_lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=mask_g)
+
+
+@triton.jit
+def attn_merge_kernel(
+    out_ptr,  # bf16 [padded_bs, num_heads, head_dim]
+    ws_o_ptr,  # fp32 [padded_bs, num_heads, num_splits, head_dim]: partial outputs
+    ws_lse_ptr,  # fp32 [padded_bs, num_heads, num_splits]: partial log-sum-exp
+    seq_lens_ptr,  # int32 [padded_bs]: valid positions of each row
+    n_ptr,  # int32 [1]: live rows
+    max_ctx, split_size,  # same values kernel 1 ran with
+    stride_outb, stride_outh,  # strides of out (row, head)
+    stride_ob, stride_oh, stride_os,  # strides of ws_o (row, head, split)
+    stride_lb, stride_lh,  # strides of ws_lse (row, head); split stride is 1
+    HEAD_DIM: tl.constexpr,  # head_dim (a power of two)
+):
+    b = tl.program_id(0)  # row
+    h = tl.program_id(1)  # q head
+    offs_d = tl.arange(0, HEAD_DIM)
+    out_ptrs = out_ptr + b * stride_outb + h * stride_outh + offs_d
+    ctx = tl.minimum(tl.load(seq_lens_ptr + b), max_ctx)
+    if (b >= tl.load(n_ptr)) | (ctx <= 0):
+        tl.store(out_ptrs, tl.zeros((HEAD_DIM,), dtype=tl.float32).to(out_ptr.dtype.element_ty))
+        return
+    num_live = tl.cdiv(ctx, split_size)  # splits kernel 1 wrote
+    e_max = float("-inf")
+    e_sum = 0.0
+    acc = tl.zeros((HEAD_DIM,), dtype=tl.float32)
+    for s in range(0, num_live):
+        lse = tl.load(ws_lse_ptr + b * stride_lb + h * stride_lh + s)
+        o = tl.load(ws_o_ptr + b * stride_ob + h * stride_oh + s * stride_os + offs_d)
+        new_max = tl.maximum(e_max, lse)
+        scale = tl.exp(e_max - new_max)
+        w = tl.exp(lse - new_max)
+        acc = acc * scale + w * o
+        e_sum = e_sum * scale + w
+        e_max = new_max
+    tl.store(out_ptrs, (acc / e_sum).to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _merge_group(out_row, ws_o_row, ws_lse_row, kvh, num_live,
+                 stride_outh, stride_oh, stride_os, stride_lh,
+                 GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 MERGE_S: tl.constexpr):
+    """Log-sum-exp merge of the ``num_live`` partials of the GROUP q heads of ``kvh`` into
+    ``out_row``, MERGE_S splits per step ([GROUP_P2, MERGE_S, HEAD_DIM] tiles, ``.cg`` loads)."""
+    offs_g = tl.arange(0, GROUP_P2)
+    offs_s = tl.arange(0, MERGE_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_g = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    m = tl.full((GROUP_P2,), float("-inf"), dtype=tl.float32)
+    e_sum = tl.zeros((GROUP_P2,), dtype=tl.float32)
+    acc = tl.zeros((GROUP_P2, HEAD_DIM), dtype=tl.float32)
+    for s0 in range(0, num_live, MERGE_S):
+        s = s0 + offs_s
+        mask_gs = mask_g[:, None] & (s < num_live)[None, :]  # [GROUP_P2, MERGE_S]
+        lse = tl.load(ws_lse_row + heads[:, None] * stride_lh + s[None, :], mask=mask_gs,
+                      other=float("-inf"), cache_modifier=".cg")
+        lse = tl.where(mask_g[:, None], lse, 0.0)  # padded heads: finite (never stored)
+        m_new = tl.maximum(m, tl.max(lse, axis=1))  # finite: split s0 is live
+        scale = tl.exp(m - m_new)
+        w = tl.exp(lse - m_new[:, None])  # [GROUP_P2, MERGE_S], 0 past num_live
+        o = tl.load(ws_o_row + heads[:, None, None] * stride_oh + s[None, :, None] * stride_os
+                    + offs_d[None, None, :], mask=mask_gs[:, :, None], other=0.0,
+                    cache_modifier=".cg")  # [GROUP_P2, MERGE_S, HEAD_DIM]
+        acc = acc * scale[:, None] + tl.sum(w[:, :, None] * o, axis=1)
+        e_sum = e_sum * scale + tl.sum(w, axis=1)
+        m = m_new
+    tl.store(out_row + heads[:, None] * stride_outh + offs_d[None, :],
+             (acc / e_sum[:, None]).to(out_row.dtype.element_ty), mask=mask_g[:, None])
+
+
+@triton.jit
+def attn_fused_kernel(
+    q_ptr,  # bf16 [padded_bs, num_heads, head_dim]
+    k_cache_ptr, v_cache_ptr,  # bf16 [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table_ptr,  # int32 [padded_bs, max_blocks_per_seq]
+    seq_lens_ptr,  # int32 [padded_bs]
+    n_ptr,  # int32 [1]: live rows
+    out_ptr,  # bf16 [padded_bs, num_heads, head_dim]
+    ws_o_ptr,  # fp32 [padded_bs, num_heads, num_splits, head_dim] (unused without SPLIT)
+    ws_lse_ptr,  # fp32 [padded_bs, num_heads, num_splits] (unused without SPLIT)
+    sem_ptr,  # int32 [padded_bs, num_kv_heads]: all 0 on entry and on exit (unused without SPLIT)
+    qk_scale,  # sm_scale * log2(e)
+    num_blocks, max_ctx, split_size,  # cache blocks; table reach; positions per split (x BLOCK_N)
+    stride_qb, stride_qh,  # strides of q (row, head)
+    stride_bt,  # row stride of block_table
+    stride_cb, stride_ct, stride_ch,  # strides of the caches (block, offset, head)
+    stride_outb, stride_outh,  # strides of out (row, head)
+    stride_ob, stride_oh, stride_os,  # strides of ws_o (row, head, split)
+    stride_lb, stride_lh,  # strides of ws_lse (row, head); split stride is 1
+    stride_sb,  # row stride of the semaphore (kv head stride is 1)
+    GROUP: tl.constexpr,  # q heads per kv head
+    GROUP_PAD: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot rows)
+    GROUP_P2: tl.constexpr,  # GROUP padded to a power of two (merge tiles)
+    HEAD_DIM: tl.constexpr,  # head_dim (a power of two)
+    PAGE: tl.constexpr,  # block_size (a power of two)
+    BLOCK_N: tl.constexpr,  # positions per inner step
+    SPLIT: tl.constexpr,  # False: grid has one split and split_size >= max_ctx (single pass)
+    MERGE_S: tl.constexpr,  # splits per merge step of the last program (a power of two)
+    UPCAST: tl.constexpr,  # True under the interpreter: dots in fp32
+):
+    b = tl.program_id(0)  # row
+    kvh = tl.program_id(1)  # kv head
+    split = tl.program_id(2)  # chunk of the context
+    ctx = tl.minimum(tl.load(seq_lens_ptr + b), max_ctx)
+    live = (b < tl.load(n_ptr)) & (ctx > 0)
+    num_live = tl.where(live, tl.cdiv(ctx, split_size), 0)  # same in every program of (b, kvh)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_g = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    out_row = out_ptr + b * stride_outb
+    out_ptrs = out_row + heads[:, None] * stride_outh + offs_d[None, :]
+    if split >= num_live:  # excluded: writes no partial, never counts
+        if split == 0:  # padding row or seq_len <= 0
+            tl.store(out_ptrs, tl.zeros((GROUP_PAD, HEAD_DIM), dtype=out_ptr.dtype.element_ty),
+                     mask=mask_g[:, None])
+        return
+    start = split * split_size
+    end = tl.minimum(start + split_size, ctx)
+    q = _load_q(q_ptr, b, kvh, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM, UPCAST)
+    acc, m_i, l_i = _attend(q, k_cache_ptr, v_cache_ptr, block_table_ptr + b * stride_bt, kvh,
+                            start, end, qk_scale, num_blocks, stride_cb, stride_ct, stride_ch,
+                            GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N, UPCAST)
+    o = acc / l_i[:, None]
+    if SPLIT:
+        if num_live > 1:
+            lse = (m_i + tl.log2(l_i)) * _LN2
+            ws_o_row = ws_o_ptr + b * stride_ob
+            ws_lse_row = ws_lse_ptr + b * stride_lb
+            tl.store(ws_o_row + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :],
+                     o, mask=mask_g[:, None])
+            tl.store(ws_lse_row + heads * stride_lh + split, lse, mask=mask_g)
+            tl.debug_barrier()  # every thread's partial stores before the release below
+            sem = sem_ptr + b * stride_sb + kvh
+            count = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")  # programs before this one
+            if count == num_live - 1:  # the last: every partial is visible
+                _merge_group(out_row, ws_o_row, ws_lse_row, kvh, num_live,
+                             stride_outh, stride_oh, stride_os, stride_lh,
+                             GROUP, GROUP_P2, HEAD_DIM, MERGE_S)
+                tl.atomic_xchg(sem, 0, sem="relaxed", scope="gpu")  # clean for the next launch
+        else:
+            tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
+    else:
+        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
