@@ -31,6 +31,30 @@ def add_rmsnorm(x: torch.Tensor, *deltas: torch.Tensor, weight: torch.Tensor,
     return (res if deltas else x), out
 
 
+_DENSE = os.environ.get("GRAPHRT_DENSE", "torch")  # "torch" (cuBLAS) | "gemv"; read at import
+
+
+def dense_path(x: torch.Tensor, w: torch.Tensor) -> str:
+    """Which path :func:`dense` takes: ``"gemv"`` with ``GRAPHRT_DENSE=gemv`` for bf16,
+    contiguous x ``[rows <= 16, in]`` and w on a CUDA device, else ``"torch"``."""
+    ok = (_DENSE == "gemv" and x.device.type == "cuda" and x.dim() == 2 and x.shape[0] <= 16
+          and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+          and x.is_contiguous() and w.is_contiguous())
+    return "gemv" if ok else "torch"
+
+
+def dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.t()``: x ``[bs, in]``, w ``[out, in]`` (row-major weights) -> ``[bs, out]``.
+    cuBLAS by default; the decode GEMV (``graphrt.kernels.dense_gemv``, reads w once) where
+    :func:`dense_path` says so. A graph bakes the path: set ``GRAPHRT_DENSE`` before import.
+
+    Graph safety: capturable"""
+    if dense_path(x, w) == "gemv":
+        from graphrt.kernels.dense_gemv import dense_gemv_auto
+        return dense_gemv_auto(x, w)
+    return x @ w.t()
+
+
 class Router:
     """Gate GEMM + top-k routing. Returns (weights fp32 ``[bs, num_topk]``, ids int64
     ``[bs, num_topk]``); padded rows get id -1 and weight 0 so they create no expert traffic."""
@@ -46,7 +70,7 @@ class Router:
         from graphrt.kernels import routing
         cfg, bs = self.cfg, h.shape[0]
         if self.logit_bias is None:
-            logits = h @ self.w.t()                                        # [bs, num_experts]
+            logits = dense(h, self.w)                                      # [bs, num_experts]
         else:
             logits = torch.addmm(self.logit_bias, h, self.w.t())
         w = torch.empty(bs, cfg.num_topk, dtype=torch.float32, device=h.device)
@@ -69,9 +93,9 @@ class SharedExpert:
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         from graphrt.kernels.activation import silu_and_mul
-        gu = h @ self.w13.t()                                              # [bs, 2 * inter]
+        gu = dense(h, self.w13)                                            # [bs, 2 * inter]
         a = torch.empty(h.shape[0], self.inter, dtype=h.dtype, device=h.device)
-        return silu_and_mul(gu, out=a) @ self.w2.t()
+        return dense(silu_and_mul(gu, out=a), self.w2)
 
 
 class Attention:
@@ -109,7 +133,7 @@ class Attention:
         from graphrt.kernels.attention import (attention_workspace_shape, decode_attention,
                                                kv_append, select_variant)
         cfg, bs = self.cfg, h.shape[0]
-        qkv = h @ self.wqkv.t()                                            # [bs, q + 2 kv]
+        qkv = dense(h, self.wqkv)                                          # [bs, q + 2 kv]
         q = qkv[:, :cfg.q_dim].view(bs, cfg.num_heads, cfg.head_dim)
         k = qkv[:, cfg.q_dim:cfg.q_dim + cfg.kv_dim].view(bs, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, cfg.q_dim + cfg.kv_dim:].view(bs, cfg.num_kv_heads, cfg.head_dim)
@@ -125,4 +149,4 @@ class Attention:
         decode_attention(q, self.k_cache, self.v_cache, block_table, seq_lens, n, out=o,
                          workspace_o=ws_o, workspace_lse=ws_lse,
                          semaphore=self.semaphore[:bs] if variant == "fused" else None, variant=variant)
-        return o.view(bs, cfg.q_dim) @ self.wo.t()
+        return dense(o.view(bs, cfg.q_dim), self.wo)

@@ -31,7 +31,7 @@ from graphrt.comm.local import LocalComm
 from graphrt.moe.config import MoEConfig
 from graphrt.moe.experts import Experts
 from graphrt.moe import paged_kv
-from graphrt.moe.layers import Attention, Router, SharedExpert, add_rmsnorm
+from graphrt.moe.layers import Attention, Router, SharedExpert, add_rmsnorm, dense
 from graphrt.moe.workspace import Workspace
 from graphrt.spec import Input, StepSpec
 
@@ -214,7 +214,7 @@ class MoEModel:
         self.comm.end_step()
         if self.expert_map is not None:
             self.expert_map.advance()
-        return {"logits": h @ self.lm_head.t()}                            # h: final-normed x
+        return {"logits": dense(h, self.lm_head)}                          # h: final-normed x
 
     def weight_bytes(self, bs: int | None = None) -> dict:
         """Bytes a step must read: expert weights (all local experts), dense weights."""
