@@ -20,12 +20,12 @@ Tooling: synchronizes the device; nothing here runs inside a step.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 
 import torch
+
+from graphrt.bench.output import int_list, save_doc
 
 SCHEMA = "graphrt.bench.attention/1"
 VARIANTS = ("split", "fused", "single")
@@ -146,10 +146,6 @@ def markdown(doc: dict, variants=VARIANTS) -> str:
     return "\n".join(lines)
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m graphrt.bench.attention",
                                 description=__doc__.split("\n")[0])
@@ -173,17 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.perf_counter()
     print(_header(variants), flush=True)
-    doc = bench(_ints(a.bs), _ints(a.ctx), reach=a.reach, heads=a.heads, kv_heads=a.kv_heads,
+    doc = bench(int_list(a.bs), int_list(a.ctx), reach=a.reach, heads=a.heads, kv_heads=a.kv_heads,
                 head_dim=a.head_dim, block_size=a.block_size, layers=a.layers, iters=a.iters,
                 variants=variants, log=lambda s: print(s, flush=True))
     doc["wall_s"] = round(time.perf_counter() - t0, 1)
     md = markdown(doc, variants)
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(doc, f, indent=1)
-    with open(os.path.splitext(a.out)[0] + ".md", "w") as f:
-        f.write(md + "\n")
-    print("\n" + md)
+    save_doc(a.out, doc, md)
     return 0 if doc["results"] else 1
 
 

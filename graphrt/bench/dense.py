@@ -21,12 +21,12 @@ Tooling: synchronizes the device; nothing here runs inside a step.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 
 import torch
+
+from graphrt.bench.output import int_list, save_doc
 
 SCHEMA = "graphrt.bench.dense/1"
 SHAPES = {  # name: (n, k) of W [n, k]
@@ -148,10 +148,6 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m graphrt.bench.dense",
                                 description=__doc__.split("\n")[0])
@@ -162,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", action="store_true", help="also time every (block_n, split_k)")
     p.add_argument("--out", required=True, help="JSON results path (the table goes to .md beside it)")
     a = p.parse_args(argv)
-    shapes, rows = [s for s in a.shapes.split(",") if s], _ints(a.rows)
+    shapes, rows = [s for s in a.shapes.split(",") if s], int_list(a.rows)
     bad = [s for s in shapes if s not in SHAPES] + [m for m in rows if not 1 <= m <= 16]
     if bad or not torch.cuda.is_available():
         print(f"graphrt.bench.dense: {'bad --shapes/--rows ' + str(bad) if bad else 'needs a CUDA GPU'}",
@@ -174,12 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                 log=lambda s: print(s, flush=True))
     doc["wall_s"] = round(time.perf_counter() - t0, 1)
     md = markdown(doc)
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(doc, f, indent=1)
-    with open(os.path.splitext(a.out)[0] + ".md", "w") as f:
-        f.write(md + "\n")
-    print("\n" + md)
+    save_doc(a.out, doc, md)
     return 0 if doc["results"] else 1
 
 

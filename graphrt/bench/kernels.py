@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
 import statistics
 import sys
 import time
 
 import torch
+
+from graphrt.bench.output import int_list, save_doc
 
 SHAPES = {"qwen3-w13": (1536, 2048), "qwen3-w2": (2048, 768),
           "dsv3-w13": (4096, 7168), "dsv3-w2": (7168, 2048)}
@@ -205,10 +205,6 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m graphrt.bench.kernels", description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {sorted(SHAPES)}")
@@ -229,18 +225,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.perf_counter()
     print(HEADER, flush=True)
-    doc = bench(shapes, _ints(a.rows), _ints(a.live), experts=a.experts, fp8=a.fp8,
+    doc = bench(shapes, int_list(a.rows), int_list(a.live), experts=a.experts, fp8=a.fp8,
                 kernels=[s for s in a.kernels.split(",") if s], rotations=a.rotations,
-                warps=tuple(_ints(a.warps)),
+                warps=tuple(int_list(a.warps)),
                 log=lambda s: print(s, flush=True))
     doc["wall_s"] = round(time.perf_counter() - t0, 1)
     md = markdown(doc)
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(doc, f, indent=1)
-    with open(os.path.splitext(a.out)[0] + ".md", "w") as f:
-        f.write(md + "\n")
-    print("\n" + md)
+    save_doc(a.out, doc, md)
     fr = [_best(r, "decode")[1]["frac_hbm"] for r in doc["results"] if _best(r, "decode")]
     print(f"\nwall {doc['wall_s']} s; median over cases of the best decode config's fraction of HBM: "
           f"{statistics.median(fr) if fr else float('nan'):.2f}")

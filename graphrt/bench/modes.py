@@ -60,23 +60,16 @@ def floor_bytes(model, spec, inputs) -> int:
     """Bytes one step must read: the local experts it hits (counted per layer from the
     dispatch's ``masked_m`` during one eager run), dense weights and the KV cache up to each
     row's context. Host-only (syncs)."""
-    hits: list[int] = []
-    saved = [layer.moe.experts for layer in model.layers]
-    try:
-        for layer, ex in zip(model.layers, saved):
-            layer.moe.experts = _CountHits(ex, hits)
-        spec.call(inputs)
-    finally:
-        for layer, ex in zip(model.layers, saved):
-            layer.moe.experts = ex
+    from graphrt.bench.timeline import experts_hit
+    hits = experts_hit(model, spec, inputs)
     cfg = model.cfg
-    per_expert = saved[0].weight_bytes // model.comm.num_local_experts
+    per_expert = model.layers[0].moe.experts.weight_bytes // model.comm.num_local_experts
     ctx = int((inputs["positions"].long() + 1).sum())
     kv = ctx * cfg.kv_dim * 2 * 2 * cfg.num_layers                     # K and V, bf16
-    return sum(hits) * per_expert + model.weight_bytes()["dense"] + kv
+    return hits * per_expert + model.weight_bytes()["dense"] + kv
 
 
-class _CountHits:
+class CountHits:
     """Stands in for one layer's ``Experts`` and records how many local experts got rows."""
 
     def __init__(self, inner, hits):

@@ -65,3 +65,20 @@ def write_file(folder: str, name: str, data: str | bytes) -> str:
             os.unlink(tmp)
         raise
     return target
+
+
+def int_list(text: str) -> list[int]:
+    """``"1,8,64"`` -> ``[1, 8, 64]`` (the standalone scripts' comma-separated flags)."""
+    return [int(x) for x in text.split(",") if x]
+
+
+def save_doc(path: str, doc: dict, md: str) -> None:
+    """A standalone script's results: JSON at ``path``, the markdown table beside it
+    (``.md``), both folders made if missing; then the table on stdout."""
+    import json
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    with open(os.path.splitext(path)[0] + ".md", "w") as f:
+        f.write(md + "\n")
+    print("\n" + md)

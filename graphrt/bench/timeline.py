@@ -195,15 +195,15 @@ def dense_parts(model) -> dict:
 
 def experts_hit(model, spec, inputs: dict) -> int:
     """(layer, local expert) pairs that get rows when ``inputs`` run as one eager step,
-    counted per layer from the dispatch's ``masked_m`` (as ``graphrt.bench.modes.floor_bytes``
-    counts them; ``last_masked_m`` would not do: layers share the dispatch's buffers).
+    counted per layer from the dispatch's ``masked_m`` (``graphrt.bench.modes.floor_bytes``
+    uses it; ``last_masked_m`` would not do: layers share the dispatch's buffers).
     Host-only (runs the step, writes the KV cache, syncs)."""
-    from graphrt.bench.modes import _CountHits
+    from graphrt.bench.modes import CountHits
     hits: list[int] = []
     saved = [layer.moe.experts for layer in model.layers]
     try:
         for layer, ex in zip(model.layers, saved):
-            layer.moe.experts = _CountHits(ex, hits)
+            layer.moe.experts = CountHits(ex, hits)
         spec.call(inputs)
     finally:
         for layer, ex in zip(model.layers, saved):
