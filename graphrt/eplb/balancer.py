@@ -41,12 +41,17 @@ from graphrt.eplb.store import HostExpertStore
 
 
 class ExpertBalancer:
-    """The host side of in-graph EPLB for one ``MoEModel`` built with ``eplb=``.
+    """The host side of in-graph EPLB: for the reference ``MoEModel`` built with ``eplb=``,
+    or for an engine's own model.
 
     Args:
-        model: the model (``model.expert_map`` and its layers' experts).
+        source: a model with an ``expert_map`` (``MoEModel(eplb=...)``: its layers' experts
+            are the slots and ``HostExpertStore.for_model`` the default store), or an
+            ``ExpertMap`` that an engine's own routing reads (then ``slots`` and ``store``).
+        slots: with an ``ExpertMap``: per MoE layer, ``{name: tensor [S, ...]}``, this rank's
+            slot weights the step reads (rewritten in place, slot by slot).
+        store: the weight source, ``{name: [E, ...]}`` per layer with ``slots``' names.
         interval: steps between counter reads (a rebalance needs one read).
-        store: the weight source (default ``HostExpertStore.for_model(model)``).
         group: the ranks to agree with (default WORLD when torch.distributed is initialised
             with more than one rank); a gloo group is made from it (collective).
         min_gain: rebalance only when the predicted max/mean load per rank drops by at
@@ -54,19 +59,35 @@ class ExpertBalancer:
         stream: the side stream for reads and copies (default: a new one).
     """
 
-    def __init__(self, model, *, interval: int = 256, store: HostExpertStore | None = None,
-                 group=None, min_gain: float = 0.02, stream=None):
-        if getattr(model, "expert_map", None) is None:
-            raise ValueError("ExpertBalancer needs a model built with eplb=EPLBConfig(...)")
+    def __init__(self, source, *, slots: list[dict] | None = None,
+                 store: HostExpertStore | None = None, interval: int = 256, group=None,
+                 min_gain: float = 0.02, stream=None):
+        from graphrt.eplb.expert_map import ExpertMap
         if interval < 1:
             raise ValueError(f"interval must be >= 1 step; got {interval}")
-        self.model, self.map = model, model.expert_map
+        if isinstance(source, ExpertMap):
+            if slots is None or store is None:
+                raise ValueError("ExpertBalancer(expert_map) needs slots= (per layer, "
+                                 "{name: [S, ...]} slot weights) and store= (a HostExpertStore)")
+            self.model, self.map = None, source
+        elif getattr(source, "expert_map", None) is not None:
+            self.model, self.map = source, source.expert_map
+            slots = [layer.moe.experts.slot_tensors() for layer in source.layers]
+            store = store or HostExpertStore.for_model(source)
+        else:
+            raise ValueError("ExpertBalancer needs a model built with eplb=EPLBConfig(...) or "
+                             f"an ExpertMap; got {type(source).__name__}")
+        if len(slots) != self.map.num_layers:
+            raise ValueError(f"slots names {len(slots)} layers; the map has {self.map.num_layers}")
         self.interval, self.min_gain = interval, min_gain
         self.placement = self.map.placement
-        self.store = store or HostExpertStore.for_model(model)
-        self._slots = [layer.moe.experts.slot_tensors() for layer in model.layers]
-        for i, slots in enumerate(self._slots):
-            self.store.check_fits(i, slots)
+        self.store, self._slots = store, list(slots)
+        for i, layer_slots in enumerate(self._slots):
+            self.store.check_fits(i, layer_slots)
+            for name, t in layer_slots.items():
+                if t.shape[0] != self.map.slots_per_rank:
+                    raise ValueError(f"slots[{i}][{name!r}] holds {t.shape[0]} slots; the map "
+                                     f"has {self.map.slots_per_rank} per rank")
         self.cuda = self.map.device.type == "cuda"
         self.stream = (stream or torch.cuda.Stream(self.map.device)) if self.cuda else None
         self._group = self._gloo(group)
@@ -205,7 +226,7 @@ class ExpertBalancer:
             cur.wait_event(ev)
             self._keep.append((ev, table))
         self.placement = m.placement = placement
-        for layer, l in enumerate(self.model.layers):
+        for layer, l in enumerate(self.model.layers if self.model is not None else ()):
             l.moe.experts.expert_ids = m.local_experts(layer)
         self.rebalances += 1
         self.slot_copies += copies

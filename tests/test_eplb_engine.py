@@ -1,0 +1,100 @@
+"""EPLB with an engine's own MoE layer (not graphrt's reference model): the engine routes with
+torch ops (softmax top-k, a -inf mask on padded rows), maps ids through an ``ExpertMap``, reads
+its per-slot weights by gather, counts rows per slot with ``index_add_`` and hands graphrt its
+slot tensors and its checkpoint as a ``HostExpertStore``. The balancer rebalances it in place
+and the outputs stay bitwise those of the same layer without EPLB. CPU; the map kernel runs on
+the Triton interpreter."""
+
+import numpy as np
+import pytest
+import torch
+
+from graphrt.eplb import ExpertBalancer, ExpertMap, HostExpertStore
+from graphrt.eplb.policy import home_placement
+
+E, S, H, K, M = 8, 10, 16, 2, 4          # logical experts, slots (2 redundant), hidden, top-k
+
+
+class EngineMoE:
+    """One MoE layer as an engine might write it. ``step(x, n)``: x fp32 [bs, H], n int32 [1]
+    -> [bs, H]. Capturable: no host reads, fixed shapes (padded rows masked, not dropped)."""
+
+    def __init__(self, *, use_map: bool, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.wg = torch.randn(E, H, generator=g)
+        self.bias = torch.zeros(E)
+        self.checkpoint = torch.randn(E, H, H, generator=g) * H ** -0.5   # per logical expert
+        self.map = None
+        if use_map:
+            self.map = ExpertMap(home_placement(1, E, 1, S, M), rank=0, device="cpu")
+            self.w_slots = self.checkpoint[self.map.placement.slot_expert[0]].clone()
+            self.slot_rows = torch.zeros(S + 1, dtype=torch.int32)
+
+    def step(self, x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        bs = x.shape[0]
+        live = torch.arange(bs) < n                                       # [bs]
+        logits = (x @ self.wg.t() + self.bias).masked_fill(~live[:, None], float("-inf"))
+        w, ids = torch.softmax(logits, dim=-1).nan_to_num(0.0).topk(K, dim=-1)
+        ids = torch.where(live[:, None], ids, -1)                        # padded rows: no expert
+        if self.map is None:
+            weights = self.checkpoint[ids.clamp(min=0)]
+        else:
+            ids = self.map.route(0, ids)                                  # physical slots
+            weights = self.w_slots[ids.clamp(min=0)]
+            self.slot_rows.zero_().index_add_(0, torch.where(ids >= 0, ids, S).flatten(),
+                                              torch.ones(bs * K, dtype=torch.int32))
+            self.map.record(0, self.slot_rows[:S])
+            self.map.advance()
+        y = torch.einsum("bh,bkhj->bkj", x, weights) * (w * live[:, None])[..., None]
+        return y.sum(1)
+
+
+def _batch(step: int, bs: int = 8, live: int = 6):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(bs, H, generator=g), torch.tensor([live], dtype=torch.int32)
+
+
+def test_engine_layer_rebalances_and_keeps_its_outputs():
+    ref, eng = EngineMoE(use_map=False), EngineMoE(use_map=True)
+    hot = torch.tensor([0, 0, 0, 0, 0, 0, 1.5, 3.0])                      # experts 6, 7 hot
+    ref.bias, eng.bias = hot, hot
+    store = HostExpertStore([{"w": eng.checkpoint}])
+    balancer = ExpertBalancer(eng.map, slots=[{"w": eng.w_slots}], store=store, interval=3,
+                              min_gain=0.0)
+    ptr, applied = eng.w_slots.data_ptr(), []
+    for i in range(8):
+        applied.append(balancer.step())
+        x, n = _batch(i)
+        assert torch.equal(eng.step(x, n), ref.step(x, n))                # bitwise, every step
+    assert applied.index(True) == 3 and balancer.slot_copies > 0
+    placement = balancer.placement
+    assert placement.replicas(0)[7] >= 2 and placement.replicas(0)[6] >= 2
+    assert eng.w_slots.data_ptr() == ptr                                   # rewritten in place
+    for slot, e in enumerate(placement.slot_expert[0]):
+        assert torch.equal(eng.w_slots[slot], eng.checkpoint[e])
+    # the counters skipped the 2 padded rows of every step; the replicas now take rows
+    assert int(eng.map.load.sum()) == 8 * 6 * K and int(eng.map.slot_load.sum()) == 8 * 6 * K
+    before = eng.map.slot_load[0].clone()
+    for i in range(4):                                   # the tick rotates rows over replicas
+        eng.step(*_batch(99 + i, bs=16, live=16))
+    used = (eng.map.slot_load[0] - before).numpy()
+    for e in (6, 7):
+        slots = np.flatnonzero(placement.slot_expert[0] == e)
+        assert (used[slots] > 0).sum() >= 2, (e, used)
+
+
+def test_engine_path_refuses_what_does_not_fit():
+    eng = EngineMoE(use_map=True)
+    store = HostExpertStore([{"w": eng.checkpoint}])
+    with pytest.raises(ValueError, match="needs slots="):
+        ExpertBalancer(eng.map, store=store)
+    with pytest.raises(ValueError, match="holds 8 slots; the map has 10"):
+        ExpertBalancer(eng.map, slots=[{"w": eng.w_slots[:8]}], store=store)
+    with pytest.raises(ValueError, match="names 2 layers"):
+        ExpertBalancer(eng.map, slots=[{"w": eng.w_slots}] * 2, store=store)
+    from graphrt.errors import InputError
+    with pytest.raises(InputError, match="'w'"):
+        ExpertBalancer(eng.map, slots=[{"w": eng.w_slots}],
+                       store=HostExpertStore([{"w": torch.zeros(E, H, H + 1)}]))
+    with pytest.raises(ValueError, match="got object"):
+        ExpertBalancer(object())
