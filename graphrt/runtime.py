@@ -176,7 +176,7 @@ class GraphRuntime:
             return self._run_checked(inputs)
         if self._held is not None:
             self._refuse_held()
-        self.stager.stage(inputs, n, plan.size)
+        self.stager.stage(inputs, n, plan.g.size)
         return self._fire(plan, n)
 
     def _run_checked(self, inputs) -> Any:
@@ -226,7 +226,7 @@ class GraphRuntime:
             plan = self._plan_for(n, self._captured_graph(n))
         if self._held is not None:
             self._refuse_held()
-        self.stager.pad_only(n, plan.size)
+        self.stager.pad_only(n, plan.g.size)
         return self._fire(plan, n)
 
     def release(self) -> None:
@@ -285,10 +285,8 @@ class GraphRuntime:
             "done with them (t.clone() what you keep), or use lease='step'")
 
     def _launch(self, g, n: int) -> None:
-        """Plan (``spec.before_replay``), replay ``g`` and end earlier leases; refuse while
-        an explicit lease is held."""
-        if self._held is not None:
-            self._refuse_held()
+        """Plan (``spec.before_replay``), replay ``g`` and end earlier leases. Callers refuse
+        a held explicit lease first, before they write any input."""
         if self._before is not None:
             self._before(g.size, n)
         g.graph.replay()
@@ -354,10 +352,10 @@ class _Plan:
     """What a replay of ``n`` live rows needs that depends on ``n`` alone: the graph (its
     ``size`` is the padded size) and the outputs handed back."""
 
-    __slots__ = ("g", "size", "outs")
+    __slots__ = ("g", "outs")
 
     def __init__(self, g, outs: LiveOutputs):
-        self.g, self.size, self.outs = g, g.size, outs
+        self.g, self.outs = g, outs
 
 
 def debug_from_env() -> bool:

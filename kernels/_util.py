@@ -54,7 +54,8 @@ def pdl_enabled() -> bool:
 
 
 def pdl_args() -> dict:
-    """Launch keywords for a kernel with a ``USE_GDC`` constexpr: with PDL on,
+    """Launch keywords for a kernel with a ``USE_GDC`` constexpr (its first call is
+    ``kernels._pdl.pdl_prologue(USE_GDC)``): with PDL on,
     ``launch_pdl=True`` (the launch may start while the previous kernel in the stream still
     runs) and ``USE_GDC=True`` (the kernel's first instructions wait for that kernel's writes,
     ``griddepcontrol.wait``, then let the next kernel start launching); ``{}`` otherwise.

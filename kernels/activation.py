@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._pdl import pdl_prologue
 from ._util import check, check_tensor, pdl_args
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -43,11 +44,9 @@ def _silu_and_mul_masked_kernel(
     stride_ue, stride_um,  # int: u strides of the expert and row dims (elements)
     stride_oe, stride_om,  # int: out strides of the expert and row dims (elements)
     BLOCK_N: tl.constexpr,  # columns per inner step (power of 2)
-    USE_GDC: tl.constexpr = False,  # PDL: launched with launch_pdl (kernels._util.pdl_args)
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
-    if USE_GDC:  # wait for the previous kernel's writes; let the next one start launching
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_GDC)
     e = tl.program_id(0)
     r = tl.program_id(1)
     num_r = tl.num_programs(1)
@@ -99,11 +98,9 @@ def _silu_and_mul_masked_fp8_kernel(
     GROUP: tl.constexpr,  # columns per quantisation group (power of 2, e.g. 128)
     GROUPS_PER_STEP: tl.constexpr,  # groups handled per inner step (power of 2)
     SILU: tl.constexpr = True,  # False: quantize u itself ([.., inter] columns, no up half)
-    USE_GDC: tl.constexpr = False,  # PDL: launched with launch_pdl (kernels._util.pdl_args)
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
-    if USE_GDC:  # wait for the previous kernel's writes; let the next one start launching
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_GDC)
     e = tl.program_id(0)
     r = tl.program_id(1)
     num_r = tl.num_programs(1)
@@ -142,11 +139,9 @@ def _silu_and_mul_kernel(
     inter,  # int: output columns
     stride_u, stride_o,  # int: row strides (elements)
     BLOCK_N: tl.constexpr,  # columns per program (power of 2)
-    USE_GDC: tl.constexpr = False,  # PDL: launched with launch_pdl (kernels._util.pdl_args)
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
-    if USE_GDC:  # wait for the previous kernel's writes; let the next one start launching
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_GDC)
     m = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < inter

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._pdl import pdl_prologue
 from ._util import check, check_tensor, pdl_args
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -34,11 +35,9 @@ def _combine_masked_kernel(
     stride_out,  # int: row stride of out (elements)
     NUM_TOPK: tl.constexpr,  # experts per token
     BLOCK_H: tl.constexpr,  # hidden columns per program (power of 2)
-    USE_GDC: tl.constexpr = False,  # PDL: launched with launch_pdl (kernels._util.pdl_args)
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
-    if USE_GDC:  # wait for the previous kernel's writes; let the next one start launching
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_GDC)
     t = tl.program_id(0)
     hb = tl.program_id(1)
     live = t < tl.load(n_ptr)

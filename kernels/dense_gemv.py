@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._pdl import pdl_prologue
 from ._util import check, check_tensor, interpreting, pdl_args
 
 MAX_ROWS = 16  # rows the kernel serves: one tl.dot row block
@@ -59,11 +60,9 @@ def _gemv_kernel(
     SPLIT: tl.constexpr,  # split_k > 1: write partials to ws, not out
     EVEN_K: tl.constexpr,  # k % BLOCK_K == 0: no K masks
     UPCAST: tl.constexpr,  # interpreter: dot in fp32 (bf16 math gives NaN there)
-    USE_GDC: tl.constexpr = False,  # PDL: launched with launch_pdl (kernels._util.pdl_args)
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
-    if USE_GDC:  # wait for the previous kernel's writes; let the next one start launching
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_GDC)
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
     k_lo = s * k_step
@@ -105,12 +104,10 @@ def _gemv_reduce_kernel(
     out_ptr,  # bf16 [m, n] contiguous
     m, n, split_k,  # ints
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_GDC: tl.constexpr = False,  # PDL: launched with launch_pdl (kernels._util.pdl_args)
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     """out = sum over splits s = 0, 1, ... (in that order) of the partials."""
-    if USE_GDC:  # wait for the previous kernel's writes; let the next one start launching
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_GDC)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m < m)[:, None] & (offs_n < n)[None, :]

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._pdl import pdl_prologue
 from ._util import check, check_tensor, pdl_args
 
 _ID_DTYPES = (torch.int64, torch.int32)
@@ -43,11 +44,9 @@ def _dispatch_plan_kernel(
     cap,  # int: rows per local expert
     NUM_TOPK: tl.constexpr,  # experts per token
     BLOCK: tl.constexpr,  # flat ids scanned per loop step (power of 2)
-    USE_GDC: tl.constexpr = False,  # PDL: launched with launch_pdl (kernels._util.pdl_args)
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
-    if USE_GDC:  # wait for the previous kernel's writes; let the next one start launching
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_GDC)
     e = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     count = e * 0  # int32 scalar: hits of expert e so far
@@ -79,11 +78,9 @@ def _dispatch_copy_kernel(
     stride_x,  # int: row stride of x (elements)
     NUM_TOPK: tl.constexpr,  # experts per token
     BLOCK_H: tl.constexpr,  # hidden columns per program (power of 2)
-    USE_GDC: tl.constexpr = False,  # PDL: launched with launch_pdl (kernels._util.pdl_args)
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
-    if USE_GDC:  # wait for the previous kernel's writes; let the next one start launching
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_GDC)
     f = tl.program_id(0)
     hb = tl.program_id(1)
     p = tl.load(pos_ptr + f)

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._pdl import pdl_prologue
 from ._util import check, check_tensor, pdl_args
 
 _COUNT_DTYPES = (torch.int64, torch.int32)
@@ -41,11 +42,9 @@ def _map_and_count_kernel(
     table_size,  # int: M, entries per logical expert
     HAS_COUNTS: tl.constexpr,  # accumulate counts
     BLOCK: tl.constexpr,  # flat ids per program (power of 2)
-    USE_GDC: tl.constexpr = False,  # PDL: launched with launch_pdl (kernels._util.pdl_args)
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
-    if USE_GDC:  # wait for the previous kernel's writes; let the next one start launching
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_GDC)
     f = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     fmask = f < num_flat
     e = tl.load(ids_ptr + f, mask=fmask, other=-1)

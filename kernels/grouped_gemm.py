@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._pdl import pdl_prologue
 from ._util import check, check_tensor, interpreting, pdl_args
 
 # (largest expected_m served, BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps).
@@ -72,11 +73,9 @@ def _masked_grouped_gemm_kernel(
     BLOCK_N: tl.constexpr,  # output columns per program
     BLOCK_K: tl.constexpr,  # reduction tile
     UPCAST: tl.constexpr,  # True under the interpreter: dot in fp32 (bf16 math gives NaN there)
-    USE_GDC: tl.constexpr = False,  # PDL: launched with launch_pdl (kernels._util.pdl_args)
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
-    if USE_GDC:  # wait for the previous kernel's writes; let the next one start launching
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_GDC)
     pid_gm = tl.program_id(0)  # group * num_m_blocks + row block
     pid_n = tl.program_id(1)  # column block
     num_m_blocks = tl.cdiv(m_max, BLOCK_M)

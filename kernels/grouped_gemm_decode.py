@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._pdl import pdl_prologue
 from ._util import check, check_tensor, interpreting, pdl_args
 
 _FP8 = torch.float8_e4m3fn
@@ -90,11 +91,9 @@ def _decode_gemm_kernel(
     EVEN_K: tl.constexpr,  # k % BLOCK_K == 0: no K masks
     FP8: tl.constexpr,  # fp8 operands with DeepGEMM's scales
     UPCAST: tl.constexpr,  # interpreter: dot in fp32 (bf16 math gives NaN there)
-    USE_GDC: tl.constexpr = False,  # PDL: launched with launch_pdl (kernels._util.pdl_args)
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
-    if USE_GDC:  # wait for the previous kernel's writes; let the next one start launching
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_GDC)
     idx, mvec, live_cum, row_cum, num_live = _live_prologue(masked_m_ptr, num_experts, cap, E_POW2)
     tiles_n = tl.cdiv(n, BLOCK_N)
     k_step = tl.cdiv(tl.cdiv(k, BLOCK_K), SPLIT_K) * BLOCK_K  # K per split
@@ -163,12 +162,10 @@ def _decode_reduce_kernel(
     num_experts, cap, n, ws_rows,  # ints
     stride_oe, stride_om, stride_on,  # strides of out (elements)
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-    USE_GDC: tl.constexpr = False,  # PDL: launched with launch_pdl (kernels._util.pdl_args)
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
-    if USE_GDC:  # wait for the previous kernel's writes; let the next one start launching
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     """out = sum over splits s = 0, 1, ... (in that order) of the partials, split experts only."""
+    pdl_prologue(USE_GDC)
     idx, mvec, live_cum, row_cum, num_live = _live_prologue(masked_m_ptr, num_experts, cap, E_POW2)
     tiles_n = tl.cdiv(n, BLOCK_N)
     for w in range(tl.program_id(0), num_live * tiles_n, tl.num_programs(0)):

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._pdl import pdl_prologue
 from ._util import check, check_tensor, pdl_args
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -38,11 +39,9 @@ def _add_rmsnorm_kernel(
     stride_x, stride_d1, stride_d2, stride_res, stride_out,  # row strides (elements)
     NUM_ADD: tl.constexpr,  # 0, 1 or 2 deltas
     BLOCK: tl.constexpr,  # next power of two >= hidden
-    USE_GDC: tl.constexpr = False,  # PDL: launched with launch_pdl (kernels._util.pdl_args)
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
-    if USE_GDC:  # wait for the previous kernel's writes; let the next one start launching
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden

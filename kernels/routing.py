@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._pdl import pdl_prologue
 from ._util import check, check_tensor, pdl_args
 
 _LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -36,11 +37,9 @@ def _topk_softmax_kernel(
     BLOCK_E: tl.constexpr,  # next power of 2 >= num_experts
     BLOCK_K: tl.constexpr,  # next power of 2 >= NUM_TOPK
     RENORMALIZE: tl.constexpr,  # rescale the k weights to sum to 1
-    USE_GDC: tl.constexpr = False,  # PDL: launched with launch_pdl (kernels._util.pdl_args)
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
-    if USE_GDC:  # wait for the previous kernel's writes; let the next one start launching
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_GDC)
     row = tl.program_id(0)
     live = row < tl.load(n_ptr)
     offs_e = tl.arange(0, BLOCK_E)
@@ -85,11 +84,9 @@ def _grouped_topk_sigmoid_kernel(
     BLOCK_S: tl.constexpr,  # next power of 2 >= GROUP_SIZE
     BLOCK_K: tl.constexpr,  # next power of 2 >= NUM_TOPK
     RENORMALIZE: tl.constexpr,  # rescale the k weights to sum to 1 (before scaling)
-    USE_GDC: tl.constexpr = False,  # PDL: launched with launch_pdl (kernels._util.pdl_args)
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
-    if USE_GDC:  # wait for the previous kernel's writes; let the next one start launching
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_GDC)
     row = tl.program_id(0)
     live = row < tl.load(n_ptr)
     g1 = tl.arange(0, BLOCK_G)  # [BLOCK_G]

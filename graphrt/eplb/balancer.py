@@ -80,7 +80,6 @@ class ExpertBalancer:
         if len(slots) != self.map.num_layers:
             raise ValueError(f"slots names {len(slots)} layers; the map has {self.map.num_layers}")
         self.interval, self.min_gain = interval, min_gain
-        self.placement = self.map.placement
         self.store, self._slots = store, list(slots)
         for i, layer_slots in enumerate(self._slots):
             self.store.check_fits(i, layer_slots)
@@ -99,6 +98,11 @@ class ExpertBalancer:
         self._keep: list = []      # (event, pinned table) of applied rebalances, until done
         self.steps = self.rebalances = self.slot_copies = 0
         self.last_window: dict | None = None
+
+    @property
+    def placement(self):
+        """The placement in service (the map's)."""
+        return self.map.placement
 
     def _gloo(self, group):
         import torch.distributed as dist
@@ -225,7 +229,7 @@ class ExpertBalancer:
         if self.cuda:
             cur.wait_event(ev)
             self._keep.append((ev, table))
-        self.placement = m.placement = placement
+        m.placement = placement
         for layer, l in enumerate(self.model.layers if self.model is not None else ()):
             l.moe.experts.expert_ids = m.local_experts(layer)
         self.rebalances += 1
