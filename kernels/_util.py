@@ -44,11 +44,18 @@ def _hopper_or_newer(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+def pdl_requested() -> bool:
+    """What ``GRAPHRT_PDL`` asks for: on unless it is ``0``, ``false``, ``no`` or ``off``
+    (unset: on)."""
+    return os.environ.get("GRAPHRT_PDL", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def pdl_enabled() -> bool:
     """True when graphrt's Triton kernels launch with programmatic dependent launch (PDL):
-    ``GRAPHRT_PDL=1`` in the environment, a CUDA GPU of compute capability >= 9.0 (Hopper)
-    and not the interpreter. Off by default (measured on and off: BENCHMARKS.md)."""
-    if os.environ.get("GRAPHRT_PDL", "0") in ("", "0") or interpreting():
+    not turned off (``GRAPHRT_PDL=0``), a CUDA GPU of compute capability >= 9.0 (Hopper) and
+    not the interpreter. On by default since the whole GPU suite passed with it and it is
+    1-2.4% faster with bitwise-equal outputs (BENCHMARKS.md §13)."""
+    if not pdl_requested() or interpreting():
         return False
     return torch.cuda.is_available() and _hopper_or_newer(torch.cuda.current_device())
 

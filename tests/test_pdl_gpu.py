@@ -1,19 +1,38 @@
 """Programmatic dependent launch: graphrt's Triton kernels launched with PDL inside a captured
 step compute what they compute without it (a missing wait would race), and the launch keywords
-stay off on the interpreter or without GRAPHRT_PDL."""
+stay off on the interpreter or with GRAPHRT_PDL=0 (on by default)."""
 
 import pytest
 import torch
 
-from graphrt.kernels._util import pdl_args
+from graphrt.kernels._util import pdl_args, pdl_requested
 
 
-def test_pdl_is_off_unless_asked(monkeypatch):
-    monkeypatch.delenv("GRAPHRT_PDL", raising=False)
-    assert pdl_args() == {}
+@pytest.mark.parametrize("value, on", [(None, True), ("1", True), ("0", False), ("off", False),
+                                       ("False", False), ("no", False)])
+def test_pdl_is_on_unless_turned_off(monkeypatch, value, on):
+    if value is None:
+        monkeypatch.delenv("GRAPHRT_PDL", raising=False)
+    else:
+        monkeypatch.setenv("GRAPHRT_PDL", value)
+    assert pdl_requested() is on
+    if not on:
+        assert pdl_args() == {}
+
+
+def test_pdl_stays_off_on_the_interpreter(monkeypatch):
     monkeypatch.setenv("GRAPHRT_PDL", "1")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert pdl_args() == {}                       # the interpreter has no griddepcontrol
+
+
+@pytest.mark.gpu
+def test_pdl_is_on_by_default_on_hopper(monkeypatch, cuda_device):
+    if torch.cuda.get_device_capability(cuda_device)[0] < 9:
+        pytest.skip("PDL needs compute capability 9.0+")
+    monkeypatch.delenv("GRAPHRT_PDL", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert pdl_args() == {"launch_pdl": True, "USE_GDC": True}
 
 
 @pytest.mark.gpu

@@ -1,5 +1,5 @@
 """Programmatic dependent launch (PDL) on and off, in one process: the reference model's step
-captured twice (``GRAPHRT_PDL=0`` then ``=1`` while capturing; ``graphrt.kernels._util.
+captured twice (``GRAPHRT_PDL=0`` then ``=1`` while capturing, the variable restored after; ``graphrt.kernels._util.
 pdl_args``), replayed alternately, device time per replay (CUDA events, medians), and the
 two graphs' logits compared.
 
@@ -21,11 +21,15 @@ import torch
 
 def _capture(model, sizes, pdl: bool):
     from graphrt import GraphRuntime
+    before = os.environ.get("GRAPHRT_PDL")
     os.environ["GRAPHRT_PDL"] = "1" if pdl else "0"
     try:
         return GraphRuntime(model.spec(max(sizes)), sizes=sizes, progress=False).capture()
     finally:
-        os.environ["GRAPHRT_PDL"] = "0"
+        if before is None:
+            os.environ.pop("GRAPHRT_PDL")
+        else:
+            os.environ["GRAPHRT_PDL"] = before
 
 
 def _replay_us(rt, bs: int, iters: int = 50) -> list[float]:
