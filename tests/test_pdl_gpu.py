@@ -36,13 +36,14 @@ def test_pdl_is_on_by_default_on_hopper(monkeypatch, cuda_device):
 
 
 @pytest.mark.gpu
-def test_pdl_graph_matches_plain_graph(cuda_device):
-    if torch.cuda.get_device_capability(cuda_device)[0] < 9:
+@pytest.mark.parametrize("switch", ["pdl", "prefetch"])
+def test_switched_graph_matches_plain_graph(cuda_device, switch):
+    if switch == "pdl" and torch.cuda.get_device_capability(cuda_device)[0] < 9:
         pytest.skip("PDL needs compute capability 9.0+")
-    from graphrt.bench.pdl import bench_pdl
+    from graphrt.bench.ab import bench_ab
     from graphrt.moe import preset
     cfg = preset("qwen3-moe-like", layers=2, experts=16, num_slots=64, max_ctx=256, vocab_size=4096)
-    res = bench_pdl(cfg, cuda_device, [1, 8, 32], rounds=1)
+    res = bench_ab(cfg, cuda_device, [1, 8, 32], rounds=1, switch=switch)
     for row in res["rows"]:
         assert row["max_row_rel_diff"] < 1e-3, row
         assert row["on_us"] > 0 and row["off_us"] > 0

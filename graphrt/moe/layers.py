@@ -98,6 +98,19 @@ class SharedExpert:
         return dense(silu_and_mul(gu, out=a), self.w2)
 
 
+_SIDE_STREAMS: dict = {}
+
+
+def side_stream(device) -> "torch.cuda.Stream":
+    """One side stream per CUDA device for the layers' weight prefetches, made on first use
+    (at model construction, never inside a capture). Host-only."""
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
 class Attention:
     """GQA decode attention (no RoPE) over a paged KV cache: ``k_cache``/``v_cache`` bf16
     ``[kv_blocks, block_size, num_kv_heads, head_dim]`` (``MoEConfig``; the last block is the
@@ -111,6 +124,10 @@ class Attention:
     benchmarks) with ``GRAPHRT_ATTN_VARIANT`` in the environment at import."""
 
     variant = os.environ.get("GRAPHRT_ATTN_VARIANT", "auto")
+    # Pull wo into L2 on a side stream while K/V append and attention run (latency-bound,
+    # HBM idle), so the o-projection reads it from L2 (graphrt.kernels.prefetch). CUDA only,
+    # not under torch.compile; GRAPHRT_PREFETCH=0 at import turns it off (A/B benchmarks).
+    prefetch = os.environ.get("GRAPHRT_PREFETCH", "1").strip().lower() not in ("0", "false", "no", "off")
 
     def __init__(self, cfg: MoEConfig, device, gen):
         self.cfg = cfg
@@ -125,6 +142,9 @@ class Attention:
         # step of bs rows. Per layer; every use is ordered on the compute stream.
         self.semaphore = torch.zeros(cfg.num_slots, cfg.num_kv_heads, dtype=torch.int32,
                                      device=device)
+        # The prefetch's side stream (one per device, shared by the layers) and its sink.
+        self.side = side_stream(device) if torch.device(device).type == "cuda" else None
+        self.sink = torch.zeros(64, dtype=torch.int32, device=device)
 
     def __call__(self, h, slot_mapping, block_table, seq_lens, n) -> torch.Tensor:
         """h ``[bs, hidden]``; slot_mapping int64 ``[bs]``, block_table int32
@@ -137,6 +157,7 @@ class Attention:
         q = qkv[:, :cfg.q_dim].view(bs, cfg.num_heads, cfg.head_dim)
         k = qkv[:, cfg.q_dim:cfg.q_dim + cfg.kv_dim].view(bs, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, cfg.q_dim + cfg.kv_dim:].view(bs, cfg.num_kv_heads, cfg.head_dim)
+        recv = self._prefetch_wo(h)                       # joins before the o-projection
         kv_append(k, v, slot_mapping, n, k_cache=self.k_cache, v_cache=self.v_cache)
         max_ctx = cfg.max_blocks_per_seq * cfg.block_size
         o_shape, lse_shape = attention_workspace_shape(bs, cfg.num_heads, cfg.head_dim, max_ctx)
@@ -149,4 +170,17 @@ class Attention:
         decode_attention(q, self.k_cache, self.v_cache, block_table, seq_lens, n, out=o,
                          workspace_o=ws_o, workspace_lse=ws_lse,
                          semaphore=self.semaphore[:bs] if variant == "fused" else None, variant=variant)
+        if recv is not None:
+            recv()
         return dense(o.view(bs, cfg.q_dim), self.wo)
+
+    def _prefetch_wo(self, h: torch.Tensor):
+        """Start ``l2_prefetch(wo)`` on the side stream, forked from the compute stream after
+        the QKV GEMM; returns the ``Receiver`` that joins it (or None: off, not CUDA, or
+        under torch.compile). Graph safety: capturable (a captured fork/join)."""
+        if not self.prefetch or self.side is None or torch.compiler.is_compiling():
+            return None
+        from graphrt.comm.base import on_side_stream
+        from graphrt.kernels.prefetch import l2_prefetch
+        return on_side_stream(self.side, lambda: l2_prefetch(self.wo, sink=self.sink),
+                              self.sink, keep=(self.wo,))
