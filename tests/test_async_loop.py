@@ -198,6 +198,8 @@ def test_bench_loop_on_cpu():
     for v in row["loops"].values():
         assert v["mean_batch"] == 2 and v["timed_replays"] == 3 and 0 < v["gpu_busy"] <= 1.01
         assert v["tokens_per_s"] > 0 and v["host_us_median"] > 0
+        # no CUDA events on the CPU: the stream spans and the back-to-back bound are not measured
+        assert v["stream_busy"] is None and v["vs_device_bound"] is None
     assert row["speedup_vs_sync"]["sync"] == 1.0
     assert (res["comm"], res["ranks"], res["skipped"]) == ("local", 1, {})
     md = md_loop(res)
@@ -315,6 +317,11 @@ def test_bench_loop_suite_on_gpu(tmp_path):
     for row in res["rows"]:
         assert row["identical"] and all(v["mean_batch"] == row["bs"] for v in row["loops"].values())
         assert row["loops"]["async"]["staging_waits"] == 0
+        for v in row["loops"].values():
+            # a step's stream span holds its replay: stream busy is at least GPU busy
+            assert v["gpu_busy"] - 0.01 <= v["stream_busy"] <= 1.01, v
+            assert v["idle_us_per_step"] >= -1.0 and v["device_bound_step_us"] > 0
+            assert 0 < v["vs_device_bound"] <= 1.05, v
 
 
 @pytest.mark.multigpu

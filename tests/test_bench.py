@@ -648,7 +648,8 @@ def _loop_v(tps, busy, *, replay=360.0):
     return {"tokens_per_s": tps, "output_tokens_per_s": tps * 0.9, "steps_per_s": tps,
             "step_us": 1e6 / tps, "replay_us_median": replay, "gpu_busy": busy,
             "host_us_median": 100.0, "wait_s": 0.1, "mean_batch": 1.0, "timed_replays": 1000,
-            "staging_waits": 0}
+            "staging_waits": 0, "stream_busy": min(1.0, busy + 0.05), "idle_us_per_step": 5.0,
+            "idle_us_median": 4.0, "device_bound_step_us": replay, "vs_device_bound": 0.97}
 
 
 def _rank_rows(rank):
@@ -664,7 +665,7 @@ def _rank_rows(rank):
 def test_loop_merge_ranks_sums_tokens_and_keeps_the_lowest_busy():
     from graphrt.bench.loop import merge_ranks, rank_summary
     every = [rank_summary(_rank_rows(r)) for r in (0, 1)]
-    assert set(every[1][0]["loops"]["sync"]) == {"tokens_per_s", "gpu_busy", "step_us"}
+    assert set(every[1][0]["loops"]["sync"]) == {"tokens_per_s", "gpu_busy", "stream_busy", "step_us"}
     row = merge_ranks(_rank_rows(0), every)[0]
     a = row["loops"]["async"]
     assert a["tokens_per_s"] == 2600.0 and a["global_tokens_per_s"] == pytest.approx(2600 + 2340)
@@ -724,8 +725,10 @@ def test_bench_ep_loop_lands_under_each_backend(monkeypatch, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "## loop over deepep-hook" in out and "over 2 ranks (deepep-hook)" in out
     assert "| bs/rank | loop | tokens/s rank 0 | tokens/s all ranks | ×sync |" in out
-    assert "| 1 | async | 2600 | 4940 | 1.30 | 384.6 | 360.0 | 90.0% | 90.0% | 100.0 | identical |" in out
-    assert "| 1 | sync | 2000 | 3800 | 1.00 | 500.0 | 360.0 | 70.0% | 70.0% | 100.0 | identical |" in out
+    assert ("| 1 | async | 2600 | 4940 | 1.30 | 384.6 | 360.0 | 90.0% | 90.0% | 95.0% | 0.970 | "
+            "100.0 | identical |") in out
+    assert ("| 1 | sync | 2000 | 3800 | 1.00 | 500.0 | 360.0 | 70.0% | 70.0% | 75.0% | 0.970 | "
+            "100.0 | identical |") in out
     assert "async: skipped (a uniform-batch backend (NCCL))" in out
     md = (tmp_path / "o" / "results.md").read_text()
     assert "## loop over nccl" in md and "| 1 | async |" in md

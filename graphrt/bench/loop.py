@@ -14,10 +14,23 @@ next one) for ``LOOP_WARMUP`` steps, then ``LOOP_STEPS`` measured steps:
   (``fused_spec`` / ``FusedStep``: one copy in per step).
 
 Per loop: ``tokens_per_s`` (rows fed, i.e. tokens through the model, per second of wall
-time), ``gpu_busy`` = sum over steps of the replay's device time (CUDA events: one from the
-spec's ``before_replay`` hook, right before ``graph.replay()``, one when ``replay``/``run``
-returns) / the loop's wall time (from a synchronised start to a synchronised end),
-``host_us_median`` (host time of a step minus the time it blocked on the device), and
+time); three views of how busy the GPU is, from strictest to loosest:
+
+- ``gpu_busy`` = sum over steps of the replay's device time (CUDA events: one from the
+  spec's ``before_replay`` hook, right before ``graph.replay()``, one when ``replay``/``run``
+  returns) / the loop's wall time (from a synchronised start to a synchronised end): the
+  step's copies in and out, and the graph's launch on the device, count as idle;
+- ``stream_busy`` = sum over steps of the step's stream span / wall time, where a span runs
+  from an event the engine records right before its first stream work of the step (the
+  copies in) to one right after its last (the sampled ids' copy out; in ``sync``, after the
+  ``argmax``): time between steps, when the stream has nothing queued because the host has
+  not enqueued the next step yet, is idle; ``idle_us_per_step`` is that time per step;
+- ``vs_device_bound`` = ``device_bound_step_us`` / ``step_us``, where the first is the
+  wall time per replay of the same graph replayed back to back (200 replays, nothing
+  else on the stream, after the loops): 1.0 means the loop steps as fast as the GPU can
+  replay its graph.
+
+Also ``host_us_median`` (host time of a step minus the time it blocked on the device), and
 whether the token streams of all loops are identical. On the CPU (tests only: the plan
 refuses the suite there) runtimes are ``EagerRuntime`` and device times host wall times.
 
@@ -92,6 +105,55 @@ class ReplayTimer:
         return [s.elapsed_time(e) * 1e3 for s, e in zip(self.starts[:self.count], self.ends[:self.count])]
 
 
+class StepSpans:
+    """The stream span of each step of a measured window: ``begin()``/``end()`` (called by the
+    engines, ``DecodeEngine.marks``) record CUDA events right before a step's first stream
+    work and right after its last; ``disarm()`` (after a device sync) returns
+    ``(span µs per step, idle µs between consecutive steps)``. A no-op while disarmed; on
+    the CPU nothing is recorded."""
+
+    def __init__(self, device, capacity: int):
+        self.cuda, self.capacity = torch.device(device).type == "cuda", capacity
+        n = capacity if self.cuda else 0
+        self.starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        self.ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        self.armed, self.count = False, 0
+
+    def begin(self) -> None:
+        if self.armed and self.cuda and self.count < self.capacity:
+            self.starts[self.count].record()
+
+    def end(self) -> None:
+        if self.armed and self.cuda and self.count < self.capacity:
+            self.ends[self.count].record()
+            self.count += 1
+
+    def arm(self) -> None:
+        self.armed, self.count = True, 0
+
+    def disarm(self) -> tuple[list[float], list[float]]:
+        self.armed, k = False, self.count
+        spans = [self.starts[i].elapsed_time(self.ends[i]) * 1e3 for i in range(k)]
+        idle = [self.ends[i].elapsed_time(self.starts[i + 1]) * 1e3 for i in range(k - 1)]
+        return spans, idle
+
+
+def device_bound_step_us(rt, bs: int, device, iters: int = 200, warmup: int = 10) -> float | None:
+    """Wall µs per replay of ``rt``'s graph for ``bs`` rows, replayed back to back on the
+    inputs it holds (nothing else on the stream): the fastest a loop over that graph can step.
+    None on the CPU. Host-only (synchronises)."""
+    if torch.device(device).type != "cuda":
+        return None
+    for _ in range(warmup):
+        rt.replay(bs)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        rt.replay(bs)
+    _sync(device)
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
 class TimedRuntime:
     """A runtime whose ``replay``/``run`` tell a ``ReplayTimer`` when they return; every
     other attribute is the runtime's."""
@@ -161,10 +223,10 @@ def _requests(cfg, bs: int, total: int, seed: int):
 
 
 def measure(eng, timer: ReplayTimer, device, steps: int, warmup: int,
-            barrier=None) -> tuple[dict, dict]:
+            barrier=None, spans: StepSpans | None = None) -> tuple[dict, dict]:
     """``warmup`` then ``steps`` timed iterations of ``eng``; ``(result, token streams)``.
     ``barrier()`` (EP: every rank's) runs after the warm-up's device sync, before the clock
-    starts."""
+    starts; ``spans`` records each step's stream span (``stream_busy``)."""
     for _ in range(warmup):
         eng.step()
     _sync(device)
@@ -173,7 +235,10 @@ def measure(eng, timer: ReplayTimer, device, steps: int, warmup: int,
     st = eng.stats
     rows0, tok0, wait0 = st.rows, st.tokens, st.wait_s
     host = []
+    spans = spans or StepSpans(device, 0)
+    eng.marks = spans
     timer.arm()
+    spans.arm()
     t0 = time.perf_counter()
     for _ in range(steps):
         a, w = time.perf_counter(), st.wait_s
@@ -182,12 +247,18 @@ def measure(eng, timer: ReplayTimer, device, steps: int, warmup: int,
     _sync(device)
     wall = time.perf_counter() - t0
     replay_us = timer.disarm()
+    span_us, idle_us = spans.disarm()
+    eng.marks = None
     rows = st.rows - rows0
     side = getattr(eng, "side", None)
     res = {"tokens_per_s": rows / wall, "output_tokens_per_s": (st.tokens - tok0) / wall,
            "steps_per_s": steps / wall, "step_us": wall / steps * 1e6,
            "replay_us_median": statistics.median(replay_us) if replay_us else None,
-           "gpu_busy": sum(replay_us) / (wall * 1e6), "host_us_median": statistics.median(host),
+           "gpu_busy": sum(replay_us) / (wall * 1e6),
+           "stream_busy": sum(span_us) / (wall * 1e6) if span_us else None,
+           "idle_us_per_step": (wall * 1e6 - sum(span_us)) / steps if span_us else None,
+           "idle_us_median": statistics.median(idle_us) if idle_us else None,
+           "host_us_median": statistics.median(host),
            "wait_s": st.wait_s - wait0, "mean_batch": rows / steps, "timed_replays": len(replay_us),
            "staging_waits": side.ring.waits if side is not None else None}
     return res, eng.streams()
@@ -226,7 +297,7 @@ def bench_loop(cfg, device, sizes: list[int], *, steps: int = LOOP_STEPS, warmup
     if world > 1:
         import torch.distributed as dist
         barrier = lambda: dist.barrier(group=coordinator.group)  # noqa: E731
-    max_bs, timer = max(sizes), ReplayTimer(device, steps)
+    max_bs, timer, spans = max(sizes), ReplayTimer(device, steps), StepSpans(device, steps)
     specs = {"plain": model.spec(max_bs)}
     if "async-fused" in loops:
         specs["fused"] = fused_spec(model, max_bs)
@@ -238,7 +309,15 @@ def bench_loop(cfg, device, sizes: list[int], *, steps: int = LOOP_STEPS, warmup
         for loop in loops:
             eng = _engine(loop, rts, cfg, bs, device, keep_stepping=world > 1)
             eng.submit_all(_requests(cfg, bs, warmup + steps, seed + bs + 1000 * rank))
-            row["loops"][loop], streams[loop] = measure(eng, timer, device, steps, warmup, barrier)
+            row["loops"][loop], streams[loop] = measure(eng, timer, device, steps, warmup, barrier,
+                                                        spans)
+        uniform = coordinator is not None and coordinator.uniform   # replay() is refused there
+        bound = {k: None if uniform else device_bound_step_us(rt, bs, device)
+                 for k, rt in rts.items()}
+        for loop, v in row["loops"].items():
+            b = bound["fused" if loop == "async-fused" else "plain"]
+            v["device_bound_step_us"] = b
+            v["vs_device_bound"] = b / v["step_us"] if b else None
         first = next(iter(streams.values()), None)
         row["identical"] = all(s == first for s in streams.values())
         base = row["loops"].get("sync")
@@ -255,7 +334,7 @@ def bench_loop(cfg, device, sizes: list[int], *, steps: int = LOOP_STEPS, warmup
             "loops": list(loops), "skipped": skipped, "rows": rows}
 
 
-RANK_FIELDS = ("tokens_per_s", "gpu_busy", "step_us")
+RANK_FIELDS = ("tokens_per_s", "gpu_busy", "stream_busy", "step_us")
 
 
 def rank_summary(rows: list) -> list:
@@ -292,15 +371,19 @@ def md_loop(res: dict) -> str:
     where = "" if ranks == 1 else f" over {ranks} ranks ({res['comm']}), bs rows per rank"
     lines = [(f"{res['config']} {res['layers']}L {res['experts']} experts{where}: {res['steps']} "
               f"steps per loop after {res['warmup']} warm-up, live batch fixed at bs; GPU busy = "
-              "replay device time / loop wall time"), ""]
+              "replay device time / loop wall time; stream busy = the steps' stream spans "
+              "(first copy in to last copy out) / wall time; × bound = back-to-back replay "
+              "µs / loop step µs"), ""]
     lines += [f"{loop}: skipped ({why})" for loop, why in res.get("skipped", {}).items()]
     if ranks == 1:
-        lines += [("| bs | loop | tokens/s | ×sync | step µs | replay µs | GPU busy | host µs/step "
-                   "| streams |"), "|---|---|---|---|---|---|---|---|---|"]
+        lines += [("| bs | loop | tokens/s | ×sync | step µs | replay µs | GPU busy | stream busy "
+                   "| idle µs/step | × bound | host µs/step | streams |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     else:
         lines += [("| bs/rank | loop | tokens/s rank 0 | tokens/s all ranks | ×sync | step µs | "
-                   "replay µs | GPU busy rank 0 | GPU busy min | host µs/step | streams |"),
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                   "replay µs | GPU busy rank 0 | GPU busy min | stream busy rank 0 | × bound "
+                   "| host µs/step | streams |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         for name, v in r["loops"].items():
             x = r["speedup_vs_sync"].get(name)
@@ -312,7 +395,10 @@ def md_loop(res: dict) -> str:
                       "n/a" if rep is None else f"{rep:.1f}", f"{v['gpu_busy']:.1%}"]
             if ranks > 1:
                 cells.append(f"{v['gpu_busy_min']:.1%}")
-            cells += [f"{v['host_us_median']:.1f}", _streams(r)]
+            cells.append(_pct(v.get("stream_busy")))
+            if ranks == 1:
+                cells.append(_num(v.get("idle_us_per_step")))
+            cells += [_num(v.get("vs_device_bound"), 3), f"{v['host_us_median']:.1f}", _streams(r)]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -322,3 +408,11 @@ def _streams(row: dict) -> str:
         return "identical"
     bad = [str(i) for i, ok in enumerate(row.get("identical_per_rank", [])) if not ok]
     return "DIFFER" + (f" (rank {', '.join(bad)})" if bad else "")
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
+
+
+def _num(x, digits: int = 1) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"

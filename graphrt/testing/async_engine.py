@@ -111,9 +111,14 @@ class AsyncDecodeEngine(DecodeEngine):
                 tok[j], src[j] = r.prompt[r.pos], -1             # teacher forcing: host token
             else:
                 src[j] = prev[r.rid]                             # sampled by the last step
+        marks = self.marks
+        if marks is not None:
+            marks.begin()                                        # the step's first stream work
         sampled = side.launch(i, n)                              # int64 [n] on the device
         self._readback[p][:n].copy_(sampled, non_blocking=True)
         self._done[p].record()
+        if marks is not None:
+            marks.end()
         self._prev = {r.rid: j for j, r in enumerate(live)}
         self._parity = 1 - p
         self.stats.wait_s += side.ring.wait_s - waited

@@ -79,6 +79,7 @@ class DecodeEngine:
         self.block_size, self.max_blocks = block_size, -(-max_ctx // block_size)
         self.scratch_block = (num_blocks or num_slots * self.max_blocks + 1) - 1
         self.keep_stepping, self.watchdog = keep_stepping, watchdog
+        self.marks = None  # a benchmark's span recorder: begin()/end() around a step's stream work
         self.blocks = BlockPool(self.scratch_block)
         self.queue, self.live, self.finished = deque(), [], {}   # Requests: waiting, running, done
         self.stats = EngineStats()
@@ -154,6 +155,8 @@ class DecodeEngine:
         h["tokens"][0] = 0
         for i, r in enumerate(live):
             h["tokens"][i] = r.next_token
+        if self.marks is not None:
+            self.marks.begin()                                  # the step's first stream work
         return {k: self._host[k][:n].to(self.device, non_blocking=True, copy=True)
                 for k in STEP_INPUTS}
 
@@ -171,7 +174,10 @@ class DecodeEngine:
         if wd is not None:
             wd.expect_step()
         logits = self.step_fn(**inputs)                                    # [n, vocab]
-        sampled = self._read(torch.argmax(logits, dim=-1))                 # greedy, on device
+        ids = torch.argmax(logits, dim=-1)                                 # greedy, on device
+        if self.marks is not None:
+            self.marks.end()
+        sampled = self._read(ids)
         if wd is not None:
             wd.step_done()
         st.model_calls, st.rows = st.model_calls + 1, st.rows + len(live)
