@@ -26,11 +26,16 @@ every op returns ``None`` (a custom op may not return an alias of its input)::
                                        semaphore=None, variant="split")
     torch.ops.graphrt.add_rmsnorm(x, d1, d2, weight, eps, out, out_residual)   # d1, d2 optional
     torch.ops.graphrt.silu_and_mul(u, out)
+    torch.ops.graphrt.unpack_rows(rows, sampled, vocab, max_ctx, scratch_slot, scratch_block,
+                                  out_tokens, out_positions, out_slots, out_block_table,
+                                  out_seq_lens)
+    torch.ops.graphrt.greedy_sample(logits, out_ids, out_sampled=None)
     torch.ops.graphrt.deepgemm_masked_bf16(a, b, d, masked_m, expected_m)
     torch.ops.graphrt.deepgemm_masked_fp8(a, a_scale, b, b_scale, d, masked_m, expected_m)
 
 Shapes and dtypes are the launchers' (``graphrt.kernels.*``; ``add_rmsnorm`` takes its
-launcher's zero to two ``*deltas`` as the optional ``d1``, ``d2``); the two DeepGEMM ops are
+launcher's zero to two ``*deltas`` as the optional ``d1``, ``d2``; ``unpack_rows`` and
+``greedy_sample`` are ``graphrt.kernels.decode_io``'s); the two DeepGEMM ops are
 ``deep_gemm.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m)`` and
 ``deep_gemm.m_grouped_fp8_gemm_nt_masked((a, a_scale), (b, b_scale), d, masked_m, expected_m)``
 with the scale tuples flattened. Keyword calls (``out=out``) work too.
@@ -206,9 +211,32 @@ def silu_and_mul(u: Tensor, out: Tensor) -> None:
     _launcher(f"{_KERNELS}.activation", "silu_and_mul")(u, out=out)
 
 
+# -------------------------------------------------------------------- decode step in / out
+@_op("unpack_rows", ("out_tokens", "out_positions", "out_slots", "out_block_table", "out_seq_lens"))
+def unpack_rows(rows: Tensor, sampled: Tensor, vocab: int, max_ctx: int, scratch_slot: int,
+                scratch_block: int, out_tokens: Tensor, out_positions: Tensor, out_slots: Tensor,
+                out_block_table: Tensor, out_seq_lens: Tensor) -> None:
+    """``graphrt.kernels.decode_io.unpack_rows``. Graph safety: capturable."""
+    _launcher(f"{_KERNELS}.decode_io", "unpack_rows")(
+        rows, sampled, vocab=vocab, max_ctx=max_ctx, scratch_slot=scratch_slot,
+        scratch_block=scratch_block, out_tokens=out_tokens, out_positions=out_positions,
+        out_slots=out_slots, out_block_table=out_block_table, out_seq_lens=out_seq_lens)
+
+
+@_op("greedy_sample", ("out_ids", "out_sampled"))
+def greedy_sample(logits: Tensor, out_ids: Tensor, out_sampled: Optional[Tensor] = None) -> None:
+    """``graphrt.kernels.decode_io.greedy_sample``. A 1-D empty ``out_sampled`` stands for
+    ``None`` (the launcher wrapper passes one: a ``None`` mutated argument breaks fake-tensor
+    tracing). Graph safety: capturable."""
+    given = None if out_sampled is None or (out_sampled.dim() == 1 and out_sampled.numel() == 0) \
+        else out_sampled
+    _launcher(f"{_KERNELS}.decode_io", "greedy_sample")(logits, out_ids=out_ids, out_sampled=given)
+
+
 OPS = (topk_softmax, grouped_topk_sigmoid, dispatch_masked, combine_masked, silu_and_mul_masked,
        silu_and_mul_masked_fp8, masked_grouped_gemm, decode_grouped_gemm, deepgemm_masked_bf16,
-       deepgemm_masked_fp8, kv_append, decode_attention, add_rmsnorm, silu_and_mul)
+       deepgemm_masked_fp8, kv_append, decode_attention, add_rmsnorm, silu_and_mul, unpack_rows,
+       greedy_sample)
 
 
 def _no_outputs(*args, **kwargs) -> None:
@@ -286,6 +314,18 @@ def _wrappers() -> dict[tuple[str, str], object]:
         ops.silu_and_mul(u, out)
         return out
 
+    def unpack_rows_(rows, sampled, *, vocab, max_ctx, scratch_slot, scratch_block, out_tokens,
+                     out_positions, out_slots, out_block_table, out_seq_lens):
+        outs = (out_tokens, out_positions, out_slots, out_block_table, out_seq_lens)
+        ops.unpack_rows(rows, sampled, vocab, max_ctx, scratch_slot, scratch_block, *outs)
+        return outs
+
+    def greedy_sample_(logits, *, out_ids, out_sampled=None):
+        if out_sampled is None:  # a None mutated argument breaks torch 2.11's fake-tensor tracing
+            out_sampled = out_ids.new_empty((0,))
+        ops.greedy_sample(logits, out_ids, out_sampled)
+        return out_ids
+
     def m_grouped_bf16_gemm_nt_masked_(a, b, d, masked_m, expected_m):
         ops.deepgemm_masked_bf16(a, b, d, masked_m, expected_m)
 
@@ -305,6 +345,8 @@ def _wrappers() -> dict[tuple[str, str], object]:
             (f"{k}.attention", "decode_attention"): decode_attention_,
             (f"{k}.norm", "add_rmsnorm"): add_rmsnorm_,
             (f"{k}.activation", "silu_and_mul"): silu_and_mul_,
+            (f"{k}.decode_io", "unpack_rows"): unpack_rows_,
+            (f"{k}.decode_io", "greedy_sample"): greedy_sample_,
             ("deep_gemm", "m_grouped_bf16_gemm_nt_masked"): m_grouped_bf16_gemm_nt_masked_,
             ("deep_gemm", "m_grouped_fp8_gemm_nt_masked"): m_grouped_fp8_gemm_nt_masked_}
 

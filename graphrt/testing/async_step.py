@@ -10,12 +10,14 @@ forms, one interface (``acquire() -> (set, arrays)``, ``launch(set, n) -> sample
 - ``GatherStep`` (the model's own graphs, ``rt = GraphRuntime(model.spec(...))``): the
   metadata is copied from pinned memory straight into ``rt.input_buffers(n)``; the tokens
   are one ``index_select`` on the device over a pool holding the last two steps' sampled
-  ids and the host tokens; then ``rt.replay(n)`` and a greedy ``argmax`` into the pool.
+  ids and the host tokens; then ``rt.replay(n)`` and a greedy sample into the pool
+  (``graphrt.kernels.decode_io.greedy_sample``: ``torch.argmax`` bit for bit, one launch).
   Outside the graph per step: 5 host-to-device copies, 2 kernels, the live-count fill.
 - ``FusedStep`` (``rt = GraphRuntime(fused_spec(model, ...))``): one int32 row per request
-  packs everything; the gather and the ``argmax`` are captured in the graph, which reads and
-  writes one persistent ``sampled`` buffer. Outside the graph per step: one copy in, the
-  live-count fill, the replay.
+  packs everything; the graph unpacks the rows and gathers the tokens in one kernel
+  (``decode_io.unpack_rows``) and samples in one more (``greedy_sample``, which also writes
+  the one persistent ``sampled`` buffer the next replay reads). Outside the graph per step:
+  one copy in, the live-count fill, the replay.
 
 Either way nothing syncs: the host rows go through a ``PinnedRing`` (two sets, an event
 each) and stream order keeps the sampled ids of step N alive until step N+1 has read them.
@@ -58,6 +60,8 @@ class GatherStep:
         self._arrays = [{"tokens": h["tokidx"][:mb], "src": self.src, **{k: h[k] for k in META}}
                         for h in self.ring.numpy]
         self._parity, self._views = 0, {}
+        from graphrt.kernels.decode_io import greedy_sample   # triton: imported when used
+        self._sample = greedy_sample
 
     def acquire(self) -> tuple[int, dict]:
         """A free pinned set and its arrays to fill (numpy views). Host-only."""
@@ -83,7 +87,7 @@ class GatherStep:
         torch.index_select(pool, 0, pool[3 * mb:3 * mb + n], out=bufs["tokens"])
         logits = self.rt.replay(n)["logits"]                      # [n, vocab], a lease
         sampled = pool[p * mb:p * mb + n]
-        torch.argmax(logits, dim=-1, out=sampled)                 # greedy, on the device
+        self._sample(logits, out_ids=sampled)                     # greedy argmax, on the device
         self._parity = 1 - p
         return sampled
 
@@ -136,31 +140,35 @@ def fused_spec(model, max_batch_size: int) -> StepSpec:
     step's row whose sampled id is this row's token, or -1 for the token column), position,
     slot, seq_len, then the block table. Padded rows are -1 throughout and read as the
     model's sentinels (token 0, position 0, the scratch slot and block, seq_len 0); every
-    column is clamped into range, so poisoned padding stays in bounds. Output
-    ``{"sampled": int64 [bs]}``; the step also writes them into ``spec.meta["sampled"]``
-    (int64 ``[max_batch_size]``, declared state), which the next replay reads. The model's
-    own ``before_replay`` hook (per-size planning) is kept.
+    column is clamped into range, so poisoned padding stays in bounds (one launch:
+    ``graphrt.kernels.decode_io.unpack_rows``). Output ``{"sampled": int64 [bs]}``, the
+    greedy ids (one launch, ``decode_io.greedy_sample``: ``torch.argmax`` bit for bit); the
+    same launch writes them into ``spec.meta["sampled"]`` (int64 ``[max_batch_size]``,
+    declared state), which the next replay reads. The model's own ``before_replay`` hook
+    (per-size planning) is kept.
     Graph safety: capturable (no host reads; fixed shapes).
     """
     cfg, dev = model.cfg, model.device
     if cfg.scratch_slot >= 2**31 or cfg.vocab_size >= 2**31:
         raise ValueError(f"{cfg.name}: slots and token ids must fit int32 for packed rows")
     sampled = torch.zeros(max_batch_size, dtype=torch.int64, device=dev)
-    mb, width = max_batch_size, len(ROW_COLS) + cfg.max_blocks_per_seq
+    width = len(ROW_COLS) + cfg.max_blocks_per_seq
     vocab, ctx, slot_s, block_s = cfg.vocab_size, cfg.max_ctx, cfg.scratch_slot, cfg.scratch_block
 
     def fused_step(rows, n):
-        src = rows[:, 1].long()                                           # [bs]
-        prev = sampled.index_select(0, src.clamp(0, mb - 1))              # [bs] last step's ids
-        tokens = torch.where(src >= 0, prev, rows[:, 0].clamp(0, vocab - 1).long())
-        slot = rows[:, 3].long()
-        slot = torch.where(slot < 0, slot_s, slot.clamp_max(slot_s))
-        table = rows[:, len(ROW_COLS):]                                    # [bs, max_blocks]
-        table = torch.where(table < 0, block_s, table.clamp_max(block_s))
-        logits = model.step(tokens, rows[:, 2].clamp(0, ctx - 1), slot, table,
-                            rows[:, 4].clamp(0, ctx), n)["logits"]       # [bs, vocab]
-        ids = torch.argmax(logits, dim=-1)                                # [bs] int64
-        sampled[:ids.shape[0]].copy_(ids)
+        from graphrt.kernels.decode_io import greedy_sample, unpack_rows
+        bs, i64, i32 = rows.shape[0], torch.int64, torch.int32
+        tokens = torch.empty(bs, dtype=i64, device=rows.device)
+        positions = torch.empty(bs, dtype=i32, device=rows.device)
+        slot = torch.empty(bs, dtype=i64, device=rows.device)
+        table = torch.empty(bs, cfg.max_blocks_per_seq, dtype=i32, device=rows.device)
+        seq_lens = torch.empty(bs, dtype=i32, device=rows.device)
+        unpack_rows(rows, sampled, vocab=vocab, max_ctx=ctx, scratch_slot=slot_s,
+                    scratch_block=block_s, out_tokens=tokens, out_positions=positions,
+                    out_slots=slot, out_block_table=table, out_seq_lens=seq_lens)
+        logits = model.step(tokens, positions, slot, table, seq_lens, n)["logits"]  # [bs, vocab]
+        ids = torch.empty(bs, dtype=i64, device=rows.device)              # [bs]
+        greedy_sample(logits, out_ids=ids, out_sampled=sampled)            # and sampled[:bs]
         return {"sampled": ids}
 
     def example_inputs(bs, device, generator=None):
