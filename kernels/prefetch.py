@@ -14,7 +14,7 @@ uint8 when the size is not a multiple of 4): program ``p`` of ``P`` reads chunks
 stores the XOR of the words it read into ``sink[p]``; ``l2_prefetch_ref`` computes the same
 XORs, which is how the tests prove that every word is read exactly once.
 
-Glossary: ``P`` programs (a fraction of the SMs: the latency-bound kernels keep the rest).
+Glossary: ``P`` programs (by default one per chunk: every load in flight at once).
 Graph safety: capturable (no allocation, no host read).
 """
 from __future__ import annotations
@@ -27,7 +27,6 @@ import triton.language as tl
 from ._util import check, check_tensor
 
 BLOCK = 4096        # words per program per iteration (16 KB as int32)
-PROGRAMS = 48       # default grid: about a third of an H200's 132 SMs
 
 
 @triton.jit
@@ -56,6 +55,11 @@ def _words(w: torch.Tensor) -> torch.Tensor:
     return flat
 
 
+def sink_size(w: torch.Tensor, programs: int | None = None) -> int:
+    """The ``sink`` entries ``l2_prefetch(w, programs=programs)`` writes. Host-only."""
+    return max(1, -(-_words(w).numel() // BLOCK)) if programs is None else programs
+
+
 def l2_prefetch(w: torch.Tensor, *, sink: torch.Tensor, programs: int | None = None) -> torch.Tensor:
     """Read every byte of ``w`` once with the ``evict_last`` hint, leaving it in L2.
 
@@ -63,8 +67,8 @@ def l2_prefetch(w: torch.Tensor, *, sink: torch.Tensor, programs: int | None = N
         w: any contiguous tensor (a weight).
         sink: int32 ``[>= programs]``: receives each program's XOR of the words it read
             (nothing reads it; it keeps the loads alive).
-        programs: the grid (default ``min(PROGRAMS, chunks)``); fewer programs leave more SMs
-            to the kernels running beside the prefetch.
+        programs: the grid (default: one program per chunk of ``BLOCK`` words, so every load
+            is in flight at once; a program walking several chunks waits on each in turn).
 
     Returns ``sink``. Launch it on a side stream forked from the compute stream, and join that
     stream back before the consumer of ``w`` (an event wait): ``on_side_stream``.
@@ -74,8 +78,7 @@ def l2_prefetch(w: torch.Tensor, *, sink: torch.Tensor, programs: int | None = N
     check_tensor(w, "w", contiguous=True)
     words = _words(w)
     check(words.numel() < 2**31, "w's size in words", "< 2**31", words.numel())
-    chunks = max(1, -(-words.numel() // BLOCK))
-    p = min(PROGRAMS, chunks) if programs is None else programs
+    p = sink_size(w, programs)
     check(isinstance(p, int) and p >= 1, "programs", "an int >= 1", programs)
     check_tensor(sink, "sink", dtype=torch.int32, device=w.device, contiguous=True)
     check(sink.dim() == 1 and sink.numel() >= p, "sink.shape", f"({p},) or longer", tuple(sink.shape))

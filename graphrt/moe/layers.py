@@ -128,6 +128,7 @@ class Attention:
     # HBM idle), so the o-projection reads it from L2 (graphrt.kernels.prefetch). CUDA only,
     # not under torch.compile; GRAPHRT_PREFETCH=0 at import turns it off (A/B benchmarks).
     prefetch = os.environ.get("GRAPHRT_PREFETCH", "1").strip().lower() not in ("0", "false", "no", "off")
+    prefetch_programs = None  # l2_prefetch's grid (None: one program per chunk)
 
     def __init__(self, cfg: MoEConfig, device, gen):
         self.cfg = cfg
@@ -143,8 +144,11 @@ class Attention:
         self.semaphore = torch.zeros(cfg.num_slots, cfg.num_kv_heads, dtype=torch.int32,
                                      device=device)
         # The prefetch's side stream (one per device, shared by the layers) and its sink.
-        self.side = side_stream(device) if torch.device(device).type == "cuda" else None
-        self.sink = torch.zeros(64, dtype=torch.int32, device=device)
+        self.side = self.sink = None
+        if torch.device(device).type == "cuda":
+            from graphrt.kernels.prefetch import sink_size
+            self.side = side_stream(device)
+            self.sink = torch.zeros(sink_size(self.wo), dtype=torch.int32, device=device)
 
     def __call__(self, h, slot_mapping, block_table, seq_lens, n) -> torch.Tensor:
         """h ``[bs, hidden]``; slot_mapping int64 ``[bs]``, block_table int32
@@ -182,5 +186,10 @@ class Attention:
             return None
         from graphrt.comm.base import on_side_stream
         from graphrt.kernels.prefetch import l2_prefetch
-        return on_side_stream(self.side, lambda: l2_prefetch(self.wo, sink=self.sink),
+        programs = self.prefetch_programs
+        if programs is not None and programs > self.sink.numel():
+            raise ValueError(f"Attention.prefetch_programs {programs} exceeds the sink's "
+                             f"{self.sink.numel()} entries (one per chunk of wo)")
+        return on_side_stream(self.side, lambda: l2_prefetch(self.wo, sink=self.sink,
+                                                             programs=programs),
                               self.sink, keep=(self.wo,))

@@ -121,11 +121,11 @@ def test_gpu_graph_replay_follows_new_rows_and_logits(cuda_device, monkeypatch, 
         if seed == 4:
             logits[3] = -INF                                         # an all -inf row: 0
             logits[5, 7] = logits[5, 9] = 1e4                        # a tie: 7
+        sampled[bs:].fill_(-7)                                       # rows with src >= bs read it
         before = sampled.clone()
         want_unpacked = unpack_rows_ref(rows, before, **KW)
         for t in list(outs.values()) + [ids]:
             t.fill_(-3)
-        sampled[bs:].fill_(-7)
         graph.replay()
         torch.cuda.synchronize()
         for (name, got), want in zip(outs.items(), want_unpacked):

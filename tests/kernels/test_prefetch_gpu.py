@@ -13,9 +13,11 @@ pytestmark = pytest.mark.gpu
 def test_checksum_of_a_weight_sized_tensor(cuda_device):
     g = torch.Generator(device=cuda_device).manual_seed(0)
     w = torch.randn(2048, 4096, generator=g, device=cuda_device, dtype=torch.bfloat16)
-    sink = torch.zeros(48, dtype=torch.int32, device=cuda_device)
-    l2_prefetch(w, sink=sink)
-    assert torch.equal(sink.cpu(), l2_prefetch_ref(w, 48))
+    sink = torch.zeros(2048, dtype=torch.int32, device=cuda_device)
+    for programs in (None, 48):                         # one per chunk (4096 words): 1024
+        l2_prefetch(w, sink=sink, programs=programs)
+        p = 1024 if programs is None else programs
+        assert torch.equal(sink[:p].cpu(), l2_prefetch_ref(w, p))
 
 
 def test_captured_on_a_side_stream_and_replayed(cuda_device):
