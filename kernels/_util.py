@@ -55,6 +55,13 @@ def pdl_enabled() -> bool:
     not turned off (``GRAPHRT_PDL=0``), a CUDA GPU of compute capability >= 9.0 (Hopper) and
     not the interpreter. On by default since the whole GPU suite passed with it and it is
     1-2.4% faster with bitwise-equal outputs (BENCHMARKS.md §13)."""
+    return _pdl_enabled(os.environ.get("GRAPHRT_PDL", "1"), os.environ.get("TRITON_INTERPRET", "0"))
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_enabled(pdl_env: str, interpret_env: str) -> bool:
+    """``pdl_enabled`` per value of the two variables: every launch asks, so the answer (and
+    the CUDA queries behind it) is computed once per setting."""
     if not pdl_requested() or interpreting():
         return False
     return torch.cuda.is_available() and _hopper_or_newer(torch.cuda.current_device())

@@ -5,7 +5,9 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
 - ``pdl``: programmatic dependent launch of graphrt's Triton kernels (``GRAPHRT_PDL``,
   ``graphrt.kernels._util.pdl_args``);
 - ``prefetch``: the attention layers' L2 prefetch of the o-projection weight
-  (``Attention.prefetch``, ``graphrt.kernels.prefetch``).
+  (``Attention.prefetch``, ``graphrt.kernels.prefetch``);
+- ``prefetch-qkv``: each layer's L2 prefetch of the next layer's QKV weight beside its MoE
+  block (``DecoderLayer.prefetch_next_qkv``).
 
     python -m graphrt.bench.ab --switch prefetch --config qwen3-moe-like --experts 64 --layers 4 --sizes 1,16
 
@@ -48,8 +50,20 @@ def _prefetch(on: bool):
         Attention.prefetch = before
 
 
+@contextlib.contextmanager
+def _prefetch_qkv(on: bool):
+    from graphrt.moe.model import DecoderLayer
+    before = DecoderLayer.prefetch_next_qkv
+    DecoderLayer.prefetch_next_qkv = on
+    try:
+        yield
+    finally:
+        DecoderLayer.prefetch_next_qkv = before
+
+
 # switch -> (on) -> the context a capture runs in
-SWITCHES = {"pdl": lambda on: _env("GRAPHRT_PDL", "1" if on else "0"), "prefetch": _prefetch}
+SWITCHES = {"pdl": lambda on: _env("GRAPHRT_PDL", "1" if on else "0"), "prefetch": _prefetch,
+            "prefetch-qkv": _prefetch_qkv}
 
 
 def _capture(model, sizes, switch: str, on: bool):

@@ -16,9 +16,14 @@ next one) for ``LOOP_WARMUP`` steps, then ``LOOP_STEPS`` measured steps:
 Per loop: ``tokens_per_s`` (rows fed, i.e. tokens through the model, per second of wall
 time); three views of how busy the GPU is, from strictest to loosest:
 
+Each loop runs ``steps`` steps twice after its warm-up: first as an engine runs (tokens/s,
+step time, host time, ``vs_device_bound``), then instrumented with CUDA events, which are
+stream operations too and slow each step by a few microseconds (``instrumented_step_us``),
+for the busy fractions:
+
 - ``gpu_busy`` = sum over steps of the replay's device time (CUDA events: one from the
   spec's ``before_replay`` hook, right before ``graph.replay()``, one when ``replay``/``run``
-  returns) / the loop's wall time (from a synchronised start to a synchronised end): the
+  returns) / the instrumented window's wall time (synchronised start to synchronised end): the
   step's copies in and out, and the graph's launch on the device, count as idle;
 - ``stream_busy`` = sum over steps of the step's stream span / wall time, where a span runs
   from an event the engine records right before its first stream work of the step (the
@@ -234,11 +239,8 @@ def measure(eng, timer: ReplayTimer, device, steps: int, warmup: int,
         barrier()
     st = eng.stats
     rows0, tok0, wait0 = st.rows, st.tokens, st.wait_s
+    # Window 1, as an engine runs: speed and host time (no timing events on the stream).
     host = []
-    spans = spans or StepSpans(device, 0)
-    eng.marks = spans
-    timer.arm()
-    spans.arm()
     t0 = time.perf_counter()
     for _ in range(steps):
         a, w = time.perf_counter(), st.wait_s
@@ -246,20 +248,31 @@ def measure(eng, timer: ReplayTimer, device, steps: int, warmup: int,
         host.append((time.perf_counter() - a - (st.wait_s - w)) * 1e6)
     _sync(device)
     wall = time.perf_counter() - t0
+    rows, tokens, wait = st.rows - rows0, st.tokens - tok0, st.wait_s - wait0
+    # Window 2, instrumented: where the stream's time goes (4 events per step, each a stream op).
+    spans = spans or StepSpans(device, 0)
+    eng.marks = spans
+    timer.arm()
+    spans.arm()
+    t1 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    _sync(device)
+    wall2 = time.perf_counter() - t1
     replay_us = timer.disarm()
     span_us, idle_us = spans.disarm()
     eng.marks = None
-    rows = st.rows - rows0
     side = getattr(eng, "side", None)
-    res = {"tokens_per_s": rows / wall, "output_tokens_per_s": (st.tokens - tok0) / wall,
+    res = {"tokens_per_s": rows / wall, "output_tokens_per_s": tokens / wall,
            "steps_per_s": steps / wall, "step_us": wall / steps * 1e6,
+           "instrumented_step_us": wall2 / steps * 1e6,
            "replay_us_median": statistics.median(replay_us) if replay_us else None,
-           "gpu_busy": sum(replay_us) / (wall * 1e6),
-           "stream_busy": sum(span_us) / (wall * 1e6) if span_us else None,
-           "idle_us_per_step": (wall * 1e6 - sum(span_us)) / steps if span_us else None,
+           "gpu_busy": sum(replay_us) / (wall2 * 1e6),
+           "stream_busy": sum(span_us) / (wall2 * 1e6) if span_us else None,
+           "idle_us_per_step": (wall2 * 1e6 - sum(span_us)) / steps if span_us else None,
            "idle_us_median": statistics.median(idle_us) if idle_us else None,
            "host_us_median": statistics.median(host),
-           "wait_s": st.wait_s - wait0, "mean_batch": rows / steps, "timed_replays": len(replay_us),
+           "wait_s": wait, "mean_batch": rows / steps, "timed_replays": len(replay_us),
            "staging_waits": side.ring.waits if side is not None else None}
     return res, eng.streams()
 
@@ -308,7 +321,7 @@ def bench_loop(cfg, device, sizes: list[int], *, steps: int = LOOP_STEPS, warmup
         row, streams = {"bs": bs, "loops": {}}, {}
         for loop in loops:
             eng = _engine(loop, rts, cfg, bs, device, keep_stepping=world > 1)
-            eng.submit_all(_requests(cfg, bs, warmup + steps, seed + bs + 1000 * rank))
+            eng.submit_all(_requests(cfg, bs, warmup + 2 * steps, seed + bs + 1000 * rank))
             row["loops"][loop], streams[loop] = measure(eng, timer, device, steps, warmup, barrier,
                                                         spans)
         uniform = coordinator is not None and coordinator.uniform   # replay() is refused there

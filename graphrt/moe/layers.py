@@ -145,10 +145,13 @@ class Attention:
                                      device=device)
         # The prefetch's side stream (one per device, shared by the layers) and its sink.
         self.side = self.sink = None
+        self.l2_bytes = 0
         if torch.device(device).type == "cuda":
             from graphrt.kernels.prefetch import sink_size
             self.side = side_stream(device)
-            self.sink = torch.zeros(sink_size(self.wo), dtype=torch.int32, device=device)
+            self.l2_bytes = torch.cuda.get_device_properties(self.wo.device).L2_cache_size
+            size = max(sink_size(self.wo), sink_size(self.wqkv))   # wo here, wqkv from the layer before
+            self.sink = torch.zeros(size, dtype=torch.int32, device=device)
 
     def __call__(self, h, slot_mapping, block_table, seq_lens, n) -> torch.Tensor:
         """h ``[bs, hidden]``; slot_mapping int64 ``[bs]``, block_table int32
@@ -182,7 +185,15 @@ class Attention:
         """Start ``l2_prefetch(wo)`` on the side stream, forked from the compute stream after
         the QKV GEMM; returns the ``Receiver`` that joins it (or None: off, not CUDA, or
         under torch.compile). Graph safety: capturable (a captured fork/join)."""
-        if not self.prefetch or self.side is None or torch.compiler.is_compiling():
+        return self.start_prefetch(self.wo) if self.prefetch else None
+
+    def start_prefetch(self, w: torch.Tensor):
+        """Fork the side stream from the current stream and ``l2_prefetch(w)`` there (``w``:
+        ``wo`` or ``wqkv``); the returned ``Receiver`` joins it. None (no prefetch) without
+        CUDA, under torch.compile, or when ``w`` exceeds half the L2 (it would not stay: the
+        dsv3-like projections are 117-132 MB). Graph safety: capturable (a captured fork/join)."""
+        if self.side is None or torch.compiler.is_compiling() \
+                or w.numel() * w.element_size() > self.l2_bytes // 2:
             return None
         from graphrt.comm.base import on_side_stream
         from graphrt.kernels.prefetch import l2_prefetch
@@ -190,6 +201,5 @@ class Attention:
         if programs is not None and programs > self.sink.numel():
             raise ValueError(f"Attention.prefetch_programs {programs} exceeds the sink's "
                              f"{self.sink.numel()} entries (one per chunk of wo)")
-        return on_side_stream(self.side, lambda: l2_prefetch(self.wo, sink=self.sink,
-                                                             programs=programs),
-                              self.sink, keep=(self.wo,))
+        return on_side_stream(self.side, lambda: l2_prefetch(w, sink=self.sink, programs=programs),
+                              self.sink, keep=(w,))

@@ -23,6 +23,8 @@ Graph safety: capturable (``model.step``); everything is allocated at constructi
 """
 from __future__ import annotations
 
+import os
+
 
 import torch
 
@@ -75,6 +77,11 @@ class MoEBlock:
 
 
 class DecoderLayer:
+    # Prefetch the next layer's QKV weight into L2 beside this layer's MoE block (forked
+    # before the router, joined at the end of the layer); GRAPHRT_PREFETCH_QKV=1 at import.
+    prefetch_next_qkv = os.environ.get("GRAPHRT_PREFETCH_QKV", "0").strip().lower() \
+        not in ("0", "false", "no", "off")
+
     def __init__(self, cfg, comm, device, gen, seed, **kw):
         self.cfg = cfg
         self.attn_norm = torch.ones(cfg.hidden, device=device, dtype=cfg.dtype)
@@ -82,14 +89,20 @@ class DecoderLayer:
         self.attn = Attention(cfg, device, gen)
         self.moe = MoEBlock(cfg, comm, device, gen, seed, **kw)
 
-    def __call__(self, x, h, slot_mapping, block_table, seq_lens, n, next_norm):
+    def __call__(self, x, h, slot_mapping, block_table, seq_lens, n, next_norm, next_attn=None):
         """x: the residual stream ``[bs, hidden]``; h: ``rmsnorm(x) * attn_norm``; the paged
         KV metadata (``graphrt.moe.paged_kv``); next_norm: the next layer's attention-norm
-        weight (or the final norm's) -> the new ``(x, h)``."""
+        weight (or the final norm's); next_attn: the next layer's ``Attention`` (None for the
+        last) -> the new ``(x, h)``."""
         eps = self.cfg.rms_eps
         attn = self.attn(h, slot_mapping, block_table, seq_lens, n)
         x, h = add_rmsnorm(x, attn, weight=self.moe_norm, eps=eps)
-        return add_rmsnorm(x, *self.moe(h, n), weight=next_norm, eps=eps)
+        recv = (next_attn.start_prefetch(next_attn.wqkv)
+                if next_attn is not None and self.prefetch_next_qkv else None)
+        out = add_rmsnorm(x, *self.moe(h, n), weight=next_norm, eps=eps)
+        if recv is not None:
+            recv()
+        return out
 
 
 class MoEModel:
@@ -209,8 +222,9 @@ class MoEModel:
         row's K/V at its slot in every layer. Graph safety: capturable."""
         x = self.embed.index_select(0, tokens)                             # [bs, hidden]
         x, h = add_rmsnorm(x, weight=self._norms[0], eps=self.cfg.rms_eps)
-        for layer, next_norm in zip(self.layers, self._norms[1:]):
-            x, h = layer(x, h, slot_mapping, block_table, seq_lens, n, next_norm)
+        nxt = [l.attn for l in self.layers[1:]] + [None]
+        for layer, next_norm, next_attn in zip(self.layers, self._norms[1:], nxt):
+            x, h = layer(x, h, slot_mapping, block_table, seq_lens, n, next_norm, next_attn)
         self.comm.end_step()
         if self.expert_map is not None:
             self.expert_map.advance()
