@@ -14,8 +14,10 @@ Plain Python plus a few torch copies; nothing here captures or replays (that is
   one copy per offsets input when the batch is padded.
 
 The per-step host path does no work it can cache: ``check_cached`` remembers the verdict
-of ``check`` per input signature (names, and per input type, dtype, shape, device), and
-the live-row views of the static inputs and their copy groups are built once per ``n``.
+of ``check`` per input ``signature`` (names, and per input type, dtype, shape, device,
+requires_grad), the live-row views of the static inputs and their copy groups are built
+once per ``n``, and ``bind`` specialises ``stage`` to one call shape (the input order, ``n``,
+``padded_bs``) once, so a steady step pays the copies and a few comparisons.
 
 Graph safety: host-only (``stage`` launches copies on the current stream; call it before
 ``replay()`` on that stream, never inside a capture).
@@ -23,8 +25,8 @@ Graph safety: host-only (``stage`` launches copies on the current stream; call i
 from __future__ import annotations
 
 import bisect
-from operator import attrgetter
-from typing import Iterable, Mapping
+from operator import attrgetter, itemgetter
+from typing import Callable, Iterable, Mapping
 
 import torch
 
@@ -32,7 +34,57 @@ from graphrt.errors import InputError
 from graphrt.spec import StepSpec
 
 
-_signature = attrgetter("__class__", "dtype", "shape", "device")  # one input's, for check_cached
+# One input's part of ``signature``: a C-level getter (each tensor attribute costs ~0.1 µs).
+_signature = attrgetter("__class__", "dtype", "shape", "device", "requires_grad")
+_foreach_copy_ = torch._foreach_copy_
+
+
+def signature(inputs: Mapping[str, torch.Tensor]) -> tuple:
+    """The key ``check``'s verdict is cached under: the names in order, then per input its
+    type, dtype, shape, device and requires_grad. ``GraphRuntime.run`` spells it inline (a
+    call less); raises ``AttributeError`` for a value that is not a tensor."""
+    return (*inputs, *map(_signature, inputs.values()))
+
+
+def signature_guard(tensors: tuple) -> Callable[..., bool] | None:
+    """A check, in C++, that tensors given positionally have the signatures of ``tensors``
+    (exact type, dtype, device, shape, requires_grad; strides free): torch's own tensor
+    guards (those of ``torch.compile``), about 4x cheaper per tensor than ``signature``.
+    Stricter where it differs, never looser: it also compares the dispatch keys under the
+    thread-local dispatch state of the call that built it, so a call in another mode (e.g.
+    inference mode, a dispatch mode) reads as a mismatch and the caller falls back to
+    ``signature``. None when this torch has no usable guards (a private API, so a
+    self-test, once per process, must see it tell every part of a signature apart)."""
+    global _GUARDS_OK
+    if _GUARDS_OK is None:
+        _GUARDS_OK = _guards_self_test()
+    return _make_guard(tensors) if _GUARDS_OK else None
+
+
+_GUARDS_OK: bool | None = None
+
+
+def _make_guard(tensors: tuple) -> Callable[..., bool]:
+    from torch._C._dynamo.guards import TensorGuards
+    return TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                        dynamic_dims_strides=[[None] * t.dim() for t in tensors]).check
+
+
+def _guards_self_test() -> bool:
+    """Whether ``_make_guard`` accepts a tensor of the same signature (another one, other
+    strides) and rejects every change of type, dtype, shape, rank, device and requires_grad."""
+    class Sub(torch.Tensor):
+        pass
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            a = torch.zeros(2, 3)
+            same = (torch.ones(2, 3), torch.zeros(3, 2).t())
+            other = (a.double(), torch.zeros(2, 4), torch.zeros(6), a.to("meta"),
+                     torch.zeros(2, 3, requires_grad=True), a.as_subclass(Sub), [[0.0] * 3] * 2)
+            check = _make_guard((a,))
+            return all(check(t) is True for t in same) and all(check(t) is False for t in other)
+    except Exception:  # noqa: BLE001 -- any failure means: do not use it
+        return False
 
 
 def capture_sizes(max_bs: int) -> list[int]:
@@ -105,12 +157,14 @@ class Stager:
         self._checks = [(k, inp.rows, inp.dtype, inp.trailing, len(inp.shape))
                         for k, inp in spec.inputs.items()]
         self._kind = {k: inp.rows for k, inp in spec.inputs.items()}
+        self._names = tuple(spec.inputs)
         # Rows [0, _dirty) of the batch inputs may hold something other than pad_value.
         self._dirty = 0
         self._live: list = [None] * (max_bs + 1)   # n -> _Staging, built on first use
         self._offset_pads: dict = {}                # (n, padded_bs) -> [(dst, src)] views
         self._verdicts: dict = {}                   # input signature -> n (check passed)
         self._max_verdicts = 4 * max_bs + 64        # bounded: oversize batches vary freely
+        self._bound: dict = {}                      # (names, n, padded_bs, detach) -> bind()
 
     def views(self, padded_bs: int) -> dict[str, torch.Tensor]:
         """The static inputs a graph of ``padded_bs`` rows reads (``shape_for(padded_bs)`` each)."""
@@ -138,12 +192,11 @@ class Stager:
         return b if rows == "fixed" else b[:bs + 1] if rows == "offsets" else b[:bs]
 
     def check_cached(self, inputs: Mapping[str, torch.Tensor]) -> int:
-        """``check(inputs)``, its verdict cached per input signature: the names in order and,
-        per input, its type, dtype, shape and device. A repeat signature costs building and
-        hashing that key (no per-input comparisons); a new one runs ``check`` (which raises
-        the same errors) and is remembered only when it passes."""
+        """``check(inputs)``, its verdict cached per ``signature(inputs)``. A repeat signature
+        costs building and hashing that key (no per-input comparisons); a new one runs
+        ``check`` (which raises the same errors) and is remembered only when it passes."""
         try:
-            key = (tuple(inputs), *map(_signature, inputs.values()))
+            key = (*inputs, *map(_signature, inputs.values()))
             n = self._verdicts.get(key)
         except (AttributeError, TypeError):  # not tensors: check() names the culprit
             return self.check(inputs)
@@ -199,21 +252,56 @@ class Stager:
 
         The inputs of one dtype go in one ``torch._foreach_copy_`` (one launch on CUDA), and
         the live count rides along with the int32 ones (a copy from a constant table), so a
-        step with int64 and int32 inputs costs two launches whatever their number."""
-        st = self._live[n] if 0 < n <= self.max_bs else None
-        if st is None:
-            st = self._staging(n)
-        for k, dst in st.singles:
-            t = inputs[k]
-            dst.copy_(t if not t.requires_grad else t.detach())  # no grad_fn on the static buffers
-        for names, dsts, count in st.groups:
-            srcs = [t if not t.requires_grad else t.detach() for t in map(inputs.__getitem__, names)]
-            if count is not None:
-                srcs.append(count)
-            torch._foreach_copy_(dsts, srcs)
-        if st.counted:
-            self._n_written = (n, self.n_dev._version)
-        self.pad_only(n, padded_bs)
+        step with int64 and int32 inputs costs two launches whatever their number. Runs the
+        ``bind`` of this call shape (what ``GraphRuntime.run`` runs in its steady state)."""
+        names = self._names
+        vals = tuple(map(inputs.__getitem__, names))
+        self.bind(names, n, padded_bs, any(t.requires_grad for t in vals))(vals)
+
+    def bind(self, names: tuple, n: int, padded_bs: int, detach: bool = False) -> Callable:
+        """``stage`` for one call shape, built once: a function of the inputs as a tuple in
+        ``names`` order (any order of the spec's names) that stages them for ``n`` live rows
+        in graph ``padded_bs``, exactly as ``stage`` does. ``detach``: some input requires
+        grad (each one that does is read through ``detach()``); without it none may."""
+        key = (names, n, padded_bs, detach)
+        fn = self._bound.get(key)
+        if fn is None:
+            fn = self._bind(names, n, padded_bs, detach)
+            if len(self._bound) >= self._max_verdicts:
+                self._bound.clear()
+            self._bound[key] = fn
+        return fn
+
+    def _bind(self, names: tuple, n: int, padded_bs: int, detach: bool) -> Callable:
+        st = self._staging(n)
+        at = {k: i for i, k in enumerate(names)}
+        tail = (st.count,) if st.counted else ()  # the live-count source, after the inputs
+        singles = tuple((at[k], dst) for k, dst in st.singles)
+        groups = []                               # (getter of the sources, destinations)
+        for ks, dsts, src in st.groups:
+            pos = [at[k] for k in ks] + ([len(names)] if src is not None else [])
+            groups.append((itemgetter(*pos), dsts))
+        pads = self._offset_pad(n, padded_bs) if self._offsets and padded_bs > n else ()
+        counted, nd, stager = st.counted, self.n_dev, self
+
+        def stage(vals: tuple) -> None:
+            if detach:
+                vals = tuple([t.detach() if t.requires_grad else t for t in vals])
+            vals += tail
+            for i, dst in singles:
+                dst.copy_(vals[i])
+            for get, dsts in groups:  # >= 2 sources each: get() returns a tuple
+                _foreach_copy_(dsts, get(vals))
+            if stager._dirty != n:
+                stager._repad(n, padded_bs)
+            for dst, src in pads:
+                dst.copy_(src)
+            if counted:
+                stager._n_written = (n, nd._version)
+            elif stager._n_written != (n, nd._version):
+                nd.fill_(n)
+                stager._n_written = (n, nd._version)
+        return stage
 
     def pad_only(self, n: int, padded_bs: int) -> None:
         """The live rows are in place: pad rows ``[n, padded_bs)``, set the live count.
@@ -222,24 +310,34 @@ class Stager:
         have dirtied them (a high-water mark); offsets inputs continue their last live
         offset on the device (no host read). The live count is filled only when it differs
         from our last fill or anything wrote ``n_dev`` since (its version counter moved)."""
+        if self._dirty != n:
+            self._repad(n, padded_bs)
+        if self._offsets and padded_bs > n:
+            for dst, src in self._offset_pad(n, padded_bs):
+                dst.copy_(src)
+        nd = self.n_dev
+        if self._n_written != (n, nd._version):
+            nd.fill_(n)
+            self._n_written = (n, nd._version)
+
+    def _repad(self, n: int, padded_bs: int) -> None:
+        """Refill the batch inputs' rows ``[n, padded_bs)`` that may be dirty and move the
+        high-water mark (a no-op when it is ``n``)."""
         dirty = self._dirty
         if dirty > n and padded_bs > n:
             stop = dirty if dirty < padded_bs else padded_bs
             for k in self._batch:
                 self.buffers[k][n:stop].fill_(self._pad_values[k])
         self._dirty = dirty if dirty > padded_bs else n
-        if self._offsets and padded_bs > n:
-            pads = self._offset_pads.get((n, padded_bs))
-            if pads is None:
-                pads = self._offset_pads[(n, padded_bs)] = [
-                    (b[n + 1:padded_bs + 1], b[n:n + 1].expand(padded_bs - n))
-                    for b in (self.buffers[k] for k in self._offsets)]
-            for dst, src in pads:
-                dst.copy_(src)
-        nd = self.n_dev
-        if self._n_written != (n, nd._version):
-            nd.fill_(n)
-            self._n_written = (n, nd._version)
+
+    def _offset_pad(self, n: int, padded_bs: int) -> list:
+        """``[(dst, src)]`` per offsets input: rows ``[n + 1, padded_bs + 1)`` continue offset ``n``."""
+        pads = self._offset_pads.get((n, padded_bs))
+        if pads is None:
+            pads = self._offset_pads[(n, padded_bs)] = [
+                (b[n + 1:padded_bs + 1], b[n:n + 1].expand(padded_bs - n))
+                for b in (self.buffers[k] for k in self._offsets)]
+        return pads
 
     @torch.no_grad()
     def poison(self, n: int, padded_bs: int, generator: torch.Generator) -> None:
@@ -284,16 +382,17 @@ class _Staging:
     """The staging of ``n`` live rows, built once per ``n``: ``views`` (name -> live view of
     the static input); ``groups``: per dtype of two or more copies ``(names, destination
     views, count)``, where ``count`` is the live-count source that joins the int32 group
-    (destination ``n_dev``; ``counted`` says whether one did); ``singles``: ``(name, view)``
-    for an input alone in its dtype (a plain ``copy_``)."""
+    (destination ``n_dev``; ``counted`` says whether one did, ``count`` is that source);
+    ``singles``: ``(name, view)`` for an input alone in its dtype (a plain ``copy_``)."""
 
-    __slots__ = ("views", "groups", "singles", "counted")
+    __slots__ = ("views", "groups", "singles", "counted", "count")
 
     def __init__(self, views: dict, n_dev: torch.Tensor, count: torch.Tensor):
         by_dtype: dict = {}
         for k, v in views.items():
             by_dtype.setdefault(v.dtype if v.dtype in _FOREACH_DTYPES else k, []).append(k)
         self.views, self.groups, self.singles, self.counted = views, [], [], False
+        self.count = count
         for dtype, names in by_dtype.items():
             dsts = [views[k] for k in names]
             src = None
