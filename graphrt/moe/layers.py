@@ -126,8 +126,9 @@ class Attention:
     variant = os.environ.get("GRAPHRT_ATTN_VARIANT", "auto")
     # Pull wo into L2 on a side stream while K/V append and attention run (latency-bound,
     # HBM idle), so the o-projection reads it from L2 (graphrt.kernels.prefetch). CUDA only,
-    # not under torch.compile; GRAPHRT_PREFETCH=0 at import turns it off (A/B benchmarks).
-    prefetch = os.environ.get("GRAPHRT_PREFETCH", "1").strip().lower() not in ("0", "false", "no", "off")
+    # not under torch.compile. Off by default: measured 0.8-1.8% slower on an H200
+    # (BENCHMARKS.md §19); GRAPHRT_PREFETCH=1 at import turns it on (A/B benchmarks).
+    prefetch = os.environ.get("GRAPHRT_PREFETCH", "0").strip().lower() not in ("0", "false", "no", "off")
     prefetch_programs = None  # l2_prefetch's grid (None: one program per chunk)
 
     def __init__(self, cfg: MoEConfig, device, gen):

@@ -79,6 +79,7 @@ class MoEBlock:
 class DecoderLayer:
     # Prefetch the next layer's QKV weight into L2 beside this layer's MoE block (forked
     # before the router, joined at the end of the layer); GRAPHRT_PREFETCH_QKV=1 at import.
+    # Off by default: measured 1.8-3.7% slower on an H200 (BENCHMARKS.md §19).
     prefetch_next_qkv = os.environ.get("GRAPHRT_PREFETCH_QKV", "0").strip().lower() \
         not in ("0", "false", "no", "off")
 

@@ -30,7 +30,7 @@ from graphrt.replay_policy import SizeTable
 from graphrt.testing.requests import BlockPool, Request, Workload
 
 __all__ = ["BlockPool", "DecodeEngine", "EngineStats", "KVSnapshot", "Request", "Workload",
-           "compare_graph_eager", "eager_step", "graph_step", "greedy", "soak"]
+           "compare_graph_eager", "eager_step", "graph_step", "soak"]
 
 STEP_INPUTS = ("tokens", "positions", "slot_mapping", "block_table", "seq_lens")
 
@@ -174,7 +174,7 @@ class DecodeEngine:
         if wd is not None:
             wd.expect_step()
         logits = self.step_fn(**inputs)                                    # [n, vocab]
-        ids = greedy(logits)                                               # on the device
+        ids = torch.argmax(logits, dim=-1)                                 # greedy, on device
         if self.marks is not None:
             self.marks.end()
         sampled = self._read(ids)
@@ -231,17 +231,6 @@ class DecodeEngine:
 
 
 # -- step functions ----------------------------------------------------------------------------
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """``torch.argmax(logits, dim=-1)``: int64 ``[n]``; on CUDA one launch of
-    ``graphrt.kernels.decode_io.greedy_sample`` (the same ids bit for bit, as the async
-    loops sample). Graph safety: capturable (allocates its output)."""
-    if not logits.is_cuda:
-        return torch.argmax(logits, dim=-1)
-    from graphrt.kernels.decode_io import greedy_sample
-    return greedy_sample(logits, out_ids=torch.empty(logits.shape[0], dtype=torch.int64,
-                                                     device=logits.device))
-
-
 def graph_step(rt):
     """``step_fn`` replaying ``rt`` (a captured ``GraphRuntime`` whose step returns
     ``{"logits": ...}``). With ``copy_outputs=False`` the logits are a lease: the engine
