@@ -2,12 +2,9 @@
 and a dense variant (``silu_and_mul``, every row) for the shared expert.
 
 ``u[e, m] = [gate | up]`` (``2 * inter`` columns); ``a = silu(gate) * up`` in fp32. Only rows
-``m < masked_m[e]`` are read or written; padded/unused rows cost nothing (and keep their old
-contents). The grid is flat and small (``P`` programs, at most a few per SM): each program
-loads all of ``masked_m`` once, numbers the live rows expert after expert (a prefix sum) and
-takes live rows ``t = pid, pid + P, ...``. A grid of one program per (expert, row slot), most
-of them empty, costs a wave of loads per ~130 empty programs: at decode sizes (8 live rows
-among 64 experts) that was 20 µs per call for 0.1 µs of work.
+``m < masked_m[e]`` are read or written: the grid is ``(num_local_experts, row programs)`` and
+each program loops over its rows ``m = pid, pid + P, ... < masked_m[e]``, so programs of empty or
+short experts exit at once and padded/unused rows cost nothing (and keep their old contents).
 
 The fp8 variant quantises ``a`` per token and per ``group_size`` columns to float8 e4m3
 (DeepGEMM's 1x128 activation scaling): ``scale = max(amax, 1e-10) / 448`` (fp32),
@@ -24,8 +21,6 @@ Graph safety: capturable (launchers); the ``*_ref`` references are host-only.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -36,17 +31,7 @@ from ._util import check, check_tensor, pdl_args
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8_MAX = 448.0
 _SCALE_EPS = 1e-10
-_MAX_ROW_PROGRAMS = 64  # the grid is at most num_experts * min(cap, this) programs ...
-_PROGRAMS_PER_SM = 4    # ... and at most this many per SM (8 on the CPU interpreter)
-MAX_EXPERTS = 4096      # masked_m is loaded whole by every program
-
-
-@triton.jit
-def _live_row(t, eo, mm, ends):
-    """Live row ``t`` (numbered expert after expert) -> ``(expert, row in that expert)``;
-    ``mm``: live rows per expert (``eo`` their indices), ``ends`` its inclusive prefix sum."""
-    e = tl.sum((ends <= t).to(tl.int32), axis=0)
-    return e, t - tl.sum(tl.where(eo < e, mm, 0), axis=0)
+_MAX_ROW_PROGRAMS = 64  # row programs per expert; each loops over every P-th live row
 
 
 @triton.jit
@@ -56,24 +41,22 @@ def _silu_and_mul_masked_kernel(
     out_ptr,  # [num_local_experts, cap, inter] out, last dim contiguous
     inter,  # int: output columns
     cap,  # int: rows per local expert
-    num_experts,  # int: num_local_experts
     stride_ue, stride_um,  # int: u strides of the expert and row dims (elements)
     stride_oe, stride_om,  # int: out strides of the expert and row dims (elements)
     BLOCK_N: tl.constexpr,  # columns per inner step (power of 2)
-    BLOCK_E: tl.constexpr,  # next power of 2 >= num_experts
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
-    eo = tl.arange(0, BLOCK_E)
-    mm = tl.load(masked_m_ptr + eo, mask=eo < num_experts, other=0)
-    mm = tl.minimum(tl.maximum(mm, 0), cap)
-    ends = tl.cumsum(mm, axis=0)
+    e = tl.program_id(0)
+    r = tl.program_id(1)
+    num_r = tl.num_programs(1)
+    m_end = tl.minimum(tl.load(masked_m_ptr + e), cap)
     offs = tl.arange(0, BLOCK_N)
-    for t in range(tl.program_id(0), tl.sum(mm, axis=0), tl.num_programs(0)):
-        e, m = _live_row(t, eo, mm, ends)
-        # row offsets fit int32 (checked by the launcher)
-        u_row = u_ptr + e.to(tl.int64) * stride_ue + m * stride_um
-        o_row = out_ptr + e.to(tl.int64) * stride_oe + m * stride_om
+    u_e = u_ptr + e.to(tl.int64) * stride_ue
+    o_e = out_ptr + e.to(tl.int64) * stride_oe
+    for m in range(r, m_end, num_r):  # row offsets fit int32 (checked by the launcher)
+        u_row = u_e + m * stride_um
+        o_row = o_e + m * stride_om
         for n0 in range(0, inter, BLOCK_N):
             cols = n0 + offs
             cmask = cols < inter
@@ -109,30 +92,29 @@ def _silu_and_mul_masked_fp8_kernel(
     scale_ptr,  # fp32 [num_local_experts, cap, inter // GROUP] out, any strides
     inter,  # int: output columns (multiple of GROUP)
     cap,  # int: rows per local expert
-    num_experts,  # int: num_local_experts
     stride_ue, stride_um,  # int: u strides of the expert and row dims (elements)
     stride_qe, stride_qm,  # int: out_q strides of the expert and row dims (elements)
     stride_se, stride_sm, stride_sg,  # int: out_scale strides (expert, row, group)
     GROUP: tl.constexpr,  # columns per quantisation group (power of 2, e.g. 128)
     GROUPS_PER_STEP: tl.constexpr,  # groups handled per inner step (power of 2)
-    BLOCK_E: tl.constexpr,  # next power of 2 >= num_experts
     SILU: tl.constexpr = True,  # False: quantize u itself ([.., inter] columns, no up half)
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
-    eo = tl.arange(0, BLOCK_E)
-    mm = tl.load(masked_m_ptr + eo, mask=eo < num_experts, other=0)
-    mm = tl.minimum(tl.maximum(mm, 0), cap)
-    ends = tl.cumsum(mm, axis=0)
+    e = tl.program_id(0)
+    r = tl.program_id(1)
+    num_r = tl.num_programs(1)
+    m_end = tl.minimum(tl.load(masked_m_ptr + e), cap)
     num_groups = inter // GROUP
     gi = tl.arange(0, GROUPS_PER_STEP)  # [GPS]
     j = tl.arange(0, GROUP)[None, :]  # [1, GROUP]
-    for t in range(tl.program_id(0), tl.sum(mm, axis=0), tl.num_programs(0)):
-        e, m = _live_row(t, eo, mm, ends)
-        # row offsets fit int32 (checked by the launcher)
-        u_row = u_ptr + e.to(tl.int64) * stride_ue + m * stride_um
-        q_row = q_ptr + e.to(tl.int64) * stride_qe + m * stride_qm
-        s_row = scale_ptr + e.to(tl.int64) * stride_se + m * stride_sm
+    u_e = u_ptr + e.to(tl.int64) * stride_ue
+    q_e = q_ptr + e.to(tl.int64) * stride_qe
+    s_e = scale_ptr + e.to(tl.int64) * stride_se
+    for m in range(r, m_end, num_r):  # row offsets fit int32 (checked by the launcher)
+        u_row = u_e + m * stride_um
+        q_row = q_e + m * stride_qm
+        s_row = s_e + m * stride_sm
         for g0 in range(0, num_groups, GROUPS_PER_STEP):
             grp = g0 + gi  # [GPS]
             cols = grp[:, None] * GROUP + j  # [GPS, GROUP]
@@ -217,18 +199,8 @@ def _check_row_offsets(cap, *tensors):
               cap * t.stride(1))
 
 
-def _grid(num_experts, cap, device):
-    """The flat grid: enough programs for every live row a step can have, at most
-    ``_PROGRAMS_PER_SM`` per SM (8 on the interpreter, which runs programs one by one)."""
-    check(num_experts <= MAX_EXPERTS, "num_local_experts", f"<= {MAX_EXPERTS}", num_experts)
-    limit = 8 if device.type != "cuda" else _PROGRAMS_PER_SM * _sm_count(device.index)
-    return (max(1, min(num_experts * min(cap, _MAX_ROW_PROGRAMS), limit)),)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index) -> int:
-    return torch.cuda.get_device_properties(torch.cuda.current_device() if index is None
-                                            else index).multi_processor_count
+def _grid(num_experts, cap):
+    return (num_experts, max(1, min(cap, _MAX_ROW_PROGRAMS)))
 
 
 def silu_and_mul_masked(u, masked_m, *, out):
@@ -246,10 +218,9 @@ def silu_and_mul_masked(u, masked_m, *, out):
     _check_row_offsets(cap, u, out)
     if num_experts == 0 or cap == 0 or inter == 0:
         return out
-    _silu_and_mul_masked_kernel[_grid(num_experts, cap, u.device)](
-        u, masked_m, out, inter, cap, num_experts, u.stride(0), u.stride(1), out.stride(0),
-        out.stride(1), BLOCK_N=min(triton.next_power_of_2(inter), 1024),
-        BLOCK_E=triton.next_power_of_2(num_experts), num_warps=4, **pdl_args())
+    _silu_and_mul_masked_kernel[_grid(num_experts, cap)](
+        u, masked_m, out, inter, cap, u.stride(0), u.stride(1), out.stride(0), out.stride(1),
+        BLOCK_N=min(triton.next_power_of_2(inter), 1024), num_warps=4, **pdl_args())
     return out
 
 
@@ -287,11 +258,10 @@ def _fp8_masked(src, masked_m, out_q, out_scale, num_experts, cap, cols, group_s
         return out_q, out_scale
     num_groups = cols // group_size
     gps = min(triton.next_power_of_2(num_groups), max(1, 1024 // group_size))
-    _silu_and_mul_masked_fp8_kernel[_grid(num_experts, cap, src.device)](
-        src, masked_m, out_q, out_scale, cols, cap, num_experts, src.stride(0), src.stride(1),
+    _silu_and_mul_masked_fp8_kernel[_grid(num_experts, cap)](
+        src, masked_m, out_q, out_scale, cols, cap, src.stride(0), src.stride(1),
         out_q.stride(0), out_q.stride(1), *out_scale.stride(),
-        GROUP=group_size, GROUPS_PER_STEP=gps, BLOCK_E=triton.next_power_of_2(num_experts),
-        SILU=silu, num_warps=4, **pdl_args())
+        GROUP=group_size, GROUPS_PER_STEP=gps, SILU=silu, num_warps=4, **pdl_args())
     return out_q, out_scale
 
 

@@ -34,7 +34,6 @@ def _combine_masked_kernel(
     num_experts,  # int: num_local_experts
     stride_out,  # int: row stride of out (elements)
     NUM_TOPK: tl.constexpr,  # experts per token
-    TOPK_P2: tl.constexpr,  # next power of 2 >= NUM_TOPK
     BLOCK_H: tl.constexpr,  # hidden columns per program (power of 2)
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
@@ -44,22 +43,15 @@ def _combine_masked_kernel(
     live = t < tl.load(n_ptr)
     offs = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs < hidden
-    # All of the token's (expert, slot, weight) at once, then one gather of its NUM_TOPK
-    # expert rows: two rounds of memory latency instead of 2 * NUM_TOPK dependent ones.
-    kk = tl.arange(0, TOPK_P2)
-    kmask = kk < NUM_TOPK
-    e = tl.load(ids_ptr + t * NUM_TOPK + kk, mask=kmask, other=-1).to(tl.int64)  # [TOPK_P2]
-    p = tl.load(pos_ptr + t * NUM_TOPK + kk, mask=kmask, other=-1)
-    w = tl.load(w_ptr + t * NUM_TOPK + kk, mask=kmask, other=0.0)
-    # (kk < NUM_TOPK on live rows, else none: a scalar & a vector breaks the interpreter)
-    ok = (kk < tl.where(live, NUM_TOPK, 0)) & (p >= 0) & (p < cap) & (e >= 0) & (e < num_experts)
-    rows = tl.where(ok, (e * cap + p) * hidden, 0)
-    v = tl.load(y_ptr + rows[:, None] + offs[None, :], mask=ok[:, None] & hmask[None, :],
-                other=0.0)                                                  # [TOPK_P2, BLOCK_H]
-    wv = tl.where(ok, w, 0.0)[:, None] * v.to(tl.float32)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for k in tl.static_range(NUM_TOPK):  # fixed k order: row k alone (+ zeros) is exact
-        acc += tl.sum(tl.where(kk[:, None] == k, wv, 0.0), axis=0)
+    for k in tl.static_range(NUM_TOPK):
+        e = tl.load(ids_ptr + t * NUM_TOPK + k).to(tl.int64)
+        p = tl.load(pos_ptr + t * NUM_TOPK + k)
+        w = tl.load(w_ptr + t * NUM_TOPK + k)
+        ok = live & (p >= 0) & (p < cap) & (e >= 0) & (e < num_experts)
+        vmask = offs < tl.where(ok, hidden, 0)  # = hmask & ok (scalar & vector breaks the interp.)
+        v = tl.load(y_ptr + (e * cap + p) * hidden + offs, mask=vmask, other=0.0)
+        acc += tl.where(ok, w, 0.0) * v.to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64) * stride_out + offs, acc.to(out_ptr.dtype.element_ty),
              mask=hmask)
 
@@ -94,8 +86,7 @@ def combine_masked(y, topk_ids, topk_weights, pos, n, *, out):
     block_h = min(triton.next_power_of_2(hidden), 512)
     _combine_masked_kernel[(padded_bs, triton.cdiv(hidden, block_h))](
         y, topk_ids, topk_weights, pos, n, out, hidden, cap, num_experts, out.stride(0),
-        NUM_TOPK=num_topk, TOPK_P2=triton.next_power_of_2(num_topk), BLOCK_H=block_h,
-        num_warps=4, **pdl_args())
+        NUM_TOPK=num_topk, BLOCK_H=block_h, num_warps=4, **pdl_args())
     return out
 
 
