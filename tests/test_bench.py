@@ -581,6 +581,11 @@ def test_timeline_markdown():
     full = md_modes(res)
     assert full.startswith("## modes: dsv3-like") and full.endswith(md) and "×floor" in full
     assert md_timelines(_gpu_result()) == "" and md_modes(_gpu_result()) == md_modes(_gpu_result())
+    assert "PDL was on" not in md                      # the fixture's timelines carry no pdl flag
+    for row in res["rows"]:
+        for t in (row.get("timeline") or {}).values():
+            t["pdl"] = True
+    assert "PDL was on while these graphs were captured" in md_timelines(res)
 
 
 def test_timeline_plots_and_their_names(tmp_path, capsys):

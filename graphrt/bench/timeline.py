@@ -253,9 +253,10 @@ def replay_timeline(replay, *, floor_bytes: dict | None, hbm_gbs: float | None,
     from graphrt.bench.profile import replay_profile
     idle, events = replay_profile(replay, trials=trials)
     try:
+        from graphrt.kernels._util import pdl_enabled
         tl = build_timeline(events, floor_bytes=floor_bytes, hbm_gbs=hbm_gbs,
                             wall_us=idle["wall_us"])
-        return idle, summarize(tl, keep_kernels=keep_kernels)
+        return idle, {**summarize(tl, keep_kernels=keep_kernels), "pdl": pdl_enabled()}
     except Exception as exc:  # noqa: BLE001 - a reporting bug must not lose the measurement
         first = str(exc).splitlines()[0][:300] if str(exc) else ""
         return idle, {"error": f"{type(exc).__name__}: {first}"}
@@ -286,6 +287,11 @@ def md_timelines(res: dict, *, top: int = 15) -> str:
                    f"{_f(t['gap_frac_in_span'], '.1%')} | {_f(t['outside_span_us'], '.0f')} | "
                    f"{t['activities']} | {t['streams']} |")
     ok = [c for c in cases if "error" not in c[2]]
+    if any(t.get("pdl") for _, _, t in ok):
+        out += ["", "PDL was on while these graphs were captured: a kernel launches while the one "
+                "before it still runs and waits for it on the device, so its profiled duration "
+                "includes that wait; busy µs per class and per kernel overstate a short kernel "
+                "that follows a long one (capture with `GRAPHRT_PDL=0` for attribution)."]
     classes = [c for c in CLASSES if any(c in t["classes"] for _, _, t in ok)]
     if classes:
         out += ["", "Busy µs per kernel class (× its own floor: the bytes it must read at the "
