@@ -14,8 +14,8 @@ Plain Python plus a few torch copies; nothing here captures or replays (that is
   one copy per offsets input when the batch is padded.
 
 The per-step host path does no work it can cache: ``check_cached`` remembers the verdict
-of ``check`` per input ``signature`` (names, and per input type, dtype, shape, device,
-requires_grad), the live-row views of the static inputs and their copy groups are built
+of ``check`` per input signature (``graphrt.step_cache.signature``: names, and per input
+type, dtype, shape, device, requires_grad), the live-row views of the static inputs and their copy groups are built
 once per ``n``, and ``bind`` specialises ``stage`` to one call shape (the input order, ``n``,
 ``padded_bs``) once, so a steady step pays the copies and a few comparisons.
 
@@ -25,66 +25,17 @@ Graph safety: host-only (``stage`` launches copies on the current stream; call i
 from __future__ import annotations
 
 import bisect
-from operator import attrgetter, itemgetter
+from operator import itemgetter
 from typing import Callable, Iterable, Mapping
 
 import torch
 
 from graphrt.errors import InputError
 from graphrt.spec import StepSpec
+from graphrt.step_cache import _signature
 
 
-# One input's part of ``signature``: a C-level getter (each tensor attribute costs ~0.1 µs).
-_signature = attrgetter("__class__", "dtype", "shape", "device", "requires_grad")
 _foreach_copy_ = torch._foreach_copy_
-
-
-def signature(inputs: Mapping[str, torch.Tensor]) -> tuple:
-    """The key ``check``'s verdict is cached under: the names in order, then per input its
-    type, dtype, shape, device and requires_grad. ``GraphRuntime.run`` spells it inline (a
-    call less); raises ``AttributeError`` for a value that is not a tensor."""
-    return (*inputs, *map(_signature, inputs.values()))
-
-
-def signature_guard(tensors: tuple) -> Callable[..., bool] | None:
-    """A check, in C++, that tensors given positionally have the signatures of ``tensors``
-    (exact type, dtype, device, shape, requires_grad; strides free): torch's own tensor
-    guards (those of ``torch.compile``), about 4x cheaper per tensor than ``signature``.
-    Stricter where it differs, never looser: it also compares the dispatch keys under the
-    thread-local dispatch state of the call that built it, so a call in another mode (e.g.
-    inference mode, a dispatch mode) reads as a mismatch and the caller falls back to
-    ``signature``. None when this torch has no usable guards (a private API, so a
-    self-test, once per process, must see it tell every part of a signature apart)."""
-    global _GUARDS_OK
-    if _GUARDS_OK is None:
-        _GUARDS_OK = _guards_self_test()
-    return _make_guard(tensors) if _GUARDS_OK else None
-
-
-_GUARDS_OK: bool | None = None
-
-
-def _make_guard(tensors: tuple) -> Callable[..., bool]:
-    from torch._C._dynamo.guards import TensorGuards
-    return TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
-                        dynamic_dims_strides=[[None] * t.dim() for t in tensors]).check
-
-
-def _guards_self_test() -> bool:
-    """Whether ``_make_guard`` accepts a tensor of the same signature (another one, other
-    strides) and rejects every change of type, dtype, shape, rank, device and requires_grad."""
-    class Sub(torch.Tensor):
-        pass
-    try:
-        with torch.inference_mode(False), torch.enable_grad():
-            a = torch.zeros(2, 3)
-            same = (torch.ones(2, 3), torch.zeros(3, 2).t())
-            other = (a.double(), torch.zeros(2, 4), torch.zeros(6), a.to("meta"),
-                     torch.zeros(2, 3, requires_grad=True), a.as_subclass(Sub), [[0.0] * 3] * 2)
-            check = _make_guard((a,))
-            return all(check(t) is True for t in same) and all(check(t) is False for t in other)
-    except Exception:  # noqa: BLE001 -- any failure means: do not use it
-        return False
 
 
 def capture_sizes(max_bs: int) -> list[int]:

@@ -11,8 +11,8 @@ Three lifetimes:
 The replay path is lean: what depends on the live batch ``n`` alone (graph, live views,
 outputs) is built once per ``n`` (``_Plan``), and a step of one input ``signature`` (names,
 types, dtypes, shapes, devices, requires_grad) is bound once, after its first step passed
-the full check. A repeat step is: its signature recognised (the latest one by a C++ guard,
-others by a dict lookup), one copy per input dtype, the live count when it changed,
+the full check (``graphrt.step_cache``). A repeat step is: its signature recognised (the
+latest one by a C++ guard, others by a dict lookup), one copy per input dtype, the live count when it changed,
 ``before_replay``, ``graph.replay()`` and the prebuilt outputs. ``debug=True`` (or
 ``GRAPHRT_DEBUG=1``) checks every input in full on every call and hands out ``LeasedTensor``
 leases that raise ``StaleOutputError`` on a read after their lease ended.
@@ -32,10 +32,10 @@ import torch
 from graphrt.errors import (DeviceError, GraphrtError, InputError, NoGraphForBatch,
                             NotCapturedError, ThreadOwnershipError)
 from graphrt.outputs import LeaseClock, LeaseHeldError, LiveOutputs
-from graphrt.replay_policy import (SizeTable, Stager, _signature, capture_sizes, signature,
-                                   signature_guard)
+from graphrt.replay_policy import SizeTable, Stager, capture_sizes
 from graphrt.spec import StepSpec
 from graphrt.state import StateGuard
+from graphrt.step_cache import StepCache
 
 
 class GraphRuntime:
@@ -116,11 +116,8 @@ class GraphRuntime:
         self._clock = LeaseClock()
         self._largest = self.table.largest
         self._plans: list = [None] * (self._largest + 1)  # n -> _Plan, built on first use
-        # run()'s steady state, steps that passed the full check: signature -> (names, guard,
-        # (bound staging, _Plan, n)); the guarded ones also by first input's shape, and the latest
-        self._steps: dict = {}
-        self._recent: dict = {}
-        self._last: tuple | None = None
+        # run()'s steady state: steps that passed the full check, bound by input signature
+        self._steps = StepCache(self.stager._max_verdicts)
         self._before = spec.before_replay
         self.counters = {"replays": 0, "eager": 0}
 
@@ -145,7 +142,7 @@ class GraphRuntime:
         self._check_thread("capture")
         self.graphs, self.failures, self.manager = {}, {}, None
         self._plans = [None] * (self._largest + 1)
-        self._steps, self._recent, self._last = {}, {}, None
+        self._steps.clear()
         self._held = None
         self._captured = "capture() is in progress (or was interrupted)"
         try:
@@ -177,36 +174,14 @@ class GraphRuntime:
         """
         if get_ident() == self._owner and not self.debug and self.coordinator is None:
             vals = tuple(inputs.values())
-            last = self._last  # (names, guard, step) of the latest step
-            if last is None or tuple(inputs) != last[0] or not last[1](*vals):
-                last = self._recall(inputs, vals)
-            if last is not None:
+            step = self._steps.lookup(inputs, vals)
+            if step is not None:
                 if self._held is not None:
                     self._refuse_held()
-                stage, plan, n = last[2]
+                stage, plan, n = step
                 stage(vals)
                 return self._fire(plan, n)
         return self._run_checked(inputs)
-
-    def _recall(self, inputs, vals: tuple) -> tuple | None:
-        """The bound step of ``inputs``' signature, ``(names, guard, step)``, made the latest:
-        the recent one of the same first input shape when its guard says so, else the one
-        under ``signature(inputs)``; None when none is bound (or an input is no tensor)."""
-        names = tuple(inputs)
-        try:
-            last = self._recent[vals[0].shape]
-            if names == last[0] and last[1](*vals):
-                self._last = last
-                return last
-        except (KeyError, AttributeError, IndexError):  # a new shape, no tensor, no input
-            pass
-        try:  # signature(inputs), inline
-            last = self._steps.get((*inputs, *map(_signature, vals)))
-        except (AttributeError, TypeError):  # not tensors: the checked path names them
-            return None
-        if last is not None and last[1] is not None:
-            self._last = self._recent[vals[0].shape] = last
-        return last
 
     def _run_checked(self, inputs) -> Any:
         """``run`` with every branch: readiness, the full check in debug mode, rank agreement,
@@ -228,21 +203,8 @@ class GraphRuntime:
             self._refuse_held()
         st.stage(inputs, n, size)
         if plan is self._plans[n] and co is None and not self.debug:
-            self._remember(inputs, n, plan)
+            self._steps.remember(inputs, n, plan, st)
         return self._fire(plan, n)
-
-    def _remember(self, inputs, n: int, plan: "_Plan") -> None:
-        """Bind the step of ``inputs``' signature (checked, on its cached plan) for ``run``."""
-        key, names, vals = signature(inputs), tuple(inputs), tuple(inputs.values())
-        detach = any(sig[-1] for sig in key[len(names):])  # some input requires grad
-        guard = signature_guard(vals)
-        entry = (names, guard, (self.stager.bind(names, n, plan.g.size, detach), plan, n))
-        if len(self._steps) >= self.stager._max_verdicts:
-            self._steps.clear()
-            self._recent.clear()
-        self._steps[key] = entry
-        if guard is not None:
-            self._last = self._recent[vals[0].shape] = entry
 
     def input_buffers(self, n: int) -> dict[str, torch.Tensor]:
         """Zero-copy staging: the static inputs for ``n`` live rows (batch ``[n, *trailing]``,

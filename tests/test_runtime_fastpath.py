@@ -1,6 +1,6 @@
 """CPU tests of ``run()``'s steady state: a step of one input signature is bound once, after
 its first, fully checked step (``GraphRuntime._steps``), and the latest one is recognised by
-a C++ tensor guard (``replay_policy.signature_guard``). Every check and guarantee of the
+a C++ tensor guard (``step_cache.signature_guard``). Every check and guarantee of the
 checked path must hold after that: input errors, grad-free static buffers, explicit leases,
 threads, debug mode, the padding high-water mark, the live count, offsets inputs.
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import graphrt
-import graphrt.replay_policy as rp
+import graphrt.step_cache as rp
 from graphrt.errors import InputError, ThreadOwnershipError
 from graphrt.outputs import LeaseHeldError
 from graphrt.replay_policy import Stager
@@ -79,7 +79,7 @@ def test_a_repeat_step_is_bound_once_and_skips_every_check(fake_capture, lookup,
     rt.run(**a)                                               # the first step: checked in full
     assert len(calls) == 1 and len(rt._steps) == 1
     guarded = lookup == "guard"
-    assert len(rt._recent) == guarded and (rt._last is not None) == guarded
+    assert len(rt._steps._recent) == guarded and (rt._steps._last is not None) == guarded
     monkeypatch.setattr(Stager, "check_cached",
                         lambda self, inputs: pytest.fail("the steady state checks nothing more"))
     for inputs in (b, a, b):                                  # same signature, new tensors
@@ -259,7 +259,7 @@ def test_a_new_capture_drops_the_bound_steps(fake_capture, lookup):
     FakeCaptureManager.interrupt_at = 4
     with pytest.raises(KeyboardInterrupt):
         rt.capture()
-    assert rt._steps == {} and rt._recent == {} and rt._last is None
+    assert len(rt._steps) == 0 and rt._steps._recent == {} and rt._steps._last is None
     with pytest.raises(graphrt.errors.NotCapturedError):
         rt.run(**inputs)
     FakeCaptureManager.interrupt_at = None
@@ -276,12 +276,12 @@ def test_oversize_and_failed_sizes_are_never_bound(fake_capture, lookup):
     small = spec.random_inputs(3)
     for _ in range(2):
         assert _same(rt.run(**small), spec.call_padded(small, 4, ROWS))   # eager at its size
-    assert rt.counters["eager"] == 2 and rt._steps == {}
+    assert rt.counters["eager"] == 2 and len(rt._steps) == 0
     FakeCaptureManager.fail_sizes = {}
     rt = graphrt.GraphRuntime(_spec(32), sizes=[4, 16], device="cpu", progress=False).capture()
     for _ in range(2):
         rt.run(**_spec(32).random_inputs(20))                 # beyond every size: eager
-    assert rt.counters["eager"] == 2 and rt._steps == {}
+    assert rt.counters["eager"] == 2 and len(rt._steps) == 0
 
 
 def test_a_coordinator_agrees_on_every_step(fake_capture, lookup):
@@ -296,7 +296,7 @@ def test_a_coordinator_agrees_on_every_step(fake_capture, lookup):
     inputs = _spec().random_inputs(3)
     for _ in range(3):
         rt.run(**inputs)
-    assert Count.calls == 3 and rt._steps == {}
+    assert Count.calls == 3 and len(rt._steps) == 0
 
 
 def test_the_guard_tells_every_part_of_a_signature_apart():
