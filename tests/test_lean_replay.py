@@ -16,38 +16,15 @@ import graphrt
 from graphrt.errors import InputError, StaleOutputError
 from graphrt.outputs import LeasedTensor, LeaseHeldError
 from graphrt.replay_policy import Stager
-from tests.fakes.graphs import FakeCaptureManager
+from tests.fakes.specs import captured, every_kind_spec, use_fake_capture
 
-E = 8
 
 
 @pytest.fixture
 def fake_capture(monkeypatch):
-    monkeypatch.setattr("graphrt.capture.manager.CaptureManager", FakeCaptureManager)
-    monkeypatch.setattr(FakeCaptureManager, "fail_sizes", {})
-    monkeypatch.setattr(FakeCaptureManager, "interrupt_at", None)
-    monkeypatch.delenv("GRAPHRT_DEBUG", raising=False)
+    use_fake_capture(monkeypatch)
 
 
-def _spec(max_bs=16):
-    """Every kind of input: float and int64 batch rows, an int32 table, offsets, a fixed
-    bias; a batch-major and a fixed output."""
-    def step(x, ids, table, cu, bias, n):
-        live = (torch.arange(x.shape[0]) < n).to(x.dtype)[:, None]             # [bs, 1]
-        seq = (cu[1:] - cu[:-1]).to(x.dtype)[:, None]                          # [bs, 1]
-        y = (x + ids[:, None] + table.sum(-1, keepdim=True) + seq + bias[ids % E]) * live
-        return {"y": y, "total": y.sum(0)}                                     # [bs, 4], [4]
-    inputs = {"x": graphrt.Input((None, 4), torch.float32, pad_value=-1.0),
-              "ids": graphrt.Input((None,), torch.int64, high=100, pad_value=7),
-              "table": graphrt.Input((None, 3), torch.int32, high=50, pad_value=49),
-              "cu": graphrt.Input((None,), torch.int32, low=0, high=4, offsets=True),
-              "bias": graphrt.Input((E, 4), torch.float32)}
-    return graphrt.StepSpec(step, inputs, max_bs, live_count="n")
-
-
-def _rt(sizes=(4, 16), **kw):
-    return graphrt.GraphRuntime(_spec(), sizes=list(sizes), device="cpu", progress=False,
-                                **kw).capture()
 
 
 class _Noop:
@@ -77,12 +54,12 @@ class _Ops(TorchDispatchMode):
 
 # -- cached checks ---------------------------------------------------------------------------
 def test_cached_checks_still_reject_what_the_full_check_rejects(fake_capture):
-    rt = _rt()
-    ok = _spec().random_inputs(3)
+    rt = captured()
+    ok = every_kind_spec().random_inputs(3)
     rt.run(**ok)
     rt.run(**ok)                                              # a repeat: served from the cache
     assert len(rt.stager._verdicts) == 1
-    full = Stager(_spec(), 16, torch.device("cpu"))
+    full = Stager(every_kind_spec(), 16, torch.device("cpu"))
     bad = {"dtype": {**ok, "x": ok["x"].double()},
            "shape": {**ok, "table": torch.zeros(3, 5, dtype=torch.int32)},
            "device": {**ok, "bias": ok["bias"].to("meta")},
@@ -101,11 +78,11 @@ def test_cached_checks_still_reject_what_the_full_check_rejects(fake_capture):
 
 
 def test_a_repeat_signature_skips_the_full_check(fake_capture, monkeypatch):
-    rt = _rt()
+    rt = captured()
     calls = []
     check = Stager.check
     monkeypatch.setattr(Stager, "check", lambda self, inputs: calls.append(1) or check(self, inputs))
-    spec = _spec()
+    spec = every_kind_spec()
     a, b = spec.random_inputs(3), spec.random_inputs(3)
     for inputs in (a, b, a, b):                               # same signature, new tensors
         rt.run(**inputs)
@@ -116,23 +93,23 @@ def test_a_repeat_signature_skips_the_full_check(fake_capture, monkeypatch):
 
 def test_debug_mode_checks_every_call_in_full(fake_capture, monkeypatch):
     monkeypatch.setenv("GRAPHRT_DEBUG", "1")
-    rt = _rt()
+    rt = captured()
     assert rt.debug
     calls = []
     check = Stager.check
     monkeypatch.setattr(Stager, "check", lambda self, inputs: calls.append(1) or check(self, inputs))
-    inputs = _spec().random_inputs(3)
+    inputs = every_kind_spec().random_inputs(3)
     for _ in range(3):
         rt.run(**inputs)
     assert len(calls) == 3
     monkeypatch.setenv("GRAPHRT_DEBUG", "0")
-    assert not _rt().debug and _rt(debug=True).debug
+    assert not captured().debug and captured(debug=True).debug
 
 
 # -- the lean path computes what the checked path computes -----------------------------------
 def test_lean_run_matches_padded_eager_across_batches(fake_capture):
-    spec = _spec()
-    rt, dbg = _rt(copy_outputs=False), _rt(copy_outputs=False, debug=True)
+    spec = every_kind_spec()
+    rt, dbg = captured(copy_outputs=False), captured(copy_outputs=False, debug=True)
     gen = torch.Generator().manual_seed(0)
     rows = {"y": "batch", "total": "fixed"}
     for n in (3, 16, 2, 4, 9, 1, 3, 16, 3):                  # shrinking batches re-pad rows
@@ -163,7 +140,7 @@ def test_live_count_is_written_again_after_anything_else_wrote_it(fake_capture):
 
 
 def test_input_buffers_hand_out_the_same_views_and_a_fresh_dict(fake_capture):
-    rt = _rt(copy_outputs=False)
+    rt = captured(copy_outputs=False)
     a, b = rt.input_buffers(3), rt.input_buffers(3)
     assert a is not b and all(a[k] is b[k] for k in a)
     a.pop("x")                                                # editing the dict edits no cache
@@ -172,8 +149,8 @@ def test_input_buffers_hand_out_the_same_views_and_a_fresh_dict(fake_capture):
 
 
 def test_grad_inputs_staged_through_the_grouped_copies_leave_no_history(fake_capture):
-    rt = _rt()
-    inputs = _spec().random_inputs(3)
+    rt = captured()
+    inputs = every_kind_spec().random_inputs(3)
     inputs["x"].requires_grad_(True)
     for _ in range(2):
         out = rt.run(**inputs)
@@ -186,7 +163,7 @@ def test_a_uniform_coordinator_replays_the_agreed_size_with_the_live_rows(fake_c
 
         def agree_batch(self, n):
             return 9                                           # another rank has 9 rows
-    spec = _spec()
+    spec = every_kind_spec()
     rt = graphrt.GraphRuntime(spec, sizes=[4, 16], device="cpu", coordinator=Uniform()).capture()
     inputs = spec.random_inputs(3)
     out = rt.run(**inputs)
@@ -197,8 +174,8 @@ def test_a_uniform_coordinator_replays_the_agreed_size_with_the_live_rows(fake_c
 
 # -- leases ----------------------------------------------------------------------------------
 def test_leases_are_plain_reused_views_of_the_static_outputs(fake_capture):
-    rt = _rt(copy_outputs=False)
-    spec = _spec()
+    rt = captured(copy_outputs=False)
+    spec = every_kind_spec()
     first = rt.run(**spec.random_inputs(3))
     y, total = first["y"], first["total"]
     assert type(y) is torch.Tensor and type(total) is torch.Tensor
@@ -207,15 +184,15 @@ def test_leases_are_plain_reused_views_of_the_static_outputs(fake_capture):
     first.pop("y")                                            # the caller's dict, not ours
     second = rt.run(**spec.random_inputs(3))
     assert second is not first and second["y"] is y and second["total"] is total
-    copied = _rt().run(**spec.random_inputs(3))               # copy-out: fresh, owned tensors
-    assert copied["y"].data_ptr() != _rt().graphs[4].outputs[0].data_ptr()
+    copied = captured().run(**spec.random_inputs(3))               # copy-out: fresh, owned tensors
+    assert copied["y"].data_ptr() != captured().graphs[4].outputs[0].data_ptr()
 
 
 def test_a_steady_lease_step_allocates_nothing(fake_capture):
     """After the first step of a batch, run() and replay() dispatch in-place copies only:
     no view, no new tensor (views and result containers are built once per batch)."""
-    rt = _hollow(_rt(copy_outputs=False))
-    spec = _spec()
+    rt = _hollow(captured(copy_outputs=False))
+    spec = every_kind_spec()
     inputs = spec.random_inputs(3)
     rt.run(**inputs)
     rt.replay(3)
@@ -225,7 +202,7 @@ def test_a_steady_lease_step_allocates_nothing(fake_capture):
     assert set(seen.ops) <= {"copy_", "_foreach_copy_"}, seen.ops
     assert "_foreach_copy_" in seen.ops                       # int32 inputs + live count, int64 ...
     assert out["y"] is rt.run(**inputs)["y"]
-    copy_rt = _hollow(_rt())
+    copy_rt = _hollow(captured())
     copy_rt.run(**inputs)
     with _Ops() as seen:
         copy_rt.run(**inputs)
@@ -252,11 +229,11 @@ def test_the_steady_run_makes_few_python_calls(fake_capture):
 
 def test_explicit_leases_refuse_a_replay_until_released(fake_capture):
     with pytest.raises(ValueError, match="copy_outputs=False"):
-        graphrt.GraphRuntime(_spec(), sizes=[4], device="cpu", lease="explicit")
+        graphrt.GraphRuntime(every_kind_spec(), sizes=[4], device="cpu", lease="explicit")
     with pytest.raises(ValueError, match="'step' or 'explicit'"):
-        graphrt.GraphRuntime(_spec(), sizes=[4], device="cpu", lease="forever")
-    rt = _rt(copy_outputs=False, lease="explicit")
-    spec = _spec()
+        graphrt.GraphRuntime(every_kind_spec(), sizes=[4], device="cpu", lease="forever")
+    rt = captured(copy_outputs=False, lease="explicit")
+    spec = every_kind_spec()
     a, b = spec.random_inputs(3), spec.random_inputs(3)
     out = rt.run(**a)
     kept = out["y"].clone()
@@ -280,15 +257,15 @@ def test_explicit_leases_refuse_a_replay_until_released(fake_capture):
 
 
 def test_debug_leases_catch_a_stale_read(fake_capture):
-    rt = _rt(copy_outputs=False, debug=True)
-    spec = _spec()
+    rt = captured(copy_outputs=False, debug=True)
+    spec = every_kind_spec()
     out = rt.run(**spec.random_inputs(3))
     assert isinstance(out["y"], LeasedTensor)
     float(out["y"].sum())                                     # valid until the next replay
     rt.run(**spec.random_inputs(3))
     with pytest.raises(StaleOutputError, match="stale read"):
         out["y"].sum()
-    explicit = _rt(copy_outputs=False, lease="explicit", debug=True)
+    explicit = captured(copy_outputs=False, lease="explicit", debug=True)
     out = explicit.run(**spec.random_inputs(3))
     explicit.release()                                        # debug: release ends it at once
     with pytest.raises(StaleOutputError, match="stale read"):

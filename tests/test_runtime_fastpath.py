@@ -16,17 +16,14 @@ from graphrt.errors import InputError, ThreadOwnershipError
 from graphrt.outputs import LeaseHeldError
 from graphrt.replay_policy import Stager
 from tests.fakes.graphs import FakeCaptureManager
+from tests.fakes.specs import captured, every_kind_spec, use_fake_capture
 
-E = 8
 ROWS = {"y": "batch", "total": "fixed"}
 
 
 @pytest.fixture
 def fake_capture(monkeypatch):
-    monkeypatch.setattr("graphrt.capture.manager.CaptureManager", FakeCaptureManager)
-    monkeypatch.setattr(FakeCaptureManager, "fail_sizes", {})
-    monkeypatch.setattr(FakeCaptureManager, "interrupt_at", None)
-    monkeypatch.delenv("GRAPHRT_DEBUG", raising=False)
+    use_fake_capture(monkeypatch)
 
 
 @pytest.fixture(params=["guard", "dict"])
@@ -39,25 +36,6 @@ def lookup(request, monkeypatch):
     return request.param
 
 
-def _spec(max_bs=16):
-    """float and int64 batch rows, an int32 table, offsets, a fixed bias; a batch-major and
-    a fixed output."""
-    def step(x, ids, table, cu, bias, n):
-        live = (torch.arange(x.shape[0]) < n).to(x.dtype)[:, None]             # [bs, 1]
-        seq = (cu[1:] - cu[:-1]).to(x.dtype)[:, None]                          # [bs, 1]
-        y = (x + ids[:, None] + table.sum(-1, keepdim=True) + seq + bias[ids % E]) * live
-        return {"y": y, "total": y.sum(0)}                                     # [bs, 4], [4]
-    inputs = {"x": graphrt.Input((None, 4), torch.float32, pad_value=-1.0),
-              "ids": graphrt.Input((None,), torch.int64, high=100, pad_value=7),
-              "table": graphrt.Input((None, 3), torch.int32, high=50, pad_value=49),
-              "cu": graphrt.Input((None,), torch.int32, low=0, high=4, offsets=True),
-              "bias": graphrt.Input((E, 4), torch.float32)}
-    return graphrt.StepSpec(step, inputs, max_bs, live_count="n")
-
-
-def _rt(sizes=(4, 16), **kw):
-    return graphrt.GraphRuntime(_spec(), sizes=list(sizes), device="cpu", progress=False,
-                                **kw).capture()
 
 
 def _count_checks(monkeypatch):
@@ -72,8 +50,8 @@ def _same(out, want):
 
 
 def test_a_repeat_step_is_bound_once_and_skips_every_check(fake_capture, lookup, monkeypatch):
-    spec = _spec()
-    rt = _rt(copy_outputs=False)
+    spec = every_kind_spec()
+    rt = captured(copy_outputs=False)
     calls = _count_checks(monkeypatch)
     a, b = spec.random_inputs(3), spec.random_inputs(3)
     rt.run(**a)                                               # the first step: checked in full
@@ -89,11 +67,11 @@ def test_a_repeat_step_is_bound_once_and_skips_every_check(fake_capture, lookup,
 
 def test_a_changed_signature_after_the_steady_state_raises_what_the_full_check_raises(
         fake_capture, lookup):
-    rt = _rt(copy_outputs=False)
-    ok = _spec().random_inputs(3)
+    rt = captured(copy_outputs=False)
+    ok = every_kind_spec().random_inputs(3)
     for _ in range(3):
         rt.run(**ok)
-    full = Stager(_spec(), 16, torch.device("cpu"))
+    full = Stager(every_kind_spec(), 16, torch.device("cpu"))
     bad = {"dtype": {**ok, "x": ok["x"].double()},
            "int dtype": {**ok, "ids": ok["ids"].int()},
            "shape": {**ok, "table": torch.zeros(3, 5, dtype=torch.int32)},
@@ -111,13 +89,13 @@ def test_a_changed_signature_after_the_steady_state_raises_what_the_full_check_r
             with pytest.raises(InputError) as got:
                 rt.run(**inputs)
             assert str(got.value) == str(want.value), what
-            assert _same(rt.run(**ok), _spec().call_padded(ok, 4, ROWS)), what  # still served
+            assert _same(rt.run(**ok), every_kind_spec().call_padded(ok, 4, ROWS)), what  # still served
     assert len(rt._steps) == 1
 
 
 def test_grad_inputs_leave_no_history_on_the_static_buffers(fake_capture, lookup):
-    spec = _spec()
-    rt = _rt(copy_outputs=False)
+    spec = every_kind_spec()
+    rt = captured(copy_outputs=False)
     plain = spec.random_inputs(3)
     for _ in range(2):
         rt.run(**plain)                                       # steady state without grad
@@ -137,8 +115,8 @@ def test_grad_inputs_leave_no_history_on_the_static_buffers(fake_capture, lookup
 
 
 def test_an_explicit_lease_still_refuses_in_the_steady_state(fake_capture, lookup):
-    spec = _spec()
-    rt = _rt(copy_outputs=False, lease="explicit")
+    spec = every_kind_spec()
+    rt = captured(copy_outputs=False, lease="explicit")
     a, b = spec.random_inputs(3), spec.random_inputs(3)
     rt.run(**a)
     rt.release()
@@ -155,8 +133,8 @@ def test_an_explicit_lease_still_refuses_in_the_steady_state(fake_capture, looku
 
 
 def test_another_thread_is_refused_in_the_steady_state(fake_capture, lookup):
-    rt = _rt()
-    inputs = _spec().random_inputs(3)
+    rt = captured()
+    inputs = every_kind_spec().random_inputs(3)
     rt.run(**inputs)
     rt.run(**inputs)
     errors = []
@@ -173,8 +151,8 @@ def test_another_thread_is_refused_in_the_steady_state(fake_capture, lookup):
 
 
 def test_debug_turned_on_later_checks_every_call_again(fake_capture, lookup, monkeypatch):
-    rt = _rt(copy_outputs=False)
-    inputs = _spec().random_inputs(3)
+    rt = captured(copy_outputs=False)
+    inputs = every_kind_spec().random_inputs(3)
     rt.run(**inputs)
     calls = _count_checks(monkeypatch)
     rt.debug = True
@@ -186,8 +164,8 @@ def test_debug_turned_on_later_checks_every_call_again(fake_capture, lookup, mon
 def test_padding_and_the_live_count_hold_across_bound_steps(fake_capture, lookup):
     """Batches that shrink and grow, repeats served from the guard or the dict, rows dirtied
     by someone else (poison, a capture reset), the live count written by someone else."""
-    spec = _spec()
-    rt = _rt(copy_outputs=False)
+    spec = every_kind_spec()
+    rt = captured(copy_outputs=False)
     st = rt.stager
     gen = torch.Generator().manual_seed(0)
     batches = {n: spec.random_inputs(n, generator=gen) for n in (1, 2, 3, 4, 9, 16)}
@@ -221,8 +199,8 @@ def test_the_live_count_is_written_again_after_anything_else_wrote_it(fake_captu
 
 
 def test_input_order_binds_its_own_step(fake_capture, lookup):
-    spec = _spec()
-    rt = _rt(copy_outputs=False)
+    spec = every_kind_spec()
+    rt = captured(copy_outputs=False)
     a = spec.random_inputs(3)
     backwards = dict(reversed(list(a.items())))
     b = spec.random_inputs(3)
@@ -235,8 +213,8 @@ def test_input_order_binds_its_own_step(fake_capture, lookup):
 def test_inference_mode_steps_mix_with_plain_ones(fake_capture, lookup):
     """The guard compares dispatch keys under the mode it was built in: a step in another
     mode misses it and is served by the signature dict, with the same results."""
-    spec = _spec()
-    rt = _rt(copy_outputs=False)
+    spec = every_kind_spec()
+    rt = captured(copy_outputs=False)
     a = spec.random_inputs(3)
     with torch.inference_mode():
         b = spec.random_inputs(3)
@@ -251,8 +229,8 @@ def test_inference_mode_steps_mix_with_plain_ones(fake_capture, lookup):
 
 
 def test_a_new_capture_drops_the_bound_steps(fake_capture, lookup):
-    rt = _rt(copy_outputs=False)
-    inputs = _spec().random_inputs(3)
+    rt = captured(copy_outputs=False)
+    inputs = every_kind_spec().random_inputs(3)
     rt.run(**inputs)
     rt.run(**inputs)
     old = rt.graphs[4].graph
@@ -271,16 +249,16 @@ def test_a_new_capture_drops_the_bound_steps(fake_capture, lookup):
 
 def test_oversize_and_failed_sizes_are_never_bound(fake_capture, lookup):
     FakeCaptureManager.fail_sizes = {4: RuntimeError("no")}
-    rt = _rt(copy_outputs=False, strict=False)
-    spec = _spec()
+    rt = captured(copy_outputs=False, strict=False)
+    spec = every_kind_spec()
     small = spec.random_inputs(3)
     for _ in range(2):
         assert _same(rt.run(**small), spec.call_padded(small, 4, ROWS))   # eager at its size
     assert rt.counters["eager"] == 2 and len(rt._steps) == 0
     FakeCaptureManager.fail_sizes = {}
-    rt = graphrt.GraphRuntime(_spec(32), sizes=[4, 16], device="cpu", progress=False).capture()
+    rt = graphrt.GraphRuntime(every_kind_spec(32), sizes=[4, 16], device="cpu", progress=False).capture()
     for _ in range(2):
-        rt.run(**_spec(32).random_inputs(20))                 # beyond every size: eager
+        rt.run(**every_kind_spec(32).random_inputs(20))                 # beyond every size: eager
     assert rt.counters["eager"] == 2 and len(rt._steps) == 0
 
 
@@ -292,8 +270,8 @@ def test_a_coordinator_agrees_on_every_step(fake_capture, lookup):
         def agree_batch(self, n):
             Count.calls += 1
             return n
-    rt = graphrt.GraphRuntime(_spec(), sizes=[4, 16], device="cpu", coordinator=Count()).capture()
-    inputs = _spec().random_inputs(3)
+    rt = graphrt.GraphRuntime(every_kind_spec(), sizes=[4, 16], device="cpu", coordinator=Count()).capture()
+    inputs = every_kind_spec().random_inputs(3)
     for _ in range(3):
         rt.run(**inputs)
     assert Count.calls == 3 and len(rt._steps) == 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import statistics
@@ -40,30 +41,22 @@ def _env(name: str, value: str):
 
 
 @contextlib.contextmanager
-def _prefetch(on: bool):
-    from graphrt.moe.layers import Attention
-    before = Attention.prefetch
-    Attention.prefetch = on
+def _class_attr(module: str, cls: str, name: str, value):
+    """``module.cls.name = value`` inside the block (imported when entered), put back after."""
+    owner = getattr(importlib.import_module(module), cls)
+    before = getattr(owner, name)
+    setattr(owner, name, value)
     try:
         yield
     finally:
-        Attention.prefetch = before
-
-
-@contextlib.contextmanager
-def _prefetch_qkv(on: bool):
-    from graphrt.moe.model import DecoderLayer
-    before = DecoderLayer.prefetch_next_qkv
-    DecoderLayer.prefetch_next_qkv = on
-    try:
-        yield
-    finally:
-        DecoderLayer.prefetch_next_qkv = before
+        setattr(owner, name, before)
 
 
 # switch -> (on) -> the context a capture runs in
-SWITCHES = {"pdl": lambda on: _env("GRAPHRT_PDL", "1" if on else "0"), "prefetch": _prefetch,
-            "prefetch-qkv": _prefetch_qkv}
+SWITCHES = {"pdl": lambda on: _env("GRAPHRT_PDL", "1" if on else "0"),
+            "prefetch": lambda on: _class_attr("graphrt.moe.layers", "Attention", "prefetch", on),
+            "prefetch-qkv": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
+                                                   "prefetch_next_qkv", on)}
 
 
 def _capture(model, sizes, switch: str, on: bool):

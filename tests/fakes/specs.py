@@ -1,0 +1,38 @@
+"""A step with every kind of input, for CPU tests of the replay path, and the fake capture
+those tests run it under (``tests/fakes/graphs.FakeCaptureManager``)."""
+import torch
+
+import graphrt
+from tests.fakes.graphs import FakeCaptureManager
+
+E = 8  # rows of the fixed ``bias`` input
+
+
+def use_fake_capture(monkeypatch) -> None:
+    """Capture with ``FakeCaptureManager`` (no size failing, no interrupt), debug mode off."""
+    monkeypatch.setattr("graphrt.capture.manager.CaptureManager", FakeCaptureManager)
+    monkeypatch.setattr(FakeCaptureManager, "fail_sizes", {})
+    monkeypatch.setattr(FakeCaptureManager, "interrupt_at", None)
+    monkeypatch.delenv("GRAPHRT_DEBUG", raising=False)
+
+
+def every_kind_spec(max_bs: int = 16) -> graphrt.StepSpec:
+    """Every kind of input: float and int64 batch rows, an int32 table, offsets, a fixed
+    bias; a batch-major and a fixed output."""
+    def step(x, ids, table, cu, bias, n):
+        live = (torch.arange(x.shape[0]) < n).to(x.dtype)[:, None]             # [bs, 1]
+        seq = (cu[1:] - cu[:-1]).to(x.dtype)[:, None]                          # [bs, 1]
+        y = (x + ids[:, None] + table.sum(-1, keepdim=True) + seq + bias[ids % E]) * live
+        return {"y": y, "total": y.sum(0)}                                     # [bs, 4], [4]
+    inputs = {"x": graphrt.Input((None, 4), torch.float32, pad_value=-1.0),
+              "ids": graphrt.Input((None,), torch.int64, high=100, pad_value=7),
+              "table": graphrt.Input((None, 3), torch.int32, high=50, pad_value=49),
+              "cu": graphrt.Input((None,), torch.int32, low=0, high=4, offsets=True),
+              "bias": graphrt.Input((E, 4), torch.float32)}
+    return graphrt.StepSpec(step, inputs, max_bs, live_count="n")
+
+
+def captured(sizes=(4, 16), **kw) -> graphrt.GraphRuntime:
+    """A CPU runtime of ``every_kind_spec`` captured (fake) at ``sizes``."""
+    return graphrt.GraphRuntime(every_kind_spec(), sizes=list(sizes), device="cpu",
+                                progress=False, **kw).capture()
