@@ -15,8 +15,8 @@ Plain Python plus a few torch copies; nothing here captures or replays (that is
 
 The per-step host path does no work it can cache: ``check_cached`` remembers the verdict
 of ``check`` per input signature (``graphrt.step_cache.signature``: names, and per input
-type, dtype, shape, device, requires_grad), the live-row views of the static inputs and their copy groups are built
-once per ``n``, and ``bind`` specialises ``stage`` to one call shape (the input order, ``n``,
+type, dtype, shape, device, requires_grad), the live-row views of the static inputs and
+their copy groups are built once per ``n``, and ``bind`` specialises ``stage`` to one call shape (the input order, ``n``,
 ``padded_bs``) once, so a steady step pays the copies and a few comparisons.
 
 Graph safety: host-only (``stage`` launches copies on the current stream; call it before
@@ -32,7 +32,7 @@ import torch
 
 from graphrt.errors import InputError
 from graphrt.spec import StepSpec
-from graphrt.step_cache import _signature
+from graphrt.step_cache import signature
 
 
 _foreach_copy_ = torch._foreach_copy_
@@ -147,7 +147,7 @@ class Stager:
         costs building and hashing that key (no per-input comparisons); a new one runs
         ``check`` (which raises the same errors) and is remembered only when it passes."""
         try:
-            key = (*inputs, *map(_signature, inputs.values()))
+            key = signature(inputs)
             n = self._verdicts.get(key)
         except (AttributeError, TypeError):  # not tensors: check() names the culprit
             return self.check(inputs)

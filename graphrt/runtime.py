@@ -12,8 +12,8 @@ The replay path is lean: what depends on the live batch ``n`` alone (graph, live
 outputs) is built once per ``n`` (``_Plan``), and a step of one input ``signature`` (names,
 types, dtypes, shapes, devices, requires_grad) is bound once, after its first step passed
 the full check (``graphrt.step_cache``). A repeat step is: its signature recognised (the
-latest one by a C++ guard, others by a dict lookup), one copy per input dtype, the live count when it changed,
-``before_replay``, ``graph.replay()`` and the prebuilt outputs. ``debug=True`` (or
+latest one by a C++ guard, others by a dict lookup), one copy per input dtype, the live
+count when it changed, ``before_replay``, ``graph.replay()`` and the prebuilt outputs. ``debug=True`` (or
 ``GRAPHRT_DEBUG=1``) checks every input in full on every call and hands out ``LeasedTensor``
 leases that raise ``StaleOutputError`` on a read after their lease ended.
 
@@ -22,13 +22,13 @@ it inside another capture.
 """
 from __future__ import annotations
 
-import os
 import threading
 from threading import get_ident
 from typing import Any
 
 import torch
 
+from graphrt.env import env_flag
 from graphrt.errors import (DeviceError, GraphrtError, InputError, NoGraphForBatch,
                             NotCapturedError, ThreadOwnershipError)
 from graphrt.outputs import LeaseClock, LeaseHeldError, LiveOutputs
@@ -299,19 +299,14 @@ class GraphRuntime:
         self._clock.bump()
 
     def _fire(self, plan: "_Plan", n: int) -> Any:
-        """Replay ``plan`` for ``n`` live rows and hand back its outputs (``_launch``, inline)."""
-        g = plan.g
-        if self._before is not None:
-            self._before(g.size, n)
-        g.graph.replay()
-        clock = self._clock
-        clock.epoch += 1  # clock.bump(): earlier leases end
+        """Replay ``plan`` for ``n`` live rows and hand back its outputs."""
+        self._launch(plan.g, n)
         self.counters["replays"] += 1
         if self.copy_outputs:
             return plan.outs.copies()
         if self._explicit:
-            self._held = clock.epoch
-        return plan.outs.leased(clock) if self.debug else plan.outs.plain()
+            self._held = self._clock.epoch
+        return plan.outs.leased(self._clock) if self.debug else plan.outs.plain()
 
     def _no_graph(self, inputs, n: int, size: int | None, pick_n: int) -> Any:
         if size is None and self.oversize == "raise":
@@ -371,7 +366,7 @@ class _Plan:
 
 def debug_from_env() -> bool:
     """``GRAPHRT_DEBUG`` set to anything but empty, ``0``, ``false``, ``no`` or ``off``."""
-    return os.environ.get("GRAPHRT_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
+    return env_flag("GRAPHRT_DEBUG", False)
 
 
 def _resolve_device(device) -> torch.device:

@@ -29,9 +29,9 @@ _signature = attrgetter("__class__", "dtype", "shape", "device", "requires_grad"
 
 
 def signature(inputs: Mapping[str, torch.Tensor]) -> tuple:
-    """The key ``check``'s verdict is cached under: the names in order, then per input its
-    type, dtype, shape, device and requires_grad. ``GraphRuntime.run`` spells it inline (a
-    call less); raises ``AttributeError`` for a value that is not a tensor."""
+    """The key a step is cached under: the names in order, then per input its type, dtype,
+    shape, device and requires_grad. Raises ``AttributeError`` for a value that is not a
+    tensor."""
     return (*inputs, *map(_signature, inputs.values()))
 
 
@@ -122,8 +122,8 @@ class StepCache:
                 return last
         except (KeyError, AttributeError, IndexError):  # a new shape, no tensor, no input
             pass
-        try:  # signature(inputs), inline
-            last = self._steps.get((*inputs, *map(_signature, vals)))
+        try:
+            last = self._steps.get(signature(inputs))
         except (AttributeError, TypeError):  # not tensors: the checked path names them
             return None
         if last is not None and last[1] is not None:

@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from graphrt.env import env_flag, flag_value
+
 
 def interpreting() -> bool:
     """True when Triton runs kernels on the CPU interpreter (``TRITON_INTERPRET=1``).
@@ -47,7 +49,7 @@ def _hopper_or_newer(index: int) -> bool:
 def pdl_requested() -> bool:
     """What ``GRAPHRT_PDL`` asks for: on unless it is ``0``, ``false``, ``no`` or ``off``
     (unset: on)."""
-    return os.environ.get("GRAPHRT_PDL", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_flag("GRAPHRT_PDL", True)
 
 
 def pdl_enabled() -> bool:
@@ -55,14 +57,14 @@ def pdl_enabled() -> bool:
     not turned off (``GRAPHRT_PDL=0``), a CUDA GPU of compute capability >= 9.0 (Hopper) and
     not the interpreter. On by default since the whole GPU suite passed with it and it is
     1-2.4% faster with bitwise-equal outputs (BENCHMARKS.md §13)."""
-    return _pdl_enabled(os.environ.get("GRAPHRT_PDL", "1"), os.environ.get("TRITON_INTERPRET", "0"))
+    return _pdl_enabled(os.environ.get("GRAPHRT_PDL"), os.environ.get("TRITON_INTERPRET", "0"))
 
 
 @functools.lru_cache(maxsize=None)
-def _pdl_enabled(pdl_env: str, interpret_env: str) -> bool:
+def _pdl_enabled(pdl_env: str | None, interpret_env: str) -> bool:
     """``pdl_enabled`` per value of the two variables: every launch asks, so the answer (and
     the CUDA queries behind it) is computed once per setting."""
-    if not pdl_requested() or interpreting():
+    if not flag_value(pdl_env, True) or interpret_env not in ("", "0"):
         return False
     return torch.cuda.is_available() and _hopper_or_newer(torch.cuda.current_device())
 

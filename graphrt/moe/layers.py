@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from graphrt.env import env_flag
 from graphrt.moe.config import MoEConfig
 
 
@@ -128,7 +129,7 @@ class Attention:
     # HBM idle), so the o-projection reads it from L2 (graphrt.kernels.prefetch). CUDA only,
     # not under torch.compile. Off by default: measured 0.8-1.8% slower on an H200
     # (BENCHMARKS.md §19); GRAPHRT_PREFETCH=1 at import turns it on (A/B benchmarks).
-    prefetch = os.environ.get("GRAPHRT_PREFETCH", "0").strip().lower() not in ("0", "false", "no", "off")
+    prefetch = env_flag("GRAPHRT_PREFETCH", False)
     prefetch_programs = None  # l2_prefetch's grid (None: one program per chunk)
 
     def __init__(self, cfg: MoEConfig, device, gen):
@@ -165,7 +166,7 @@ class Attention:
         q = qkv[:, :cfg.q_dim].view(bs, cfg.num_heads, cfg.head_dim)
         k = qkv[:, cfg.q_dim:cfg.q_dim + cfg.kv_dim].view(bs, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, cfg.q_dim + cfg.kv_dim:].view(bs, cfg.num_kv_heads, cfg.head_dim)
-        recv = self._prefetch_wo(h)                       # joins before the o-projection
+        recv = self.start_prefetch(self.wo) if self.prefetch else None  # joined before wo
         kv_append(k, v, slot_mapping, n, k_cache=self.k_cache, v_cache=self.v_cache)
         max_ctx = cfg.max_blocks_per_seq * cfg.block_size
         o_shape, lse_shape = attention_workspace_shape(bs, cfg.num_heads, cfg.head_dim, max_ctx)
@@ -181,12 +182,6 @@ class Attention:
         if recv is not None:
             recv()
         return dense(o.view(bs, cfg.q_dim), self.wo)
-
-    def _prefetch_wo(self, h: torch.Tensor):
-        """Start ``l2_prefetch(wo)`` on the side stream, forked from the compute stream after
-        the QKV GEMM; returns the ``Receiver`` that joins it (or None: off, not CUDA, or
-        under torch.compile). Graph safety: capturable (a captured fork/join)."""
-        return self.start_prefetch(self.wo) if self.prefetch else None
 
     def start_prefetch(self, w: torch.Tensor):
         """Fork the side stream from the current stream and ``l2_prefetch(w)`` there (``w``:

@@ -23,13 +23,11 @@ Graph safety: capturable (``model.step``); everything is allocated at constructi
 """
 from __future__ import annotations
 
-import os
-
-
 import torch
 
 from graphrt.comm.base import EPComm
 from graphrt.comm.local import LocalComm
+from graphrt.env import env_flag
 from graphrt.moe.config import MoEConfig
 from graphrt.moe.experts import Experts
 from graphrt.moe import paged_kv
@@ -80,8 +78,7 @@ class DecoderLayer:
     # Prefetch the next layer's QKV weight into L2 beside this layer's MoE block (forked
     # before the router, joined at the end of the layer); GRAPHRT_PREFETCH_QKV=1 at import.
     # Off by default: measured 1.8-3.7% slower on an H200 (BENCHMARKS.md §19).
-    prefetch_next_qkv = os.environ.get("GRAPHRT_PREFETCH_QKV", "0").strip().lower() \
-        not in ("0", "false", "no", "off")
+    prefetch_next_qkv = env_flag("GRAPHRT_PREFETCH_QKV", False)
 
     def __init__(self, cfg, comm, device, gen, seed, **kw):
         self.cfg = cfg
