@@ -69,12 +69,21 @@ def _pdl_enabled(pdl_env: str | None, interpret_env: str) -> bool:
     return torch.cuda.is_available() and _hopper_or_newer(torch.cuda.current_device())
 
 
+def pdl_early() -> bool:
+    """What ``GRAPHRT_PDL_EARLY`` asks for (default off): with PDL on, kernels let the next
+    kernel launch before they wait (``USE_GDC=2``, ``kernels._pdl``)."""
+    return env_flag("GRAPHRT_PDL_EARLY", False)
+
+
 def pdl_args() -> dict:
     """Launch keywords for a kernel with a ``USE_GDC`` constexpr (its first call is
     ``kernels._pdl.pdl_prologue(USE_GDC)``): with PDL on,
     ``launch_pdl=True`` (the launch may start while the previous kernel in the stream still
-    runs) and ``USE_GDC=True`` (the kernel's first instructions wait for that kernel's writes,
-    ``griddepcontrol.wait``, then let the next kernel start launching); ``{}`` otherwise.
+    runs) and ``USE_GDC=1`` (the kernel's first instructions wait for that kernel's writes,
+    ``griddepcontrol.wait``, then let the next kernel start launching), or ``USE_GDC=2`` with
+    ``GRAPHRT_PDL_EARLY=1`` (let the next kernel launch, then wait); ``{}`` otherwise.
     Under CUDA graph capture the launch attribute becomes a programmatic dependency edge.
-    Correctness does not depend on it: the wait precedes every read."""
-    return {"launch_pdl": True, "USE_GDC": True} if pdl_enabled() else {}
+    Correctness does not depend on it: the wait precedes every read and write."""
+    if not pdl_enabled():
+        return {}
+    return {"launch_pdl": True, "USE_GDC": 2 if pdl_early() else 1}

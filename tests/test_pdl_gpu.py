@@ -20,6 +20,14 @@ def test_pdl_is_on_unless_turned_off(monkeypatch, value, on):
         assert pdl_args() == {}
 
 
+def test_ab_variants_name_their_switches():
+    from graphrt.bench.ab import parse_variant
+    assert parse_variant("pdl-early+dense-gemv") == ["pdl-early", "dense-gemv"]
+    for bad in ("", "pdl+", "fast"):
+        with pytest.raises(ValueError, match="one of"):
+            parse_variant(bad)
+
+
 def test_pdl_stays_off_on_the_interpreter(monkeypatch):
     monkeypatch.setenv("GRAPHRT_PDL", "1")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -31,19 +39,26 @@ def test_pdl_is_on_by_default_on_hopper(monkeypatch, cuda_device):
     if torch.cuda.get_device_capability(cuda_device)[0] < 9:
         pytest.skip("PDL needs compute capability 9.0+")
     monkeypatch.delenv("GRAPHRT_PDL", raising=False)
+    monkeypatch.delenv("GRAPHRT_PDL_EARLY", raising=False)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert pdl_args() == {"launch_pdl": True, "USE_GDC": True}
+    assert pdl_args() == {"launch_pdl": True, "USE_GDC": 1}     # wait, then trigger
+    monkeypatch.setenv("GRAPHRT_PDL_EARLY", "1")
+    assert pdl_args() == {"launch_pdl": True, "USE_GDC": 2}     # trigger, then wait
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("switch", ["pdl", "prefetch"])
+@pytest.mark.parametrize("switch", ["pdl", "prefetch", "pdl-early", "dense-gemv",
+                                    "pdl-early+dense-gemv"])
 def test_switched_graph_matches_plain_graph(cuda_device, switch):
-    if switch == "pdl" and torch.cuda.get_device_capability(cuda_device)[0] < 9:
+    if "pdl" in switch and torch.cuda.get_device_capability(cuda_device)[0] < 9:
         pytest.skip("PDL needs compute capability 9.0+")
     from graphrt.bench.ab import bench_ab
     from graphrt.moe import preset
     cfg = preset("qwen3-moe-like", layers=2, experts=16, num_slots=64, max_ctx=256, vocab_size=4096)
     res = bench_ab(cfg, cuda_device, [1, 8, 32], rounds=1, switch=switch)
+    # Same kernels in another launch order: equal. Another GEMM (dense-gemv): another
+    # summation order, bf16 rounding apart (a routing near-tie may flip one expert).
+    tol = 5e-2 if "dense-gemv" in switch else 1e-3
     for row in res["rows"]:
-        assert row["max_row_rel_diff"] < 1e-3, row
+        assert row["max_row_rel_diff"] < tol, row
         assert row["on_us"] > 0 and row["off_us"] > 0

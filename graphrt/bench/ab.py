@@ -7,9 +7,17 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
 - ``prefetch``: the attention layers' L2 prefetch of the o-projection weight
   (``Attention.prefetch``, ``graphrt.kernels.prefetch``);
 - ``prefetch-qkv``: each layer's L2 prefetch of the next layer's QKV weight beside its MoE
-  block (``DecoderLayer.prefetch_next_qkv``).
+  block (``DecoderLayer.prefetch_next_qkv``);
+- ``pdl-early``: kernels let the next kernel launch before they wait (``GRAPHRT_PDL_EARLY``);
+- ``dense-gemv``: the dense projections on graphrt's decode GEMV instead of cuBLAS
+  (``graphrt.moe.layers.DENSE``, ``GRAPHRT_DENSE``).
+
+A variant joins switches with ``+`` (``pdl-early+dense-gemv``: both on); ``--switch`` may be
+given several times, and every variant is then measured against the one baseline (all off),
+their replays alternating.
 
     python -m graphrt.bench.ab --switch prefetch --config qwen3-moe-like --experts 64 --layers 4 --sizes 1,16
+    python -m graphrt.bench.ab --switch pdl-early --switch dense-gemv --switch pdl-early+dense-gemv
 
 Prints a markdown table and writes ``--out`` (JSON) when given. Needs a CUDA GPU (PDL: Hopper).
 
@@ -41,9 +49,11 @@ def _env(name: str, value: str):
 
 
 @contextlib.contextmanager
-def _class_attr(module: str, cls: str, name: str, value):
-    """``module.cls.name = value`` inside the block (imported when entered), put back after."""
-    owner = getattr(importlib.import_module(module), cls)
+def _class_attr(module: str, cls: str | None, name: str, value):
+    """``module.cls.name = value`` (``module.name`` when ``cls`` is None) inside the block
+    (imported when entered), put back after."""
+    owner = importlib.import_module(module)
+    owner = getattr(owner, cls) if cls is not None else owner
     before = getattr(owner, name)
     setattr(owner, name, value)
     try:
@@ -56,12 +66,27 @@ def _class_attr(module: str, cls: str, name: str, value):
 SWITCHES = {"pdl": lambda on: _env("GRAPHRT_PDL", "1" if on else "0"),
             "prefetch": lambda on: _class_attr("graphrt.moe.layers", "Attention", "prefetch", on),
             "prefetch-qkv": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
-                                                   "prefetch_next_qkv", on)}
+                                                   "prefetch_next_qkv", on),
+            "pdl-early": lambda on: _env("GRAPHRT_PDL_EARLY", "1" if on else "0"),
+            "dense-gemv": lambda on: _class_attr("graphrt.moe.layers", None, "DENSE",
+                                                 "gemv" if on else "torch")}
 
 
-def _capture(model, sizes, switch: str, on: bool):
+def parse_variant(variant: str) -> list[str]:
+    """The switches of ``variant`` (``a+b`` -> ``[a, b]``); ValueError naming an unknown one."""
+    parts = variant.split("+")
+    bad = [p for p in parts if p not in SWITCHES]
+    if bad or not variant:
+        raise ValueError(f"switch must be one of {sorted(SWITCHES)}, or several joined by '+'; "
+                         f"got {variant!r}")
+    return parts
+
+
+def _capture(model, sizes, variant: str, on: bool):
     from graphrt import GraphRuntime
-    with SWITCHES[switch](on):
+    with contextlib.ExitStack() as stack:
+        for switch in parse_variant(variant):
+            stack.enter_context(SWITCHES[switch](on))
         return GraphRuntime(model.spec(max(sizes)), sizes=sizes, progress=False).capture()
 
 
@@ -79,43 +104,66 @@ def _replay_us(rt, bs: int, iters: int = 50) -> list[float]:
 
 
 def bench_ab(cfg, device, sizes: list[int], rounds: int = 5, switch: str = "pdl") -> dict:
-    """Per size: median replay µs with ``switch`` off and on (rounds alternate the two
-    graphs), their ratio, and the max relative difference of the two graphs' logits."""
-    if switch not in SWITCHES:
-        raise ValueError(f"switch must be one of {sorted(SWITCHES)}; got {switch!r}")
+    """Per size: median replay µs with ``switch`` (a variant: switches joined by ``+``) off and
+    on (rounds alternate the two graphs), their ratio, and the max relative difference of the
+    two graphs' logits."""
+    res = bench_variants(cfg, device, sizes, [switch], rounds)
+    rows = [{"bs": r["bs"], "off_us": r["off_us"], **r["variants"][switch]} for r in res["rows"]]
+    return {**{k: v for k, v in res.items() if k != "variants"}, "switch": switch, "rows": rows}
+
+
+def bench_variants(cfg, device, sizes: list[int], variants: list[str], rounds: int = 5) -> dict:
+    """``bench_ab`` for several variants against one baseline (every switch off): per size
+    and variant ``on_us``, ``on_over_off`` and ``max_row_rel_diff``; replays alternate."""
+    for v in variants:
+        parse_variant(v)
     from graphrt.moe import MoEModel
     model = MoEModel(cfg, device)
-    for bs in sizes:           # measure the expert plan first, so both captures bake the same
+    for bs in sizes:           # measure the expert plan first, so every capture bakes the same
         model.prepare(bs)
-    off, on = _capture(model, sizes, switch, False), _capture(model, sizes, switch, True)
+    off = _capture(model, sizes, variants[0], False)
+    ons = {v: _capture(model, sizes, v, True) for v in variants}
     rows = []
     for bs in sizes:
         x = model.example_inputs(bs, device, torch.Generator().manual_seed(bs))
-        a, b = off.run(**x)["logits"].float(), on.run(**x)["logits"].float()
-        diff = float(((a - b).norm(dim=-1) / a.norm(dim=-1)).max())
-        t_off, t_on = [], []
+        a = off.run(**x)["logits"].float()
+        diffs = {}
+        for v, rt in ons.items():
+            b = rt.run(**x)["logits"].float()
+            diffs[v] = float(((a - b).norm(dim=-1) / a.norm(dim=-1)).max())
+        t_off, t_on = [], {v: [] for v in variants}
         for _ in range(rounds):
             t_off += _replay_us(off, bs)
-            t_on += _replay_us(on, bs)
-        m_off, m_on = statistics.median(t_off), statistics.median(t_on)
-        rows.append({"bs": bs, "off_us": m_off, "on_us": m_on, "on_over_off": m_on / m_off,
-                     "max_row_rel_diff": diff})
-    return {"switch": switch, "config": cfg.name, "layers": cfg.num_layers, "experts": cfg.num_experts,
-            "gpu": torch.cuda.get_device_name(device), "rows": rows}
+            for v, rt in ons.items():
+                t_on[v] += _replay_us(rt, bs)
+        m_off = statistics.median(t_off)
+        rows.append({"bs": bs, "off_us": m_off, "variants": {
+            v: {"on_us": statistics.median(t_on[v]),
+                "on_over_off": statistics.median(t_on[v]) / m_off,
+                "max_row_rel_diff": diffs[v]} for v in variants}})
+    return {"variants": variants, "config": cfg.name, "layers": cfg.num_layers,
+            "experts": cfg.num_experts, "gpu": torch.cuda.get_device_name(device), "rows": rows}
 
 
 def md_ab(res: dict) -> str:
-    lines = [f"{res['switch']} off vs on: {res['config']} {res['layers']}L {res['experts']} experts, {res['gpu']}",
-             "", "| bs | off µs | on µs | on/off | max row rel diff |", "|---|---|---|---|---|"]
-    lines += [f"| {r['bs']} | {r['off_us']:.1f} | {r['on_us']:.1f} | {r['on_over_off']:.3f} | "
-              f"{r['max_row_rel_diff']:.1e} |" for r in res["rows"]]
+    variants = res["variants"]
+    lines = [f"every switch off vs {', '.join(variants)}: {res['config']} {res['layers']}L "
+             f"{res['experts']} experts, {res['gpu']}", "",
+             "| bs | off µs | " + " | ".join(f"{v} µs | on/off | max row rel diff" for v in variants) + " |",
+             "|---|---|" + "---|---|---|" * len(variants)]
+    for r in res["rows"]:
+        cells = [f"{r['variants'][v]['on_us']:.1f} | {r['variants'][v]['on_over_off']:.3f} | "
+                 f"{r['variants'][v]['max_row_rel_diff']:.1e}" for v in variants]
+        lines.append(f"| {r['bs']} | {r['off_us']:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     from graphrt.moe import preset
     p = argparse.ArgumentParser(prog="python -m graphrt.bench.ab", description=__doc__.split("\n\n")[0])
-    p.add_argument("--switch", choices=sorted(SWITCHES), default="pdl")
+    p.add_argument("--switch", action="append", default=None,
+                   help=f"a variant: one of {sorted(SWITCHES)}, or several joined by '+' "
+                        "(repeat --switch to measure several against one baseline; default pdl)")
     p.add_argument("--config", default="qwen3-moe-like")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=64)
@@ -125,8 +173,14 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     device = torch.device("cuda", torch.cuda.current_device())
-    res = bench_ab(preset(a.config, layers=a.layers, experts=a.experts), device,
-                   [int(s) for s in a.sizes.split(",")], switch=a.switch)
+    variants = a.switch or ["pdl"]
+    try:
+        for v in variants:
+            parse_variant(v)
+    except ValueError as e:
+        p.error(str(e))
+    res = bench_variants(preset(a.config, layers=a.layers, experts=a.experts), device,
+                         [int(s) for s in a.sizes.split(",")], variants)
     print(md_ab(res))
     if a.out:
         with open(a.out, "w") as f:

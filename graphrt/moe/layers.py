@@ -32,13 +32,13 @@ def add_rmsnorm(x: torch.Tensor, *deltas: torch.Tensor, weight: torch.Tensor,
     return (res if deltas else x), out
 
 
-_DENSE = os.environ.get("GRAPHRT_DENSE", "torch")  # "torch" (cuBLAS) | "gemv"; read at import
+DENSE = os.environ.get("GRAPHRT_DENSE", "torch")  # "torch" (cuBLAS) | "gemv"; read at import
 
 
 def dense_path(x: torch.Tensor, w: torch.Tensor) -> str:
     """Which path :func:`dense` takes: ``"gemv"`` with ``GRAPHRT_DENSE=gemv`` for bf16,
     contiguous x ``[rows <= 16, in]`` and w on a CUDA device, else ``"torch"``."""
-    ok = (_DENSE == "gemv" and x.device.type == "cuda" and x.dim() == 2 and x.shape[0] <= 16
+    ok = (DENSE == "gemv" and x.device.type == "cuda" and x.dim() == 2 and x.shape[0] <= 16
           and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
           and x.is_contiguous() and w.is_contiguous())
     return "gemv" if ok else "torch"
@@ -47,7 +47,8 @@ def dense_path(x: torch.Tensor, w: torch.Tensor) -> str:
 def dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.t()``: x ``[bs, in]``, w ``[out, in]`` (row-major weights) -> ``[bs, out]``.
     cuBLAS by default; the decode GEMV (``graphrt.kernels.dense_gemv``, reads w once) where
-    :func:`dense_path` says so. A graph bakes the path: set ``GRAPHRT_DENSE`` before import.
+    :func:`dense_path` says so. A graph bakes the path: set ``GRAPHRT_DENSE`` before import
+    (or ``graphrt.moe.layers.DENSE`` before capture).
 
     Graph safety: capturable"""
     if dense_path(x, w) == "gemv":

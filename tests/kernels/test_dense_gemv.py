@@ -143,9 +143,9 @@ def _stub(device="cuda", rows=4, dtype=torch.bfloat16, contiguous=True):
 def test_dense_path_rules(monkeypatch):
     from graphrt.moe import layers
     w = _stub()
-    monkeypatch.setattr(layers, "_DENSE", "torch")
+    monkeypatch.setattr(layers, "DENSE", "torch")
     assert layers.dense_path(_stub(), w) == "torch"                  # default: cuBLAS
-    monkeypatch.setattr(layers, "_DENSE", "gemv")
+    monkeypatch.setattr(layers, "DENSE", "gemv")
     assert layers.dense_path(_stub(), w) == "gemv"
     assert layers.dense_path(_stub(rows=16), w) == "gemv"
     assert layers.dense_path(_stub(rows=17), w) == "torch"           # more rows: cuBLAS
@@ -158,7 +158,7 @@ def test_dense_path_rules(monkeypatch):
 def test_dense_helper_routes(monkeypatch):
     from graphrt.moe import layers
     x, w = _inputs(3, 40, 96, seed=10)
-    monkeypatch.setattr(layers, "_DENSE", "gemv")
+    monkeypatch.setattr(layers, "DENSE", "gemv")
     assert torch.equal(layers.dense(x, w), x @ w.t())               # CPU: the torch path
     monkeypatch.setattr(layers, "dense_path", lambda x, w: "gemv")  # force the kernel route
     got = layers.dense(x, w)
@@ -170,7 +170,7 @@ def test_model_step_with_gemv_env_on_cpu_is_the_torch_path(monkeypatch):
     x = None
     logits = []
     for mode in ("torch", "gemv"):
-        monkeypatch.setattr(layers, "_DENSE", mode)
+        monkeypatch.setattr(layers, "DENSE", mode)
         spec, model = make_step(preset("tiny"), "cpu", max_batch_size=8, backend="triton")
         x = x or model.example_inputs(3, "cpu", torch.Generator().manual_seed(1))
         logits.append(spec.call(x)["logits"].clone())

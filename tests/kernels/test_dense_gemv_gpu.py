@@ -107,7 +107,7 @@ def test_gpu_dense_helper_takes_the_kernel(monkeypatch):
     calls = []
     real = dg.dense_gemv
     monkeypatch.setattr(dg, "dense_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setattr(layers, "_DENSE", "gemv")
+    monkeypatch.setattr(layers, "DENSE", "gemv")
     x, w = _x(4, 2048, seed=3), _x(2048, 2048, seed=4)
     y = layers.dense(x, w)
     assert calls and _rel_err(y, dense_gemv_ref(x, w)) < TOL
