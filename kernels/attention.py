@@ -44,7 +44,9 @@ Workspaces: allocate once per padded_bs, before capture, with
 and, for ``"fused"``, ``attention_semaphore(padded_bs, num_kv_heads, device)`` (zeros; every
 launch leaves it zero again, so replays need no memset). One semaphore may serve every layer
 and every captured size as long as launches that use it run one after another on one stream
-(never two at once, e.g. on two streams or with programmatic dependent launch).
+(never two at once, e.g. on two streams). Programmatic dependent launch keeps that order: all
+four kernels take ``USE_GDC`` (``kernels._pdl``) and wait for the kernel before them before
+their first read or write, the semaphore's included.
 
 Graph safety: capturable (``kv_append``, ``decode_attention``)
 """
@@ -56,7 +58,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import check, check_tensor, interpreting
+from ._pdl import pdl_prologue
+from ._util import check, check_tensor, interpreting, pdl_args
 from .attention_kernels import attn_fused_kernel, attn_merge_kernel, attn_split_kernel
 
 BLOCK_N = 64  # cache positions per inner step of kernel 1 (spans pages when block_size < 64)
@@ -82,6 +85,23 @@ def num_splits_for(max_ctx: int, *, split_size: int = SPLIT_SIZE, max_splits: in
     check(max_ctx >= 1 and split_size >= 1 and max_splits >= 1, "num_splits_for arguments",
           "max_ctx, split_size, max_splits >= 1", (max_ctx, split_size, max_splits))
     return max(1, min(max_splits, -(-max_ctx // split_size)))
+
+
+def split_size_for(padded_bs: int, num_kv_heads: int, max_ctx: int, num_sms: int, *,
+                   split_size: int = SPLIT_SIZE, programs_per_sm: int = 2) -> int:
+    """Positions per split for a step of ``padded_bs`` rows: ``split_size`` (the default 256)
+    unless the ``padded_bs * num_kv_heads`` (row, kv head) pairs are too few to give each of
+    ``num_sms`` SMs ``programs_per_sm`` programs at that size; then the smallest multiple of
+    ``BLOCK_N`` that reaches it (never below ``BLOCK_N``). At small batches a program then
+    walks one or two inner steps instead of four, the latency of a decode-attention launch.
+    qwen3-like (4 kv heads, 2048 positions, 132 SMs): 64 at bs 1 (32 splits), 128 at bs 4,
+    256 from bs 8. Pass it to :func:`attention_workspace_shape`. Graph safety: host-only."""
+    check(min(padded_bs, num_kv_heads, max_ctx, num_sms, split_size, programs_per_sm) >= 1,
+          "split_size_for arguments", "positive ints",
+          (padded_bs, num_kv_heads, max_ctx, num_sms, split_size, programs_per_sm))
+    want = -(-programs_per_sm * num_sms // (padded_bs * num_kv_heads))  # splits per pair
+    size = -(-(-(-max_ctx // want)) // BLOCK_N) * BLOCK_N
+    return max(BLOCK_N, min(split_size, size))
 
 
 def attention_workspace_shape(padded_bs: int, num_heads: int, head_dim: int, max_ctx: int, *,
@@ -138,7 +158,9 @@ def _kv_append_kernel(
     stride_cb, stride_ct, stride_ch,  # strides of the caches (block, offset, head)
     HEAD_DIM: tl.constexpr,  # head_dim (a power of two)
     PAGE: tl.constexpr,  # block_size (a power of two)
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
+    pdl_prologue(USE_GDC)
     b = tl.program_id(0)  # row
     h = tl.program_id(1)  # kv head
     if b >= tl.load(n_ptr):
@@ -200,7 +222,7 @@ def kv_append(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, n: t
         k, v, k_cache, v_cache, slot_mapping, n, num_blocks * block_size,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HEAD_DIM=head_dim, PAGE=block_size, num_warps=1,
+        HEAD_DIM=head_dim, PAGE=block_size, num_warps=1, **pdl_args(),
     )
 
 
@@ -302,12 +324,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             scale, num_blocks, max_ctx, split_size, q.stride(0), q.stride(1),
             block_table.stride(0), *cache_strides,
             workspace_o.stride(0), workspace_o.stride(1), workspace_o.stride(2),
-            workspace_lse.stride(0), workspace_lse.stride(1), **geometry, num_warps=4, num_stages=2)
+            workspace_lse.stride(0), workspace_lse.stride(1), **geometry, num_warps=4, num_stages=2,
+            **pdl_args())
         attn_merge_kernel[(padded_bs, num_heads)](
             out, workspace_o, workspace_lse, seq_lens, n, max_ctx, split_size,
             out.stride(0), out.stride(1),
             workspace_o.stride(0), workspace_o.stride(1), workspace_o.stride(2),
-            workspace_lse.stride(0), workspace_lse.stride(1), HEAD_DIM=head_dim, num_warps=1)
+            workspace_lse.stride(0), workspace_lse.stride(1), HEAD_DIM=head_dim,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=1 if num_splits <= 8 else 4,
+            **pdl_args())
         return out
     split = num_splits > 1  # else one program per (row, kv head): no partial, no semaphore
     # without SPLIT the kernel never touches these three: any tensors stand in for None
@@ -321,7 +346,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         *((ws_o.stride(0), ws_o.stride(1), ws_o.stride(2)) if split else (0, 0, 0)),
         *((ws_lse.stride(0), ws_lse.stride(1)) if split else (0, 0)),
         sem.stride(0) if split else 0,
-        **geometry, GROUP_P2=group_p2, SPLIT=split, MERGE_S=merge_s, num_warps=4, num_stages=2)
+        **geometry, GROUP_P2=group_p2, SPLIT=split, MERGE_S=merge_s, num_warps=4, num_stages=2,
+        **pdl_args())
     return out
 
 

@@ -35,6 +35,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._pdl import pdl_prologue
+
 _LN2 = tl.constexpr(0.6931471805599453)  # ln 2: base-2 lse back to natural log
 
 
@@ -110,7 +112,9 @@ def attn_split_kernel(
     PAGE: tl.constexpr,  # block_size (a power of two)
     BLOCK_N: tl.constexpr,  # positions per inner step
     UPCAST: tl.constexpr,  # True under the interpreter: dots in fp32
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
+    pdl_prologue(USE_GDC)
     b = tl.program_id(0)  # row
     kvh = tl.program_id(1)  # kv head
     split = tl.program_id(2)  # chunk of the context
@@ -146,7 +150,10 @@ def attn_merge_kernel(
     stride_ob, stride_oh, stride_os,  # strides of ws_o (row, head, split)
     stride_lb, stride_lh,  # strides of ws_lse (row, head); split stride is 1
     HEAD_DIM: tl.constexpr,  # head_dim (a power of two)
+    SPLITS_PAD: tl.constexpr,  # num_splits rounded up to a power of two
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
+    pdl_prologue(USE_GDC)
     b = tl.program_id(0)  # row
     h = tl.program_id(1)  # q head
     offs_d = tl.arange(0, HEAD_DIM)
@@ -156,19 +163,16 @@ def attn_merge_kernel(
         tl.store(out_ptrs, tl.zeros((HEAD_DIM,), dtype=tl.float32).to(out_ptr.dtype.element_ty))
         return
     num_live = tl.cdiv(ctx, split_size)  # splits kernel 1 wrote
-    e_max = float("-inf")
-    e_sum = 0.0
-    acc = tl.zeros((HEAD_DIM,), dtype=tl.float32)
-    for s in range(0, num_live):
-        lse = tl.load(ws_lse_ptr + b * stride_lb + h * stride_lh + s)
-        o = tl.load(ws_o_ptr + b * stride_ob + h * stride_oh + s * stride_os + offs_d)
-        new_max = tl.maximum(e_max, lse)
-        scale = tl.exp(e_max - new_max)
-        w = tl.exp(lse - new_max)
-        acc = acc * scale + w * o
-        e_sum = e_sum * scale + w
-        e_max = new_max
-    tl.store(out_ptrs, (acc / e_sum).to(out_ptr.dtype.element_ty))
+    # Every live split at once (no loop of dependent loads): weights exp(lse - max lse).
+    offs_s = tl.arange(0, SPLITS_PAD)
+    mask_s = offs_s < num_live
+    lse = tl.load(ws_lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=mask_s,
+                  other=float("-inf"))
+    w = tl.exp(lse - tl.max(lse, axis=0))  # 0 on the splits past num_live
+    o = tl.load(ws_o_ptr + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os
+                + offs_d[None, :], mask=mask_s[:, None], other=0.0)
+    acc = tl.sum(w[:, None] * o, axis=0)
+    tl.store(out_ptrs, (acc / tl.sum(w, axis=0)).to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -234,7 +238,9 @@ def attn_fused_kernel(
     SPLIT: tl.constexpr,  # False: grid has one split and split_size >= max_ctx (single pass)
     MERGE_S: tl.constexpr,  # splits per merge step of the last program (a power of two)
     UPCAST: tl.constexpr,  # True under the interpreter: dots in fp32
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
+    pdl_prologue(USE_GDC)
     b = tl.program_id(0)  # row
     kvh = tl.program_id(1)  # kv head
     split = tl.program_id(2)  # chunk of the context

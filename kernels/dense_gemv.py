@@ -61,8 +61,8 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,  # k % BLOCK_K == 0: no K masks
     UPCAST: tl.constexpr,  # interpreter: dot in fp32 (bf16 math gives NaN there)
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
-    PF_LINES: tl.constexpr = 1,  # USE_GDC == 2: 128-byte lines of a W row slice to prefetch (pow2)
 ):
+    pdl_prologue(USE_GDC)
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
     k_lo = s * k_step
@@ -72,14 +72,6 @@ def _gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < m
     mask_n = offs_n < n
-    if USE_GDC == 2:
-        # Trigger first (kernels._pdl), then pull this program's W slice into L2 while the
-        # kernel before still runs: W is a weight, written by no kernel of the step.
-        tl.extra.cuda.gdc_launch_dependents()
-        _l2_prefetch_slice(w_ptr, tl.minimum(offs_n, n - 1), k, k_lo, k_hi, PF_LINES)
-        tl.extra.cuda.gdc_wait()
-    else:
-        pdl_prologue(USE_GDC)
     x_ptrs = x_ptr + offs_m[:, None] * k + (k_lo + offs_k)[None, :]  # [BM, BK]
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * k + (k_lo + offs_k)[None, :]  # [BN, BK]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -104,16 +96,6 @@ def _gemv_kernel(
     else:
         out_ptrs = out_ptr + offs_m[:, None] * n + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _l2_prefetch_slice(w_ptr, rows, k, k_lo, k_hi, PF_LINES: tl.constexpr):
-    """``prefetch.global.L2::evict_last`` of every 128-byte line of ``W[rows, k_lo:k_hi]``
-    (bf16, row stride ``k``): one instruction a line, nothing waits for it. Device code."""
-    offs = tl.minimum(k_lo + tl.arange(0, PF_LINES) * 64, k_hi - 1)    # 64 bf16 = 128 bytes
-    addr = (w_ptr + rows.to(tl.int64)[:, None] * k + offs[None, :]).to(tl.int64, bitcast=True)
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;",
-                              "=r,l", [addr], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -235,13 +217,11 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
     k_step = triton.cdiv(k_tiles, min(split_k, k_tiles)) * block_k
     split_k = triton.cdiv(k, k_step)  # splits that own K (no empty ones: k_step rounds up)
     split = split_k > 1
-    pdl = pdl_args()
-    lines = triton.next_power_of_2(triton.cdiv(k_step, 64)) if pdl.get("USE_GDC") == 2 else 1
     _gemv_kernel[(triton.cdiv(n, block_n), split_k)](
         x, w, out, workspace if split else out, m, n, k, k_step,
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
         EVEN_K=k % block_k == 0, UPCAST=interpreting(),
-        PF_LINES=lines, num_warps=num_warps, num_stages=num_stages, **pdl)
+        num_warps=num_warps, num_stages=num_stages, **pdl_args())
     if split:
         _gemv_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK_N),)](
             workspace, out, m, n, split_k, BLOCK_M=MAX_ROWS, BLOCK_N=_REDUCE_BLOCK_N,

@@ -47,8 +47,8 @@ def test_pdl_is_on_by_default_on_hopper(monkeypatch, cuda_device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("switch", ["pdl", "prefetch", "pdl-early", "dense-gemv",
-                                    "pdl-early+dense-gemv"])
+@pytest.mark.parametrize("switch", ["pdl", "prefetch", "pdl-early", "dense-gemv", "attn-splits",
+                                    "pdl-early+dense-gemv+attn-splits"])
 def test_switched_graph_matches_plain_graph(cuda_device, switch):
     if "pdl" in switch and torch.cuda.get_device_capability(cuda_device)[0] < 9:
         pytest.skip("PDL needs compute capability 9.0+")
@@ -56,9 +56,10 @@ def test_switched_graph_matches_plain_graph(cuda_device, switch):
     from graphrt.moe import preset
     cfg = preset("qwen3-moe-like", layers=2, experts=16, num_slots=64, max_ctx=256, vocab_size=4096)
     res = bench_ab(cfg, cuda_device, [1, 8, 32], rounds=1, switch=switch)
-    # Same kernels in another launch order: equal. Another GEMM (dense-gemv): another
-    # summation order, bf16 rounding apart (a routing near-tie may flip one expert).
-    tol = 5e-2 if "dense-gemv" in switch else 1e-3
+    # Same kernels in another launch order: equal. Another GEMM (dense-gemv) or other
+    # attention splits: another summation order, bf16 rounding apart (a routing near-tie may
+    # flip one expert).
+    tol = 5e-2 if "dense-gemv" in switch or "attn-splits" in switch else 1e-3
     for row in res["rows"]:
         assert row["max_row_rel_diff"] < tol, row
         assert row["on_us"] > 0 and row["off_us"] > 0

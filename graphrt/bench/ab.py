@@ -8,6 +8,8 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   (``Attention.prefetch``, ``graphrt.kernels.prefetch``);
 - ``prefetch-qkv``: each layer's L2 prefetch of the next layer's QKV weight beside its MoE
   block (``DecoderLayer.prefetch_next_qkv``);
+- ``attn-splits``: decode attention's split size picked per captured size
+  (``Attention.split_size = None``, ``kernels.attention.split_size_for``) instead of 256;
 - ``pdl-early``: kernels let the next kernel launch before they wait (``GRAPHRT_PDL_EARLY``);
 - ``dense-gemv``: the dense projections on graphrt's decode GEMV instead of cuBLAS
   (``graphrt.moe.layers.DENSE``, ``GRAPHRT_DENSE``).
@@ -67,6 +69,8 @@ SWITCHES = {"pdl": lambda on: _env("GRAPHRT_PDL", "1" if on else "0"),
             "prefetch": lambda on: _class_attr("graphrt.moe.layers", "Attention", "prefetch", on),
             "prefetch-qkv": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
                                                    "prefetch_next_qkv", on),
+            "attn-splits": lambda on: _class_attr("graphrt.moe.layers", "Attention", "split_size",
+                                                  None if on else 256),
             "pdl-early": lambda on: _env("GRAPHRT_PDL_EARLY", "1" if on else "0"),
             "dense-gemv": lambda on: _class_attr("graphrt.moe.layers", None, "DENSE",
                                                  "gemv" if on else "torch")}

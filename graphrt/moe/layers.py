@@ -126,6 +126,9 @@ class Attention:
     benchmarks) with ``GRAPHRT_ATTN_VARIANT`` in the environment at import."""
 
     variant = os.environ.get("GRAPHRT_ATTN_VARIANT", "auto")
+    # Positions per split: None picks per captured size (split_size_for: smaller splits when
+    # the rows are too few to fill the SMs); an int fixes it (256 before; A/B benchmarks).
+    split_size = None
     # Pull wo into L2 on a side stream while K/V append and attention run (latency-bound,
     # HBM idle), so the o-projection reads it from L2 (graphrt.kernels.prefetch). CUDA only,
     # not under torch.compile. Off by default: measured 0.8-1.8% slower on an H200
@@ -161,7 +164,8 @@ class Attention:
         ``[bs, max_blocks_per_seq]``, seq_lens int32 ``[bs]`` (the new token included) ->
         ``[bs, hidden]``. Writes the new K/V at ``slot_mapping`` (live rows only)."""
         from graphrt.kernels.attention import (attention_workspace_shape, decode_attention,
-                                               kv_append, select_variant)
+                                               kv_append, select_variant, split_size_for)
+        from graphrt.moe.expert_plan import num_sms
         cfg, bs = self.cfg, h.shape[0]
         qkv = dense(h, self.wqkv)                                          # [bs, q + 2 kv]
         q = qkv[:, :cfg.q_dim].view(bs, cfg.num_heads, cfg.head_dim)
@@ -170,7 +174,9 @@ class Attention:
         recv = self.start_prefetch(self.wo) if self.prefetch else None  # joined before wo
         kv_append(k, v, slot_mapping, n, k_cache=self.k_cache, v_cache=self.v_cache)
         max_ctx = cfg.max_blocks_per_seq * cfg.block_size
-        o_shape, lse_shape = attention_workspace_shape(bs, cfg.num_heads, cfg.head_dim, max_ctx)
+        split = self.split_size or split_size_for(bs, cfg.num_kv_heads, max_ctx, num_sms(h.device))
+        o_shape, lse_shape = attention_workspace_shape(bs, cfg.num_heads, cfg.head_dim, max_ctx,
+                                                       split_size=split)
         variant = select_variant(max_ctx, o_shape[2]) if self.variant == "auto" else self.variant
         ws_o = ws_lse = None
         if variant != "single":                           # partials: [bs, heads, splits, d], [.., splits]

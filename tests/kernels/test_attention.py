@@ -12,7 +12,8 @@ from graphrt.kernels import attention as attn
 from graphrt.kernels.attention import (attention_semaphore, attention_workspace,
                                        attention_workspace_shape, decode_attention,
                                        decode_attention_ref, gather_pages, kv_append,
-                                       kv_append_ref, num_splits_for, select_variant)
+                                       kv_append_ref, num_splits_for, select_variant,
+                                       split_size_for)
 from paged_cases import (block_table_for, check_attention, i32, paged_cache, randn_bf16, rel_err,
                          run_attention, slots_of)
 
@@ -27,6 +28,36 @@ def test_num_splits_and_workspace_shape():
     assert o == (8, 32, 16, 128) and lse == (8, 32, 16)
     with pytest.raises(ValueError, match="max_ctx"):
         num_splits_for(0)
+
+
+def test_split_size_fills_the_sms_at_small_batches():
+    """Per captured size: 256 positions a split unless the (row, kv head) pairs are too few for
+    two programs an SM; then smaller splits, in BLOCK_N steps, never below BLOCK_N."""
+    qwen3 = [split_size_for(bs, 4, 2048, 132) for bs in (1, 2, 4, 8, 16, 64)]
+    assert qwen3 == [64, 64, 128, 256, 256, 256]
+    assert [num_splits_for(2048, split_size=s) for s in qwen3[:3]] == [32, 32, 16]
+    assert split_size_for(1, 4, 100, 132) == attn.BLOCK_N            # short reach: one step
+    assert split_size_for(8, 8, 2048, 132, split_size=128) == 128    # never above the cap
+    assert split_size_for(256, 8, 4096, 132) == attn.SPLIT_SIZE
+    with pytest.raises(ValueError, match="split_size_for"):
+        split_size_for(0, 4, 2048, 132)
+
+
+@pytest.mark.parametrize("variant", ["split", "fused"])
+def test_many_splits_match_ref(variant):
+    """32 splits of 64 positions (the bs-1 plan of split_size_for): the merge takes every live
+    split in one tile, rows with fewer live splits included."""
+    block_size, kvh, group, d = 16, 2, 4, 64
+    max_blocks = 2048 // block_size
+    seq_lens = [2048, 1, 64, 65, 1000, 1985]
+    num_blocks = sum(-(-L // block_size) for L in seq_lens) + 3
+    k_cache, v_cache = paged_cache(num_blocks, block_size, kvh, d, seed=3)
+    table = block_table_for(seq_lens, block_size, max_blocks, num_blocks, seed=5)
+    q = randn_bf16(len(seq_lens), kvh * group, d, seed=4)
+    n = i32([len(seq_lens)])
+    out = run_attention(q, k_cache, v_cache, table, i32(seq_lens), n, 64, variant=variant)
+    check_attention(out, decode_attention_ref(q, k_cache, v_cache, table, i32(seq_lens), n),
+                    len(seq_lens))
 
 
 def test_select_variant_depends_on_host_shapes_only():

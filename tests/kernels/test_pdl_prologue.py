@@ -1,0 +1,57 @@
+"""Every graphrt Triton kernel that takes ``USE_GDC`` calls ``pdl_prologue(USE_GDC)`` as its
+very first statement (after the docstring), before any load, store or early return.
+
+Correctness under programmatic dependent launch rests on it: a kernel may start while the one
+before it still runs, and with ``GRAPHRT_PDL_EARLY=1`` it lets the next kernel start before it
+waits. A program that returned before its wait could let its kernel complete before the
+kernel it depends on, and the next kernel's wait would then cover neither (kernels._pdl)."""
+import ast
+import pathlib
+
+import pytest
+
+KERNELS = pathlib.Path(__file__).resolve().parents[2] / "kernels"
+
+
+def _jit_functions():
+    for path in sorted(KERNELS.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and any(
+                    "jit" in ast.unparse(d) for d in node.decorator_list):
+                yield path.name, node
+
+
+def _takes_gdc(fn: ast.FunctionDef) -> bool:
+    return any(a.arg == "USE_GDC" for a in fn.args.args + fn.args.kwonlyargs)
+
+
+GDC_KERNELS = [(f, fn) for f, fn in _jit_functions() if _takes_gdc(fn) and fn.name != "pdl_prologue"]
+
+
+def test_the_kernels_are_found():
+    names = {fn.name for _, fn in GDC_KERNELS}
+    # one from each family the decode step launches
+    assert {"_gemv_kernel", "attn_split_kernel", "attn_merge_kernel", "_kv_append_kernel"} <= names
+    assert len(GDC_KERNELS) >= 20
+
+
+@pytest.mark.parametrize("where, fn", GDC_KERNELS, ids=[f"{f}:{fn.name}" for f, fn in GDC_KERNELS])
+def test_prologue_is_the_first_statement(where, fn):
+    body = fn.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # docstring
+    first = ast.unparse(body[0]) if body else ""
+    assert first == "pdl_prologue(USE_GDC)", f"{where}:{fn.lineno} {fn.name} starts with {first!r}"
+
+
+def test_every_pdl_launch_goes_to_a_kernel_with_the_prologue():
+    """A launcher passing ``**pdl_args()`` must launch a kernel that takes ``USE_GDC``."""
+    gdc = {fn.name for _, fn in GDC_KERNELS}
+    for path in sorted(KERNELS.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and any(
+                    isinstance(k.value, ast.Call) and ast.unparse(k.value.func) == "pdl_args"
+                    for k in node.keywords if k.arg is None):
+                target = node.func.value if isinstance(node.func, ast.Subscript) else node.func
+                assert ast.unparse(target) in gdc, f"{path.name}:{node.lineno} launches {ast.unparse(target)}"
