@@ -15,8 +15,9 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   (``graphrt.moe.layers.DENSE``, ``GRAPHRT_DENSE``).
 
 A variant joins switches with ``+`` (``pdl-early+dense-gemv``: both on); ``--switch`` may be
-given several times, and every variant is then measured against the one baseline (all off),
-their replays alternating.
+given several times, and every variant is then measured against the one baseline, their
+replays alternating. The baseline has every switch any variant names off; a variant has its
+own switches on and the others off (so ``pdl`` in the list turns PDL off everywhere else).
 
     python -m graphrt.bench.ab --switch prefetch --config qwen3-moe-like --experts 64 --layers 4 --sizes 1,16
     python -m graphrt.bench.ab --switch pdl-early --switch dense-gemv --switch pdl-early+dense-gemv
@@ -86,11 +87,12 @@ def parse_variant(variant: str) -> list[str]:
     return parts
 
 
-def _capture(model, sizes, variant: str, on: bool):
+def _capture(model, sizes, switches: list[str], on: list[str]):
+    """Capture with every switch in ``switches`` off except those in ``on``."""
     from graphrt import GraphRuntime
     with contextlib.ExitStack() as stack:
-        for switch in parse_variant(variant):
-            stack.enter_context(SWITCHES[switch](on))
+        for switch in switches:
+            stack.enter_context(SWITCHES[switch](switch in on))
         return GraphRuntime(model.spec(max(sizes)), sizes=sizes, progress=False).capture()
 
 
@@ -117,16 +119,15 @@ def bench_ab(cfg, device, sizes: list[int], rounds: int = 5, switch: str = "pdl"
 
 
 def bench_variants(cfg, device, sizes: list[int], variants: list[str], rounds: int = 5) -> dict:
-    """``bench_ab`` for several variants against one baseline (every switch off): per size
-    and variant ``on_us``, ``on_over_off`` and ``max_row_rel_diff``; replays alternate."""
-    for v in variants:
-        parse_variant(v)
+    """``bench_ab`` for several variants against one baseline (every switch they name off): per
+    size and variant ``on_us``, ``on_over_off`` and ``max_row_rel_diff``; replays alternate."""
+    mentioned = list(dict.fromkeys(sw for v in variants for sw in parse_variant(v)))
     from graphrt.moe import MoEModel
     model = MoEModel(cfg, device)
     for bs in sizes:           # measure the expert plan first, so every capture bakes the same
         model.prepare(bs)
-    off = _capture(model, sizes, variants[0], False)
-    ons = {v: _capture(model, sizes, v, True) for v in variants}
+    off = _capture(model, sizes, mentioned, [])
+    ons = {v: _capture(model, sizes, mentioned, parse_variant(v)) for v in variants}
     rows = []
     for bs in sizes:
         x = model.example_inputs(bs, device, torch.Generator().manual_seed(bs))
