@@ -5,9 +5,9 @@ its launcher passes ``**kernels._util.pdl_args()`` (on Hopper unless ``GRAPHRT_P
 the kernel may start while the previous one in the stream still runs. ``USE_GDC`` says in which
 order the prologue's two instructions run:
 
-- ``1`` (wait first): wait for the previous kernel's writes (``griddepcontrol.wait``), then let
+- ``1`` (wait first, ``GRAPHRT_PDL_EARLY=0``): wait for the previous kernel's writes (``griddepcontrol.wait``), then let
   the next kernel start launching (``griddepcontrol.launch_dependents``);
-- ``2`` (trigger first, ``GRAPHRT_PDL_EARLY=1``): let the next kernel launch at once, then
+- ``2`` (trigger first, the default): let the next kernel launch at once, then
   wait. The next kernel's programs can then start (and, like the decode GEMV, pull their
   weights into L2) while this one still waits or runs. Still correct: every kernel waits
   before its first read or write, and a kernel completes only after its own wait, so a wait

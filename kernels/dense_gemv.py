@@ -26,6 +26,10 @@ head) multiply 1-16 rows by a row-major weight ``[n, k]`` as the model stores it
   result is a function of the inputs and the config only, bitwise equal call to call and in
   graph replays.
 
+For 1-4 rows ``dense_gemv_rows`` skips the tensor cores: a program loads ``[BLOCK_N,
+BLOCK_K]`` weights (the whole K when it fits, 16 KB) in one round and reduces on the CUDA
+cores, so many small programs keep the most bytes in flight.
+
 Glossary: ``m`` rows (bs, at most 16), ``n`` output features, ``k`` input features.
 """
 from __future__ import annotations
@@ -117,6 +121,80 @@ def _gemv_reduce_kernel(
         acc += tl.load(ptrs, mask=mask, other=0.0)
     tl.store(out_ptr + offs_m[:, None] * n + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=mask)
+
+
+@triton.jit
+def _gemv_rows_kernel(
+    x_ptr,  # bf16 [m, k] contiguous
+    w_ptr,  # bf16 [n, k] contiguous
+    out_ptr,  # bf16 [m, n] contiguous
+    m, n, k,  # ints; m <= M_MAX
+    M_MAX: tl.constexpr,  # rows the kernel is built for (static loop; rows >= m skipped)
+    BLOCK_N: tl.constexpr,  # W rows (output columns) per program
+    BLOCK_K: tl.constexpr,  # K per load round: BLOCK_N x BLOCK_K weights in flight at once
+    EVEN_K: tl.constexpr,  # k % BLOCK_K == 0
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
+):
+    """A few rows on the CUDA cores: each program loads its ``[BLOCK_N, BLOCK_K]`` weights
+    in one round of 16-byte loads (the whole K when it fits), widens them to fp32 once and
+    reduces ``w * x[r]`` over K for each row ``r``; no shared memory, no tensor-core padding."""
+    pdl_prologue(USE_GDC)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < n
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * k + offs_k[None, :]
+    for r in tl.static_range(M_MAX):
+        if r < m:
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for k0 in range(0, k, BLOCK_K):
+                if EVEN_K:
+                    w = tl.load(w_ptrs + k0, mask=mask_n[:, None], other=0.0)
+                    xr = tl.load(x_ptr + r * k + k0 + offs_k)
+                else:
+                    mask_k = offs_k < k - k0
+                    w = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+                    xr = tl.load(x_ptr + r * k + k0 + offs_k, mask=mask_k, other=0.0)
+                acc += tl.sum(w.to(tl.float32) * xr.to(tl.float32)[None, :], axis=1)
+            tl.store(out_ptr + r * n + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+ROWS_MAX = 4  # rows dense_gemv_rows serves
+_ROWS_TILE = 8192  # weights a program loads per round (16 KB bf16)
+
+
+def dense_gemv_rows_config(n: int, k: int) -> dict:
+    """``{"block_n", "block_k"}`` of :func:`dense_gemv_rows`: ``block_k`` = the whole K up to
+    4096 (a power of two), ``block_n`` = ``_ROWS_TILE // block_k`` (2-64 W rows), never more
+    than ``next_power_of_2(n)``. qwen3-like qkv [5120, 2048] -> (4, 2048): 1280 programs.
+    Host-only."""
+    block_k = max(16, min(4096, triton.next_power_of_2(max(k, 1))))
+    block_n = max(1, min(64, _ROWS_TILE // block_k, triton.next_power_of_2(max(n, 1))))
+    return {"block_n": block_n, "block_k": block_k}
+
+
+def dense_gemv_rows(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
+                    block_n: int | None = None, block_k: int | None = None,
+                    num_warps: int = 4) -> torch.Tensor:
+    """``out = x @ w.T`` for 1-4 rows on the CUDA cores (fp32 accumulation), reading ``w``
+    once: x bf16 ``[m <= 4, k]``, w bf16 ``[n, k]``, out bf16 ``[m, n]``, all contiguous.
+    ``block_n``/``block_k`` default to ``dense_gemv_rows_config``. One launch, no workspace,
+    no host sync; bitwise reproducible. Graph safety: capturable"""
+    check_tensor(x, "x", shape=(None, None), dtype=torch.bfloat16, contiguous=True)
+    m, k = x.shape
+    check(m <= ROWS_MAX, "x.shape[0] (rows)", f"<= {ROWS_MAX}", m)
+    check_tensor(w, "w", shape=(None, k), dtype=torch.bfloat16, device=x.device, contiguous=True)
+    n = w.shape[0]
+    check_tensor(out, "out", shape=(m, n), dtype=torch.bfloat16, device=x.device, contiguous=True)
+    cfg = dense_gemv_rows_config(n, k)
+    block_n, block_k = block_n or cfg["block_n"], block_k or cfg["block_k"]
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
+        x, w, out, m, n, k, M_MAX=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0, num_warps=num_warps, **pdl_args())
+    return out
 
 
 def block_k_for(block_n: int, k: int) -> int:
@@ -230,16 +308,19 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
 
 
 def dense_gemv_auto(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` through :func:`dense_gemv` with ``dense_gemv_config``'s pick, allocating
-    ``out`` (and the split-K workspace) with ``torch.empty``: for a step's intermediates,
+    """``x @ w.T`` through :func:`dense_gemv_rows` for 1-4 rows, else :func:`dense_gemv` with
+    ``dense_gemv_config``'s pick, allocating ``out`` (and the split-K workspace) with
+    ``torch.empty``: for a step's intermediates,
     which a captured graph allocates from its pool. Shapes as :func:`dense_gemv`.
 
     Graph safety: capturable
     """
     m, k = x.shape
     n = w.shape[0]
-    cfg = dense_gemv_config(m, n, k, num_sms(x.device))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m <= ROWS_MAX:
+        return dense_gemv_rows(x, w, out=out)
+    cfg = dense_gemv_config(m, n, k, num_sms(x.device))
     ws = None
     if cfg["split_k"] > 1:
         ws = torch.empty(dense_gemv_workspace_shape(m, n, cfg["split_k"]), dtype=torch.float32,

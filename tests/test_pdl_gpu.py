@@ -41,9 +41,9 @@ def test_pdl_is_on_by_default_on_hopper(monkeypatch, cuda_device):
     monkeypatch.delenv("GRAPHRT_PDL", raising=False)
     monkeypatch.delenv("GRAPHRT_PDL_EARLY", raising=False)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert pdl_args() == {"launch_pdl": True, "USE_GDC": 1}     # wait, then trigger
-    monkeypatch.setenv("GRAPHRT_PDL_EARLY", "1")
     assert pdl_args() == {"launch_pdl": True, "USE_GDC": 2}     # trigger, then wait
+    monkeypatch.setenv("GRAPHRT_PDL_EARLY", "0")
+    assert pdl_args() == {"launch_pdl": True, "USE_GDC": 1}     # wait, then trigger
 
 
 @pytest.mark.gpu

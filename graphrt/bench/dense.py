@@ -1,6 +1,6 @@
 """Dense decode GEMM microbenchmark: cuBLAS (``torch.mm``) vs the decode GEMV
-(``graphrt.kernels.dense_gemv``) at the reference models' dense shapes, each captured in a
-CUDA graph.
+(``graphrt.kernels.dense_gemv``; ``dense_gemv_rows`` on the CUDA cores for 1-4 rows) at the
+reference models' dense shapes, each captured in a CUDA graph.
 
     python -m graphrt.bench.dense --out bench-out/dense.json
     python -m graphrt.bench.dense --rows 1,16 --shapes qwen3-o,dsv3-o --sweep --out d.json
@@ -66,6 +66,11 @@ class _Case:
         for w in self.weights:
             dense_gemv(self.x, w, out=self.out, workspace=ws, block_n=block_n, split_k=split_k)
 
+    def rows_gemv(self):
+        from graphrt.kernels.dense_gemv import dense_gemv_rows
+        for w in self.weights:
+            dense_gemv_rows(self.x, w, out=self.out)
+
     def max_rel_err(self, fn) -> float:
         """``fn``'s output (the last copy's GEMM) against that copy's fp32 reference."""
         self.out.fill_(float("nan"))
@@ -77,7 +82,7 @@ class _Case:
 def bench(shapes: list[str], rows: list[int], *, cold_mb: int, iters: int, sweep: bool,
           log=print) -> dict:
     from graphrt.bench.timing import graph_time_us, hbm_bandwidth_gbs
-    from graphrt.kernels.dense_gemv import dense_gemv_config, num_sms
+    from graphrt.kernels.dense_gemv import ROWS_MAX, dense_gemv_config, num_sms
     dev = torch.device("cuda", torch.cuda.current_device())
     sms = num_sms(dev)
     hbm = hbm_bandwidth_gbs(dev)
@@ -93,6 +98,8 @@ def bench(shapes: list[str], rows: list[int], *, cold_mb: int, iters: int, sweep
             cfg = dense_gemv_config(m, n, k, sms)
             res = {"shape": name, "n": n, "k": k, "m": m, "copies": copies, "config": cfg}
             runs = {"cublas": case.cublas, "gemv": lambda c=cfg, case=case: case.gemv(**c)}
+            if m <= ROWS_MAX:
+                runs["rows"] = case.rows_gemv
             for impl, fn in runs.items():
                 us = graph_time_us(fn, iters=iters) / copies
                 gbs = wbytes / (us * 1e-6) / 1e9
@@ -115,16 +122,18 @@ def bench(shapes: list[str], rows: list[int], *, cold_mb: int, iters: int, sweep
 
 
 def _header() -> str:
-    return ("| shape | n | k | m | cuBLAS µs | gemv µs | gemv / cuBLAS | cuBLAS GB/s | gemv GB/s | "
-            "cuBLAS % HBM | gemv % HBM | block_n x split_k | sweep best | max rel err cuBLAS / gemv |\n"
-            + "|---" * 14 + "|")
+    return ("| shape | n | k | m | cuBLAS µs | gemv µs | gemv / cuBLAS | rows µs | rows / cuBLAS | "
+            "cuBLAS GB/s | gemv GB/s | cuBLAS % HBM | gemv % HBM | block_n x split_k | sweep best | "
+            "max rel err cuBLAS / gemv |\n" + "|---" * 16 + "|")
 
 
 def _row(r: dict) -> str:
     c, g = r["cublas"], r["gemv"]
     best = f"{r['best']['config']} {r['best']['us']:.1f}" if "best" in r else "—"
+    rows = (f"{r['rows']['us']:.1f} | {r['rows']['us'] / c['us']:.2f}" if "rows" in r
+            else "— | —")
     return (f"| {r['shape']} | {r['n']} | {r['k']} | {r['m']} | {c['us']:.1f} | {g['us']:.1f} | "
-            f"{r['ratio']:.2f} | {c['gbs']:.0f} | {g['gbs']:.0f} | {100 * c['frac_hbm']:.0f}% | "
+            f"{r['ratio']:.2f} | {rows} | {c['gbs']:.0f} | {g['gbs']:.0f} | {100 * c['frac_hbm']:.0f}% | "
             f"{100 * g['frac_hbm']:.0f}% | {r['config']['block_n']}x{r['config']['split_k']} | "
             f"{best} | {c['max_rel_err']:.1e} / {g['max_rel_err']:.1e} |")
 

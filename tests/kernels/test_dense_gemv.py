@@ -175,3 +175,33 @@ def test_model_step_with_gemv_env_on_cpu_is_the_torch_path(monkeypatch):
         x = x or model.example_inputs(3, "cpu", torch.Generator().manual_seed(1))
         logits.append(spec.call(x)["logits"].clone())
     assert torch.equal(logits[0], logits[1])
+
+
+# ----------------------------------------------------------------------------- 1-4 rows, CUDA cores
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("n, k, block_n, block_k", [
+    (64, 256, None, None),    # the config: the whole K in one round
+    (37, 200, 4, 64),         # ragged n and k: masks on both, four K rounds
+    (130, 96, 8, 32),         # k not a multiple of block_k
+])
+def test_rows_kernel_matches_ref(m, n, k, block_n, block_k):
+    from graphrt.kernels.dense_gemv import dense_gemv_rows
+    x, w = _inputs(m, n, k, seed=m * 7 + n)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    assert dense_gemv_rows(x, w, out=out, block_n=block_n, block_k=block_k) is out
+    assert _rel_err(out, dense_gemv_ref(x, w)) < 1e-2
+    again = torch.full_like(out, float("nan"))
+    dense_gemv_rows(x, w, out=again, block_n=block_n, block_k=block_k)
+    assert torch.equal(out, again)
+
+
+def test_rows_config_and_auto_route():
+    from graphrt.kernels.dense_gemv import ROWS_MAX, dense_gemv_rows, dense_gemv_rows_config
+    assert dense_gemv_rows_config(5120, 2048) == {"block_n": 4, "block_k": 2048}   # qwen3 qkv
+    assert dense_gemv_rows_config(2048, 4096) == {"block_n": 2, "block_k": 4096}   # qwen3 o-proj
+    assert dense_gemv_rows_config(9216, 7168) == {"block_n": 2, "block_k": 4096}   # dsv3 qkv: 2 rounds
+    assert dense_gemv_rows_config(1, 64) == {"block_n": 1, "block_k": 64}
+    x, w = _inputs(ROWS_MAX, 48, 128)
+    assert _rel_err(dense_gemv_auto(x, w), dense_gemv_ref(x, w)) < 1e-2   # the rows path
+    with pytest.raises(ValueError, match="rows"):
+        dense_gemv_rows(*_inputs(ROWS_MAX + 1, 8, 64), out=torch.empty(ROWS_MAX + 1, 8, dtype=torch.bfloat16))
