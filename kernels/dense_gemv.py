@@ -159,6 +159,9 @@ def _gemv_rows_kernel(
 
 
 ROWS_MAX = 4  # rows dense_gemv_rows serves
+# rows dense_gemv_auto sends to it: it reads W once per row (from L1/L2 after the first), so
+# at 4 rows it is 1.4-1.8x cuBLAS; at one row 0.6-1.1x (BENCHMARKS.md §22).
+ROWS_AUTO = 1
 _ROWS_TILE = 8192  # weights a program loads per round (16 KB bf16)
 
 
@@ -308,7 +311,7 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
 
 
 def dense_gemv_auto(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` through :func:`dense_gemv_rows` for 1-4 rows, else :func:`dense_gemv` with
+    """``x @ w.T`` through :func:`dense_gemv_rows` for one row (``ROWS_AUTO``), else :func:`dense_gemv` with
     ``dense_gemv_config``'s pick, allocating ``out`` (and the split-K workspace) with
     ``torch.empty``: for a step's intermediates,
     which a captured graph allocates from its pool. Shapes as :func:`dense_gemv`.
@@ -318,7 +321,7 @@ def dense_gemv_auto(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     m, k = x.shape
     n = w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m <= ROWS_MAX:
+    if m <= ROWS_AUTO:
         return dense_gemv_rows(x, w, out=out)
     cfg = dense_gemv_config(m, n, k, num_sms(x.device))
     ws = None

@@ -30,6 +30,9 @@ every op returns ``None`` (a custom op may not return an alias of its input)::
                                   out_tokens, out_positions, out_slots, out_block_table,
                                   out_seq_lens)
     torch.ops.graphrt.greedy_sample(logits, out_ids, out_sampled=None)
+    torch.ops.graphrt.dense_gemv(x, w, out, workspace=None, block_n=64, split_k=1,
+                                 num_warps=4, num_stages=4)
+    torch.ops.graphrt.dense_gemv_rows(x, w, out, block_n=None, block_k=None, num_warps=4)
     torch.ops.graphrt.deepgemm_masked_bf16(a, b, d, masked_m, expected_m)
     torch.ops.graphrt.deepgemm_masked_fp8(a, a_scale, b, b_scale, d, masked_m, expected_m)
 
@@ -211,6 +214,23 @@ def silu_and_mul(u: Tensor, out: Tensor) -> None:
     _launcher(f"{_KERNELS}.activation", "silu_and_mul")(u, out=out)
 
 
+@_op("dense_gemv", ("out", "workspace"))
+def dense_gemv(x: Tensor, w: Tensor, out: Tensor, workspace: Optional[Tensor] = None,
+               block_n: int = 64, split_k: int = 1, num_warps: int = 4, num_stages: int = 4) -> None:
+    """``graphrt.kernels.dense_gemv.dense_gemv``. Graph safety: capturable."""
+    _launcher(f"{_KERNELS}.dense_gemv", "dense_gemv")(
+        x, w, out=out, workspace=workspace if split_k > 1 else None, block_n=block_n,
+        split_k=split_k, num_warps=num_warps, num_stages=num_stages)
+
+
+@_op("dense_gemv_rows", ("out",))
+def dense_gemv_rows(x: Tensor, w: Tensor, out: Tensor, block_n: Optional[int] = None,
+                    block_k: Optional[int] = None, num_warps: int = 4) -> None:
+    """``graphrt.kernels.dense_gemv.dense_gemv_rows``. Graph safety: capturable."""
+    _launcher(f"{_KERNELS}.dense_gemv", "dense_gemv_rows")(
+        x, w, out=out, block_n=block_n, block_k=block_k, num_warps=num_warps)
+
+
 # -------------------------------------------------------------------- decode step in / out
 @_op("unpack_rows", ("out_tokens", "out_positions", "out_slots", "out_block_table", "out_seq_lens"))
 def unpack_rows(rows: Tensor, sampled: Tensor, vocab: int, max_ctx: int, scratch_slot: int,
@@ -236,7 +256,7 @@ def greedy_sample(logits: Tensor, out_ids: Tensor, out_sampled: Optional[Tensor]
 OPS = (topk_softmax, grouped_topk_sigmoid, dispatch_masked, combine_masked, silu_and_mul_masked,
        silu_and_mul_masked_fp8, masked_grouped_gemm, decode_grouped_gemm, deepgemm_masked_bf16,
        deepgemm_masked_fp8, kv_append, decode_attention, add_rmsnorm, silu_and_mul, unpack_rows,
-       greedy_sample)
+       greedy_sample, dense_gemv, dense_gemv_rows)
 
 
 def _no_outputs(*args, **kwargs) -> None:
@@ -326,6 +346,17 @@ def _wrappers() -> dict[tuple[str, str], object]:
         ops.greedy_sample(logits, out_ids, out_sampled)
         return out_ids
 
+    def dense_gemv_(x, w, *, out, workspace=None, block_n=64, split_k=1, num_warps=4,
+                    num_stages=4):
+        if workspace is None:  # a None mutated argument breaks torch 2.11's fake-tensor tracing
+            workspace = out.new_empty((0,), dtype=torch.float32)
+        ops.dense_gemv(x, w, out, workspace, block_n, split_k, num_warps, num_stages)
+        return out
+
+    def dense_gemv_rows_(x, w, *, out, block_n=None, block_k=None, num_warps=4):
+        ops.dense_gemv_rows(x, w, out, block_n, block_k, num_warps)
+        return out
+
     def m_grouped_bf16_gemm_nt_masked_(a, b, d, masked_m, expected_m):
         ops.deepgemm_masked_bf16(a, b, d, masked_m, expected_m)
 
@@ -347,6 +378,8 @@ def _wrappers() -> dict[tuple[str, str], object]:
             (f"{k}.activation", "silu_and_mul"): silu_and_mul_,
             (f"{k}.decode_io", "unpack_rows"): unpack_rows_,
             (f"{k}.decode_io", "greedy_sample"): greedy_sample_,
+            (f"{k}.dense_gemv", "dense_gemv"): dense_gemv_,
+            (f"{k}.dense_gemv", "dense_gemv_rows"): dense_gemv_rows_,
             ("deep_gemm", "m_grouped_bf16_gemm_nt_masked"): m_grouped_bf16_gemm_nt_masked_,
             ("deep_gemm", "m_grouped_fp8_gemm_nt_masked"): m_grouped_fp8_gemm_nt_masked_}
 

@@ -11,8 +11,9 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
 - ``attn-splits``: decode attention's split size picked per captured size
   (``Attention.split_size = None``, ``kernels.attention.split_size_for``) instead of 256;
 - ``pdl-early``: kernels let the next kernel launch before they wait (``GRAPHRT_PDL_EARLY``);
-- ``dense-gemv``: the dense projections on graphrt's decode GEMV instead of cuBLAS
-  (``graphrt.moe.layers.DENSE``, ``GRAPHRT_DENSE``).
+- ``dense-gemv``: the dense projections on graphrt's decode GEMV instead of cuBLAS, up to 16
+  rows (``graphrt.moe.layers.DENSE``, ``GRAPHRT_DENSE``); ``dense-auto``: the default
+  (the GEMV for one row only) instead of cuBLAS.
 
 A variant joins switches with ``+`` (``pdl-early+dense-gemv``: both on); ``--switch`` may be
 given several times, and every variant is then measured against the one baseline, their
@@ -74,7 +75,9 @@ SWITCHES = {"pdl": lambda on: _env("GRAPHRT_PDL", "1" if on else "0"),
                                                   None if on else 256),
             "pdl-early": lambda on: _env("GRAPHRT_PDL_EARLY", "1" if on else "0"),
             "dense-gemv": lambda on: _class_attr("graphrt.moe.layers", None, "DENSE",
-                                                 "gemv" if on else "torch")}
+                                                 "gemv" if on else "torch"),
+            "dense-auto": lambda on: _class_attr("graphrt.moe.layers", None, "DENSE",
+                                                 "auto" if on else "torch")}
 
 
 def parse_variant(variant: str) -> list[str]:

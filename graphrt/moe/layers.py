@@ -32,13 +32,19 @@ def add_rmsnorm(x: torch.Tensor, *deltas: torch.Tensor, weight: torch.Tensor,
     return (res if deltas else x), out
 
 
-DENSE = os.environ.get("GRAPHRT_DENSE", "torch")  # "torch" (cuBLAS) | "gemv"; read at import
+# "auto" (default): the one-row GEMV for 1-row steps, cuBLAS otherwise; "torch": cuBLAS always;
+# "gemv": graphrt's decode GEMV up to 16 rows. Read at import (A/B: set layers.DENSE).
+DENSE = os.environ.get("GRAPHRT_DENSE", "auto")
 
 
 def dense_path(x: torch.Tensor, w: torch.Tensor) -> str:
-    """Which path :func:`dense` takes: ``"gemv"`` with ``GRAPHRT_DENSE=gemv`` for bf16,
-    contiguous x ``[rows <= 16, in]`` and w on a CUDA device, else ``"torch"``."""
-    ok = (DENSE == "gemv" and x.device.type == "cuda" and x.dim() == 2 and x.shape[0] <= 16
+    """Which path :func:`dense` takes: ``"gemv"`` (``graphrt.kernels.dense_gemv``) for bf16,
+    contiguous x ``[rows, in]`` and w on a CUDA device with ``rows == 1`` (``DENSE="auto"``,
+    the default: at one row it is 0.94x the step time of cuBLAS at qwen3-like bs 1,
+    BENCHMARKS.md §22) or ``rows <= 16`` (``GRAPHRT_DENSE=gemv``), else ``"torch"``
+    (cuBLAS; ``GRAPHRT_DENSE=torch`` always)."""
+    limit = {"auto": 1, "gemv": 16}.get(DENSE, 0)
+    ok = (x.device.type == "cuda" and x.dim() == 2 and 0 < x.shape[0] <= limit
           and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
           and x.is_contiguous() and w.is_contiguous())
     return "gemv" if ok else "torch"
@@ -46,8 +52,8 @@ def dense_path(x: torch.Tensor, w: torch.Tensor) -> str:
 
 def dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.t()``: x ``[bs, in]``, w ``[out, in]`` (row-major weights) -> ``[bs, out]``.
-    cuBLAS by default; the decode GEMV (``graphrt.kernels.dense_gemv``, reads w once) where
-    :func:`dense_path` says so. A graph bakes the path: set ``GRAPHRT_DENSE`` before import
+    The decode GEMV (``graphrt.kernels.dense_gemv``, reads w once) where :func:`dense_path`
+    says so (one row, by default), else cuBLAS. A graph bakes the path: set ``GRAPHRT_DENSE`` before import
     (or ``graphrt.moe.layers.DENSE`` before capture).
 
     Graph safety: capturable"""

@@ -114,6 +114,15 @@ def test_gpu_dense_helper_takes_the_kernel(monkeypatch):
     calls.clear()
     layers.dense(_x(17, 2048, seed=5), w)                              # 17 rows: cuBLAS
     assert not calls
+    rows = []
+    real_rows = dg.dense_gemv_rows
+    monkeypatch.setattr(dg, "dense_gemv_rows", lambda *a, **kw: rows.append(1) or real_rows(*a, **kw))
+    monkeypatch.setattr(layers, "DENSE", "auto")                       # the default
+    x1 = _x(1, 2048, seed=6)
+    assert _rel_err(layers.dense(x1, w), dense_gemv_ref(x1, w)) < TOL and rows and not calls
+    rows.clear()
+    layers.dense(x, w)                                                 # 4 rows: cuBLAS
+    assert not rows and not calls
 
 
 @pytest.mark.parametrize("m", (1, 2, 4))
