@@ -10,6 +10,8 @@ Errors that belong to one part live beside it:
 - ``GraphSafetyError`` (capture refused; it lists the findings): ``graphrt.capture.report``,
   re-exported as ``graphrt.GraphSafetyError``;
 - ``RankMismatch``: ``graphrt.coordinator``; ``StallError``: ``graphrt.watchdog``;
+- ``CudaRuntimeError`` (a raw CUDA runtime call of the replay path failed; also a
+  ``RuntimeError``, like torch's CUDA errors): ``graphrt.cudart``;
 - ``DeepEPRuleError``: ``graphrt.comm.deepep_ll``; ``DeepEPUnavailable`` (an ``ImportError``)
   and ``DeepEPUsageError``: ``graphrt.comm.deepep_v2``;
 - ``NaiveTooLarge``: ``graphrt.bench.naive``.

@@ -9,15 +9,17 @@ Plain Python plus a few torch copies; nothing here captures or replays (that is
   declared shape for fixed inputs), allocated once; ``stage(inputs, n, padded_bs)`` copies
   the live inputs in and refills with ``pad_value`` only the padded rows an earlier, larger
   batch may have dirtied (a high-water mark), so a steady-state step costs one
-  ``torch._foreach_copy_`` per input dtype (a ``copy_`` for a dtype with one input), the
-  live count riding along with the int32 inputs (else filled only when it changed), plus
-  one copy per offsets input when the batch is padded.
+  ``torch._foreach_copy_`` per input dtype (for a dtype with one input a ``copy_``, or on
+  CUDA the raw ``cudaMemcpyAsync`` it ends in, ``graphrt.cudart``), the live count riding
+  along with the int32 inputs (else filled only when it changed), plus one copy per
+  offsets input when the batch is padded.
 
 The per-step host path does no work it can cache: ``check_cached`` remembers the verdict
 of ``check`` per input signature (``graphrt.step_cache.signature``: names, and per input
 type, dtype, shape, device, requires_grad), the live-row views of the static inputs and
-their copy groups are built once per ``n``, and ``bind`` specialises ``stage`` to one call shape (the input order, ``n``,
-``padded_bs``) once, so a steady step pays the copies and a few comparisons.
+their copy groups are built once per ``n``, and ``bind`` specialises ``stage`` to one call
+shape (the input order, ``n``, ``padded_bs``, grad, subclasses) once, picking each input's
+copy then, so a steady step pays the copies and a few comparisons.
 
 Graph safety: host-only (``stage`` launches copies on the current stream; call it before
 ``replay()`` on that stream, never inside a capture).
@@ -30,6 +32,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
+from graphrt import cudart
 from graphrt.errors import InputError
 from graphrt.spec import StepSpec
 from graphrt.step_cache import signature
@@ -115,7 +118,7 @@ class Stager:
         self._offset_pads: dict = {}                # (n, padded_bs) -> [(dst, src)] views
         self._verdicts: dict = {}                   # input signature -> n (check passed)
         self._max_verdicts = 4 * max_bs + 64        # bounded: oversize batches vary freely
-        self._bound: dict = {}                      # (names, n, padded_bs, detach) -> bind()
+        self._bound: dict = {}                      # bind()'s key -> its function
 
     def views(self, padded_bs: int) -> dict[str, torch.Tensor]:
         """The static inputs a graph of ``padded_bs`` rows reads (``shape_for(padded_bs)`` each)."""
@@ -203,31 +206,52 @@ class Stager:
 
         The inputs of one dtype go in one ``torch._foreach_copy_`` (one launch on CUDA), and
         the live count rides along with the int32 ones (a copy from a constant table), so a
-        step with int64 and int32 inputs costs two launches whatever their number. Runs the
+        step with int64 and int32 inputs costs two launches whatever their number; an input
+        alone in its dtype is one ``cudaMemcpyAsync`` on CUDA (see ``bind``). Runs the
         ``bind`` of this call shape (what ``GraphRuntime.run`` runs in its steady state)."""
         names = self._names
         vals = tuple(map(inputs.__getitem__, names))
-        self.bind(names, n, padded_bs, any(t.requires_grad for t in vals))(vals)
+        self.bind(names, n, padded_bs, any(t.requires_grad for t in vals),
+                  all(type(t) is torch.Tensor for t in vals))(vals)
 
-    def bind(self, names: tuple, n: int, padded_bs: int, detach: bool = False) -> Callable:
+    def bind(self, names: tuple, n: int, padded_bs: int, detach: bool = False,
+             exact: bool = False) -> Callable:
         """``stage`` for one call shape, built once: a function of the inputs as a tuple in
         ``names`` order (any order of the spec's names) that stages them for ``n`` live rows
         in graph ``padded_bs``, exactly as ``stage`` does. ``detach``: some input requires
-        grad (each one that does is read through ``detach()``); without it none may."""
-        key = (names, n, padded_bs, detach)
+        grad (each one that does is read through ``detach()``); without it none may.
+        ``exact``: every input is a plain ``torch.Tensor`` (no subclass).
+
+        Each input's copy is picked here, once; the function's ``paths`` says which (name ->
+        ``"foreach_copy_"``, ``"copy_"`` or ``"memcpy"``). ``"memcpy"`` (an ``exact`` input
+        alone in its dtype, ``_raw_copyable``): the ``cudaMemcpyAsync`` that ``copy_`` ends
+        in, on the device's current stream, without torch's dispatch; per call it falls
+        back to ``copy_`` for a source that is not contiguous (strides are free in a
+        signature), is a negative view, has no data or overlaps the buffer, and while the
+        current stream is a default stream (0-2) of another current device."""
+        key = (names, n, padded_bs, detach, exact)
         fn = self._bound.get(key)
         if fn is None:
-            fn = self._bind(names, n, padded_bs, detach)
+            fn = self._bind(names, n, padded_bs, detach, exact)
             if len(self._bound) >= self._max_verdicts:
                 self._bound.clear()
             self._bound[key] = fn
         return fn
 
-    def _bind(self, names: tuple, n: int, padded_bs: int, detach: bool) -> Callable:
+    def _bind(self, names: tuple, n: int, padded_bs: int, detach: bool, exact: bool) -> Callable:
         st = self._staging(n)
         at = {k: i for i, k in enumerate(names)}
         tail = (st.count,) if st.counted else ()  # the live-count source, after the inputs
-        singles = tuple((at[k], dst) for k, dst in st.singles)
+        paths = {k: "foreach_copy_" for ks, _, _ in st.groups for k in ks}
+        singles, raw = [], []                     # (position, dst); raw ones + the name
+        for k, dst in st.singles:
+            if exact and _raw_copyable(dst):
+                raw.append((at[k], dst, k))
+                paths[k] = "memcpy"
+            else:
+                singles.append((at[k], dst))
+                paths[k] = "copy_"
+        copy_raw = cudart.d2d_copier(raw) if raw else None
         groups = []                               # (getter of the sources, destinations)
         for ks, dsts, src in st.groups:
             pos = [at[k] for k in ks] + ([len(names)] if src is not None else [])
@@ -238,11 +262,14 @@ class Stager:
         def stage(vals: tuple) -> None:
             if detach:
                 vals = tuple([t.detach() if t.requires_grad else t for t in vals])
-            vals += tail
+            if copy_raw is not None:
+                copy_raw(vals)
             for i, dst in singles:
                 dst.copy_(vals[i])
-            for get, dsts in groups:  # >= 2 sources each: get() returns a tuple
-                _foreach_copy_(dsts, get(vals))
+            if groups:
+                vals += tail
+                for get, dsts in groups:  # >= 2 sources each: get() returns a tuple
+                    _foreach_copy_(dsts, get(vals))
             if stager._dirty != n:
                 stager._repad(n, padded_bs)
             for dst, src in pads:
@@ -252,6 +279,7 @@ class Stager:
             elif stager._n_written != (n, nd._version):
                 nd.fill_(n)
                 stager._n_written = (n, nd._version)
+        stage.paths = paths
         return stage
 
     def pad_only(self, n: int, padded_bs: int) -> None:
@@ -322,6 +350,12 @@ class Stager:
             if padded_bs > n and not bool((b[n + 1:padded_bs + 1] == b[n]).all()):
                 bad.append(k)
         return bad
+
+
+def _raw_copyable(dst: torch.Tensor) -> bool:
+    """An input alone in its dtype may be staged into ``dst`` by ``cudart.d2d_copier`` (the
+    one question ``bind`` asks; CPU tests stand in for it)."""
+    return cudart.raw_copyable(dst)
 
 
 # dtypes torch._foreach_copy_ handles on CUDA in one launch; others get a copy_ each.

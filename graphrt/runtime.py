@@ -12,10 +12,11 @@ The replay path is lean: what depends on the live batch ``n`` alone (graph, live
 outputs) is built once per ``n`` (``_Plan``), and a step of one input ``signature`` (names,
 types, dtypes, shapes, devices, requires_grad) is bound once, after its first step passed
 the full check (``graphrt.step_cache``). A repeat step is: its signature recognised (the
-latest one by a C++ guard, others by a dict lookup), one copy per input dtype, the live
-count when it changed, ``before_replay``, ``graph.replay()`` and the prebuilt outputs. ``debug=True`` (or
-``GRAPHRT_DEBUG=1``) checks every input in full on every call and hands out ``LeasedTensor``
-leases that raise ``StaleOutputError`` on a read after their lease ended.
+latest one by a C++ guard, others by a dict lookup), one copy per input dtype (a raw
+``cudaMemcpyAsync`` for a lone contiguous CUDA input, ``graphrt.cudart``), the live count
+when it changed, ``before_replay``, ``graph.replay()`` and the prebuilt outputs.
+``debug=True`` (or ``GRAPHRT_DEBUG=1``) checks every input in full on every call and hands
+out ``LeasedTensor`` leases that raise ``StaleOutputError`` on a read after they ended.
 
 Graph safety: ``run`` is the replay path (host-only staging + ``graph.replay``); never call
 it inside another capture.

@@ -134,9 +134,11 @@ class StepCache:
         """Bind the step of ``inputs`` (it passed the full check; ``plan`` is the cached plan
         of ``n`` live rows, ``stager`` the runtime's ``Stager``)."""
         key, names, vals = signature(inputs), tuple(inputs), tuple(inputs.values())
-        detach = any(sig[-1] for sig in key[len(names):])  # some input requires grad
+        sigs = key[len(names):]
+        detach = any(sig[-1] for sig in sigs)                  # some input requires grad
+        exact = all(sig[0] is torch.Tensor for sig in sigs)   # no subclass: raw copies allowed
         guard = signature_guard(vals)
-        entry = (names, guard, (stager.bind(names, n, plan.g.size, detach), plan, n))
+        entry = (names, guard, (stager.bind(names, n, plan.g.size, detach, exact), plan, n))
         if len(self._steps) >= self.max_entries:
             self._steps.clear()
             self._recent.clear()
