@@ -63,3 +63,22 @@ def test_switched_graph_matches_plain_graph(cuda_device, switch):
     for row in res["rows"]:
         assert row["max_row_rel_diff"] < tol, row
         assert row["on_us"] > 0 and row["off_us"] > 0
+
+
+def test_a_variant_s_own_switches_win_over_the_others_off(monkeypatch):
+    """Two switches that set the same thing (layers.DENSE): the variant's own, on, wins."""
+    from graphrt.bench import ab
+    from graphrt.moe import layers
+    seen = []
+
+    class Runtime:
+        def __init__(self, *a, **kw):
+            seen.append(layers.DENSE)
+
+        def capture(self):
+            return self
+    monkeypatch.setattr("graphrt.GraphRuntime", Runtime)
+    model = type("M", (), {"spec": lambda self, bs: None})()
+    for on in (["dense-gemv"], ["dense-auto"], []):
+        ab._capture(model, [1], ["dense-gemv", "dense-auto"], on)
+    assert seen == ["gemv", "auto", "torch"]

@@ -91,10 +91,12 @@ def parse_variant(variant: str) -> list[str]:
 
 
 def _capture(model, sizes, switches: list[str], on: list[str]):
-    """Capture with every switch in ``switches`` off except those in ``on``."""
+    """Capture with every switch in ``switches`` off except those in ``on``. The off ones are
+    set first, so a switch that is on wins where two set the same thing (``dense-gemv`` and
+    ``dense-auto`` both set ``layers.DENSE``)."""
     from graphrt import GraphRuntime
     with contextlib.ExitStack() as stack:
-        for switch in switches:
+        for switch in [s for s in switches if s not in on] + list(on):
             stack.enter_context(SWITCHES[switch](switch in on))
         return GraphRuntime(model.spec(max(sizes)), sizes=sizes, progress=False).capture()
 
