@@ -133,16 +133,28 @@ def _gemv_rows_kernel(
     BLOCK_N: tl.constexpr,  # W rows (output columns) per program
     BLOCK_K: tl.constexpr,  # K per load round: BLOCK_N x BLOCK_K weights in flight at once
     EVEN_K: tl.constexpr,  # k % BLOCK_K == 0
+    ONE_ROUND: tl.constexpr,  # BLOCK_K >= k: the weights are loaded once for every row
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     """A few rows on the CUDA cores: each program loads its ``[BLOCK_N, BLOCK_K]`` weights
     in one round of 16-byte loads (the whole K when it fits), widens them to fp32 once and
-    reduces ``w * x[r]`` over K for each row ``r``; no shared memory, no tensor-core padding."""
+    reduces ``w * x[r]`` over K for each row ``r``; no shared memory, no tensor-core padding.
+    With the whole K in one round the weights are loaded once for all rows; else each row
+    walks the K rounds again (later rounds then come from L1/L2)."""
     pdl_prologue(USE_GDC)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < n
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * k + offs_k[None, :]
+    if ONE_ROUND:
+        mask_k = offs_k < k
+        w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        for r in tl.static_range(M_MAX):
+            if r < m:
+                xr = tl.load(x_ptr + r * k + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+                tl.store(out_ptr + r * n + offs_n, tl.sum(w * xr[None, :], axis=1)
+                         .to(out_ptr.dtype.element_ty), mask=mask_n)
+        return
     for r in tl.static_range(M_MAX):
         if r < m:
             acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -159,8 +171,8 @@ def _gemv_rows_kernel(
 
 
 ROWS_MAX = 4  # rows dense_gemv_rows serves
-# rows dense_gemv_auto sends to it: it reads W once per row (from L1/L2 after the first), so
-# at 4 rows it is 1.4-1.8x cuBLAS; at one row 0.6-1.1x (BENCHMARKS.md §22).
+# rows dense_gemv_auto (and the reference model's GRAPHRT_DENSE=auto) sends to it. When it
+# reread W per row it was 1.4-1.8x cuBLAS at 4 rows, 0.6-1.1x at one (BENCHMARKS.md §22).
 ROWS_AUTO = 1
 _ROWS_TILE = 8192  # weights a program loads per round (16 KB bf16)
 
@@ -196,7 +208,7 @@ def dense_gemv_rows(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
         return out.zero_()
     _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
         x, w, out, m, n, k, M_MAX=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, num_warps=num_warps, **pdl_args())
+        EVEN_K=k % block_k == 0, ONE_ROUND=block_k >= k, num_warps=num_warps, **pdl_args())
     return out
 
 

@@ -13,7 +13,8 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
 - ``pdl-early``: kernels let the next kernel launch before they wait (``GRAPHRT_PDL_EARLY``);
 - ``dense-gemv``: the dense projections on graphrt's decode GEMV instead of cuBLAS, up to 16
   rows (``graphrt.moe.layers.DENSE``, ``GRAPHRT_DENSE``); ``dense-auto``: the default
-  (the GEMV for one row only) instead of cuBLAS.
+  (the GEMV for one row only) instead of cuBLAS; ``rows4``: the default's one-row GEMV for
+  1-4 rows (``graphrt.kernels.dense_gemv.ROWS_AUTO``).
 
 A variant joins switches with ``+`` (``pdl-early+dense-gemv``: both on); ``--switch`` may be
 given several times, and every variant is then measured against the one baseline, their
@@ -77,7 +78,9 @@ SWITCHES = {"pdl": lambda on: _env("GRAPHRT_PDL", "1" if on else "0"),
             "dense-gemv": lambda on: _class_attr("graphrt.moe.layers", None, "DENSE",
                                                  "gemv" if on else "torch"),
             "dense-auto": lambda on: _class_attr("graphrt.moe.layers", None, "DENSE",
-                                                 "auto" if on else "torch")}
+                                                 "auto" if on else "torch"),
+            "rows4": lambda on: _class_attr("graphrt.kernels.dense_gemv", None, "ROWS_AUTO",
+                                            4 if on else 1)}
 
 
 def parse_variant(variant: str) -> list[str]:

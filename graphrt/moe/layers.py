@@ -39,12 +39,15 @@ DENSE = os.environ.get("GRAPHRT_DENSE", "auto")
 
 def dense_path(x: torch.Tensor, w: torch.Tensor) -> str:
     """Which path :func:`dense` takes: ``"gemv"`` (``graphrt.kernels.dense_gemv``) for bf16,
-    contiguous x ``[rows, in]`` and w on a CUDA device with ``rows == 1`` (``DENSE="auto"``,
-    the default: at one row it is 0.94x the step time of cuBLAS at qwen3-like bs 1,
-    BENCHMARKS.md §22) or ``rows <= 16`` (``GRAPHRT_DENSE=gemv``), else ``"torch"``
+    contiguous x ``[rows, in]`` and w on a CUDA device with ``rows <=
+    graphrt.kernels.dense_gemv.ROWS_AUTO`` (1; ``DENSE="auto"``, the default: at one row it is
+    0.93x the step time of cuBLAS at qwen3-like bs 1, BENCHMARKS.md §22) or ``rows <= 16`` (``GRAPHRT_DENSE=gemv``), else ``"torch"``
     (cuBLAS; ``GRAPHRT_DENSE=torch`` always)."""
-    limit = {"auto": 1, "gemv": 16}.get(DENSE, 0)
-    ok = (x.device.type == "cuda" and x.dim() == 2 and 0 < x.shape[0] <= limit
+    if DENSE not in ("auto", "gemv") or x.device.type != "cuda":
+        return "torch"
+    from graphrt.kernels import dense_gemv
+    limit = dense_gemv.ROWS_AUTO if DENSE == "auto" else 16
+    ok = (x.dim() == 2 and 0 < x.shape[0] <= limit
           and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
           and x.is_contiguous() and w.is_contiguous())
     return "gemv" if ok else "torch"
