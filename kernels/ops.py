@@ -33,6 +33,7 @@ every op returns ``None`` (a custom op may not return an alias of its input)::
     torch.ops.graphrt.dense_gemv(x, w, out, workspace=None, block_n=64, split_k=1,
                                  num_warps=4, num_stages=4)
     torch.ops.graphrt.dense_gemv_rows(x, w, out, block_n=None, block_k=None, num_warps=4)
+    torch.ops.graphrt.norm_gemv_rows(x, d1, d2, norm_weight, eps, w, out, out_residual=None)
     torch.ops.graphrt.deepgemm_masked_bf16(a, b, d, masked_m, expected_m)
     torch.ops.graphrt.deepgemm_masked_fp8(a, a_scale, b, b_scale, d, masked_m, expected_m)
 
@@ -231,6 +232,17 @@ def dense_gemv_rows(x: Tensor, w: Tensor, out: Tensor, block_n: Optional[int] = 
         x, w, out=out, block_n=block_n, block_k=block_k, num_warps=num_warps)
 
 
+@_op("norm_gemv_rows", ("out", "out_residual"))
+def norm_gemv_rows(x: Tensor, d1: Optional[Tensor], d2: Optional[Tensor], norm_weight: Tensor,
+                   eps: float, w: Tensor, out: Tensor, out_residual: Optional[Tensor] = None) -> None:
+    """``graphrt.kernels.norm_gemv.norm_gemv_rows`` (a 1-D empty ``out_residual`` stands for
+    None). Graph safety: capturable."""
+    given = None if out_residual is None or out_residual.numel() == 0 else out_residual
+    _launcher(f"{_KERNELS}.norm_gemv", "norm_gemv_rows")(
+        x, *[d for d in (d1, d2) if d is not None], norm_weight=norm_weight, eps=eps, w=w,
+        out=out, out_residual=given)
+
+
 # -------------------------------------------------------------------- decode step in / out
 @_op("unpack_rows", ("out_tokens", "out_positions", "out_slots", "out_block_table", "out_seq_lens"))
 def unpack_rows(rows: Tensor, sampled: Tensor, vocab: int, max_ctx: int, scratch_slot: int,
@@ -256,7 +268,7 @@ def greedy_sample(logits: Tensor, out_ids: Tensor, out_sampled: Optional[Tensor]
 OPS = (topk_softmax, grouped_topk_sigmoid, dispatch_masked, combine_masked, silu_and_mul_masked,
        silu_and_mul_masked_fp8, masked_grouped_gemm, decode_grouped_gemm, deepgemm_masked_bf16,
        deepgemm_masked_fp8, kv_append, decode_attention, add_rmsnorm, silu_and_mul, unpack_rows,
-       greedy_sample, dense_gemv, dense_gemv_rows)
+       greedy_sample, dense_gemv, dense_gemv_rows, norm_gemv_rows)
 
 
 def _no_outputs(*args, **kwargs) -> None:
@@ -357,6 +369,15 @@ def _wrappers() -> dict[tuple[str, str], object]:
         ops.dense_gemv_rows(x, w, out, block_n, block_k, num_warps)
         return out
 
+    def norm_gemv_rows_(x, *deltas, norm_weight, eps, w, out, out_residual=None):
+        if len(deltas) > 2:
+            raise ValueError(f"number of deltas: expected 0, 1 or 2, got {len(deltas)}")
+        d1, d2 = (list(deltas) + [None, None])[:2]
+        if out_residual is None:  # a None mutated argument breaks torch 2.11's fake-tensor tracing
+            out_residual = out.new_empty((0,))
+        ops.norm_gemv_rows(x, d1, d2, norm_weight, float(eps), w, out, out_residual)
+        return out
+
     def m_grouped_bf16_gemm_nt_masked_(a, b, d, masked_m, expected_m):
         ops.deepgemm_masked_bf16(a, b, d, masked_m, expected_m)
 
@@ -380,6 +401,7 @@ def _wrappers() -> dict[tuple[str, str], object]:
             (f"{k}.decode_io", "greedy_sample"): greedy_sample_,
             (f"{k}.dense_gemv", "dense_gemv"): dense_gemv_,
             (f"{k}.dense_gemv", "dense_gemv_rows"): dense_gemv_rows_,
+            (f"{k}.norm_gemv", "norm_gemv_rows"): norm_gemv_rows_,
             ("deep_gemm", "m_grouped_bf16_gemm_nt_masked"): m_grouped_bf16_gemm_nt_masked_,
             ("deep_gemm", "m_grouped_fp8_gemm_nt_masked"): m_grouped_fp8_gemm_nt_masked_}
 

@@ -14,7 +14,9 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
 - ``dense-gemv``: the dense projections on graphrt's decode GEMV instead of cuBLAS, up to 16
   rows (``graphrt.moe.layers.DENSE``, ``GRAPHRT_DENSE``); ``dense-auto``: the default
   (the GEMV for one row only) instead of cuBLAS; ``rows4``: the default's one-row GEMV for
-  1-4 rows (``graphrt.kernels.dense_gemv.ROWS_AUTO``).
+  1-4 rows (``graphrt.kernels.dense_gemv.ROWS_AUTO``);
+- ``fuse-norm``: the layer-end add + RMSNorm computed by the next layer's QKV projection
+  (``DecoderLayer.fuse_norm``, ``graphrt.kernels.norm_gemv``).
 
 A variant joins switches with ``+`` (``pdl-early+dense-gemv``: both on); ``--switch`` may be
 given several times, and every variant is then measured against the one baseline, their
@@ -80,7 +82,8 @@ SWITCHES = {"pdl": lambda on: _env("GRAPHRT_PDL", "1" if on else "0"),
             "dense-auto": lambda on: _class_attr("graphrt.moe.layers", None, "DENSE",
                                                  "auto" if on else "torch"),
             "rows4": lambda on: _class_attr("graphrt.kernels.dense_gemv", None, "ROWS_AUTO",
-                                            4 if on else 1)}
+                                            4 if on else 1),
+            "fuse-norm": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer", "fuse_norm", on)}
 
 
 def parse_variant(variant: str) -> list[str]:

@@ -66,6 +66,49 @@ def dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x @ w.t()
 
 
+class PendingNorm:
+    """``add_rmsnorm(x, *deltas, weight=weight, eps=eps)`` not launched yet: the next dense
+    projection of the normed rows computes it in its prologue (``dense_normed``). x and
+    deltas ``[bs, hidden]``; ``materialize()`` -> ``(residual, normed)`` launches it alone."""
+
+    __slots__ = ("x", "deltas", "weight", "eps")
+
+    def __init__(self, x: torch.Tensor, deltas: tuple, weight: torch.Tensor, eps: float):
+        self.x, self.deltas, self.weight, self.eps = x, tuple(deltas), weight, eps
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_rmsnorm(self.x, *self.deltas, weight=self.weight, eps=self.eps)
+
+
+def norm_fusable(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``dense_normed`` fuses the norm of rows like ``x`` into the projection by
+    ``w``: the dense path takes graphrt's one-row GEMV (``dense_path``) and the hidden size
+    fits one load round (``graphrt.kernels.norm_gemv.MAX_K``)."""
+    if dense_path(x, w) != "gemv" or not x.shape[0] <= _rows_auto():
+        return False
+    from graphrt.kernels.norm_gemv import MAX_K
+    return x.shape[1] <= MAX_K
+
+
+def _rows_auto() -> int:
+    from graphrt.kernels import dense_gemv
+    return dense_gemv.ROWS_AUTO
+
+
+def dense_normed(p: PendingNorm, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(normed @ w.t(), residual)`` of a ``PendingNorm``: one launch
+    (``graphrt.kernels.norm_gemv``) where ``norm_fusable``, else ``add_rmsnorm`` then
+    :func:`dense`. Graph safety: capturable"""
+    if not norm_fusable(p.x, w):
+        residual, h = p.materialize()
+        return dense(h, w), residual
+    from graphrt.kernels.norm_gemv import norm_gemv_rows
+    out = torch.empty(p.x.shape[0], w.shape[0], dtype=p.x.dtype, device=p.x.device)
+    res = torch.empty_like(p.x) if p.deltas else None
+    norm_gemv_rows(p.x, *p.deltas, norm_weight=p.weight, eps=p.eps, w=w, out=out, out_residual=res)
+    return out, (res if p.deltas else p.x)
+
+
 class Router:
     """Gate GEMM + top-k routing. Returns (weights fp32 ``[bs, num_topk]``, ids int64
     ``[bs, num_topk]``); padded rows get id -1 and weight 0 so they create no expert traffic."""
@@ -168,30 +211,32 @@ class Attention:
             size = max(sink_size(self.wo), sink_size(self.wqkv))   # wo here, wqkv from the layer before
             self.sink = torch.zeros(size, dtype=torch.int32, device=device)
 
-    def __call__(self, h, slot_mapping, block_table, seq_lens, n) -> torch.Tensor:
+    def __call__(self, h, slot_mapping, block_table, seq_lens, n, qkv=None) -> torch.Tensor:
         """h ``[bs, hidden]``; slot_mapping int64 ``[bs]``, block_table int32
         ``[bs, max_blocks_per_seq]``, seq_lens int32 ``[bs]`` (the new token included) ->
-        ``[bs, hidden]``. Writes the new K/V at ``slot_mapping`` (live rows only)."""
+        ``[bs, hidden]``. Writes the new K/V at ``slot_mapping`` (live rows only). ``qkv``:
+        the QKV projection already made (``dense_normed``); h is then not read."""
         from graphrt.kernels.attention import (attention_workspace_shape, decode_attention,
                                                kv_append, select_variant, split_size_for)
         from graphrt.moe.expert_plan import num_sms
-        cfg, bs = self.cfg, h.shape[0]
-        qkv = dense(h, self.wqkv)                                          # [bs, q + 2 kv]
+        if qkv is None:
+            qkv = dense(h, self.wqkv)                                      # [bs, q + 2 kv]
+        cfg, bs, dev = self.cfg, qkv.shape[0], qkv.device
         q = qkv[:, :cfg.q_dim].view(bs, cfg.num_heads, cfg.head_dim)
         k = qkv[:, cfg.q_dim:cfg.q_dim + cfg.kv_dim].view(bs, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, cfg.q_dim + cfg.kv_dim:].view(bs, cfg.num_kv_heads, cfg.head_dim)
         recv = self.start_prefetch(self.wo) if self.prefetch else None  # joined before wo
         kv_append(k, v, slot_mapping, n, k_cache=self.k_cache, v_cache=self.v_cache)
         max_ctx = cfg.max_blocks_per_seq * cfg.block_size
-        split = self.split_size or split_size_for(bs, cfg.num_kv_heads, max_ctx, num_sms(h.device))
+        split = self.split_size or split_size_for(bs, cfg.num_kv_heads, max_ctx, num_sms(dev))
         o_shape, lse_shape = attention_workspace_shape(bs, cfg.num_heads, cfg.head_dim, max_ctx,
                                                        split_size=split)
         variant = select_variant(max_ctx, o_shape[2]) if self.variant == "auto" else self.variant
         ws_o = ws_lse = None
         if variant != "single":                           # partials: [bs, heads, splits, d], [.., splits]
-            ws_o = torch.empty(o_shape, dtype=torch.float32, device=h.device)
-            ws_lse = torch.empty(lse_shape, dtype=torch.float32, device=h.device)
-        o = torch.empty(bs, cfg.num_heads, cfg.head_dim, dtype=cfg.dtype, device=h.device)
+            ws_o = torch.empty(o_shape, dtype=torch.float32, device=dev)
+            ws_lse = torch.empty(lse_shape, dtype=torch.float32, device=dev)
+        o = torch.empty(bs, cfg.num_heads, cfg.head_dim, dtype=cfg.dtype, device=dev)
         decode_attention(q, self.k_cache, self.v_cache, block_table, seq_lens, n, out=o,
                          workspace_o=ws_o, workspace_lse=ws_lse,
                          semaphore=self.semaphore[:bs] if variant == "fused" else None, variant=variant)

@@ -31,7 +31,8 @@ from graphrt.env import env_flag
 from graphrt.moe.config import MoEConfig
 from graphrt.moe.experts import Experts
 from graphrt.moe import paged_kv
-from graphrt.moe.layers import Attention, Router, SharedExpert, add_rmsnorm, dense
+from graphrt.moe.layers import (Attention, PendingNorm, Router, SharedExpert, add_rmsnorm, dense,
+                                dense_normed, norm_fusable)
 from graphrt.moe.workspace import Workspace
 from graphrt.spec import Input, StepSpec
 
@@ -79,6 +80,10 @@ class DecoderLayer:
     # before the router, joined at the end of the layer); GRAPHRT_PREFETCH_QKV=1 at import.
     # Off by default: measured 1.8-3.7% slower on an H200 (BENCHMARKS.md §19).
     prefetch_next_qkv = env_flag("GRAPHRT_PREFETCH_QKV", False)
+    # Hand the layer-end add + RMSNorm to the next layer's QKV projection when it runs on the
+    # one-row GEMV (layers.dense_normed: one launch instead of two); GRAPHRT_FUSE_NORM=1 at
+    # import turns it on (A/B benchmarks: BENCHMARKS.md §22).
+    fuse_norm = env_flag("GRAPHRT_FUSE_NORM", False)
 
     def __init__(self, cfg, comm, device, gen, seed, **kw):
         self.cfg = cfg
@@ -91,13 +96,23 @@ class DecoderLayer:
         """x: the residual stream ``[bs, hidden]``; h: ``rmsnorm(x) * attn_norm``; the paged
         KV metadata (``graphrt.moe.paged_kv``); next_norm: the next layer's attention-norm
         weight (or the final norm's); next_attn: the next layer's ``Attention`` (None for the
-        last) -> the new ``(x, h)``."""
+        last) -> the new ``(x, h)``. h may be a ``PendingNorm`` (x is then the stream before
+        it): the QKV projection computes it (``fuse_norm``); this layer returns one for the
+        next when ``fuse_norm`` is on and the next QKV projection can fuse it."""
         eps = self.cfg.rms_eps
-        attn = self.attn(h, slot_mapping, block_table, seq_lens, n)
+        if isinstance(h, PendingNorm):
+            qkv, x = dense_normed(h, self.attn.wqkv)
+            attn = self.attn(None, slot_mapping, block_table, seq_lens, n, qkv=qkv)
+        else:
+            attn = self.attn(h, slot_mapping, block_table, seq_lens, n)
         x, h = add_rmsnorm(x, attn, weight=self.moe_norm, eps=eps)
         recv = (next_attn.start_prefetch(next_attn.wqkv)
                 if next_attn is not None and self.prefetch_next_qkv else None)
-        out = add_rmsnorm(x, *self.moe(h, n), weight=next_norm, eps=eps)
+        deltas = self.moe(h, n)
+        if self.fuse_norm and next_attn is not None and norm_fusable(x, next_attn.wqkv):
+            out = x, PendingNorm(x, deltas, next_norm, eps)
+        else:
+            out = add_rmsnorm(x, *deltas, weight=next_norm, eps=eps)
         if recv is not None:
             recv()
         return out
@@ -219,7 +234,11 @@ class MoEModel:
         metadata (``graphrt.moe.paged_kv``); n int32 ``[1]`` live rows. Writes each live
         row's K/V at its slot in every layer. Graph safety: capturable."""
         x = self.embed.index_select(0, tokens)                             # [bs, hidden]
-        x, h = add_rmsnorm(x, weight=self._norms[0], eps=self.cfg.rms_eps)
+        first = self.layers[0]
+        if first.fuse_norm and norm_fusable(x, first.attn.wqkv):
+            h = PendingNorm(x, (), self._norms[0], self.cfg.rms_eps)      # its QKV norms it
+        else:
+            x, h = add_rmsnorm(x, weight=self._norms[0], eps=self.cfg.rms_eps)
         nxt = [l.attn for l in self.layers[1:]] + [None]
         for layer, next_norm, next_attn in zip(self.layers, self._norms[1:], nxt):
             x, h = layer(x, h, slot_mapping, block_table, seq_lens, n, next_norm, next_attn)

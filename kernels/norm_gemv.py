@@ -1,0 +1,138 @@
+"""Residual add + RMSNorm fused into the decode GEMV that reads the normed rows.
+
+    residual = x + d1 + d2                       # bf16 [m, k] (written when deltas are given)
+    h        = rmsnorm(residual) * norm_weight   # bf16 [m, k], never stored
+    out      = h @ W.T                           # bf16 [m, n], fp32 accumulation
+
+In a decode step every layer ends with ``add_rmsnorm`` (the residual stream plus the MoE
+output, normed for the next layer's attention), and the next layer's first op is the QKV
+projection of those normed rows. At one row that norm is a launch of ~2 µs of latency for
+4 KB of work. Here each program of the one-row GEMV (``dense_gemv_rows``: ``[BLOCK_N, k]``
+weights loaded once, reduced on the CUDA cores) recomputes the row's residual and norm from
+``x`` and the deltas (a few KB, read from L2) before its dot product, and program 0 writes
+the residual. The arithmetic is ``graphrt.kernels.norm.add_rmsnorm``'s: the sum in fp32,
+rounded to the residual's dtype, the mean square of the rounded residual, the normed row
+rounded to bf16 before the GEMV reads it.
+
+The whole row must fit one load round (``k <= 4096``: the qwen3-like hidden 2048 does,
+dsv3-like 7168 does not; the caller then runs ``add_rmsnorm`` and ``dense_gemv_rows``).
+
+Glossary: ``m`` rows (1-4), ``n`` output features, ``k`` hidden size.
+Graph safety: capturable (no allocation, no host read).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._pdl import pdl_prologue
+from ._util import check, check_tensor, pdl_args
+from .dense_gemv import ROWS_MAX, dense_gemv_rows_config
+
+MAX_K = 4096  # the whole row in one round
+
+
+@triton.jit
+def _norm_gemv_rows_kernel(
+    x_ptr, d1_ptr, d2_ptr,  # bf16 [m, k] contiguous: residual stream and up to two deltas
+    nw_ptr,  # [k] norm weight
+    res_ptr,  # bf16 [m, k] out: x + d1 + d2 (program 0; unused when NUM_ADD == 0)
+    w_ptr,  # bf16 [n, k] contiguous
+    out_ptr,  # bf16 [m, n] out
+    m, n, k, eps,
+    NUM_ADD: tl.constexpr,  # 0, 1 or 2 deltas
+    M_MAX: tl.constexpr,  # rows the kernel is built for (static loop; rows >= m skipped)
+    BLOCK_N: tl.constexpr,  # W rows per program
+    BLOCK_K: tl.constexpr,  # >= k: the whole row
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
+):
+    pdl_prologue(USE_GDC)
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < n
+    mask_k = offs_k < k
+    w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * k + offs_k[None, :],
+                mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+    nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    for r in tl.static_range(M_MAX):
+        if r < m:
+            row = r * k + offs_k
+            res = tl.load(x_ptr + row, mask=mask_k, other=0.0).to(tl.float32)
+            if NUM_ADD >= 1:
+                res += tl.load(d1_ptr + row, mask=mask_k, other=0.0).to(tl.float32)
+            if NUM_ADD >= 2:
+                res += tl.load(d2_ptr + row, mask=mask_k, other=0.0).to(tl.float32)
+            if NUM_ADD >= 1:
+                rounded = res.to(res_ptr.dtype.element_ty)
+                if pid == 0:
+                    tl.store(res_ptr + row, rounded, mask=mask_k)
+                res = rounded.to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(res * res, axis=0) / k + eps)
+            h = (res * rstd * nw).to(out_ptr.dtype.element_ty).to(tl.float32)
+            tl.store(out_ptr + r * n + offs_n, tl.sum(w * h[None, :], axis=1)
+                     .to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+def norm_gemv_rows(x: torch.Tensor, *deltas: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                   w: torch.Tensor, out: torch.Tensor,
+                   out_residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``out = (rmsnorm(x + sum(deltas)) * norm_weight) @ w.T``, and ``out_residual = x +
+    sum(deltas)`` when deltas are given. One launch.
+
+    Args:
+        x: bf16 ``[m, k]`` contiguous, ``m <= 4``, ``k <= MAX_K`` (the residual stream).
+        deltas: zero, one or two tensors like ``x``.
+        norm_weight: ``[k]`` bf16 or fp32, contiguous.
+        eps: added to the mean square.
+        w: bf16 ``[n, k]`` contiguous (row-major weights).
+        out: bf16 ``[m, n]`` contiguous; every element is written.
+        out_residual: bf16 ``[m, k]`` contiguous, required with deltas (not ``x`` or a delta:
+            other programs still read those), ignored without.
+
+    Returns ``out``. No allocation, no host sync; bitwise reproducible.
+
+    Graph safety: capturable
+    """
+    check(len(deltas) <= 2, "number of deltas", "0, 1 or 2", len(deltas))
+    check_tensor(x, "x", shape=(None, None), dtype=torch.bfloat16, contiguous=True)
+    m, k = x.shape
+    check(m <= ROWS_MAX, "x.shape[0] (rows)", f"<= {ROWS_MAX}", m)
+    check(1 <= k <= MAX_K, "x.shape[1] (hidden)",
+          f"1..{MAX_K} (one load round; else add_rmsnorm, then dense_gemv_rows)", k)
+    like = dict(shape=(m, k), dtype=torch.bfloat16, device=x.device, contiguous=True)
+    for i, d in enumerate(deltas):
+        check_tensor(d, f"deltas[{i}]", **like)
+    check_tensor(norm_weight, "norm_weight", shape=(k,), dtype=(torch.bfloat16, torch.float32),
+                 device=x.device, contiguous=True)
+    check_tensor(w, "w", shape=(None, k), dtype=torch.bfloat16, device=x.device, contiguous=True)
+    n = w.shape[0]
+    check_tensor(out, "out", shape=(m, n), dtype=torch.bfloat16, device=x.device, contiguous=True)
+    if deltas:
+        check(out_residual is not None, "out_residual", "a bf16 [m, k] tensor when deltas are given",
+              None)
+        check_tensor(out_residual, "out_residual", **like)
+        check(all(out_residual.data_ptr() != t.data_ptr() for t in (x, *deltas)), "out_residual",
+              "a tensor other than x and the deltas (programs read them after program 0 writes)",
+              "one of them")
+    if m == 0 or n == 0:
+        return out
+    block_k = triton.next_power_of_2(k)
+    block_n = dense_gemv_rows_config(n, k)["block_n"]
+    d1 = deltas[0] if deltas else x
+    d2 = deltas[1] if len(deltas) > 1 else d1
+    res = out_residual if deltas else x
+    _norm_gemv_rows_kernel[(triton.cdiv(n, block_n),)](
+        x, d1, d2, norm_weight, res, w, out, m, n, k, float(eps), NUM_ADD=len(deltas),
+        M_MAX=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        **pdl_args())
+    return out
+
+
+def norm_gemv_rows_ref(x, *deltas, norm_weight, eps, w) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference: ``(out, residual)`` of ``add_rmsnorm_ref`` then ``h @ w.T`` in fp32
+    (allocates). Graph safety: capturable (allocates, so not for the run path)."""
+    from .norm import add_rmsnorm_ref
+    h, residual = add_rmsnorm_ref(x, *deltas, weight=norm_weight, eps=eps)
+    return (h.float() @ w.float().t()).to(torch.bfloat16), residual

@@ -1,0 +1,47 @@
+"""The reference model with the layer-end add + RMSNorm handed to the next layer's QKV
+projection (``DecoderLayer.fuse_norm``, ``graphrt.kernels.norm_gemv``): the same logits as the
+unfused step. On the CPU the fused kernel runs on the Triton interpreter, routed there by
+forcing ``norm_fusable`` (on a GPU it holds for one-row steps; tests/test_pdl_gpu.py
+compares the two captured graphs there)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphrt.moe import layers, make_step, model as model_mod, preset
+
+
+@pytest.mark.parametrize("bs", [1, 3])
+def test_fused_norm_step_matches_the_unfused_one(monkeypatch, bs):
+    calls = []
+    real = layers.dense_normed
+
+    def counted(p, w):
+        calls.append(len(p.deltas))
+        return real(p, w)
+    logits = []
+    for fuse in (False, True):
+        monkeypatch.setattr(model_mod.DecoderLayer, "fuse_norm", fuse)
+        monkeypatch.setattr(model_mod, "norm_fusable", lambda x, w: True)
+        monkeypatch.setattr(layers, "norm_fusable", lambda x, w: True)
+        monkeypatch.setattr(model_mod, "dense_normed", counted)
+        spec, model = make_step(preset("tiny"), "cpu", max_batch_size=8, backend="triton")
+        x = model.example_inputs(bs, "cpu", torch.Generator().manual_seed(bs))
+        logits.append(spec.call(x)["logits"].float())
+    cfg = preset("tiny")
+    deltas = 1 + (cfg.num_shared_experts > 0)         # routed (+ shared) expert outputs
+    assert calls == [0] + [deltas] * (cfg.num_layers - 1)   # the embedding's norm, each layer end's
+    a, b = logits
+    assert float((a - b).norm() / a.norm()) < 2e-2
+
+
+def test_unfusable_rows_fall_back_to_add_rmsnorm(monkeypatch):
+    """Off CUDA (or past one row) ``dense_normed`` launches add_rmsnorm and the projection."""
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    d = torch.randn(2, 64).to(torch.bfloat16)
+    w = (torch.randn(16, 64) / 8).to(torch.bfloat16)
+    nw = torch.ones(64, dtype=torch.bfloat16)
+    assert not layers.norm_fusable(x, w)
+    y, res = layers.dense_normed(layers.PendingNorm(x, (d,), nw, 1e-6), w)
+    want_res, h = layers.add_rmsnorm(x, d, weight=nw, eps=1e-6)
+    assert torch.equal(res, want_res) and torch.equal(y, h @ w.t())
