@@ -147,27 +147,27 @@ def _gemv_rows_kernel(
     mask_n = offs_n < n
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * k + offs_k[None, :]
     if ONE_ROUND:
-        mask_k = offs_k < k
-        w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        mask_all = offs_k < k
+        w_all = tl.load(w_ptrs, mask=mask_n[:, None] & mask_all[None, :], other=0.0).to(tl.float32)
         for r in tl.static_range(M_MAX):
             if r < m:
-                xr = tl.load(x_ptr + r * k + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-                tl.store(out_ptr + r * n + offs_n, tl.sum(w * xr[None, :], axis=1)
+                x_all = tl.load(x_ptr + r * k + offs_k, mask=mask_all, other=0.0).to(tl.float32)
+                tl.store(out_ptr + r * n + offs_n, tl.sum(w_all * x_all[None, :], axis=1)
                          .to(out_ptr.dtype.element_ty), mask=mask_n)
-        return
-    for r in tl.static_range(M_MAX):
-        if r < m:
-            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for k0 in range(0, k, BLOCK_K):
-                if EVEN_K:
-                    w = tl.load(w_ptrs + k0, mask=mask_n[:, None], other=0.0)
-                    xr = tl.load(x_ptr + r * k + k0 + offs_k)
-                else:
-                    mask_k = offs_k < k - k0
-                    w = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-                    xr = tl.load(x_ptr + r * k + k0 + offs_k, mask=mask_k, other=0.0)
-                acc += tl.sum(w.to(tl.float32) * xr.to(tl.float32)[None, :], axis=1)
-            tl.store(out_ptr + r * n + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+    else:
+        for r in tl.static_range(M_MAX):
+            if r < m:
+                acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for k0 in range(0, k, BLOCK_K):
+                    if EVEN_K:
+                        w = tl.load(w_ptrs + k0, mask=mask_n[:, None], other=0.0)
+                        xr = tl.load(x_ptr + r * k + k0 + offs_k)
+                    else:
+                        mask_k = offs_k < k - k0
+                        w = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+                        xr = tl.load(x_ptr + r * k + k0 + offs_k, mask=mask_k, other=0.0)
+                    acc += tl.sum(w.to(tl.float32) * xr.to(tl.float32)[None, :], axis=1)
+                tl.store(out_ptr + r * n + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
 ROWS_MAX = 4  # rows dense_gemv_rows serves
