@@ -139,8 +139,11 @@ def _gemv_rows_kernel(
     """A few rows on the CUDA cores: each program loads its ``[BLOCK_N, BLOCK_K]`` weights
     in one round of 16-byte loads (the whole K when it fits), widens them to fp32 once and
     reduces ``w * x[r]`` over K for each row ``r``; no shared memory, no tensor-core padding.
-    With the whole K in one round the weights are loaded once for all rows; else each row
-    walks the K rounds again (later rounds then come from L1/L2)."""
+    With several rows and the whole K in one round (``ONE_ROUND``) the weights are loaded
+    once for all rows; else each row walks the K rounds (a second row's come from L1/L2).
+    One row always takes the K-loop form: it is the form measured on the GPU (BENCHMARKS.md
+    §22); the one-round form has so far run only on the interpreter and through the sm_90
+    compiler (tests/kernels/test_compile_sm90.py)."""
     pdl_prologue(USE_GDC)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -208,7 +211,8 @@ def dense_gemv_rows(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
         return out.zero_()
     _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
         x, w, out, m, n, k, M_MAX=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, ONE_ROUND=block_k >= k, num_warps=num_warps, **pdl_args())
+        EVEN_K=k % block_k == 0, ONE_ROUND=m > 1 and block_k >= k, num_warps=num_warps,
+        **pdl_args())
     return out
 
 
