@@ -180,6 +180,18 @@ ROWS_AUTO = 1
 _ROWS_TILE = 8192  # weights a program loads per round (16 KB bf16)
 
 
+def _check_xw_out(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, max_rows: int):
+    """The launchers' shared checks: x bf16 ``[m <= max_rows, k]``, w bf16 ``[n, k]``, out
+    bf16 ``[m, n]``, all contiguous on x's device -> ``(m, n, k)``. Host-only."""
+    check_tensor(x, "x", shape=(None, None), dtype=torch.bfloat16, contiguous=True)
+    m, k = x.shape
+    check(m <= max_rows, "x.shape[0] (rows)", f"<= {max_rows}", m)
+    check_tensor(w, "w", shape=(None, k), dtype=torch.bfloat16, device=x.device, contiguous=True)
+    n = w.shape[0]
+    check_tensor(out, "out", shape=(m, n), dtype=torch.bfloat16, device=x.device, contiguous=True)
+    return m, n, k
+
+
 def dense_gemv_rows_config(n: int, k: int) -> dict:
     """``{"block_n", "block_k"}`` of :func:`dense_gemv_rows`: ``block_k`` = the whole K up to
     4096 (a power of two), ``block_n`` = ``_ROWS_TILE // block_k`` (2-64 W rows), never more
@@ -197,12 +209,7 @@ def dense_gemv_rows(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
     once: x bf16 ``[m <= 4, k]``, w bf16 ``[n, k]``, out bf16 ``[m, n]``, all contiguous.
     ``block_n``/``block_k`` default to ``dense_gemv_rows_config``. One launch, no workspace,
     no host sync; bitwise reproducible. Graph safety: capturable"""
-    check_tensor(x, "x", shape=(None, None), dtype=torch.bfloat16, contiguous=True)
-    m, k = x.shape
-    check(m <= ROWS_MAX, "x.shape[0] (rows)", f"<= {ROWS_MAX}", m)
-    check_tensor(w, "w", shape=(None, k), dtype=torch.bfloat16, device=x.device, contiguous=True)
-    n = w.shape[0]
-    check_tensor(out, "out", shape=(m, n), dtype=torch.bfloat16, device=x.device, contiguous=True)
+    m, n, k = _check_xw_out(x, w, out, ROWS_MAX)
     cfg = dense_gemv_rows_config(n, k)
     block_n, block_k = block_n or cfg["block_n"], block_k or cfg["block_k"]
     if m == 0 or n == 0:
@@ -289,12 +296,7 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
 
     Graph safety: capturable
     """
-    check_tensor(x, "x", shape=(None, None), dtype=torch.bfloat16, contiguous=True)
-    m, k = x.shape
-    check(m <= MAX_ROWS, "x.shape[0] (rows)", f"<= {MAX_ROWS}", m)
-    check_tensor(w, "w", shape=(None, k), dtype=torch.bfloat16, device=x.device, contiguous=True)
-    n = w.shape[0]
-    check_tensor(out, "out", shape=(m, n), dtype=torch.bfloat16, device=x.device, contiguous=True)
+    m, n, k = _check_xw_out(x, w, out, MAX_ROWS)
     check(block_n in BLOCK_NS, "block_n", f"one of {BLOCK_NS}", block_n)
     check(isinstance(split_k, int) and 1 <= split_k <= MAX_SPLIT_K, "split_k",
           f"an int in [1, {MAX_SPLIT_K}]", split_k)
