@@ -4,6 +4,7 @@
 on. docs/gpu.md lists the switches and when each is read. Host-only."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 OFF = ("0", "false", "no", "off")
@@ -18,3 +19,18 @@ def flag_value(value: str | None, default: bool) -> bool:
 def env_flag(name: str, default: bool) -> bool:
     """The switch ``name`` in the environment, now."""
     return flag_value(os.environ.get(name), default)
+
+
+@contextlib.contextmanager
+def env_override(name: str, value: str):
+    """``os.environ[name] = value`` inside the block, put back (or removed) after: for a
+    switch read at capture or bind time (A/B benchmarks)."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before

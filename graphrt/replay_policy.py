@@ -224,7 +224,7 @@ class Stager:
 
         Each input's copy is picked here, once; the function's ``paths`` says which (name ->
         ``"foreach_copy_"``, ``"copy_"`` or ``"memcpy"``). ``"memcpy"`` (an ``exact`` input
-        alone in its dtype, ``_raw_copyable``): the ``cudaMemcpyAsync`` that ``copy_`` ends
+        alone in its dtype, ``cudart.raw_copyable``): the ``cudaMemcpyAsync`` that ``copy_`` ends
         in, on the device's current stream, without torch's dispatch; per call it falls
         back to ``copy_`` for a source that is not contiguous (strides are free in a
         signature), is a negative view, has no data or overlaps the buffer, and while the
@@ -245,7 +245,7 @@ class Stager:
         paths = {k: "foreach_copy_" for ks, _, _ in st.groups for k in ks}
         singles, raw = [], []                     # (position, dst); raw ones + the name
         for k, dst in st.singles:
-            if exact and _raw_copyable(dst):
+            if exact and cudart.raw_copyable(dst):
                 raw.append((at[k], dst, k))
                 paths[k] = "memcpy"
             else:
@@ -350,12 +350,6 @@ class Stager:
             if padded_bs > n and not bool((b[n + 1:padded_bs + 1] == b[n]).all()):
                 bad.append(k)
         return bad
-
-
-def _raw_copyable(dst: torch.Tensor) -> bool:
-    """An input alone in its dtype may be staged into ``dst`` by ``cudart.d2d_copier`` (the
-    one question ``bind`` asks; CPU tests stand in for it)."""
-    return cudart.raw_copyable(dst)
 
 
 # dtypes torch._foreach_copy_ handles on CUDA in one launch; others get a copy_ each.

@@ -69,14 +69,6 @@ def _pdl_enabled(pdl_env: str | None, interpret_env: str) -> bool:
     return torch.cuda.is_available() and _hopper_or_newer(torch.cuda.current_device())
 
 
-def pdl_early() -> bool:
-    """What ``GRAPHRT_PDL_EARLY`` asks for (default on; ``0`` turns it off): with PDL on,
-    kernels let the next kernel launch before they wait (``USE_GDC=2``, ``kernels._pdl``).
-    Measured 0.985-0.992x the step time of wait-first at qwen3-like bs 1-16, bitwise equal
-    outputs (BENCHMARKS.md §22)."""
-    return env_flag("GRAPHRT_PDL_EARLY", True)
-
-
 def pdl_args() -> dict:
     """Launch keywords for a kernel with a ``USE_GDC`` constexpr (its first call is
     ``kernels._pdl.pdl_prologue(USE_GDC)``): with PDL on,
@@ -87,6 +79,15 @@ def pdl_args() -> dict:
     default); ``{}`` otherwise.
     Under CUDA graph capture the launch attribute becomes a programmatic dependency edge.
     Correctness does not depend on it: the wait precedes every read and write."""
-    if not pdl_enabled():
-        return {}
-    return {"launch_pdl": True, "USE_GDC": 2 if pdl_early() else 1}
+    return dict(_pdl_args(os.environ.get("GRAPHRT_PDL"), os.environ.get("GRAPHRT_PDL_EARLY"),
+                          os.environ.get("TRITON_INTERPRET", "0")))
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_args(pdl_env: str | None, early_env: str | None, interpret_env: str) -> tuple:
+    """``pdl_args`` per value of the three variables (every launch asks), as items.
+    ``GRAPHRT_PDL_EARLY`` (default on) picks trigger-first: 0.985-0.992x the step time of
+    wait-first at qwen3-like bs 1-16, bitwise equal outputs (BENCHMARKS.md §22)."""
+    if not _pdl_enabled(pdl_env, interpret_env):
+        return ()
+    return (("launch_pdl", True), ("USE_GDC", 2 if flag_value(early_env, True) else 1))

@@ -15,7 +15,6 @@ import torch
 
 import graphrt
 import graphrt.cudart as cudart
-import graphrt.replay_policy as rp
 from graphrt.errors import GraphrtError
 from graphrt.replay_policy import Stager
 from tests.fakes.specs import use_fake_capture
@@ -133,7 +132,7 @@ def stand_in(monkeypatch):
     monkeypatch.setattr(cudart, "stream_fns", lambda: (lambda dev: box.stream, lambda: box.device))
     monkeypatch.setattr(cudart, "_AVAILABLE", True)
     monkeypatch.setattr(cudart, "_LIB", Lib())
-    monkeypatch.setattr(rp, "_raw_copyable", lambda dst: dst.is_contiguous() and dst.numel() > 0)
+    monkeypatch.setattr(cudart, "raw_copyable", lambda dst: dst.is_contiguous() and dst.numel() > 0)
     return box
 
 

@@ -22,7 +22,6 @@ def test_fused_norm_step_matches_the_unfused_one(monkeypatch, bs):
     logits = []
     for fuse in (False, True):
         monkeypatch.setattr(model_mod.DecoderLayer, "fuse_norm", fuse)
-        monkeypatch.setattr(model_mod, "norm_fusable", lambda x, w: True)
         monkeypatch.setattr(layers, "norm_fusable", lambda x, w: True)
         monkeypatch.setattr(model_mod, "dense_normed", counted)
         spec, model = make_step(preset("tiny"), "cpu", max_batch_size=8, backend="triton")

@@ -36,23 +36,11 @@ import argparse
 import contextlib
 import importlib
 import json
-import os
 import statistics
 
 import torch
 
-
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name)
-        else:
-            os.environ[name] = before
+from graphrt.env import env_override
 
 
 @contextlib.contextmanager
@@ -70,13 +58,13 @@ def _class_attr(module: str, cls: str | None, name: str, value):
 
 
 # switch -> (on) -> the context a capture runs in
-SWITCHES = {"pdl": lambda on: _env("GRAPHRT_PDL", "1" if on else "0"),
+SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "prefetch": lambda on: _class_attr("graphrt.moe.layers", "Attention", "prefetch", on),
             "prefetch-qkv": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
                                                    "prefetch_next_qkv", on),
             "attn-splits": lambda on: _class_attr("graphrt.moe.layers", "Attention", "split_size",
                                                   None if on else 256),
-            "pdl-early": lambda on: _env("GRAPHRT_PDL_EARLY", "1" if on else "0"),
+            "pdl-early": lambda on: env_override("GRAPHRT_PDL_EARLY", "1" if on else "0"),
             "dense-gemv": lambda on: _class_attr("graphrt.moe.layers", None, "DENSE",
                                                  "gemv" if on else "torch"),
             "dense-auto": lambda on: _class_attr("graphrt.moe.layers", None, "DENSE",

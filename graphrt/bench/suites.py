@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import bisect
-import os
 import statistics
 import time
 from typing import Callable
@@ -24,6 +23,7 @@ import torch
 
 import graphrt
 from graphrt.bench.timing import cuda_time_us, graph_time_us, hbm_bandwidth_gbs
+from graphrt.env import env_override
 
 
 def small_step(device, layers: int = 4, hidden: int = 1024, max_bs: int = 256) -> graphrt.StepSpec:
@@ -163,12 +163,8 @@ def host_path_us(spec: graphrt.StepSpec, device, batches=(1, 64), *, iters: int 
             bufs[k].copy_(t)
         out = lease.run(**inputs)
         out = out if isinstance(out, torch.Tensor) else next(iter(out.values()))
-        before = os.environ.get("GRAPHRT_RAW_COPY")
-        os.environ["GRAPHRT_RAW_COPY"] = "0"        # read when the step is bound: its first run
-        try:
+        with env_override("GRAPHRT_RAW_COPY", "0"):  # read when the step is bound: its first run
             torch_copy.run(**inputs)
-        finally:
-            os.environ.pop("GRAPHRT_RAW_COPY") if before is None else os.environ.update(GRAPHRT_RAW_COPY=before)
         checked = LeasedTensor.lease(out, LeaseClock())
         g = lease.graphs[bs].graph
         us = interleaved_us({

@@ -82,17 +82,13 @@ class PendingNorm:
 
 def norm_fusable(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``dense_normed`` fuses the norm of rows like ``x`` into the projection by
-    ``w``: the dense path takes graphrt's one-row GEMV (``dense_path``) and the hidden size
-    fits one load round (``graphrt.kernels.norm_gemv.MAX_K``)."""
-    if dense_path(x, w) != "gemv" or not x.shape[0] <= _rows_auto():
+    ``w``: the dense path takes graphrt's one-row GEMV (``dense_path``, and no more rows
+    than ``dense_gemv.ROWS_AUTO``) and the hidden size fits one load round
+    (``graphrt.kernels.norm_gemv.MAX_K``)."""
+    if dense_path(x, w) != "gemv":
         return False
-    from graphrt.kernels.norm_gemv import MAX_K
-    return x.shape[1] <= MAX_K
-
-
-def _rows_auto() -> int:
-    from graphrt.kernels import dense_gemv
-    return dense_gemv.ROWS_AUTO
+    from graphrt.kernels import dense_gemv, norm_gemv
+    return x.shape[0] <= dense_gemv.ROWS_AUTO and x.shape[1] <= norm_gemv.MAX_K
 
 
 def dense_normed(p: PendingNorm, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,7 +32,7 @@ from graphrt.moe.config import MoEConfig
 from graphrt.moe.experts import Experts
 from graphrt.moe import paged_kv
 from graphrt.moe.layers import (Attention, PendingNorm, Router, SharedExpert, add_rmsnorm, dense,
-                                dense_normed, norm_fusable)
+                                dense_normed)
 from graphrt.moe.workspace import Workspace
 from graphrt.spec import Input, StepSpec
 
@@ -97,8 +97,9 @@ class DecoderLayer:
         KV metadata (``graphrt.moe.paged_kv``); next_norm: the next layer's attention-norm
         weight (or the final norm's); next_attn: the next layer's ``Attention`` (None for the
         last) -> the new ``(x, h)``. h may be a ``PendingNorm`` (x is then the stream before
-        it): the QKV projection computes it (``fuse_norm``); this layer returns one for the
-        next when ``fuse_norm`` is on and the next QKV projection can fuse it."""
+        it): the QKV projection computes it (``dense_normed``: fused where ``norm_fusable``,
+        else the norm alone first); with ``fuse_norm`` on, this layer returns one for the
+        next."""
         eps = self.cfg.rms_eps
         if isinstance(h, PendingNorm):
             qkv, x = dense_normed(h, self.attn.wqkv)
@@ -109,7 +110,7 @@ class DecoderLayer:
         recv = (next_attn.start_prefetch(next_attn.wqkv)
                 if next_attn is not None and self.prefetch_next_qkv else None)
         deltas = self.moe(h, n)
-        if self.fuse_norm and next_attn is not None and norm_fusable(x, next_attn.wqkv):
+        if self.fuse_norm and next_attn is not None:
             out = x, PendingNorm(x, deltas, next_norm, eps)
         else:
             out = add_rmsnorm(x, *deltas, weight=next_norm, eps=eps)
@@ -234,8 +235,7 @@ class MoEModel:
         metadata (``graphrt.moe.paged_kv``); n int32 ``[1]`` live rows. Writes each live
         row's K/V at its slot in every layer. Graph safety: capturable."""
         x = self.embed.index_select(0, tokens)                             # [bs, hidden]
-        first = self.layers[0]
-        if first.fuse_norm and norm_fusable(x, first.attn.wqkv):
+        if self.layers[0].fuse_norm:
             h = PendingNorm(x, (), self._norms[0], self.cfg.rms_eps)      # its QKV norms it
         else:
             x, h = add_rmsnorm(x, weight=self._norms[0], eps=self.cfg.rms_eps)

@@ -36,3 +36,20 @@ def captured(sizes=(4, 16), **kw) -> graphrt.GraphRuntime:
     """A CPU runtime of ``every_kind_spec`` captured (fake) at ``sizes``."""
     return graphrt.GraphRuntime(every_kind_spec(), sizes=list(sizes), device="cpu",
                                 progress=False, **kw).capture()
+
+
+def assert_refused_like_check(rt, full, bad: dict, then=None) -> None:
+    """For each ``what -> inputs`` of ``bad``: ``full.check(inputs)`` raises ``InputError``,
+    and ``rt.run(**inputs)`` raises the same message, twice (a failed check is never
+    cached or bound); ``then(what)`` runs after each refusal."""
+    import pytest
+    from graphrt.errors import InputError
+    for what, inputs in bad.items():
+        with pytest.raises(InputError) as want:
+            full.check(inputs)
+        for _ in range(2):
+            with pytest.raises(InputError) as got:
+                rt.run(**inputs)
+            assert str(got.value) == str(want.value), what
+            if then is not None:
+                then(what)
