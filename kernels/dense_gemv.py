@@ -174,9 +174,10 @@ def _gemv_rows_kernel(
 
 
 ROWS_MAX = 4  # rows dense_gemv_rows serves
-# rows dense_gemv_auto (and the reference model's GRAPHRT_DENSE=auto) sends to it. When it
-# reread W per row it was 1.4-1.8x cuBLAS at 4 rows, 0.6-1.1x at one (BENCHMARKS.md §22).
-ROWS_AUTO = 1
+# rows dense_gemv_auto (and the reference model's GRAPHRT_DENSE=auto) sends to it. In the
+# qwen3-like step (BENCHMARKS.md §23) the one-round form for several rows is 0.96x cuBLAS's
+# step time at 2 rows and 1.05x at 4; one row takes the K-loop form (0.93x, §22).
+ROWS_AUTO = 2
 _ROWS_TILE = 8192  # weights a program loads per round (16 KB bf16)
 
 
@@ -329,10 +330,10 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
 
 
 def dense_gemv_auto(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` through :func:`dense_gemv_rows` for one row (``ROWS_AUTO``), else :func:`dense_gemv` with
-    ``dense_gemv_config``'s pick, allocating ``out`` (and the split-K workspace) with
-    ``torch.empty``: for a step's intermediates,
-    which a captured graph allocates from its pool. Shapes as :func:`dense_gemv`.
+    """``x @ w.T`` through :func:`dense_gemv_rows` up to ``ROWS_AUTO`` rows (2), else
+    :func:`dense_gemv` with ``dense_gemv_config``'s pick, allocating ``out`` (and the split-K
+    workspace) with ``torch.empty``: for a step's intermediates, which a captured graph
+    allocates from its pool. Shapes as :func:`dense_gemv`.
 
     Graph safety: capturable
     """

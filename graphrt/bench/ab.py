@@ -13,8 +13,9 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
 - ``pdl-early``: kernels let the next kernel launch before they wait (``GRAPHRT_PDL_EARLY``);
 - ``dense-gemv``: the dense projections on graphrt's decode GEMV instead of cuBLAS, up to 16
   rows (``graphrt.moe.layers.DENSE``, ``GRAPHRT_DENSE``); ``dense-auto``: the default
-  (the GEMV for one row only) instead of cuBLAS; ``rows4``: the default's one-row GEMV for
-  1-4 rows (``graphrt.kernels.dense_gemv.ROWS_AUTO``);
+  (the GEMV for one or two rows) instead of cuBLAS; ``rows2`` / ``rows4``: the default's
+  rows GEMV for 1-2 / 1-4 rows instead of one row only
+  (``graphrt.kernels.dense_gemv.ROWS_AUTO``);
 - ``fuse-norm``: the layer-end add + RMSNorm computed by the next layer's QKV projection
   (``DecoderLayer.fuse_norm``, ``graphrt.kernels.norm_gemv``).
 
@@ -69,6 +70,8 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
                                                  "gemv" if on else "torch"),
             "dense-auto": lambda on: _class_attr("graphrt.moe.layers", None, "DENSE",
                                                  "auto" if on else "torch"),
+            "rows2": lambda on: _class_attr("graphrt.kernels.dense_gemv", None, "ROWS_AUTO",
+                                            2 if on else 1),
             "rows4": lambda on: _class_attr("graphrt.kernels.dense_gemv", None, "ROWS_AUTO",
                                             4 if on else 1),
             "fuse-norm": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer", "fuse_norm", on)}

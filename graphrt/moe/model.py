@@ -81,9 +81,9 @@ class DecoderLayer:
     # Off by default: measured 1.8-3.7% slower on an H200 (BENCHMARKS.md §19).
     prefetch_next_qkv = env_flag("GRAPHRT_PREFETCH_QKV", False)
     # Hand the layer-end add + RMSNorm to the next layer's QKV projection when it runs on the
-    # one-row GEMV (layers.dense_normed: one launch instead of two); GRAPHRT_FUSE_NORM=1 at
-    # import turns it on (A/B benchmarks: BENCHMARKS.md §22).
-    fuse_norm = env_flag("GRAPHRT_FUSE_NORM", False)
+    # one-row GEMV (layers.dense_normed: one launch instead of two): 0.96x the step time at
+    # qwen3-like bs 1 (BENCHMARKS.md §23). GRAPHRT_FUSE_NORM=0 at import turns it off.
+    fuse_norm = env_flag("GRAPHRT_FUSE_NORM", True)
 
     def __init__(self, cfg, comm, device, gen, seed, **kw):
         self.cfg = cfg

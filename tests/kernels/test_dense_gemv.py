@@ -145,8 +145,9 @@ def test_dense_path_rules(monkeypatch):
     w = _stub()
     assert layers.DENSE == "auto"                                   # the default
     monkeypatch.setattr(layers, "DENSE", "auto")
-    assert layers.dense_path(_stub(rows=1), w) == "gemv"             # one row: the GEMV
-    assert layers.dense_path(_stub(rows=2), w) == "torch"            # more: cuBLAS
+    assert layers.dense_path(_stub(rows=1), w) == "gemv"             # one or two rows: the GEMV
+    assert layers.dense_path(_stub(rows=2), w) == "gemv"
+    assert layers.dense_path(_stub(rows=3), w) == "torch"            # more: cuBLAS
     assert layers.dense_path(_stub(rows=1, device="cpu"), w) == "torch"
     monkeypatch.setattr(layers, "DENSE", "torch")
     assert layers.dense_path(_stub(rows=1), w) == "torch"            # cuBLAS always
