@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from graphrt import graph_staging
 from graphrt.capture.audit import ReceiverLedger
 from graphrt.capture.progress import Progress
 from graphrt.capture.report import Finding, GraphSafetyError, SafetyReport
@@ -134,6 +135,7 @@ class CaptureManager:
         self.warmup_s = time.perf_counter() - t0
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
+        self.stager.reset_graph_staging()
         stream = self.capture_stream or torch.cuda.Stream(self.device)
         ctx = self.capture_context() if self.capture_context is not None else contextlib.nullcontext()
         bar = Progress(len(ok), f"capture {self.spec.name}", enabled=self.progress, transient=True)
@@ -148,6 +150,8 @@ class CaptureManager:
                         self._fail(size, f"{type(exc).__name__}: {exc}", exc=exc)
                     if not self._agree(size, size in self.graphs, "capture"):
                         self.graphs.pop(size, None)
+                    if size not in self.graphs:
+                        self.stager.graph_nodes.pop(size, None)
                     bar.advance(f"graphs bs={size}")
         finally:
             bar.close()
@@ -247,17 +251,21 @@ class CaptureManager:
     # -- phase 2: capture ----------------------------------------------------------------
     def _capture_one(self, size: int, stream) -> CapturedGraph:
         views = self.stager.views(size)
+        planned = graph_staging.plan(self.stager, size)  # (its shadows: not in pool_bytes)
         torch.cuda.synchronize(self.device)
         gc.collect()  # torch.cuda.graph() empties the cache on entry: do it first, then measure
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(self.device)
         t0 = time.perf_counter()
-        graph = torch.cuda.CUDAGraph()
+        graph = _new_graph(keep=bool(planned))
+        if graph is None:  # this torch cannot keep the graph: stage outside it
+            planned, graph = [], torch.cuda.CUDAGraph()
         outs = [o if r == "fixed" else o[:size] for o, r in zip(self.static_outputs, self.signature.rows)]
         self.stager.n_dev.fill_(size)
         self._before_replay(size, size)
         with ReceiverLedger() as ledger:
             with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                graph_staging.record(planned, torch.cuda.current_stream(self.device))
                 _, flat = OutputLayout.flatten(self.spec.call(views, self.stager.n_dev), self.spec.name)
                 # Every graph writes the same static outputs: the step's own output tensors
                 # die with the capture and their pool memory serves the next (smaller) graph.
@@ -274,6 +282,8 @@ class CaptureManager:
         if unjoined:
             raise GraphSafetyError(unjoined, self.spec.name)
         pool_bytes = torch.cuda.memory_reserved(self.device) - before
+        if planned:
+            self.stager.graph_nodes[size] = graph_staging.locate(graph, planned)
         keep = tuple(ledger.keepalive) + tuple(views.values())
         return CapturedGraph(size, graph, self.signature, outs, capture_s, pool_bytes, keep)
 
@@ -297,6 +307,17 @@ class CaptureManager:
                 buf.copy_(self.spec.inputs[k].pad(self.stager.max_bs, self.device))
         self.stager._dirty = 0
         torch.cuda.synchronize(self.device)
+
+
+def _new_graph(keep: bool):
+    """A ``torch.cuda.CUDAGraph``, one that keeps its ``cudaGraph_t`` after instantiation when
+    ``keep`` (in-graph staging edits its nodes); None when this torch cannot keep one."""
+    if not keep:
+        return torch.cuda.CUDAGraph()
+    try:
+        return torch.cuda.CUDAGraph(keep_graph=True)
+    except TypeError:
+        return None
 
 
 def _clear_cublas_workspaces() -> None:

@@ -20,6 +20,8 @@ first use, never at import: ``import graphrt`` loads no CUDA library.
   ``raw_copyable(dst)`` says which destinations it takes.
 - ``memcpy_async_fn()``, ``stream_fns()``, ``check(rc, what)``: the parts, for hot loops
   (constant arguments converted once, the return code checked by the caller).
+- ``graph_memcpy_nodes(graph)``, ``exec_memcpy_set_fn()``: the memcpy nodes of a captured
+  graph and the edit that re-points one in its instantiated graph (``graphrt.graph_staging``).
 
 Errors: ``CudaRuntimeError`` (a ``GraphrtError`` and a ``RuntimeError``, like torch's own
 CUDA errors) carries the code and ``cudaGetErrorString``'s text.
@@ -39,6 +41,7 @@ from graphrt.env import env_flag
 from graphrt.errors import GraphrtError
 
 MEMCPY_D2D = 3          # cudaMemcpyDeviceToDevice
+GRAPH_NODE_MEMCPY = 1   # cudaGraphNodeTypeMemcpy
 # Stream handles that mean "of the current device": 0 (the legacy default stream, torch's
 # default stream), 1 (cudaStreamLegacy), 2 (cudaStreamPerThread).
 SPECIAL_STREAMS = 2
@@ -51,6 +54,22 @@ class CudaRuntimeError(GraphrtError, RuntimeError):
     def __init__(self, msg: str, code: int = 0):
         self.code = code
         super().__init__(msg)
+
+
+class _Pos(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_size_t), ("y", ctypes.c_size_t), ("z", ctypes.c_size_t)]
+
+
+class _PitchedPtr(ctypes.Structure):
+    _fields_ = [("ptr", ctypes.c_void_p), ("pitch", ctypes.c_size_t), ("xsize", ctypes.c_size_t),
+                ("ysize", ctypes.c_size_t)]
+
+
+class _Memcpy3DParms(ctypes.Structure):
+    """``struct cudaMemcpy3DParms`` (cuda_runtime_api.h): what a memcpy node copies."""
+    _fields_ = [("src_array", ctypes.c_void_p), ("src_pos", _Pos), ("src_ptr", _PitchedPtr),
+                ("dst_array", ctypes.c_void_p), ("dst_pos", _Pos), ("dst_ptr", _PitchedPtr),
+                ("extent", _Pos), ("kind", ctypes.c_int)]
 
 
 class _Cudart:
@@ -68,6 +87,17 @@ class _Cudart:
         self.get_last_error = lib.cudaGetLastError
         self.get_last_error.restype = ctypes.c_int
         self.get_last_error.argtypes = []
+        P, S, I = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int  # noqa: E741
+        self.graph_get_nodes = lib.cudaGraphGetNodes
+        self.graph_get_nodes.restype, self.graph_get_nodes.argtypes = I, [P, P, ctypes.POINTER(S)]
+        self.node_get_type = lib.cudaGraphNodeGetType
+        self.node_get_type.restype, self.node_get_type.argtypes = I, [P, ctypes.POINTER(I)]
+        self.memcpy_node_params = lib.cudaGraphMemcpyNodeGetParams
+        self.memcpy_node_params.restype = I
+        self.memcpy_node_params.argtypes = [P, ctypes.POINTER(_Memcpy3DParms)]
+        self.exec_memcpy_set_1d = lib.cudaGraphExecMemcpyNodeSetParams1D
+        self.exec_memcpy_set_1d.restype = I
+        self.exec_memcpy_set_1d.argtypes = [P, P, P, P, S, I]
 
 
 _LIB: _Cudart | None = None
@@ -128,6 +158,35 @@ def memcpy_d2d_async(dst_ptr: int, src_ptr: int, nbytes: int, stream: int) -> No
     Graph safety: host-only."""
     check(_lib().memcpy_async(dst_ptr, src_ptr, nbytes, MEMCPY_D2D, stream),
           f"cudaMemcpyAsync({dst_ptr:#x} <- {src_ptr:#x}, {nbytes} bytes, stream {stream:#x})")
+
+
+def graph_memcpy_nodes(graph: int) -> list[tuple[int, int, int, int]]:
+    """The memcpy nodes of a ``cudaGraph_t`` (``torch.cuda.CUDAGraph.raw_cuda_graph()``, an
+    int): ``(node, dst address, src address, bytes)`` each, for 1-D copies (no arrays, one
+    row). Raises ``CudaRuntimeError``. Host-only."""
+    lib = _lib()
+    count = ctypes.c_size_t(0)
+    check(lib.graph_get_nodes(graph, None, ctypes.byref(count)), "cudaGraphGetNodes")
+    nodes = (ctypes.c_void_p * count.value)()
+    check(lib.graph_get_nodes(graph, nodes, ctypes.byref(count)), "cudaGraphGetNodes")
+    out, kind = [], ctypes.c_int(0)
+    for node in nodes[:count.value]:
+        check(lib.node_get_type(node, ctypes.byref(kind)), "cudaGraphNodeGetType")
+        if kind.value != GRAPH_NODE_MEMCPY:
+            continue
+        p = _Memcpy3DParms()
+        check(lib.memcpy_node_params(node, ctypes.byref(p)), "cudaGraphMemcpyNodeGetParams")
+        if p.src_array or p.dst_array or p.extent.y != 1 or p.extent.z != 1:
+            continue
+        out.append((node, p.dst_ptr.ptr or 0, p.src_ptr.ptr or 0, p.extent.x))
+    return out
+
+
+def exec_memcpy_set_fn():
+    """The ctypes ``cudaGraphExecMemcpyNodeSetParams1D(exec, node, dst, src, nbytes, kind)
+    -> cudaError_t``: re-point a 1-D memcpy node of an instantiated graph for its *later*
+    launches (those already queued keep what they had). The caller checks the code."""
+    return _lib().exec_memcpy_set_1d
 
 
 def raw_copyable(dst: torch.Tensor) -> bool:

@@ -12,7 +12,8 @@ Plain Python plus a few torch copies; nothing here captures or replays (that is
   ``torch._foreach_copy_`` per input dtype (for a dtype with one input a ``copy_``, or on
   CUDA the raw ``cudaMemcpyAsync`` it ends in, ``graphrt.cudart``), the live count riding
   along with the int32 inputs (else filled only when it changed), plus one copy per
-  offsets input when the batch is padded.
+  offsets input when the batch is padded. An input alone in its dtype whose graph has a
+  staging node (``graphrt.graph_staging``) costs no copy call: the node is re-pointed.
 
 The per-step host path does no work it can cache: ``check_cached`` remembers the verdict
 of ``check`` per input signature (``graphrt.step_cache.signature``: names, and per input
@@ -119,6 +120,21 @@ class Stager:
         self._verdicts: dict = {}                   # input signature -> n (check passed)
         self._max_verdicts = 4 * max_bs + 64        # bounded: oversize batches vary freely
         self._bound: dict = {}                      # bind()'s key -> its function
+        # In-graph staging (graphrt.graph_staging): padded_bs -> GraphStaging of that graph,
+        # and the shadow buffers its nodes copy from at capture; set by the capture.
+        self.graph_nodes: dict = {}
+        self.shadows: dict[str, torch.Tensor] = {}
+
+    def single_views(self, padded_bs: int) -> list[tuple[str, torch.Tensor]]:
+        """``(name, static view)`` of the inputs staged one copy each (alone in their dtype)
+        for graph ``padded_bs``: those ``graphrt.graph_staging`` may stage in the graph."""
+        return list(self._staging(padded_bs).singles)
+
+    def reset_graph_staging(self) -> None:
+        """Forget every graph's staging nodes and the staging functions bound to them (a
+        capture starts over)."""
+        self.graph_nodes = {}
+        self._bound.clear()
 
     def views(self, padded_bs: int) -> dict[str, torch.Tensor]:
         """The static inputs a graph of ``padded_bs`` rows reads (``shape_for(padded_bs)`` each)."""
@@ -223,7 +239,9 @@ class Stager:
         ``exact``: every input is a plain ``torch.Tensor`` (no subclass).
 
         Each input's copy is picked here, once; the function's ``paths`` says which (name ->
-        ``"foreach_copy_"``, ``"copy_"`` or ``"memcpy"``). ``"memcpy"`` (an ``exact`` input
+        ``"foreach_copy_"``, ``"copy_"``, ``"memcpy"`` or ``"graph"``). ``"graph"``: an ``exact``
+        input with a staging node in graph ``padded_bs`` (``graphrt.graph_staging``), re-pointed
+        at the source (or idled, with ``copy_``, for a source it cannot take). ``"memcpy"`` (an ``exact`` input
         alone in its dtype, ``cudart.raw_copyable``): the ``cudaMemcpyAsync`` that ``copy_`` ends
         in, on the device's current stream, without torch's dispatch; per call it falls
         back to ``copy_`` for a source that is not contiguous (strides are free in a
@@ -244,8 +262,14 @@ class Stager:
         tail = (st.count,) if st.counted else ()  # the live-count source, after the inputs
         paths = {k: "foreach_copy_" for ks, _, _ in st.groups for k in ks}
         singles, raw = [], []                     # (position, dst); raw ones + the name
+        gs = self.graph_nodes.get(padded_bs)
+        nodes = gs.nodes if gs is not None else {}
+        in_graph = []                             # (position, dst, node, bytes)
         for k, dst in st.singles:
-            if exact and cudart.raw_copyable(dst):
+            if exact and k in nodes:
+                in_graph.append((at[k], dst, nodes[k], dst.nbytes))
+                paths[k] = "graph"
+            elif exact and cudart.raw_copyable(dst):
                 raw.append((at[k], dst, k))
                 paths[k] = "memcpy"
             else:
@@ -258,10 +282,16 @@ class Stager:
             groups.append((itemgetter(*pos), dsts))
         pads = self._offset_pad(n, padded_bs) if self._offsets and padded_bs > n else ()
         counted, nd, stager = st.counted, self.n_dev, self
+        unused = tuple(node for k, node in nodes.items() if paths.get(k) != "graph")
 
         def stage(vals: tuple) -> None:
             if detach:
                 vals = tuple([t.detach() if t.requires_grad else t for t in vals])
+            for node in unused:                   # copied another way: the node must not
+                if node.src is not None:
+                    node.idle()
+            for i, dst, node, nb in in_graph:
+                node.stage(vals[i], dst, nb)
             if copy_raw is not None:
                 copy_raw(vals)
             for i, dst in singles:
@@ -289,6 +319,9 @@ class Stager:
         have dirtied them (a high-water mark); offsets inputs continue their last live
         offset on the device (no host read). The live count is filled only when it differs
         from our last fill or anything wrote ``n_dev`` since (its version counter moved)."""
+        gs = self.graph_nodes.get(padded_bs)
+        if gs is not None:                        # the inputs are in place: no node copies
+            gs.idle()
         if self._dirty != n:
             self._repad(n, padded_bs)
         if self._offsets and padded_bs > n:

@@ -301,6 +301,7 @@ def test_the_raw_copy_runs_on_the_current_non_default_stream(cuda_device, monkey
 
 @pytest.mark.gpu
 def test_the_runtime_replays_on_raw_staged_inputs(cuda_device, monkeypatch):
+    monkeypatch.setenv("GRAPHRT_GRAPH_STAGING", "0")          # (in-graph staging: its own tests)
     calls = _count_memcpy(monkeypatch)
     spec = _spec(16)
     rt = graphrt.GraphRuntime(spec, sizes=[4, 16], device=cuda_device, progress=False).capture()

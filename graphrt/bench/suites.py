@@ -140,9 +140,10 @@ def host_path_us(spec: graphrt.StepSpec, device, batches=(1, 64), *, iters: int 
     """The host path of ``spec`` at each live batch in ``batches`` (each also a captured
     size): copy-out and leased runtimes captured at ``batches``, then per batch, in one
     interleaved run (``interleaved_us``, on an idle device): ``run()`` copy-out, ``run()``
-    lease, ``run()`` lease staging with torch's ``copy_`` (``GRAPHRT_RAW_COPY=0``, against the
-    raw ``cudaMemcpyAsync`` of ``graphrt.cudart``), ``input_buffers`` + ``replay()``, the hand-written dict (``hand_written``) and a
-    bare ``graph.replay()``, host µs medians; ``run_over_hand`` (lease / hand-written, host);
+    lease (staging in the graph where ``graphrt.graph_staging`` applies), ``run()`` lease
+    staging outside the graph (``GRAPHRT_GRAPH_STAGING=0``) with the raw ``cudaMemcpyAsync`` of
+    ``graphrt.cudart`` and with torch's ``copy_`` (``GRAPHRT_RAW_COPY=0``), ``input_buffers`` +
+    ``replay()``, the hand-written dict (``hand_written``) and a bare ``graph.replay()``, host µs medians; ``run_over_hand`` (lease / hand-written, host);
     ``wall_*``: wall µs per step of a loop of ``steps`` (``loop_wall_us``) and their ratio;
     ``argmax_*``: an op on the lease against one on a debug-mode ``LeasedTensor``.
     Host-only (synchronises); CPU runtimes work too (tests, with a stand-in capture)."""
@@ -152,7 +153,9 @@ def host_path_us(spec: graphrt.StepSpec, device, batches=(1, 64), *, iters: int 
     kw = dict(sizes=list(batches), device=device, progress=False)
     copy = graphrt.GraphRuntime(spec, **kw).capture()
     lease = graphrt.GraphRuntime(spec, copy_outputs=False, **kw).capture()
-    torch_copy = graphrt.GraphRuntime(spec, copy_outputs=False, **kw).capture()  # staging by copy_
+    with env_override("GRAPHRT_GRAPH_STAGING", "0"):  # read at capture
+        raw_copy = graphrt.GraphRuntime(spec, copy_outputs=False, **kw).capture()
+        torch_copy = graphrt.GraphRuntime(spec, copy_outputs=False, **kw).capture()  # copy_
     hand = hand_written(lease)
     res = {}
     gen = torch.Generator().manual_seed(0)
@@ -163,12 +166,14 @@ def host_path_us(spec: graphrt.StepSpec, device, batches=(1, 64), *, iters: int 
             bufs[k].copy_(t)
         out = lease.run(**inputs)
         out = out if isinstance(out, torch.Tensor) else next(iter(out.values()))
+        raw_copy.run(**inputs)
         with env_override("GRAPHRT_RAW_COPY", "0"):  # read when the step is bound: its first run
             torch_copy.run(**inputs)
         checked = LeasedTensor.lease(out, LeaseClock())
         g = lease.graphs[bs].graph
         us = interleaved_us({
             "copy_out": lambda: copy.run(**inputs), "lease": lambda: lease.run(**inputs),
+            "lease_raw_copy": lambda: raw_copy.run(**inputs),
             "lease_torch_copy": lambda: torch_copy.run(**inputs),
             "zero_copy_replay": lambda: lease.replay(bs), "hand_written": lambda: hand(**inputs),
             "bare_replay": g.replay, "argmax_lease": lambda: torch.argmax(out, -1),
@@ -343,17 +348,19 @@ def md_runtime(res: dict) -> str:
         batches = sorted({int(k.split("_bs")[1].split("_")[0]) for k in o if "_bs" in k})
         lines += ["", f"Host path, {title}: host µs per call on an idle device (medians, one "
                   "interleaved run); wall µs per step of a 200-step loop:", "",
-                  "| bs | run() copy-out | run() lease | run() lease, copy_ staging "
+                  "| bs | run() copy-out | run() lease | run() lease, raw copy staging "
+                  "| run() lease, copy_ staging "
                   "| input_buffers + replay() | hand-written dict "
                   "| bare graph.replay() | run()/hand | wall run() | wall hand | wall ratio "
                   "| argmax on lease / debug lease | device step |",
-                  "|" + "---|" * 13]
+                  "|" + "---|" * 14]
         for bs in batches:
             def f(k, fmt=".1f"):
                 v = o.get(f"{k}_bs{bs}_us", o.get(f"{k}_bs{bs}"))
                 return "n/a" if v is None else format(v, fmt)
             lines.append(
-                f"| {bs} | {f('copy_out')} | {f('lease')} | {f('lease_torch_copy')} | "
+                f"| {bs} | {f('copy_out')} | {f('lease')} | {f('lease_raw_copy')} | "
+                f"{f('lease_torch_copy')} | "
                 f"{f('zero_copy_replay')} | "
                 f"{f('hand_written')} | {f('bare_replay')} | {f('run_over_hand', '.2f')} | "
                 f"{f('wall_lease')} | {f('wall_hand_written')} | {f('wall_run_over_hand', '.3f')} | "

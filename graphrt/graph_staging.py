@@ -1,0 +1,140 @@
+"""In-graph staging: an input's copy into its static buffer captured as a memcpy node at the
+head of the graph, re-pointed at the caller's tensor before each replay.
+
+``run()`` stages an input that is alone in its dtype with one copy (``copy_``, or the raw
+``cudaMemcpyAsync`` of ``graphrt.cudart``), a CUDA call of its own before ``graph.replay()``.
+Here the capture records that copy instead, from a *shadow* buffer into the static buffer,
+as the graph's first work; after capture the node is found in the graph by its two
+addresses, and each step re-points it (``cudaGraphExecMemcpyNodeSetParams1D``, an edit of the
+instantiated graph on the host) at the caller's tensor and the live rows' bytes. The edit
+applies to later launches only (replays already queued keep theirs), so a step costs one
+edit and one launch instead of one copy and one launch. BENCHMARKS.md §23 has the figures.
+
+A node is in one of two states:
+
+- *armed*: it copies the tensor of the last step that pointed it, which it keeps alive
+  until the next edit (so a replay never reads freed memory);
+- *idle*: it copies the first bytes of the static buffer into the shadow, harmless. A node is
+  idle after capture, and ``idle()`` runs before every replay whose inputs were staged
+  another way (zero-copy ``replay(n)``, a source ``copy_`` must take, a call shape that is not
+  bound to the node).
+
+On by default where the raw copy is available (``cudart.available()``);
+``GRAPHRT_GRAPH_STAGING=0`` (read at capture) turns it off. Graph safety: host-only
+(``record`` issues the copies inside a capture, everything else edits graphs between
+launches).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from graphrt import cudart
+from graphrt.env import env_flag
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether captures on ``device`` stage in the graph: a CUDA device, the raw CUDA runtime
+    available and ``GRAPHRT_GRAPH_STAGING`` not ``0``."""
+    return device.type == "cuda" and env_flag("GRAPHRT_GRAPH_STAGING", True) \
+        and cudart.available()
+
+
+class StagingNode:
+    """One input's memcpy node in one instantiated graph (see the module doc).
+
+    ``stage(src, dst, nbytes)`` points it at ``src`` for ``nbytes`` into ``dst``'s address,
+    or, for a source the node cannot take (not contiguous, a negative view, no data,
+    overlapping ``dst``), idles it and runs ``dst.copy_(src)`` instead; ``idle()``."""
+
+    __slots__ = ("name", "exec", "node", "dst", "shadow", "idle_bytes", "src", "_set", "_what")
+
+    def __init__(self, name: str, graph_exec: int, node: int, dst: torch.Tensor,
+                 shadow: torch.Tensor):
+        self.name, self.dst, self.shadow = name, dst, shadow
+        self.exec, self.node = ctypes.c_void_p(graph_exec), ctypes.c_void_p(node)
+        self.idle_bytes = dst[:1].nbytes if dst.dim() else dst.nbytes
+        self.src: torch.Tensor | None = None      # armed: the tensor it copies
+        self._set = cudart.exec_memcpy_set_fn()
+        self._what = f"cudaGraphExecMemcpyNodeSetParams1D staging input {name!r}"
+        self.idle(force=True)
+
+    @property
+    def armed(self) -> bool:
+        return self.src is not None
+
+    def stage(self, src: torch.Tensor, dst: torch.Tensor, nbytes: int) -> None:
+        if src.is_contiguous() and not src.is_neg():
+            s, d = src.data_ptr(), dst.data_ptr()
+            if s and (s + nbytes <= d or d + nbytes <= s):
+                rc = self._set(self.exec, self.node, d, s, nbytes, cudart.MEMCPY_D2D)
+                if rc:
+                    cudart.check(rc, self._what)
+                self.src = src
+                return
+        self.idle()
+        dst.copy_(src)
+
+    def idle(self, force: bool = False) -> None:
+        if self.src is None and not force:
+            return
+        cudart.check(self._set(self.exec, self.node, self.shadow.data_ptr(), self.dst.data_ptr(),
+                               self.idle_bytes, cudart.MEMCPY_D2D), self._what)
+        self.src = None
+
+
+class GraphStaging:
+    """The staging nodes of one captured graph, by input name (``nodes``)."""
+
+    def __init__(self, nodes: dict[str, StagingNode]):
+        self.nodes = nodes
+
+    def idle(self) -> None:
+        for node in self.nodes.values():
+            if node.src is not None:
+                node.idle()
+
+
+def plan(stager, size: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """``(name, static view, shadow)`` of each input graph ``size`` stages in the graph: those
+    ``stager`` copies one at a time (alone in their dtype) into a raw-copyable buffer; [] when
+    ``enabled`` is False. Shadows (one per input, the static buffer's shape, outside any graph
+    pool) are made once per stager. Host-only."""
+    if not enabled(stager.device):
+        return []
+    out = []
+    for name, view in stager.single_views(size):
+        if cudart.raw_copyable(view):
+            shadow = stager.shadows.get(name)
+            if shadow is None:
+                with torch.inference_mode(False):
+                    shadow = stager.shadows[name] = torch.zeros_like(stager.buffers[name])
+            out.append((name, view, shadow))
+    return out
+
+
+def record(planned: list, stream: torch.cuda.Stream) -> None:
+    """Inside a capture on ``stream``: one ``cudaMemcpyAsync`` shadow -> static view per
+    planned input, the memcpy nodes ``locate`` finds. Graph safety: capture-only."""
+    for name, view, shadow in planned:
+        cudart.memcpy_d2d_async(view.data_ptr(), shadow.data_ptr(), view.nbytes,
+                                stream.cuda_stream)
+
+
+def locate(graph: "torch.cuda.CUDAGraph", planned: list) -> GraphStaging:
+    """After capture (``graph`` kept with ``keep_graph=True``): instantiate it, find each
+    planned input's memcpy node by its addresses and idle it. Raises ``GraphrtError`` when
+    a node is missing (set ``GRAPHRT_GRAPH_STAGING=0``). Host-only."""
+    from graphrt.errors import GraphrtError
+    graph.instantiate()
+    found = {(dst, src): node for node, dst, src, _ in cudart.graph_memcpy_nodes(graph.raw_cuda_graph())}
+    graph_exec, nodes = graph.raw_cuda_graph_exec(), {}
+    for name, view, shadow in planned:
+        node = found.get((view.data_ptr(), shadow.data_ptr()))
+        if node is None:
+            raise GraphrtError(f"in-graph staging: the captured copy of input {name!r} is not "
+                               "a memcpy node of the graph (this torch or driver captured it "
+                               "otherwise); set GRAPHRT_GRAPH_STAGING=0 to stage outside the graph")
+        nodes[name] = StagingNode(name, graph_exec, node, view, shadow)
+    return GraphStaging(nodes)

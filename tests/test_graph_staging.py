@@ -1,0 +1,267 @@
+"""In-graph staging (issue 17, ``graphrt.graph_staging``): an input alone in its dtype is
+copied by a memcpy node at the head of the graph, re-pointed per step.
+
+CPU: the node's per-call choices (``StagingNode`` with a stand-in for
+``cudaGraphExecMemcpyNodeSetParams1D`` that records its calls), and ``Stager.bind``'s wiring:
+which inputs go by the node, that the node is idled before any replay whose inputs were
+staged another way (zero-copy ``replay``, a subclass input, a source it cannot take). GPU
+(``@pytest.mark.gpu``): the real nodes, found after capture, re-pointed between replays that
+are queued back to back, against eager."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import graphrt
+import graphrt.cudart as cudart
+import graphrt.graph_staging as gs
+from graphrt.cudart import CudaRuntimeError
+from graphrt.replay_policy import Stager
+from tests.fakes.specs import use_fake_capture
+
+N, PADDED = 3, 4
+NAMES = ("x", "ids", "pos", "lens")
+
+
+def _spec(max_bs: int = 8) -> graphrt.StepSpec:
+    """x (float, alone), ids (int64, alone), pos + lens (int32: one group with the count)."""
+    inputs = {"x": graphrt.Input((None, 4), torch.float32, pad_value=-1.0),
+              "ids": graphrt.Input((None,), torch.int64, high=100, pad_value=7),
+              "pos": graphrt.Input((None,), torch.int32, high=9),
+              "lens": graphrt.Input((None,), torch.int32, high=9, pad_value=0)}
+    return graphrt.StepSpec(lambda x, ids, pos, lens, n: x * 2 + ids[:, None], inputs, max_bs,
+                            live_count="n")
+
+
+@pytest.fixture
+def set_params(monkeypatch):
+    """The SetParams1D stand-in: records ``(dst, src, nbytes, kind)``, returns ``box.rc``, and
+    (rc 0) copies the bytes at once, as the node would at the next replay."""
+    import ctypes
+    box = SimpleNamespace(calls=[], rc=0)
+
+    def set1d(graph_exec, node, dst, src, nbytes, kind):
+        box.calls.append((dst, src, nbytes, kind))
+        if not box.rc:
+            ctypes.memmove(dst, src, nbytes)
+        return box.rc
+
+    class Lib:
+        def get_last_error(self):
+            pass
+
+        def error_string(self, rc):
+            return b"invalid argument"
+    monkeypatch.setattr(cudart, "exec_memcpy_set_fn", lambda: set1d)
+    monkeypatch.setattr(cudart, "_LIB", Lib())
+    monkeypatch.setattr(cudart, "_AVAILABLE", True)
+    return box
+
+
+def _node(name="x", rows=8):
+    dst, shadow = torch.zeros(rows, 4), torch.zeros(rows, 4)
+    return gs.StagingNode(name, 0x10, 0x20, dst, shadow), dst, shadow
+
+
+def test_a_new_node_is_idle_and_copies_into_its_shadow(set_params):
+    node, dst, shadow = _node()
+    assert not node.armed
+    assert set_params.calls == [(shadow.data_ptr(), dst.data_ptr(), 16, cudart.MEMCPY_D2D)]
+    node.idle()                                            # idle already: no call
+    assert len(set_params.calls) == 1
+
+
+def test_a_contiguous_source_re_points_the_node_and_is_kept_alive(set_params):
+    node, dst, _ = _node()
+    src = torch.randn(N, 4)
+    node.stage(src, dst[:N], src.nbytes)
+    assert set_params.calls[-1] == (dst.data_ptr(), src.data_ptr(), N * 16, cudart.MEMCPY_D2D)
+    assert node.armed and node.src is src and torch.equal(dst[:N], src)
+    node.idle()
+    assert not node.armed and set_params.calls[-1][0] == node.shadow.data_ptr()
+
+
+def test_an_overlapping_source_idles_the_node_and_raises_what_copy_raises(set_params):
+    node, dst, _ = _node()
+    node.stage(torch.randn(N, 4), dst[:N], N * 16)         # armed first
+    with pytest.raises(RuntimeError, match="single memory location"):
+        node.stage(dst[1:N + 1], dst[:N], N * 16)
+    assert not node.armed
+
+
+@pytest.mark.parametrize("what", ["strided", "negative"])
+def test_a_source_the_node_cannot_take_idles_it_and_goes_by_copy_(set_params, what):
+    node, dst, _ = _node()
+    node.stage(torch.randn(N, 4), dst[:N], N * 16)         # armed first
+    src = {"strided": torch.randn(4, N).t(), "negative": torch.randn(N, 4)._neg_view()}[what]
+    want = src.clone()
+    before = len(set_params.calls)
+    node.stage(src, dst[:N], N * 16)
+    assert not node.armed and len(set_params.calls) == before + 1   # the idle edit only
+    assert set_params.calls[-1][0] == node.shadow.data_ptr()
+    assert torch.equal(dst[:N], want.resolve_neg())
+
+
+def test_a_failed_edit_raises_a_typed_error_naming_the_input(set_params):
+    node, dst, _ = _node("tokens")
+    set_params.rc = 1
+    with pytest.raises(CudaRuntimeError, match="staging input 'tokens'.*invalid argument"):
+        node.stage(torch.randn(N, 4), dst[:N], N * 16)
+
+
+def test_off_on_the_cpu_and_with_graphrt_graph_staging_0(monkeypatch):
+    st = Stager(_spec(), 8, torch.device("cpu"))
+    assert not gs.enabled(torch.device("cpu")) and gs.plan(st, PADDED) == []
+    assert [k for k, _ in st.single_views(PADDED)] == ["x", "ids"]
+    monkeypatch.setattr(cudart, "_AVAILABLE", True)
+    monkeypatch.setenv("GRAPHRT_GRAPH_STAGING", "0")
+    assert not gs.enabled(torch.device("cuda", 0))
+
+
+# -- Stager wiring ----------------------------------------------------------------------------
+def _with_nodes(st: Stager, padded_bs: int = PADDED) -> dict:
+    """Give ``st`` staging nodes for x and ids in graph ``padded_bs`` (stand-in edits)."""
+    nodes = {k: gs.StagingNode(k, 0x10, 0x20 + i, st.buffers[k], torch.zeros_like(st.buffers[k]))
+             for i, k in enumerate(("x", "ids"))}
+    st.graph_nodes[padded_bs] = gs.GraphStaging(nodes)
+    return nodes
+
+
+def _live(seed: int, n: int = N) -> dict:
+    return _spec().random_inputs(n, generator=torch.Generator().manual_seed(seed))
+
+
+def test_bind_stages_lone_inputs_by_their_nodes_and_groups_as_before(set_params):
+    st = Stager(_spec(), 8, torch.device("cpu"))
+    nodes = _with_nodes(st)
+    stage = st.bind(NAMES, N, PADDED, False, True)
+    assert stage.paths == {"x": "graph", "ids": "graph", "pos": "foreach_copy_",
+                           "lens": "foreach_copy_"}
+    for seed in range(3):
+        live = _live(seed)
+        stage(tuple(live[k] for k in NAMES))
+        assert all(torch.equal(st.buffers[k][:N], live[k]) for k in NAMES)
+        assert nodes["x"].src is live["x"] and nodes["ids"].src is live["ids"]
+        assert int(st.n_dev) == N and st.pad_rows_intact(N, PADDED) == []
+    # another graph's call shape has no nodes: the raw/copy_ path, these nodes untouched
+    assert st.bind(NAMES, N, 8, False, True).paths["x"] != "graph"
+
+
+def test_a_subclass_call_shape_idles_the_nodes_and_copies(set_params):
+    class Sub(torch.Tensor):
+        pass
+    st = Stager(_spec(), 8, torch.device("cpu"))
+    nodes = _with_nodes(st)
+    live = _live(0)
+    st.bind(NAMES, N, PADDED, False, True)(tuple(live[k] for k in NAMES))
+    assert nodes["x"].armed
+    live = _live(1)
+    live["x"] = live["x"].as_subclass(Sub)
+    stage = st.bind(NAMES, N, PADDED, False, False)
+    assert stage.paths["x"] == "copy_"
+    stage(tuple(live[k] for k in NAMES))
+    assert not nodes["x"].armed and not nodes["ids"].armed
+    assert torch.equal(st.buffers["x"][:N], live["x"].as_subclass(torch.Tensor))
+
+
+def test_zero_copy_replay_idles_the_nodes_of_its_graph_only(set_params):
+    st = Stager(_spec(), 8, torch.device("cpu"))
+    nodes, other = _with_nodes(st), _with_nodes(Stager(_spec(), 8, torch.device("cpu")), 8)
+    st.graph_nodes[8] = gs.GraphStaging(other)
+    live = _live(0)
+    st.bind(NAMES, N, PADDED, False, True)(tuple(live[k] for k in NAMES))
+    other["x"].src = live["x"]                              # pretend graph 8 is armed too
+    st.pad_only(N, PADDED)
+    assert not nodes["x"].armed and not nodes["ids"].armed and other["x"].armed
+    st.reset_graph_staging()
+    assert st.graph_nodes == {} and st.bind(NAMES, N, PADDED, False, True).paths["x"] != "graph"
+
+
+def test_the_runtime_steady_state_stages_by_the_nodes(set_params, monkeypatch):
+    """The fake capture makes no nodes; given some, run() re-points them and replay() idles
+    them, and the outputs are what eager computes."""
+    use_fake_capture(monkeypatch)
+    spec = _spec(16)
+    rt = graphrt.GraphRuntime(spec, sizes=[4, 16], device="cpu", copy_outputs=False,
+                              progress=False).capture()
+    nodes = _with_nodes(rt.stager)
+    for seed in range(3):
+        live = spec.random_inputs(N, generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(rt.run(**live), spec.call_padded(live, 4, None))
+        assert nodes["x"].src is live["x"]
+    stage = rt._steps.lookup(live, tuple(live.values()))[0]
+    assert stage.paths["x"] == "graph"
+    bufs = rt.input_buffers(N)
+    for k, v in live.items():
+        bufs[k].copy_(v)
+    assert torch.equal(rt.replay(N), spec.call_padded(live, 4, None))
+    assert not nodes["x"].armed
+
+
+# -- on a GPU ----------------------------------------------------------------------------------
+def _cuda_live(spec, n: int, gen, device) -> dict:
+    return {k: v.to(device) for k, v in spec.random_inputs(n, generator=gen).items()}
+
+
+@pytest.mark.gpu
+def test_the_nodes_are_found_and_replays_match_eager(cuda_device):
+    spec = _spec(16)
+    rt = graphrt.GraphRuntime(spec, sizes=[4, 16], device=cuda_device, progress=False).capture()
+    assert sorted(rt.stager.graph_nodes) == [4, 16]
+    assert all(sorted(g.nodes) == ["ids", "x"] and not any(nd.armed for nd in g.nodes.values())
+               for g in rt.stager.graph_nodes.values())
+    gen = torch.Generator().manual_seed(1)
+    for n in (3, 3, 9, 3, 16, 1, 4):
+        live = _cuda_live(spec, n, gen, cuda_device)
+        assert torch.equal(rt.run(**live), spec.call_padded(live, rt.table.pick(n), None)), n
+    stage = rt._steps.lookup(live, tuple(live.values()))[0]
+    assert stage.paths == {"x": "graph", "ids": "graph", "pos": "foreach_copy_",
+                           "lens": "foreach_copy_"}
+    assert rt.stager.graph_nodes[4].nodes["x"].src is live["x"]
+
+
+@pytest.mark.gpu
+def test_replays_queued_back_to_back_each_read_their_own_source(cuda_device):
+    """Every run() is queued behind a long device sleep, so all edits happen before the first
+    replay executes: each replay must still copy the tensor its own run() was given."""
+    spec = _spec(16)
+    rt = graphrt.GraphRuntime(spec, sizes=[4, 16], device=cuda_device, progress=False).capture()
+    gen = torch.Generator().manual_seed(2)
+    lives = [_cuda_live(spec, n, gen, cuda_device) for n in (3, 4, 3, 2, 3)]
+    rt.run(**lives[0])
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)
+    outs = [rt.run(**live) for live in lives]                    # copy-out: queued clones
+    torch.cuda.synchronize()
+    for live, out in zip(lives, outs):
+        assert torch.equal(out, spec.call_padded(live, 4, None))
+
+
+@pytest.mark.gpu
+def test_zero_copy_replay_and_strided_sources_after_an_armed_node(cuda_device):
+    spec = _spec(16)
+    rt = graphrt.GraphRuntime(spec, sizes=[4, 16], device=cuda_device, progress=False).capture()
+    gen = torch.Generator().manual_seed(3)
+    first, engine = _cuda_live(spec, N, gen, cuda_device), _cuda_live(spec, N, gen, cuda_device)
+    rt.run(**first)
+    bufs = rt.input_buffers(N)                 # the engine writes its rows in place
+    for k, v in engine.items():
+        bufs[k].copy_(v)
+    assert torch.equal(rt.replay(N), spec.call_padded(engine, 4, None))
+    node = rt.stager.graph_nodes[4].nodes["x"]
+    assert not node.armed
+    live = _cuda_live(spec, N, gen, cuda_device)
+    live["x"] = live["x"].t().contiguous().t()                   # same signature, strided
+    assert torch.equal(rt.run(**live), spec.call_padded(live, 4, None))
+    assert not node.armed and rt.stager.graph_nodes[4].nodes["ids"].armed
+
+
+@pytest.mark.gpu
+def test_graphrt_graph_staging_0_captures_without_nodes(cuda_device, monkeypatch):
+    monkeypatch.setenv("GRAPHRT_GRAPH_STAGING", "0")
+    spec = _spec(16)
+    rt = graphrt.GraphRuntime(spec, sizes=[4], device=cuda_device, progress=False).capture()
+    assert rt.stager.graph_nodes == {}
+    live = _cuda_live(spec, N, torch.Generator().manual_seed(4), cuda_device)
+    assert torch.equal(rt.run(**live), spec.call_padded(live, 4, None))
+    assert rt._steps.lookup(live, tuple(live.values()))[0].paths["x"] == "memcpy"
