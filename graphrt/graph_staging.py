@@ -1,14 +1,16 @@
-"""In-graph staging: an input's copy into its static buffer captured as a memcpy node at the
-head of the graph, re-pointed at the caller's tensor before each replay.
+"""In-graph staging: each input's copy into its static buffer captured as a memcpy node at
+the head of the graph, re-pointed at the caller's tensor before each replay.
 
-``run()`` stages an input that is alone in its dtype with one copy (``copy_``, or the raw
-``cudaMemcpyAsync`` of ``graphrt.cudart``), a CUDA call of its own before ``graph.replay()``.
-Here the capture records that copy instead, from a *shadow* buffer into the static buffer,
-as the graph's first work; after capture the node is found in the graph by its two
-addresses, and each step re-points it (``cudaGraphExecMemcpyNodeSetParams1D``, an edit of the
-instantiated graph on the host) at the caller's tensor and the live rows' bytes. The edit
-applies to later launches only (replays already queued keep theirs), so a step costs one
-edit and one launch instead of one copy and one launch. BENCHMARKS.md §23 has the figures.
+Without it ``run()`` stages the inputs with CUDA calls of their own before ``graph.replay()``:
+one ``torch._foreach_copy_`` per dtype of several inputs, one copy (``copy_``, or the raw
+``cudaMemcpyAsync`` of ``graphrt.cudart``) for an input alone in its dtype. Here the capture
+records one copy per batch or fixed input instead, from a *shadow* buffer into the static buffer, as the
+graph's first work; after capture each node is found in the graph by its two addresses, and
+each step re-points it (``cudaGraphExecMemcpyNodeSetParams1D``, an edit of the instantiated
+graph on the host) at the caller's tensor and the live rows' bytes. The edit applies to later
+launches only (replays already queued keep theirs). A source at the address and size the
+node already copies needs no edit at all: an engine that hands the same tensors every step
+stages for free. BENCHMARKS.md §23 has the figures.
 
 A node is in one of two states:
 
@@ -48,7 +50,8 @@ class StagingNode:
     or, for a source the node cannot take (not contiguous, a negative view, no data,
     overlapping ``dst``), idles it and runs ``dst.copy_(src)`` instead; ``idle()``."""
 
-    __slots__ = ("name", "exec", "node", "dst", "shadow", "idle_bytes", "src", "_set", "_what")
+    __slots__ = ("name", "exec", "node", "dst", "shadow", "idle_bytes", "src", "_at", "_set",
+                 "_what")
 
     def __init__(self, name: str, graph_exec: int, node: int, dst: torch.Tensor,
                  shadow: torch.Tensor):
@@ -56,6 +59,7 @@ class StagingNode:
         self.exec, self.node = ctypes.c_void_p(graph_exec), ctypes.c_void_p(node)
         self.idle_bytes = dst[:1].nbytes if dst.dim() else dst.nbytes
         self.src: torch.Tensor | None = None      # armed: the tensor it copies
+        self._at = (0, 0, 0)                      # armed: (src address, dst address, bytes)
         self._set = cudart.exec_memcpy_set_fn()
         self._what = f"cudaGraphExecMemcpyNodeSetParams1D staging input {name!r}"
         self.idle(force=True)
@@ -68,9 +72,12 @@ class StagingNode:
         if src.is_contiguous() and not src.is_neg():
             s, d = src.data_ptr(), dst.data_ptr()
             if s and (s + nbytes <= d or d + nbytes <= s):
-                rc = self._set(self.exec, self.node, d, s, nbytes, cudart.MEMCPY_D2D)
-                if rc:
-                    cudart.check(rc, self._what)
+                at = (s, d, nbytes)
+                if self.src is None or at != self._at:   # else it already copies from there
+                    rc = self._set(self.exec, self.node, d, s, nbytes, cudart.MEMCPY_D2D)
+                    if rc:
+                        cudart.check(rc, self._what)
+                    self._at = at
                 self.src = src
                 return
         self.idle()
@@ -97,15 +104,17 @@ class GraphStaging:
 
 
 def plan(stager, size: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """``(name, static view, shadow)`` of each input graph ``size`` stages in the graph: those
-    ``stager`` copies one at a time (alone in their dtype) into a raw-copyable buffer; [] when
-    ``enabled`` is False. Shadows (one per input, the static buffer's shape, outside any graph
-    pool) are made once per stager. Host-only."""
+    """``(name, static view, shadow)`` of each input graph ``size`` stages in the graph: every
+    batch or fixed input whose static view is raw-copyable (``cudart.raw_copyable``:
+    contiguous, some bytes, not complex); [] when ``enabled`` is False. Offsets inputs are
+    staged before the replay as before: their padding continues the last live offset, which a
+    copy before the graph must read after the live entries were written. Shadows (one per input, the static buffer's
+    shape, outside any graph pool) are made once per stager. Host-only."""
     if not enabled(stager.device):
         return []
     out = []
-    for name, view in stager.single_views(size):
-        if cudart.raw_copyable(view):
+    for name, view in stager.views(size).items():
+        if stager.spec.inputs[name].rows != "offsets" and cudart.raw_copyable(view):
             shadow = stager.shadows.get(name)
             if shadow is None:
                 with torch.inference_mode(False):

@@ -12,8 +12,9 @@ Plain Python plus a few torch copies; nothing here captures or replays (that is
   ``torch._foreach_copy_`` per input dtype (for a dtype with one input a ``copy_``, or on
   CUDA the raw ``cudaMemcpyAsync`` it ends in, ``graphrt.cudart``), the live count riding
   along with the int32 inputs (else filled only when it changed), plus one copy per
-  offsets input when the batch is padded. An input alone in its dtype whose graph has a
-  staging node (``graphrt.graph_staging``) costs no copy call: the node is re-pointed.
+  offsets input when the batch is padded. An input with a staging node in its graph
+  (``graphrt.graph_staging``: batch and fixed inputs on CUDA) costs no copy call: the node
+  is re-pointed, or left as it is when the source is where it already copies from.
 
 The per-step host path does no work it can cache: ``check_cached`` remembers the verdict
 of ``check`` per input signature (``graphrt.step_cache.signature``: names, and per input
@@ -124,11 +125,6 @@ class Stager:
         # and the shadow buffers its nodes copy from at capture; set by the capture.
         self.graph_nodes: dict = {}
         self.shadows: dict[str, torch.Tensor] = {}
-
-    def single_views(self, padded_bs: int) -> list[tuple[str, torch.Tensor]]:
-        """``(name, static view)`` of the inputs staged one copy each (alone in their dtype)
-        for graph ``padded_bs``: those ``graphrt.graph_staging`` may stage in the graph."""
-        return list(self._staging(padded_bs).singles)
 
     def reset_graph_staging(self) -> None:
         """Forget every graph's staging nodes and the staging functions bound to them (a
@@ -259,30 +255,39 @@ class Stager:
     def _bind(self, names: tuple, n: int, padded_bs: int, detach: bool, exact: bool) -> Callable:
         st = self._staging(n)
         at = {k: i for i, k in enumerate(names)}
-        tail = (st.count,) if st.counted else ()  # the live-count source, after the inputs
-        paths = {k: "foreach_copy_" for ks, _, _ in st.groups for k in ks}
-        singles, raw = [], []                     # (position, dst); raw ones + the name
         gs = self.graph_nodes.get(padded_bs)
-        nodes = gs.nodes if gs is not None else {}
-        in_graph = []                             # (position, dst, node, bytes)
+        every_node = gs.nodes if gs is not None else {}
+        nodes = {k: v for k, v in every_node.items() if k in at} if exact else {}
+        in_graph = tuple((at[k], st.views[k], node, st.views[k].nbytes)   # (pos, dst, node, bytes)
+                         for k, node in nodes.items())
+        paths = {k: "graph" for k in nodes}
+        singles, raw = [], []                     # (position, dst); raw ones + the name
+        groups = []                               # (getter of the sources, destinations)
+        counted = False
+        for ks, dsts, src in st.groups:           # the inputs without a node, by dtype
+            rest = [(k, d) for k, d in zip(ks, dsts) if k not in nodes]
+            if len(rest) + (src is not None) >= 2:
+                pos = [at[k] for k, _ in rest] + ([len(names)] if src is not None else [])
+                groups.append((itemgetter(*pos), [d for _, d in rest] + dsts[len(ks):]))
+                paths.update((k, "foreach_copy_") for k, _ in rest)
+                counted |= src is not None
+            elif rest:
+                singles.append((at[rest[0][0]], rest[0][1]))
+                paths[rest[0][0]] = "copy_"
+        tail = (st.count,) if counted else ()     # the live-count source, after the inputs
         for k, dst in st.singles:
-            if exact and k in nodes:
-                in_graph.append((at[k], dst, nodes[k], dst.nbytes))
-                paths[k] = "graph"
-            elif exact and cudart.raw_copyable(dst):
+            if k in nodes:
+                continue
+            if exact and cudart.raw_copyable(dst):
                 raw.append((at[k], dst, k))
                 paths[k] = "memcpy"
             else:
                 singles.append((at[k], dst))
                 paths[k] = "copy_"
         copy_raw = cudart.d2d_copier(raw) if raw else None
-        groups = []                               # (getter of the sources, destinations)
-        for ks, dsts, src in st.groups:
-            pos = [at[k] for k in ks] + ([len(names)] if src is not None else [])
-            groups.append((itemgetter(*pos), dsts))
         pads = self._offset_pad(n, padded_bs) if self._offsets and padded_bs > n else ()
-        counted, nd, stager = st.counted, self.n_dev, self
-        unused = tuple(node for k, node in nodes.items() if paths.get(k) != "graph")
+        nd, stager = self.n_dev, self
+        unused = tuple(node for k, node in every_node.items() if k not in nodes)
 
         def stage(vals: tuple) -> None:
             if detach:

@@ -1,4 +1,4 @@
-"""In-graph staging (issue 17, ``graphrt.graph_staging``): an input alone in its dtype is
+"""In-graph staging (issue 17, ``graphrt.graph_staging``): each batch or fixed input is
 copied by a memcpy node at the head of the graph, re-pointed per step.
 
 CPU: the node's per-call choices (``StagingNode`` with a stand-in for
@@ -112,17 +112,28 @@ def test_a_failed_edit_raises_a_typed_error_naming_the_input(set_params):
 def test_off_on_the_cpu_and_with_graphrt_graph_staging_0(monkeypatch):
     st = Stager(_spec(), 8, torch.device("cpu"))
     assert not gs.enabled(torch.device("cpu")) and gs.plan(st, PADDED) == []
-    assert [k for k, _ in st.single_views(PADDED)] == ["x", "ids"]
     monkeypatch.setattr(cudart, "_AVAILABLE", True)
     monkeypatch.setenv("GRAPHRT_GRAPH_STAGING", "0")
     assert not gs.enabled(torch.device("cuda", 0))
 
 
 # -- Stager wiring ----------------------------------------------------------------------------
-def _with_nodes(st: Stager, padded_bs: int = PADDED) -> dict:
-    """Give ``st`` staging nodes for x and ids in graph ``padded_bs`` (stand-in edits)."""
+def test_plan_takes_batch_and_fixed_inputs_not_offsets(monkeypatch):
+    from tests.fakes.specs import every_kind_spec
+    st = Stager(every_kind_spec(), 8, torch.device("cpu"))
+    monkeypatch.setattr(gs, "enabled", lambda device: True)
+    monkeypatch.setattr(cudart, "raw_copyable", lambda view: view.is_contiguous())
+    planned = gs.plan(st, PADDED)
+    assert [k for k, _, _ in planned] == ["x", "ids", "table", "bias"]      # not "cu"
+    assert all(v.shape == sh.shape == st.buffers[k].shape if k == "bias" else
+               v.shape[0] == PADDED and sh.shape == st.buffers[k].shape for k, v, sh in planned)
+    assert gs.plan(st, 8)[0][2] is planned[0][2]              # one shadow per input
+
+
+def _with_nodes(st: Stager, padded_bs: int = PADDED, names=("x", "ids")) -> dict:
+    """Give ``st`` staging nodes for ``names`` in graph ``padded_bs`` (stand-in edits)."""
     nodes = {k: gs.StagingNode(k, 0x10, 0x20 + i, st.buffers[k], torch.zeros_like(st.buffers[k]))
-             for i, k in enumerate(("x", "ids"))}
+             for i, k in enumerate(names)}
     st.graph_nodes[padded_bs] = gs.GraphStaging(nodes)
     return nodes
 
@@ -145,6 +156,40 @@ def test_bind_stages_lone_inputs_by_their_nodes_and_groups_as_before(set_params)
         assert int(st.n_dev) == N and st.pad_rows_intact(N, PADDED) == []
     # another graph's call shape has no nodes: the raw/copy_ path, these nodes untouched
     assert st.bind(NAMES, N, 8, False, True).paths["x"] != "graph"
+
+
+@pytest.mark.parametrize("names, int32_path", [
+    (("x", "ids", "pos", "lens"), None),                   # every input: the count by fill_
+    (("x", "pos"), "foreach_copy_"),                       # lens + the count stay a group
+    (("x", "pos", "lens"), None)])                          # only the count left: fill_
+def test_nodes_for_grouped_inputs_leave_the_rest_of_their_group(set_params, names, int32_path):
+    st, ref = Stager(_spec(), 8, torch.device("cpu")), Stager(_spec(), 8, torch.device("cpu"))
+    _with_nodes(st, names=names)
+    stage, ref_stage = st.bind(NAMES, N, PADDED, False, True), ref.bind(NAMES, N, PADDED, False)
+    assert {k: p for k, p in stage.paths.items() if k in names} == {k: "graph" for k in names}
+    assert stage.paths.get("lens", None) == ("graph" if "lens" in names else int32_path)
+    for seed in range(3):
+        live = _live(seed, N)
+        vals = tuple(live[k] for k in NAMES)
+        stage(vals)
+        ref_stage(vals)
+        assert all(torch.equal(st.buffers[k], ref.buffers[k]) for k in NAMES)
+        assert int(st.n_dev) == N and st.pad_rows_intact(N, PADDED) == []
+
+
+def test_a_source_where_the_node_already_copies_from_needs_no_edit(set_params):
+    st = Stager(_spec(), 8, torch.device("cpu"))
+    _with_nodes(st)
+    stage = st.bind(NAMES, N, PADDED, False, True)
+    live = _live(0)
+    vals = tuple(live[k] for k in NAMES)
+    stage(vals)
+    edits = len(set_params.calls)
+    live["x"].add_(1)                                      # the engine rewrites its own tensors
+    stage(vals)
+    assert len(set_params.calls) == edits                  # (the node copies at replay)
+    stage(tuple(_live(1)[k] for k in NAMES))               # new tensors: one edit each
+    assert len(set_params.calls) == edits + 2
 
 
 def test_a_subclass_call_shape_idles_the_nodes_and_copies(set_params):
@@ -208,16 +253,48 @@ def test_the_nodes_are_found_and_replays_match_eager(cuda_device):
     spec = _spec(16)
     rt = graphrt.GraphRuntime(spec, sizes=[4, 16], device=cuda_device, progress=False).capture()
     assert sorted(rt.stager.graph_nodes) == [4, 16]
-    assert all(sorted(g.nodes) == ["ids", "x"] and not any(nd.armed for nd in g.nodes.values())
+    assert all(sorted(g.nodes) == sorted(NAMES) and not any(nd.armed for nd in g.nodes.values())
                for g in rt.stager.graph_nodes.values())
     gen = torch.Generator().manual_seed(1)
     for n in (3, 3, 9, 3, 16, 1, 4):
         live = _cuda_live(spec, n, gen, cuda_device)
         assert torch.equal(rt.run(**live), spec.call_padded(live, rt.table.pick(n), None)), n
     stage = rt._steps.lookup(live, tuple(live.values()))[0]
-    assert stage.paths == {"x": "graph", "ids": "graph", "pos": "foreach_copy_",
-                           "lens": "foreach_copy_"}
+    assert stage.paths == {k: "graph" for k in NAMES}
     assert rt.stager.graph_nodes[4].nodes["x"].src is live["x"]
+
+
+@pytest.mark.gpu
+def test_offsets_inputs_are_staged_before_the_graph_and_padded_right(cuda_device):
+    inputs = {"x": graphrt.Input((None, 4), torch.float32, pad_value=0.0),
+              "cu": graphrt.Input((None,), torch.int32, low=0, high=5, offsets=True),
+              "ids": graphrt.Input((None,), torch.int64, high=50, pad_value=0)}
+
+    def step(x, cu, ids, n):
+        return x * (cu[1:] - cu[:-1]).to(x.dtype)[:, None] + ids[:, None] + cu[-1]
+    spec = graphrt.StepSpec(step, inputs, 16, live_count="n")
+    rt = graphrt.GraphRuntime(spec, sizes=[4, 16], device=cuda_device, progress=False).capture()
+    assert sorted(rt.stager.graph_nodes[16].nodes) == ["ids", "x"]
+    gen = torch.Generator().manual_seed(5)
+    for n in (3, 9, 2, 9, 16):
+        live = _cuda_live(spec, n, gen, cuda_device)
+        assert torch.equal(rt.run(**live), spec.call_padded(live, rt.table.pick(n), None)), n
+
+
+@pytest.mark.gpu
+def test_an_engine_handing_the_same_tensors_stages_with_no_edit(cuda_device, monkeypatch):
+    spec = _spec(16)
+    rt = graphrt.GraphRuntime(spec, sizes=[4], device=cuda_device, progress=False).capture()
+    live = _cuda_live(spec, N, torch.Generator().manual_seed(6), cuda_device)
+    rt.run(**live)
+    edits, real = [], cudart.exec_memcpy_set_fn()
+    for node in rt.stager.graph_nodes[4].nodes.values():
+        node._set = lambda *a, _real=real: edits.append(a) or _real(*a)
+    for step in range(3):
+        live["x"].add_(1)                            # the engine writes its rows in place
+        live["ids"].random_(0, 50)
+        assert torch.equal(rt.run(**live), spec.call_padded(live, 4, None)), step
+    assert edits == []
 
 
 @pytest.mark.gpu
