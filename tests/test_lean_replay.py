@@ -282,7 +282,8 @@ def test_host_path_benchmark_runs_every_variant_on_cpu(fake_capture):
         assert torch.equal(hand(**inputs)["logits"], want)
     res = host_path_us(spec, "cpu", (1, 4), iters=20, rounds=2, steps=3)
     for bs in (1, 4):
-        for k in ("copy_out", "lease", "lease_raw_copy", "zero_copy_replay", "hand_written",
+        for k in ("copy_out", "lease", "lease_fresh", "lease_raw_copy", "zero_copy_replay",
+                  "hand_written",
                   "bare_replay",
                   "argmax_lease", "argmax_debug_lease", "wall_lease", "wall_hand_written"):
             assert res[f"{k}_bs{bs}_us"] > 0

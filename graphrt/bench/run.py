@@ -52,8 +52,8 @@ printed at the end. ``results.json``::
     measured: bool                      false: nothing was measured (exit 1)
     runtime: {step, sizes, capture_s_total, warmup_s, capture_s_per_graph {bs: s},
               pool_bytes_total, pool_bytes_largest, pool_ratio,
-              run_host_us {copy_out_bs{1,64}_us, lease_bs*_us, lease_raw_copy_bs*_us,
-                           lease_torch_copy_bs*_us,
+              run_host_us {copy_out_bs{1,64}_us, lease_bs*_us, lease_fresh_bs*_us,
+                           lease_raw_copy_bs*_us, lease_torch_copy_bs*_us,
                            zero_copy_replay_bs*_us,
                            bare_replay_bs*_us, hand_written_bs*_us, run_over_hand_bs*,
                            argmax_lease_bs*_us, argmax_debug_lease_bs*_us, wall_lease_bs*_us,

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import bisect
+import itertools
 import statistics
 import time
 from typing import Callable
@@ -140,7 +141,9 @@ def host_path_us(spec: graphrt.StepSpec, device, batches=(1, 64), *, iters: int 
     """The host path of ``spec`` at each live batch in ``batches`` (each also a captured
     size): copy-out and leased runtimes captured at ``batches``, then per batch, in one
     interleaved run (``interleaved_us``, on an idle device): ``run()`` copy-out, ``run()``
-    lease (staging in the graph where ``graphrt.graph_staging`` applies), ``run()`` lease
+    lease (staging in the graph where ``graphrt.graph_staging`` applies: the same input
+    tensors every call, so its nodes need no edit; ``lease_fresh``: four sets of tensors in
+    turn, an edit per input and call), ``run()`` lease
     staging outside the graph (``GRAPHRT_GRAPH_STAGING=0``) with the raw ``cudaMemcpyAsync`` of
     ``graphrt.cudart`` and with torch's ``copy_`` (``GRAPHRT_RAW_COPY=0``), ``input_buffers`` +
     ``replay()``, the hand-written dict (``hand_written``) and a bare ``graph.replay()``, host µs medians; ``run_over_hand`` (lease / hand-written, host);
@@ -161,6 +164,7 @@ def host_path_us(spec: graphrt.StepSpec, device, batches=(1, 64), *, iters: int 
     gen = torch.Generator().manual_seed(0)
     for bs in batches:
         inputs = spec.random_inputs(bs, device, gen)
+        fresh = itertools.cycle([spec.random_inputs(bs, device, gen) for _ in range(4)]).__next__
         bufs = lease.input_buffers(bs)   # the engine writes its rows in place once
         for k, t in inputs.items():
             bufs[k].copy_(t)
@@ -173,6 +177,7 @@ def host_path_us(spec: graphrt.StepSpec, device, batches=(1, 64), *, iters: int 
         g = lease.graphs[bs].graph
         us = interleaved_us({
             "copy_out": lambda: copy.run(**inputs), "lease": lambda: lease.run(**inputs),
+            "lease_fresh": lambda: lease.run(**fresh()),
             "lease_raw_copy": lambda: raw_copy.run(**inputs),
             "lease_torch_copy": lambda: torch_copy.run(**inputs),
             "zero_copy_replay": lambda: lease.replay(bs), "hand_written": lambda: hand(**inputs),
@@ -348,18 +353,19 @@ def md_runtime(res: dict) -> str:
         batches = sorted({int(k.split("_bs")[1].split("_")[0]) for k in o if "_bs" in k})
         lines += ["", f"Host path, {title}: host µs per call on an idle device (medians, one "
                   "interleaved run); wall µs per step of a 200-step loop:", "",
-                  "| bs | run() copy-out | run() lease | run() lease, raw copy staging "
+                  "| bs | run() copy-out | run() lease | run() lease, new tensors each call "
+                  "| run() lease, raw copy staging "
                   "| run() lease, copy_ staging "
                   "| input_buffers + replay() | hand-written dict "
                   "| bare graph.replay() | run()/hand | wall run() | wall hand | wall ratio "
                   "| argmax on lease / debug lease | device step |",
-                  "|" + "---|" * 14]
+                  "|" + "---|" * 15]
         for bs in batches:
             def f(k, fmt=".1f"):
                 v = o.get(f"{k}_bs{bs}_us", o.get(f"{k}_bs{bs}"))
                 return "n/a" if v is None else format(v, fmt)
             lines.append(
-                f"| {bs} | {f('copy_out')} | {f('lease')} | {f('lease_raw_copy')} | "
+                f"| {bs} | {f('copy_out')} | {f('lease')} | {f('lease_fresh')} | {f('lease_raw_copy')} | "
                 f"{f('lease_torch_copy')} | "
                 f"{f('zero_copy_replay')} | "
                 f"{f('hand_written')} | {f('bare_replay')} | {f('run_over_hand', '.2f')} | "
