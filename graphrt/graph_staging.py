@@ -46,9 +46,11 @@ def enabled(device: torch.device) -> bool:
 class StagingNode:
     """One input's memcpy node in one instantiated graph (see the module doc).
 
-    ``stage(src, dst, nbytes)`` points it at ``src`` for ``nbytes`` into ``dst``'s address,
-    or, for a source the node cannot take (not contiguous, a negative view, no data,
-    overlapping ``dst``), idles it and runs ``dst.copy_(src)`` instead; ``idle()``."""
+    ``stage(src, dst, nbytes)`` points it at ``src`` for ``nbytes`` into ``dst`` (a view at
+    the start of its static buffer), or, for a source the node cannot take (not contiguous, a
+    negative view, no data, overlapping ``dst``), idles it and runs ``dst.copy_(src)``
+    instead; ``stager(dst, nbytes)`` is that function of ``src`` alone, its constants converted
+    once (``Stager.bind``'s); ``idle()``."""
 
     __slots__ = ("name", "exec", "node", "dst", "shadow", "idle_bytes", "src", "_at", "_set",
                  "_what")
@@ -59,7 +61,7 @@ class StagingNode:
         self.exec, self.node = ctypes.c_void_p(graph_exec), ctypes.c_void_p(node)
         self.idle_bytes = dst[:1].nbytes if dst.dim() else dst.nbytes
         self.src: torch.Tensor | None = None      # armed: the tensor it copies
-        self._at = (0, 0, 0)                      # armed: (src address, dst address, bytes)
+        self._at = (0, 0)                         # armed: (src address, bytes)
         self._set = cudart.exec_memcpy_set_fn()
         self._what = f"cudaGraphExecMemcpyNodeSetParams1D staging input {name!r}"
         self.idle(force=True)
@@ -69,19 +71,28 @@ class StagingNode:
         return self.src is not None
 
     def stage(self, src: torch.Tensor, dst: torch.Tensor, nbytes: int) -> None:
-        if src.is_contiguous() and not src.is_neg():
-            s, d = src.data_ptr(), dst.data_ptr()
-            if s and (s + nbytes <= d or d + nbytes <= s):
-                at = (s, d, nbytes)
-                if self.src is None or at != self._at:   # else it already copies from there
-                    rc = self._set(self.exec, self.node, d, s, nbytes, cudart.MEMCPY_D2D)
-                    if rc:
-                        cudart.check(rc, self._what)
-                    self._at = at
-                self.src = src
-                return
-        self.idle()
-        dst.copy_(src)
+        self.stager(dst, nbytes)(src)
+
+    def stager(self, dst: torch.Tensor, nbytes: int):
+        d = dst.data_ptr()
+        assert d == self.dst.data_ptr(), "a staging view starts at its static buffer"
+        node, edit, what = self, self._set, self._what
+        graph_exec, handle, kind = self.exec, self.node, cudart.MEMCPY_D2D
+
+        def stage(src: torch.Tensor) -> None:
+            if src.is_contiguous() and not src.is_neg():
+                s = src.data_ptr()
+                if s and (s + nbytes <= d or d + nbytes <= s):
+                    if node.src is None or node._at != (s, nbytes):  # else it copies from there
+                        rc = edit(graph_exec, handle, d, s, nbytes, kind)
+                        if rc:
+                            cudart.check(rc, what)
+                        node._at = (s, nbytes)
+                    node.src = src
+                    return
+            node.idle()
+            dst.copy_(src)
+        return stage
 
     def idle(self, force: bool = False) -> None:
         if self.src is None and not force:

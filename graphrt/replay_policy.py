@@ -258,7 +258,7 @@ class Stager:
         gs = self.graph_nodes.get(padded_bs)
         every_node = gs.nodes if gs is not None else {}
         nodes = {k: v for k, v in every_node.items() if k in at} if exact else {}
-        in_graph = tuple((at[k], st.views[k], node, st.views[k].nbytes)   # (pos, dst, node, bytes)
+        in_graph = tuple((at[k], node.stager(st.views[k], st.views[k].nbytes))  # (pos, stage)
                          for k, node in nodes.items())
         paths = {k: "graph" for k in nodes}
         singles, raw = [], []                     # (position, dst); raw ones + the name
@@ -295,8 +295,8 @@ class Stager:
             for node in unused:                   # copied another way: the node must not
                 if node.src is not None:
                     node.idle()
-            for i, dst, node, nb in in_graph:
-                node.stage(vals[i], dst, nb)
+            for i, stage_one in in_graph:
+                stage_one(vals[i])
             if copy_raw is not None:
                 copy_raw(vals)
             for i, dst in singles:
