@@ -32,6 +32,15 @@ fp8 (DeepGEMM's layout): ``a`` float8_e4m3fn with fp32 per-token 1x128 group sca
 are widened to bf16 (exact), multiplied with fp32 accumulation and scaled by
 ``a_scale[m, kb] * b_scale[n // 128, kb]``, as DeepGEMM promotes per K block.
 
+Fused activation (``act="silu_and_mul"``, the experts' W2 GEMM): ``a`` is the W13 GEMM's
+output ``u = [gate | up]`` ``[E, cap, 2 * k]`` and each K tile of ``silu(gate) * up`` is made
+in registers from the gate columns ``k0..`` and the up columns ``k + k0..``, with
+:mod:`graphrt.kernels.activation`'s arithmetic (fp32 ``g / (1 + exp(-g)) * up``, rounded to
+bf16; with fp8 weights quantised per row and 128-column group, ``BLOCK_K`` = 128 = the
+group, to the e4m3 grid with its scale as ``a_scale``). The result is bitwise that of
+``silu_and_mul_masked`` (or ``silu_and_mul_masked_fp8``) followed by this GEMM, with one
+launch and no activation round trip through memory.
+
 Glossary: ``E`` = num_local_experts, ``cap`` rows per local expert, ``n`` output columns,
 ``k`` the reduction length.
 """
@@ -44,11 +53,13 @@ import triton
 import triton.language as tl
 
 from ._pdl import pdl_prologue
+from .activation import _round_to_e4m3
 from ._util import check, check_tensor, interpreting, pdl_args
 
 _FP8 = torch.float8_e4m3fn
 _SCALE_BLOCK = 128  # DeepGEMM's fp8 scale granularity (weights 128x128, activations 1x128)
 BLOCK_NS = (16, 32, 64, 128)
+ACTS = (None, "silu_and_mul")  # the fused A-operand activations; ACT constexpr = the index
 
 
 @triton.jit
@@ -70,18 +81,38 @@ def _pick_expert(j, idx, mvec, live_cum, row_cum):
 
 
 @triton.jit
+def _silu_mul_tile(g_ptrs, up_ptrs, mask):
+    """``silu(gate) * up`` of one ``[BLOCK_M, BLOCK_K]`` tile in fp32 (0 where masked), the
+    arithmetic of ``kernels.activation._silu_and_mul_masked_kernel``."""
+    g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptrs, mask=mask, other=0.0).to(tl.float32)
+    return g / (1.0 + tl.exp(-g)) * up
+
+
+@triton.jit
+def _quantize_tile(x):
+    """One fp8 group per row of an fp32 ``[BLOCK_M, 128]`` tile, the arithmetic of
+    ``kernels.activation._silu_and_mul_masked_fp8_kernel``: ``(q, scale)``, q fp32 on the
+    e4m3 grid (exact in bf16) and scale fp32 ``[BLOCK_M]`` (``max(amax, 1e-10) / 448``)."""
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.maximum(amax, 1e-10) / 448.0
+    q = _round_to_e4m3(tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0))
+    return q, scale
+
+
+@triton.jit
 def _decode_gemm_kernel(
-    a_ptr,  # bf16 | fp8 [E, cap, k]
+    a_ptr,  # bf16 | fp8 [E, cap, k]; ACT: bf16 u = [gate | up] [E, cap, 2 * k]
     b_ptr,  # bf16 | fp8 [E, n, k]
     out_ptr,  # bf16 [E, cap, n]
     ws_ptr,  # fp32 [SPLIT_K, ws_rows, n] contiguous split-K partials (unused when SPLIT_K == 1)
     masked_m_ptr,  # int32 [E]: live rows of each expert
     as_ptr, bs_ptr,  # fp32 scales (FP8 only): a [E, cap, k // 128], b [E, n // 128, k // 128]
     num_experts, cap, n, k, ws_rows,  # ints
-    stride_ae, stride_am, stride_ak,  # strides of a (elements)
+    stride_ae, stride_am, stride_ak,  # strides of a (elements; of u with ACT)
     stride_be, stride_bn, stride_bk,  # strides of b (elements)
     stride_oe, stride_om, stride_on,  # strides of out (elements)
-    stride_ase, stride_asm, stride_ask,  # strides of a_scale (FP8 only)
+    stride_ase, stride_asm, stride_ask,  # strides of a_scale (FP8 without ACT only)
     stride_bse, stride_bsn, stride_bsk,  # strides of b_scale (FP8 only)
     E_POW2: tl.constexpr,  # next power of 2 >= E
     BLOCK_M: tl.constexpr,  # rows per row block (>= 16 for tl.dot)
@@ -89,7 +120,8 @@ def _decode_gemm_kernel(
     BLOCK_K: tl.constexpr,  # reduction tile (128 with FP8)
     SPLIT_K: tl.constexpr,  # K splits per (expert, column tile)
     EVEN_K: tl.constexpr,  # k % BLOCK_K == 0: no K masks
-    FP8: tl.constexpr,  # fp8 operands with DeepGEMM's scales
+    FP8: tl.constexpr,  # fp8 operands with DeepGEMM's scales (ACT: fp8 b, a quantised here)
+    ACT: tl.constexpr,  # 0: a as given; 1: a = silu_and_mul(u) made per K tile (ACTS[ACT])
     UPCAST: tl.constexpr,  # interpreter: dot in fp32 (bf16 math gives NaN there)
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
@@ -121,22 +153,32 @@ def _decode_gemm_kernel(
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(k_lo, k_hi, BLOCK_K):
                 if EVEN_K:
-                    a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)  # [BM, BK]
-                    b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)  # [BK, BN]
+                    mask_a = mask_m[:, None]
+                    mask_b = mask_n[None, :]
                 else:
                     mask_k = offs_k < k - k0
-                    a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-                    b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+                    mask_a = mask_m[:, None] & mask_k[None, :]
+                    mask_b = mask_k[:, None] & mask_n[None, :]
+                if ACT:  # a = silu(gate) * up from u's columns k0.. and k + k0.. [BM, BK]
+                    x = _silu_mul_tile(a_ptrs, a_ptrs + k * stride_ak, mask_a)
+                    if FP8:
+                        a, sa = _quantize_tile(x)  # e4m3 values in fp32, the group's scale
+                    else:
+                        a = x.to(tl.bfloat16)  # what silu_and_mul_masked stores
+                else:
+                    a = tl.load(a_ptrs, mask=mask_a, other=0.0)  # [BM, BK]
+                b = tl.load(b_ptrs, mask=mask_b, other=0.0)  # [BK, BN]
                 if UPCAST:
                     a = a.to(tl.float32)
                     b = b.to(tl.float32)
                 elif FP8:
-                    a = a.to(tl.bfloat16)  # e4m3 -> bf16 is exact
+                    a = a.to(tl.bfloat16)  # e4m3 values -> bf16 is exact
                     b = b.to(tl.bfloat16)
                 if FP8:
                     kb = k0 // BLOCK_K
-                    sa = tl.load(as_ptr + e64 * stride_ase + offs_m * stride_asm + kb * stride_ask,
-                                 mask=mask_m, other=0.0)  # [BM]
+                    if not ACT:
+                        sa = tl.load(as_ptr + e64 * stride_ase + offs_m * stride_asm
+                                     + kb * stride_ask, mask=mask_m, other=0.0)  # [BM]
                     sb = tl.load(bs_ptr + e64 * stride_bse + (n0 // BLOCK_K) * stride_bsn + kb * stride_bsk)
                     acc += tl.dot(a, b) * (sa[:, None] * sb)
                 else:
@@ -207,18 +249,40 @@ def block_m_for(expected_m: int) -> int:
     return 16 if expected_m <= 16 else 32 if expected_m <= 32 else 64
 
 
+def _check_operands(a, b, act):
+    """Validate ``a`` and ``b`` (and ``act``); returns ``(E, cap, n, k, fp8)`` where k is the
+    GEMM's reduction length (``a.shape[2] // 2`` with ``act="silu_and_mul"``). Host-only."""
+    check(act in ACTS, "act", f"one of {ACTS}", repr(act))
+    if act is None:
+        check_tensor(a, "a", shape=(None, None, None), dtype=(torch.bfloat16, _FP8))
+        E, cap, k = a.shape
+        check_tensor(b, "b", shape=(E, None, k), dtype=a.dtype, device=a.device)
+        return E, cap, b.shape[1], k, a.dtype == _FP8
+    what = f"a with act={act!r} (u = [gate | up], the W13 GEMM's output)"
+    check_tensor(a, what, shape=(None, None, None), dtype=torch.bfloat16)
+    E, cap, two_k = a.shape
+    check_tensor(b, "b", shape=(E, None, None), dtype=(torch.bfloat16, _FP8), device=a.device)
+    k = b.shape[2]
+    check(two_k == 2 * k, f"a.shape[2] with act={act!r}",
+          f"2 * k = {2 * k} (gate and up, k = b.shape[2])", two_k)
+    return E, cap, b.shape[1], k, b.dtype == _FP8
+
+
 def decode_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *,
                         out: torch.Tensor, expected_m: int | None = None, block_n: int = 32,
                         split_k: int = 1, workspace: torch.Tensor | None = None,
                         a_scale: torch.Tensor | None = None, b_scale: torch.Tensor | None = None,
-                        num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+                        num_warps: int = 4, num_stages: int = 4,
+                        act: str | None = None) -> torch.Tensor:
     """``out[e, :masked_m[e]] = a[e, :masked_m[e]] @ b[e].T`` reading only live experts' weights.
 
     Args:
         a: bf16 [num_local_experts, cap, k], or float8_e4m3fn with ``a_scale``; rows past
-            ``masked_m[e]`` are never read.
+            ``masked_m[e]`` are never read. With ``act="silu_and_mul"``: bf16
+            ``u = [gate | up]`` [num_local_experts, cap, 2 * k] (the W13 GEMM's output, any
+            strides) and the GEMM's A operand is ``silu(gate) * up``, made per K tile.
         b: [num_local_experts, n, k] in a's dtype ("NT": K-major weights); an idle expert's
-            weights are never read.
+            weights are never read. With ``act``: bf16, or float8_e4m3fn with ``b_scale``.
         masked_m: int32 [num_local_experts] live rows of each expert, read on the device
             (values above ``cap`` count as ``cap``).
         out: bf16 [num_local_experts, cap, n]; rows past ``masked_m[e]`` are left untouched.
@@ -229,19 +293,22 @@ def decode_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
         workspace: fp32 [split_k, rows, n] contiguous (e.g. rows = bs * num_topk, the live
             rows a step can route); experts whose compacted live rows exceed ``rows`` run
             unsplit. Scratch: overwritten by every call.
-        a_scale: fp32 [num_local_experts, cap, k // 128] per-token 1x128 scales (fp8), any strides.
+        a_scale: fp32 [num_local_experts, cap, k // 128] per-token 1x128 scales (fp8), any
+            strides; ``None`` with ``act`` (the kernel computes them).
         b_scale: fp32 [num_local_experts, n // 128, k // 128] 128x128 block scales (fp8).
         num_warps, num_stages: Triton launch options.
+        act: ``None`` (plain ``a``) or ``"silu_and_mul"``: fuse the experts' activation into
+            the A load. Bitwise equal to ``kernels.activation.silu_and_mul_masked(u, ...)``
+            (bf16 ``b``) or ``silu_and_mul_masked_fp8(u, ...)`` (fp8 ``b``: the activation
+            quantised per row and 128 columns, DeepGEMM's 1x128 scales) followed by this
+            GEMM with the same options; one launch fewer and no ``[E, cap, k]`` activation
+            buffer.
 
     Returns ``out``. One launch (two with split-K), allocates nothing, no host sync.
 
-    Graph safety: capturable
+    Graph safety: capturable (``act`` too: a host string picking a compiled variant)
     """
-    fp8 = a.dtype == _FP8
-    check_tensor(a, "a", shape=(None, None, None), dtype=(torch.bfloat16, _FP8))
-    E, cap, k = a.shape
-    check_tensor(b, "b", shape=(E, None, k), dtype=a.dtype, device=a.device)
-    n = b.shape[1]
+    E, cap, n, k, fp8 = _check_operands(a, b, act)
     check_tensor(masked_m, "masked_m", shape=(E,), dtype=torch.int32, device=a.device,
                  contiguous=True)
     check_tensor(out, "out", shape=(E, cap, n), dtype=torch.bfloat16, device=a.device)
@@ -249,18 +316,24 @@ def decode_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
     check(isinstance(split_k, int) and 1 <= split_k <= 16, "split_k", "an int in [1, 16]", split_k)
     check(expected_m is None or (isinstance(expected_m, int) and expected_m >= 0),
           "expected_m", "None or a non-negative host int", repr(expected_m))
-    if fp8:
+    if fp8 and act is not None:
+        check(a_scale is None, "a_scale", f"None with act={act!r} (the kernel quantises)",
+              "a tensor")
+        check(b_scale is not None, "b_scale", "fp32 block scales with fp8 weights", "None")
+    elif fp8:
         check(a_scale is not None and b_scale is not None, "a_scale, b_scale",
               "fp32 scales with fp8 operands", "None")
+    else:
+        check(a_scale is None and b_scale is None, "a_scale, b_scale", "None with bf16", "tensors")
+    if fp8:
         check(k % _SCALE_BLOCK == 0 and n % _SCALE_BLOCK == 0, "(n, k) with fp8",
               "multiples of 128", (n, k))
-        check_tensor(a_scale, "a_scale", shape=(E, cap, k // _SCALE_BLOCK), dtype=torch.float32,
-                     device=a.device)
+        if act is None:
+            check_tensor(a_scale, "a_scale", shape=(E, cap, k // _SCALE_BLOCK),
+                         dtype=torch.float32, device=a.device)
         check_tensor(b_scale, "b_scale", shape=(E, n // _SCALE_BLOCK, k // _SCALE_BLOCK),
                      dtype=torch.float32, device=a.device)
         check(block_n <= _SCALE_BLOCK, "block_n with fp8", "<= 128", block_n)
-    else:
-        check(a_scale is None and b_scale is None, "a_scale, b_scale", "None with bf16", "tensors")
     ws_rows = 0
     if split_k > 1:
         check(workspace is not None, "workspace", f"fp32 [{split_k}, rows, {n}] with split_k > 1",
@@ -276,15 +349,17 @@ def decode_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
     tiles_n = triton.cdiv(n, block_n)
     e_pow2 = max(16, triton.next_power_of_2(E))
     ws = workspace if split_k > 1 else out
-    scales = (a_scale, b_scale) if fp8 else (masked_m, masked_m)
-    s_strides = (*a_scale.stride(), *b_scale.stride()) if fp8 else (0,) * 6
-    smem = num_stages * (block_m + block_n) * block_k * a.element_size()
+    scales = (a_scale if act is None else b_scale, b_scale) if fp8 else (masked_m, masked_m)
+    s_strides = ((*(a_scale.stride() if act is None else (0, 0, 0)), *b_scale.stride())
+                 if fp8 else (0,) * 6)
+    a_rows = block_m if act is None else 2 * block_m  # gate and up tiles with act
+    smem = num_stages * (a_rows * a.element_size() + block_n * b.element_size()) * block_k
     grid = (num_programs(a.device, E * tiles_n * split_k, smem),)
     _decode_gemm_kernel[grid](
         a, b, out, ws, masked_m, *scales, E, cap, n, k, ws_rows,
         *a.stride(), *b.stride(), *out.stride(), *s_strides,
         E_POW2=e_pow2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        EVEN_K=k % block_k == 0, FP8=fp8, UPCAST=interpreting(),
+        EVEN_K=k % block_k == 0, FP8=fp8, ACT=ACTS.index(act), UPCAST=interpreting(),
         num_warps=num_warps, num_stages=num_stages, **pdl_args())
     if split_k > 1:
         rn = min(128, triton.next_power_of_2(n))
@@ -296,14 +371,25 @@ def decode_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
 
 def decode_grouped_gemm_ref(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor,
                             a_scale: torch.Tensor | None = None,
-                            b_scale: torch.Tensor | None = None) -> torch.Tensor:
+                            b_scale: torch.Tensor | None = None,
+                            act: str | None = None) -> torch.Tensor:
     """Torch reference of :func:`decode_grouped_gemm`: an fp32 matmul of each live expert's
-    live rows (fp8 operands dequantised with their scales first).
+    live rows (fp8 operands dequantised with their scales first). With
+    ``act="silu_and_mul"`` a is u ``[E, cap, 2 * k]`` and A is first made by the activation
+    references (``silu_and_mul_masked_ref``: fp32, rounded to bf16; with fp8 ``b``
+    ``silu_and_mul_masked_fp8_ref``'s q and scales).
 
     Returns bf16 [num_local_experts, cap, n], rows ``>= masked_m[e]`` zero.
 
     Graph safety: host-only (reads masked_m on the host)
     """
+    if act is not None:
+        from .activation import silu_and_mul_masked_fp8_ref, silu_and_mul_masked_ref
+        check(act in ACTS[1:], "act", f"one of {ACTS}", repr(act))
+        if b.dtype == _FP8:
+            a, a_scale = (t.to(a.device) for t in silu_and_mul_masked_fp8_ref(a, masked_m))
+        else:
+            a = silu_and_mul_masked_ref(a, masked_m).to(a.device)
     E, cap, _ = a.shape
     out = torch.zeros(E, cap, b.shape[1], dtype=torch.float32, device=a.device)
     for e, m in enumerate(masked_m.clamp(0, cap).tolist()):

@@ -19,7 +19,7 @@ every op returns ``None`` (a custom op may not return an alias of its input)::
     torch.ops.graphrt.masked_grouped_gemm(a, b, masked_m, out, expected_m=None)
     torch.ops.graphrt.decode_grouped_gemm(a, b, masked_m, out, expected_m=None, block_n=32,
                                           split_k=1, workspace=None, a_scale=None,
-                                          b_scale=None, num_warps=4, num_stages=4)
+                                          b_scale=None, num_warps=4, num_stages=4, act=None)
     torch.ops.graphrt.kv_append(k, v, slot_mapping, n, k_cache, v_cache)
     torch.ops.graphrt.decode_attention(q, k_cache, v_cache, block_table, seq_lens, n, out,
                                        workspace_o, workspace_lse, sm_scale=None,
@@ -144,12 +144,12 @@ def decode_grouped_gemm(a: Tensor, b: Tensor, masked_m: Tensor, out: Tensor,
                         expected_m: Optional[int] = None, block_n: int = 32, split_k: int = 1,
                         workspace: Optional[Tensor] = None, a_scale: Optional[Tensor] = None,
                         b_scale: Optional[Tensor] = None, num_warps: int = 4,
-                        num_stages: int = 4) -> None:
+                        num_stages: int = 4, act: Optional[str] = None) -> None:
     """``graphrt.kernels.grouped_gemm_decode.decode_grouped_gemm``. Graph safety: capturable."""
     _launcher(f"{_KERNELS}.grouped_gemm_decode", "decode_grouped_gemm")(
         a, b, masked_m, out=out, expected_m=expected_m, block_n=block_n, split_k=split_k,
         workspace=workspace, a_scale=a_scale, b_scale=b_scale, num_warps=num_warps,
-        num_stages=num_stages)
+        num_stages=num_stages, act=act)
 
 
 @_op("deepgemm_masked_bf16", ("d",))
@@ -317,11 +317,11 @@ def _wrappers() -> dict[tuple[str, str], object]:
 
     def decode_grouped_gemm_(a, b, masked_m, *, out, expected_m=None, block_n=32, split_k=1,
                              workspace=None, a_scale=None, b_scale=None, num_warps=4,
-                             num_stages=4):
+                             num_stages=4, act=None):
         if workspace is None:  # a None mutated argument breaks torch 2.11's fake-tensor tracing
             workspace = out.new_empty((0,), dtype=torch.float32)
         ops.decode_grouped_gemm(a, b, masked_m, out, expected_m, block_n, split_k, workspace,
-                                a_scale, b_scale, num_warps, num_stages)
+                                a_scale, b_scale, num_warps, num_stages, act)
         return out
 
     def kv_append_(k, v, slot_mapping, n, *, k_cache, v_cache):

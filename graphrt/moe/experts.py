@@ -2,7 +2,10 @@
 
 ``gemm13``: ``[num_local_experts, cap, hidden] -> [num_local_experts, cap, 2 * moe_inter]``;
 ``act``: SiLU(gate) * up on live rows only (optionally quantized to fp8 e4m3 with fp32
-per-token 128-group scales); ``gemm2``: ``-> [num_local_experts, cap, hidden]``. With fp8 the
+per-token 128-group scales); ``gemm2``: ``-> [num_local_experts, cap, hidden]``. With
+``Experts.fuse_act`` (``GRAPHRT_FUSE_ACT=1``) and the decode kernel on W2, ``act`` runs
+inside ``gemm2``'s A load (``decode_grouped_gemm(..., act="silu_and_mul")``, bitwise the
+same result) and its launch disappears. With fp8 the
 dispatched tokens are quantized too: by DeepEP's fp8 dispatch in its send kernel, or (EP=1)
 here by ``kernels.activation.quantize_fp8_masked`` over the live rows.
 
@@ -24,6 +27,7 @@ import functools
 
 import torch
 
+from graphrt.env import env_flag
 from graphrt.moe.expert_plan import MAX_SPLIT, SPLIT_ROWS, Choice, shape_key
 
 
@@ -85,6 +89,12 @@ class Experts:
         plan: an ``ExpertPlan`` shared by the model's layers (``graphrt.moe.expert_plan``);
             ``None``: always ``backend``.
     """
+
+    # Fuse SiLU-and-mul (and, with fp8, its quantization) into the W2 GEMM's A load when the
+    # decode kernel runs W2: one launch fewer a layer (``silu_and_mul_masked`` was 3.3 us a
+    # layer on an H200 at bs 1), bitwise equal outputs. GRAPHRT_FUSE_ACT=1 at import turns it
+    # on; off by default until the step-time A/B is measured (pending).
+    fuse_act = env_flag("GRAPHRT_FUSE_ACT", False)
 
     def __init__(self, hidden: int, inter: int, num_local_experts: int, device, *, seed: int = 0,
                  first_expert: int = 0, backend: str = "auto", fp8: bool = False,
@@ -179,10 +189,17 @@ class Experts:
             return self._fixed, self._fixed
         return sel.get(self._keys[0], self._fixed), sel.get(self._keys[1], self._fixed)
 
-    def gemm(self, which: str, a, masked_m, expected_m: int, out, choice: Choice, a_scale=None):
+    def gemm(self, which: str, a, masked_m, expected_m: int, out, choice: Choice, a_scale=None,
+             act: str | None = None):
         """``out = a @ W.T`` on live rows with ``choice``'s kernel; ``which`` is ``"w13"`` or
         ``"w2"``; ``a`` [E, cap, k] bf16 (or fp8 with ``a_scale`` [E, cap, k // 128]),
-        ``out`` [E, cap, n] bf16. Graph safety: capturable."""
+        ``out`` [E, cap, n] bf16. ``act="silu_and_mul"`` (decode kernel only): ``a`` is
+        ``u = [gate | up]`` bf16 [E, cap, 2 * k] and the kernel applies SiLU-and-mul (fp8:
+        and the activation quantization) as it loads A; no ``a_scale``.
+        Graph safety: capturable."""
+        if act is not None and choice.kernel != "decode":
+            raise ValueError(f"act={act!r}: expected choice.kernel 'decode' (the only kernel "
+                             f"with a fused activation), got {choice.kernel!r}")
         w = (self.w13_q if which == "w13" else self.w2_q) if self.fp8 else \
             (self.w13 if which == "w13" else self.w2)
         if choice.kernel == "deepgemm":
@@ -200,9 +217,11 @@ class Experts:
             ws = (self.ws.view("gemm_partials", (choice.split_k, SPLIT_ROWS, n))
                   if choice.split_k > 1 else None)
             w, b_scale = w if self.fp8 else (w, None)
+            fused = {} if act is None else {"act": act}  # unfused: the call as it always was
             decode_grouped_gemm(a, w, masked_m, out=out, expected_m=expected_m,
                                 block_n=choice.block_n, split_k=choice.split_k, workspace=ws,
-                                a_scale=a_scale, b_scale=b_scale, num_warps=choice.num_warps)
+                                a_scale=a_scale, b_scale=b_scale, num_warps=choice.num_warps,
+                                **fused)
         return out
 
     def synthetic_io(self, which: str, cap: int):
@@ -228,7 +247,9 @@ class Experts:
                  recv_scale: torch.Tensor | None = None, bs: int | None = None) -> torch.Tensor:
         """recv_x ``[E, cap, hidden]`` (bf16, or fp8 with ``recv_scale``) -> ``[E, cap, hidden]``
         bf16; rows past ``masked_m`` are not computed. ``bs``: the padded batch, whose plan
-        entry picks the kernels (None: the size the plan last selected). Graph safety:
+        entry picks the kernels (None: the size the plan last selected). With ``fuse_act``
+        and W2 on the decode kernel, W2 reads ``u`` and applies the activation itself (no
+        ``silu_and_mul_masked[_fp8]`` launch; bitwise the same output). Graph safety:
         capturable."""
         from graphrt.kernels.activation import (quantize_fp8_masked, silu_and_mul_masked,
                                                 silu_and_mul_masked_fp8)
@@ -236,6 +257,7 @@ class Experts:
         E, cap = recv_x.shape[0], recv_x.shape[1]
         u = self.ws.view("u", (E, cap, 2 * self.inter))
         y = self.ws.view("y", (E, cap, self.hidden))
+        fused = self.fuse_act and c2.kernel == "decode"
         if self.fp8:
             if recv_scale is None:  # EP=1: quantize live rows after dispatch (DeepEP's fp8
                 # dispatch quantizes in its send kernel)
@@ -243,11 +265,15 @@ class Experts:
                 x_s = self.ws.view("x_s", (E, cap, self.hidden // 128))
                 recv_x, recv_scale = quantize_fp8_masked(recv_x, masked_m, out_q=x_q, out_scale=x_s)
             self.gemm("w13", recv_x, masked_m, expected_m, u, c13, recv_scale)
+            if fused:  # W2 quantizes silu(gate) * up itself
+                return self.gemm("w2", u, masked_m, expected_m, y, c2, act="silu_and_mul")
             a_q = self.ws.view("a_q", (E, cap, self.inter))
             a_s = self.ws.view("a_s", (E, cap, self.inter // 128))
             silu_and_mul_masked_fp8(u, masked_m, out_q=a_q, out_scale=a_s)
             return self.gemm("w2", a_q, masked_m, expected_m, y, c2, a_s)
         self.gemm("w13", recv_x, masked_m, expected_m, u, c13)
+        if fused:
+            return self.gemm("w2", u, masked_m, expected_m, y, c2, act="silu_and_mul")
         a = self.ws.view("a", (E, cap, self.inter))
         silu_and_mul_masked(u, masked_m, out=a)
         return self.gemm("w2", a, masked_m, expected_m, y, c2)

@@ -2,7 +2,9 @@
 dsv3-like W13/W2): equal to the fp32 torch reference within bf16 rounding for 1..16 rows on
 a quarter of the experts, rows past masked_m untouched, bitwise deterministic from replay
 to replay under CUDA-graph capture (split-K included), one graph following new masked_m;
-agreement with DeepGEMM where it imports; fp8 with DeepGEMM's scale layout."""
+agreement with DeepGEMM where it imports; fp8 with DeepGEMM's scale layout. With the fused
+SiLU-and-mul (``act="silu_and_mul"``, the W2 shapes): bitwise equal to
+``silu_and_mul_masked[_fp8]`` followed by the unfused GEMM, eager and under graph replay."""
 from __future__ import annotations
 
 import pytest
@@ -136,3 +138,101 @@ def test_gpu_decode_fp8_matches_ref(shape):
         deep_gemm.m_grouped_fp8_gemm_nt_masked((a_q, a_s), (b_q, b_s), want, masked_m, 8)
         err = float((out[live].float() - want[live].float()).norm() / want[live].float().norm())
         assert err < 2e-2, err
+
+
+# ----------------------------------------------------- fused SiLU-and-mul (act="silu_and_mul")
+# Bitwise equality on the GPU as well: the fused A tile is computed with the activation
+# kernels' instruction sequence (PTX compared for sm_90: mul by -log2(e), ex2.approx, add,
+# div.full, mul, cvt.rn.bf16; no FMA contraction is possible in it) and fed to the same dot.
+W2_SHAPES = ["qwen3-w2", "dsv3-w2"]
+
+
+def _u_b(shape, seed):
+    n, k = SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    u = (torch.randn(E, CAP, 2 * k, generator=g, device="cuda") * 2).to(torch.bfloat16)
+    b = (torch.randn(E, n, k, generator=g, device="cuda") * k ** -0.5).to(torch.bfloat16)
+    return u, b
+
+
+def _silu_then_gemm(u, b, masked_m, out, ws, block_n, split_k, a, a_s=None, b_s=None):
+    """The unfused path into the preallocated ``a`` (and ``a_s``), then the decode GEMM."""
+    from graphrt.kernels.activation import silu_and_mul_masked, silu_and_mul_masked_fp8
+    if a_s is None:
+        silu_and_mul_masked(u, masked_m, out=a)
+    else:
+        silu_and_mul_masked_fp8(u, masked_m, out_q=a, out_scale=a_s)
+    return _run(a, b, masked_m, out, ws, block_n, split_k, a_scale=a_s, b_scale=b_s)
+
+
+def _fused(u, b, masked_m, out, ws, block_n, split_k, b_s=None):
+    return _run(u, b, masked_m, out, ws, block_n, split_k, b_scale=b_s, act="silu_and_mul")
+
+
+def _nan_out(n):
+    return torch.full((E, CAP, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+
+
+@pytest.mark.parametrize("shape", W2_SHAPES)
+@pytest.mark.parametrize("block_n, split_k", CONFIGS)
+def test_gpu_fused_act_bitwise_equals_unfused(shape, block_n, split_k):
+    u, b = _u_b(shape, 8)
+    n, k = SHAPES[shape]
+    ws = torch.empty(4, 256, n, dtype=torch.float32, device="cuda")
+    a = torch.empty(E, CAP, k, dtype=torch.bfloat16, device="cuda")
+    masked_m = _masked(9)
+    masked_m[masked_m.argmax()] = CAP                      # one expert past a 16-row block
+    want = _silu_then_gemm(u, b, masked_m, _nan_out(n), ws, block_n, split_k, a)
+    got = _fused(u, b, masked_m, _nan_out(n), ws, block_n, split_k)
+    torch.cuda.synchronize()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    _check(got, decode_grouped_gemm_ref(u, b, masked_m, act="silu_and_mul"), masked_m)
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_gpu_fused_act_graph_replay_bitwise(split_k):
+    u, b = _u_b("qwen3-w2", 10)
+    n, k = SHAPES["qwen3-w2"]
+    ws = torch.empty(4, 256, n, dtype=torch.float32, device="cuda")
+    a = torch.empty(E, CAP, k, dtype=torch.bfloat16, device="cuda")
+    masked_m = _masked(11)
+    out = _nan_out(n)
+    _fused(u, b, masked_m, out, ws, 32, split_k)                 # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _fused(u, b, masked_m, out, ws, 32, split_k)
+    for seed in (12, 13):                                         # same graph, new data, routing
+        u.copy_(_u_b("qwen3-w2", seed)[0])
+        masked_m.copy_(_masked(seed))
+        out.fill_(float("nan"))
+        graph.replay()
+        want = _silu_then_gemm(u, b, masked_m, _nan_out(n), ws, 32, split_k, a)
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.int16), want.view(torch.int16)), seed
+
+
+@pytest.mark.parametrize("block_n, split_k", [(32, 1), (64, 2), (128, 4)])
+def test_gpu_fused_act_fp8_bitwise_equals_unfused(block_n, split_k):
+    from graphrt.moe.experts import quantize_weight_fp8
+    u, b = _u_b("dsv3-w2", 14)
+    n, k = SHAPES["dsv3-w2"]
+    b_q, b_s = quantize_weight_fp8(b)
+    ws = torch.empty(4, 256, n, dtype=torch.float32, device="cuda")
+    a_q = torch.empty(E, CAP, k, dtype=torch.float8_e4m3fn, device="cuda")
+    a_s = torch.empty(E, k // 128, CAP, device="cuda").transpose(1, 2)   # DeepGEMM's MN-major
+    masked_m = _masked(15)
+    want = _silu_then_gemm(u, b_q, masked_m, _nan_out(n), ws, block_n, split_k, a_q, a_s, b_s)
+    out = _nan_out(n)
+    got = _fused(u, b_q, masked_m, out, ws, block_n, split_k, b_s)
+    torch.cuda.synchronize()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    _check(got, decode_grouped_gemm_ref(u, b_q, masked_m, b_scale=b_s, act="silu_and_mul"),
+           masked_m)
+    graph = torch.cuda.CUDAGraph()                                # and under graph replay
+    with torch.cuda.graph(graph):
+        _fused(u, b_q, masked_m, out, ws, block_n, split_k, b_s)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
