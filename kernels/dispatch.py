@@ -10,6 +10,17 @@ many of them are live. Two launches, no host round trip and no recount between t
 2. copy (grid over flat ``(token, k)`` x hidden blocks): ``recv_x[e, pos] = x[token]`` where
    ``pos >= 0``.
 
+Small batches can take one launch instead (``_dispatch_fused_kernel``, a self-planning copy):
+grid ``(max(num_flat, ceil(num_local_experts / EB)), ceil(hidden / BLOCK_H))``; every program
+loads all flat ids (one vector, so ``num_flat <= FUSED_LIMIT``), computes its own id's slot as
+the exclusive prefix count of earlier equal ids and copies its row block; the ``hb == 0``
+programs also write ``pos`` / ``src_idx``, and the first ``ceil(num_local_experts / EB)`` of them
+count experts ``[f * EB, (f + 1) * EB)`` for ``masked_m`` (every expert, zero-hit ones too).
+Outputs are identical to the two launches. ``dispatch_masked`` takes it when
+``0 < num_flat <= FUSED_MAX_FLAT`` (``GRAPHRT_FUSE_DISPATCH_MAX`` read at import, an int in
+``[0, FUSED_LIMIT]``; default 0 = off until measured on a GPU), a host decision on shapes only,
+so a captured graph bakes one path per batch size; ``fused=`` overrides it per call.
+
 Slots inside an expert follow increasing flat ``(token, k)`` order, so the layout is
 deterministic and bitwise reproducible. Only live slots are written: rows of ``recv_x`` past
 ``masked_m[e]`` and unfilled ``src_idx`` entries keep whatever they held (consumers use
@@ -22,6 +33,8 @@ Graph safety: capturable (``dispatch_masked``); ``expected_m`` and the reference
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -31,6 +44,30 @@ from ._util import check, check_tensor, pdl_args
 
 _ID_DTYPES = (torch.int64, torch.int32)
 _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+FUSED_LIMIT = 1024  # most flat (token, k) ids the one-launch kernel holds in its one vector
+_FUSED_COUNT_ELEMS = 4096  # EB * BLOCK budget of the fused kernel's [EB, BLOCK] expert count
+
+
+def _fused_max_flat_from_env(value: str | None) -> int:
+    """``GRAPHRT_FUSE_DISPATCH_MAX`` as an int in ``[0, FUSED_LIMIT]`` (unset/empty: 0, off)."""
+    v = (value or "").strip()
+    try:
+        n = int(v) if v else 0
+    except ValueError:
+        n = -1
+    check(0 <= n <= FUSED_LIMIT, "GRAPHRT_FUSE_DISPATCH_MAX",
+          f"an int in [0, {FUSED_LIMIT}] (the one-launch dispatch holds at most {FUSED_LIMIT} "
+          "flat (token, k) ids; 0 = off)", repr(value))
+    return n
+
+
+# dispatch_masked takes the one-launch kernel when 0 < num_flat <= FUSED_MAX_FLAT. Read once at
+# import (a captured graph bakes the path it saw); 0 = off until an A/B on a GPU says otherwise.
+# A first microbenchmark (50 graph-captured dispatches back to back, PDL on, one H200, top-8,
+# 128 experts x hidden 2048 and 256 x 7168): one launch took 0.59-0.98x the two-launch time up
+# to 256 flat ids, 0.80-1.05x at 512 and 1.11-1.14x at 1024 (not yet a step-level A/B).
+FUSED_MAX_FLAT: int = _fused_max_flat_from_env(os.environ.get("GRAPHRT_FUSE_DISPATCH_MAX"))
 
 
 @triton.jit
@@ -92,7 +129,55 @@ def _dispatch_copy_kernel(
     tl.store(recv_ptr + (e * cap + p) * hidden + offs, v, mask=m)
 
 
-def dispatch_masked(x, topk_ids, *, out_recv_x, out_masked_m, out_src_idx, out_pos):
+@triton.jit
+def _dispatch_fused_kernel(
+    x_ptr,  # [padded_bs, hidden] bf16/fp16/fp32, last dim contiguous
+    ids_ptr,  # int64/int32 [padded_bs * NUM_TOPK]: flat topk ids, contiguous; -1 = no expert
+    recv_ptr,  # [num_local_experts, cap, hidden] out, same dtype as x, contiguous
+    masked_m_ptr,  # int32 [num_local_experts] out: live rows per expert, min(count, cap)
+    src_idx_ptr,  # int32 [num_local_experts, cap] out (contiguous): token of each filled slot
+    pos_ptr,  # int32 [padded_bs * NUM_TOPK] out: slot of (token, k), -1 if padding/dropped
+    num_flat,  # int: padded_bs * NUM_TOPK, <= BLOCK
+    num_experts,  # int: num_local_experts
+    hidden,  # int: row length
+    cap,  # int: rows per local expert
+    stride_x,  # int: row stride of x (elements)
+    NUM_TOPK: tl.constexpr,  # experts per token
+    BLOCK: tl.constexpr,  # power of 2 >= num_flat: all flat ids in one vector
+    EB: tl.constexpr,  # experts counted per masked_m program (power of 2)
+    BLOCK_H: tl.constexpr,  # hidden columns per program (power of 2)
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
+):
+    pdl_prologue(USE_GDC)
+    f = tl.program_id(0)  # flat (token, k) id; past num_flat only the masked_m part runs
+    hb = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    fmask = offs < num_flat
+    ids = tl.load(ids_ptr + offs, mask=fmask, other=-1)
+    if f < num_flat:
+        e = tl.load(ids_ptr + f)
+        # slot = earlier flat ids with the same expert (the plan kernel's exclusive prefix count)
+        slot = tl.sum(((offs < f) & (ids == e)).to(tl.int32), axis=0)
+        keep = (e >= 0) & (e < num_experts) & (slot < cap)  # out-of-range ids count as -1
+        e64 = tl.where(keep, e, 0).to(tl.int64)
+        row = e64 * cap + tl.where(keep, slot, 0)  # recv_x / src_idx row; unused unless keep
+        t = f // NUM_TOPK
+        cols = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        m = cols < tl.where(keep, hidden, 0)  # (a scalar & vector bool mask breaks the interpreter)
+        v = tl.load(x_ptr + t.to(tl.int64) * stride_x + cols, mask=m)
+        tl.store(recv_ptr + row * hidden + cols, v, mask=m)
+        if hb == 0:
+            tl.store(pos_ptr + f, tl.where(keep, slot, -1))
+            tl.store(src_idx_ptr + row, t, mask=keep)
+    if (hb == 0) & (f * EB < num_experts):  # masked_m of experts [f * EB, (f + 1) * EB)
+        eo = f * EB + tl.arange(0, EB)  # (zero-hit experts too: masked_m is rewritten each step)
+        hit = (ids[None, :] == eo[:, None]) & fmask[None, :]
+        count = tl.sum(hit.to(tl.int32), axis=1)
+        tl.store(masked_m_ptr + eo, tl.minimum(count, cap), mask=eo < num_experts)
+
+
+def dispatch_masked(x, topk_ids, *, out_recv_x, out_masked_m, out_src_idx, out_pos,
+                    fused: bool | None = None):
     """Scatter tokens into the masked layout, deterministically (stable (token, k) order).
 
     x: [padded_bs, hidden] bf16 (fp16/fp32 accepted), last dim contiguous.
@@ -101,6 +186,11 @@ def dispatch_masked(x, topk_ids, *, out_recv_x, out_masked_m, out_src_idx, out_p
     out_masked_m: int32 [num_local_experts] = min(tokens routed to e, cap).
     out_src_idx: int32 [num_local_experts, cap], contiguous: token of each filled slot.
     out_pos: int32 [padded_bs, num_topk], contiguous: slot of (token, k), -1 if none/dropped.
+    fused: one launch (``_dispatch_fused_kernel``) instead of plan + copy, same outputs.
+      ``None`` (default): the rule, one launch when ``0 < padded_bs * num_topk <= FUSED_MAX_FLAT``
+      (``GRAPHRT_FUSE_DISPATCH_MAX`` at import; 0 = off). ``True`` raises ``ValueError`` when
+      ``padded_bs * num_topk > FUSED_LIMIT`` (1024) rather than fall back; ``False``: two launches.
+      Decided on the host from shapes only, so a captured graph bakes one path per batch size.
     Returns ``(out_recv_x, out_masked_m, out_src_idx, out_pos)``.
 
     Graph safety: capturable
@@ -124,6 +214,16 @@ def dispatch_masked(x, topk_ids, *, out_recv_x, out_masked_m, out_src_idx, out_p
     check_tensor(out_pos, "out_pos", shape=(padded_bs, num_topk), dtype=torch.int32, device=dev,
                  contiguous=True)
     num_flat = padded_bs * num_topk
+    if _take_fused(num_flat, fused):
+        block = max(triton.next_power_of_2(max(num_flat, 1)), 16)
+        eb = max(4, min(triton.next_power_of_2(num_experts), _FUSED_COUNT_ELEMS // block))
+        block_h = min(triton.next_power_of_2(max(hidden, 1)), 1024)
+        _dispatch_fused_kernel[(max(num_flat, triton.cdiv(num_experts, eb)),
+                                max(1, triton.cdiv(hidden, block_h)))](
+            x, topk_ids, out_recv_x, out_masked_m, out_src_idx, out_pos, num_flat, num_experts,
+            hidden, cap, x.stride(0), NUM_TOPK=max(num_topk, 1), BLOCK=block, EB=eb,
+            BLOCK_H=block_h, num_warps=4, **pdl_args())
+        return out_recv_x, out_masked_m, out_src_idx, out_pos
     block = min(max(triton.next_power_of_2(max(num_flat, 1)), 16), 1024)
     _dispatch_plan_kernel[(num_experts,)](
         topk_ids, out_masked_m, out_src_idx, out_pos, num_flat, num_experts, cap,
@@ -135,6 +235,17 @@ def dispatch_masked(x, topk_ids, *, out_recv_x, out_masked_m, out_src_idx, out_p
         x, topk_ids, out_pos, out_recv_x, hidden, cap, x.stride(0),
         NUM_TOPK=num_topk, BLOCK_H=block_h, num_warps=4, **pdl_args())
     return out_recv_x, out_masked_m, out_src_idx, out_pos
+
+
+def _take_fused(num_flat: int, fused: bool | None) -> bool:
+    """Host-side path choice of :func:`dispatch_masked` (shapes only). Graph safety: host-only"""
+    if fused is None:
+        check(0 <= FUSED_MAX_FLAT <= FUSED_LIMIT, "dispatch.FUSED_MAX_FLAT",
+              f"an int in [0, {FUSED_LIMIT}] (the one-launch kernel's limit)", FUSED_MAX_FLAT)
+        return 0 < num_flat <= FUSED_MAX_FLAT
+    check(not fused or num_flat <= FUSED_LIMIT, "fused=True: padded_bs * num_topk",
+          f"<= {FUSED_LIMIT} (the one-launch kernel's limit; pass fused=None or False)", num_flat)
+    return bool(fused)
 
 
 def expected_m(padded_bs: int, num_topk: int, num_local_experts: int,

@@ -19,7 +19,9 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
 - ``fuse-norm``: the layer-end add + RMSNorm computed by the next layer's QKV projection
   (``DecoderLayer.fuse_norm``, ``graphrt.kernels.norm_gemv``);
 - ``fuse-act``: the experts' SiLU-and-mul computed by the W2 decode GEMM as it loads its
-  operand (``Experts.fuse_act``, ``decode_grouped_gemm(act="silu_and_mul")``).
+  operand (``Experts.fuse_act``, ``decode_grouped_gemm(act="silu_and_mul")``);
+- ``fuse-dispatch``: the EP=1 dispatch in one launch up to 256 flat (token, k) ids instead of
+  plan + copy (``graphrt.kernels.dispatch.FUSED_MAX_FLAT``).
 
 A variant joins switches with ``+`` (``pdl-early+dense-gemv``: both on); ``--switch`` may be
 given several times, and every variant is then measured against the one baseline, their
@@ -77,7 +79,9 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "rows4": lambda on: _class_attr("graphrt.kernels.dense_gemv", None, "ROWS_AUTO",
                                             4 if on else 1),
             "fuse-norm": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer", "fuse_norm", on),
-            "fuse-act": lambda on: _class_attr("graphrt.moe.experts", "Experts", "fuse_act", on)}
+            "fuse-act": lambda on: _class_attr("graphrt.moe.experts", "Experts", "fuse_act", on),
+            "fuse-dispatch": lambda on: _class_attr("graphrt.kernels.dispatch", None,
+                                                    "FUSED_MAX_FLAT", 256 if on else 0)}
 
 
 def parse_variant(variant: str) -> list[str]:
