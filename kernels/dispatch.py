@@ -18,7 +18,7 @@ programs also write ``pos`` / ``src_idx``, and the first ``ceil(num_local_expert
 count experts ``[f * EB, (f + 1) * EB)`` for ``masked_m`` (every expert, zero-hit ones too).
 Outputs are identical to the two launches. ``dispatch_masked`` takes it when
 ``0 < num_flat <= FUSED_MAX_FLAT`` (``GRAPHRT_FUSE_DISPATCH_MAX`` read at import, an int in
-``[0, FUSED_LIMIT]``; default 0 = off until measured on a GPU), a host decision on shapes only,
+``[0, FUSED_LIMIT]``; default ``FUSED_DEFAULT`` = 256, 0 = off), a host decision on shapes only,
 so a captured graph bakes one path per batch size; ``fused=`` overrides it per call.
 
 Slots inside an expert follow increasing flat ``(token, k)`` order, so the layout is
@@ -46,14 +46,16 @@ _ID_DTYPES = (torch.int64, torch.int32)
 _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 FUSED_LIMIT = 1024  # most flat (token, k) ids the one-launch kernel holds in its one vector
+FUSED_DEFAULT = 256  # FUSED_MAX_FLAT when GRAPHRT_FUSE_DISPATCH_MAX is unset
 _FUSED_COUNT_ELEMS = 4096  # EB * BLOCK budget of the fused kernel's [EB, BLOCK] expert count
 
 
 def _fused_max_flat_from_env(value: str | None) -> int:
-    """``GRAPHRT_FUSE_DISPATCH_MAX`` as an int in ``[0, FUSED_LIMIT]`` (unset/empty: 0, off)."""
+    """``GRAPHRT_FUSE_DISPATCH_MAX`` as an int in ``[0, FUSED_LIMIT]`` (unset/empty:
+    ``FUSED_DEFAULT``; 0: off)."""
     v = (value or "").strip()
     try:
-        n = int(v) if v else 0
+        n = int(v) if v else FUSED_DEFAULT
     except ValueError:
         n = -1
     check(0 <= n <= FUSED_LIMIT, "GRAPHRT_FUSE_DISPATCH_MAX",
@@ -63,10 +65,11 @@ def _fused_max_flat_from_env(value: str | None) -> int:
 
 
 # dispatch_masked takes the one-launch kernel when 0 < num_flat <= FUSED_MAX_FLAT. Read once at
-# import (a captured graph bakes the path it saw); 0 = off until an A/B on a GPU says otherwise.
-# A first microbenchmark (50 graph-captured dispatches back to back, PDL on, one H200, top-8,
-# 128 experts x hidden 2048 and 256 x 7168): one launch took 0.59-0.98x the two-launch time up
-# to 256 flat ids, 0.80-1.05x at 512 and 1.11-1.14x at 1024 (not yet a step-level A/B).
+# import (a captured graph bakes the path it saw); 0 = off. A microbenchmark (50 graph-captured
+# dispatches back to back, PDL on, one H200, top-8, 128 experts x hidden 2048 and 256 x 7168):
+# one launch took 0.59-0.98x the two-launch time up to 256 flat ids, 0.80-1.05x at 512 and
+# 1.11-1.14x at 1024. In the step (BENCHMARKS.md §23): 0.983x at qwen3-like bs 1, 0.996x at
+# bs 4, 0.998x at bs 16, 0.998x at dsv3-like bs 1, bitwise equal.
 FUSED_MAX_FLAT: int = _fused_max_flat_from_env(os.environ.get("GRAPHRT_FUSE_DISPATCH_MAX"))
 
 
@@ -188,7 +191,7 @@ def dispatch_masked(x, topk_ids, *, out_recv_x, out_masked_m, out_src_idx, out_p
     out_pos: int32 [padded_bs, num_topk], contiguous: slot of (token, k), -1 if none/dropped.
     fused: one launch (``_dispatch_fused_kernel``) instead of plan + copy, same outputs.
       ``None`` (default): the rule, one launch when ``0 < padded_bs * num_topk <= FUSED_MAX_FLAT``
-      (``GRAPHRT_FUSE_DISPATCH_MAX`` at import; 0 = off). ``True`` raises ``ValueError`` when
+      (``GRAPHRT_FUSE_DISPATCH_MAX`` at import, default 256; 0 = off). ``True`` raises ``ValueError`` when
       ``padded_bs * num_topk > FUSED_LIMIT`` (1024) rather than fall back; ``False``: two launches.
       Decided on the host from shapes only, so a captured graph bakes one path per batch size.
     Returns ``(out_recv_x, out_masked_m, out_src_idx, out_pos)``.

@@ -91,9 +91,10 @@ class Experts:
     """
 
     # Fuse SiLU-and-mul (and, with fp8, its quantization) into the W2 GEMM's A load when the
-    # decode kernel runs W2: one launch fewer a layer (``silu_and_mul_masked`` was 3.3 us a
-    # layer on an H200 at bs 1), bitwise equal outputs. GRAPHRT_FUSE_ACT=1 at import turns it
-    # on; off by default until the step-time A/B is measured (pending).
+    # decode kernel runs W2: one launch fewer a layer, bitwise equal outputs, but measured
+    # slower on an H200 (BENCHMARKS.md §23: 1.18x the step time at qwen3-like bs 1, 1.27x at
+    # dsv3-like bs 1; the activation math sits in the weight-streaming K loop). Off; kept for
+    # comparison (GRAPHRT_FUSE_ACT=1 at import).
     fuse_act = env_flag("GRAPHRT_FUSE_ACT", False)
 
     def __init__(self, hidden: int, inter: int, num_local_experts: int, device, *, seed: int = 0,

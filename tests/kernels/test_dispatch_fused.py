@@ -224,7 +224,8 @@ def test_the_rule_takes_one_launch_up_to_fused_max_flat(monkeypatch):
             _check(x, ids, outs, cap)
         return list(calls)
 
-    monkeypatch.setattr(dispatch, "FUSED_MAX_FLAT", 0)  # the default: off
+    assert dispatch.FUSED_MAX_FLAT == dispatch.FUSED_DEFAULT == 256   # the default
+    monkeypatch.setattr(dispatch, "FUSED_MAX_FLAT", 0)  # off
     assert launches(1) == ["plan", "copy"]
     assert launches(1, fused=True) == ["fused"]
     monkeypatch.setattr(dispatch, "FUSED_MAX_FLAT", 16)
@@ -254,7 +255,7 @@ def test_fused_max_flat_beyond_the_kernel_limit_raises(monkeypatch):
         dispatch_masked(x, torch.zeros(1, 1, dtype=torch.int64), **outs)
 
 
-@pytest.mark.parametrize("value,want", [(None, 0), ("", 0), (" 0 ", 0), ("64", 64),
+@pytest.mark.parametrize("value,want", [(None, 256), ("", 256), (" 0 ", 0), ("64", 64),
                                         ("1024", 1024)])
 def test_env_value(value, want):
     assert dispatch._fused_max_flat_from_env(value) == want
