@@ -119,8 +119,9 @@ def plan(stager, size: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     batch or fixed input whose static view is raw-copyable (``cudart.raw_copyable``:
     contiguous, some bytes, not complex); [] when ``enabled`` is False. Offsets inputs are
     staged before the replay as before: their padding continues the last live offset, which a
-    copy before the graph must read after the live entries were written. Shadows (one per input, the static buffer's
-    shape, outside any graph pool) are made once per stager. Host-only."""
+    copy before the graph must read after the live entries were written. Shadows (one per
+    input, the static buffer's shape, outside any graph pool) are made once per stager, and
+    the side streams ``record`` forks onto once per device. Host-only."""
     if not enabled(stager.device):
         return []
     out = []
@@ -131,15 +132,36 @@ def plan(stager, size: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
                 with torch.inference_mode(False):
                     shadow = stager.shadows[name] = torch.zeros_like(stager.buffers[name])
             out.append((name, view, shadow))
+    if len(out) > 1 and stager.device.type == "cuda":
+        index = stager.device.index
+        index = torch.cuda.current_device() if index is None else index
+        sides = _SIDE_STREAMS.setdefault(index, [])
+        while len(sides) < len(out):
+            sides.append(torch.cuda.Stream(index))
     return out
+
+
+_SIDE_STREAMS: dict = {}   # device index -> side streams the copies fork onto (made once)
 
 
 def record(planned: list, stream: torch.cuda.Stream) -> None:
     """Inside a capture on ``stream``: one ``cudaMemcpyAsync`` shadow -> static view per
-    planned input, the memcpy nodes ``locate`` finds. Graph safety: capture-only."""
-    for name, view, shadow in planned:
+    planned input, the memcpy nodes ``locate`` finds. With several, each is issued on a side
+    stream forked from ``stream`` and joined back, so the graph holds them as parallel roots
+    rather than a chain (in a chain each added about a microsecond of device time to the
+    step's start, BENCHMARKS.md §23). Graph safety: capture-only."""
+    if len(planned) < 2:
+        for name, view, shadow in planned:
+            cudart.memcpy_d2d_async(view.data_ptr(), shadow.data_ptr(), view.nbytes,
+                                    stream.cuda_stream)
+        return
+    sides = _SIDE_STREAMS[stream.device.index]   # made by plan(), outside the capture
+    for (name, view, shadow), side in zip(planned, sides):
+        side.wait_stream(stream)
         cudart.memcpy_d2d_async(view.data_ptr(), shadow.data_ptr(), view.nbytes,
-                                stream.cuda_stream)
+                                side.cuda_stream)
+    for side in sides[:len(planned)]:
+        stream.wait_stream(side)
 
 
 def locate(graph: "torch.cuda.CUDAGraph", planned: list) -> GraphStaging:

@@ -147,7 +147,9 @@ def host_path_us(spec: graphrt.StepSpec, device, batches=(1, 64), *, iters: int 
     staging outside the graph (``GRAPHRT_GRAPH_STAGING=0``) with the raw ``cudaMemcpyAsync`` of
     ``graphrt.cudart`` and with torch's ``copy_`` (``GRAPHRT_RAW_COPY=0``), ``input_buffers`` +
     ``replay()``, the hand-written dict (``hand_written``) and a bare ``graph.replay()``, host µs medians; ``run_over_hand`` (lease / hand-written, host);
-    ``wall_*``: wall µs per step of a loop of ``steps`` (``loop_wall_us``) and their ratio;
+    ``wall_*``: wall µs per step of a loop of ``steps`` (``loop_wall_us``: ``run()`` lease,
+    with new tensors each call, staging outside the graph by the raw copy, the hand-written
+    dict) and the lease / hand-written ratio;
     ``argmax_*``: an op on the lease against one on a debug-mode ``LeasedTensor``.
     Host-only (synchronises); CPU runtimes work too (tests, with a stand-in capture)."""
     from graphrt.outputs import LeaseClock, LeasedTensor
@@ -191,6 +193,10 @@ def host_path_us(spec: graphrt.StepSpec, device, batches=(1, 64), *, iters: int 
         wh = loop_wall_us(lambda: hand(**inputs), steps=steps, sync=sync)
         res[f"wall_lease_bs{bs}_us"], res[f"wall_hand_written_bs{bs}_us"] = wl, wh
         res[f"wall_run_over_hand_bs{bs}"] = wl / wh
+        res[f"wall_fresh_bs{bs}_us"] = loop_wall_us(lambda: lease.run(**fresh()), steps=steps,
+                                                    sync=sync)
+        res[f"wall_raw_copy_bs{bs}_us"] = loop_wall_us(lambda: raw_copy.run(**inputs),
+                                                       steps=steps, sync=sync)
         if cuda:
             res[f"device_step_bs{bs}_us"] = cuda_time_us(g.replay, iters=50)
     return res
@@ -357,9 +363,10 @@ def md_runtime(res: dict) -> str:
                   "| run() lease, raw copy staging "
                   "| run() lease, copy_ staging "
                   "| input_buffers + replay() | hand-written dict "
-                  "| bare graph.replay() | run()/hand | wall run() | wall hand | wall ratio "
+                  "| bare graph.replay() | run()/hand | wall run() | wall run(), new tensors "
+                  "| wall run(), raw copy staging | wall hand | wall ratio "
                   "| argmax on lease / debug lease | device step |",
-                  "|" + "---|" * 15]
+                  "|" + "---|" * 17]
         for bs in batches:
             def f(k, fmt=".1f"):
                 v = o.get(f"{k}_bs{bs}_us", o.get(f"{k}_bs{bs}"))
@@ -369,6 +376,7 @@ def md_runtime(res: dict) -> str:
                 f"{f('lease_torch_copy')} | "
                 f"{f('zero_copy_replay')} | "
                 f"{f('hand_written')} | {f('bare_replay')} | {f('run_over_hand', '.2f')} | "
-                f"{f('wall_lease')} | {f('wall_hand_written')} | {f('wall_run_over_hand', '.3f')} | "
+                f"{f('wall_lease')} | {f('wall_fresh')} | {f('wall_raw_copy')} | "
+                f"{f('wall_hand_written')} | {f('wall_run_over_hand', '.3f')} | "
                 f"{f('argmax_lease')} / {f('argmax_debug_lease')} | {f('device_step')} |")
     return "\n".join(lines)
