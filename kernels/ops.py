@@ -20,6 +20,8 @@ every op returns ``None`` (a custom op may not return an alias of its input)::
     torch.ops.graphrt.decode_grouped_gemm(a, b, masked_m, out, expected_m=None, block_n=32,
                                           split_k=1, workspace=None, a_scale=None,
                                           b_scale=None, num_warps=4, num_stages=4, act=None)
+    torch.ops.graphrt.expert_gemv_rows(a, b, masked_m, out, block_n=None, block_k=None,
+                                       num_warps=4)
     torch.ops.graphrt.kv_append(k, v, slot_mapping, n, k_cache, v_cache)
     torch.ops.graphrt.decode_attention(q, k_cache, v_cache, block_table, seq_lens, n, out,
                                        workspace_o, workspace_lse, sm_scale=None,
@@ -152,6 +154,15 @@ def decode_grouped_gemm(a: Tensor, b: Tensor, masked_m: Tensor, out: Tensor,
         num_stages=num_stages, act=act)
 
 
+@_op("expert_gemv_rows", ("out",))
+def expert_gemv_rows(a: Tensor, b: Tensor, masked_m: Tensor, out: Tensor,
+                     block_n: Optional[int] = None, block_k: Optional[int] = None,
+                     num_warps: int = 4) -> None:
+    """``graphrt.kernels.grouped_gemv_rows.expert_gemv_rows``. Graph safety: capturable."""
+    _launcher(f"{_KERNELS}.grouped_gemv_rows", "expert_gemv_rows")(
+        a, b, masked_m, out=out, block_n=block_n, block_k=block_k, num_warps=num_warps)
+
+
 @_op("deepgemm_masked_bf16", ("d",))
 def deepgemm_masked_bf16(a: Tensor, b: Tensor, d: Tensor, masked_m: Tensor, expected_m: int) -> None:
     """``deep_gemm.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m)``: a bf16
@@ -266,9 +277,9 @@ def greedy_sample(logits: Tensor, out_ids: Tensor, out_sampled: Optional[Tensor]
 
 
 OPS = (topk_softmax, grouped_topk_sigmoid, dispatch_masked, combine_masked, silu_and_mul_masked,
-       silu_and_mul_masked_fp8, masked_grouped_gemm, decode_grouped_gemm, deepgemm_masked_bf16,
-       deepgemm_masked_fp8, kv_append, decode_attention, add_rmsnorm, silu_and_mul, unpack_rows,
-       greedy_sample, dense_gemv, dense_gemv_rows, norm_gemv_rows)
+       silu_and_mul_masked_fp8, masked_grouped_gemm, decode_grouped_gemm, expert_gemv_rows,
+       deepgemm_masked_bf16, deepgemm_masked_fp8, kv_append, decode_attention, add_rmsnorm,
+       silu_and_mul, unpack_rows, greedy_sample, dense_gemv, dense_gemv_rows, norm_gemv_rows)
 
 
 def _no_outputs(*args, **kwargs) -> None:
@@ -322,6 +333,10 @@ def _wrappers() -> dict[tuple[str, str], object]:
             workspace = out.new_empty((0,), dtype=torch.float32)
         ops.decode_grouped_gemm(a, b, masked_m, out, expected_m, block_n, split_k, workspace,
                                 a_scale, b_scale, num_warps, num_stages, act)
+        return out
+
+    def expert_gemv_rows_(a, b, masked_m, *, out, block_n=None, block_k=None, num_warps=4):
+        ops.expert_gemv_rows(a, b, masked_m, out, block_n, block_k, num_warps)
         return out
 
     def kv_append_(k, v, slot_mapping, n, *, k_cache, v_cache):
@@ -393,6 +408,7 @@ def _wrappers() -> dict[tuple[str, str], object]:
             (f"{k}.activation", "silu_and_mul_masked_fp8"): silu_and_mul_masked_fp8_,
             (f"{k}.grouped_gemm", "masked_grouped_gemm"): masked_grouped_gemm_,
             (f"{k}.grouped_gemm_decode", "decode_grouped_gemm"): decode_grouped_gemm_,
+            (f"{k}.grouped_gemv_rows", "expert_gemv_rows"): expert_gemv_rows_,
             (f"{k}.attention", "kv_append"): kv_append_,
             (f"{k}.attention", "decode_attention"): decode_attention_,
             (f"{k}.norm", "add_rmsnorm"): add_rmsnorm_,

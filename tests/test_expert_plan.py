@@ -14,7 +14,8 @@ import graphrt
 import graphrt.moe.expert_plan as ep
 from graphrt.moe import MoEModel, make_step, preset
 from graphrt.moe.expert_plan import (Choice, ExpertPlan, decode_candidates, default_choice,
-                                     routed_rows, shape_key, synthetic_masked_m)
+                                     plan_candidates, routed_rows, rows_candidates, rows_eligible,
+                                     shape_key, synthetic_masked_m)
 
 
 # ------------------------------------------------------------------------------ policy (CPU)
@@ -79,6 +80,115 @@ def test_plan_json_round_trip(tmp_path):
         ExpertPlan({"version": 0, "plan": {}})
 
 
+# ------------------------------------------------------------------ the rows kernel (CPU)
+BF16_KERNELS = ("decode", "rows", "triton", "deepgemm")
+
+
+def test_rows_candidates_follow_the_config():
+    assert [c.name for c in rows_candidates(1536, 2048)] == ["rows/bn2", "rows/bn4", "rows/bn8"]
+    assert [c.name for c in rows_candidates(2048, 768)] == ["rows/bn4", "rows/bn8", "rows/bn16"]
+    assert [c.name for c in rows_candidates(4096, 7168)] == ["rows/bn1", "rows/bn2", "rows/bn4"]
+    assert [c.name for c in rows_candidates(3, 100)] == ["rows/bn2", "rows/bn4"]   # <= pow2(n)
+    assert [c.name for c in rows_candidates(256, 16)] == ["rows/bn32", "rows/bn64"]  # <= 64
+    assert all(c.kernel == "rows" and c.split_k == 1 for c in rows_candidates(1536, 2048))
+
+
+def test_rows_candidates_only_for_bf16_decode_and_few_rows():
+    one_row = routed_rows(1, 8, 64, 64)                               # bs 1: 8 experts, 1 row
+    assert max(one_row) == 1 and rows_eligible(BF16_KERNELS, one_row, fp8=False)
+    assert rows_eligible(("decode",), [4, 4, 3], fp8=False)           # 4 rows: still in
+    assert not rows_eligible(("decode",), [4, 5, 1], fp8=False)       # one expert with 5
+    assert not rows_eligible(("decode", "deepgemm"), one_row, fp8=True)   # bf16 only
+    assert not rows_eligible(("triton", "deepgemm"), one_row, fp8=False)  # decode family only
+    assert not rows_eligible(("decode",), [], fp8=False)
+    assert not rows_eligible(BF16_KERNELS, routed_rows(256, 8, 64, 64), fp8=False)  # 32 rows
+    names = [c.name for c in plan_candidates(BF16_KERNELS, 1536, 2048, one_row, 132)]
+    assert names == ["decode/bn16", "decode/bn32", "decode/bn64", "rows/bn2", "rows/bn4",
+                     "rows/bn8", "triton", "deepgemm"]
+    names = [c.name for c in plan_candidates(BF16_KERNELS, 1536, 2048, [5] * 8, 132)]
+    assert names == ["decode/bn16", "decode/bn32", "decode/bn64", "triton", "deepgemm"]
+    fp8 = [c.name for c in plan_candidates(("decode", "deepgemm"), 1536, 2048, one_row, 132,
+                                           fp8=True)]
+    assert fp8 == ["decode/bn16", "decode/bn32", "decode/bn64", "deepgemm"]
+    assert [c.name for c in plan_candidates(("triton",), 1536, 2048, one_row, 132)] == ["triton"]
+    assert [c.name for c in plan_candidates(("rows", "triton"), 64, 64, one_row, 132)] == \
+        ["triton"]                                   # rows rides on the decode kernel
+    # the decode kernel's split-K candidates are unchanged by the rows ones
+    names = [c.name for c in plan_candidates(("decode",), 1536, 2048, [1], 132)]
+    assert names == [c.name for c in decode_candidates(1536, 2048, 1, 132)] + \
+        [c.name for c in rows_candidates(1536, 2048)]
+    assert default_choice(1536, 8).kernel == "decode"                 # untimed: still decode
+
+
+def test_rows_choice_validates_names_and_round_trips(tmp_path):
+    assert Choice("rows", 4).name == "rows/bn4" and Choice("rows", 0).name == "rows"
+    assert Choice("rows", 8, num_warps=8).name == "rows/bn8/w8"
+    assert Choice("rows", 4, us=2.0) == Choice("rows", 4) != Choice("rows", 8)
+    with pytest.raises(ValueError, match="block_n with kernel 'rows': expected one of"):
+        Choice("rows", 3)
+    with pytest.raises(ValueError, match="split_k with kernel 'rows': expected 1"):
+        Choice("rows", 4, split_k=2)
+    plan = ExpertPlan()
+    plan.record("bf16:64x1536x2048", 1, Choice("rows", 4, us=9.1),
+                {"decode/bn16": 13.7, "rows/bn4": 9.1, "rows/bn8": 9.6})
+    plan.record("bf16:64x2048x768", 1, Choice("rows", 16, num_warps=8, us=4.0))
+    plan.record("bf16:64x2048x768", 2, Choice("rows", 0))
+    doc = plan.to_json()
+    assert doc["plan"]["bf16:64x1536x2048"]["1"] == {
+        "kernel": "rows", "block_n": 4, "split_k": 1, "us": 9.1, "num_warps": 4,
+        "candidates": {"decode/bn16": 13.7, "rows/bn4": 9.1, "rows/bn8": 9.6}}
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    again = ExpertPlan.load(str(path))
+    assert again.to_json() == doc
+    assert again.choices(1) == {"bf16:64x1536x2048": Choice("rows", 4),
+                                "bf16:64x2048x768": Choice("rows", 16, num_warps=8)}
+    assert again.choices(1)["bf16:64x2048x768"].name == "rows/bn16/w8"
+    assert again.choices(2)["bf16:64x2048x768"].name == "rows"
+
+
+def test_experts_offer_and_run_the_rows_kernel():
+    from graphrt.moe.experts import Experts
+    ex = Experts(64, 48, 3, "cpu", seed=1, max_cap=8)                # auto: plan may pick rows
+    assert "rows" in ex.kernels and "decode" in ex.kernels
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 8, 64, generator=g).to(torch.bfloat16)
+    masked_m = torch.tensor([1, 0, 4], dtype=torch.int32)
+    outs = {}
+    for c in (Choice("rows", 8), Choice("rows", 0), Choice("decode", 16)):
+        out = torch.full((3, 8, 96), float("nan"), dtype=torch.bfloat16)
+        assert ex.gemm("w13", a, masked_m, 2, out, c) is out
+        outs[c.name] = out
+    live = torch.arange(8)[None, :] < masked_m[:, None]
+    for name, out in outs.items():
+        assert torch.isnan(out[~live].float()).all(), name
+        torch.testing.assert_close(out[live].float(), outs["decode/bn16"][live].float(),
+                                   rtol=2 ** -7, atol=1e-2)
+    with pytest.raises(ValueError, match="act='silu_and_mul': expected choice.kernel 'decode'"):
+        ex.gemm("w2", torch.zeros(3, 8, 96, dtype=torch.bfloat16), masked_m, 2,
+                torch.zeros(3, 8, 64, dtype=torch.bfloat16), Choice("rows", 8), act="silu_and_mul")
+    fixed = Experts(64, 48, 3, "cpu", seed=1, max_cap=8, backend="rows")
+    assert fixed.choices(1) == (Choice("rows", 0),) * 2 and fixed.plan is None
+    y = fixed(a, masked_m, 2)
+    ref = Experts(64, 48, 3, "cpu", seed=1, max_cap=8, backend="decode")(a, masked_m, 2)
+    assert ((y[live].float() - ref[live].float()).norm() / ref[live].float().norm()) < 1e-2
+
+
+def test_fp8_experts_refuse_the_rows_kernel():
+    from graphrt.moe.experts import Experts
+    ex = Experts(128, 128, 2, "cpu", backend="decode", fp8=True, max_cap=4)
+    assert "rows" not in ex.kernels and "triton" not in ex.kernels
+    a = torch.zeros(2, 4, 128, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="choice.kernel 'rows': expected bf16 experts"):
+        ex.gemm("w13", a, torch.ones(2, dtype=torch.int32), 1,
+                torch.zeros(2, 4, 256, dtype=torch.bfloat16), Choice("rows", 4),
+                torch.ones(2, 4, 1))
+    with pytest.raises(ValueError, match="the rows kernel is bf16 only"):
+        Experts(128, 128, 2, "cpu", backend="rows", fp8=True, max_cap=4)
+    with pytest.raises(ValueError, match="backend must be auto, deepgemm, triton, decode or rows"):
+        Experts(64, 48, 2, "cpu", backend="cublas")
+
+
 # ------------------------------------------------------------------------- the model (CPU)
 @pytest.fixture(scope="module")
 def tiny_auto():
@@ -123,6 +233,22 @@ def test_fixed_table_skips_measuring_and_picks_the_kernel(tiny_auto, monkeypatch
     model.prepare(4, 3)                                               # the decode kernel
     dec = spec.call(x)["logits"]
     assert ((dec.float() - got.float()).norm() / got.float().norm()) < 2e-2
+
+
+def test_fixed_table_with_the_rows_kernel_runs_the_model(tiny_auto):
+    spec, _ = tiny_auto
+    keys = [k for k, _, _ in MoEModel(preset("tiny"), "cpu").layers[0].moe.experts
+            .gemm_shapes().values()]
+    table = {"version": 1, "plan": {k: {"4": {"kernel": "rows", "block_n": 8}} for k in keys}}
+    rows = MoEModel(preset("tiny"), "cpu", expert_plan=table)
+    rows.prepare(4, 3)
+    assert rows.layers[0].moe.experts.choices() == (Choice("rows", 8),) * 2
+    triton = MoEModel(preset("tiny"), "cpu", backend="triton")
+    x = spec.random_inputs(4, "cpu", torch.Generator().manual_seed(3))
+    got = rows.spec(8).call(x)["logits"]
+    want = triton.spec(8).call(x)["logits"]
+    assert ((got.float() - want.float()).norm() / want.float().norm()) < 2e-2
+    assert rows.expert_plan()["plan"][keys[0]]["4"]["kernel"] == "rows"
 
 
 def test_fixed_backend_has_no_plan(tmp_path):
@@ -195,3 +321,18 @@ def test_gpu_plan_per_size_and_replay_equals_eager():
             assert again.layers[0].moe.experts.choices() == model.layers[0].moe.experts.choices()
     finally:
         ep._graph_us = real
+
+
+def test_an_excluded_kernel_reads_as_the_fastest_other_one(monkeypatch):
+    """``ExpertPlan.exclude`` (the ab harness's expert-rows switch): an entry whose choice is
+    excluded reads as its recorded fallback; an entry without one keeps its choice."""
+    from graphrt.moe.expert_plan import Choice, ExpertPlan
+    plan = ExpertPlan()
+    rows, dec = Choice("rows", block_n=4, us=8.0), Choice("decode", block_n=16, us=9.5)
+    plan.record("bf16:64x1536x2048", 1, rows, {"rows/bn4": 8.0, "decode/bn16": 9.5}, fallback=dec)
+    plan.record("bf16:64x2048x768", 1, rows)                    # no fallback recorded
+    assert plan.select(1)["bf16:64x1536x2048"] is rows
+    monkeypatch.setattr(ExpertPlan, "exclude", frozenset({"rows"}))
+    got = plan.select(1)
+    assert got["bf16:64x1536x2048"] is dec and got["bf16:64x2048x768"] is rows
+    assert plan.current == got and plan.choices(2) is None

@@ -21,7 +21,10 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
 - ``fuse-act``: the experts' SiLU-and-mul computed by the W2 decode GEMM as it loads its
   operand (``Experts.fuse_act``, ``decode_grouped_gemm(act="silu_and_mul")``);
 - ``fuse-dispatch``: the EP=1 dispatch in one launch up to 256 flat (token, k) ids instead of
-  plan + copy (``graphrt.kernels.dispatch.FUSED_MAX_FLAT``).
+  plan + copy (``graphrt.kernels.dispatch.FUSED_MAX_FLAT``);
+- ``expert-rows``: the expert plan's choices as measured, the CUDA-core rows kernel included
+  (``kernels.grouped_gemv_rows``), against the fastest other kernel of each entry
+  (``ExpertPlan.exclude``).
 
 A variant joins switches with ``+`` (``pdl-early+dense-gemv``: both on); ``--switch`` may be
 given several times, and every variant is then measured against the one baseline, their
@@ -81,7 +84,10 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "fuse-norm": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer", "fuse_norm", on),
             "fuse-act": lambda on: _class_attr("graphrt.moe.experts", "Experts", "fuse_act", on),
             "fuse-dispatch": lambda on: _class_attr("graphrt.kernels.dispatch", None,
-                                                    "FUSED_MAX_FLAT", 256 if on else 0)}
+                                                    "FUSED_MAX_FLAT", 256 if on else 0),
+            "expert-rows": lambda on: _class_attr("graphrt.moe.expert_plan", "ExpertPlan",
+                                                  "exclude", frozenset() if on else
+                                                  frozenset({"rows"}))}
 
 
 def parse_variant(variant: str) -> list[str]:

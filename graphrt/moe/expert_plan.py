@@ -1,9 +1,11 @@
 """Per-size expert-kernel plan: which grouped GEMM each captured size bakes in.
 
-The routed experts' GEMMs have three implementations with different sweet spots: the
+The routed experts' GEMMs have four implementations with different sweet spots: the
 decode kernel (``kernels.grouped_gemm_decode``: live experts' weights streamed once, best
-at a few rows an expert), the row-tiled Triton masked GEMM (``kernels.grouped_gemm``) and
-DeepGEMM's masked GEMM (many rows an expert). Which is fastest depends on the padded batch
+at a few rows an expert), its CUDA-core sibling for 1-4 rows an expert (``rows``:
+``kernels.grouped_gemv_rows``, bf16; timed only when the synthetic routing has at most
+``ROWS_MAX`` rows on every live expert), the row-tiled Triton masked GEMM
+(``kernels.grouped_gemm``) and DeepGEMM's masked GEMM (many rows an expert). Which is fastest depends on the padded batch
 (rows per live expert, live experts), the GEMM's shape and the GPU, so it is *measured*:
 
     plan = ExpertPlan()                          # or ExpertPlan.load("plan.json")
@@ -39,16 +41,19 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 PLAN_VERSION = 1
-KERNELS = ("decode", "triton", "deepgemm")
+KERNELS = ("decode", "rows", "triton", "deepgemm")
+ROWS_MAX = 4  # the rows kernel is a candidate while no live expert has more rows than this
+ROWS_BLOCK_NS = (0, 1, 2, 4, 8, 16, 32, 64)  # the rows kernel's block_n (0: its config's pick)
 SPLIT_ROWS = 256  # split-K workspace rows (compacted live rows); larger routings run unsplit
 MAX_SPLIT = 4
 
 
 @dataclass(frozen=True)
 class Choice:
-    """One expert-GEMM implementation: ``kernel`` (``decode`` | ``triton`` | ``deepgemm``);
-    the decode kernel's ``block_n``, ``split_k`` and ``num_warps``; ``us`` as measured (None:
-    not timed)."""
+    """One expert-GEMM implementation: ``kernel`` (``decode`` | ``rows`` | ``triton`` |
+    ``deepgemm``); the decode kernel's ``block_n``, ``split_k`` and ``num_warps``, or the rows
+    kernel's ``block_n`` (0: ``expert_gemv_rows_config``'s pick; no split-K) and
+    ``num_warps``; ``us`` as measured (None: not timed)."""
 
     kernel: str
     block_n: int = 32
@@ -61,15 +66,25 @@ class Choice:
             raise ValueError(f"Choice.kernel: expected one of {KERNELS}, got {self.kernel!r}")
         if self.kernel == "decode" and not (1 <= self.split_k <= MAX_SPLIT):
             raise ValueError(f"Choice.split_k: expected 1..{MAX_SPLIT}, got {self.split_k}")
+        if self.kernel == "rows":
+            if self.block_n not in ROWS_BLOCK_NS:
+                raise ValueError(f"Choice.block_n with kernel 'rows': expected one of "
+                                 f"{ROWS_BLOCK_NS}, got {self.block_n}")
+            if self.split_k != 1:
+                raise ValueError(f"Choice.split_k with kernel 'rows': expected 1 (no split-K), "
+                                 f"got {self.split_k}")
 
     @property
     def name(self) -> str:
-        """``decode/bn32`` (``/sk2`` when split, ``/w8`` at other than 4 warps), ``triton``
-        or ``deepgemm``."""
+        """``decode/bn32`` (``/sk2`` when split, ``/w8`` at other than 4 warps), ``rows/bn4``
+        (``rows`` with the config's block_n; ``/w8`` likewise), ``triton`` or ``deepgemm``."""
+        warps = f"/w{self.num_warps}" if self.num_warps != 4 else ""
+        if self.kernel == "rows":
+            return "rows" + (f"/bn{self.block_n}" if self.block_n else "") + warps
         if self.kernel != "decode":
             return self.kernel
         return (f"decode/bn{self.block_n}" + (f"/sk{self.split_k}" if self.split_k > 1 else "")
-                + (f"/w{self.num_warps}" if self.num_warps != 4 else ""))
+                + warps)
 
 
 def shape_key(num_local_experts: int, n: int, k: int, fp8: bool) -> str:
@@ -107,6 +122,39 @@ def decode_candidates(n: int, k: int, live: int, num_sms: int, fp8: bool = False
     return out
 
 
+def rows_candidates(n: int, k: int) -> list[Choice]:
+    """Rows-kernel configurations worth timing: ``expert_gemv_rows_config``'s ``block_n``
+    (the whole K up to 4096 a round, 8192 weights a program), half and twice it (1-64, at
+    most ``next_power_of_2(n)``). Pure Python (the config is host arithmetic)."""
+    from graphrt.kernels.grouped_gemv_rows import expert_gemv_rows_config
+    cfg = expert_gemv_rows_config(n, k)
+    top = min(64, 1 << max(0, n - 1).bit_length())  # min(64, next_power_of_2(n))
+    bns = sorted({max(1, min(top, bn)) for bn in (cfg["block_n"] // 2, cfg["block_n"],
+                                                  2 * cfg["block_n"])})
+    return [Choice("rows", block_n=bn) for bn in bns]
+
+
+def rows_eligible(kernels, rows: list[int], fp8: bool) -> bool:
+    """Whether the rows kernel is timed: it belongs to the decode family (``"decode"`` in
+    ``kernels``), bf16 only, and the routing has 1..``ROWS_MAX`` rows on every live expert
+    (``rows`` as ``routed_rows`` gives them). Pure Python."""
+    return "decode" in kernels and not fp8 and bool(rows) and max(rows) <= ROWS_MAX
+
+
+def plan_candidates(kernels, n: int, k: int, rows: list[int], num_sms: int,
+                    fp8: bool = False) -> list[Choice]:
+    """Every configuration ``plan_size`` times for one GEMM shape: with ``"decode"`` in
+    ``kernels`` the decode kernel's (``decode_candidates``) and, when ``rows_eligible``,
+    the rows kernel's (``rows_candidates``); then each other kernel of ``kernels``
+    (``triton``, ``deepgemm``) once. Pure Python."""
+    out = []
+    if "decode" in kernels:
+        out += decode_candidates(n, k, len(rows), num_sms, fp8)
+        if rows_eligible(kernels, rows, fp8):
+            out += rows_candidates(n, k)
+    return out + [Choice(kname) for kname in kernels if kname not in ("decode", "rows")]
+
+
 def default_choice(n: int, live: int, num_sms: int = 132) -> Choice:
     """The decode kernel without timing (CPU, or a size not measured): ``block_n`` 32 when
     that still gives two work items per SM, else 16; no split."""
@@ -115,10 +163,17 @@ def default_choice(n: int, live: int, num_sms: int = 132) -> Choice:
 
 class ExpertPlan:
     """``{shape key: {padded_bs: Choice}}`` plus the candidates' timings, and the selection
-    of the current size. Host-only plain data."""
+    of the current size. Host-only plain data.
+
+    ``exclude`` (a class attribute; ``graphrt.bench.ab``'s ``expert-rows`` switch): kernels
+    read as the fastest other candidate measured for the same entry (``fallback``; an entry
+    loaded from JSON has none and keeps its choice)."""
+
+    exclude: frozenset = frozenset()
 
     def __init__(self, table: dict | None = None):
         self._by_size: dict[int, dict[str, Choice]] = {}
+        self._fallback: dict[tuple[str, int], Choice] = {}
         self._timings: dict[tuple[str, int], dict[str, float | str]] = {}
         self.current: dict[str, Choice] | None = None
         if table:
@@ -127,22 +182,30 @@ class ExpertPlan:
     # -- lookups (per replay) ------------------------------------------------------------
     def select(self, padded_bs: int) -> dict[str, Choice] | None:
         """Make ``padded_bs``'s choices current (what a step without its size reads)."""
-        self.current = self._by_size.get(padded_bs)
+        self.current = self.choices(padded_bs)
         return self.current
 
     def choices(self, padded_bs: int) -> dict[str, Choice] | None:
         """``{shape key: Choice}`` of ``padded_bs``, or None when that size has no entry."""
-        return self._by_size.get(padded_bs)
+        table = self._by_size.get(padded_bs)
+        if not self.exclude or table is None:
+            return table
+        return {k: self._fallback.get((k, padded_bs), c) if c.kernel in self.exclude else c
+                for k, c in table.items()}
 
     def has(self, key: str, padded_bs: int) -> bool:
         return key in self._by_size.get(padded_bs, ())
 
     # -- recording -----------------------------------------------------------------------
     def record(self, key: str, padded_bs: int, choice: Choice,
-               timings: dict[str, float | str] | None = None) -> None:
+               timings: dict[str, float | str] | None = None,
+               fallback: Choice | None = None) -> None:
         """Store ``choice`` for (``key``, ``padded_bs``) with the candidates' ``timings``
-        (µs, or an error string for a candidate that failed)."""
+        (µs, or an error string for a candidate that failed) and the fastest candidate of
+        another kernel (``fallback``, read instead while ``choice.kernel`` is excluded)."""
         self._by_size.setdefault(int(padded_bs), {})[key] = choice
+        if fallback is not None:
+            self._fallback[(key, int(padded_bs))] = fallback
         if timings is not None:
             self._timings[(key, int(padded_bs))] = dict(timings)
 
@@ -248,11 +311,9 @@ def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: 
     torch.cuda.synchronize(device)
     for which, (key, n, k) in todo.items():
         a, a_scale, out = experts.synthetic_io(which, cap)
-        cands = [Choice(kname) for kname in experts.kernels if kname != "decode"]
-        if "decode" in experts.kernels:
-            cands = decode_candidates(n, k, len(rows), num_sms(device), experts.fp8) + cands
+        cands = plan_candidates(experts.kernels, n, k, rows, num_sms(device), experts.fp8)
         timings: dict[str, float | str] = {}
-        best = None
+        best = other = None                      # the fastest, the fastest of another kernel
         for c in cands:
             fns = [functools.partial(experts.gemm, which, a, m, em, out, c, a_scale) for m in masked]
             try:
@@ -263,9 +324,13 @@ def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: 
                 continue
             timings[c.name] = round(us, 2)
             if best is None or us < best.us:
+                if best is not None and best.kernel != c.kernel:
+                    other = best
                 best = Choice(c.kernel, c.block_n, c.split_k, round(us, 2), c.num_warps)
+            elif c.kernel != best.kernel and (other is None or us < other.us):
+                other = Choice(c.kernel, c.block_n, c.split_k, round(us, 2), c.num_warps)
         if best is None:
             raise RuntimeError(f"expert plan for {key} at batch {padded_bs}: every candidate "
                                f"failed: {timings}")
-        plan.record(key, padded_bs, best, timings)
+        plan.record(key, padded_bs, best, timings, fallback=other)
     torch.cuda.synchronize(device)

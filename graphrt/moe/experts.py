@@ -9,11 +9,13 @@ same result) and its launch disappears. With fp8 the
 dispatched tokens are quantized too: by DeepEP's fp8 dispatch in its send kernel, or (EP=1)
 here by ``kernels.activation.quantize_fp8_masked`` over the live rows.
 
-Each GEMM is one of three kernels (``Choice.kernel``): DeepGEMM's ``m_grouped_bf16_gemm_nt_masked``
+Each GEMM is one of four kernels (``Choice.kernel``): DeepGEMM's ``m_grouped_bf16_gemm_nt_masked``
 (or ``m_grouped_fp8_gemm_nt_masked`` with the quantized activation and 128x128 block-scaled
 fp8 weights) when ``deep_gemm`` imports on a Hopper GPU; graphrt's row-tiled Triton masked
-GEMM (``kernels.grouped_gemm``, bf16); or the decode kernel (``kernels.grouped_gemm_decode``:
-each live expert's weights streamed once, bf16 and fp8). With ``backend="auto"`` an
+GEMM (``kernels.grouped_gemm``, bf16); the decode kernel (``kernels.grouped_gemm_decode``:
+each live expert's weights streamed once, bf16 and fp8); or its CUDA-core sibling for 1-4
+rows an expert (``rows``: ``kernels.grouped_gemv_rows``, bf16, wherever the decode kernel
+runs). With ``backend="auto"`` an
 ``ExpertPlan`` (``graphrt.moe.expert_plan``) picks per padded batch size, measured at capture
 time; otherwise ``backend`` is used throughout. DeepGEMM compiles per shape and
 ``expected_m`` on first call, so every padded size is warmed before capture (the capture
@@ -79,8 +81,10 @@ class Experts:
         backend: the expert GEMM when no plan entry says otherwise: ``"auto"`` (DeepGEMM on
             Hopper when importable, else the Triton masked GEMM, or the decode kernel for
             fp8), ``"deepgemm"``, ``"triton"`` (the row-tiled masked GEMM, bf16) or
-            ``"decode"`` (``kernels.grouped_gemm_decode``). Only ``"auto"`` lets a ``plan``
-            pick per padded size.
+            ``"decode"`` (``kernels.grouped_gemm_decode``) or ``"rows"``
+            (``kernels.grouped_gemv_rows``, bf16, its config's tile; meant for 1-4 rows an
+            expert). Only ``"auto"`` lets a ``plan`` pick per padded size (the rows kernel
+            among the candidates for bf16).
         fp8: fp8 e4m3 weights and activations (DeepGEMM's layout; DeepGEMM or decode kernel).
         quantize_input: with fp8, tokens arrive in bf16 and are quantized here (EP=1); False
             when the dispatch delivers them quantized (DeepEP's fp8 dispatch) with scales.
@@ -106,23 +110,28 @@ class Experts:
         if backend == "auto":
             backend = ("deepgemm" if deep_gemm_available() and on_cuda
                        else "decode" if fp8 else "triton")
-        if backend not in ("deepgemm", "triton", "decode"):
-            raise ValueError(f"backend must be auto, deepgemm, triton or decode; got {backend!r}")
+        if backend not in ("deepgemm", "triton", "decode", "rows"):
+            raise ValueError(f"backend must be auto, deepgemm, triton, decode or rows; "
+                             f"got {backend!r}")
         if backend == "deepgemm" and not deep_gemm_available():
             raise RuntimeError("backend='deepgemm' but deep_gemm does not import on a Hopper GPU here")
         if fp8 and backend == "triton":
             raise ValueError("fp8 experts need DeepGEMM or the decode kernel (backend='deepgemm', "
                              "'decode' or 'auto'); the row-tiled Triton GEMM is bf16 only")
+        if fp8 and backend == "rows":
+            raise ValueError("fp8 experts need DeepGEMM or the decode kernel (backend='deepgemm', "
+                             "'decode' or 'auto'); the rows kernel is bf16 only")
         self.hidden, self.inter, self.E = hidden, inter, num_local_experts
         self.backend, self.fp8, self.dtype = backend, fp8, dtype
         self.device = torch.device(device)
         self.plan = plan if self.planned else None
-        self._fixed = Choice(backend)
+        self._fixed = Choice(backend, block_n=0) if backend == "rows" else Choice(backend)
         self._keys = (shape_key(num_local_experts, 2 * inter, hidden, fp8),
                       shape_key(num_local_experts, hidden, inter, fp8))
-        # Kernels a plan may pick from: the decode kernel always; the row-tiled one for bf16.
-        self.kernels = tuple(k for k in ("decode", "triton", "deepgemm")
-                             if not (k == "triton" and fp8)
+        # Kernels a plan may pick from: the decode kernel always; the rows kernel (the decode
+        # family's 1-4-row member) and the row-tiled one for bf16.
+        self.kernels = tuple(k for k in ("decode", "rows", "triton", "deepgemm")
+                             if not (k in ("rows", "triton") and fp8)
                              and not (k == "deepgemm" and not (deep_gemm_available() and on_cuda)))
         # Each expert's weights come from its own seed (layer seed, global expert id), so a
         # rank holding experts [first_expert, first_expert + E) has exactly EP=1's weights.
@@ -194,7 +203,8 @@ class Experts:
              act: str | None = None):
         """``out = a @ W.T`` on live rows with ``choice``'s kernel; ``which`` is ``"w13"`` or
         ``"w2"``; ``a`` [E, cap, k] bf16 (or fp8 with ``a_scale`` [E, cap, k // 128]),
-        ``out`` [E, cap, n] bf16. ``act="silu_and_mul"`` (decode kernel only): ``a`` is
+        ``out`` [E, cap, n] bf16 (the ``rows`` kernel: bf16 only, ValueError with fp8
+        experts). ``act="silu_and_mul"`` (decode kernel only): ``a`` is
         ``u = [gate | up]`` bf16 [E, cap, 2 * k] and the kernel applies SiLU-and-mul (fp8:
         and the activation quantization) as it loads A; no ``a_scale``.
         Graph safety: capturable."""
@@ -209,6 +219,13 @@ class Experts:
                 deep_gemm.m_grouped_fp8_gemm_nt_masked((a, a_scale), w, out, masked_m, expected_m)
             else:
                 deep_gemm.m_grouped_bf16_gemm_nt_masked(a, w, out, masked_m, expected_m)
+        elif choice.kernel == "rows":
+            if self.fp8:
+                raise ValueError("choice.kernel 'rows': expected bf16 experts (the rows kernel "
+                                 "has no fp8 path), got fp8; use the decode kernel")
+            from graphrt.kernels.grouped_gemv_rows import expert_gemv_rows
+            expert_gemv_rows(a, w, masked_m, out=out, block_n=choice.block_n or None,
+                             num_warps=choice.num_warps)
         elif choice.kernel == "triton":
             from graphrt.kernels.grouped_gemm import masked_grouped_gemm
             masked_grouped_gemm(a, w, masked_m, out=out, expected_m=expected_m)

@@ -128,7 +128,8 @@ class MoEModel:
         comm: the expert-parallel backend (default ``LocalComm``: EP=1).
         overlap: run the combine asynchronously, overlapped with the shared expert.
         backend: expert GEMMs: ``auto`` (a per-size plan, see ``expert_plan``) | ``deepgemm`` |
-            ``triton`` | ``decode``. fp8: fp8 experts (DeepGEMM or the decode kernel).
+            ``triton`` | ``decode`` | ``rows`` (bf16; 1-4 rows an expert). fp8: fp8 experts
+            (DeepGEMM or the decode kernel).
         seed: weights are random but deterministic from it.
         expert_plan: with ``backend="auto"``, a fixed kernel table to start from: an
             ``ExpertPlan``, its ``to_json()`` dict, or the path of a JSON file holding one
