@@ -1,46 +1,69 @@
-"""In-graph staging: each input's copy into its static buffer captured as a memcpy node at
-the head of the graph, re-pointed at the caller's tensor before each replay.
+"""In-graph staging: an input's copy into its static buffer captured as a memcpy node at the
+head of the graph, re-pointed at the caller's tensor before each replay.
 
 Without it ``run()`` stages the inputs with CUDA calls of their own before ``graph.replay()``:
 one ``torch._foreach_copy_`` per dtype of several inputs, one copy (``copy_``, or the raw
 ``cudaMemcpyAsync`` of ``graphrt.cudart``) for an input alone in its dtype. Here the capture
-records one copy per batch or fixed input instead, from a *shadow* buffer into the static buffer, as the
-graph's first work; after capture each node is found in the graph by its two addresses, and
-each step re-points it (``cudaGraphExecMemcpyNodeSetParams1D``, an edit of the instantiated
-graph on the host) at the caller's tensor and the live rows' bytes. The edit applies to later
-launches only (replays already queued keep theirs). A source at the address and size the
-node already copies needs no edit at all: an engine that hands the same tensors every step
-stages for free. BENCHMARKS.md §23 has the figures.
+records the copy from a *shadow* buffer into the static buffer as the graph's first work;
+after capture the node is found in the graph by its two addresses, and each step re-points
+it (``cudaGraphExecMemcpyNodeSetParams1D``, an edit of the instantiated graph on the host) at
+the caller's tensor and the live rows' bytes. The edit applies to later launches only
+(replays already queued keep theirs). A source at the address and size the node already
+copies needs no edit at all: an engine that hands the same tensors every step stages with no
+CUDA call.
+
+Which inputs (``GRAPHRT_GRAPH_STAGING``, read at capture; BENCHMARKS.md §23 has the figures):
+
+- unset or ``1`` (the default): the inputs alone in their dtype, each of which would cost a
+  copy call of its own. One node saves 4-5 µs of host time a step and costs ~0.3 µs of
+  device time;
+- ``all``: every batch and fixed input (offsets inputs stay outside: their padding continues
+  the last live offset, which must be written first). With the reference model's five inputs
+  it halves ``run()``'s host time, but the five memcpy nodes cost ~2.4 µs more device time a
+  step than two ``_foreach_copy_`` launches: for host-bound loops only;
+- ``0``: none.
 
 A node is in one of two states:
 
-- *armed*: it copies the tensor of the last step that pointed it, which it keeps alive
-  until the next edit (so a replay never reads freed memory);
+- *armed*: when the graph runs it copies from the address of the tensor the last step gave,
+  as a copy issued on the stream would. ``run()`` re-points or idles every node before each
+  replay, so only a bare ``graph.replay()`` outside ``run()``/``replay()`` reads a past step's
+  source again (its tensor must then still exist);
 - *idle*: it copies the first bytes of the static buffer into the shadow, harmless. A node is
   idle after capture, and ``idle()`` runs before every replay whose inputs were staged
   another way (zero-copy ``replay(n)``, a source ``copy_`` must take, a call shape that is not
   bound to the node).
 
-On by default where the raw copy is available (``cudart.available()``);
-``GRAPHRT_GRAPH_STAGING=0`` (read at capture) turns it off. Graph safety: host-only
-(``record`` issues the copies inside a capture, everything else edits graphs between
-launches).
+Graph safety: host-only (``record`` issues the copies inside a capture, everything else
+edits graphs between launches).
 """
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 
 from graphrt import cudart
-from graphrt.env import env_flag
+
+
+MODES = ("0", "1", "all")
+
+
+def mode() -> str:
+    """``GRAPHRT_GRAPH_STAGING``: ``"0"``, ``"1"`` (unset: the default) or ``"all"``;
+    ``ValueError`` for anything else."""
+    value = os.environ.get("GRAPHRT_GRAPH_STAGING", "1").strip().lower() or "1"
+    if value not in MODES:
+        raise ValueError(f"GRAPHRT_GRAPH_STAGING: expected one of {MODES} (0: off, 1: inputs "
+                         f"alone in their dtype, all: every batch and fixed input), got {value!r}")
+    return value
 
 
 def enabled(device: torch.device) -> bool:
     """Whether captures on ``device`` stage in the graph: a CUDA device, the raw CUDA runtime
     available and ``GRAPHRT_GRAPH_STAGING`` not ``0``."""
-    return device.type == "cuda" and env_flag("GRAPHRT_GRAPH_STAGING", True) \
-        and cudart.available()
+    return device.type == "cuda" and mode() != "0" and cudart.available()
 
 
 class StagingNode:
@@ -52,7 +75,7 @@ class StagingNode:
     instead; ``stager(dst, nbytes)`` is that function of ``src`` alone, its constants converted
     once (``Stager.bind``'s); ``idle()``."""
 
-    __slots__ = ("name", "exec", "node", "dst", "shadow", "idle_bytes", "src", "_at", "_set",
+    __slots__ = ("name", "exec", "node", "dst", "shadow", "idle_bytes", "armed", "_at", "_set",
                  "_what")
 
     def __init__(self, name: str, graph_exec: int, node: int, dst: torch.Tensor,
@@ -60,15 +83,11 @@ class StagingNode:
         self.name, self.dst, self.shadow = name, dst, shadow
         self.exec, self.node = ctypes.c_void_p(graph_exec), ctypes.c_void_p(node)
         self.idle_bytes = dst[:1].nbytes if dst.dim() else dst.nbytes
-        self.src: torch.Tensor | None = None      # armed: the tensor it copies
-        self._at = (0, 0)                         # armed: (src address, bytes)
+        self.armed = False                        # it copies a caller's tensor
+        self._at = (0, 0)                         # armed: (its address, bytes)
         self._set = cudart.exec_memcpy_set_fn()
         self._what = f"cudaGraphExecMemcpyNodeSetParams1D staging input {name!r}"
         self.idle(force=True)
-
-    @property
-    def armed(self) -> bool:
-        return self.src is not None
 
     def stage(self, src: torch.Tensor, dst: torch.Tensor, nbytes: int) -> None:
         self.stager(dst, nbytes)(src)
@@ -83,23 +102,23 @@ class StagingNode:
             if src.is_contiguous() and not src.is_neg():
                 s = src.data_ptr()
                 if s and (s + nbytes <= d or d + nbytes <= s):
-                    if node.src is None or node._at != (s, nbytes):  # else it copies from there
+                    if not node.armed or node._at != (s, nbytes):  # else it copies from there
                         rc = edit(graph_exec, handle, d, s, nbytes, kind)
                         if rc:
                             cudart.check(rc, what)
                         node._at = (s, nbytes)
-                    node.src = src
+                    node.armed = True
                     return
             node.idle()
             dst.copy_(src)
         return stage
 
     def idle(self, force: bool = False) -> None:
-        if self.src is None and not force:
+        if not self.armed and not force:
             return
         cudart.check(self._set(self.exec, self.node, self.shadow.data_ptr(), self.dst.data_ptr(),
                                self.idle_bytes, cudart.MEMCPY_D2D), self._what)
-        self.src = None
+        self.armed = False
 
 
 class GraphStaging:
@@ -110,23 +129,26 @@ class GraphStaging:
 
     def idle(self) -> None:
         for node in self.nodes.values():
-            if node.src is not None:
+            if node.armed:
                 node.idle()
 
 
 def plan(stager, size: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """``(name, static view, shadow)`` of each input graph ``size`` stages in the graph: every
-    batch or fixed input whose static view is raw-copyable (``cudart.raw_copyable``:
-    contiguous, some bytes, not complex); [] when ``enabled`` is False. Offsets inputs are
-    staged before the replay as before: their padding continues the last live offset, which a
-    copy before the graph must read after the live entries were written. Shadows (one per
+    """``(name, static view, shadow)`` of each input graph ``size`` stages in the graph: those
+    ``mode()`` names (the default: inputs alone in their dtype; ``all``: every batch or fixed
+    input) whose static view is raw-copyable (``cudart.raw_copyable``: contiguous, some bytes,
+    not complex); [] when ``enabled`` is False. Offsets inputs are never taken: their padding
+    continues the last live offset, which a copy before the graph must read after the live
+    entries were written. Shadows (one per
     input, the static buffer's shape, outside any graph pool) are made once per stager, and
     the side streams ``record`` forks onto once per device. Host-only."""
     if not enabled(stager.device):
         return []
     out = []
+    take = set(stager.views(size)) if mode() == "all" else set(stager.single_names(size))
     for name, view in stager.views(size).items():
-        if stager.spec.inputs[name].rows != "offsets" and cudart.raw_copyable(view):
+        if name in take and stager.spec.inputs[name].rows != "offsets" \
+                and cudart.raw_copyable(view):
             shadow = stager.shadows.get(name)
             if shadow is None:
                 with torch.inference_mode(False):

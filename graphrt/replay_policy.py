@@ -13,8 +13,9 @@ Plain Python plus a few torch copies; nothing here captures or replays (that is
   CUDA the raw ``cudaMemcpyAsync`` it ends in, ``graphrt.cudart``), the live count riding
   along with the int32 inputs (else filled only when it changed), plus one copy per
   offsets input when the batch is padded. An input with a staging node in its graph
-  (``graphrt.graph_staging``: batch and fixed inputs on CUDA) costs no copy call: the node
-  is re-pointed, or left as it is when the source is where it already copies from.
+  (``graphrt.graph_staging``: on CUDA, by default those alone in their dtype) costs no copy
+  call: the node is re-pointed, or left as it is when the source is where it already copies
+  from.
 
 The per-step host path does no work it can cache: ``check_cached`` remembers the verdict
 of ``check`` per input signature (``graphrt.step_cache.signature``: names, and per input
@@ -125,6 +126,10 @@ class Stager:
         # and the shadow buffers its nodes copy from at capture; set by the capture.
         self.graph_nodes: dict = {}
         self.shadows: dict[str, torch.Tensor] = {}
+
+    def single_names(self, padded_bs: int) -> list[str]:
+        """The inputs staged one copy each (alone in their dtype) for graph ``padded_bs``."""
+        return [k for k, _ in self._staging(padded_bs).singles]
 
     def reset_graph_staging(self) -> None:
         """Forget every graph's staging nodes and the staging functions bound to them (a
@@ -293,7 +298,7 @@ class Stager:
             if detach:
                 vals = tuple([t.detach() if t.requires_grad else t for t in vals])
             for node in unused:                   # copied another way: the node must not
-                if node.src is not None:
+                if node.armed:
                     node.idle()
             for i, stage_one in in_graph:
                 stage_one(vals[i])

@@ -76,7 +76,7 @@ def test_a_contiguous_source_re_points_the_node_and_is_kept_alive(set_params):
     src = torch.randn(N, 4)
     node.stage(src, dst[:N], src.nbytes)
     assert set_params.calls[-1] == (dst.data_ptr(), src.data_ptr(), N * 16, cudart.MEMCPY_D2D)
-    assert node.armed and node.src is src and torch.equal(dst[:N], src)
+    assert node.armed and node._at == (src.data_ptr(), N * 16) and torch.equal(dst[:N], src)
     node.idle()
     assert not node.armed and set_params.calls[-1][0] == node.shadow.data_ptr()
 
@@ -118,16 +118,22 @@ def test_off_on_the_cpu_and_with_graphrt_graph_staging_0(monkeypatch):
 
 
 # -- Stager wiring ----------------------------------------------------------------------------
-def test_plan_takes_batch_and_fixed_inputs_not_offsets(monkeypatch):
+def test_plan_takes_lone_inputs_by_default_and_every_batch_and_fixed_one_with_all(monkeypatch):
     from tests.fakes.specs import every_kind_spec
     st = Stager(every_kind_spec(), 8, torch.device("cpu"))
     monkeypatch.setattr(gs, "enabled", lambda device: True)
     monkeypatch.setattr(cudart, "raw_copyable", lambda view: view.is_contiguous())
+    monkeypatch.delenv("GRAPHRT_GRAPH_STAGING", raising=False)
+    assert [k for k, _, _ in gs.plan(st, PADDED)] == ["ids"]   # x and bias share float32
+    monkeypatch.setenv("GRAPHRT_GRAPH_STAGING", "all")
     planned = gs.plan(st, PADDED)
     assert [k for k, _, _ in planned] == ["x", "ids", "table", "bias"]      # not "cu"
     assert all(v.shape == sh.shape == st.buffers[k].shape if k == "bias" else
                v.shape[0] == PADDED and sh.shape == st.buffers[k].shape for k, v, sh in planned)
     assert gs.plan(st, 8)[0][2] is planned[0][2]              # one shadow per input
+    monkeypatch.setenv("GRAPHRT_GRAPH_STAGING", "yes")
+    with pytest.raises(ValueError, match="GRAPHRT_GRAPH_STAGING: expected one of"):
+        gs.mode()
 
 
 def _with_nodes(st: Stager, padded_bs: int = PADDED, names=("x", "ids")) -> dict:
@@ -152,7 +158,7 @@ def test_bind_stages_lone_inputs_by_their_nodes_and_groups_as_before(set_params)
         live = _live(seed)
         stage(tuple(live[k] for k in NAMES))
         assert all(torch.equal(st.buffers[k][:N], live[k]) for k in NAMES)
-        assert nodes["x"].src is live["x"] and nodes["ids"].src is live["ids"]
+        assert nodes["x"]._at[0] == live["x"].data_ptr() and nodes["ids"].armed
         assert int(st.n_dev) == N and st.pad_rows_intact(N, PADDED) == []
     # another graph's call shape has no nodes: the raw/copy_ path, these nodes untouched
     assert st.bind(NAMES, N, 8, False, True).paths["x"] != "graph"
@@ -215,7 +221,7 @@ def test_zero_copy_replay_idles_the_nodes_of_its_graph_only(set_params):
     st.graph_nodes[8] = gs.GraphStaging(other)
     live = _live(0)
     st.bind(NAMES, N, PADDED, False, True)(tuple(live[k] for k in NAMES))
-    other["x"].src = live["x"]                              # pretend graph 8 is armed too
+    other["x"].armed = True                                 # pretend graph 8 is armed too
     st.pad_only(N, PADDED)
     assert not nodes["x"].armed and not nodes["ids"].armed and other["x"].armed
     st.reset_graph_staging()
@@ -233,7 +239,7 @@ def test_the_runtime_steady_state_stages_by_the_nodes(set_params, monkeypatch):
     for seed in range(3):
         live = spec.random_inputs(N, generator=torch.Generator().manual_seed(seed))
         assert torch.equal(rt.run(**live), spec.call_padded(live, 4, None))
-        assert nodes["x"].src is live["x"]
+        assert nodes["x"].armed and nodes["x"]._at[0] == live["x"].data_ptr()
     stage = rt._steps.lookup(live, tuple(live.values()))[0]
     assert stage.paths["x"] == "graph"
     bufs = rt.input_buffers(N)
@@ -253,15 +259,29 @@ def test_the_nodes_are_found_and_replays_match_eager(cuda_device):
     spec = _spec(16)
     rt = graphrt.GraphRuntime(spec, sizes=[4, 16], device=cuda_device, progress=False).capture()
     assert sorted(rt.stager.graph_nodes) == [4, 16]
-    assert all(sorted(g.nodes) == sorted(NAMES) and not any(nd.armed for nd in g.nodes.values())
+    assert all(sorted(g.nodes) == ["ids", "x"] and not any(nd.armed for nd in g.nodes.values())
                for g in rt.stager.graph_nodes.values())
     gen = torch.Generator().manual_seed(1)
     for n in (3, 3, 9, 3, 16, 1, 4):
         live = _cuda_live(spec, n, gen, cuda_device)
         assert torch.equal(rt.run(**live), spec.call_padded(live, rt.table.pick(n), None)), n
     stage = rt._steps.lookup(live, tuple(live.values()))[0]
-    assert stage.paths == {k: "graph" for k in NAMES}
-    assert rt.stager.graph_nodes[4].nodes["x"].src is live["x"]
+    assert stage.paths == {"x": "graph", "ids": "graph", "pos": "foreach_copy_",
+                           "lens": "foreach_copy_"}
+    assert rt.stager.graph_nodes[4].nodes["x"]._at[0] == live["x"].data_ptr()
+
+
+@pytest.mark.gpu
+def test_graphrt_graph_staging_all_stages_every_input_in_the_graph(cuda_device, monkeypatch):
+    monkeypatch.setenv("GRAPHRT_GRAPH_STAGING", "all")
+    spec = _spec(16)
+    rt = graphrt.GraphRuntime(spec, sizes=[4, 16], device=cuda_device, progress=False).capture()
+    assert sorted(rt.stager.graph_nodes[4].nodes) == sorted(NAMES)
+    gen = torch.Generator().manual_seed(7)
+    for n in (3, 3, 9, 1, 16):
+        live = _cuda_live(spec, n, gen, cuda_device)
+        assert torch.equal(rt.run(**live), spec.call_padded(live, rt.table.pick(n), None)), n
+    assert rt._steps.lookup(live, tuple(live.values()))[0].paths == {k: "graph" for k in NAMES}
 
 
 @pytest.mark.gpu

@@ -286,7 +286,8 @@ def test_host_path_benchmark_runs_every_variant_on_cpu(fake_capture):
                   "hand_written",
                   "bare_replay",
                   "argmax_lease", "argmax_debug_lease", "wall_lease", "wall_hand_written",
-                  "wall_fresh", "wall_raw_copy"):
+                  "wall_fresh", "wall_raw_copy", "wall_all_nodes", "lease_all_nodes",
+                  "lease_all_nodes_fresh"):
             assert res[f"{k}_bs{bs}_us"] > 0
         assert res[f"run_over_hand_bs{bs}"] > 0 and res[f"wall_run_over_hand_bs{bs}"] > 0
     md = md_runtime({"step": "s", "sizes": [1, 4], "capture_s_total": 1.0, "warmup_s": 0.5,

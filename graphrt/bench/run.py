@@ -53,12 +53,13 @@ printed at the end. ``results.json``::
     runtime: {step, sizes, capture_s_total, warmup_s, capture_s_per_graph {bs: s},
               pool_bytes_total, pool_bytes_largest, pool_ratio,
               run_host_us {copy_out_bs{1,64}_us, lease_bs*_us, lease_fresh_bs*_us,
+                           lease_all_nodes_bs*_us, lease_all_nodes_fresh_bs*_us,
                            lease_raw_copy_bs*_us, lease_torch_copy_bs*_us,
                            zero_copy_replay_bs*_us,
                            bare_replay_bs*_us, hand_written_bs*_us, run_over_hand_bs*,
                            argmax_lease_bs*_us, argmax_debug_lease_bs*_us, wall_lease_bs*_us,
                            wall_hand_written_bs*_us, wall_run_over_hand_bs*,
-                           wall_fresh_bs*_us, wall_raw_copy_bs*_us,
+                           wall_fresh_bs*_us, wall_raw_copy_bs*_us, wall_all_nodes_bs*_us,
                            device_step_bs*_us}     host µs on an idle device; wall µs per step
               five_input_step, run_host_us_five_inputs {the same keys}}
     moe / moe_fp8: {config, layers, experts, fp8, expert_backend, hbm_gbs, expert_weight_bytes,

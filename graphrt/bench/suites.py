@@ -143,7 +143,8 @@ def host_path_us(spec: graphrt.StepSpec, device, batches=(1, 64), *, iters: int 
     interleaved run (``interleaved_us``, on an idle device): ``run()`` copy-out, ``run()``
     lease (staging in the graph where ``graphrt.graph_staging`` applies: the same input
     tensors every call, so its nodes need no edit; ``lease_fresh``: four sets of tensors in
-    turn, an edit per input and call), ``run()`` lease
+    turn, an edit per input and call; ``lease_all_nodes[_fresh]``: the same with every input
+    staged in the graph, ``GRAPHRT_GRAPH_STAGING=all``), ``run()`` lease
     staging outside the graph (``GRAPHRT_GRAPH_STAGING=0``) with the raw ``cudaMemcpyAsync`` of
     ``graphrt.cudart`` and with torch's ``copy_`` (``GRAPHRT_RAW_COPY=0``), ``input_buffers`` +
     ``replay()``, the hand-written dict (``hand_written``) and a bare ``graph.replay()``, host µs medians; ``run_over_hand`` (lease / hand-written, host);
@@ -158,7 +159,9 @@ def host_path_us(spec: graphrt.StepSpec, device, batches=(1, 64), *, iters: int 
     kw = dict(sizes=list(batches), device=device, progress=False)
     copy = graphrt.GraphRuntime(spec, **kw).capture()
     lease = graphrt.GraphRuntime(spec, copy_outputs=False, **kw).capture()
-    with env_override("GRAPHRT_GRAPH_STAGING", "0"):  # read at capture
+    with env_override("GRAPHRT_GRAPH_STAGING", "all"):  # read at capture
+        all_nodes = graphrt.GraphRuntime(spec, copy_outputs=False, **kw).capture()
+    with env_override("GRAPHRT_GRAPH_STAGING", "0"):
         raw_copy = graphrt.GraphRuntime(spec, copy_outputs=False, **kw).capture()
         torch_copy = graphrt.GraphRuntime(spec, copy_outputs=False, **kw).capture()  # copy_
     hand = hand_written(lease)
@@ -173,6 +176,7 @@ def host_path_us(spec: graphrt.StepSpec, device, batches=(1, 64), *, iters: int 
         out = lease.run(**inputs)
         out = out if isinstance(out, torch.Tensor) else next(iter(out.values()))
         raw_copy.run(**inputs)
+        all_nodes.run(**inputs)
         with env_override("GRAPHRT_RAW_COPY", "0"):  # read when the step is bound: its first run
             torch_copy.run(**inputs)
         checked = LeasedTensor.lease(out, LeaseClock())
@@ -180,6 +184,8 @@ def host_path_us(spec: graphrt.StepSpec, device, batches=(1, 64), *, iters: int 
         us = interleaved_us({
             "copy_out": lambda: copy.run(**inputs), "lease": lambda: lease.run(**inputs),
             "lease_fresh": lambda: lease.run(**fresh()),
+            "lease_all_nodes": lambda: all_nodes.run(**inputs),
+            "lease_all_nodes_fresh": lambda: all_nodes.run(**fresh()),
             "lease_raw_copy": lambda: raw_copy.run(**inputs),
             "lease_torch_copy": lambda: torch_copy.run(**inputs),
             "zero_copy_replay": lambda: lease.replay(bs), "hand_written": lambda: hand(**inputs),
@@ -197,6 +203,8 @@ def host_path_us(spec: graphrt.StepSpec, device, batches=(1, 64), *, iters: int 
                                                     sync=sync)
         res[f"wall_raw_copy_bs{bs}_us"] = loop_wall_us(lambda: raw_copy.run(**inputs),
                                                        steps=steps, sync=sync)
+        res[f"wall_all_nodes_bs{bs}_us"] = loop_wall_us(lambda: all_nodes.run(**inputs),
+                                                        steps=steps, sync=sync)
         if cuda:
             res[f"device_step_bs{bs}_us"] = cuda_time_us(g.replay, iters=50)
     return res
@@ -360,23 +368,27 @@ def md_runtime(res: dict) -> str:
         lines += ["", f"Host path, {title}: host µs per call on an idle device (medians, one "
                   "interleaved run); wall µs per step of a 200-step loop:", "",
                   "| bs | run() copy-out | run() lease | run() lease, new tensors each call "
+                  "| run() lease, all in graph | run() lease, all in graph, new tensors "
                   "| run() lease, raw copy staging "
                   "| run() lease, copy_ staging "
                   "| input_buffers + replay() | hand-written dict "
                   "| bare graph.replay() | run()/hand | wall run() | wall run(), new tensors "
-                  "| wall run(), raw copy staging | wall hand | wall ratio "
+                  "| wall run(), raw copy staging | wall run(), all in graph | wall hand "
+                  "| wall ratio "
                   "| argmax on lease / debug lease | device step |",
-                  "|" + "---|" * 17]
+                  "|" + "---|" * 20]
         for bs in batches:
             def f(k, fmt=".1f"):
                 v = o.get(f"{k}_bs{bs}_us", o.get(f"{k}_bs{bs}"))
                 return "n/a" if v is None else format(v, fmt)
             lines.append(
-                f"| {bs} | {f('copy_out')} | {f('lease')} | {f('lease_fresh')} | {f('lease_raw_copy')} | "
+                f"| {bs} | {f('copy_out')} | {f('lease')} | {f('lease_fresh')} | "
+                f"{f('lease_all_nodes')} | {f('lease_all_nodes_fresh')} | {f('lease_raw_copy')} | "
                 f"{f('lease_torch_copy')} | "
                 f"{f('zero_copy_replay')} | "
                 f"{f('hand_written')} | {f('bare_replay')} | {f('run_over_hand', '.2f')} | "
                 f"{f('wall_lease')} | {f('wall_fresh')} | {f('wall_raw_copy')} | "
+                f"{f('wall_all_nodes')} | "
                 f"{f('wall_hand_written')} | {f('wall_run_over_hand', '.3f')} | "
                 f"{f('argmax_lease')} / {f('argmax_debug_lease')} | {f('device_step')} |")
     return "\n".join(lines)
