@@ -17,20 +17,13 @@ import graphrt.cudart as cudart
 import graphrt.graph_staging as gs
 from graphrt.cudart import CudaRuntimeError
 from graphrt.replay_policy import Stager
-from tests.fakes.specs import use_fake_capture
+from tests.fakes.specs import lone_and_grouped_spec, use_fake_capture
 
 N, PADDED = 3, 4
 NAMES = ("x", "ids", "pos", "lens")
 
 
-def _spec(max_bs: int = 8) -> graphrt.StepSpec:
-    """x (float, alone), ids (int64, alone), pos + lens (int32: one group with the count)."""
-    inputs = {"x": graphrt.Input((None, 4), torch.float32, pad_value=-1.0),
-              "ids": graphrt.Input((None,), torch.int64, high=100, pad_value=7),
-              "pos": graphrt.Input((None,), torch.int32, high=9),
-              "lens": graphrt.Input((None,), torch.int32, high=9, pad_value=0)}
-    return graphrt.StepSpec(lambda x, ids, pos, lens, n: x * 2 + ids[:, None], inputs, max_bs,
-                            live_count="n")
+_spec = lone_and_grouped_spec
 
 
 @pytest.fixture

@@ -53,3 +53,15 @@ def assert_refused_like_check(rt, full, bad: dict, then=None) -> None:
             assert str(got.value) == str(want.value), what
             if then is not None:
                 then(what)
+
+
+def lone_and_grouped_spec(max_bs: int = 8) -> graphrt.StepSpec:
+    """x (float32, alone in its dtype), ids (int64, alone), pos + lens (int32: one group with
+    the live count); ``x * 2 + ids`` ``[bs, 4]``. Staging's test step: two inputs copied one
+    at a time, two together."""
+    inputs = {"x": graphrt.Input((None, 4), torch.float32, pad_value=-1.0),
+              "ids": graphrt.Input((None,), torch.int64, high=100, pad_value=7),
+              "pos": graphrt.Input((None,), torch.int32, high=9),
+              "lens": graphrt.Input((None,), torch.int32, high=9, pad_value=0)}
+    return graphrt.StepSpec(lambda x, ids, pos, lens, n: x * 2 + ids[:, None], inputs, max_bs,
+                            live_count="n")

@@ -6,26 +6,13 @@ Compiling needs no GPU (the Triton wheel carries ptxas); it runs in a subprocess
 interpreter off, since this test process has it on."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
-import pytest
+from tests.kernels.sm90 import compile_results
 
 SCRIPT = textwrap.dedent('''
-    import json, triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from graphrt.kernels.dense_gemv import _gemv_rows_kernel
     from graphrt.kernels.norm_gemv import _norm_gemv_rows_kernel
-
-    def ptx(fn, sig, const):
-        src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in const}},
-                        constexprs=const)
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4}).asm["ptx"]
 
     out = {}
     rows = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "m": "i32", "n": "i32",
@@ -47,46 +34,34 @@ SCRIPT = textwrap.dedent('''
 
 
 def test_the_decode_gemv_kernels_compile_for_sm90():
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
-                       timeout=300)
-    if r.returncode and "ptxas" in r.stderr.lower() and "not found" in r.stderr.lower():
-        pytest.skip("this triton build has no ptxas")
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res = compile_results(SCRIPT)
     assert len(res) == 15
     for key, waits in res.items():        # the PDL prologue is there exactly when asked for
         assert waits == (not key.endswith("-0") or key.startswith("norm")), key
 
 
 DECODE_GEMM = textwrap.dedent('''
-    import json, triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from graphrt.kernels.grouped_gemm_decode import _decode_gemm_kernel
 
     INTS = ("num_experts cap n k ws_rows stride_ae stride_am stride_ak stride_be stride_bn "
             "stride_bk stride_oe stride_om stride_on stride_ase stride_asm stride_ask "
             "stride_bse stride_bsn stride_bsk").split()
 
-    def ptx(fp8, const):
+    def decode_ptx(fp8, const):
         sig = {"a_ptr": "*bf16", "b_ptr": "*fp8e4nv" if fp8 else "*bf16", "out_ptr": "*bf16",
                "ws_ptr": "*fp32", "masked_m_ptr": "*i32", "as_ptr": "*fp32", "bs_ptr": "*fp32",
                **{name: "i32" for name in INTS}}
         if fp8 and not const["ACT"]:
             sig["a_ptr"] = "*fp8e4nv"
         const = dict(E_POW2=16, UPCAST=False, USE_GDC=2, FP8=fp8, **const)
-        src = ASTSource(fn=_decode_gemm_kernel, constexprs=const,
-                        signature={**sig, **{k: "constexpr" for k in const}})
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
+        return ptx(_decode_gemm_kernel, sig, const, num_stages=4)
 
     out = {}
     for fp8, act, even, split, bm in ((False, 0, True, 1, 16), (False, 1, True, 1, 16),
                                       (False, 1, False, 1, 16), (False, 1, True, 2, 16),
                                       (False, 1, False, 2, 64), (True, 0, True, 2, 16),
                                       (True, 1, True, 1, 16), (True, 1, True, 2, 64)):
-        p = ptx(fp8, dict(ACT=act, EVEN_K=even, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=32,
+        p = decode_ptx(fp8, dict(ACT=act, EVEN_K=even, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=32,
                           BLOCK_K=128))
         out[f"{'fp8' if fp8 else 'bf16'}-act{act}-{even}-sk{split}-bm{bm}"] = {
             "silu": "ex2.approx.f32" in p, "mma": "mma" in p}
@@ -98,13 +73,7 @@ def test_the_decode_grouped_gemm_compiles_for_sm90_with_and_without_fused_act():
     """``_decode_gemm_kernel`` with ``ACT`` 0 and 1 (bf16 and fp8 weights, ragged K, split-K,
     16- and 64-row blocks) compiles; the SiLU (``ex2``) is in the ``ACT=1`` variants alone and
     each one still runs its dot on the tensor cores."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    r = subprocess.run([sys.executable, "-c", DECODE_GEMM], env=env, capture_output=True,
-                       text=True, timeout=300)
-    if r.returncode and "ptxas" in r.stderr.lower() and "not found" in r.stderr.lower():
-        pytest.skip("this triton build has no ptxas")
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res = compile_results(DECODE_GEMM)
     assert len(res) == 8
     for key, found in res.items():
         assert found == {"silu": "-act1-" in key, "mma": True}, key

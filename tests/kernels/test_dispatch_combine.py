@@ -6,7 +6,8 @@ import torch
 
 from graphrt.kernels._util import interpreting
 from graphrt.kernels.combine import combine_masked, combine_masked_ref
-from graphrt.kernels.dispatch import dispatch_masked, dispatch_masked_ref, expected_m
+from graphrt.kernels.dispatch import dispatch_masked, expected_m
+from tests.kernels.dispatch_cases import check_dispatch, sentinel_outs
 
 # CPU tests launch kernels on CPU tensors: only the Triton interpreter can run them (a CUDA
 # machine runs the ``gpu`` tests instead; ``TRITON_INTERPRET=1`` runs these there too).
@@ -25,29 +26,6 @@ def _route(bs, n_live, num_experts, k, device, *, extra_bad=False):
     return ids.to(device), w.to(device)
 
 
-def _outs(bs, k, num_experts, cap, hidden, dtype, device):
-    return dict(
-        out_recv_x=torch.full((num_experts, cap, hidden), float("nan"), dtype=dtype, device=device),
-        out_masked_m=torch.full((num_experts,), -7, dtype=torch.int32, device=device),
-        out_src_idx=torch.full((num_experts, cap), -7, dtype=torch.int32, device=device),
-        out_pos=torch.full((bs, k), -7, dtype=torch.int32, device=device),
-    )
-
-
-def _check_dispatch(x, ids, outs, cap):
-    recv, masked_m, src, pos = (outs[k].cpu() for k in
-                                ("out_recv_x", "out_masked_m", "out_src_idx", "out_pos"))
-    num_experts = recv.shape[0]
-    r_recv, r_m, r_src, r_pos = dispatch_masked_ref(x.cpu(), ids.cpu(), num_experts, cap)
-    assert torch.equal(masked_m, r_m)
-    assert torch.equal(pos, r_pos)
-    live = torch.arange(cap)[None, :] < r_m[:, None]  # [E, cap]
-    assert torch.equal(src[live], r_src[live])
-    assert (src[~live] == -7).all(), "unfilled src_idx slots must not be written"
-    assert torch.equal(recv[live], r_recv[live]), "live rows are exact copies"
-    assert torch.isnan(recv[~live].float()).all(), "rows past masked_m must not be written"
-
-
 @cpu_interpreter
 @pytest.mark.parametrize("bs,n_live,E,k,cap,hidden", [
     (8, 6, 8, 2, 16, 64),  # no drops
@@ -58,9 +36,9 @@ def test_dispatch_combine_cpu(bs, n_live, E, k, cap, hidden):
     torch.manual_seed(bs * 7 + E)
     x = torch.randn(bs, hidden).to(torch.bfloat16)
     ids, w = _route(bs, n_live, E, k, "cpu", extra_bad=True)
-    outs = _outs(bs, k, E, cap, hidden, torch.bfloat16, "cpu")
+    outs = sentinel_outs(bs, k, E, cap, hidden, torch.bfloat16, "cpu")
     dispatch_masked(x, ids, **outs)
-    _check_dispatch(x, ids, outs, cap)
+    check_dispatch(x, ids, outs, cap)
     pos = outs["out_pos"]
     assert (pos[n_live:] == -1).all()
     # identity experts: y = recv_x (rows past masked_m still NaN: combine must not read them)
@@ -77,7 +55,7 @@ def test_dispatch_combine_cpu(bs, n_live, E, k, cap, hidden):
         assert err < 1e-2, err
     assert (out[n_live:] == 0).all()
     # determinism: a second run is bitwise identical
-    outs2 = _outs(bs, k, E, cap, hidden, torch.bfloat16, "cpu")
+    outs2 = sentinel_outs(bs, k, E, cap, hidden, torch.bfloat16, "cpu")
     dispatch_masked(x, ids, **outs2)
     assert all(torch.equal(outs[key].nan_to_num(), outs2[key].nan_to_num()) for key in outs)
 
@@ -92,7 +70,7 @@ def test_expected_m():
 def test_dispatch_combine_reject_bad_arguments():
     x = torch.randn(4, 64).to(torch.bfloat16)
     ids, w = _route(4, 4, 8, 2, "cpu")
-    outs = _outs(4, 2, 8, 4, 64, torch.bfloat16, "cpu")
+    outs = sentinel_outs(4, 2, 8, 4, 64, torch.bfloat16, "cpu")
     msg = r"out_recv_x.shape: expected \('\*', '\*', 64\), got \(8, 4, 32\)"
     with pytest.raises(ValueError, match=msg):
         dispatch_masked(x, ids, **{**outs, "out_recv_x": outs["out_recv_x"][..., :32]})
@@ -126,9 +104,9 @@ def test_dispatch_combine_gpu(bs, cuda_device):
     for cap in (bs, max(1, bs // 8)):  # no drops, then drops
         x = torch.randn(bs, hidden, device=dev).to(torch.bfloat16)
         ids, w = _route(bs, n_live, E, k, dev, extra_bad=True)
-        outs = _outs(bs, k, E, cap, hidden, torch.bfloat16, dev)
+        outs = sentinel_outs(bs, k, E, cap, hidden, torch.bfloat16, dev)
         dispatch_masked(x, ids, **outs)
-        _check_dispatch(x, ids, outs, cap)
+        check_dispatch(x, ids, outs, cap)
         n = torch.tensor([n_live], dtype=torch.int32, device=dev)
         out = torch.full((bs, hidden), float("nan"), dtype=torch.bfloat16, device=dev)
         combine_masked(outs["out_recv_x"], ids, w, outs["out_pos"], n, out=out)
@@ -145,7 +123,7 @@ def test_dispatch_combine_cuda_graph_gpu(cuda_device):
     x = torch.randn(bs, hidden, device=dev).to(torch.bfloat16)
     ids, w = _route(bs, bs, E, k, dev)
     n = torch.tensor([bs], dtype=torch.int32, device=dev)
-    outs = _outs(bs, k, E, cap, hidden, torch.bfloat16, dev)
+    outs = sentinel_outs(bs, k, E, cap, hidden, torch.bfloat16, dev)
     out = torch.empty(bs, hidden, dtype=torch.bfloat16, device=dev)
 
     def step():
@@ -166,7 +144,7 @@ def test_dispatch_combine_cuda_graph_gpu(cuda_device):
         out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
-        _check_dispatch(x, ids, outs, cap)
+        check_dispatch(x, ids, outs, cap)
         ref = combine_masked_ref(outs["out_recv_x"], ids, w, outs["out_pos"], n_live).float()
         assert (out.float().cpu() - ref).norm() / ref.norm() < 1e-2
         assert (out[n_live:] == 0).all()

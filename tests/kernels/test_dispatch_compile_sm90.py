@@ -5,25 +5,12 @@ kernels as Python and misses what only the compiler checks (its runtime ``if`` b
 ptxas); it runs in a subprocess with the interpreter off, since this test process has it on."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
-import pytest
+from tests.kernels.sm90 import compile_results
 
 SCRIPT = textwrap.dedent('''
-    import json, triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from graphrt.kernels.dispatch import _dispatch_fused_kernel
-
-    def ptx(fn, sig, const):
-        src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in const}},
-                        constexprs=const)
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4}).asm["ptx"]
 
     out = {}
     for ids in ("i64", "i32"):
@@ -42,13 +29,7 @@ SCRIPT = textwrap.dedent('''
 
 
 def test_the_fused_dispatch_kernel_compiles_for_sm90():
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
-                       timeout=300)
-    if r.returncode and "ptxas" in r.stderr.lower() and "not found" in r.stderr.lower():
-        pytest.skip("this triton build has no ptxas")
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res = compile_results(SCRIPT)
     assert len(res) == 18
     for key, waits in res.items():        # the PDL prologue is there exactly when asked for
         assert waits == (not key.endswith("-0")), key

@@ -9,41 +9,18 @@ import torch
 
 from graphrt.kernels import dispatch
 from graphrt.kernels._util import interpreting
-from graphrt.kernels.dispatch import FUSED_LIMIT, dispatch_masked, dispatch_masked_ref
+from graphrt.kernels.dispatch import FUSED_LIMIT, dispatch_masked
+from tests.kernels.dispatch_cases import check_dispatch, sentinel_outs
 
 cpu_interpreter = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1")
 
 ID_DTYPES = (torch.int64, torch.int32)
 
 
-def _outs(bs, k, num_experts, cap, hidden, dtype):
-    """Output buffers full of sentinels: NaN rows, -7 ints (so unwritten entries show)."""
-    return dict(
-        out_recv_x=torch.full((num_experts, cap, hidden), float("nan"), dtype=dtype),
-        out_masked_m=torch.full((num_experts,), -7, dtype=torch.int32),
-        out_src_idx=torch.full((num_experts, cap), -7, dtype=torch.int32),
-        out_pos=torch.full((bs, k), -7, dtype=torch.int32),
-    )
-
-
 def _run(x, ids, num_experts, cap, fused):
-    outs = _outs(*ids.shape, num_experts, cap, x.shape[1], x.dtype)
+    outs = sentinel_outs(*ids.shape, num_experts, cap, x.shape[1], x.dtype)
     dispatch_masked(x, ids, **outs, fused=fused)
     return outs
-
-
-def _check(x, ids, outs, cap):
-    """``outs`` equal the torch reference where written, untouched everywhere else."""
-    recv, masked_m, src, pos = (outs[k] for k in
-                                ("out_recv_x", "out_masked_m", "out_src_idx", "out_pos"))
-    r_recv, r_m, r_src, r_pos = dispatch_masked_ref(x, ids, recv.shape[0], cap)
-    assert torch.equal(masked_m, r_m)
-    assert torch.equal(pos, r_pos)
-    live = torch.arange(cap)[None, :] < r_m[:, None]  # [E, cap]
-    assert torch.equal(src[live], r_src[live])
-    assert (src[~live] == -7).all(), "unfilled src_idx slots must not be written"
-    assert torch.equal(recv[live], r_recv[live]), "live rows are exact copies"
-    assert torch.isnan(recv[~live].float()).all(), "rows past masked_m must not be written"
 
 
 def _same(a, b):
@@ -60,8 +37,8 @@ def _both(x, ids, num_experts, cap):
     """Fused and two-launch outputs: each equal to the reference, and to each other."""
     two = _run(x, ids, num_experts, cap, fused=False)
     one = _run(x, ids, num_experts, cap, fused=True)
-    _check(x, ids, two, cap)
-    _check(x, ids, one, cap)
+    check_dispatch(x, ids, two, cap)
+    check_dispatch(x, ids, one, cap)
     _same(one, two)
     return one
 
@@ -167,7 +144,7 @@ def test_the_kernel_limit_itself():
 def test_masked_m_of_a_previously_hit_expert_is_reset(fused):
     E, cap, hidden = 8, 4, 32
     x = _x(3, hidden, seed=7)
-    outs = _outs(3, 2, E, cap, hidden, x.dtype)
+    outs = sentinel_outs(3, 2, E, cap, hidden, x.dtype)
     first = torch.tensor([[3, 5], [3, 1], [6, 3]])
     dispatch_masked(x, first, **outs, fused=fused)
     assert outs["out_masked_m"].tolist() == [0, 1, 0, 3, 0, 1, 1, 0]
@@ -183,7 +160,7 @@ def test_masked_m_of_a_previously_hit_expert_is_reset(fused):
 def test_no_flat_ids_zeroes_masked_m():
     x = torch.empty(0, 16, dtype=torch.bfloat16)
     for fused in (True, False):
-        outs = _outs(0, 8, 5, 2, 16, x.dtype)
+        outs = sentinel_outs(0, 8, 5, 2, 16, x.dtype)
         dispatch_masked(x, torch.empty(0, 8, dtype=torch.int64), **outs, fused=fused)
         assert (outs["out_masked_m"] == 0).all()
         assert torch.isnan(outs["out_recv_x"].float()).all()
@@ -218,10 +195,10 @@ def test_the_rule_takes_one_launch_up_to_fused_max_flat(monkeypatch):
         calls.clear()
         x = _x(bs, hidden)
         ids = _ids(bs, E, k, seed=bs)
-        outs = _outs(bs, k, E, cap, hidden, x.dtype)
+        outs = sentinel_outs(bs, k, E, cap, hidden, x.dtype)
         dispatch_masked(x, ids, **outs, fused=fused)
         if bs:
-            _check(x, ids, outs, cap)
+            check_dispatch(x, ids, outs, cap)
         return list(calls)
 
     assert dispatch.FUSED_MAX_FLAT == dispatch.FUSED_DEFAULT == 256   # the default
@@ -241,7 +218,7 @@ def test_fused_true_beyond_the_kernel_limit_raises():
     bs, k = FUSED_LIMIT // 8 + 1, 8
     x = torch.zeros(bs, 16, dtype=torch.bfloat16)
     ids = torch.zeros(bs, k, dtype=torch.int64)
-    outs = _outs(bs, k, 4, 2, 16, x.dtype)
+    outs = sentinel_outs(bs, k, 4, 2, 16, x.dtype)
     with pytest.raises(ValueError, match=r"fused=True: padded_bs \* num_topk: expected <= 1024 "
                                          r".*got 1032"):
         dispatch_masked(x, ids, **outs, fused=True)
@@ -250,7 +227,7 @@ def test_fused_true_beyond_the_kernel_limit_raises():
 def test_fused_max_flat_beyond_the_kernel_limit_raises(monkeypatch):
     monkeypatch.setattr(dispatch, "FUSED_MAX_FLAT", FUSED_LIMIT + 1)
     x = torch.zeros(1, 16, dtype=torch.bfloat16)
-    outs = _outs(1, 1, 4, 2, 16, x.dtype)
+    outs = sentinel_outs(1, 1, 4, 2, 16, x.dtype)
     with pytest.raises(ValueError, match=r"dispatch.FUSED_MAX_FLAT: expected an int in \[0, 1024\]"):
         dispatch_masked(x, torch.zeros(1, 1, dtype=torch.int64), **outs)
 

@@ -8,22 +8,10 @@ import pytest
 import torch
 
 from graphrt.kernels import dispatch
-from graphrt.kernels.dispatch import FUSED_LIMIT, dispatch_masked, dispatch_masked_ref
+from graphrt.kernels.dispatch import FUSED_LIMIT, dispatch_masked
+from tests.kernels.dispatch_cases import KEYS, check_dispatch, sentinel_outs
 
 pytestmark = pytest.mark.gpu
-
-KEYS = ("out_recv_x", "out_masked_m", "out_src_idx", "out_pos")
-
-
-def _outs(bs, k, num_experts, cap, hidden, device):
-    return dict(
-        out_recv_x=torch.full((num_experts, cap, hidden), float("nan"), dtype=torch.bfloat16,
-                              device=device),
-        out_masked_m=torch.full((num_experts,), -7, dtype=torch.int32, device=device),
-        out_src_idx=torch.full((num_experts, cap), -7, dtype=torch.int32, device=device),
-        out_pos=torch.full((bs, k), -7, dtype=torch.int32, device=device),
-    )
-
 
 def _refill(outs):
     for t in outs.values():
@@ -42,18 +30,6 @@ def _ids(bs, n_live, num_experts, k, device, seed, dtype=torch.int64, *, bad=Tru
     if bad and n_live >= 4:
         ids[2:n_live, 1] = 5  # many tokens on expert 5: drops when cap is small
     return ids.to(dtype).contiguous().to(device)
-
-
-def _check(x, ids, outs, cap):
-    recv, masked_m, src, pos = (outs[k].cpu() for k in KEYS)
-    r_recv, r_m, r_src, r_pos = dispatch_masked_ref(x.cpu(), ids.cpu(), recv.shape[0], cap)
-    assert torch.equal(masked_m, r_m)
-    assert torch.equal(pos, r_pos)
-    live = torch.arange(cap)[None, :] < r_m[:, None]
-    assert torch.equal(src[live], r_src[live])
-    assert (src[~live] == -7).all(), "unfilled src_idx slots must not be written"
-    assert torch.equal(recv[live], r_recv[live]), "live rows are exact copies"
-    assert torch.isnan(recv[~live].float()).all(), "rows past masked_m must not be written"
 
 
 def _bits(outs):
@@ -75,12 +51,12 @@ def test_fused_matches_two_launches_gpu(cuda_device, bs, E, id_dtype):
         torch.bfloat16).to(cuda_device)
     for cap in (bs, max(1, bs // 8)):  # no drops, then drops
         ids = _ids(bs, n_live, E, k, cuda_device, seed=bs * E + cap, dtype=id_dtype)
-        one, two = (_outs(bs, k, E, cap, hidden, cuda_device) for _ in range(2))
+        one, two = (sentinel_outs(bs, k, E, cap, hidden, device=cuda_device) for _ in range(2))
         dispatch_masked(x, ids, **one, fused=True)
         dispatch_masked(x, ids, **two, fused=False)
         torch.cuda.synchronize()
         _same(one, two)
-        _check(x, ids, one, cap)
+        check_dispatch(x, ids, one, cap)
 
 
 def _capture(fn):
@@ -98,10 +74,10 @@ def test_fused_under_graph_capture_and_replay_gpu(cuda_device, bs):
     cap = max(2, bs // 4)  # drops at bs 32
     x = torch.randn(bs, hidden, device=dev).to(torch.bfloat16)
     ids = _ids(bs, bs, E, k, dev, seed=0)
-    one, two = (_outs(bs, k, E, cap, hidden, dev) for _ in range(2))
+    one, two = (sentinel_outs(bs, k, E, cap, hidden, device=dev) for _ in range(2))
     g_one = _capture(lambda: dispatch_masked(x, ids, **one, fused=True))
     g_two = _capture(lambda: dispatch_masked(x, ids, **two, fused=False))
-    eager = _outs(bs, k, E, cap, hidden, dev)
+    eager = sentinel_outs(bs, k, E, cap, hidden, device=dev)
     prev_hit = None
     for step, n_live in enumerate((bs, max(1, bs - 5), 0, bs)):
         new_ids = _ids(bs, n_live, E, k, dev, seed=step + 1)
@@ -114,7 +90,7 @@ def test_fused_under_graph_capture_and_replay_gpu(cuda_device, bs):
         g_two.replay()
         torch.cuda.synchronize()
         _same(one, two)
-        _check(x, ids, one, cap)
+        check_dispatch(x, ids, one, cap)
         if prev_hit is not None:
             assert one["out_masked_m"][prev_hit] == 0
         hit = (one["out_masked_m"] > 0).nonzero()
@@ -146,7 +122,7 @@ def test_the_rule_bakes_one_path_per_size_gpu(cuda_device, monkeypatch):
     for bs in (8, 9):
         x = torch.randn(bs, hidden, device=dev).to(torch.bfloat16)
         ids = _ids(bs, bs, E, k, dev, seed=bs)
-        outs = _outs(bs, k, E, cap, hidden, dev)
+        outs = sentinel_outs(bs, k, E, cap, hidden, device=dev)
         calls.clear()
         graphs[bs] = (_capture(lambda x=x, ids=ids, outs=outs: dispatch_masked(x, ids, **outs)),
                       x, ids, outs)
@@ -158,4 +134,4 @@ def test_the_rule_bakes_one_path_per_size_gpu(cuda_device, monkeypatch):
         _refill(outs)
         g.replay()
         torch.cuda.synchronize()
-        _check(x, ids, outs, cap)
+        check_dispatch(x, ids, outs, cap)

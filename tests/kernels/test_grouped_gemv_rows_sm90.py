@@ -6,18 +6,11 @@ wheel carries ptxas); it runs in a subprocess with the interpreter off, since th
 process has it on. Same pattern as tests/kernels/test_compile_sm90.py."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
-import pytest
+from tests.kernels.sm90 import compile_results
 
 SCRIPT = textwrap.dedent('''
-    import json, triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from graphrt.kernels.grouped_gemv_rows import _expert_rows_kernel
 
     INTS = ("num_experts cap n k stride_ae stride_am stride_be stride_bn stride_oe stride_om "
@@ -30,17 +23,14 @@ SCRIPT = textwrap.dedent('''
     ATTRS = {(_expert_rows_kernel.arg_names.index(name),): [["tt.divisibility", 16]]
              for name in ALIGNED}
 
-    def ptx(const):
-        src = ASTSource(fn=_expert_rows_kernel, constexprs=const, attrs=ATTRS,
-                        signature={**SIG, **{k: "constexpr" for k in const}})
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4}).asm["ptx"]
+    def rows_ptx(const):
+        return ptx(_expert_rows_kernel, SIG, const, attrs=ATTRS)
 
     out = {}
     for bn, bk in ((4, 2048), (2, 4096)):        # qwen3-like W13, dsv3-like W13 configs
         for even in (True, False):
             for gdc in (0, 1, 2):
-                p = ptx(dict(E_POW2=64, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=even, USE_GDC=gdc))
+                p = rows_ptx(dict(E_POW2=64, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=even, USE_GDC=gdc))
                 out[f"bn{bn}-{even}-{gdc}"] = {"wait": "griddepcontrol.wait" in p,
                                                "mma": "mma.sync" in p or "wgmma" in p,
                                                "v4": "ld.global.v4" in p,
@@ -53,13 +43,7 @@ def test_the_expert_rows_kernel_compiles_for_sm90():
     """Every (EVEN_K, USE_GDC) variant compiles; ``griddepcontrol.wait`` is in the PTX exactly
     when ``USE_GDC != 0``; no tensor-core instruction (the reduction is on the CUDA cores); with
     the launch's alignment specialization the weights load as 16-byte vectors, no spills."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
-                       timeout=300)
-    if r.returncode and "ptxas" in r.stderr.lower() and "not found" in r.stderr.lower():
-        pytest.skip("this triton build has no ptxas")
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res = compile_results(SCRIPT)
     assert len(res) == 12
     for key, found in res.items():
         assert found == {"wait": not key.endswith("-0"), "mma": False, "v4": True,
