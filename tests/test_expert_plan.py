@@ -39,11 +39,12 @@ def test_synthetic_masked_m_rotations_touch_other_experts():
 
 def test_decode_candidates_split_only_when_few_work_items():
     assert [c.name for c in decode_candidates(1536, 2048, 8, 132)] == \
-        ["decode/bn16", "decode/bn32", "decode/bn64"]                # 8 * 48 items: enough
+        ["decode/bn16", "decode/bn32", "decode/bn64", "decode/bn32/w8", "decode/bn64/w8",
+         "decode/bn16/w2"]                                           # 8 * 48 items: enough
     names = [c.name for c in decode_candidates(1536, 2048, 1, 132)]  # 1 live expert: split K
     assert names[-2:] == ["decode/bn32/sk2", "decode/bn32/sk4"]
     assert [c.name for c in decode_candidates(2048, 512, 1, 132)][-1] == "decode/bn32/sk2"  # K/4 < 256
-    assert [c.name for c in decode_candidates(2048, 384, 1, 132)][-1] == "decode/bn64"
+    assert [c.name for c in decode_candidates(2048, 384, 1, 132)][-1] == "decode/bn16/w2"  # no split
     assert default_choice(1536, 8).block_n == 32 and default_choice(1536, 1).block_n == 16
 
 
@@ -103,13 +104,16 @@ def test_rows_candidates_only_for_bf16_decode_and_few_rows():
     assert not rows_eligible(("decode",), [], fp8=False)
     assert not rows_eligible(BF16_KERNELS, routed_rows(256, 8, 64, 64), fp8=False)  # 32 rows
     names = [c.name for c in plan_candidates(BF16_KERNELS, 1536, 2048, one_row, 132)]
-    assert names == ["decode/bn16", "decode/bn32", "decode/bn64", "rows/bn2", "rows/bn4",
-                     "rows/bn8", "triton", "deepgemm"]
+    assert names == ["decode/bn16", "decode/bn32", "decode/bn64", "decode/bn32/w8",
+                     "decode/bn64/w8", "decode/bn16/w2", "rows/bn2", "rows/bn4", "rows/bn8",
+                     "triton", "deepgemm"]
     names = [c.name for c in plan_candidates(BF16_KERNELS, 1536, 2048, [5] * 8, 132)]
-    assert names == ["decode/bn16", "decode/bn32", "decode/bn64", "triton", "deepgemm"]
+    assert names == [c.name for c in decode_candidates(1536, 2048, 8, 132)] + ["triton",
+                                                                               "deepgemm"]
     fp8 = [c.name for c in plan_candidates(("decode", "deepgemm"), 1536, 2048, one_row, 132,
                                            fp8=True)]
-    assert fp8 == ["decode/bn16", "decode/bn32", "decode/bn64", "deepgemm"]
+    assert fp8 == ["decode/bn16", "decode/bn32", "decode/bn64", "decode/bn32/w8",
+                   "decode/bn64/w8", "decode/bn16/w2", "deepgemm"]
     assert [c.name for c in plan_candidates(("triton",), 1536, 2048, one_row, 132)] == ["triton"]
     assert [c.name for c in plan_candidates(("rows", "triton"), 64, 64, one_row, 132)] == \
         ["triton"]                                   # rows rides on the decode kernel

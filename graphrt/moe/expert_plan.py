@@ -113,9 +113,11 @@ def synthetic_masked_m(rows: list[int], num_local_experts: int, rotate: int = 0)
 
 
 def decode_candidates(n: int, k: int, live: int, num_sms: int, fp8: bool = False) -> list[Choice]:
-    """Decode-kernel configurations worth timing: column tiles 16/32/64, plus split-K (2, 4)
-    when fewer than two work items per SM would run unsplit. Pure Python."""
+    """Decode-kernel configurations worth timing: column tiles 16/32/64 at 4 warps, 32/64 at
+    8 and 16 at 2, plus split-K (2, 4) when fewer than two work items per SM would run
+    unsplit. Pure Python."""
     out = [Choice("decode", block_n=bn) for bn in (16, 32, 64)]
+    out += [Choice("decode", block_n=bn, num_warps=w) for bn, w in ((32, 8), (64, 8), (16, 2))]
     if live * -(-n // 32) < 2 * num_sms:
         out += [Choice("decode", block_n=32, split_k=s) for s in (2, MAX_SPLIT)
                 if k // s >= (128 if fp8 else 256)]
