@@ -257,9 +257,7 @@ class CaptureManager:
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(self.device)
         t0 = time.perf_counter()
-        graph = _new_graph(keep=bool(planned))
-        if graph is None:  # this torch cannot keep the graph: stage outside it
-            planned, graph = [], torch.cuda.CUDAGraph()
+        graph, planned = _new_graph(planned)
         outs = [o if r == "fixed" else o[:size] for o, r in zip(self.static_outputs, self.signature.rows)]
         self.stager.n_dev.fill_(size)
         self._before_replay(size, size)
@@ -309,15 +307,16 @@ class CaptureManager:
         torch.cuda.synchronize(self.device)
 
 
-def _new_graph(keep: bool):
-    """A ``torch.cuda.CUDAGraph``, one that keeps its ``cudaGraph_t`` after instantiation when
-    ``keep`` (in-graph staging edits its nodes); None when this torch cannot keep one."""
-    if not keep:
-        return torch.cuda.CUDAGraph()
-    try:
-        return torch.cuda.CUDAGraph(keep_graph=True)
-    except TypeError:
-        return None
+def _new_graph(planned: list) -> tuple:
+    """``(torch.cuda.CUDAGraph, planned)``: with in-graph staging planned, a graph that keeps its
+    ``cudaGraph_t`` after instantiation (the staging edits its nodes); a torch that cannot keep
+    one gets a plain graph and stages outside it (``planned`` empty)."""
+    if planned:
+        try:
+            return torch.cuda.CUDAGraph(keep_graph=True), planned
+        except TypeError:
+            pass
+    return torch.cuda.CUDAGraph(), []
 
 
 def _clear_cublas_workspaces() -> None:

@@ -87,7 +87,7 @@ class StagingNode:
         self._at = (0, 0)                         # armed: (its address, bytes)
         self._set = cudart.exec_memcpy_set_fn()
         self._what = f"cudaGraphExecMemcpyNodeSetParams1D staging input {name!r}"
-        self.idle(force=True)
+        self._edit_idle()
 
     def stage(self, src: torch.Tensor, dst: torch.Tensor, nbytes: int) -> None:
         self.stager(dst, nbytes)(src)
@@ -113,9 +113,12 @@ class StagingNode:
             dst.copy_(src)
         return stage
 
-    def idle(self, force: bool = False) -> None:
-        if not self.armed and not force:
-            return
+    def idle(self) -> None:
+        """Point the node back at its harmless copy (no edit when it is idle already)."""
+        if self.armed:
+            self._edit_idle()
+
+    def _edit_idle(self) -> None:
         cudart.check(self._set(self.exec, self.node, self.shadow.data_ptr(), self.dst.data_ptr(),
                                self.idle_bytes, cudart.MEMCPY_D2D), self._what)
         self.armed = False
@@ -129,8 +132,7 @@ class GraphStaging:
 
     def idle(self) -> None:
         for node in self.nodes.values():
-            if node.armed:
-                node.idle()
+            node.idle()
 
 
 def plan(stager, size: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:

@@ -298,8 +298,7 @@ class Stager:
             if detach:
                 vals = tuple([t.detach() if t.requires_grad else t for t in vals])
             for node in unused:                   # copied another way: the node must not
-                if node.armed:
-                    node.idle()
+                node.idle()
             for i, stage_one in in_graph:
                 stage_one(vals[i])
             if copy_raw is not None:

@@ -34,11 +34,10 @@ import triton.language as tl
 
 from ._pdl import pdl_prologue
 from ._util import check, check_tensor, pdl_args
+from .dense_gemv import dense_gemv_rows_config
 from .grouped_gemm_decode import _live_prologue, _pick_expert, decode_grouped_gemm_ref, num_programs
 
 ROWS_MAX = 4  # live rows an expert the kernel is meant for (more are correct, just slower)
-MAX_BLOCK_K = 4096
-_ROWS_TILE = 8192  # weights a program loads per round (16 KB bf16), as dense_gemv_rows
 _MAX_TILE = 32768  # largest [BLOCK_N, BLOCK_K] the launcher accepts (fp32-widened registers)
 
 
@@ -85,19 +84,12 @@ def _expert_rows_kernel(
             tl.store(o_ptrs + r * stride_om, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
-
-
 def expert_gemv_rows_config(n: int, k: int) -> dict:
-    """``{"block_n", "block_k"}`` for ``[n, k]`` expert weights, as
-    ``dense_gemv_rows_config``: ``block_k`` = the whole K up to 4096 (a power of two, at
-    least 16), ``block_n`` = ``8192 // block_k`` (1-64 weight rows), never more than
-    ``next_power_of_2(n)``. qwen3-like W13 [1536, 2048] -> (4, 2048), W2 [2048, 768] ->
-    (8, 1024); dsv3-like W13 [4096, 7168] -> (2, 4096). Pure Python (no triton call)."""
-    block_k = max(16, min(MAX_BLOCK_K, _next_pow2(max(k, 1))))
-    block_n = max(1, min(64, _ROWS_TILE // block_k, _next_pow2(max(n, 1))))
-    return {"block_n": block_n, "block_k": block_k}
+    """``{"block_n", "block_k"}`` for ``[n, k]`` expert weights: the dense rows GEMV's
+    (``dense_gemv_rows_config``: the whole K up to 4096 a round, 8192 weights a program).
+    qwen3-like W13 [1536, 2048] -> (4, 2048), W2 [2048, 768] -> (8, 1024); dsv3-like W13
+    [4096, 7168] -> (2, 4096). Host-only."""
+    return dense_gemv_rows_config(n, k)
 
 
 def _pow2(v) -> bool:

@@ -5,8 +5,9 @@ decode kernel (``kernels.grouped_gemm_decode``: live experts' weights streamed o
 at a few rows an expert), its CUDA-core sibling for 1-4 rows an expert (``rows``:
 ``kernels.grouped_gemv_rows``, bf16; timed only when the synthetic routing has at most
 ``ROWS_MAX`` rows on every live expert), the row-tiled Triton masked GEMM
-(``kernels.grouped_gemm``) and DeepGEMM's masked GEMM (many rows an expert). Which is fastest depends on the padded batch
-(rows per live expert, live experts), the GEMM's shape and the GPU, so it is *measured*:
+(``kernels.grouped_gemm``) and DeepGEMM's masked GEMM (many rows an expert). Which is fastest
+depends on the padded batch (rows per live expert, live experts), the GEMM's shape and the
+GPU, so it is *measured*:
 
     plan = ExpertPlan()                          # or ExpertPlan.load("plan.json")
     plan_size(plan, experts, padded_bs, ...)     # once per size, host-side (CUDA events)
@@ -128,9 +129,10 @@ def rows_candidates(n: int, k: int) -> list[Choice]:
     """Rows-kernel configurations worth timing: ``expert_gemv_rows_config``'s ``block_n``
     (the whole K up to 4096 a round, 8192 weights a program), half and twice it (1-64, at
     most ``next_power_of_2(n)``). Pure Python (the config is host arithmetic)."""
+    import triton
     from graphrt.kernels.grouped_gemv_rows import expert_gemv_rows_config
     cfg = expert_gemv_rows_config(n, k)
-    top = min(64, 1 << max(0, n - 1).bit_length())  # min(64, next_power_of_2(n))
+    top = min(64, triton.next_power_of_2(n))
     bns = sorted({max(1, min(top, bn)) for bn in (cfg["block_n"] // 2, cfg["block_n"],
                                                   2 * cfg["block_n"])})
     return [Choice("rows", block_n=bn) for bn in bns]
@@ -285,6 +287,11 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _measured(us: float, c: Choice) -> Choice:
+    """``c`` with its measured µs."""
+    return Choice(c.kernel, c.block_n, c.split_k, round(us, 2), c.num_warps)
+
+
 def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: int,
               num_experts: int, num_ranks: int = 1, rotations: int = 4) -> None:
     """Fill ``plan`` for ``padded_bs`` with the fastest kernel of each of ``experts``' GEMMs
@@ -315,7 +322,7 @@ def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: 
         a, a_scale, out = experts.synthetic_io(which, cap)
         cands = plan_candidates(experts.kernels, n, k, rows, num_sms(device), experts.fp8)
         timings: dict[str, float | str] = {}
-        best = other = None                      # the fastest, the fastest of another kernel
+        timed = []                               # (µs, candidate) of those that ran
         for c in cands:
             fns = [functools.partial(experts.gemm, which, a, m, em, out, c, a_scale) for m in masked]
             try:
@@ -325,14 +332,12 @@ def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: 
                 timings[c.name] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 continue
             timings[c.name] = round(us, 2)
-            if best is None or us < best.us:
-                if best is not None and best.kernel != c.kernel:
-                    other = best
-                best = Choice(c.kernel, c.block_n, c.split_k, round(us, 2), c.num_warps)
-            elif c.kernel != best.kernel and (other is None or us < other.us):
-                other = Choice(c.kernel, c.block_n, c.split_k, round(us, 2), c.num_warps)
-        if best is None:
+            timed.append((us, c))
+        if not timed:
             raise RuntimeError(f"expert plan for {key} at batch {padded_bs}: every candidate "
                                f"failed: {timings}")
-        plan.record(key, padded_bs, best, timings, fallback=other)
+        best = min(timed, key=lambda t: t[0])
+        others = [t for t in timed if t[1].kernel != best[1].kernel]  # the fallback's pool
+        plan.record(key, padded_bs, _measured(*best), timings,
+                    fallback=_measured(*min(others, key=lambda t: t[0])) if others else None)
     torch.cuda.synchronize(device)

@@ -115,12 +115,10 @@ class Experts:
                              f"got {backend!r}")
         if backend == "deepgemm" and not deep_gemm_available():
             raise RuntimeError("backend='deepgemm' but deep_gemm does not import on a Hopper GPU here")
-        if fp8 and backend == "triton":
+        if fp8 and backend in ("triton", "rows"):
+            which = "the row-tiled Triton GEMM" if backend == "triton" else "the rows kernel"
             raise ValueError("fp8 experts need DeepGEMM or the decode kernel (backend='deepgemm', "
-                             "'decode' or 'auto'); the row-tiled Triton GEMM is bf16 only")
-        if fp8 and backend == "rows":
-            raise ValueError("fp8 experts need DeepGEMM or the decode kernel (backend='deepgemm', "
-                             "'decode' or 'auto'); the rows kernel is bf16 only")
+                             f"'decode' or 'auto'); {which} is bf16 only")
         self.hidden, self.inter, self.E = hidden, inter, num_local_experts
         self.backend, self.fp8, self.dtype = backend, fp8, dtype
         self.device = torch.device(device)
@@ -235,11 +233,10 @@ class Experts:
             ws = (self.ws.view("gemm_partials", (choice.split_k, SPLIT_ROWS, n))
                   if choice.split_k > 1 else None)
             w, b_scale = w if self.fp8 else (w, None)
-            fused = {} if act is None else {"act": act}  # unfused: the call as it always was
             decode_grouped_gemm(a, w, masked_m, out=out, expected_m=expected_m,
                                 block_n=choice.block_n, split_k=choice.split_k, workspace=ws,
                                 a_scale=a_scale, b_scale=b_scale, num_warps=choice.num_warps,
-                                **fused)
+                                act=act)
         return out
 
     def synthetic_io(self, which: str, cap: int):

@@ -40,9 +40,10 @@ DENSE = os.environ.get("GRAPHRT_DENSE", "auto")
 def dense_path(x: torch.Tensor, w: torch.Tensor) -> str:
     """Which path :func:`dense` takes: ``"gemv"`` (``graphrt.kernels.dense_gemv``) for bf16,
     contiguous x ``[rows, in]`` and w on a CUDA device with ``rows <=
-    graphrt.kernels.dense_gemv.ROWS_AUTO`` (2; ``DENSE="auto"``, the default: at one row it is
-    0.93x the step time of cuBLAS at qwen3-like bs 1, BENCHMARKS.md §22, and 0.96x at 2 rows, §23) or ``rows <= 16`` (``GRAPHRT_DENSE=gemv``), else ``"torch"``
-    (cuBLAS; ``GRAPHRT_DENSE=torch`` always)."""
+    graphrt.kernels.dense_gemv.ROWS_AUTO`` (2; ``DENSE="auto"``, the default: 0.93x the step
+    time of cuBLAS at qwen3-like bs 1, BENCHMARKS.md §22, and 0.96x at 2 rows, §23) or
+    ``rows <= 16`` (``GRAPHRT_DENSE=gemv``), else ``"torch"`` (cuBLAS; ``GRAPHRT_DENSE=torch``
+    always)."""
     if DENSE not in ("auto", "gemv") or x.device.type != "cuda":
         return "torch"
     from graphrt.kernels import dense_gemv
@@ -56,8 +57,8 @@ def dense_path(x: torch.Tensor, w: torch.Tensor) -> str:
 def dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.t()``: x ``[bs, in]``, w ``[out, in]`` (row-major weights) -> ``[bs, out]``.
     The decode GEMV (``graphrt.kernels.dense_gemv``, reads w once) where :func:`dense_path`
-    says so (one or two rows, by default), else cuBLAS. A graph bakes the path: set ``GRAPHRT_DENSE`` before import
-    (or ``graphrt.moe.layers.DENSE`` before capture).
+    says so (one or two rows, by default), else cuBLAS. A graph bakes the path: set
+    ``GRAPHRT_DENSE`` before import (or ``graphrt.moe.layers.DENSE`` before capture).
 
     Graph safety: capturable"""
     if dense_path(x, w) == "gemv":
