@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from graphrt import graph_staging
+from graphrt import graph_staging, staging_table
 from graphrt.capture.audit import ReceiverLedger
 from graphrt.capture.progress import Progress
 from graphrt.capture.report import Finding, GraphSafetyError, SafetyReport
@@ -61,6 +61,7 @@ class CapturedGraph:
     capture_s: float
     pool_bytes: int
     keepalive: tuple = ()
+    table: Any = None  # graphrt.staging_table.StagingTable its first kernel stages through
 
     @property
     def layout(self) -> OutputLayout:
@@ -252,6 +253,7 @@ class CaptureManager:
     def _capture_one(self, size: int, stream) -> CapturedGraph:
         views = self.stager.views(size)
         planned = graph_staging.plan(self.stager, size)  # (its shadows: not in pool_bytes)
+        table = staging_table.for_capture(self.stager, size)
         torch.cuda.synchronize(self.device)
         gc.collect()  # torch.cuda.graph() empties the cache on entry: do it first, then measure
         torch.cuda.empty_cache()
@@ -263,6 +265,8 @@ class CaptureManager:
         self._before_replay(size, size)
         with ReceiverLedger() as ledger:
             with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                if table is not None:
+                    table.record(staging_table.graph_bytes(self.stager, table, size))
                 graph_staging.record(planned, torch.cuda.current_stream(self.device))
                 _, flat = OutputLayout.flatten(self.spec.call(views, self.stager.n_dev), self.spec.name)
                 # Every graph writes the same static outputs: the step's own output tensors
@@ -283,7 +287,10 @@ class CaptureManager:
         if planned:
             self.stager.graph_nodes[size] = graph_staging.locate(graph, planned)
         keep = tuple(ledger.keepalive) + tuple(views.values())
-        return CapturedGraph(size, graph, self.signature, outs, capture_s, pool_bytes, keep)
+        if table is not None:
+            self.stager.graph_nodes[size] = staging_table.TableGraph(table)
+            keep += table.keepalive()
+        return CapturedGraph(size, graph, self.signature, outs, capture_s, pool_bytes, keep, table)
 
     def _fail(self, size: int, reason: str, findings: list[Finding] | None = None,
               exc: BaseException | None = None) -> None:

@@ -47,7 +47,7 @@ import torch
 from graphrt import cudart
 
 
-MODES = ("0", "1", "all")
+MODES = ("0", "1", "all", "table")
 
 
 def mode() -> str:
@@ -56,14 +56,15 @@ def mode() -> str:
     value = os.environ.get("GRAPHRT_GRAPH_STAGING", "1").strip().lower() or "1"
     if value not in MODES:
         raise ValueError(f"GRAPHRT_GRAPH_STAGING: expected one of {MODES} (0: off, 1: inputs "
-                         f"alone in their dtype, all: every batch and fixed input), got {value!r}")
+                         f"alone in their dtype, all: every batch and fixed input, table: the "
+                         f"staging table), got {value!r}")
     return value
 
 
 def enabled(device: torch.device) -> bool:
     """Whether captures on ``device`` stage in the graph: a CUDA device, the raw CUDA runtime
     available and ``GRAPHRT_GRAPH_STAGING`` not ``0``."""
-    return device.type == "cuda" and mode() != "0" and cudart.available()
+    return device.type == "cuda" and mode() in ("1", "all") and cudart.available()
 
 
 class StagingNode:

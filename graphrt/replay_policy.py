@@ -35,9 +35,10 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-from graphrt import cudart
+from graphrt import cudart, staging_table
 from graphrt.errors import InputError
 from graphrt.spec import StepSpec
+from graphrt.staging_table import TableGraph
 from graphrt.step_cache import signature
 
 
@@ -126,6 +127,7 @@ class Stager:
         # and the shadow buffers its nodes copy from at capture; set by the capture.
         self.graph_nodes: dict = {}
         self.shadows: dict[str, torch.Tensor] = {}
+        self.table = None  # graphrt.staging_table.StagingTable, made by a table-mode capture
 
     def single_names(self, padded_bs: int) -> list[str]:
         """The inputs staged one copy each (alone in their dtype) for graph ``padded_bs``."""
@@ -229,10 +231,10 @@ class Stager:
         names = self._names
         vals = tuple(map(inputs.__getitem__, names))
         self.bind(names, n, padded_bs, any(t.requires_grad for t in vals),
-                  all(type(t) is torch.Tensor for t in vals))(vals)
+                  all(type(t) is torch.Tensor for t in vals), eager=True)(vals)
 
     def bind(self, names: tuple, n: int, padded_bs: int, detach: bool = False,
-             exact: bool = False) -> Callable:
+             exact: bool = False, eager: bool = False) -> Callable:
         """``stage`` for one call shape, built once: a function of the inputs as a tuple in
         ``names`` order (any order of the spec's names) that stages them for ``n`` live rows
         in graph ``padded_bs``, exactly as ``stage`` does. ``detach``: some input requires
@@ -247,11 +249,17 @@ class Stager:
         in, on the device's current stream, without torch's dispatch; per call it falls
         back to ``copy_`` for a source that is not contiguous (strides are free in a
         signature), is a negative view, has no data or overlaps the buffer, and while the
-        current stream is a default stream (0-2) of another current device."""
-        key = (names, n, padded_bs, detach, exact)
+        current stream is a default stream (0-2) of another current device. ``"table"``: graph
+        ``padded_bs`` stages through the stager's table (``graphrt.staging_table``): the
+        function drafts a row that the runtime commits right before the replay; ``eager``
+        copies now instead (``stage``: the static inputs hold the inputs once it returns)."""
+        key = (names, n, padded_bs, detach, exact, eager)
         fn = self._bound.get(key)
         if fn is None:
-            fn = self._bind(names, n, padded_bs, detach, exact)
+            if exact and not eager and isinstance(self.graph_nodes.get(padded_bs), TableGraph):
+                fn = staging_table.bind(self, names, n, padded_bs, detach)
+            else:
+                fn = self._bind(names, n, padded_bs, detach, exact)
             if len(self._bound) >= self._max_verdicts:
                 self._bound.clear()
             self._bound[key] = fn
@@ -295,6 +303,8 @@ class Stager:
         unused = tuple(node for k, node in every_node.items() if k not in nodes)
 
         def stage(vals: tuple) -> None:
+            if stager.table is not None:          # staged here: no drafted row may run
+                stager.table.discard()
             if detach:
                 vals = tuple([t.detach() if t.requires_grad else t for t in vals])
             for node in unused:                   # copied another way: the node must not
@@ -331,6 +341,8 @@ class Stager:
         gs = self.graph_nodes.get(padded_bs)
         if gs is not None:                        # the inputs are in place: no node copies
             gs.idle()
+        if self.table is not None:                # nor a drafted row
+            self.table.discard()
         if self._dirty != n:
             self._repad(n, padded_bs)
         if self._offsets and padded_bs > n:

@@ -296,7 +296,16 @@ class GraphRuntime:
         a held explicit lease first, before they write any input."""
         if self._before is not None:
             self._before(g.size, n)
-        g.graph.replay()
+        table = g.table
+        if table is None:
+            g.graph.replay()
+        else:                      # its first kernel copies the row committed here
+            table.commit()
+            try:
+                g.graph.replay()
+            except BaseException:
+                table.cancel()
+                raise
         self._clock.bump()
 
     def _fire(self, plan: "_Plan", n: int) -> Any:

@@ -54,6 +54,8 @@ printed at the end. ``results.json``::
               pool_bytes_total, pool_bytes_largest, pool_ratio,
               run_host_us {copy_out_bs{1,64}_us, lease_bs*_us, lease_fresh_bs*_us,
                            lease_all_nodes_bs*_us, lease_all_nodes_fresh_bs*_us,
+                           lease_table_bs*_us, lease_table_fresh_bs*_us, wall_table_bs*_us,
+                           device_step_table_bs*_us,
                            lease_raw_copy_bs*_us, lease_torch_copy_bs*_us,
                            zero_copy_replay_bs*_us,
                            bare_replay_bs*_us, hand_written_bs*_us, run_over_hand_bs*,
