@@ -40,6 +40,7 @@ import torch
 from graphrt.env import env_flag
 from graphrt.errors import GraphrtError
 
+MEMCPY_H2D = 1          # cudaMemcpyHostToDevice
 MEMCPY_D2D = 3          # cudaMemcpyDeviceToDevice
 GRAPH_NODE_MEMCPY = 1   # cudaGraphNodeTypeMemcpy
 # Stream handles that mean "of the current device": 0 (the legacy default stream, torch's

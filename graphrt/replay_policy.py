@@ -303,8 +303,8 @@ class Stager:
         unused = tuple(node for k, node in every_node.items() if k not in nodes)
 
         def stage(vals: tuple) -> None:
-            if stager.table is not None:          # staged here: no drafted row may run
-                stager.table.discard()
+            if stager.table is not None:          # staged here: the table must copy nothing
+                stager.table.idle()
             if detach:
                 vals = tuple([t.detach() if t.requires_grad else t for t in vals])
             for node in unused:                   # copied another way: the node must not
@@ -341,8 +341,8 @@ class Stager:
         gs = self.graph_nodes.get(padded_bs)
         if gs is not None:                        # the inputs are in place: no node copies
             gs.idle()
-        if self.table is not None:                # nor a drafted row
-            self.table.discard()
+        if self.table is not None:                # nor the staging table
+            self.table.idle()
         if self._dirty != n:
             self._repad(n, padded_bs)
         if self._offsets and padded_bs > n:

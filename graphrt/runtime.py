@@ -296,16 +296,9 @@ class GraphRuntime:
         a held explicit lease first, before they write any input."""
         if self._before is not None:
             self._before(g.size, n)
-        table = g.table
-        if table is None:
-            g.graph.replay()
-        else:                      # its first kernel copies the row committed here
-            table.commit()
-            try:
-                g.graph.replay()
-            except BaseException:
-                table.cancel()
-                raise
+        if g.table is not None:    # its first kernel copies from the row sent here
+            g.table.commit()
+        g.graph.replay()
         self._clock.bump()
 
     def _fire(self, plan: "_Plan", n: int) -> Any:

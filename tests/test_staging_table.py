@@ -1,16 +1,15 @@
 """The staging table (issue 17, ``graphrt.staging_table``, ``graphrt.kernels.staging``): a
-graph's first kernel copies the inputs from addresses the host wrote into a ring of rows.
+graph's first kernel copies the inputs from addresses the host sends in one row a step.
 
-CPU (the kernel on the Triton interpreter, the ring in ordinary memory, each "replay" one
-launch of the kernel): the row protocol (draft, commit, a launch with no row of its own copies
-nothing, cancel, the lapping guard) and ``Stager.bind``'s table function against eager staging.
+CPU (the kernel on the Triton interpreter, the row sent by ``copy_``, each "replay" one launch
+of the kernel): the row protocol (draft, commit only when the row changed, idle) and
+``Stager.bind``'s table function against eager staging.
 GPU (``@pytest.mark.gpu``): captured graphs staging through the table, against eager, with
 replays queued behind a device sleep, zero-copy replays and strided sources in between."""
 import pytest
 import torch
 
 import graphrt
-from graphrt.errors import GraphrtError
 from graphrt.kernels._util import interpreting
 from graphrt.replay_policy import Stager
 from graphrt.staging_table import StagingTable, TableGraph, eligible, graph_bytes
@@ -19,99 +18,53 @@ from tests.fakes.specs import every_kind_spec, lone_and_grouped_spec
 cpu_interpreter = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1")
 
 
-def _table(slots=4):
+def _table():
     bufs = {"a": torch.zeros(8, 3, dtype=torch.float32), "b": torch.zeros(8, dtype=torch.int64)}
     n_dev = torch.zeros(1, dtype=torch.int32)
-    return StagingTable(["a", "b"], bufs, n_dev, torch.device("cpu"), slots=slots), bufs, n_dev
+    return StagingTable(["a", "b"], bufs, n_dev, torch.device("cpu")), bufs, n_dev
 
 
 def _draft(table, srcs, n_dev_src=None):
-    base = table.open()
-    for i, src in enumerate(srcs):
-        table.words[base + 1 + 2 * i] = src.data_ptr() if src is not None else 0
-        table.words[base + 2 + 2 * i] = src.nbytes if src is not None else 0
-    last = table.entries - 1
-    table.words[base + 1 + 2 * last] = n_dev_src.data_ptr() if n_dev_src is not None else 0
-    table.words[base + 2 + 2 * last] = 4 if n_dev_src is not None else 0
+    """What a bound step writes: each entry's (address, bytes), 0 bytes for None, valid."""
+    for i, src in enumerate(list(srcs) + [n_dev_src]):
+        table.words[1 + 2 * i] = src.data_ptr() if src is not None else 0
+        table.words[2 + 2 * i] = src.nbytes if src is not None else 0
+    table.words[0] = 1
+    table.synced = False
 
 
 @cpu_interpreter
-def test_a_committed_row_is_copied_by_the_next_launch_and_only_by_it():
+def test_a_committed_row_is_copied_by_every_launch_until_the_table_idles():
     table, bufs, n_dev = _table()
     a, b, count = torch.randn(5, 3), torch.arange(5) * 7, torch.tensor([5], dtype=torch.int32)
     _draft(table, [a, b], count)
-    table.record(bufs["a"].nbytes)                        # before the commit: not its row
-    assert not bufs["a"].any() and int(table.counter) == 0
+    table.record(bufs["a"].nbytes)                        # before the commit: nothing sent
+    assert not bufs["a"].any()
     table.commit()
+    assert table.synced and table.sends == 1 and int(table.row[0]) == 1
     table.record(bufs["a"].nbytes)
     assert torch.equal(bufs["a"][:5], a) and not bufs["a"][5:].any()
-    assert torch.equal(bufs["b"][:5], b) and not bufs["b"][5:].any()
-    assert int(n_dev) == 5 and int(table.counter) == 1 and int(table.ack) == 1
-    assert int(table.arrive) == 0
+    assert torch.equal(bufs["b"][:5], b) and not bufs["b"][5:].any() and int(n_dev) == 5
+    table.commit()                                        # nothing changed: nothing sent
+    assert table.sends == 1
     bufs["a"].zero_()
-    table.record(bufs["a"].nbytes)                         # a bare replay: nothing staged
-    assert not bufs["a"].any() and int(table.counter) == 1
-
-
-@cpu_interpreter
-def test_an_empty_commit_copies_nothing_and_keeps_host_and_device_in_step():
-    table, bufs, _ = _table()
-    table.commit()                                          # zero-copy replay: no draft
-    table.record(bufs["a"].nbytes)
-    assert int(table.counter) == 1 and not bufs["a"].any()
-    a = torch.ones(2, 3)
-    _draft(table, [a, None])
+    table.idle()                                          # zero-copy replay: inputs in place
     table.commit()
     table.record(bufs["a"].nbytes)
-    assert int(table.counter) == 2 and torch.equal(bufs["a"][:2], a)
+    assert not bufs["a"].any() and table.sends == 2
+    table.idle()
+    table.commit()                                        # already idle: nothing sent
+    assert table.sends == 2
 
 
 @cpu_interpreter
-def test_bytes_past_the_buffer_or_the_launch_chunks_are_never_written():
+def test_bytes_past_the_buffer_are_never_written():
     table, bufs, _ = _table()
     big = torch.arange(40, dtype=torch.float32).view(10, 4)   # 160 bytes into a 96-byte buffer
-    guard = torch.full((4,), 5.0)
-    base = table.open()
-    table.words[base + 1] = big.data_ptr()
-    table.words[base + 2] = big.nbytes
+    _draft(table, [big, None])
     table.commit()
     table.record(bufs["a"].nbytes)
-    assert torch.equal(bufs["a"].flatten(), big.flatten()[:24]) and torch.equal(guard, torch.full((4,), 5.0))
-
-
-@cpu_interpreter
-def test_cancel_takes_a_row_back_and_discard_drops_a_draft():
-    table, bufs, _ = _table()
-    a = torch.ones(3, 3)
-    _draft(table, [a, None])
-    table.commit()
-    table.cancel()                                          # its replay did not launch
-    table.record(bufs["a"].nbytes)
-    assert not bufs["a"].any() and int(table.counter) == 0 and table.seq == 0
-    _draft(table, [a, None])
-    table.discard()
-    table.commit()                                          # empty: the draft was dropped
-    table.record(bufs["a"].nbytes)
-    assert not bufs["a"].any() and int(table.counter) == 1
-
-
-def test_the_host_synchronizes_before_rewriting_a_row_the_device_has_not_read(monkeypatch):
-    table, bufs, _ = _table(slots=2)
-    synced = []
-
-    def catch_up(device=None):                              # the device consumes both rows
-        synced.append(device)
-        table.ack[0] = table.seq
-    monkeypatch.setattr(torch.cuda, "synchronize", catch_up)
-    table.commit()
-    table.commit()
-    table.open()                                            # row 2 reuses row 0's words
-    assert synced and table.waits == 1
-    table.commit()
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    table.commit()
-    with pytest.raises(GraphrtError, match="no replay consumed it"):
-        table.open()                                        # committed rows nobody replays
+    assert torch.equal(bufs["a"].flatten(), big.flatten()[:24]) and not bufs["b"].any()
 
 
 # -- Stager.bind through the table -------------------------------------------------------------
@@ -162,13 +115,12 @@ def test_sources_the_kernel_cannot_take_go_by_copy_and_subclasses_by_eager_stagi
     assert all(torch.equal(st.buffers[k][:3], v) for k, v in live.items())
     fn = st.bind(tuple(live), 3, 4, exact=False)              # a subclass in the call shape
     assert set(fn.paths.values()) <= {"copy_", "foreach_copy_", "memcpy"}
-    st.table.open()
     fn(tuple(live.values()))
-    assert st.table.draft == -1                               # staged here: no draft may run
+    assert st.table.words[0] == 0 and not st.table.synced     # staged here: the table idles
 
 
 @cpu_interpreter
-def test_eager_stage_and_pad_only_drop_a_draft():
+def test_eager_stage_and_pad_only_idle_the_table():
     spec = lone_and_grouped_spec(8)
     st = _table_stager(spec, 4)
     gen = torch.Generator().manual_seed(2)
@@ -193,53 +145,83 @@ def table_mode(monkeypatch):
     monkeypatch.setenv("GRAPHRT_GRAPH_STAGING", "table")
 
 
+def _device_spec(max_bs: int = 16) -> graphrt.StepSpec:
+    """Every kind of input again (float, int64 and int32 rows, offsets, a fixed bias), on the
+    device of its inputs."""
+    def step(x, ids, table, cu, bias, n):
+        live = (torch.arange(x.shape[0], device=x.device) < n).to(x.dtype)[:, None]
+        seq = (cu[1:] - cu[:-1]).to(x.dtype)[:, None]
+        return (x + ids[:, None] + table.sum(-1, keepdim=True) + seq + bias[ids % 8]) * live
+    inputs = {"x": graphrt.Input((None, 4), torch.float32, pad_value=-1.0),
+              "ids": graphrt.Input((None,), torch.int64, high=100, pad_value=7),
+              "table": graphrt.Input((None, 3), torch.int32, high=50, pad_value=49),
+              "cu": graphrt.Input((None,), torch.int32, low=0, high=4, offsets=True),
+              "bias": graphrt.Input((8, 4), torch.float32)}
+    return graphrt.StepSpec(step, inputs, max_bs, live_count="n")
+
+
 @pytest.mark.gpu
 def test_graphs_stage_through_the_table_and_match_eager(cuda_device, table_mode):
-    spec = every_kind_spec(16)
+    spec = _device_spec(16)
     rt = graphrt.GraphRuntime(spec, sizes=[4, 16], device=cuda_device, progress=False).capture()
     assert rt.stager.table is not None and rt.stager.graph_nodes[4].table is rt.stager.table
-    assert rt.stager.table.ring.is_pinned()
     gen = torch.Generator().manual_seed(1)
     for n in (3, 3, 9, 3, 16, 1, 4):
         live = _cuda_live(spec, n, gen, cuda_device)
-        want = spec.call_padded(live, rt.table.pick(n), None)
-        got = rt.run(**live)
-        assert torch.equal(got["y"], want["y"]) and torch.equal(got["total"], want["total"]), n
-    assert rt._steps.lookup(live, tuple(live.values()))[0].paths["x"] == "table"
+        assert torch.equal(rt.run(**live), spec.call_padded(live, rt.table.pick(n), None)), n
+    assert rt._steps.lookup(live, tuple(live.values()))[0].paths == {
+        "x": "table", "ids": "table", "table": "table", "bias": "table", "cu": "copy_"}
     rt.check_replay()
 
 
 @pytest.mark.gpu
 def test_replays_queued_behind_a_sleep_each_read_their_own_row(cuda_device, table_mode):
-    """More runs than the ring has rows, all queued behind a device sleep: the host waits for
-    the device once it is a ring ahead, and every replay copies its own run's tensors."""
+    """Every run() is queued behind a long device sleep, so the host rewrites its row for
+    every step before the first replay runs: each must still copy its own run's tensors."""
     spec = lone_and_grouped_spec(16)
     rt = graphrt.GraphRuntime(spec, sizes=[4, 16], device=cuda_device, progress=False).capture()
     gen = torch.Generator().manual_seed(2)
-    lives = [_cuda_live(spec, n, gen, cuda_device) for n in (3, 4, 3, 2, 9) * 16]
+    lives = [_cuda_live(spec, n, gen, cuda_device) for n in (3, 4, 3, 2, 9) * 8]
     rt.run(**lives[0])
     torch.cuda.synchronize()
     torch.cuda._sleep(50_000_000)
     outs = [rt.run(**live) for live in lives]                    # copy-out: queued clones
     torch.cuda.synchronize()
-    assert rt.stager.table.waits >= 1
     for live, out in zip(lives, outs):
         assert torch.equal(out, spec.call_padded(live, rt.table.pick(live["x"].shape[0]), None))
 
 
 @pytest.mark.gpu
-def test_zero_copy_replay_and_strided_sources_between_table_runs(cuda_device, table_mode):
+def test_zero_copy_replay_bare_replays_and_strided_sources_between_table_runs(cuda_device,
+                                                                             table_mode):
     spec = lone_and_grouped_spec(16)
     rt = graphrt.GraphRuntime(spec, sizes=[4, 16], device=cuda_device, progress=False).capture()
     gen = torch.Generator().manual_seed(3)
     first, engine = _cuda_live(spec, 3, gen, cuda_device), _cuda_live(spec, 3, gen, cuda_device)
-    torch.cuda._sleep(20_000_000)          # the run's row is committed before anything runs
+    torch.cuda._sleep(20_000_000)          # everything below is queued before it runs
     rt.run(**first)
     bufs = rt.input_buffers(3)
     for k, v in engine.items():
         bufs[k].copy_(v)
-    assert torch.equal(rt.replay(3), spec.call_padded(engine, 4, None))
+    out = rt.replay(3).clone()
+    rt.graphs[4].graph.replay()                                  # bare: stages nothing
+    assert torch.equal(out, spec.call_padded(engine, 4, None))
+    assert torch.equal(rt.graphs[4].outputs[0][:3], out)
     live = _cuda_live(spec, 3, gen, cuda_device)
     live["x"] = live["x"].t().contiguous().t()                   # same signature, strided
     assert torch.equal(rt.run(**live), spec.call_padded(live, 4, None))
-    assert rt.stager.table.seq == int(rt.stager.table.counter)
+    assert rt._steps.lookup(live, tuple(live.values()))[0].paths["x"] == "table"
+
+
+@pytest.mark.gpu
+def test_an_engine_handing_the_same_tensors_sends_no_row(cuda_device, table_mode):
+    spec = lone_and_grouped_spec(16)
+    rt = graphrt.GraphRuntime(spec, sizes=[4], device=cuda_device, progress=False).capture()
+    live = _cuda_live(spec, 3, torch.Generator().manual_seed(6), cuda_device)
+    rt.run(**live)
+    sends = rt.stager.table.sends
+    for step in range(3):
+        live["x"].add_(1)                            # the engine writes its rows in place
+        live["pos"].random_(0, 9)
+        assert torch.equal(rt.run(**live), spec.call_padded(live, 4, None)), step
+    assert rt.stager.table.sends == sends
