@@ -12,16 +12,20 @@ the caller's tensor and the live rows' bytes. The edit applies to later launches
 copies needs no edit at all: an engine that hands the same tensors every step stages with no
 CUDA call.
 
-Which inputs (``GRAPHRT_GRAPH_STAGING``, read at capture; BENCHMARKS.md §23 has the figures):
+How a capture stages (``GRAPHRT_GRAPH_STAGING``, read at capture; BENCHMARKS.md §23-24):
 
-- unset or ``1`` (the default): the inputs alone in their dtype, each of which would cost a
-  copy call of its own. One node saves 4-5 µs of host time a step and costs ~0.3 µs of
-  device time;
-- ``all``: every batch and fixed input (offsets inputs stay outside: their padding continues
-  the last live offset, which must be written first). With the reference model's five inputs
-  it halves ``run()``'s host time, but the five memcpy nodes cost ~2.4 µs more device time a
-  step than two ``_foreach_copy_`` launches: for host-bound loops only;
-- ``0``: none.
+- unset or ``table`` (the default): no memcpy nodes; the staging table of
+  ``graphrt.staging_table`` (one small kernel at the graph's head copies every batch and
+  fixed input, from a row of addresses the host sends only when a source moved). With the
+  reference model it halves ``run()``'s host time and takes 0.3-1.2% less device time per
+  ``run()`` than the copies outside the graph;
+- ``1``: memcpy nodes for the inputs alone in their dtype, each of which would cost a copy
+  call of its own (one node saves 4-5 µs of host time a step and costs ~0.3 µs of device
+  time); the others are copied outside the graph;
+- ``all``: a memcpy node for every batch and fixed input (offsets inputs stay outside: their
+  padding continues the last live offset, which must be written first). Five memcpy nodes
+  cost ~2.4 µs more device time a step than two ``_foreach_copy_`` launches;
+- ``0``: everything is copied outside the graph.
 
 A node is in one of two states:
 
@@ -48,12 +52,13 @@ from graphrt import cudart
 
 
 MODES = ("0", "1", "all", "table")
+DEFAULT = "table"
 
 
 def mode() -> str:
-    """``GRAPHRT_GRAPH_STAGING``: ``"0"``, ``"1"`` (unset: the default) or ``"all"``;
-    ``ValueError`` for anything else."""
-    value = os.environ.get("GRAPHRT_GRAPH_STAGING", "1").strip().lower() or "1"
+    """``GRAPHRT_GRAPH_STAGING``: ``"table"`` (unset: the default, ``graphrt.staging_table``),
+    ``"1"``, ``"all"`` or ``"0"``; ``ValueError`` for anything else."""
+    value = os.environ.get("GRAPHRT_GRAPH_STAGING", DEFAULT).strip().lower() or DEFAULT
     if value not in MODES:
         raise ValueError(f"GRAPHRT_GRAPH_STAGING: expected one of {MODES} (0: off, 1: inputs "
                          f"alone in their dtype, all: every batch and fixed input, table: the "
@@ -62,8 +67,8 @@ def mode() -> str:
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether captures on ``device`` stage in the graph: a CUDA device, the raw CUDA runtime
-    available and ``GRAPHRT_GRAPH_STAGING`` not ``0``."""
+    """Whether captures on ``device`` stage by memcpy nodes: a CUDA device, the raw CUDA
+    runtime available and ``GRAPHRT_GRAPH_STAGING`` ``1`` or ``all``."""
     return device.type == "cuda" and mode() in ("1", "all") and cudart.available()
 
 

@@ -12,10 +12,11 @@ Plain Python plus a few torch copies; nothing here captures or replays (that is
   ``torch._foreach_copy_`` per input dtype (for a dtype with one input a ``copy_``, or on
   CUDA the raw ``cudaMemcpyAsync`` it ends in, ``graphrt.cudart``), the live count riding
   along with the int32 inputs (else filled only when it changed), plus one copy per
-  offsets input when the batch is padded. An input with a staging node in its graph
-  (``graphrt.graph_staging``: on CUDA, by default those alone in their dtype) costs no copy
-  call: the node is re-pointed, or left as it is when the source is where it already copies
-  from.
+  offsets input when the batch is padded. On CUDA the runtime's steady step stages inside
+  the graph instead: by default through the staging table (``graphrt.staging_table``: the
+  graph's first kernel copies every batch and fixed input from a row of addresses, sent only
+  when it changed), or by memcpy nodes re-pointed per step (``graphrt.graph_staging``,
+  ``GRAPHRT_GRAPH_STAGING=1``/``all``).
 
 The per-step host path does no work it can cache: ``check_cached`` remembers the verdict
 of ``check`` per input signature (``graphrt.step_cache.signature``: names, and per input

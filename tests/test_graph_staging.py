@@ -26,6 +26,13 @@ NAMES = ("x", "ids", "pos", "lens")
 _spec = lone_and_grouped_spec
 
 
+@pytest.fixture(autouse=True)
+def node_mode(monkeypatch):
+    """These tests are about the memcpy nodes: ``GRAPHRT_GRAPH_STAGING=1`` unless one says
+    otherwise (the default is the staging table, tests/test_staging_table.py)."""
+    monkeypatch.setenv("GRAPHRT_GRAPH_STAGING", "1")
+
+
 @pytest.fixture
 def set_params(monkeypatch):
     """The SetParams1D stand-in: records ``(dst, src, nbytes, kind)``, returns ``box.rc``, and
@@ -111,12 +118,17 @@ def test_off_on_the_cpu_and_with_graphrt_graph_staging_0(monkeypatch):
 
 
 # -- Stager wiring ----------------------------------------------------------------------------
-def test_plan_takes_lone_inputs_by_default_and_every_batch_and_fixed_one_with_all(monkeypatch):
+def test_the_default_is_the_staging_table_and_takes_no_memcpy_nodes(monkeypatch):
+    monkeypatch.delenv("GRAPHRT_GRAPH_STAGING", raising=False)
+    monkeypatch.setattr(cudart, "_AVAILABLE", True)
+    assert gs.mode() == "table" and not gs.enabled(torch.device("cuda", 0))
+
+
+def test_plan_takes_lone_inputs_with_1_and_every_batch_and_fixed_one_with_all(monkeypatch):
     from tests.fakes.specs import every_kind_spec
     st = Stager(every_kind_spec(), 8, torch.device("cpu"))
     monkeypatch.setattr(gs, "enabled", lambda device: True)
     monkeypatch.setattr(cudart, "raw_copyable", lambda view: view.is_contiguous())
-    monkeypatch.delenv("GRAPHRT_GRAPH_STAGING", raising=False)
     assert [k for k, _, _ in gs.plan(st, PADDED)] == ["ids"]   # x and bias share float32
     monkeypatch.setenv("GRAPHRT_GRAPH_STAGING", "all")
     planned = gs.plan(st, PADDED)

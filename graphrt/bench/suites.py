@@ -144,8 +144,9 @@ def host_path_us(spec: graphrt.StepSpec, device, batches=(1, 64), *, iters: int 
     lease (staging in the graph where ``graphrt.graph_staging`` applies: the same input
     tensors every call, so its nodes need no edit; ``lease_fresh``: four sets of tensors in
     turn, an edit per input and call; ``lease_all_nodes[_fresh]``: the same with every input
-    staged in the graph, ``GRAPHRT_GRAPH_STAGING=all``; ``lease_table[_fresh]``: the same
-    through the staging table, ``GRAPHRT_GRAPH_STAGING=table``), ``run()`` lease
+    staged in the graph, ``GRAPHRT_GRAPH_STAGING=all``; ``lease_nodes[_fresh]``: the same
+    with memcpy nodes for inputs alone in their dtype, ``GRAPHRT_GRAPH_STAGING=1``; the
+    default, ``lease``, stages through the staging table), ``run()`` lease
     staging outside the graph (``GRAPHRT_GRAPH_STAGING=0``) with the raw ``cudaMemcpyAsync`` of
     ``graphrt.cudart`` and with torch's ``copy_`` (``GRAPHRT_RAW_COPY=0``), ``input_buffers`` +
     ``replay()``, the hand-written dict (``hand_written``) and a bare ``graph.replay()``, host µs medians; ``run_over_hand`` (lease / hand-written, host);
@@ -162,8 +163,8 @@ def host_path_us(spec: graphrt.StepSpec, device, batches=(1, 64), *, iters: int 
     lease = graphrt.GraphRuntime(spec, copy_outputs=False, **kw).capture()
     with env_override("GRAPHRT_GRAPH_STAGING", "all"):  # read at capture
         all_nodes = graphrt.GraphRuntime(spec, copy_outputs=False, **kw).capture()
-    with env_override("GRAPHRT_GRAPH_STAGING", "table"):
-        table = graphrt.GraphRuntime(spec, copy_outputs=False, **kw).capture()
+    with env_override("GRAPHRT_GRAPH_STAGING", "1"):
+        nodes = graphrt.GraphRuntime(spec, copy_outputs=False, **kw).capture()
     with env_override("GRAPHRT_GRAPH_STAGING", "0"):
         raw_copy = graphrt.GraphRuntime(spec, copy_outputs=False, **kw).capture()
         torch_copy = graphrt.GraphRuntime(spec, copy_outputs=False, **kw).capture()  # copy_
@@ -180,7 +181,7 @@ def host_path_us(spec: graphrt.StepSpec, device, batches=(1, 64), *, iters: int 
         out = out if isinstance(out, torch.Tensor) else next(iter(out.values()))
         raw_copy.run(**inputs)
         all_nodes.run(**inputs)
-        table.run(**inputs)
+        nodes.run(**inputs)
         with env_override("GRAPHRT_RAW_COPY", "0"):  # read when the step is bound: its first run
             torch_copy.run(**inputs)
         checked = LeasedTensor.lease(out, LeaseClock())
@@ -190,8 +191,8 @@ def host_path_us(spec: graphrt.StepSpec, device, batches=(1, 64), *, iters: int 
             "lease_fresh": lambda: lease.run(**fresh()),
             "lease_all_nodes": lambda: all_nodes.run(**inputs),
             "lease_all_nodes_fresh": lambda: all_nodes.run(**fresh()),
-            "lease_table": lambda: table.run(**inputs),
-            "lease_table_fresh": lambda: table.run(**fresh()),
+            "lease_nodes": lambda: nodes.run(**inputs),
+            "lease_nodes_fresh": lambda: nodes.run(**fresh()),
             "lease_raw_copy": lambda: raw_copy.run(**inputs),
             "lease_torch_copy": lambda: torch_copy.run(**inputs),
             "zero_copy_replay": lambda: lease.replay(bs), "hand_written": lambda: hand(**inputs),
@@ -211,11 +212,11 @@ def host_path_us(spec: graphrt.StepSpec, device, batches=(1, 64), *, iters: int 
                                                        steps=steps, sync=sync)
         res[f"wall_all_nodes_bs{bs}_us"] = loop_wall_us(lambda: all_nodes.run(**inputs),
                                                         steps=steps, sync=sync)
-        res[f"wall_table_bs{bs}_us"] = loop_wall_us(lambda: table.run(**fresh()),
+        res[f"wall_nodes_bs{bs}_us"] = loop_wall_us(lambda: nodes.run(**fresh()),
                                                     steps=steps, sync=sync)
         if cuda:
             res[f"device_step_bs{bs}_us"] = cuda_time_us(g.replay, iters=50)
-            res[f"device_step_table_bs{bs}_us"] = cuda_time_us(table.graphs[bs].graph.replay,
+            res[f"device_step_nodes_bs{bs}_us"] = cuda_time_us(nodes.graphs[bs].graph.replay,
                                                                iters=50)
     return res
 
@@ -379,14 +380,14 @@ def md_runtime(res: dict) -> str:
                   "interleaved run); wall µs per step of a 200-step loop:", "",
                   "| bs | run() copy-out | run() lease | run() lease, new tensors each call "
                   "| run() lease, all in graph | run() lease, all in graph, new tensors "
-                  "| run() lease, table | run() lease, table, new tensors "
+                  "| run() lease, nodes | run() lease, nodes, new tensors "
                   "| run() lease, raw copy staging "
                   "| run() lease, copy_ staging "
                   "| input_buffers + replay() | hand-written dict "
                   "| bare graph.replay() | run()/hand | wall run() | wall run(), new tensors "
                   "| wall run(), raw copy staging | wall run(), all in graph "
-                  "| wall run(), table, new tensors | wall hand | wall ratio "
-                  "| argmax on lease / debug lease | device step | device step, table |",
+                  "| wall run(), nodes, new tensors | wall hand | wall ratio "
+                  "| argmax on lease / debug lease | device step | device step, nodes |",
                   "|" + "---|" * 24]
         for bs in batches:
             def f(k, fmt=".1f"):
@@ -395,13 +396,13 @@ def md_runtime(res: dict) -> str:
             lines.append(
                 f"| {bs} | {f('copy_out')} | {f('lease')} | {f('lease_fresh')} | "
                 f"{f('lease_all_nodes')} | {f('lease_all_nodes_fresh')} | "
-                f"{f('lease_table')} | {f('lease_table_fresh')} | {f('lease_raw_copy')} | "
+                f"{f('lease_nodes')} | {f('lease_nodes_fresh')} | {f('lease_raw_copy')} | "
                 f"{f('lease_torch_copy')} | "
                 f"{f('zero_copy_replay')} | "
                 f"{f('hand_written')} | {f('bare_replay')} | {f('run_over_hand', '.2f')} | "
                 f"{f('wall_lease')} | {f('wall_fresh')} | {f('wall_raw_copy')} | "
-                f"{f('wall_all_nodes')} | {f('wall_table')} | "
+                f"{f('wall_all_nodes')} | {f('wall_nodes')} | "
                 f"{f('wall_hand_written')} | {f('wall_run_over_hand', '.3f')} | "
                 f"{f('argmax_lease')} / {f('argmax_debug_lease')} | {f('device_step')} | "
-                f"{f('device_step_table')} |")
+                f"{f('device_step_nodes')} |")
     return "\n".join(lines)
