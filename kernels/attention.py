@@ -16,6 +16,11 @@ One decode step, per layer (``padded_bs`` rows; ``n`` int32 [1] live rows on the
     decode_attention(q, k_cache, v_cache, block_table, seq_lens, n, out=...,
                      workspace_o=..., workspace_lse=..., semaphore=..., variant="auto")
 
+or, one launch fewer, the append fused into the attention launch (same cache, bitwise the
+same ``out``; which program writes and why nothing races: ``attention_kernels``)::
+
+    decode_attention(q, ..., variant="auto", k_new=k, v_new=v, slot_mapping=slot_mapping)
+
 ``decode_attention`` splits the table's reach ``max_ctx = max_blocks_per_seq * block_size``
 into ``num_splits`` chunks (read from the workspace's shape). One program per (row, kv head,
 chunk) reads the row's ``seq_len`` on the device and exits at once past it (or on padding):
@@ -56,11 +61,14 @@ import math
 
 import torch
 import triton
-import triton.language as tl
 
-from ._pdl import pdl_prologue
 from ._util import check, check_tensor, interpreting, pdl_args
-from .attention_kernels import attn_fused_kernel, attn_merge_kernel, attn_split_kernel
+from .attention_kernels import (
+    _kv_append_kernel,
+    attn_fused_kernel,
+    attn_merge_kernel,
+    attn_split_kernel,
+)
 
 BLOCK_N = 64  # cache positions per inner step of kernel 1 (spans pages when block_size < 64)
 # Default positions per split (rounded up to BLOCK_N). Measured on H200 (32 q / 8 kv heads,
@@ -147,33 +155,6 @@ def select_variant(max_ctx: int, num_splits: int) -> str:
 
 
 # ----------------------------------------------------------------------------- kv append
-@triton.jit
-def _kv_append_kernel(
-    k_ptr, v_ptr,  # bf16 [padded_bs, num_kv_heads, head_dim]: new keys / values
-    k_cache_ptr, v_cache_ptr,  # bf16 [num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping_ptr,  # int32/int64 [padded_bs]: flat slot (block * block_size + offset) per row
-    n_ptr,  # int32 [1]: live rows
-    num_cache_slots,  # num_blocks * block_size (out-of-range slot: the row writes nothing)
-    stride_kb, stride_kh, stride_vb, stride_vh,  # strides of k / v (row, head)
-    stride_cb, stride_ct, stride_ch,  # strides of the caches (block, offset, head)
-    HEAD_DIM: tl.constexpr,  # head_dim (a power of two)
-    PAGE: tl.constexpr,  # block_size (a power of two)
-    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
-):
-    pdl_prologue(USE_GDC)
-    b = tl.program_id(0)  # row
-    h = tl.program_id(1)  # kv head
-    if b >= tl.load(n_ptr):
-        return  # padding row
-    slot = tl.load(slot_mapping_ptr + b).to(tl.int64)
-    if (slot < 0) | (slot >= num_cache_slots):
-        return
-    offs_d = tl.arange(0, HEAD_DIM)
-    dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct + h * stride_ch + offs_d
-    tl.store(k_cache_ptr + dst, tl.load(k_ptr + b * stride_kb + h * stride_kh + offs_d))
-    tl.store(v_cache_ptr + dst, tl.load(v_ptr + b * stride_vb + h * stride_vh + offs_d))
-
-
 def _check_cache(k_cache, v_cache):
     check_tensor(k_cache, "k_cache", shape=(None, None, None, None), dtype=torch.bfloat16)
     check_tensor(v_cache, "v_cache", shape=tuple(k_cache.shape), dtype=torch.bfloat16,
@@ -187,6 +168,18 @@ def _check_cache(k_cache, v_cache):
     check(head_dim in (16, 32, 64, 128, 256), "head_dim (k_cache.shape[3])",
           "a power of two in [16, 256] (64 or 128 in practice)", head_dim)
     return k_cache.shape  # num_blocks, block_size, num_kv_heads, head_dim
+
+
+def _check_new_kv(k, v, slot_mapping, shape, dev, names=("k", "v")) -> int:
+    """Validate ``kv_append``'s ``k``, ``v``, ``slot_mapping`` (``shape``: (padded_bs or None,
+    num_kv_heads, head_dim)); returns padded_bs."""
+    check_tensor(k, names[0], shape=shape, dtype=torch.bfloat16, device=dev)
+    check_tensor(v, names[1], shape=tuple(k.shape), dtype=torch.bfloat16, device=dev)
+    for name, t in zip(names, (k, v)):
+        check(t.stride(2) == 1, f"{name}.stride(2)", 1, t.stride(2))
+    check_tensor(slot_mapping, "slot_mapping", shape=(k.shape[0],),
+                 dtype=(torch.int64, torch.int32), device=dev)
+    return k.shape[0]
 
 
 def kv_append(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, n: torch.Tensor, *,
@@ -208,13 +201,7 @@ def kv_append(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, n: t
     """
     num_blocks, block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
     dev = k_cache.device
-    check_tensor(k, "k", shape=(None, num_kv_heads, head_dim), dtype=torch.bfloat16, device=dev)
-    padded_bs = k.shape[0]
-    check_tensor(v, "v", shape=(padded_bs, num_kv_heads, head_dim), dtype=torch.bfloat16, device=dev)
-    for name, t in (("k", k), ("v", v)):
-        check(t.stride(2) == 1, f"{name}.stride(2)", 1, t.stride(2))
-    check_tensor(slot_mapping, "slot_mapping", shape=(padded_bs,),
-                 dtype=(torch.int64, torch.int32), device=dev)
+    padded_bs = _check_new_kv(k, v, slot_mapping, (None, num_kv_heads, head_dim), dev)
     check_tensor(n, "n", shape=(1,), dtype=torch.int32, device=dev)
     if padded_bs == 0:
         return
@@ -240,7 +227,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_table: torch.Tensor, seq_lens: torch.Tensor, n: torch.Tensor, *,
                      out: torch.Tensor, workspace_o: torch.Tensor | None = None,
                      workspace_lse: torch.Tensor | None = None, sm_scale: float | None = None,
-                     semaphore: torch.Tensor | None = None, variant: str = "split") -> torch.Tensor:
+                     semaphore: torch.Tensor | None = None, variant: str = "split",
+                     k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
+                     slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
     """GQA decode attention of one new token per row over its pages of the KV cache.
 
     Args:
@@ -268,6 +257,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             leaves it zero again. Not to be shared by launches that may run concurrently.
         variant: ``"split"`` (two launches), ``"fused"`` (one launch, the last program merges),
             ``"single"`` (one launch, no partials) or ``"auto"`` (:func:`select_variant`).
+        k_new, v_new, slot_mapping: all three or none; given, the launch first does
+            :func:`kv_append` ``(k_new, v_new, slot_mapping, n, k_cache=, v_cache=)`` (same
+            shapes, dtypes and rules: rows ``>= n`` and out-of-range slots write nothing),
+            bitwise the same cache and ``out`` as the two calls. Each live row's slot must be
+            its own position ``seq_len - 1`` or a slot no row's context reaches (a decode
+            step's slots are), else another program may read it before it is written.
 
     Returns ``out``. One or two launches, no allocation; the work done follows ``seq_lens``.
 
@@ -289,6 +284,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     check_tensor(n, "n", shape=(1,), dtype=torch.int32, device=dev)
     check_tensor(out, "out", shape=(padded_bs, num_heads, head_dim), dtype=torch.bfloat16, device=dev)
     check(out.stride(2) == 1, "out.stride(2)", 1, out.stride(2))
+    new_kv = {"k_new": k_new, "v_new": v_new, "slot_mapping": slot_mapping}
+    given = [name for name, t in new_kv.items() if t is not None]
+    check(len(given) in (0, 3), "k_new, v_new, slot_mapping", "all three or none",
+          f"only {', '.join(given)}")
+    if given:
+        _check_new_kv(k_new, v_new, slot_mapping, (padded_bs, num_kv_heads, head_dim), dev,
+                      names=("k_new", "v_new"))
     max_ctx = max_blocks * block_size
     num_splits = 1
     if variant != "single" and (workspace_o is not None or variant != "auto"):
@@ -315,7 +317,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     split_size = triton.cdiv(triton.cdiv(max_ctx, num_splits), BLOCK_N) * BLOCK_N
     scale = (1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)) * _LOG2E
     geometry = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-                    HEAD_DIM=head_dim, PAGE=block_size, BLOCK_N=BLOCK_N, UPCAST=interpreting())
+                    HEAD_DIM=head_dim, PAGE=block_size, BLOCK_N=BLOCK_N, UPCAST=interpreting(),
+                    APPEND=bool(given))
+    # fused kv_append (APPEND): without it the kernels never touch these: stand-ins for None
+    append = ((k_new, v_new, slot_mapping, num_blocks * block_size, k_new.stride(0),
+               k_new.stride(1), v_new.stride(0), v_new.stride(1)) if given
+              else (k_cache, v_cache, seq_lens, 0, 0, 0, 0, 0))
     grid = (padded_bs, num_kv_heads, num_splits)
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     if variant == "split":
@@ -324,8 +331,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             scale, num_blocks, max_ctx, split_size, q.stride(0), q.stride(1),
             block_table.stride(0), *cache_strides,
             workspace_o.stride(0), workspace_o.stride(1), workspace_o.stride(2),
-            workspace_lse.stride(0), workspace_lse.stride(1), **geometry, num_warps=4, num_stages=2,
-            **pdl_args())
+            workspace_lse.stride(0), workspace_lse.stride(1), *append, **geometry, num_warps=4,
+            num_stages=2, **pdl_args())
         attn_merge_kernel[(padded_bs, num_heads)](
             out, workspace_o, workspace_lse, seq_lens, n, max_ctx, split_size,
             out.stride(0), out.stride(1),
@@ -345,7 +352,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         block_table.stride(0), *cache_strides, out.stride(0), out.stride(1),
         *((ws_o.stride(0), ws_o.stride(1), ws_o.stride(2)) if split else (0, 0, 0)),
         *((ws_lse.stride(0), ws_lse.stride(1)) if split else (0, 0)),
-        sem.stride(0) if split else 0,
+        sem.stride(0) if split else 0, *append,
         **geometry, GROUP_P2=group_p2, SPLIT=split, MERGE_S=merge_s, num_warps=4, num_stages=2,
         **pdl_args())
     return out

@@ -1,5 +1,5 @@
-"""Triton bodies of paged GQA decode attention (launchers, policy and the torch reference:
-``graphrt.kernels.attention``).
+"""Triton bodies of paged GQA decode attention and of the KV append (launchers, policy and the
+torch reference: ``graphrt.kernels.attention``).
 
 Three kernels share one inner loop (:func:`_attend`, online softmax over a range of positions
 for the whole GQA group of one kv head):
@@ -23,6 +23,20 @@ In the fused kernel a row with ``num_live == 0`` gets zeros from its split 0; a 
 ``num_live == 1`` is written directly by split 0 (no partial, no atomic: bitwise what the
 two-launch path writes, since a one-split merge is ``1 * o / 1``); only rows with two or more
 live splits use the partials and the semaphore.
+
+The KV append fused in (``APPEND``, ``decode_attention(..., k_new=, v_new=, slot_mapping=)``):
+of the programs of a live row (``b < n``) and kv head exactly one, the *owner*, writes the new
+K/V row at ``slot_mapping[b]`` (nothing for a slot outside ``[0, num_blocks * block_size)``,
+nothing on padding rows: what ``kv_append`` does), right after the PDL wait, then a CTA
+barrier (the write before its own threads' loads), then attends as usual. The owner is split
+``max(num_live, 1) - 1``: the split whose range holds position ``ctx - 1`` (the new token at
+``seq_len - 1`` when ``seq_len <= max_ctx``), split 0 when ``ctx <= 0`` (a row that reads
+nothing). No race: the new slot is position ``seq_len - 1`` of its own row (the decode
+contract, as in vLLM), which only the owner reads: the splits before it end (exclusive) at
+``owner * split_size <= ctx - 1``, the splits after it start past ``ctx`` and read nothing; a
+row with ``seq_len > max_ctx`` or ``<= 0`` reads no position holding the slot; no other row
+holds a live row's new slot in its context. So every read sees the cache ``kv_append`` would
+have left, and ``out`` is bitwise the unfused path's (same loads, same order).
 
 Memory ordering of the fused merge (the "last block" pattern of CUTLASS's semaphore): the
 partial stores of all threads of a program, then a CTA barrier, then one thread's
@@ -91,6 +105,41 @@ def _load_q(q_ptr, b, kvh, stride_qb, stride_qh, GROUP: tl.constexpr, GROUP_PAD:
 
 
 @triton.jit
+def _append_kv(k_new_ptr, v_new_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, b, kvh,
+               num_cache_slots, stride_kb, stride_kh, stride_vb, stride_vh,
+               stride_cb, stride_ct, stride_ch, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr):
+    """``kv_append`` of row ``b``, kv head ``kvh``: its new K/V row into both caches at
+    ``slot_mapping[b]`` (int32 or int64); an out-of-range slot writes nothing."""
+    slot = tl.load(slot_mapping_ptr + b).to(tl.int64)
+    if (slot >= 0) & (slot < num_cache_slots):
+        offs_d = tl.arange(0, HEAD_DIM)
+        dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct + kvh * stride_ch + offs_d
+        tl.store(k_cache_ptr + dst, tl.load(k_new_ptr + b * stride_kb + kvh * stride_kh + offs_d))
+        tl.store(v_cache_ptr + dst, tl.load(v_new_ptr + b * stride_vb + kvh * stride_vh + offs_d))
+
+
+@triton.jit
+def _kv_append_kernel(
+    k_ptr, v_ptr,  # bf16 [padded_bs, num_kv_heads, head_dim]: new keys / values
+    k_cache_ptr, v_cache_ptr,  # bf16 [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping_ptr,  # int32/int64 [padded_bs]: flat slot (block * block_size + offset) per row
+    n_ptr,  # int32 [1]: live rows
+    num_cache_slots,  # num_blocks * block_size (out-of-range slot: the row writes nothing)
+    stride_kb, stride_kh, stride_vb, stride_vh,  # strides of k / v (row, head)
+    stride_cb, stride_ct, stride_ch,  # strides of the caches (block, offset, head)
+    HEAD_DIM: tl.constexpr,  # head_dim (a power of two)
+    PAGE: tl.constexpr,  # block_size (a power of two)
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
+):
+    pdl_prologue(USE_GDC)
+    b = tl.program_id(0)  # row
+    if b < tl.load(n_ptr):  # padding rows write nothing
+        _append_kv(k_ptr, v_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, b, tl.program_id(1),
+                   num_cache_slots, stride_kb, stride_kh, stride_vb, stride_vh,
+                   stride_cb, stride_ct, stride_ch, HEAD_DIM, PAGE)
+
+
+@triton.jit
 def attn_split_kernel(
     q_ptr,  # bf16 [padded_bs, num_heads, head_dim]
     k_cache_ptr, v_cache_ptr,  # bf16 [num_blocks, block_size, num_kv_heads, head_dim]
@@ -106,12 +155,17 @@ def attn_split_kernel(
     stride_cb, stride_ct, stride_ch,  # strides of the caches (block, offset, head)
     stride_ob, stride_oh, stride_os,  # strides of ws_o (row, head, split)
     stride_lb, stride_lh,  # strides of ws_lse (row, head); split stride is 1
+    k_new_ptr, v_new_ptr,  # bf16 [padded_bs, num_kv_heads, head_dim]: new K/V (APPEND only)
+    slot_mapping_ptr,  # int32/int64 [padded_bs]: flat slot of each row's new token (APPEND only)
+    num_cache_slots,  # num_blocks * block_size (an out-of-range slot writes nothing)
+    stride_kb, stride_kh, stride_vb, stride_vh,  # strides of k_new / v_new (row, head)
     GROUP: tl.constexpr,  # q heads per kv head
     GROUP_PAD: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot rows)
     HEAD_DIM: tl.constexpr,  # head_dim (a power of two)
     PAGE: tl.constexpr,  # block_size (a power of two)
     BLOCK_N: tl.constexpr,  # positions per inner step
     UPCAST: tl.constexpr,  # True under the interpreter: dots in fp32
+    APPEND: tl.constexpr = False,  # write k_new / v_new into the caches first (kv_append fused)
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
@@ -120,7 +174,14 @@ def attn_split_kernel(
     split = tl.program_id(2)  # chunk of the context
     ctx = tl.minimum(tl.load(seq_lens_ptr + b), max_ctx)
     start = split * split_size
-    if (b >= tl.load(n_ptr)) | (start >= ctx):
+    n = tl.load(n_ptr)
+    if APPEND:
+        if (b < n) & (split == tl.maximum(tl.cdiv(ctx, split_size), 1) - 1):  # the owner
+            _append_kv(k_new_ptr, v_new_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, b, kvh,
+                       num_cache_slots, stride_kb, stride_kh, stride_vb, stride_vh,
+                       stride_cb, stride_ct, stride_ch, HEAD_DIM, PAGE)
+            tl.debug_barrier()  # the write before this program's own loads of that page
+    if (b >= n) | (start >= ctx):
         return  # padding row or chunk past the live context: no work, nothing written
     end = tl.minimum(start + split_size, ctx)
     q = _load_q(q_ptr, b, kvh, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM, UPCAST)
@@ -229,6 +290,10 @@ def attn_fused_kernel(
     stride_ob, stride_oh, stride_os,  # strides of ws_o (row, head, split)
     stride_lb, stride_lh,  # strides of ws_lse (row, head); split stride is 1
     stride_sb,  # row stride of the semaphore (kv head stride is 1)
+    k_new_ptr, v_new_ptr,  # bf16 [padded_bs, num_kv_heads, head_dim]: new K/V (APPEND only)
+    slot_mapping_ptr,  # int32/int64 [padded_bs]: flat slot of each row's new token (APPEND only)
+    num_cache_slots,  # num_blocks * block_size (an out-of-range slot writes nothing)
+    stride_kb, stride_kh, stride_vb, stride_vh,  # strides of k_new / v_new (row, head)
     GROUP: tl.constexpr,  # q heads per kv head
     GROUP_PAD: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot rows)
     GROUP_P2: tl.constexpr,  # GROUP padded to a power of two (merge tiles)
@@ -238,6 +303,7 @@ def attn_fused_kernel(
     SPLIT: tl.constexpr,  # False: grid has one split and split_size >= max_ctx (single pass)
     MERGE_S: tl.constexpr,  # splits per merge step of the last program (a power of two)
     UPCAST: tl.constexpr,  # True under the interpreter: dots in fp32
+    APPEND: tl.constexpr = False,  # write k_new / v_new into the caches first (kv_append fused)
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
@@ -245,8 +311,15 @@ def attn_fused_kernel(
     kvh = tl.program_id(1)  # kv head
     split = tl.program_id(2)  # chunk of the context
     ctx = tl.minimum(tl.load(seq_lens_ptr + b), max_ctx)
-    live = (b < tl.load(n_ptr)) & (ctx > 0)
+    row_live = b < tl.load(n_ptr)
+    live = row_live & (ctx > 0)
     num_live = tl.where(live, tl.cdiv(ctx, split_size), 0)  # same in every program of (b, kvh)
+    if APPEND:
+        if row_live & (split == tl.maximum(num_live, 1) - 1):  # the owner
+            _append_kv(k_new_ptr, v_new_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, b, kvh,
+                       num_cache_slots, stride_kb, stride_kh, stride_vb, stride_vh,
+                       stride_cb, stride_ct, stride_ch, HEAD_DIM, PAGE)
+            tl.debug_barrier()  # the write before this program's own loads of that page
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_g = offs_g < GROUP
