@@ -192,20 +192,24 @@ def kv_append(k: Tensor, v: Tensor, slot_mapping: Tensor, n: Tensor, k_cache: Te
         k, v, slot_mapping, n, k_cache=k_cache, v_cache=v_cache)
 
 
-@_op("decode_attention", ("out", "workspace_o", "workspace_lse", "semaphore"))
+@_op("decode_attention", ("k_cache", "v_cache", "out", "workspace_o", "workspace_lse", "semaphore"))
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                      seq_lens: Tensor, n: Tensor, out: Tensor, workspace_o: Optional[Tensor],
                      workspace_lse: Optional[Tensor], sm_scale: Optional[float] = None,
-                     semaphore: Optional[Tensor] = None, variant: str = "split") -> None:
-    """``graphrt.kernels.attention.decode_attention`` (paged cache, every ``variant``). A 1-D
-    empty workspace or semaphore stands for ``None`` (the launcher wrapper passes one: a
-    ``None`` mutated argument breaks fake-tensor tracing). Graph safety: capturable."""
+                     semaphore: Optional[Tensor] = None, variant: str = "split",
+                     k_new: Optional[Tensor] = None, v_new: Optional[Tensor] = None,
+                     slot_mapping: Optional[Tensor] = None) -> None:
+    """``graphrt.kernels.attention.decode_attention`` (paged cache, every ``variant``, the
+    append fused in when ``k_new``/``v_new``/``slot_mapping`` are given: the caches are
+    declared mutated either way). A 1-D empty workspace or semaphore stands for ``None`` (the
+    launcher wrapper passes one: a ``None`` mutated argument breaks fake-tensor tracing).
+    Graph safety: capturable."""
     def given(t):
         return None if t is None or (t.dim() == 1 and t.numel() == 0) else t
     _launcher(f"{_KERNELS}.attention", "decode_attention")(
         q, k_cache, v_cache, block_table, seq_lens, n, out=out, workspace_o=given(workspace_o),
         workspace_lse=given(workspace_lse), sm_scale=sm_scale, semaphore=given(semaphore),
-        variant=variant)
+        variant=variant, k_new=k_new, v_new=v_new, slot_mapping=slot_mapping)
 
 
 # ------------------------------------------------------------------------ norm / activation
@@ -343,11 +347,13 @@ def _wrappers() -> dict[tuple[str, str], object]:
         ops.kv_append(k, v, slot_mapping, n, k_cache, v_cache)
 
     def decode_attention_(q, k_cache, v_cache, block_table, seq_lens, n, *, out, workspace_o=None,
-                          workspace_lse=None, sm_scale=None, semaphore=None, variant="split"):
+                          workspace_lse=None, sm_scale=None, semaphore=None, variant="split",
+                          k_new=None, v_new=None, slot_mapping=None):
         none = lambda t, dt: out.new_empty((0,), dtype=dt) if t is None else t  # noqa: E731
         ops.decode_attention(q, k_cache, v_cache, block_table, seq_lens, n, out,
                              none(workspace_o, torch.float32), none(workspace_lse, torch.float32),
-                             sm_scale, none(semaphore, torch.int32), variant)
+                             sm_scale, none(semaphore, torch.int32), variant, k_new, v_new,
+                             slot_mapping)
         return out
 
     def add_rmsnorm_(x, *deltas, weight, eps, out, out_residual=None):

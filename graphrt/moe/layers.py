@@ -184,6 +184,10 @@ class Attention:
     # (BENCHMARKS.md §19); GRAPHRT_PREFETCH=1 at import turns it on (A/B benchmarks).
     prefetch = env_flag("GRAPHRT_PREFETCH", False)
     prefetch_programs = None  # l2_prefetch's grid (None: one program per chunk)
+    # Write the new K/V inside the attention launch (decode_attention(k_new=, ...)) instead of
+    # a kv_append launch before it. Off by default until measured; GRAPHRT_FUSE_APPEND=1 at
+    # import turns it on (A/B benchmarks: the fuse-append switch).
+    fuse_append = env_flag("GRAPHRT_FUSE_APPEND", False)
 
     def __init__(self, cfg: MoEConfig, device, gen):
         self.cfg = cfg
@@ -223,7 +227,9 @@ class Attention:
         k = qkv[:, cfg.q_dim:cfg.q_dim + cfg.kv_dim].view(bs, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, cfg.q_dim + cfg.kv_dim:].view(bs, cfg.num_kv_heads, cfg.head_dim)
         recv = self.start_prefetch(self.wo) if self.prefetch else None  # joined before wo
-        kv_append(k, v, slot_mapping, n, k_cache=self.k_cache, v_cache=self.v_cache)
+        new_kv = dict(k_new=k, v_new=v, slot_mapping=slot_mapping) if self.fuse_append else {}
+        if not self.fuse_append:
+            kv_append(k, v, slot_mapping, n, k_cache=self.k_cache, v_cache=self.v_cache)
         max_ctx = cfg.max_blocks_per_seq * cfg.block_size
         split = self.split_size or split_size_for(bs, cfg.num_kv_heads, max_ctx, num_sms(dev))
         o_shape, lse_shape = attention_workspace_shape(bs, cfg.num_heads, cfg.head_dim, max_ctx,
@@ -236,7 +242,8 @@ class Attention:
         o = torch.empty(bs, cfg.num_heads, cfg.head_dim, dtype=cfg.dtype, device=dev)
         decode_attention(q, self.k_cache, self.v_cache, block_table, seq_lens, n, out=o,
                          workspace_o=ws_o, workspace_lse=ws_lse,
-                         semaphore=self.semaphore[:bs] if variant == "fused" else None, variant=variant)
+                         semaphore=self.semaphore[:bs] if variant == "fused" else None, variant=variant,
+                         **new_kv)
         if recv is not None:
             recv()
         return dense(o.view(bs, cfg.q_dim), self.wo)

@@ -262,7 +262,8 @@ def test_gpu_fused_append_graph_replay(cuda_device, bs, variant):
             for i in range(layers)]
     st = dict(q=randn_bf16(padded, NUM_HEADS, HEAD_DIM, device=dev), lens=i32([1] * padded, dev),
               k=randn_bf16(padded, NUM_KV_HEADS, HEAD_DIM, device=dev, seed=1),
-              v=randn_bf16(padded, NUM_KV_HEADS, HEAD_DIM, device=dev, seed=2), n=i32([padded], dev),
+              v=randn_bf16(padded, NUM_KV_HEADS, HEAD_DIM, device=dev, seed=2),
+              n=i32([0], dev),  # the warm-up writes nothing (all rows share one slot there)
               table=torch.full((padded, max_blocks), num_blocks - 1, dtype=torch.int32, device=dev),
               slots=torch.full((padded,), (num_blocks - 1) * BLOCK, dtype=torch.int64, device=dev))
     wo, wl = attention_workspace(padded, NUM_HEADS, HEAD_DIM, MAX_CTX, dev, split_size=split)
