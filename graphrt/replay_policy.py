@@ -3,8 +3,8 @@
 Plain Python plus a few torch copies; nothing here captures or replays (that is
 ``graphrt.runtime`` and ``graphrt.capture``), so CPU tests exercise all of it.
 
-- ``capture_sizes(max_bs)``: the default padded sizes, dense where decode batches live.
-- ``SizeTable``: the captured sizes; ``pick(n)`` is the smallest size ``>= n`` (bisect).
+- ``capture_sizes``, ``SizeTable`` (``graphrt.sizes``, re-exported here): the default padded
+  sizes and the captured ones; ``pick(n)`` is the smallest size ``>= n``.
 - ``Stager``: static input buffers of ``max_bs`` rows (``max_bs + 1`` for offsets, the
   declared shape for fixed inputs), allocated once; ``stage(inputs, n, padded_bs)`` copies
   the live inputs in and refills with ``pad_value`` only the padded rows an earlier, larger
@@ -30,61 +30,20 @@ Graph safety: host-only (``stage`` launches copies on the current stream; call i
 """
 from __future__ import annotations
 
-import bisect
 from operator import itemgetter
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Mapping
 
 import torch
 
 from graphrt import cudart, staging_table
 from graphrt.errors import InputError
+from graphrt.sizes import SizeTable, capture_sizes  # noqa: F401 - re-exported
 from graphrt.spec import StepSpec
 from graphrt.staging_table import TableGraph
 from graphrt.step_cache import signature
 
 
 _foreach_copy_ = torch._foreach_copy_
-
-
-def capture_sizes(max_bs: int) -> list[int]:
-    """Default padded batch sizes up to ``max_bs``: 1, 2, 4, 8, then steps of 8 up to 64,
-    16 up to 128, 32 beyond; ``max_bs`` itself is always included.
-
-    For ``max_bs=256``: 1 2 4 8 16 24 32 40 48 56 64 80 96 112 128 160 192 224 256.
-    """
-    if not isinstance(max_bs, int) or max_bs < 1:
-        raise InputError(f"capture_sizes needs max_bs >= 1; got {max_bs!r}")
-    sizes = [s for s in (1, 2, 4, 8) if s <= max_bs]
-    s = 8
-    while s < max_bs:
-        s += 8 if s < 64 else 16 if s < 128 else 32
-        sizes.append(min(s, max_bs))
-    return sorted(set(sizes) | {max_bs})
-
-
-class SizeTable:
-    """Sorted, distinct padded sizes; ``pick(n)`` returns the smallest size ``>= n`` or None."""
-
-    def __init__(self, sizes: Iterable[int]):
-        sizes = sorted(set(sizes))
-        if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
-            raise InputError(f"sizes must be a non-empty list of ints >= 1; got {sizes!r}")
-        self.sizes: list[int] = sizes
-
-    @property
-    def largest(self) -> int:
-        return self.sizes[-1]
-
-    def pick(self, n: int) -> int | None:
-        """Smallest captured size ``>= n`` (``n >= 1``), or None when ``n`` exceeds them all."""
-        i = bisect.bisect_left(self.sizes, n)
-        return self.sizes[i] if i < len(self.sizes) else None
-
-    def __iter__(self):
-        return iter(self.sizes)
-
-    def __len__(self):
-        return len(self.sizes)
 
 
 class Stager:

@@ -1,0 +1,54 @@
+"""The padded batch sizes: the default list and the table of captured ones (pure Python).
+
+- ``capture_sizes(max_bs)``: the default padded sizes, dense where decode batches live.
+- ``SizeTable``: the captured sizes; ``pick(n)`` is the smallest size ``>= n`` (bisect).
+
+Graph safety: host-only.
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Iterable
+
+from graphrt.errors import InputError
+
+
+def capture_sizes(max_bs: int) -> list[int]:
+    """Default padded batch sizes up to ``max_bs``: 1, 2, 4, 8, then steps of 8 up to 64,
+    16 up to 128, 32 beyond; ``max_bs`` itself is always included.
+
+    For ``max_bs=256``: 1 2 4 8 16 24 32 40 48 56 64 80 96 112 128 160 192 224 256.
+    """
+    if not isinstance(max_bs, int) or max_bs < 1:
+        raise InputError(f"capture_sizes needs max_bs >= 1; got {max_bs!r}")
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_bs]
+    s = 8
+    while s < max_bs:
+        s += 8 if s < 64 else 16 if s < 128 else 32
+        sizes.append(min(s, max_bs))
+    return sorted(set(sizes) | {max_bs})
+
+
+class SizeTable:
+    """Sorted, distinct padded sizes; ``pick(n)`` returns the smallest size ``>= n`` or None."""
+
+    def __init__(self, sizes: Iterable[int]):
+        sizes = sorted(set(sizes))
+        if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
+            raise InputError(f"sizes must be a non-empty list of ints >= 1; got {sizes!r}")
+        self.sizes: list[int] = sizes
+
+    @property
+    def largest(self) -> int:
+        return self.sizes[-1]
+
+    def pick(self, n: int) -> int | None:
+        """Smallest captured size ``>= n`` (``n >= 1``), or None when ``n`` exceeds them all."""
+        i = bisect.bisect_left(self.sizes, n)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def __iter__(self):
+        return iter(self.sizes)
+
+    def __len__(self):
+        return len(self.sizes)
