@@ -17,7 +17,7 @@ import graphrt.cudart as cudart
 import graphrt.graph_staging as gs
 from graphrt.cudart import CudaRuntimeError
 from graphrt.replay_policy import Stager
-from tests.fakes.specs import lone_and_grouped_spec, use_fake_capture
+from tests.fakes.specs import (assert_queued_runs_read_their_own_inputs, lone_and_grouped_spec, use_fake_capture)
 
 N, PADDED = 3, 4
 NAMES = ("x", "ids", "pos", "lens")
@@ -330,13 +330,7 @@ def test_replays_queued_back_to_back_each_read_their_own_source(cuda_device):
     rt = graphrt.GraphRuntime(spec, sizes=[4, 16], device=cuda_device, progress=False).capture()
     gen = torch.Generator().manual_seed(2)
     lives = [_cuda_live(spec, n, gen, cuda_device) for n in (3, 4, 3, 2, 3)]
-    rt.run(**lives[0])
-    torch.cuda.synchronize()
-    torch.cuda._sleep(50_000_000)
-    outs = [rt.run(**live) for live in lives]                    # copy-out: queued clones
-    torch.cuda.synchronize()
-    for live, out in zip(lives, outs):
-        assert torch.equal(out, spec.call_padded(live, 4, None))
+    assert_queued_runs_read_their_own_inputs(rt, spec, lives)
 
 
 @pytest.mark.gpu

@@ -13,7 +13,7 @@ import graphrt
 from graphrt.kernels._util import interpreting
 from graphrt.replay_policy import Stager
 from graphrt.staging_table import StagingTable, TableGraph, eligible, graph_bytes
-from tests.fakes.specs import every_kind_spec, lone_and_grouped_spec
+from tests.fakes.specs import (assert_queued_runs_read_their_own_inputs, every_kind_spec, lone_and_grouped_spec)
 
 cpu_interpreter = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1")
 
@@ -182,13 +182,7 @@ def test_replays_queued_behind_a_sleep_each_read_their_own_row(cuda_device, tabl
     rt = graphrt.GraphRuntime(spec, sizes=[4, 16], device=cuda_device, progress=False).capture()
     gen = torch.Generator().manual_seed(2)
     lives = [_cuda_live(spec, n, gen, cuda_device) for n in (3, 4, 3, 2, 9) * 8]
-    rt.run(**lives[0])
-    torch.cuda.synchronize()
-    torch.cuda._sleep(50_000_000)
-    outs = [rt.run(**live) for live in lives]                    # copy-out: queued clones
-    torch.cuda.synchronize()
-    for live, out in zip(lives, outs):
-        assert torch.equal(out, spec.call_padded(live, rt.table.pick(live["x"].shape[0]), None))
+    assert_queued_runs_read_their_own_inputs(rt, spec, lives)
 
 
 @pytest.mark.gpu

@@ -65,3 +65,17 @@ def lone_and_grouped_spec(max_bs: int = 8) -> graphrt.StepSpec:
               "lens": graphrt.Input((None,), torch.int32, high=9, pad_value=0)}
     return graphrt.StepSpec(lambda x, ids, pos, lens, n: x * 2 + ids[:, None], inputs, max_bs,
                             live_count="n")
+
+
+def assert_queued_runs_read_their_own_inputs(rt, spec, lives: list) -> None:
+    """Every ``rt.run(**live)`` queued behind a long device sleep (so all the host's staging of
+    every step happens before the first replay runs): each output (a copy-out clone) must
+    still be the eager step of its own inputs, padded to the size the runtime picks."""
+    rt.run(**lives[0])
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)
+    outs = [rt.run(**live) for live in lives]
+    torch.cuda.synchronize()
+    for live, out in zip(lives, outs):
+        n = next(iter(live.values())).shape[0]
+        assert torch.equal(out, spec.call_padded(live, rt.table.pick(n), None))
