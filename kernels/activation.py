@@ -6,6 +6,12 @@ and a dense variant (``silu_and_mul``, every row) for the shared expert.
 each program loops over its rows ``m = pid, pid + P, ... < masked_m[e]``, so programs of empty or
 short experts exit at once and padded/unused rows cost nothing (and keep their old contents).
 
+Compacted (``compact=True``; default ``GRAPHRT_ACT_COMPACT``, off: not measured on a GPU yet):
+grid ``(min(E * cap, 256), min(cdiv(inter, BLOCK_N), 4))`` from shapes alone, row programs
+shared by all live rows: each loads masked_m (clamped to ``[0, cap]``), its prefix sums
+``end``, and walks rows ``t = pid, pid + P, ... < end[-1]`` (expert ``e = #{end <= t}``).
+Bitwise equal outputs; the per-expert kernel when ``E > 1024`` or ``E * cap >= 2**31``.
+
 The fp8 variant quantises ``a`` per token and per ``group_size`` columns to float8 e4m3
 (DeepGEMM's 1x128 activation scaling): ``scale = max(amax, 1e-10) / 448`` (fp32),
 ``q = clamp(a / scale, -448, 448)`` stored as ``torch.float8_e4m3fn`` (``tl.float8e4nv``). ``q`` is
@@ -25,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphrt.env import env_flag
+
 from ._pdl import pdl_prologue
 from ._util import check, check_tensor, pdl_args
 
@@ -32,6 +40,9 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8_MAX = 448.0
 _SCALE_EPS = 1e-10
 _MAX_ROW_PROGRAMS = 64  # row programs per expert; each loops over every P-th live row
+# Compacted grid (P, C) <= (256, 4), one wave on an H200; masked_m one vector of <= 1024
+_COMPACT_ROW_PROGRAMS, _COMPACT_COL_CHUNKS, _COMPACT_MAX_EXPERTS = 256, 4, 1024
+COMPACT: bool = env_flag("GRAPHRT_ACT_COMPACT", False)  # silu_and_mul_masked's default
 
 
 @triton.jit
@@ -58,6 +69,43 @@ def _silu_and_mul_masked_kernel(
         u_row = u_e + m * stride_um
         o_row = o_e + m * stride_om
         for n0 in range(0, inter, BLOCK_N):
+            cols = n0 + offs
+            cmask = cols < inter
+            g = tl.load(u_row + cols, mask=cmask, other=0.0).to(tl.float32)
+            up = tl.load(u_row + inter + cols, mask=cmask, other=0.0).to(tl.float32)
+            a = g / (1.0 + tl.exp(-g)) * up
+            tl.store(o_row + cols, a.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _silu_and_mul_compact_kernel(
+    u_ptr,  # [num_local_experts, cap, 2 * inter] bf16/fp16/fp32, last dim contiguous
+    masked_m_ptr,  # int32 [num_local_experts]: live rows per expert
+    out_ptr,  # [num_local_experts, cap, inter] out, last dim contiguous
+    num_experts,  # int: num_local_experts (<= E_PAD)
+    inter,  # int: output columns
+    cap,  # int: rows per local expert
+    stride_ue, stride_um,  # int: u strides of the expert and row dims (elements)
+    stride_oe, stride_om,  # int: out strides of the expert and row dims (elements)
+    E_PAD: tl.constexpr,  # next power of 2 >= num_experts
+    BLOCK_N: tl.constexpr,  # columns per inner step (power of 2)
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
+):
+    pdl_prologue(USE_GDC)
+    idx = tl.arange(0, E_PAD)
+    rows = tl.load(masked_m_ptr + idx, mask=idx < num_experts, other=0)  # [E_PAD]
+    rows = tl.minimum(tl.maximum(rows, 0), cap)  # live rows per expert
+    end = tl.cumsum(rows, axis=0)  # [E_PAD] inclusive prefix: expert e's live rows end here
+    start = end - rows  # [E_PAD] exclusive prefix
+    offs = tl.arange(0, BLOCK_N)
+    n_first = tl.program_id(1) * BLOCK_N
+    n_step = tl.num_programs(1) * BLOCK_N
+    for t in range(tl.program_id(0), tl.sum(rows, axis=0), tl.num_programs(0)):
+        e = tl.sum((end <= t).to(tl.int32), axis=0)  # the expert whose live rows hold t
+        m = t - tl.sum(tl.where(idx == e, start, 0), axis=0)  # its row, < masked_m[e]
+        u_row = u_ptr + e.to(tl.int64) * stride_ue + m * stride_um  # fits int32 (launcher)
+        o_row = out_ptr + e.to(tl.int64) * stride_oe + m * stride_om
+        for n0 in range(n_first, inter, n_step):
             cols = n0 + offs
             cmask = cols < inter
             g = tl.load(u_row + cols, mask=cmask, other=0.0).to(tl.float32)
@@ -203,12 +251,25 @@ def _grid(num_experts, cap):
     return (num_experts, max(1, min(cap, _MAX_ROW_PROGRAMS)))
 
 
-def silu_and_mul_masked(u, masked_m, *, out):
+def _compact_plan(num_experts, cap, inter):
+    """``(grid, E_PAD, BLOCK_N)`` of the compacted kernel from shapes alone (a captured graph
+    bakes one launch per size), or None: use the per-expert kernel. Host-only."""
+    if num_experts > _COMPACT_MAX_EXPERTS or num_experts * cap >= 2**31:
+        return None
+    block = min(triton.next_power_of_2(inter), 1024)
+    grid = (min(num_experts * cap, _COMPACT_ROW_PROGRAMS),
+            min(triton.cdiv(inter, block), _COMPACT_COL_CHUNKS))
+    return grid, triton.next_power_of_2(num_experts), block
+
+
+def silu_and_mul_masked(u, masked_m, *, out, compact: bool | None = None):
     """out[e, m] = silu(u[e, m, :inter]) * u[e, m, inter:] for rows m < masked_m[e] only.
 
     u: [num_local_experts, cap, 2 * inter] bf16 (fp16/fp32 accepted), last dim contiguous.
     masked_m: int32 [num_local_experts]. out: [num_local_experts, cap, inter] bf16 (fp16/fp32
     accepted), last dim contiguous; rows >= masked_m[e] are left untouched. Returns ``out``.
+    compact: launch the compacted kernel (module docstring; bitwise equal outputs); None:
+    ``COMPACT`` (``GRAPHRT_ACT_COMPACT`` at import, off by default: not yet measured on a GPU).
 
     Graph safety: capturable
     """
@@ -217,6 +278,14 @@ def silu_and_mul_masked(u, masked_m, *, out):
     check(out.stride(2) == 1, "out.stride(2)", 1, out.stride(2))
     _check_row_offsets(cap, u, out)
     if num_experts == 0 or cap == 0 or inter == 0:
+        return out
+    compact = COMPACT if compact is None else compact
+    plan = _compact_plan(num_experts, cap, inter) if compact else None
+    if plan is not None:
+        grid, e_pad, block = plan
+        _silu_and_mul_compact_kernel[grid](
+            u, masked_m, out, num_experts, inter, cap, u.stride(0), u.stride(1), out.stride(0),
+            out.stride(1), E_PAD=e_pad, BLOCK_N=block, num_warps=4, **pdl_args())
         return out
     _silu_and_mul_masked_kernel[_grid(num_experts, cap)](
         u, masked_m, out, inter, cap, u.stride(0), u.stride(1), out.stride(0), out.stride(1),

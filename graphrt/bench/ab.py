@@ -20,6 +20,8 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   (``DecoderLayer.fuse_norm``, ``graphrt.kernels.norm_gemv``);
 - ``fuse-act``: the experts' SiLU-and-mul computed by the W2 decode GEMM as it loads its
   operand (``Experts.fuse_act``, ``decode_grouped_gemm(act="silu_and_mul")``);
+- ``act-compact``: the experts' SiLU-and-mul on a grid shared among live rows instead of one
+  per expert (``graphrt.kernels.activation.COMPACT``);
 - ``fuse-append``: the new K/V written by the attention launch instead of a ``kv_append``
   launch before it (``Attention.fuse_append``, ``decode_attention(k_new=, ...)``);
 - ``fuse-dispatch``: the EP=1 dispatch in one launch up to 256 flat (token, k) ids instead of
@@ -85,6 +87,8 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
                                             4 if on else 1),
             "fuse-norm": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer", "fuse_norm", on),
             "fuse-act": lambda on: _class_attr("graphrt.moe.experts", "Experts", "fuse_act", on),
+            "act-compact": lambda on: _class_attr("graphrt.kernels.activation", None, "COMPACT",
+                                                  on),
             "fuse-append": lambda on: _class_attr("graphrt.moe.layers", "Attention", "fuse_append",
                                                   on),
             "fuse-dispatch": lambda on: _class_attr("graphrt.kernels.dispatch", None,
