@@ -253,7 +253,7 @@ class CaptureManager:
     def _capture_one(self, size: int, stream) -> CapturedGraph:
         views = self.stager.views(size)
         planned = graph_staging.plan(self.stager, size)  # (its shadows: not in pool_bytes)
-        table = staging_table.for_capture(self.stager, size)
+        table = staging_table.for_capture(self.stager)
         torch.cuda.synchronize(self.device)
         gc.collect()  # torch.cuda.graph() empties the cache on entry: do it first, then measure
         torch.cuda.empty_cache()

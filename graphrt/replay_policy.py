@@ -299,10 +299,8 @@ class Stager:
         offset on the device (no host read). The live count is filled only when it differs
         from our last fill or anything wrote ``n_dev`` since (its version counter moved)."""
         gs = self.graph_nodes.get(padded_bs)
-        if gs is not None:                        # the inputs are in place: no node copies
-            gs.idle()
-        if self.table is not None:                # nor the staging table
-            self.table.idle()
+        if gs is not None:                        # the inputs are in place: no node (nor the
+            gs.idle()                             # staging table of a TableGraph) copies
         if self._dirty != n:
             self._repad(n, padded_bs)
         if self._offsets and padded_bs > n:

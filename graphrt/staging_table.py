@@ -34,6 +34,7 @@ runs between launches).
 from __future__ import annotations
 
 import ctypes
+from types import MappingProxyType
 
 import torch
 
@@ -108,13 +109,14 @@ class TableGraph:
     """A captured graph that stages through ``table`` (``Stager.graph_nodes[size]``): it has
     no memcpy nodes; ``idle()`` (before a replay whose inputs are in place) idles the row."""
 
-    nodes: dict = {}
+    nodes = MappingProxyType({})   # what Stager.bind reads of a graph's memcpy nodes: none
 
     def __init__(self, table: StagingTable):
         self.table = table
 
     def idle(self) -> None:
         self.table.idle()
+
 
 def eligible(stager) -> list[str]:
     """The inputs a table of ``stager`` takes: batch and fixed ones (offsets inputs' padding
@@ -125,8 +127,8 @@ def eligible(stager) -> list[str]:
             and not b.is_complex()]
 
 
-def for_capture(stager, size: int) -> StagingTable | None:
-    """The table graph ``size`` stages through (made on the stager's first capture and compiled
+def for_capture(stager) -> StagingTable | None:
+    """The table the stager's graphs stage through (made on its first capture and compiled
     by one launch that copies nothing), or None: ``GRAPHRT_GRAPH_STAGING`` is not ``table``
     or the device is not CUDA. Host-only (call outside the capture)."""
     from graphrt import graph_staging

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from graphrt.env import env_flag
 
+from ._masked import _live_prologue, _silu_mul_tile
 from ._pdl import pdl_prologue
 from ._util import check, check_tensor, pdl_args
 
@@ -68,13 +69,7 @@ def _silu_and_mul_masked_kernel(
     for m in range(r, m_end, num_r):  # row offsets fit int32 (checked by the launcher)
         u_row = u_e + m * stride_um
         o_row = o_e + m * stride_om
-        for n0 in range(0, inter, BLOCK_N):
-            cols = n0 + offs
-            cmask = cols < inter
-            g = tl.load(u_row + cols, mask=cmask, other=0.0).to(tl.float32)
-            up = tl.load(u_row + inter + cols, mask=cmask, other=0.0).to(tl.float32)
-            a = g / (1.0 + tl.exp(-g)) * up
-            tl.store(o_row + cols, a.to(out_ptr.dtype.element_ty), mask=cmask)
+        _silu_mul_row(u_row, o_row, inter, 0, BLOCK_N, offs)
 
 
 @triton.jit
@@ -92,26 +87,28 @@ def _silu_and_mul_compact_kernel(
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
-    idx = tl.arange(0, E_PAD)
-    rows = tl.load(masked_m_ptr + idx, mask=idx < num_experts, other=0)  # [E_PAD]
-    rows = tl.minimum(tl.maximum(rows, 0), cap)  # live rows per expert
-    end = tl.cumsum(rows, axis=0)  # [E_PAD] inclusive prefix: expert e's live rows end here
+    # rows: live rows per expert (clamped to [0, cap]); end: their inclusive prefix sum
+    idx, rows, _, end, _ = _live_prologue(masked_m_ptr, num_experts, cap, E_PAD)
     start = end - rows  # [E_PAD] exclusive prefix
     offs = tl.arange(0, BLOCK_N)
-    n_first = tl.program_id(1) * BLOCK_N
-    n_step = tl.num_programs(1) * BLOCK_N
     for t in range(tl.program_id(0), tl.sum(rows, axis=0), tl.num_programs(0)):
         e = tl.sum((end <= t).to(tl.int32), axis=0)  # the expert whose live rows hold t
         m = t - tl.sum(tl.where(idx == e, start, 0), axis=0)  # its row, < masked_m[e]
         u_row = u_ptr + e.to(tl.int64) * stride_ue + m * stride_um  # fits int32 (launcher)
         o_row = out_ptr + e.to(tl.int64) * stride_oe + m * stride_om
-        for n0 in range(n_first, inter, n_step):
-            cols = n0 + offs
-            cmask = cols < inter
-            g = tl.load(u_row + cols, mask=cmask, other=0.0).to(tl.float32)
-            up = tl.load(u_row + inter + cols, mask=cmask, other=0.0).to(tl.float32)
-            a = g / (1.0 + tl.exp(-g)) * up
-            tl.store(o_row + cols, a.to(out_ptr.dtype.element_ty), mask=cmask)
+        _silu_mul_row(u_row, o_row, inter, tl.program_id(1) * BLOCK_N,
+                      tl.num_programs(1) * BLOCK_N, offs)
+
+
+@triton.jit
+def _silu_mul_row(u_row, o_row, inter, n_first, n_step, offs):
+    """One row: ``o_row[c] = silu(u_row[c]) * u_row[inter + c]`` for ``c = n0 + offs``,
+    ``n0 = n_first, n_first + n_step, ... < inter``."""
+    for n0 in range(n_first, inter, n_step):
+        cols = n0 + offs
+        cmask = cols < inter
+        a = _silu_mul_tile(u_row + cols, u_row + inter + cols, cmask)
+        tl.store(o_row + cols, a.to(o_row.dtype.element_ty), mask=cmask)
 
 
 @triton.jit

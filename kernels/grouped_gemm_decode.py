@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 from ._pdl import pdl_prologue
+from ._masked import _live_prologue, _pick_expert, _silu_mul_tile
 from .activation import _round_to_e4m3
 from ._util import check, check_tensor, interpreting, pdl_args
 
@@ -60,33 +61,6 @@ _FP8 = torch.float8_e4m3fn
 _SCALE_BLOCK = 128  # DeepGEMM's fp8 scale granularity (weights 128x128, activations 1x128)
 BLOCK_NS = (16, 32, 64, 128)
 ACTS = (None, "silu_and_mul")  # the fused A-operand activations; ACT constexpr = the index
-
-
-@triton.jit
-def _live_prologue(masked_m_ptr, num_experts, cap, E_POW2: tl.constexpr):
-    """masked_m clamped to [0, cap] and its live-expert and row prefix sums (inclusive)."""
-    idx = tl.arange(0, E_POW2)
-    mvec = tl.load(masked_m_ptr + idx, mask=idx < num_experts, other=0)
-    mvec = tl.minimum(tl.maximum(mvec, 0), cap)
-    live = (mvec > 0).to(tl.int32)
-    return idx, mvec, tl.cumsum(live, axis=0), tl.cumsum(mvec, axis=0), tl.sum(live, axis=0)
-
-
-@triton.jit
-def _pick_expert(j, idx, mvec, live_cum, row_cum):
-    """The j-th live expert (0-based): its id, live rows and the end of its compacted rows."""
-    e = tl.sum((live_cum <= j).to(tl.int32), axis=0)
-    sel = idx == e
-    return e, tl.sum(tl.where(sel, mvec, 0), axis=0), tl.sum(tl.where(sel, row_cum, 0), axis=0)
-
-
-@triton.jit
-def _silu_mul_tile(g_ptrs, up_ptrs, mask):
-    """``silu(gate) * up`` of one ``[BLOCK_M, BLOCK_K]`` tile in fp32 (0 where masked), the
-    arithmetic of ``kernels.activation._silu_and_mul_masked_kernel``."""
-    g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(up_ptrs, mask=mask, other=0.0).to(tl.float32)
-    return g / (1.0 + tl.exp(-g)) * up
 
 
 @triton.jit

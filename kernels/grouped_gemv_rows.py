@@ -10,7 +10,7 @@ At a bs-1 step every live expert has one row, and the decode kernel pads it to a
 GEMV's (``kernels.dense_gemv._gemv_rows_kernel``, one-row K-loop form) applied to one live
 expert:
 
-- **Compacted work.** As in the decode kernel (its ``_live_prologue`` / ``_pick_expert``):
+- **Compacted work.** As in the decode kernel (``kernels._masked``: ``_live_prologue`` / ``_pick_expert``):
   a fixed grid reads ``masked_m`` once, numbers the live experts in the kernel and walks the
   work items ``(live expert, column tile)`` round-robin; idle experts cost nothing and one
   captured graph serves any ``masked_m``.
@@ -35,7 +35,8 @@ import triton.language as tl
 from ._pdl import pdl_prologue
 from ._util import check, check_tensor, pdl_args
 from .dense_gemv import dense_gemv_rows_config
-from .grouped_gemm_decode import _live_prologue, _pick_expert, decode_grouped_gemm_ref, num_programs
+from ._masked import _live_prologue, _pick_expert
+from .grouped_gemm_decode import decode_grouped_gemm_ref, num_programs
 
 ROWS_MAX = 4  # live rows an expert the kernel is meant for (more are correct, just slower)
 _MAX_TILE = 32768  # largest [BLOCK_N, BLOCK_K] the launcher accepts (fp32-widened registers)

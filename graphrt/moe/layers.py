@@ -227,8 +227,10 @@ class Attention:
         k = qkv[:, cfg.q_dim:cfg.q_dim + cfg.kv_dim].view(bs, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, cfg.q_dim + cfg.kv_dim:].view(bs, cfg.num_kv_heads, cfg.head_dim)
         recv = self.start_prefetch(self.wo) if self.prefetch else None  # joined before wo
-        new_kv = dict(k_new=k, v_new=v, slot_mapping=slot_mapping) if self.fuse_append else {}
-        if not self.fuse_append:
+        if self.fuse_append:                      # the attention launch writes the new K/V
+            new_kv = dict(k_new=k, v_new=v, slot_mapping=slot_mapping)
+        else:
+            new_kv = {}
             kv_append(k, v, slot_mapping, n, k_cache=self.k_cache, v_cache=self.v_cache)
         max_ctx = cfg.max_blocks_per_seq * cfg.block_size
         split = self.split_size or split_size_for(bs, cfg.num_kv_heads, max_ctx, num_sms(dev))
