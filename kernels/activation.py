@@ -6,7 +6,7 @@ and a dense variant (``silu_and_mul``, every row) for the shared expert.
 each program loops over its rows ``m = pid, pid + P, ... < masked_m[e]``, so programs of empty or
 short experts exit at once and padded/unused rows cost nothing (and keep their old contents).
 
-Compacted (``compact=True``; default ``GRAPHRT_ACT_COMPACT``, off: not measured on a GPU yet):
+Compacted (``compact=True``; the default, ``GRAPHRT_ACT_COMPACT=0`` turns it off; BENCHMARKS.md §25):
 grid ``(min(E * cap, 256), min(cdiv(inter, BLOCK_N), 4))`` from shapes alone, row programs
 shared by all live rows: each loads masked_m (clamped to ``[0, cap]``), its prefix sums
 ``end``, and walks rows ``t = pid, pid + P, ... < end[-1]`` (expert ``e = #{end <= t}``).
@@ -43,7 +43,7 @@ _SCALE_EPS = 1e-10
 _MAX_ROW_PROGRAMS = 64  # row programs per expert; each loops over every P-th live row
 # Compacted grid (P, C) <= (256, 4), one wave on an H200; masked_m one vector of <= 1024
 _COMPACT_ROW_PROGRAMS, _COMPACT_COL_CHUNKS, _COMPACT_MAX_EXPERTS = 256, 4, 1024
-COMPACT: bool = env_flag("GRAPHRT_ACT_COMPACT", False)  # silu_and_mul_masked's default
+COMPACT: bool = env_flag("GRAPHRT_ACT_COMPACT", True)  # silu_and_mul_masked's default
 
 
 @triton.jit
@@ -266,7 +266,7 @@ def silu_and_mul_masked(u, masked_m, *, out, compact: bool | None = None):
     masked_m: int32 [num_local_experts]. out: [num_local_experts, cap, inter] bf16 (fp16/fp32
     accepted), last dim contiguous; rows >= masked_m[e] are left untouched. Returns ``out``.
     compact: launch the compacted kernel (module docstring; bitwise equal outputs); None:
-    ``COMPACT`` (``GRAPHRT_ACT_COMPACT`` at import, off by default: not yet measured on a GPU).
+    ``COMPACT`` (``GRAPHRT_ACT_COMPACT`` at import, on by default).
 
     Graph safety: capturable
     """

@@ -185,9 +185,10 @@ class Attention:
     prefetch = env_flag("GRAPHRT_PREFETCH", False)
     prefetch_programs = None  # l2_prefetch's grid (None: one program per chunk)
     # Write the new K/V inside the attention launch (decode_attention(k_new=, ...)) instead of
-    # a kv_append launch before it. Off by default until measured; GRAPHRT_FUSE_APPEND=1 at
-    # import turns it on (A/B benchmarks: the fuse-append switch).
-    fuse_append = env_flag("GRAPHRT_FUSE_APPEND", False)
+    # a kv_append launch before it. On by default: 1.002x / 0.985x the step at qwen3-like
+    # bs 1 / 16 (BENCHMARKS.md §25); GRAPHRT_FUSE_APPEND=0 at import turns it off (A/B
+    # benchmarks: the fuse-append switch).
+    fuse_append = env_flag("GRAPHRT_FUSE_APPEND", True)
 
     def __init__(self, cfg: MoEConfig, device, gen):
         self.cfg = cfg

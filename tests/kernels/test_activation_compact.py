@@ -117,7 +117,7 @@ def test_compact_plan_depends_on_shapes_only():
 def test_compact_default_comes_from_the_environment(monkeypatch):
     from graphrt.env import env_flag
 
-    assert activation.COMPACT is env_flag("GRAPHRT_ACT_COMPACT", False)
+    assert activation.COMPACT is env_flag("GRAPHRT_ACT_COMPACT", True)
     launched = []
 
     class Spy:
