@@ -8,12 +8,19 @@ order the prologue's two instructions run:
 - ``1`` (wait first, ``GRAPHRT_PDL_EARLY=0``): wait for the previous kernel's writes (``griddepcontrol.wait``), then let
   the next kernel start launching (``griddepcontrol.launch_dependents``);
 - ``2`` (trigger first, the default): let the next kernel launch at once, then
-  wait. The next kernel's programs can then start (and, like the decode GEMV, pull their
-  weights into L2) while this one still waits or runs. Still correct: every kernel waits
+  wait. The next kernel's programs can then start (and, below, load their weights) while
+  this one still waits or runs. Still correct: every kernel waits
   before its first read or write, and a kernel completes only after its own wait, so a wait
   also covers every kernel before the previous one.
 
 Off (``False``/``0``), the constexpr branches compile away.
+
+**Weights before the wait** (``pdl_trigger``, then weight loads, then ``pdl_wait``): the
+decode GEMVs (``dense_gemv_rows``, ``norm_gemv_rows`` with ``preload=True``) issue their
+weight tile's loads before they wait. Their programs that are resident while the kernel
+before them still runs (a norm, the attention merge, the combine: latency-bound, HBM idle)
+then have those bytes in flight already. Only for weights: data that no kernel in the stream
+writes, so reading it early cannot see a stale value.
 
 Graph safety: capturable (device code).
 """
@@ -22,10 +29,26 @@ import triton.language as tl
 
 
 @triton.jit
-def pdl_prologue(USE_GDC: tl.constexpr):
+def pdl_trigger(USE_GDC: tl.constexpr):
+    """The first half of ``pdl_prologue`` (trigger-first: let the next kernel launch). A kernel
+    that loads its weights before waiting starts with this, loads only data no kernel of the
+    stream writes (its weights), then calls ``pdl_wait`` before any other load, any store and
+    any return (tests/kernels/test_pdl_prologue.py checks the order)."""
     if USE_GDC == 2:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(USE_GDC: tl.constexpr):
+    """The second half of ``pdl_prologue``: wait for the previous kernel's writes (and, when
+    waiting first, let the next kernel launch after)."""
+    if USE_GDC:
         tl.extra.cuda.gdc_wait()
-    elif USE_GDC:
-        tl.extra.cuda.gdc_wait()
+    if USE_GDC == 1:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_prologue(USE_GDC: tl.constexpr):
+    pdl_trigger(USE_GDC)
+    pdl_wait(USE_GDC)

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._pdl import pdl_prologue
+from ._pdl import pdl_prologue, pdl_trigger, pdl_wait
 from ._util import check, check_tensor, interpreting, pdl_args
 
 MAX_ROWS = 16  # rows the kernel serves: one tl.dot row block
@@ -133,50 +133,45 @@ def _gemv_rows_kernel(
     BLOCK_N: tl.constexpr,  # W rows (output columns) per program
     BLOCK_K: tl.constexpr,  # K per load round: BLOCK_N x BLOCK_K weights in flight at once
     EVEN_K: tl.constexpr,  # k % BLOCK_K == 0
-    ONE_ROUND: tl.constexpr,  # BLOCK_K >= k: the weights are loaded once for every row
+    PRELOAD: tl.constexpr,  # load the first round of W before the PDL wait (kernels._pdl)
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     """A few rows on the CUDA cores: each program loads its ``[BLOCK_N, BLOCK_K]`` weights
-    in one round of 16-byte loads (the whole K when it fits), widens them to fp32 once and
+    in rounds of 16-byte loads (one round when the whole K fits), widens them to fp32 and
     reduces ``w * x[r]`` over K for each row ``r``; no shared memory, no tensor-core padding.
-    With several rows and the whole K in one round (``ONE_ROUND``) the weights are loaded
-    once for all rows; else each row walks the K rounds (a second row's come from L1/L2).
-    One row always takes the K-loop form: it is the form measured on the GPU (BENCHMARKS.md
-    §22); the one-round form has so far run only on the interpreter and through the sm_90
-    compiler (tests/kernels/test_compile_sm90.py)."""
-    pdl_prologue(USE_GDC)
+    The first round is loaded once for every row (and with ``PRELOAD`` before the wait for
+    the previous kernel); further rounds are loaded per row (a second row's from L1/L2)."""
+    pdl_trigger(USE_GDC)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < n
+    mask_k0 = offs_k < k
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * k + offs_k[None, :]
-    if ONE_ROUND:
-        mask_all = offs_k < k
-        w_all = tl.load(w_ptrs, mask=mask_n[:, None] & mask_all[None, :], other=0.0).to(tl.float32)
-        for r in tl.static_range(M_MAX):
-            if r < m:
-                x_all = tl.load(x_ptr + r * k + offs_k, mask=mask_all, other=0.0).to(tl.float32)
-                tl.store(out_ptr + r * n + offs_n, tl.sum(w_all * x_all[None, :], axis=1)
-                         .to(out_ptr.dtype.element_ty), mask=mask_n)
-    else:
-        for r in tl.static_range(M_MAX):
-            if r < m:
-                acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                for k0 in range(0, k, BLOCK_K):
-                    if EVEN_K:
-                        w = tl.load(w_ptrs + k0, mask=mask_n[:, None], other=0.0)
-                        xr = tl.load(x_ptr + r * k + k0 + offs_k)
-                    else:
-                        mask_k = offs_k < k - k0
-                        w = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-                        xr = tl.load(x_ptr + r * k + k0 + offs_k, mask=mask_k, other=0.0)
-                    acc += tl.sum(w.to(tl.float32) * xr.to(tl.float32)[None, :], axis=1)
-                tl.store(out_ptr + r * n + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+    if not PRELOAD:
+        pdl_wait(USE_GDC)
+    w0 = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k0[None, :], other=0.0)
+    if PRELOAD:
+        pdl_wait(USE_GDC)
+    for r in tl.static_range(M_MAX):
+        if r < m:
+            x0 = tl.load(x_ptr + r * k + offs_k, mask=mask_k0, other=0.0).to(tl.float32)
+            acc = tl.sum(w0.to(tl.float32) * x0[None, :], axis=1)
+            for k0 in range(BLOCK_K, k, BLOCK_K):
+                if EVEN_K:
+                    w = tl.load(w_ptrs + k0, mask=mask_n[:, None], other=0.0)
+                    xr = tl.load(x_ptr + r * k + k0 + offs_k)
+                else:
+                    mask_k = offs_k < k - k0
+                    w = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+                    xr = tl.load(x_ptr + r * k + k0 + offs_k, mask=mask_k, other=0.0)
+                acc += tl.sum(w.to(tl.float32) * xr.to(tl.float32)[None, :], axis=1)
+            tl.store(out_ptr + r * n + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
 ROWS_MAX = 4  # rows dense_gemv_rows serves
 # rows dense_gemv_auto (and the reference model's GRAPHRT_DENSE=auto) sends to it. In the
-# qwen3-like step (BENCHMARKS.md §23) the one-round form for several rows is 0.96x cuBLAS's
-# step time at 2 rows and 1.05x at 4; one row takes the K-loop form (0.93x, §22).
+# qwen3-like step (BENCHMARKS.md §23) the rows GEMV is 0.93x cuBLAS's step time at one row
+# (§22), 0.96x at 2 rows and 1.05x at 4.
 ROWS_AUTO = 2
 _ROWS_TILE = 8192  # weights a program loads per round (16 KB bf16)
 
@@ -205,11 +200,14 @@ def dense_gemv_rows_config(n: int, k: int) -> dict:
 
 def dense_gemv_rows(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
                     block_n: int | None = None, block_k: int | None = None,
-                    num_warps: int = 4) -> torch.Tensor:
+                    num_warps: int = 4, preload: bool = False) -> torch.Tensor:
     """``out = x @ w.T`` for 1-4 rows on the CUDA cores (fp32 accumulation), reading ``w``
     once: x bf16 ``[m <= 4, k]``, w bf16 ``[n, k]``, out bf16 ``[m, n]``, all contiguous.
-    ``block_n``/``block_k`` default to ``dense_gemv_rows_config``. One launch, no workspace,
-    no host sync; bitwise reproducible. Graph safety: capturable"""
+    ``block_n``/``block_k`` default to ``dense_gemv_rows_config``. ``preload``: each program
+    loads its first round of ``w`` before it waits for the previous kernel (PDL,
+    ``kernels._pdl``); only for weights that no kernel of the stream writes. One launch, no
+    workspace, no host sync; bitwise reproducible, with or without ``preload``.
+    Graph safety: capturable"""
     m, n, k = _check_xw_out(x, w, out, ROWS_MAX)
     cfg = dense_gemv_rows_config(n, k)
     block_n, block_k = block_n or cfg["block_n"], block_k or cfg["block_k"]
@@ -219,8 +217,7 @@ def dense_gemv_rows(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
         return out.zero_()
     _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
         x, w, out, m, n, k, M_MAX=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, ONE_ROUND=m > 1 and block_k >= k, num_warps=num_warps,
-        **pdl_args())
+        EVEN_K=k % block_k == 0, PRELOAD=bool(preload), num_warps=num_warps, **pdl_args())
     return out
 
 
@@ -329,11 +326,11 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
     return out
 
 
-def dense_gemv_auto(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` through :func:`dense_gemv_rows` up to ``ROWS_AUTO`` rows (2), else
-    :func:`dense_gemv` with ``dense_gemv_config``'s pick, allocating ``out`` (and the split-K
-    workspace) with ``torch.empty``: for a step's intermediates, which a captured graph
-    allocates from its pool. Shapes as :func:`dense_gemv`.
+def dense_gemv_auto(x: torch.Tensor, w: torch.Tensor, *, preload: bool = False) -> torch.Tensor:
+    """``x @ w.T`` through :func:`dense_gemv_rows` up to ``ROWS_AUTO`` rows (2; ``preload``
+    passed on), else :func:`dense_gemv` with ``dense_gemv_config``'s pick, allocating ``out``
+    (and the split-K workspace) with ``torch.empty``: for a step's intermediates, which a
+    captured graph allocates from its pool. Shapes as :func:`dense_gemv`.
 
     Graph safety: capturable
     """
@@ -341,7 +338,7 @@ def dense_gemv_auto(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     n = w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m <= ROWS_AUTO:
-        return dense_gemv_rows(x, w, out=out)
+        return dense_gemv_rows(x, w, out=out, preload=preload)
     cfg = dense_gemv_config(m, n, k, num_sms(x.device))
     ws = None
     if cfg["split_k"] > 1:

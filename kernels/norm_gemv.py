@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._pdl import pdl_prologue
+from ._pdl import pdl_trigger, pdl_wait
 from ._util import check, check_tensor, pdl_args
 from .dense_gemv import ROWS_MAX, dense_gemv_rows_config
 
@@ -45,17 +45,24 @@ def _norm_gemv_rows_kernel(
     M_MAX: tl.constexpr,  # rows the kernel is built for (static loop; rows >= m skipped)
     BLOCK_N: tl.constexpr,  # W rows per program
     BLOCK_K: tl.constexpr,  # >= k: the whole row
+    PRELOAD: tl.constexpr,  # load W and the norm weight before the PDL wait (kernels._pdl)
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
-    pdl_prologue(USE_GDC)
+    pdl_trigger(USE_GDC)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < n
     mask_k = offs_k < k
-    w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * k + offs_k[None, :],
-                mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-    nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * k + offs_k[None, :]
+    if not PRELOAD:
+        pdl_wait(USE_GDC)
+    w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+    nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0)
+    if PRELOAD:
+        pdl_wait(USE_GDC)
+    w = w.to(tl.float32)
+    nw = nw.to(tl.float32)
     for r in tl.static_range(M_MAX):
         if r < m:
             row = r * k + offs_k
@@ -77,7 +84,7 @@ def _norm_gemv_rows_kernel(
 
 def norm_gemv_rows(x: torch.Tensor, *deltas: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                    w: torch.Tensor, out: torch.Tensor,
-                   out_residual: torch.Tensor | None = None) -> torch.Tensor:
+                   out_residual: torch.Tensor | None = None, preload: bool = False) -> torch.Tensor:
     """``out = (rmsnorm(x + sum(deltas)) * norm_weight) @ w.T``, and ``out_residual = x +
     sum(deltas)`` when deltas are given. One launch.
 
@@ -90,6 +97,9 @@ def norm_gemv_rows(x: torch.Tensor, *deltas: torch.Tensor, norm_weight: torch.Te
         out: bf16 ``[m, n]`` contiguous; every element is written.
         out_residual: bf16 ``[m, k]`` contiguous, required with deltas (not ``x`` or a delta:
             other programs still read those), ignored without.
+        preload: each program loads its ``w`` tile and ``norm_weight`` before it waits for
+            the previous kernel (PDL, ``kernels._pdl``); only for weights that no kernel of
+            the stream writes.
 
     Returns ``out``. No allocation, no host sync; bitwise reproducible.
 
@@ -125,8 +135,8 @@ def norm_gemv_rows(x: torch.Tensor, *deltas: torch.Tensor, norm_weight: torch.Te
     res = out_residual if deltas else x
     _norm_gemv_rows_kernel[(triton.cdiv(n, block_n),)](
         x, d1, d2, norm_weight, res, w, out, m, n, k, float(eps), NUM_ADD=len(deltas),
-        M_MAX=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-        **pdl_args())
+        M_MAX=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
+        PRELOAD=bool(preload), num_warps=4, **pdl_args())
     return out
 
 

@@ -11,8 +11,11 @@ import torch
 from graphrt.moe import layers, make_step, model as model_mod, preset
 
 
+@pytest.mark.parametrize("final", [False, True])
 @pytest.mark.parametrize("bs", [1, 3])
-def test_fused_norm_step_matches_the_unfused_one(monkeypatch, bs):
+def test_fused_norm_step_matches_the_unfused_one(monkeypatch, bs, final):
+    """``final``: the last layer's add + final norm go to the LM head too
+    (``DecoderLayer.fuse_final_norm``)."""
     calls = []
     real = layers.dense_normed
 
@@ -22,6 +25,7 @@ def test_fused_norm_step_matches_the_unfused_one(monkeypatch, bs):
     logits = []
     for fuse in (False, True):
         monkeypatch.setattr(model_mod.DecoderLayer, "fuse_norm", fuse)
+        monkeypatch.setattr(model_mod.DecoderLayer, "fuse_final_norm", final)
         monkeypatch.setattr(layers, "norm_fusable", lambda x, w: True)
         monkeypatch.setattr(model_mod, "dense_normed", counted)
         spec, model = make_step(preset("tiny"), "cpu", max_batch_size=8, backend="triton")
@@ -29,7 +33,8 @@ def test_fused_norm_step_matches_the_unfused_one(monkeypatch, bs):
         logits.append(spec.call(x)["logits"].float())
     cfg = preset("tiny")
     deltas = 1 + (cfg.num_shared_experts > 0)         # routed (+ shared) expert outputs
-    assert calls == [0] + [deltas] * (cfg.num_layers - 1)   # the embedding's norm, each layer end's
+    # the embedding's norm, each layer end's (and the last one's, at the LM head)
+    assert calls == [0] + [deltas] * (cfg.num_layers - 1 + final)
     a, b = logits
     assert float((a - b).norm() / a.norm()) < 2e-2
 

@@ -18,12 +18,16 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   (``graphrt.kernels.dense_gemv.ROWS_AUTO``);
 - ``fuse-norm``: the layer-end add + RMSNorm computed by the next layer's QKV projection
   (``DecoderLayer.fuse_norm``, ``graphrt.kernels.norm_gemv``);
+- ``fuse-final-norm``: the last layer's add + final RMSNorm computed by the LM head's
+  GEMV as well (``DecoderLayer.fuse_final_norm``);
 - ``fuse-act``: the experts' SiLU-and-mul computed by the W2 decode GEMM as it loads its
   operand (``Experts.fuse_act``, ``decode_grouped_gemm(act="silu_and_mul")``);
 - ``act-compact``: the experts' SiLU-and-mul on a grid shared among live rows instead of one
   per expert (``graphrt.kernels.activation.COMPACT``);
 - ``fuse-append``: the new K/V written by the attention launch instead of a ``kv_append``
   launch before it (``Attention.fuse_append``, ``decode_attention(k_new=, ...)``);
+- ``preload``: the one-row GEMVs load their first weight tile before the PDL wait
+  (``graphrt.moe.layers.PRELOAD``, ``dense_gemv_rows(preload=)``, ``norm_gemv_rows(preload=)``);
 - ``fuse-dispatch``: the EP=1 dispatch in one launch up to 256 flat (token, k) ids instead of
   plan + copy (``graphrt.kernels.dispatch.FUSED_MAX_FLAT``);
 - ``expert-rows``: the expert plan's choices as measured, the CUDA-core rows kernel included
@@ -86,11 +90,14 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "rows4": lambda on: _class_attr("graphrt.kernels.dense_gemv", None, "ROWS_AUTO",
                                             4 if on else 1),
             "fuse-norm": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer", "fuse_norm", on),
+            "fuse-final-norm": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
+                                                      "fuse_final_norm", on),
             "fuse-act": lambda on: _class_attr("graphrt.moe.experts", "Experts", "fuse_act", on),
             "act-compact": lambda on: _class_attr("graphrt.kernels.activation", None, "COMPACT",
                                                   on),
             "fuse-append": lambda on: _class_attr("graphrt.moe.layers", "Attention", "fuse_append",
                                                   on),
+            "preload": lambda on: _class_attr("graphrt.moe.layers", None, "PRELOAD", on),
             "fuse-dispatch": lambda on: _class_attr("graphrt.kernels.dispatch", None,
                                                     "FUSED_MAX_FLAT", 256 if on else 0),
             "expert-rows": lambda on: _class_attr("graphrt.moe.expert_plan", "ExpertPlan",

@@ -35,6 +35,11 @@ def add_rmsnorm(x: torch.Tensor, *deltas: torch.Tensor, weight: torch.Tensor,
 # "auto" (default): the one-row GEMV for 1-row steps, cuBLAS otherwise; "torch": cuBLAS always;
 # "gemv": graphrt's decode GEMV up to 16 rows. Read at import (A/B: set layers.DENSE).
 DENSE = os.environ.get("GRAPHRT_DENSE", "auto")
+# The one-row GEMVs load their first weight tile before they wait for the kernel before them
+# (PDL; kernels._pdl, the preload= of dense_gemv_rows and norm_gemv_rows): the model's dense
+# weights are written by no kernel of the step. Off until measured; GRAPHRT_PDL_PRELOAD=1 at
+# import (A/B: the preload switch sets layers.PRELOAD before capture).
+PRELOAD = env_flag("GRAPHRT_PDL_PRELOAD", False)
 
 
 def dense_path(x: torch.Tensor, w: torch.Tensor) -> str:
@@ -63,7 +68,7 @@ def dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     Graph safety: capturable"""
     if dense_path(x, w) == "gemv":
         from graphrt.kernels.dense_gemv import dense_gemv_auto
-        return dense_gemv_auto(x, w)
+        return dense_gemv_auto(x, w, preload=PRELOAD)
     return x @ w.t()
 
 
@@ -102,7 +107,8 @@ def dense_normed(p: PendingNorm, w: torch.Tensor) -> tuple[torch.Tensor, torch.T
     from graphrt.kernels.norm_gemv import norm_gemv_rows
     out = torch.empty(p.x.shape[0], w.shape[0], dtype=p.x.dtype, device=p.x.device)
     res = torch.empty_like(p.x) if p.deltas else None
-    norm_gemv_rows(p.x, *p.deltas, norm_weight=p.weight, eps=p.eps, w=w, out=out, out_residual=res)
+    norm_gemv_rows(p.x, *p.deltas, norm_weight=p.weight, eps=p.eps, w=w, out=out, out_residual=res,
+                   preload=PRELOAD)
     return out, (res if p.deltas else p.x)
 
 

@@ -84,6 +84,10 @@ class DecoderLayer:
     # one-row GEMV (layers.dense_normed: one launch instead of two): 0.96x the step time at
     # qwen3-like bs 1 (BENCHMARKS.md §23). GRAPHRT_FUSE_NORM=0 at import turns it off.
     fuse_norm = env_flag("GRAPHRT_FUSE_NORM", True)
+    # With fuse_norm: also hand the last layer's add + final RMSNorm to the LM head's GEMV
+    # (MoEModel.step). Off until measured; GRAPHRT_FUSE_FINAL_NORM=1 at import (A/B: the
+    # fuse-final-norm switch).
+    fuse_final_norm = env_flag("GRAPHRT_FUSE_FINAL_NORM", False)
 
     def __init__(self, cfg, comm, device, gen, seed, **kw):
         self.cfg = cfg
@@ -99,7 +103,7 @@ class DecoderLayer:
         last) -> the new ``(x, h)``. h may be a ``PendingNorm`` (x is then the stream before
         it): the QKV projection computes it (``dense_normed``: fused where ``norm_fusable``,
         else the norm alone first); with ``fuse_norm`` on, this layer returns one for the
-        next."""
+        next (the last layer too with ``fuse_final_norm``: the LM head computes it)."""
         eps = self.cfg.rms_eps
         if isinstance(h, PendingNorm):
             qkv, x = dense_normed(h, self.attn.wqkv)
@@ -110,7 +114,7 @@ class DecoderLayer:
         recv = (next_attn.start_prefetch(next_attn.wqkv)
                 if next_attn is not None and self.prefetch_next_qkv else None)
         deltas = self.moe(h, n)
-        if self.fuse_norm and next_attn is not None:
+        if self.fuse_norm and (next_attn is not None or self.fuse_final_norm):
             out = x, PendingNorm(x, deltas, next_norm, eps)
         else:
             out = add_rmsnorm(x, *deltas, weight=next_norm, eps=eps)
@@ -246,6 +250,8 @@ class MoEModel:
         self.comm.end_step()
         if self.expert_map is not None:
             self.expert_map.advance()
+        if isinstance(h, PendingNorm):                                     # fuse_final_norm
+            return {"logits": dense_normed(h, self.lm_head)[0]}
         return {"logits": dense(h, self.lm_head)}                          # h: final-normed x
 
     def weight_bytes(self, bs: int | None = None) -> dict:

@@ -14,30 +14,41 @@ SCRIPT = textwrap.dedent('''
     from graphrt.kernels.dense_gemv import _gemv_rows_kernel
     from graphrt.kernels.norm_gemv import _norm_gemv_rows_kernel
 
+    def order(p):
+        """[waits?, a global load issued before the wait?]"""
+        wait = p.find("griddepcontrol.wait")
+        load = p.find("ld.global")
+        return [wait >= 0, 0 <= load < wait]
+
     out = {}
     rows = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "m": "i32", "n": "i32",
             "k": "i32"}
-    for one in (True, False):
+    for pre in (True, False):
         for even in (True, False):
             for gdc in (0, 1, 2):
                 p = ptx(_gemv_rows_kernel, rows, {"M_MAX": 4, "BLOCK_N": 4, "BLOCK_K": 2048,
-                        "EVEN_K": even, "ONE_ROUND": one, "USE_GDC": gdc})
-                out[f"rows-{one}-{even}-{gdc}"] = "griddepcontrol.wait" in p
+                        "EVEN_K": even, "PRELOAD": pre, "USE_GDC": gdc})
+                out[f"rows-{pre}-{even}-{gdc}"] = order(p)
     norm = dict(rows, d1_ptr="*bf16", d2_ptr="*bf16", nw_ptr="*bf16", res_ptr="*bf16",
                 eps="fp32")
-    for na in (0, 1, 2):
-        p = ptx(_norm_gemv_rows_kernel, norm, {"NUM_ADD": na, "M_MAX": 1, "BLOCK_N": 4,
-                "BLOCK_K": 2048, "USE_GDC": 2})
-        out[f"norm-{na}"] = "griddepcontrol.wait" in p
+    for pre in (True, False):
+        for na in (0, 1, 2):
+            p = ptx(_norm_gemv_rows_kernel, norm, {"NUM_ADD": na, "M_MAX": 1, "BLOCK_N": 4,
+                    "BLOCK_K": 2048, "PRELOAD": pre, "USE_GDC": 2})
+            out[f"norm-{pre}-{na}"] = order(p)
     print(json.dumps(out))
 ''')
 
 
 def test_the_decode_gemv_kernels_compile_for_sm90():
+    """The PDL wait is there exactly when asked for; with ``PRELOAD`` the weight loads are
+    issued before it (the point of preloading), without it every load follows it."""
     res = compile_results(SCRIPT)
-    assert len(res) == 15
-    for key, waits in res.items():        # the PDL prologue is there exactly when asked for
+    assert len(res) == 18
+    for key, (waits, load_first) in res.items():
+        pre = key.split("-")[1] == "True"
         assert waits == (not key.endswith("-0") or key.startswith("norm")), key
+        assert load_first == (waits and pre), key
 
 
 DECODE_GEMM = textwrap.dedent('''

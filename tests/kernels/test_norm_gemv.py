@@ -35,10 +35,11 @@ def test_matches_add_rmsnorm_then_gemv(m, num_deltas, n, k):
     assert _rel_err(out, ref_out) < 1e-2
     if deltas:
         assert _rel_err(res, ref_res) < 1e-2
-    again = torch.full_like(out, float("nan"))
-    norm_gemv_rows(x, *deltas, norm_weight=nw, eps=1e-6, w=w, out=again,
-                   out_residual=torch.empty_like(x) if deltas else None)
-    assert torch.equal(out, again)
+    for preload in (False, True):                # bitwise, with the weights loaded first too
+        again = torch.full_like(out, float("nan"))
+        norm_gemv_rows(x, *deltas, norm_weight=nw, eps=1e-6, w=w, out=again,
+                       out_residual=torch.empty_like(x) if deltas else None, preload=preload)
+        assert torch.equal(out, again)
 
 
 def test_errors_say_what_to_do():

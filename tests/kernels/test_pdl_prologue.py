@@ -1,5 +1,8 @@
 """Every graphrt Triton kernel that takes ``USE_GDC`` calls ``pdl_prologue(USE_GDC)`` as its
-very first statement (after the docstring), before any load, store or early return.
+very first statement (after the docstring), before any load, store or early return; or it
+starts with ``pdl_trigger(USE_GDC)`` and reaches ``pdl_wait(USE_GDC)`` before any store,
+return or load other than of its weights (a pointer named ``w_ptr``/``nw_ptr``, or built
+from one: ``w_ptrs``): the weight preload of the decode GEMVs (kernels._pdl).
 
 Correctness under programmatic dependent launch rests on it: a kernel may start while the one
 before it still runs, and with ``GRAPHRT_PDL_EARLY=1`` it lets the next kernel start before it
@@ -26,7 +29,8 @@ def _takes_gdc(fn: ast.FunctionDef) -> bool:
     return any(a.arg == "USE_GDC" for a in fn.args.args + fn.args.kwonlyargs)
 
 
-GDC_KERNELS = [(f, fn) for f, fn in _jit_functions() if _takes_gdc(fn) and fn.name != "pdl_prologue"]
+GDC_KERNELS = [(f, fn) for f, fn in _jit_functions() if _takes_gdc(fn) and f != "_pdl.py"]
+_WEIGHTS = ("w_ptr", "w_ptrs", "nw_ptr")
 
 
 def test_the_kernels_are_found():
@@ -42,7 +46,29 @@ def test_prologue_is_the_first_statement(where, fn):
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]  # docstring
     first = ast.unparse(body[0]) if body else ""
+    if first == "pdl_trigger(USE_GDC)":
+        _check_preload(where, fn, body[1:])
+        return
     assert first == "pdl_prologue(USE_GDC)", f"{where}:{fn.lineno} {fn.name} starts with {first!r}"
+
+
+def _check_preload(where, fn, body):
+    """Every top-level statement before the last one that calls ``pdl_wait(USE_GDC)`` (a
+    kernel may wait at one of two places, by a constexpr): no store, no atomic, no return,
+    and loads only through a weight pointer."""
+    waits = [i for i, stmt in enumerate(body) if "pdl_wait(USE_GDC)" in ast.unparse(stmt)]
+    assert waits, f"{where}:{fn.lineno} {fn.name} triggers but never calls pdl_wait"
+    for stmt in body[:waits[-1]]:
+        for node in ast.walk(stmt):
+            assert not isinstance(node, ast.Return), f"{where}:{node.lineno} returns before the wait"
+            if isinstance(node, ast.Call):
+                name = ast.unparse(node.func)
+                assert not (name.endswith("store") or "atomic" in name), \
+                    f"{where}:{node.lineno} {name} before the wait"
+                if name == "tl.load":
+                    roots = {n.id for n in ast.walk(node.args[0]) if isinstance(n, ast.Name)}
+                    assert roots & set(_WEIGHTS), \
+                        f"{where}:{node.lineno} loads {ast.unparse(node.args[0])} before the wait"
 
 
 def test_every_pdl_launch_goes_to_a_kernel_with_the_prologue():
