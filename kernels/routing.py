@@ -9,6 +9,20 @@ the lower expert id (the references use a stable descending sort to match).
 Outputs: weights fp32 ``[padded_bs, num_topk]`` and ids int64 ``[padded_bs, num_topk]`` (int64
 because DeepEP takes int64 ``topk_idx``), sorted by decreasing routing score.
 
+Packed picks (``packed=True``; the default is ``GRAPHRT_ROUTING_PACKED``, off until measured on
+a GPU): each of the ``num_topk`` picks is ONE int64 max reduction instead of a max, a min over
+the tied ids and a sum fetching the weight. An expert's key holds its fp32 score in the high
+half, mapped to an int32 of the same order (``bits ^ ((bits >> 31) & 0x7fffffff)``: negatives'
+magnitude bits flipped; -inf included, -0.0 taken as +0.0 like float ``==``), and a tie-breaker
+in the low half that is largest for the lowest id. The picked key gives the id, and for softmax
+the weight (the key's score is the probability); grouped sigmoid picks by ``sigmoid + bias`` and
+recomputes ``sigmoid`` of the k picked logits with the same expression. The group scores and
+the group picks run on keys too. The packed grouped launch uses 1 warp up to 256 experts (2 up to
+512): its reductions stay inside a warp (shuffles, no shared memory or barriers); the softmax
+one keeps its warps (1 up to 128 experts), which fix the order of the softmax's sum. Outputs
+are bitwise equal to the unpacked kernels' for any logits without NaN (NaN in a live row:
+unspecified).
+
 Graph safety: capturable (launchers); the ``*_ref`` references are host-only.
 """
 from __future__ import annotations
@@ -17,12 +31,82 @@ import torch
 import triton
 import triton.language as tl
 
+from graphrt.env import env_flag
+
 from ._pdl import pdl_prologue
 from ._util import check, check_tensor, pdl_args
 
 _LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_EXPERTS = 512
 _MAX_TOPK = 16
+PACKED: bool = env_flag("GRAPHRT_ROUTING_PACKED", False)  # the launchers' ``packed`` default
+_NO_KEY = tl.constexpr(-(2**63))  # below every packed key: padding lanes, groups already taken
+_NEG_INF_KEY = tl.constexpr(-0x7F800001 << 32)  # _pack(-inf, 0)
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _pack(v, low):
+    """int64 keys of fp32 scores ``v`` and int32 tie-breakers ``low`` (in [0, 2**31)), same
+    shape: key order = (v, low) order, for every v but NaN (module docstring)."""
+    bits = tl.where(v == 0.0, 0.0, v).to(tl.int32, bitcast=True)  # -0.0 ties with +0.0
+    hi = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (hi.to(tl.int64) << 32) | low.to(tl.int64)
+
+
+@triton.jit
+def _key_score(key):
+    """The fp32 score a key holds, exactly (the bit map is its own inverse)."""
+    hi = (key >> 32).to(tl.int32)
+    return (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _key_low(key):
+    """The tie-breaker a key holds (int32)."""
+    return (key & 0x7FFFFFFF).to(tl.int32)
+
+
+@triton.jit
+def _sunk(key):
+    """``key`` with its score set to -inf, its tie-breaker kept."""
+    return _NEG_INF_KEY | (key & 0x7FFFFFFF)
+
+
+@triton.jit
+def _top_keys(key, NUM_TOPK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The NUM_TOPK largest of ``key`` (int64, any shape) in decreasing order, int64 [BLOCK_K];
+    lanes >= NUM_TOPK hold 0 (score +0.0). A picked key sinks to -inf, tie-breaker kept, like
+    the unpacked grouped kernel's picked score, so even rows that run out of finite choices
+    (a -inf bias) pick the same ids. (The unpacked softmax's -1 is as good: every pick there
+    finds a probability >= 0.)"""
+    offs_k = tl.arange(0, BLOCK_K)
+    picks = tl.zeros([BLOCK_K], dtype=tl.int64)
+    for k in tl.static_range(NUM_TOPK):
+        best = tl.max(key)
+        picks = tl.where(offs_k == k, best, picks)
+        key = tl.where(key == best, _sunk(best), key)
+    return picks
+
+
+@triton.jit
+def _top_groups_packed(key, g1, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr):
+    """bool [BLOCK_G]: the TOPK_GROUP groups of the best scores (sum of the two best choice
+    values; ties: lowest group), from the choice keys int64 [BLOCK_G, BLOCK_S]."""
+    k1 = tl.max(key, axis=1)
+    k2 = tl.max(tl.where(key == k1[:, None], _NO_KEY, key), axis=1)  # keys are unique per lane
+    gs = _key_score(k1) + _key_score(k2)
+    gkey = tl.where(g1 < N_GROUP, _pack(gs, N_GROUP - 1 - g1), _NO_KEY)
+    keep = g1 < 0  # all False
+    for _ in tl.static_range(TOPK_GROUP):
+        gbest = tl.max(gkey, axis=0)
+        keep = keep | (gkey == gbest)
+        gkey = tl.where(gkey == gbest, _NO_KEY, gkey)
+    return keep
 
 
 @triton.jit
@@ -37,6 +121,7 @@ def _topk_softmax_kernel(
     BLOCK_E: tl.constexpr,  # next power of 2 >= num_experts
     BLOCK_K: tl.constexpr,  # next power of 2 >= NUM_TOPK
     RENORMALIZE: tl.constexpr,  # rescale the k weights to sum to 1
+    PACKED: tl.constexpr = False,  # one int64 max per pick (module docstring)
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
@@ -50,14 +135,19 @@ def _topk_softmax_kernel(
     p = ex / tl.sum(ex, axis=0)
     p = tl.where(emask, p, -1.0)  # padding lanes (and picked experts) sit below any probability
     offs_k = tl.arange(0, BLOCK_K)
-    w = tl.zeros([BLOCK_K], dtype=tl.float32)
-    ids = tl.full([BLOCK_K], -1, dtype=tl.int32)
-    for k in tl.static_range(NUM_TOPK):
-        best = tl.max(p, axis=0)
-        idx = tl.min(tl.where(p == best, offs_e, BLOCK_E), axis=0)  # lowest id among ties
-        w = tl.where(offs_k == k, best, w)
-        ids = tl.where(offs_k == k, idx, ids)
-        p = tl.where(offs_e == idx, -1.0, p)
+    if PACKED:
+        picks = _top_keys(_pack(p, BLOCK_E - 1 - offs_e), NUM_TOPK, BLOCK_K)
+        w = _key_score(picks)  # the probability; +0.0 on lanes >= NUM_TOPK, as below
+        ids = BLOCK_E - 1 - _key_low(picks)
+    else:
+        w = tl.zeros([BLOCK_K], dtype=tl.float32)
+        ids = tl.full([BLOCK_K], -1, dtype=tl.int32)
+        for k in tl.static_range(NUM_TOPK):
+            best = tl.max(p, axis=0)
+            idx = tl.min(tl.where(p == best, offs_e, BLOCK_E), axis=0)  # lowest id among ties
+            w = tl.where(offs_k == k, best, w)
+            ids = tl.where(offs_k == k, idx, ids)
+            p = tl.where(offs_e == idx, -1.0, p)
     if RENORMALIZE:
         w = w / tl.sum(w, axis=0)
     w = tl.where(live, w, 0.0)
@@ -84,6 +174,7 @@ def _grouped_topk_sigmoid_kernel(
     BLOCK_S: tl.constexpr,  # next power of 2 >= GROUP_SIZE
     BLOCK_K: tl.constexpr,  # next power of 2 >= NUM_TOPK
     RENORMALIZE: tl.constexpr,  # rescale the k weights to sum to 1 (before scaling)
+    PACKED: tl.constexpr = False,  # one int64 max per pick (module docstring)
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
@@ -94,40 +185,49 @@ def _grouped_topk_sigmoid_kernel(
     j = tl.arange(0, BLOCK_S)[None, :]  # [1, BLOCK_S]
     valid = (g < N_GROUP) & (j < GROUP_SIZE)  # [BLOCK_G, BLOCK_S]
     eid = tl.where(valid, g * GROUP_SIZE + j, -1)  # expert id per lane, -1 on padding lanes
-    x = tl.load(logits_ptr + row.to(tl.int64) * stride_l + eid, mask=valid, other=0.0)
-    x = x.to(tl.float32)
-    s = tl.where(valid, 1.0 / (1.0 + tl.exp(-x)), 0.0)  # sigmoid scores
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_l
+    x = tl.load(row_ptr + eid, mask=valid, other=0.0).to(tl.float32)
+    s = tl.where(valid, _sigmoid(x), 0.0)  # sigmoid scores
     b = tl.load(bias_ptr + eid, mask=valid, other=0.0).to(tl.float32)
     c = tl.where(valid, s + b, float("-inf"))  # scores used for choice
-    # group score = sum of the two best choice values of each group
-    m1 = tl.max(c, axis=1)  # [BLOCK_G]
-    i1 = tl.min(tl.where(c == m1[:, None], j, BLOCK_S), axis=1)
-    m2 = tl.max(tl.where(j == i1[:, None], float("-inf"), c), axis=1)
-    gs = tl.where(g1 < N_GROUP, m1 + m2, float("-inf"))
-    keep = g1 < 0  # all False, [BLOCK_G]
-    for _ in tl.static_range(TOPK_GROUP):
-        gbest = tl.max(gs, axis=0)
-        gi = tl.min(tl.where((gs == gbest) & (g1 < N_GROUP) & (~keep), g1, BLOCK_G), axis=0)
-        keep = keep | (g1 == gi)
-        gs = tl.where(g1 == gi, float("-inf"), gs)
-    c = tl.where(keep[:, None] & valid, c, float("-inf"))
     offs_k = tl.arange(0, BLOCK_K)
-    w = tl.zeros([BLOCK_K], dtype=tl.float32)
-    ids = tl.full([BLOCK_K], -1, dtype=tl.int32)
-    big = BLOCK_G * BLOCK_S
-    for k in tl.static_range(NUM_TOPK):
-        best = tl.max(tl.max(c, axis=1), axis=0)
-        hit = (c == best) & valid
-        idx = tl.min(tl.min(tl.where(hit, eid, big), axis=1), axis=0)  # lowest id among ties
-        wk = tl.sum(tl.sum(tl.where(eid == idx, s, 0.0), axis=1), axis=0)
-        w = tl.where(offs_k == k, wk, w)
-        ids = tl.where(offs_k == k, idx, ids)
-        c = tl.where(eid == idx, float("-inf"), c)
+    kmask = offs_k < NUM_TOPK
+    if PACKED:
+        key = tl.where(valid, _pack(c, N_GROUP * GROUP_SIZE - 1 - eid), _NO_KEY)
+        keep = _top_groups_packed(key, g1, N_GROUP, TOPK_GROUP)
+        key = tl.where(keep[:, None] | ~valid, key, _sunk(key))  # dropped groups: -inf, as c
+        ids = N_GROUP * GROUP_SIZE - 1 - _key_low(_top_keys(key, NUM_TOPK, BLOCK_K))
+        # the keys hold s + bias; the weight is s: the same expression on the k picked logits
+        xk = tl.load(row_ptr + ids, mask=kmask, other=0.0).to(tl.float32)
+        w = tl.where(kmask, _sigmoid(xk), 0.0)
+    else:
+        # group score = sum of the two best choice values of each group
+        m1 = tl.max(c, axis=1)  # [BLOCK_G]
+        i1 = tl.min(tl.where(c == m1[:, None], j, BLOCK_S), axis=1)
+        m2 = tl.max(tl.where(j == i1[:, None], float("-inf"), c), axis=1)
+        gs = tl.where(g1 < N_GROUP, m1 + m2, float("-inf"))
+        keep = g1 < 0  # all False, [BLOCK_G]
+        for _ in tl.static_range(TOPK_GROUP):
+            gbest = tl.max(gs, axis=0)
+            gi = tl.min(tl.where((gs == gbest) & (g1 < N_GROUP) & (~keep), g1, BLOCK_G), axis=0)
+            keep = keep | (g1 == gi)
+            gs = tl.where(g1 == gi, float("-inf"), gs)
+        c = tl.where(keep[:, None] & valid, c, float("-inf"))
+        w = tl.zeros([BLOCK_K], dtype=tl.float32)
+        ids = tl.full([BLOCK_K], -1, dtype=tl.int32)
+        big = BLOCK_G * BLOCK_S
+        for k in tl.static_range(NUM_TOPK):
+            best = tl.max(tl.max(c, axis=1), axis=0)
+            hit = (c == best) & valid
+            idx = tl.min(tl.min(tl.where(hit, eid, big), axis=1), axis=0)  # lowest id among ties
+            wk = tl.sum(tl.sum(tl.where(eid == idx, s, 0.0), axis=1), axis=0)
+            w = tl.where(offs_k == k, wk, w)
+            ids = tl.where(offs_k == k, idx, ids)
+            c = tl.where(eid == idx, float("-inf"), c)
     if RENORMALIZE:
         w = w / tl.sum(w, axis=0)
     w = tl.where(live, w * scaling, 0.0)
     ids = tl.where(live, ids, -1)
-    kmask = offs_k < NUM_TOPK
     tl.store(weights_ptr + row * NUM_TOPK + offs_k, w, mask=kmask)
     tl.store(ids_ptr + row * NUM_TOPK + offs_k, ids.to(tl.int64), mask=kmask)
 
@@ -148,29 +248,42 @@ def _check_common(logits, n, num_topk, out_weights, out_ids):
     return padded_bs, num_experts
 
 
-def topk_softmax(logits, n, num_topk, *, out_weights, out_ids, renormalize=True):
+def _packed_warps(lanes):
+    """num_warps of a packed grouped launch over ``lanes`` (a power of 2 <= 512) keys: up to 8
+    keys a thread, so up to 256 experts reduce inside one warp (shuffles, no shared memory).
+    Its only sums run over the k picks, in the same order at any num_warps. The softmax kernel
+    keeps its num_warps: the order of its normaliser's sum over the experts depends on them."""
+    return max(1, lanes // 256)
+
+
+def topk_softmax(logits, n, num_topk, *, out_weights, out_ids, renormalize=True,
+                 packed: bool | None = None):
     """Softmax over experts (fp32), top-``num_topk``, optional renormalisation.
 
     logits: [padded_bs, num_experts] bf16/fp16/fp32 (num_experts <= 512, last dim contiguous).
     n: int32 [1] device tensor, live rows. num_topk: int <= 16.
     out_weights: fp32 [padded_bs, num_topk]; out_ids: int64 [padded_bs, num_topk] (contiguous).
     Rows >= n get ids -1 and weights 0. Returns ``(out_weights, out_ids)``.
+    packed: one int64 max per pick (module docstring; bitwise equal outputs); None:
+    ``PACKED`` (``GRAPHRT_ROUTING_PACKED``), read at each call (at capture, for a graph).
 
     Graph safety: capturable
     """
     padded_bs, num_experts = _check_common(logits, n, num_topk, out_weights, out_ids)
     if padded_bs == 0:
         return out_weights, out_ids
+    packed = PACKED if packed is None else bool(packed)
     block_e = triton.next_power_of_2(num_experts)
     _topk_softmax_kernel[(padded_bs,)](
         logits, n, out_weights, out_ids, num_experts, logits.stride(0),
         NUM_TOPK=num_topk, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(num_topk),
-        RENORMALIZE=bool(renormalize), num_warps=4 if block_e >= 256 else 1, **pdl_args())
+        RENORMALIZE=bool(renormalize), PACKED=packed, num_warps=4 if block_e >= 256 else 1,
+        **pdl_args())
     return out_weights, out_ids
 
 
 def grouped_topk_sigmoid(logits, bias, n, num_topk, n_group, topk_group, *, out_weights, out_ids,
-                         routed_scaling_factor=1.0, renormalize=True):
+                         routed_scaling_factor=1.0, renormalize=True, packed: bool | None = None):
     """DeepSeek-V3 routing: biased sigmoid scores, top ``topk_group`` of ``n_group`` groups, top-k.
 
     scores = sigmoid(logits); choice = scores + bias; a group's score is the sum of its two best
@@ -183,6 +296,7 @@ def grouped_topk_sigmoid(logits, bias, n, num_topk, n_group, topk_group, *, out_
     topk_group <= n_group, num_topk <= min(16, topk_group * group size).
     out_weights: fp32 [padded_bs, num_topk]; out_ids: int64 [padded_bs, num_topk] (contiguous).
     Rows >= n get ids -1 and weights 0. Returns ``(out_weights, out_ids)``.
+    packed: as in :func:`topk_softmax`.
 
     Graph safety: capturable
     """
@@ -200,12 +314,15 @@ def grouped_topk_sigmoid(logits, bias, n, num_topk, n_group, topk_group, *, out_
           f"<= topk_group * group size = {topk_group * group_size}", num_topk)
     if padded_bs == 0:
         return out_weights, out_ids
+    packed = PACKED if packed is None else bool(packed)
+    block_g, block_s = triton.next_power_of_2(n_group), triton.next_power_of_2(group_size)
     _grouped_topk_sigmoid_kernel[(padded_bs,)](
         logits, bias, n, out_weights, out_ids, logits.stride(0), float(routed_scaling_factor),
         N_GROUP=n_group, GROUP_SIZE=group_size, TOPK_GROUP=topk_group, NUM_TOPK=num_topk,
-        BLOCK_G=triton.next_power_of_2(n_group), BLOCK_S=triton.next_power_of_2(group_size),
-        BLOCK_K=triton.next_power_of_2(num_topk), RENORMALIZE=bool(renormalize),
-        num_warps=4 if num_experts >= 256 else 1, **pdl_args())
+        BLOCK_G=block_g, BLOCK_S=block_s, BLOCK_K=triton.next_power_of_2(num_topk),
+        RENORMALIZE=bool(renormalize), PACKED=packed,
+        num_warps=_packed_warps(block_g * block_s) if packed else (4 if num_experts >= 256 else 1),
+        **pdl_args())
     return out_weights, out_ids
 
 

@@ -145,6 +145,21 @@ def test_launchers_as_ops_patches_and_restores():
     assert disp.dispatch_masked is orig and not gops._originals
 
 
+def test_each_wrapper_takes_every_keyword_of_its_launcher():
+    """Inside ``launchers_as_ops`` a wrapper stands in for its launcher wherever the launcher
+    is called, so a keyword the launcher gained (``preload=``) and the wrapper lacks would
+    raise only under torch.compile, on a GPU. Every parameter name must match."""
+    import importlib
+    import inspect
+    for (module, name), wrapper in gops._wrappers().items():
+        if module == "deep_gemm":
+            continue                       # positional C++ entry points, absent on the CPU
+        launcher = getattr(importlib.import_module(module), name)
+        want = list(inspect.signature(launcher).parameters)
+        got = list(inspect.signature(wrapper).parameters)
+        assert got == want, f"{module}.{name}: the wrapper takes {got}, the launcher {want}"
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return make_step(preset("tiny"), "cpu", max_batch_size=8, backend="triton")

@@ -28,6 +28,8 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   launch before it (``Attention.fuse_append``, ``decode_attention(k_new=, ...)``);
 - ``preload``: the one-row GEMVs load their first weight tile before the PDL wait
   (``graphrt.moe.layers.PRELOAD``, ``dense_gemv_rows(preload=)``, ``norm_gemv_rows(preload=)``);
+- ``routing-packed``: the router top-k kernels pick with one max over packed (score, id)
+  keys a pick (``graphrt.kernels.routing.PACKED``);
 - ``fuse-dispatch``: the EP=1 dispatch in one launch up to 256 flat (token, k) ids instead of
   plan + copy (``graphrt.kernels.dispatch.FUSED_MAX_FLAT``);
 - ``expert-rows``: the expert plan's choices as measured, the CUDA-core rows kernel included
@@ -98,6 +100,7 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "fuse-append": lambda on: _class_attr("graphrt.moe.layers", "Attention", "fuse_append",
                                                   on),
             "preload": lambda on: _class_attr("graphrt.moe.layers", None, "PRELOAD", on),
+            "routing-packed": lambda on: _class_attr("graphrt.kernels.routing", None, "PACKED", on),
             "fuse-dispatch": lambda on: _class_attr("graphrt.kernels.dispatch", None,
                                                     "FUSED_MAX_FLAT", 256 if on else 0),
             "expert-rows": lambda on: _class_attr("graphrt.moe.expert_plan", "ExpertPlan",
