@@ -114,8 +114,12 @@ def _append_kv(k_new_ptr, v_new_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr,
     if (slot >= 0) & (slot < num_cache_slots):
         offs_d = tl.arange(0, HEAD_DIM)
         dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct + kvh * stride_ch + offs_d
-        tl.store(k_cache_ptr + dst, tl.load(k_new_ptr + b * stride_kb + kvh * stride_kh + offs_d))
-        tl.store(v_cache_ptr + dst, tl.load(v_new_ptr + b * stride_vb + kvh * stride_vh + offs_d))
+        # both loads before either store: one memory round trip, not two (a load cannot
+        # move above a store that may alias it)
+        k = tl.load(k_new_ptr + b * stride_kb + kvh * stride_kh + offs_d)
+        v = tl.load(v_new_ptr + b * stride_vb + kvh * stride_vh + offs_d)
+        tl.store(k_cache_ptr + dst, k)
+        tl.store(v_cache_ptr + dst, v)
 
 
 @triton.jit

@@ -45,6 +45,9 @@ def _add_rmsnorm_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
+    # The weight first: loaded after the residual's store it would wait a second memory round
+    # trip (the compiler cannot move a load above a store that may alias it).
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if NUM_ADD >= 1:
         r += tl.load(d1_ptr + row * stride_d1 + offs, mask=mask, other=0.0).to(tl.float32)
@@ -55,7 +58,6 @@ def _add_rmsnorm_kernel(
         tl.store(res_ptr + row * stride_res + offs, r, mask=mask)
         r = r.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(r * r, axis=0) / hidden + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + offs, (r * rstd * w).to(out_ptr.dtype.element_ty),
              mask=mask)
 

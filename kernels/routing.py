@@ -9,8 +9,8 @@ the lower expert id (the references use a stable descending sort to match).
 Outputs: weights fp32 ``[padded_bs, num_topk]`` and ids int64 ``[padded_bs, num_topk]`` (int64
 because DeepEP takes int64 ``topk_idx``), sorted by decreasing routing score.
 
-Packed picks (``packed=True``; the default is ``GRAPHRT_ROUTING_PACKED``, off until measured on
-a GPU): each of the ``num_topk`` picks is ONE int64 max reduction instead of a max, a min over
+Packed picks (``packed=True``; the default, ``GRAPHRT_ROUTING_PACKED=0`` turns it off; BENCHMARKS.md
+§25): each of the ``num_topk`` picks is ONE int64 max reduction instead of a max, a min over
 the tied ids and a sum fetching the weight. An expert's key holds its fp32 score in the high
 half, mapped to an int32 of the same order (``bits ^ ((bits >> 31) & 0x7fffffff)``: negatives'
 magnitude bits flipped; -inf included, -0.0 taken as +0.0 like float ``==``), and a tie-breaker
@@ -39,7 +39,7 @@ from ._util import check, check_tensor, pdl_args
 _LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_EXPERTS = 512
 _MAX_TOPK = 16
-PACKED: bool = env_flag("GRAPHRT_ROUTING_PACKED", False)  # the launchers' ``packed`` default
+PACKED: bool = env_flag("GRAPHRT_ROUTING_PACKED", True)  # the launchers' ``packed`` default
 _NO_KEY = tl.constexpr(-(2**63))  # below every packed key: padding lanes, groups already taken
 _NEG_INF_KEY = tl.constexpr(-0x7F800001 << 32)  # _pack(-inf, 0)
 

@@ -13,7 +13,8 @@ reported per GEMM: µs, GB/s of W read, that rate as a fraction of the measured 
 bandwidth (``hbm_bandwidth_gbs``), gemv / cuBLAS, and the max relative error
 (``max |y - ref| / max |ref|``) of each against the fp32 reference. The GEMV runs
 ``dense_gemv_config``'s pick; ``--sweep`` also times every (block_n, split_k) in the grid
-below and reports the fastest, to check the config rule. Prints a markdown table; writes
+below and reports the fastest, to check the config rule, and for 1-4 rows every
+(block_n, block_k, num_warps) of the rows GEMV in ``ROWS_SWEEP``. Prints a markdown table; writes
 JSON to ``--out`` (and the table beside it, ``.md``).
 
 Tooling: synchronizes the device; nothing here runs inside a step.
@@ -33,8 +34,12 @@ SHAPES = {  # name: (n, k) of W [n, k]
     "qwen3-qkv": (5120, 2048), "qwen3-o": (2048, 4096), "qwen3-lm_head": (32768, 2048),
     "qwen3-router": (128, 2048), "dsv3-qkv": (9216, 7168), "dsv3-o": (7168, 8192),
     "dsv3-shared-w13": (4096, 7168), "dsv3-shared-w2": (7168, 2048),
+    "dsv3-lm_head": (32768, 7168),
 }
 SWEEP = [(bn, sk) for bn in (16, 32, 64, 128) for sk in (1, 2, 4, 8)]
+# the rows GEMV's (block_n, block_k, num_warps) under --sweep: 8K and 16K weights a round
+ROWS_SWEEP = [(bn, bk, nw) for bn, bk in ((2, 4096), (4, 2048), (8, 1024), (16, 512), (4, 4096),
+                                          (8, 2048), (16, 1024), (32, 512)) for nw in (4, 8)]
 
 
 def _max_rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -66,10 +71,11 @@ class _Case:
         for w in self.weights:
             dense_gemv(self.x, w, out=self.out, workspace=ws, block_n=block_n, split_k=split_k)
 
-    def rows_gemv(self):
+    def rows_gemv(self, block_n=None, block_k=None, num_warps=4):
         from graphrt.kernels.dense_gemv import dense_gemv_rows
         for w in self.weights:
-            dense_gemv_rows(self.x, w, out=self.out)
+            dense_gemv_rows(self.x, w, out=self.out, block_n=block_n, block_k=block_k,
+                            num_warps=num_warps)
 
     def max_rel_err(self, fn) -> float:
         """``fn``'s output (the last copy's GEMM) against that copy's fp32 reference."""
@@ -114,6 +120,13 @@ def bench(shapes: list[str], rows: list[int], *, cold_mb: int, iters: int, sweep
                 best = min(times, key=times.get)
                 res["sweep"] = times
                 res["best"] = {"config": best, "us": times[best]}
+                if m <= ROWS_MAX:
+                    times = {f"{bn}x{bk}w{nw}": round(graph_time_us(
+                        lambda a=(bn, bk, nw), case=case: case.rows_gemv(*a), iters=iters)
+                        / copies, 2) for bn, bk, nw in ROWS_SWEEP if bk <= 2 * k}
+                    best = min(times, key=times.get)
+                    res["rows_sweep"] = times
+                    res["rows_best"] = {"config": best, "us": times[best]}
             doc["results"].append(res)
             log(_row(res))
         case.weights.clear()  # free this shape's copies before the next
@@ -130,6 +143,8 @@ def _header() -> str:
 def _row(r: dict) -> str:
     c, g = r["cublas"], r["gemv"]
     best = f"{r['best']['config']} {r['best']['us']:.1f}" if "best" in r else "—"
+    if "rows_best" in r:
+        best += f"; rows {r['rows_best']['config']} {r['rows_best']['us']:.1f}"
     rows = (f"{r['rows']['us']:.1f} | {r['rows']['us'] / c['us']:.2f}" if "rows" in r
             else "— | —")
     return (f"| {r['shape']} | {r['n']} | {r['k']} | {r['m']} | {c['us']:.1f} | {g['us']:.1f} | "

@@ -202,10 +202,10 @@ def test_packed_rows_out_of_finite_choices_match_cpu(n_group, topk_group):
 
 
 def test_packed_default_comes_from_the_environment(monkeypatch):
-    """``packed=None`` follows ``routing.PACKED`` (``GRAPHRT_ROUTING_PACKED``, off by default);
+    """``packed=None`` follows ``routing.PACKED`` (``GRAPHRT_ROUTING_PACKED``, on by default);
     the packed grouped launch uses one warp up to 256 experts, two at 512; the softmax launch
     keeps its warps (they fix the order of its sum over the experts)."""
-    assert routing.PACKED is env_flag("GRAPHRT_ROUTING_PACKED", False)
+    assert routing.PACKED is env_flag("GRAPHRT_ROUTING_PACKED", True)
     launched = []
 
     class Spy:
