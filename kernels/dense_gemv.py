@@ -35,6 +35,7 @@ Glossary: ``m`` rows (bs, at most 16), ``n`` output features, ``k`` input featur
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -168,11 +169,16 @@ def _gemv_rows_kernel(
             tl.store(out_ptr + r * n + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
-ROWS_MAX = 4  # rows dense_gemv_rows serves
+ROWS_MAX = 16  # rows dense_gemv_rows serves (the model sends it 1-2, or up to 16 when n is small)
 # rows dense_gemv_auto (and the reference model's GRAPHRT_DENSE=auto) sends to it. In the
 # qwen3-like step (BENCHMARKS.md §23) the rows GEMV is 0.93x cuBLAS's step time at one row
 # (§22), 0.96x at 2 rows and 1.05x at 4.
 ROWS_AUTO = 2
+# A projection this narrow (n <= ROWS_SMALL_N: the router gate) takes the rows GEMV up to
+# ROWS_MAX rows in dense_gemv_auto (and the model's dense path): cuBLAS runs the qwen3-like
+# router [16, 2048] x [2048, 64] in 5.2 µs (BENCHMARKS.md §25). 0 (the default) turns it off;
+# GRAPHRT_ROWS_SMALL_N at import (A/B: the router-rows switch sets 256).
+ROWS_SMALL_N = int(os.environ.get("GRAPHRT_ROWS_SMALL_N", "0"))
 _ROWS_TILE = 8192  # weights a program loads per round (16 KB bf16)
 
 
@@ -201,8 +207,8 @@ def dense_gemv_rows_config(n: int, k: int) -> dict:
 def dense_gemv_rows(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
                     block_n: int | None = None, block_k: int | None = None,
                     num_warps: int = 4, preload: bool = False) -> torch.Tensor:
-    """``out = x @ w.T`` for 1-4 rows on the CUDA cores (fp32 accumulation), reading ``w``
-    once: x bf16 ``[m <= 4, k]``, w bf16 ``[n, k]``, out bf16 ``[m, n]``, all contiguous.
+    """``out = x @ w.T`` for 1-16 rows on the CUDA cores (fp32 accumulation), reading ``w``
+    once: x bf16 ``[m <= 16, k]``, w bf16 ``[n, k]``, out bf16 ``[m, n]``, all contiguous.
     ``block_n``/``block_k`` default to ``dense_gemv_rows_config``. ``preload``: each program
     loads its first round of ``w`` before it waits for the previous kernel (PDL,
     ``kernels._pdl``); only for weights that no kernel of the stream writes. One launch, no
@@ -327,8 +333,8 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
 
 
 def dense_gemv_auto(x: torch.Tensor, w: torch.Tensor, *, preload: bool = False) -> torch.Tensor:
-    """``x @ w.T`` through :func:`dense_gemv_rows` up to ``ROWS_AUTO`` rows (2; ``preload``
-    passed on), else :func:`dense_gemv` with ``dense_gemv_config``'s pick, allocating ``out``
+    """``x @ w.T`` through :func:`dense_gemv_rows` up to ``ROWS_AUTO`` rows (2), or up to
+    ``ROWS_MAX`` when ``n <= ROWS_SMALL_N`` (``preload`` passed on), else :func:`dense_gemv` with ``dense_gemv_config``'s pick, allocating ``out``
     (and the split-K workspace) with ``torch.empty``: for a step's intermediates, which a
     captured graph allocates from its pool. Shapes as :func:`dense_gemv`.
 
@@ -337,7 +343,7 @@ def dense_gemv_auto(x: torch.Tensor, w: torch.Tensor, *, preload: bool = False) 
     m, k = x.shape
     n = w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m <= ROWS_AUTO:
+    if rows_path(m, n):
         return dense_gemv_rows(x, w, out=out, preload=preload)
     cfg = dense_gemv_config(m, n, k, num_sms(x.device))
     ws = None
@@ -345,6 +351,12 @@ def dense_gemv_auto(x: torch.Tensor, w: torch.Tensor, *, preload: bool = False) 
         ws = torch.empty(dense_gemv_workspace_shape(m, n, cfg["split_k"]), dtype=torch.float32,
                          device=x.device)
     return dense_gemv(x, w, out=out, workspace=ws, **cfg)
+
+
+def rows_path(m: int, n: int) -> bool:
+    """Whether ``dense_gemv_auto`` takes the rows GEMV for ``m`` rows and ``n`` outputs
+    (``ROWS_AUTO``, ``ROWS_SMALL_N``). Host-only."""
+    return 0 < m <= ROWS_AUTO or (n <= ROWS_SMALL_N and 0 < m <= ROWS_MAX)
 
 
 def dense_gemv_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ every op returns ``None`` (a custom op may not return an alias of its input)::
                                        semaphore=None, variant="split")
     torch.ops.graphrt.add_rmsnorm(x, d1, d2, weight, eps, out, out_residual)   # d1, d2 optional
     torch.ops.graphrt.silu_and_mul(u, out)
+    torch.ops.graphrt.embedding_rows(table, ids, out)
     torch.ops.graphrt.unpack_rows(rows, sampled, vocab, max_ctx, scratch_slot, scratch_block,
                                   out_tokens, out_positions, out_slots, out_block_table,
                                   out_seq_lens)
@@ -265,6 +266,12 @@ def norm_gemv_rows(x: Tensor, d1: Optional[Tensor], d2: Optional[Tensor], norm_w
     _launcher(f"{_KERNELS}.norm_gemv", "norm_gemv_rows")(
         x, *[d for d in (d1, d2) if d is not None], norm_weight=norm_weight, eps=eps, w=w,
         out=out, out_residual=given, preload=preload)
+
+
+@_op("embedding_rows", ("out",))
+def embedding_rows(table: Tensor, ids: Tensor, out: Tensor) -> None:
+    """``graphrt.kernels.embedding.embedding_rows``. Graph safety: capturable."""
+    _launcher(f"{_KERNELS}.embedding", "embedding_rows")(table, ids, out=out)
 
 
 # -------------------------------------------------------------------- decode step in / out

@@ -89,6 +89,10 @@ def _wrappers() -> dict[tuple[str, str], object]:
         ops.silu_and_mul(u, out)
         return out
 
+    def embedding_rows_(table, ids, *, out):
+        ops.embedding_rows(table, ids, out)
+        return out
+
     def unpack_rows_(rows, sampled, *, vocab, max_ctx, scratch_slot, scratch_block, out_tokens,
                      out_positions, out_slots, out_block_table, out_seq_lens):
         outs = (out_tokens, out_positions, out_slots, out_block_table, out_seq_lens)
@@ -141,6 +145,7 @@ def _wrappers() -> dict[tuple[str, str], object]:
             (f"{k}.attention", "decode_attention"): decode_attention_,
             (f"{k}.norm", "add_rmsnorm"): add_rmsnorm_,
             (f"{k}.activation", "silu_and_mul"): silu_and_mul_,
+            (f"{k}.embedding", "embedding_rows"): embedding_rows_,
             (f"{k}.decode_io", "unpack_rows"): unpack_rows_,
             (f"{k}.decode_io", "greedy_sample"): greedy_sample_,
             (f"{k}.dense_gemv", "dense_gemv"): dense_gemv_,

@@ -62,6 +62,8 @@ def _cases():
               workspace_lse=torch.zeros(lse_shape))),
         ("silu_and_mul", "activation", (_rand(bs, 2 * inter, gen=g),),
          dict(out=torch.zeros(bs, inter, dtype=bf16))),
+        ("embedding_rows", "embedding", (_rand(40, H, gen=g), torch.tensor([3, 39, 0, 3, 7, -1])),
+         dict(out=torch.zeros(bs, H, dtype=bf16))),
     ]
 
 

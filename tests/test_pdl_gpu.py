@@ -50,7 +50,8 @@ def test_pdl_is_on_by_default_on_hopper(monkeypatch, cuda_device):
 @pytest.mark.parametrize("switch", ["pdl", "prefetch", "pdl-early", "dense-gemv", "attn-splits",
                                     "pdl-early+dense-gemv+attn-splits", "fuse-norm", "rows4",
                                     "fuse-act", "fuse-dispatch", "preload", "fuse-final-norm",
-                                    "preload+fuse-final-norm", "act-compact", "fuse-append"])
+                                    "preload+fuse-final-norm", "act-compact", "fuse-append",
+                                    "routing-packed", "embed-kernel", "router-rows"])
 def test_switched_graph_matches_plain_graph(cuda_device, switch):
     if "pdl" in switch and torch.cuda.get_device_capability(cuda_device)[0] < 9:
         pytest.skip("PDL needs compute capability 9.0+")

@@ -30,6 +30,10 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   (``graphrt.moe.layers.PRELOAD``, ``dense_gemv_rows(preload=)``, ``norm_gemv_rows(preload=)``);
 - ``routing-packed``: the router top-k kernels pick with one max over packed (score, id)
   keys a pick (``graphrt.kernels.routing.PACKED``);
+- ``embed-kernel``: the embedding lookup on ``graphrt.kernels.embedding`` instead of
+  ``index_select`` (``MoEModel.embed_kernel``);
+- ``router-rows``: projections of at most 256 outputs (the router gate) on the rows GEMV up
+  to 16 rows instead of cuBLAS (``graphrt.kernels.dense_gemv.ROWS_SMALL_N``);
 - ``fuse-dispatch``: the EP=1 dispatch in one launch up to 256 flat (token, k) ids instead of
   plan + copy (``graphrt.kernels.dispatch.FUSED_MAX_FLAT``);
 - ``expert-rows``: the expert plan's choices as measured, the CUDA-core rows kernel included
@@ -101,6 +105,10 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
                                                   on),
             "preload": lambda on: _class_attr("graphrt.moe.layers", None, "PRELOAD", on),
             "routing-packed": lambda on: _class_attr("graphrt.kernels.routing", None, "PACKED", on),
+            "embed-kernel": lambda on: _class_attr("graphrt.moe.model", "MoEModel", "embed_kernel",
+                                                   on),
+            "router-rows": lambda on: _class_attr("graphrt.kernels.dense_gemv", None,
+                                                  "ROWS_SMALL_N", 256 if on else 0),
             "fuse-dispatch": lambda on: _class_attr("graphrt.kernels.dispatch", None,
                                                     "FUSED_MAX_FLAT", 256 if on else 0),
             "expert-rows": lambda on: _class_attr("graphrt.moe.expert_plan", "ExpertPlan",

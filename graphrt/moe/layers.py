@@ -46,15 +46,16 @@ def dense_path(x: torch.Tensor, w: torch.Tensor) -> str:
     """Which path :func:`dense` takes: ``"gemv"`` (``graphrt.kernels.dense_gemv``) for bf16,
     contiguous x ``[rows, in]`` and w on a CUDA device with ``rows <=
     graphrt.kernels.dense_gemv.ROWS_AUTO`` (2; ``DENSE="auto"``, the default: 0.93x the step
-    time of cuBLAS at qwen3-like bs 1, BENCHMARKS.md §22, and 0.96x at 2 rows, §23) or
-    ``rows <= 16`` (``GRAPHRT_DENSE=gemv``), else ``"torch"`` (cuBLAS; ``GRAPHRT_DENSE=torch``
+    time of cuBLAS at qwen3-like bs 1, BENCHMARKS.md §22, and 0.96x at 2 rows, §23; or up to
+    16 rows when w has at most ``dense_gemv.ROWS_SMALL_N`` outputs: ``dense_gemv.rows_path``)
+    or ``rows <= 16`` (``GRAPHRT_DENSE=gemv``), else ``"torch"`` (cuBLAS; ``GRAPHRT_DENSE=torch``
     always)."""
     if DENSE not in ("auto", "gemv") or x.device.type != "cuda":
         return "torch"
     from graphrt.kernels import dense_gemv
-    limit = dense_gemv.ROWS_AUTO if DENSE == "auto" else 16
-    ok = (x.dim() == 2 and 0 < x.shape[0] <= limit
-          and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+    rows = x.shape[0] if x.dim() == 2 else 0
+    fits = dense_gemv.rows_path(rows, w.shape[0]) if DENSE == "auto" else 0 < rows <= 16
+    ok = (fits and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
           and x.is_contiguous() and w.is_contiguous())
     return "gemv" if ok else "torch"
 

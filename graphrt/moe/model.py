@@ -145,6 +145,11 @@ class MoEModel:
             ``ExpertBalancer`` rebalances between steps.
     """
 
+    # The embedding lookup on graphrt's gather kernel (kernels/embedding.py) instead of torch's
+    # index_select (12.3 µs for 16 rows on an H200, BENCHMARKS.md §25). Off until measured in
+    # the step; GRAPHRT_EMBED_KERNEL=1 at import (A/B: the embed-kernel switch).
+    embed_kernel = env_flag("GRAPHRT_EMBED_KERNEL", False)
+
     def __init__(self, cfg: MoEConfig, device, *, comm: EPComm | None = None, overlap: bool = True,
                  backend: str = "auto", fp8: bool = False, seed: int = 0, expert_plan=None,
                  eplb=None):
@@ -239,7 +244,12 @@ class MoEModel:
         block_table int32 ``[bs, max_blocks_per_seq]``, seq_lens int32 ``[bs]``: the paged KV
         metadata (``graphrt.moe.paged_kv``); n int32 ``[1]`` live rows. Writes each live
         row's K/V at its slot in every layer. Graph safety: capturable."""
-        x = self.embed.index_select(0, tokens)                             # [bs, hidden]
+        if self.embed_kernel:                                              # [bs, hidden]
+            from graphrt.kernels.embedding import embedding_rows
+            x = embedding_rows(self.embed, tokens, out=torch.empty(
+                tokens.shape[0], self.cfg.hidden, dtype=self.embed.dtype, device=self.device))
+        else:
+            x = self.embed.index_select(0, tokens)
         if self.layers[0].fuse_norm:
             h = PendingNorm(x, (), self._norms[0], self.cfg.rms_eps)      # its QKV norms it
         else:

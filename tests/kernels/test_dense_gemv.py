@@ -149,6 +149,16 @@ def test_dense_path_rules(monkeypatch):
     assert layers.dense_path(_stub(rows=2), w) == "gemv"
     assert layers.dense_path(_stub(rows=3), w) == "torch"            # more: cuBLAS
     assert layers.dense_path(_stub(rows=1, device="cpu"), w) == "torch"
+    from graphrt.kernels import dense_gemv
+    assert dense_gemv.ROWS_SMALL_N == 0                             # off by default
+    monkeypatch.setattr(dense_gemv, "ROWS_SMALL_N", 256)            # the router-rows switch
+    router, wide = _stub(rows=64), _stub(rows=512)                   # w [64, 64], w [512, 64]
+    assert layers.dense_path(_stub(rows=16), router) == "gemv"       # narrow: up to 16 rows
+    assert layers.dense_path(_stub(rows=17), router) == "torch"
+    assert layers.dense_path(_stub(rows=3), wide) == "torch"         # wide: the 2-row rule
+    assert dense_gemv.rows_path(16, 256) and not dense_gemv.rows_path(16, 257)
+    assert not dense_gemv.rows_path(0, 64) and dense_gemv.rows_path(2, 1 << 20)
+    monkeypatch.setattr(dense_gemv, "ROWS_SMALL_N", 0)
     monkeypatch.setattr(layers, "DENSE", "torch")
     assert layers.dense_path(_stub(rows=1), w) == "torch"            # cuBLAS always
     monkeypatch.setattr(layers, "DENSE", "gemv")
@@ -184,7 +194,7 @@ def test_model_step_with_gemv_env_on_cpu_is_the_torch_path(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- 1-4 rows, CUDA cores
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 9, 16])
 @pytest.mark.parametrize("n, k, block_n, block_k", [
     (64, 256, None, None),    # the config: the whole K in one round
     (37, 200, 4, 64),         # ragged n and k: masks on both, four K rounds
