@@ -146,9 +146,10 @@ class MoEModel:
     """
 
     # The embedding lookup on graphrt's gather kernel (kernels/embedding.py) instead of torch's
-    # index_select (12.3 µs for 16 rows on an H200, BENCHMARKS.md §25). Off until measured in
-    # the step; GRAPHRT_EMBED_KERNEL=1 at import (A/B: the embed-kernel switch).
-    embed_kernel = env_flag("GRAPHRT_EMBED_KERNEL", False)
+    # index_select (12.3 µs for 16 rows on an H200): 0.994x / 0.986x the step at qwen3-like
+    # bs 1 / 16 (BENCHMARKS.md §25). GRAPHRT_EMBED_KERNEL=0 at import turns it off (A/B: the
+    # embed-kernel switch).
+    embed_kernel = env_flag("GRAPHRT_EMBED_KERNEL", True)
 
     def __init__(self, cfg: MoEConfig, device, *, comm: EPComm | None = None, overlap: bool = True,
                  backend: str = "auto", fp8: bool = False, seed: int = 0, expert_plan=None,
