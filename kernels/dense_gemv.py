@@ -26,9 +26,9 @@ head) multiply 1-16 rows by a row-major weight ``[n, k]`` as the model stores it
   result is a function of the inputs and the config only, bitwise equal call to call and in
   graph replays.
 
-For 1-4 rows ``dense_gemv_rows`` skips the tensor cores: a program loads ``[BLOCK_N,
-BLOCK_K]`` weights (the whole K when it fits, 16 KB) in one round and reduces on the CUDA
-cores, so many small programs keep the most bytes in flight.
+For 1-16 rows (the model sends it one or two) ``dense_gemv_rows`` skips the tensor cores: a
+program loads ``[BLOCK_N, BLOCK_K]`` weights (the whole K when it fits, 16 KB) in one round
+and reduces on the CUDA cores, so many small programs keep the most bytes in flight.
 
 Glossary: ``m`` rows (bs, at most 16), ``n`` output features, ``k`` input features.
 """

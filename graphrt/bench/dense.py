@@ -1,5 +1,5 @@
 """Dense decode GEMM microbenchmark: cuBLAS (``torch.mm``) vs the decode GEMV
-(``graphrt.kernels.dense_gemv``; ``dense_gemv_rows`` on the CUDA cores for 1-4 rows) at the
+(``graphrt.kernels.dense_gemv``; ``dense_gemv_rows`` on the CUDA cores for 1-16 rows) at the
 reference models' dense shapes, each captured in a CUDA graph.
 
     python -m graphrt.bench.dense --out bench-out/dense.json
@@ -13,7 +13,7 @@ reported per GEMM: µs, GB/s of W read, that rate as a fraction of the measured 
 bandwidth (``hbm_bandwidth_gbs``), gemv / cuBLAS, and the max relative error
 (``max |y - ref| / max |ref|``) of each against the fp32 reference. The GEMV runs
 ``dense_gemv_config``'s pick; ``--sweep`` also times every (block_n, split_k) in the grid
-below and reports the fastest, to check the config rule, and for 1-4 rows every
+below and reports the fastest, to check the config rule, and for 1-16 rows every
 (block_n, block_k, num_warps) of the rows GEMV in ``ROWS_SWEEP``. Prints a markdown table; writes
 JSON to ``--out`` (and the table beside it, ``.md``).
 

@@ -62,26 +62,33 @@ def _captured(dev, launch):
     return g
 
 
+def _replays_read_the_new_rows(dev, src, x, out, launch, eager):
+    """Capture the slow writer (``src`` -> ``x``), then ``launch`` (the GEMV with ``preload``,
+    reading ``x``); replay with new rows in ``src``: every replay, ``x`` holds them and ``out``
+    equals ``eager(src)`` (the GEMV without preload, run eagerly on the new rows)."""
+    def step():
+        _slow_copy(src, x)
+        launch()
+    g = _captured(dev, step)
+    for i in range(5):
+        src.copy_(_t(*src.shape, seed=10 + i))
+        out.fill_(float("nan"))
+        g.replay()
+        want = eager(src)
+        torch.cuda.synchronize(dev)
+        assert torch.equal(x, src), i
+        assert torch.equal(out, want), i
+
+
 @pytest.mark.parametrize("n, k", [(5120, 2048), (2048, 4096), (9216, 7168)])
 def test_rows_gemv_preload_reads_the_writers_rows(pdl, n, k):
     dev = pdl
     w = _t(n, k, seed=1, scale=k ** -0.5)
     src, x = _t(1, k, seed=2), torch.zeros(1, k, dtype=torch.bfloat16, device=dev)
     out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=dev)
-
-    def step():
-        _slow_copy(src, x)
-        dense_gemv_rows(x, w, out=out, preload=True)
-    g = _captured(dev, step)
-    for i in range(5):
-        src.copy_(_t(1, k, seed=10 + i))
-        out.fill_(float("nan"))
-        g.replay()
-        want = torch.empty_like(out)
-        dense_gemv_rows(src, w, out=want)                  # no preload, eager, on the new rows
-        torch.cuda.synchronize(dev)
-        assert torch.equal(x, src), i
-        assert torch.equal(out, want), i
+    _replays_read_the_new_rows(
+        dev, src, x, out, lambda: dense_gemv_rows(x, w, out=out, preload=True),
+        lambda rows: dense_gemv_rows(rows, w, out=torch.empty_like(out)))
 
 
 @pytest.mark.parametrize("num_deltas", [0, 2])
@@ -92,19 +99,10 @@ def test_norm_gemv_preload_reads_the_writers_rows(pdl, num_deltas):
     src, x = _t(1, k, seed=2), torch.zeros(1, k, dtype=torch.bfloat16, device=dev)
     deltas = [_t(1, k, seed=4 + i, scale=0.5) for i in range(num_deltas)]
     out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=dev)
-    res = torch.empty(1, k, dtype=torch.bfloat16, device=dev) if deltas else None
 
-    def step():
-        _slow_copy(src, x)
-        norm_gemv_rows(x, *deltas, norm_weight=nw, eps=1e-6, w=w, out=out, out_residual=res,
-                       preload=True)
-    g = _captured(dev, step)
-    for i in range(5):
-        src.copy_(_t(1, k, seed=10 + i))
-        out.fill_(float("nan"))
-        g.replay()
-        want = torch.empty_like(out)
-        norm_gemv_rows(src, *deltas, norm_weight=nw, eps=1e-6, w=w, out=want,
-                       out_residual=torch.empty_like(src) if deltas else None)
-        torch.cuda.synchronize(dev)
-        assert torch.equal(out, want), i
+    def gemv(rows, dst, preload=False):
+        return norm_gemv_rows(rows, *deltas, norm_weight=nw, eps=1e-6, w=w, out=dst,
+                              out_residual=torch.empty_like(rows) if deltas else None,
+                              preload=preload)
+    _replays_read_the_new_rows(dev, src, x, out, lambda: gemv(x, out, preload=True),
+                               lambda rows: gemv(rows, torch.empty_like(out)))
