@@ -176,8 +176,9 @@ ROWS_MAX = 16  # rows dense_gemv_rows serves (the model sends it 1-2, or up to 1
 ROWS_AUTO = 2
 # A projection this narrow (n <= ROWS_SMALL_N: the router gate) takes the rows GEMV up to
 # ROWS_MAX rows in dense_gemv_auto (and the model's dense path): cuBLAS runs the qwen3-like
-# router [16, 2048] x [2048, 64] in 5.2 µs (BENCHMARKS.md §25). 0 (the default) turns it off;
-# GRAPHRT_ROWS_SMALL_N at import (A/B: the router-rows switch sets 256).
+# router [16, 2048] x [2048, 64] in 5.2 µs, yet 256 made the qwen3-like bs-16 step 1.062x
+# slower (BENCHMARKS.md §25). 0 (the default) turns it off; GRAPHRT_ROWS_SMALL_N at import
+# (A/B: the router-rows switch sets 256).
 ROWS_SMALL_N = int(os.environ.get("GRAPHRT_ROWS_SMALL_N", "0"))
 _ROWS_TILE = 8192  # weights a program loads per round (16 KB bf16)
 

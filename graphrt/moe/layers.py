@@ -37,7 +37,8 @@ def add_rmsnorm(x: torch.Tensor, *deltas: torch.Tensor, weight: torch.Tensor,
 DENSE = os.environ.get("GRAPHRT_DENSE", "auto")
 # The one-row GEMVs load their first weight tile before they wait for the kernel before them
 # (PDL; kernels._pdl, the preload= of dense_gemv_rows and norm_gemv_rows): the model's dense
-# weights are written by no kernel of the step. Off until measured; GRAPHRT_PDL_PRELOAD=1 at
+# weights are written by no kernel of the step. Off: 1.029x the step (slower) at qwen3-like
+# bs 1, 0.980x at bs 2, neutral at dsv3-like (BENCHMARKS.md §25); GRAPHRT_PDL_PRELOAD=1 at
 # import (A/B: the preload switch sets layers.PRELOAD before capture).
 PRELOAD = env_flag("GRAPHRT_PDL_PRELOAD", False)
 

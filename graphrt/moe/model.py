@@ -85,8 +85,8 @@ class DecoderLayer:
     # qwen3-like bs 1 (BENCHMARKS.md §23). GRAPHRT_FUSE_NORM=0 at import turns it off.
     fuse_norm = env_flag("GRAPHRT_FUSE_NORM", True)
     # With fuse_norm: also hand the last layer's add + final RMSNorm to the LM head's GEMV
-    # (MoEModel.step). Off until measured; GRAPHRT_FUSE_FINAL_NORM=1 at import (A/B: the
-    # fuse-final-norm switch).
+    # (MoEModel.step). Off: 1.000x / 1.021x the step at qwen3-like bs 1 / 2 (BENCHMARKS.md
+    # §25); GRAPHRT_FUSE_FINAL_NORM=1 at import (A/B: the fuse-final-norm switch).
     fuse_final_norm = env_flag("GRAPHRT_FUSE_FINAL_NORM", False)
 
     def __init__(self, cfg, comm, device, gen, seed, **kw):
