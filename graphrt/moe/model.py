@@ -247,8 +247,8 @@ class MoEModel:
         row's K/V at its slot in every layer. Graph safety: capturable."""
         if self.embed_kernel:                                              # [bs, hidden]
             from graphrt.kernels.embedding import embedding_rows
-            x = embedding_rows(self.embed, tokens, out=torch.empty(
-                tokens.shape[0], self.cfg.hidden, dtype=self.embed.dtype, device=self.device))
+            x = embedding_rows(self.embed, tokens,
+                               out=self.embed.new_empty(tokens.shape[0], self.cfg.hidden))
         else:
             x = self.embed.index_select(0, tokens)
         if self.layers[0].fuse_norm:
