@@ -7,11 +7,11 @@ order the prologue's two instructions run:
 
 - ``1`` (wait first, ``GRAPHRT_PDL_EARLY=0``): wait for the previous kernel's writes (``griddepcontrol.wait``), then let
   the next kernel start launching (``griddepcontrol.launch_dependents``);
-- ``2`` (trigger first, the default): let the next kernel launch at once, then
-  wait. The next kernel's programs can then start (and, below, load their weights) while
-  this one still waits or runs. Still correct: every kernel waits
-  before its first read or write, and a kernel completes only after its own wait, so a wait
-  also covers every kernel before the previous one.
+- ``2`` (trigger first, the default): let the next kernel launch at once, then wait. The
+  next kernel's programs can then start (and, below, load their weights) while this one
+  still waits or runs. Still correct: every kernel waits before its first read or write,
+  and a kernel completes only after its own wait, so a wait also covers every kernel before
+  the previous one.
 
 Off (``False``/``0``), the constexpr branches compile away.
 

@@ -6,7 +6,7 @@ and a dense variant (``silu_and_mul``, every row) for the shared expert.
 each program loops over its rows ``m = pid, pid + P, ... < masked_m[e]``, so programs of empty or
 short experts exit at once and padded/unused rows cost nothing (and keep their old contents).
 
-Compacted (``compact=True``; the default, ``GRAPHRT_ACT_COMPACT=0`` turns it off; BENCHMARKS.md §25):
+Compacted (``compact=True``; the default, ``GRAPHRT_ACT_COMPACT=0`` turns it off; §25):
 grid ``(min(E * cap, 256), min(cdiv(inter, BLOCK_N), 4))`` from shapes alone, row programs
 shared by all live rows: each loads masked_m (clamped to ``[0, cap]``), its prefix sums
 ``end``, and walks rows ``t = pid, pid + P, ... < end[-1]`` (expert ``e = #{end <= t}``).

@@ -334,10 +334,11 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
 
 
 def dense_gemv_auto(x: torch.Tensor, w: torch.Tensor, *, preload: bool = False) -> torch.Tensor:
-    """``x @ w.T`` through :func:`dense_gemv_rows` up to ``ROWS_AUTO`` rows (2), or up to
-    ``ROWS_MAX`` when ``n <= ROWS_SMALL_N`` (``preload`` passed on), else :func:`dense_gemv` with ``dense_gemv_config``'s pick, allocating ``out``
-    (and the split-K workspace) with ``torch.empty``: for a step's intermediates, which a
-    captured graph allocates from its pool. Shapes as :func:`dense_gemv`.
+    """``x @ w.T`` through :func:`dense_gemv_rows` where :func:`rows_path` says so
+    (``preload`` passed on), else :func:`dense_gemv` with ``dense_gemv_config``'s pick,
+    allocating ``out`` (and the split-K workspace) with ``torch.empty``: for a step's
+    intermediates, which a captured graph allocates from its pool. Shapes as
+    :func:`dense_gemv`.
 
     Graph safety: capturable
     """

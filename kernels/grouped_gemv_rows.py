@@ -7,13 +7,12 @@ only, no split-K, no fused activation)::
 
 At a bs-1 step every live expert has one row, and the decode kernel pads it to a 16-row
 ``tl.dot`` block (~1.55x its HBM floor on an H200). Here a work item is the dense rows
-GEMV's (``kernels.dense_gemv._gemv_rows_kernel``, one-row K-loop form) applied to one live
-expert:
+GEMV's (``kernels.dense_gemv._gemv_rows_kernel``'s K loop) applied to one live expert:
 
-- **Compacted work.** As in the decode kernel (``kernels._masked``: ``_live_prologue`` / ``_pick_expert``):
-  a fixed grid reads ``masked_m`` once, numbers the live experts in the kernel and walks the
-  work items ``(live expert, column tile)`` round-robin; idle experts cost nothing and one
-  captured graph serves any ``masked_m``.
+- **Compacted work.** As in the decode kernel (``kernels._masked``'s ``_live_prologue``,
+  ``_pick_expert``): a fixed grid reads ``masked_m`` once, numbers the live experts in the
+  kernel and walks the work items ``(live expert, column tile)`` round-robin; idle experts
+  cost nothing and one captured graph serves any ``masked_m``.
 - **CUDA cores, wide K rounds.** A work item loads ``[BLOCK_N, BLOCK_K]`` weights a round
   (``BLOCK_K`` = the whole K up to 4096: 16 KB of bf16 in flight per program), widens them
   to fp32 and reduces ``w * x[r]`` over K for each live row ``r`` (a dynamic loop: any

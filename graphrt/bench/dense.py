@@ -14,8 +14,8 @@ bandwidth (``hbm_bandwidth_gbs``), gemv / cuBLAS, and the max relative error
 (``max |y - ref| / max |ref|``) of each against the fp32 reference. The GEMV runs
 ``dense_gemv_config``'s pick; ``--sweep`` also times every (block_n, split_k) in the grid
 below and reports the fastest, to check the config rule, and for 1-16 rows every
-(block_n, block_k, num_warps) of the rows GEMV in ``ROWS_SWEEP``. Prints a markdown table; writes
-JSON to ``--out`` (and the table beside it, ``.md``).
+(block_n, block_k, num_warps) of the rows GEMV in ``ROWS_SWEEP``. Prints a markdown table;
+writes JSON to ``--out`` (and the table beside it, ``.md``).
 
 Tooling: synchronizes the device; nothing here runs inside a step.
 """
