@@ -44,6 +44,10 @@ _MAX_ROW_PROGRAMS = 64  # row programs per expert; each loops over every P-th li
 # Compacted grid (P, C) <= (256, 4), one wave on an H200; masked_m one vector of <= 1024
 _COMPACT_ROW_PROGRAMS, _COMPACT_COL_CHUNKS, _COMPACT_MAX_EXPERTS = 256, 4, 1024
 COMPACT: bool = env_flag("GRAPHRT_ACT_COMPACT", True)  # silu_and_mul_masked's default
+# Off CUDA (the Triton interpreter, which runs programs one by one) the compacted kernel runs
+# on at most this many row programs and one column chunk: its loops are grid-stride, so the
+# result is the same and a model step on CPU is ~10x faster. None: the plan's full grid.
+CPU_ROW_PROGRAMS: int | None = 4
 
 
 @triton.jit
@@ -280,6 +284,8 @@ def silu_and_mul_masked(u, masked_m, *, out, compact: bool | None = None):
     plan = _compact_plan(num_experts, cap, inter) if compact else None
     if plan is not None:
         grid, e_pad, block = plan
+        if u.device.type != "cuda" and CPU_ROW_PROGRAMS is not None:
+            grid = (min(grid[0], CPU_ROW_PROGRAMS), 1)
         _silu_and_mul_compact_kernel[grid](
             u, masked_m, out, num_experts, inter, cap, u.stride(0), u.stride(1), out.stride(0),
             out.stride(1), E_PAD=e_pad, BLOCK_N=block, num_warps=4, **pdl_args())

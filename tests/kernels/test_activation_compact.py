@@ -16,6 +16,14 @@ from tests.kernels.sm90 import compile_results
 
 cpu_interpreter = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1")
 
+
+
+@pytest.fixture(autouse=True)
+def _full_grid(monkeypatch):
+    """These tests launch the plan's full grid on CPU too (not ``CPU_ROW_PROGRAMS``)."""
+    monkeypatch.setattr(activation, "CPU_ROW_PROGRAMS", None)
+
+
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
 
@@ -100,6 +108,23 @@ def test_compact_strided_rows_and_fp16_cpu():
     silu_and_mul_masked(u, masked_m, out=out, compact=True)
     silu_and_mul_masked(u, masked_m, out=ref, compact=False)
     _check(out, ref, u, masked_m)
+
+
+@cpu_interpreter
+def test_compact_small_cpu_grid_is_bitwise_the_full_grid(monkeypatch):
+    """Off CUDA the kernel runs on ``CPU_ROW_PROGRAMS`` row programs and one column chunk
+    (grid-stride loops): the same bits as the plan's (256, 4) grid."""
+    E, cap, inter = 64, 3, 2048 + 96
+    u = (torch.randn(E, cap, 2 * inter, generator=torch.Generator().manual_seed(5)) * 2).to(
+        torch.bfloat16)
+    masked_m = _masked_m("some", E, cap, seed=5)
+    assert activation._compact_plan(E, cap, inter)[0] == (192, 3)
+    outs = [torch.full((E, cap, inter), float("nan"), dtype=torch.bfloat16) for _ in range(2)]
+    silu_and_mul_masked(u, masked_m, out=outs[0], compact=True)
+    monkeypatch.setattr(activation, "CPU_ROW_PROGRAMS", 4)
+    silu_and_mul_masked(u, masked_m, out=outs[1], compact=True)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    _check(outs[1], outs[0], u, masked_m)
 
 
 def test_compact_plan_depends_on_shapes_only():
