@@ -38,6 +38,10 @@ SHAPES = {  # name: (n, k) of W [n, k]
 }
 SWEEP = [(bn, sk) for bn in (16, 32, 64, 128) for sk in (1, 2, 4, 8)]
 # the rows GEMV's (block_n, block_k, num_warps) under --sweep: 8K and 16K weights a round
+# the tensor-core GEMM with W as the MMA's M side (kernels.dense_mma) under --sweep:
+# (block_n, block_k, split_k, num_stages)
+MMA_SWEEP = [(bn, bk, sk, st) for bn in (64, 128) for bk in (64, 128, 256)
+             for sk in (1, 2, 4, 8) for st in (3, 5) if bn * bk <= 16384]
 ROWS_SWEEP = [(bn, bk, nw) for bn, bk in ((2, 4096), (4, 2048), (8, 1024), (16, 512), (4, 4096),
                                           (8, 2048), (16, 1024), (32, 512)) for nw in (4, 8)]
 
@@ -59,7 +63,8 @@ class _Case:
         g = torch.Generator(device=self.device).manual_seed(m)
         self.x = torch.randn(m, self.k, generator=g, device=self.device).to(torch.bfloat16)
         self.out = torch.empty(m, self.n, dtype=torch.bfloat16, device=self.device)
-        self.ws = torch.empty(8, m, self.n, dtype=torch.float32, device=self.device)
+        self.ws = torch.empty(16, m, self.n, dtype=torch.float32, device=self.device)
+        self.sem = torch.zeros(-(-self.n // 16), dtype=torch.int32, device=self.device)
 
     def cublas(self):
         for w in self.weights:
@@ -70,6 +75,13 @@ class _Case:
         ws = self.ws[:split_k] if split_k > 1 else None
         for w in self.weights:
             dense_gemv(self.x, w, out=self.out, workspace=ws, block_n=block_n, split_k=split_k)
+
+    def mma(self, block_n, block_k, split_k, num_warps=4, num_stages=4):
+        from graphrt.kernels.dense_mma import dense_mma
+        for w in self.weights:
+            dense_mma(self.x, w, out=self.out, workspace=self.ws, semaphore=self.sem,
+                      block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
+                      num_stages=num_stages)
 
     def rows_gemv(self, block_n=None, block_k=None, num_warps=4):
         from graphrt.kernels.dense_gemv import dense_gemv_rows
@@ -89,6 +101,7 @@ def bench(shapes: list[str], rows: list[int], *, cold_mb: int, iters: int, sweep
           log=print) -> dict:
     from graphrt.bench.timing import graph_time_us, hbm_bandwidth_gbs
     from graphrt.kernels.dense_gemv import ROWS_MAX, dense_gemv_config, num_sms
+    from graphrt.kernels.dense_mma import dense_mma_config
     dev = torch.device("cuda", torch.cuda.current_device())
     sms = num_sms(dev)
     hbm = hbm_bandwidth_gbs(dev)
@@ -103,7 +116,10 @@ def bench(shapes: list[str], rows: list[int], *, cold_mb: int, iters: int, sweep
             case.rows(m)
             cfg = dense_gemv_config(m, n, k, sms)
             res = {"shape": name, "n": n, "k": k, "m": m, "copies": copies, "config": cfg}
-            runs = {"cublas": case.cublas, "gemv": lambda c=cfg, case=case: case.gemv(**c)}
+            mcfg = dense_mma_config(m, n, k, sms)
+            res["mma_config"] = mcfg
+            runs = {"cublas": case.cublas, "gemv": lambda c=cfg, case=case: case.gemv(**c),
+                    "mma": lambda c=mcfg, case=case: case.mma(**c)}
             if m <= ROWS_MAX:
                 runs["rows"] = case.rows_gemv
             for impl, fn in runs.items():
@@ -120,6 +136,12 @@ def bench(shapes: list[str], rows: list[int], *, cold_mb: int, iters: int, sweep
                 best = min(times, key=times.get)
                 res["sweep"] = times
                 res["best"] = {"config": best, "us": times[best]}
+                times = {f"{bn}x{bk}x{sk}s{st}": round(graph_time_us(
+                    lambda a=(bn, bk, sk, 4, st), case=case: case.mma(*a), iters=iters)
+                    / copies, 2) for bn, bk, sk, st in MMA_SWEEP if sk * bk <= 2 * k}
+                best = min(times, key=times.get)
+                res["mma_sweep"] = times
+                res["mma_best"] = {"config": best, "us": times[best]}
                 if m <= ROWS_MAX:
                     times = {f"{bn}x{bk}w{nw}": round(graph_time_us(
                         lambda a=(bn, bk, nw), case=case: case.rows_gemv(*a), iters=iters)
@@ -136,8 +158,9 @@ def bench(shapes: list[str], rows: list[int], *, cold_mb: int, iters: int, sweep
 
 def _header() -> str:
     return ("| shape | n | k | m | cuBLAS µs | gemv µs | gemv / cuBLAS | rows µs | rows / cuBLAS | "
+            "mma µs | mma / cuBLAS | "
             "cuBLAS GB/s | gemv GB/s | cuBLAS % HBM | gemv % HBM | block_n x split_k | sweep best | "
-            "max rel err cuBLAS / gemv |\n" + "|---" * 16 + "|")
+            "max rel err cuBLAS / gemv / mma |\n" + "|---" * 18 + "|")
 
 
 def _row(r: dict) -> str:
@@ -145,12 +168,15 @@ def _row(r: dict) -> str:
     best = f"{r['best']['config']} {r['best']['us']:.1f}" if "best" in r else "—"
     if "rows_best" in r:
         best += f"; rows {r['rows_best']['config']} {r['rows_best']['us']:.1f}"
+    if "mma_best" in r:
+        best += f"; mma {r['mma_best']['config']} {r['mma_best']['us']:.1f}"
+    mma = r["mma"]
     rows = (f"{r['rows']['us']:.1f} | {r['rows']['us'] / c['us']:.2f}" if "rows" in r
             else "— | —")
     return (f"| {r['shape']} | {r['n']} | {r['k']} | {r['m']} | {c['us']:.1f} | {g['us']:.1f} | "
-            f"{r['ratio']:.2f} | {rows} | {c['gbs']:.0f} | {g['gbs']:.0f} | {100 * c['frac_hbm']:.0f}% | "
+            f"{r['ratio']:.2f} | {rows} | {mma['us']:.1f} | {mma['us'] / c['us']:.2f} | {c['gbs']:.0f} | {g['gbs']:.0f} | {100 * c['frac_hbm']:.0f}% | "
             f"{100 * g['frac_hbm']:.0f}% | {r['config']['block_n']}x{r['config']['split_k']} | "
-            f"{best} | {c['max_rel_err']:.1e} / {g['max_rel_err']:.1e} |")
+            f"{best} | {c['max_rel_err']:.1e} / {g['max_rel_err']:.1e} / {mma['max_rel_err']:.1e} |")
 
 
 def markdown(doc: dict) -> str:

@@ -41,6 +41,10 @@ DENSE = os.environ.get("GRAPHRT_DENSE", "auto")
 # bs 1, 0.980x at bs 2, neutral at dsv3-like (BENCHMARKS.md §25); GRAPHRT_PDL_PRELOAD=1 at
 # import (A/B: the preload switch sets layers.PRELOAD before capture).
 PRELOAD = env_flag("GRAPHRT_PDL_PRELOAD", False)
+# 3-16 rows on graphrt's tensor-core GEMM with the weights as the MMA's M side
+# (graphrt.kernels.dense_mma, split-K reduced in the launch) instead of cuBLAS, under
+# DENSE="auto". GRAPHRT_DENSE_MMA at import (A/B: the dense-mma switch sets it before capture).
+DENSE_MMA = env_flag("GRAPHRT_DENSE_MMA", False)
 
 
 def dense_path(x: torch.Tensor, w: torch.Tensor) -> str:
@@ -49,16 +53,19 @@ def dense_path(x: torch.Tensor, w: torch.Tensor) -> str:
     graphrt.kernels.dense_gemv.ROWS_AUTO`` (2; ``DENSE="auto"``, the default: 0.93x the step
     time of cuBLAS at qwen3-like bs 1, BENCHMARKS.md §22, and 0.96x at 2 rows, §23; or up to
     16 rows when w has at most ``dense_gemv.ROWS_SMALL_N`` outputs: ``dense_gemv.rows_path``)
-    or ``rows <= 16`` (``GRAPHRT_DENSE=gemv``), else ``"torch"`` (cuBLAS; ``GRAPHRT_DENSE=torch``
-    always)."""
+    or ``rows <= 16`` (``GRAPHRT_DENSE=gemv``); ``"mma"`` (``graphrt.kernels.dense_mma``) for
+    the other bf16 steps of up to 16 rows under ``"auto"`` when ``DENSE_MMA``; else
+    ``"torch"`` (cuBLAS; ``GRAPHRT_DENSE=torch`` always)."""
     if DENSE not in ("auto", "gemv") or x.device.type != "cuda":
         return "torch"
     from graphrt.kernels import dense_gemv
     rows = x.shape[0] if x.dim() == 2 else 0
     fits = dense_gemv.rows_path(rows, w.shape[0]) if DENSE == "auto" else 0 < rows <= 16
-    ok = (fits and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
-          and x.is_contiguous() and w.is_contiguous())
-    return "gemv" if ok else "torch"
+    ok = (x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.is_contiguous()
+          and w.is_contiguous())
+    if ok and fits:
+        return "gemv"
+    return "mma" if ok and DENSE_MMA and DENSE == "auto" and 0 < rows <= 16 else "torch"
 
 
 def dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -68,9 +75,13 @@ def dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     ``GRAPHRT_DENSE`` before import (or ``graphrt.moe.layers.DENSE`` before capture).
 
     Graph safety: capturable"""
-    if dense_path(x, w) == "gemv":
+    path = dense_path(x, w)
+    if path == "gemv":
         from graphrt.kernels.dense_gemv import dense_gemv_auto
         return dense_gemv_auto(x, w, preload=PRELOAD)
+    if path == "mma":
+        from graphrt.kernels.dense_mma import dense_mma_auto
+        return dense_mma_auto(x, w)
     return x @ w.t()
 
 

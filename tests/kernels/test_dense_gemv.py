@@ -156,6 +156,13 @@ def test_dense_path_rules(monkeypatch):
     assert layers.dense_path(_stub(rows=16), router) == "gemv"       # narrow: up to 16 rows
     assert layers.dense_path(_stub(rows=17), router) == "torch"
     assert layers.dense_path(_stub(rows=3), wide) == "torch"         # wide: the 2-row rule
+    monkeypatch.setattr(layers, "DENSE_MMA", True)                   # the dense-mma switch
+    assert layers.dense_path(_stub(rows=3), wide) == "mma"           # 3-16 rows: the MMA GEMM
+    assert layers.dense_path(_stub(rows=16), router) == "gemv"       # the rows GEMV first
+    assert layers.dense_path(_stub(rows=17), wide) == "torch"
+    assert layers.dense_path(_stub(rows=3, device="cpu"), wide) == "torch"
+    assert layers.dense_path(_stub(rows=3, dtype=torch.float32), wide) == "torch"
+    monkeypatch.setattr(layers, "DENSE_MMA", False)
     assert dense_gemv.rows_path(16, 256) and not dense_gemv.rows_path(16, 257)
     assert not dense_gemv.rows_path(0, 64) and dense_gemv.rows_path(2, 1 << 20)
     monkeypatch.setattr(dense_gemv, "ROWS_SMALL_N", 0)
