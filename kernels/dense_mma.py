@@ -104,22 +104,26 @@ def dense_mma_config(m: int, n: int, k: int, num_sms: int) -> dict:
     """``{"block_n", "block_k", "split_k", "num_warps", "num_stages"}`` for ``m`` rows of
     ``[n, k]`` weights on ``num_sms`` SMs, from host ints only (a captured graph bakes it).
 
-    Rule: ``block_n`` 64 (one warpgroup MMA), ``block_k`` 128; split K until the
-    ``cdiv(n, 64)`` slices times ``split_k`` reach ``num_sms`` programs, each split keeping
-    >= 256 of K, at most 16. qwen3-like (132 SMs): qkv [5120, 2048] -> split 2, o-proj
-    [2048, 4096] -> 5 (K 896 a split, the last shorter), LM head [32768, 2048] -> 1. Host-only.
+    Rule (the best or within 3% of the best of ``graphrt.bench.dense --sweep`` at 4 and 16
+    rows, BENCHMARKS.md §26): slices of 64 W rows and K tiles of 256, 3 stages, K split
+    ``num_sms // slices`` ways (at most one program an SM; each split >= 256 of K, at most 16);
+    from ``2 * num_sms`` slices of 64 on (an LM head), slices of 128 and K tiles of 128
+    instead. qwen3-like (132 SMs): qkv [5120, 2048] -> 64 x 256, split 1; o-proj
+    [2048, 4096] -> split 4; router [128, 2048] -> split 8; LM head [32768, 2048] -> 128 x 128.
+    Host-only.
     """
     check(all(isinstance(v, int) and v >= 0 for v in (m, n, k)), "(m, n, k)",
           "non-negative host ints", (m, n, k))
     check(isinstance(num_sms, int) and num_sms >= 1, "num_sms", "a positive host int", num_sms)
-    block_n, block_k = 64, 128
-    tiles = triton.cdiv(n, block_n)
+    tiles = triton.cdiv(n, 64)
+    block_n, block_k = (128, 128) if tiles >= 2 * num_sms else (64, 256)
+    block_k = max(16, min(block_k, triton.next_power_of_2(max(k, 1))))
     split_k = 1
-    if 0 < tiles < num_sms:
+    if 0 < tiles < num_sms and block_n == 64:
         cap = max(1, min(MAX_SPLIT_K, k // _MIN_K_PER_SPLIT))
-        split_k = max(1, min(triton.cdiv(num_sms, tiles), cap))
+        split_k = max(1, min(num_sms // tiles, cap))
     return {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": 4,
-            "num_stages": 4}
+            "num_stages": 3}
 
 
 def dense_mma_workspace_shape(m: int, n: int, split_k: int) -> tuple[int, ...]:

@@ -54,7 +54,9 @@ def dense_path(x: torch.Tensor, w: torch.Tensor) -> str:
     time of cuBLAS at qwen3-like bs 1, BENCHMARKS.md §22, and 0.96x at 2 rows, §23; or up to
     16 rows when w has at most ``dense_gemv.ROWS_SMALL_N`` outputs: ``dense_gemv.rows_path``)
     or ``rows <= 16`` (``GRAPHRT_DENSE=gemv``); ``"mma"`` (``graphrt.kernels.dense_mma``) for
-    the other bf16 steps of up to 16 rows under ``"auto"`` when ``DENSE_MMA``; else
+    the other bf16 steps of up to 16 rows under ``"auto"`` when ``DENSE_MMA`` (not inside
+    torch.compile, which traces cuBLAS there: the kernel's per-weight semaphore is host
+    state); else
     ``"torch"`` (cuBLAS; ``GRAPHRT_DENSE=torch`` always)."""
     if DENSE not in ("auto", "gemv") or x.device.type != "cuda":
         return "torch"
@@ -65,7 +67,8 @@ def dense_path(x: torch.Tensor, w: torch.Tensor) -> str:
           and w.is_contiguous())
     if ok and fits:
         return "gemv"
-    return "mma" if ok and DENSE_MMA and DENSE == "auto" and 0 < rows <= 16 else "torch"
+    mma = DENSE_MMA and DENSE == "auto" and 0 < rows <= 16 and not torch.compiler.is_compiling()
+    return "mma" if ok and mma else "torch"
 
 
 def dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -66,7 +66,7 @@ def test_mma_exact_cpu(m, n, k, block_n, block_k, split_k):
 def test_mma_auto_keeps_one_semaphore_per_weight_cpu():
     x, w = _exact(4, 128, 4096, seed=3)
     cfg = dense_mma_config(4, 128, 4096, 4)  # the interpreter counts 4 SMs
-    assert cfg["split_k"] == 2
+    assert cfg["split_k"] == 2 and cfg["block_k"] == 256
     out = dense_mma_auto(x, w)
     assert torch.equal(out, dense_mma_ref(x, w))
     sem = mod.semaphore_for(w)
@@ -75,12 +75,15 @@ def test_mma_auto_keeps_one_semaphore_per_weight_cpu():
 
 
 def test_mma_config_rule():
-    # qwen3-like shapes on 132 SMs: slices of 64, K split until ~one program an SM
+    # qwen3-like shapes on 132 SMs: slices of 64, K split to at most one program an SM
     assert dense_mma_config(16, 5120, 2048, 132) == {
-        "block_n": 64, "block_k": 128, "split_k": 2, "num_warps": 4, "num_stages": 4}
-    assert dense_mma_config(16, 2048, 4096, 132)["split_k"] == 5
-    assert dense_mma_config(16, 32768, 2048, 132)["split_k"] == 1
-    assert dense_mma_config(4, 64, 2048, 132)["split_k"] == 8  # capped: >= 256 of K a split
+        "block_n": 64, "block_k": 256, "split_k": 1, "num_warps": 4, "num_stages": 3}
+    assert dense_mma_config(16, 2048, 4096, 132)["split_k"] == 4            # o-proj
+    assert dense_mma_config(4, 128, 2048, 132)["split_k"] == 8              # router: K cap
+    lm_head = dense_mma_config(16, 32768, 2048, 132)
+    assert (lm_head["block_n"], lm_head["block_k"], lm_head["split_k"]) == (128, 128, 1)
+    assert dense_mma_config(16, 7168, 8192, 132)["split_k"] == 1            # dsv3 o-proj
+    assert dense_mma_config(4, 64, 100, 132)["block_k"] == 128              # short K
     assert dense_mma_config(4, 64, 100, 132)["split_k"] == 1
     with pytest.raises(ValueError, match="num_sms"):
         dense_mma_config(4, 64, 100, 0)
