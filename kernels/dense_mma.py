@@ -38,7 +38,7 @@ _MIN_K_PER_SPLIT = 256
 
 
 @triton.jit
-def _mma_kernel(
+def _dense_mma_gemm_kernel(
     x_ptr,  # bf16 [m, k] contiguous
     w_ptr,  # bf16 [n, k] contiguous (row-major weights)
     out_ptr,  # bf16 [m, n] contiguous
@@ -188,7 +188,7 @@ def dense_mma(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
                      contiguous=True)
         check(semaphore.shape[0] >= triton.cdiv(n, block_n), "semaphore.shape[0]",
               f">= cdiv(n, block_n) = {triton.cdiv(n, block_n)}", semaphore.shape[0])
-    _mma_kernel[(triton.cdiv(n, block_n), split_k)](
+    _dense_mma_gemm_kernel[(triton.cdiv(n, block_n), split_k)](
         x, w, out, workspace if split else out, semaphore if split else out, m, n, k, k_step,
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
         EVEN_K=k % block_k == 0, UPCAST=interpreting(),

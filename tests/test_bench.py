@@ -404,6 +404,7 @@ def _replay_events():
      "dense_gemm"),
     ("void gemv2T_kernel_val<int, int, __nv_bfloat16, 128, 16, 4, 4, false>(float)", "dense_gemm"),
     ("void cublasLt::splitKreduce_kernel<32, 16, int, float>(float)", "dense_gemm"),
+    ("_dense_mma_gemm_kernel", "dense_gemm"), ("_gemv_rows_kernel", "dense_gemm"),
     ("_attn_split_kernel", "attention"), ("_attn_merge_kernel", "attention"),
     ("_kv_append_kernel", "attention"), ("attn_split_kernel", "attention"),
     ("attn_fused_kernel", "attention"), ("_add_rmsnorm_kernel", "norm"),

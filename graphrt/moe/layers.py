@@ -43,8 +43,10 @@ DENSE = os.environ.get("GRAPHRT_DENSE", "auto")
 PRELOAD = env_flag("GRAPHRT_PDL_PRELOAD", False)
 # 3-16 rows on graphrt's tensor-core GEMM with the weights as the MMA's M side
 # (graphrt.kernels.dense_mma, split-K reduced in the launch) instead of cuBLAS, under
-# DENSE="auto". GRAPHRT_DENSE_MMA at import (A/B: the dense-mma switch sets it before capture).
-DENSE_MMA = env_flag("GRAPHRT_DENSE_MMA", False)
+# DENSE="auto": 0.956x / 0.971x / 0.975x the qwen3-like step at bs 4 / 8 / 16, 0.985x at
+# dsv3-like bs 4 (BENCHMARKS.md §26). GRAPHRT_DENSE_MMA=0 at import turns it off (A/B: the
+# dense-mma switch sets it before capture).
+DENSE_MMA = env_flag("GRAPHRT_DENSE_MMA", True)
 
 
 def dense_path(x: torch.Tensor, w: torch.Tensor) -> str:

@@ -7,6 +7,7 @@ import types
 
 import pytest
 import torch
+from graphrt.env import env_flag
 from graphrt.kernels.dense_gemv import (
     dense_gemv,
     dense_gemv_auto,
@@ -144,7 +145,9 @@ def test_dense_path_rules(monkeypatch):
     from graphrt.moe import layers
     w = _stub()
     assert layers.DENSE == "auto"                                   # the default
+    assert layers.DENSE_MMA is env_flag("GRAPHRT_DENSE_MMA", True)   # on by default
     monkeypatch.setattr(layers, "DENSE", "auto")
+    monkeypatch.setattr(layers, "DENSE_MMA", False)
     assert layers.dense_path(_stub(rows=1), w) == "gemv"             # one or two rows: the GEMV
     assert layers.dense_path(_stub(rows=2), w) == "gemv"
     assert layers.dense_path(_stub(rows=3), w) == "torch"            # more: cuBLAS

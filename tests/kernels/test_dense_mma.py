@@ -107,7 +107,7 @@ def test_mma_errors_name_what_came():
 
 
 SM90 = textwrap.dedent('''
-    from graphrt.kernels.dense_mma import _mma_kernel as kernel
+    from graphrt.kernels.dense_mma import _dense_mma_gemm_kernel as kernel
 
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
            "sem_ptr": "*i32", "m": "i32", "n": "i32", "k": "i32", "k_step": "i32"}
