@@ -1,9 +1,16 @@
 """Routed experts' GEMM for 1-4 live rows an expert on the CUDA cores ("rows" kernel).
 
 Same contract as :func:`graphrt.kernels.grouped_gemm_decode.decode_grouped_gemm` (bf16
-only, no split-K, no fused activation)::
+only, no split-K)::
 
     out[e, :masked_m[e]] = a[e, :masked_m[e]] @ b[e].T        # fp32 accumulation, bf16 out
+
+With ``act="silu_and_mul"`` (the experts' W13 GEMM) the activation is its epilogue: ``b`` is
+W13 ``[E, 2 * n, k]`` (gate rows, then up rows), a work item computes output columns
+``j..j + BLOCK_N`` of both halves and writes ``silu(gate) * up`` ``[E, cap, n]``, with the
+gate and up values rounded to bf16 first: bitwise what this kernel's ``u`` followed by
+:func:`graphrt.kernels.activation.silu_and_mul_masked` gives, one launch and no ``u`` round
+trip through memory fewer.
 
 At a bs-1 step every live expert has one row, and the decode kernel pads it to a 16-row
 ``tl.dot`` block (~1.55x its HBM floor on an H200). Here a work item is the dense rows
@@ -55,10 +62,12 @@ def _expert_rows_kernel(
     BLOCK_N: tl.constexpr,  # output columns (weight rows) per work item
     BLOCK_K: tl.constexpr,  # K per load round
     EVEN_K: tl.constexpr,  # k % BLOCK_K == 0: no K masks
+    ACT: tl.constexpr = False,  # b is W13 [E, 2 * n, k]: out = silu(a @ gate.T) * (a @ up.T)
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
     idx, mvec, live_cum, row_cum, num_live = _live_prologue(masked_m_ptr, num_experts, cap, E_POW2)
+    up_rows = n.to(tl.int64) * stride_bn  # with ACT: the up half's offset in b
     tiles_n = tl.cdiv(n, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     for w in range(tl.program_id(0), num_live * tiles_n, tl.num_programs(0)):
@@ -72,15 +81,24 @@ def _expert_rows_kernel(
         for r in range(0, m):
             x_ptrs = x_base + r * stride_am + offs_k
             acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for k0 in range(0, k, BLOCK_K):
                 if EVEN_K:
-                    wt = tl.load(w_ptrs + k0, mask=mask_n[:, None], other=0.0)
-                    xr = tl.load(x_ptrs + k0)
+                    mask_w = mask_n[:, None]
+                    xr = tl.load(x_ptrs + k0).to(tl.float32)
                 else:
                     mask_k = offs_k < k - k0
-                    wt = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-                    xr = tl.load(x_ptrs + k0, mask=mask_k, other=0.0)
-                acc += tl.sum(wt.to(tl.float32) * xr.to(tl.float32)[None, :], axis=1)
+                    mask_w = mask_n[:, None] & mask_k[None, :]
+                    xr = tl.load(x_ptrs + k0, mask=mask_k, other=0.0).to(tl.float32)
+                wt = tl.load(w_ptrs + k0, mask=mask_w, other=0.0)
+                if ACT:  # the up rows' tile too, before either reduction
+                    wu = tl.load(w_ptrs + up_rows + k0, mask=mask_w, other=0.0)
+                    acc_up += tl.sum(wu.to(tl.float32) * xr[None, :], axis=1)
+                acc += tl.sum(wt.to(tl.float32) * xr[None, :], axis=1)
+            if ACT:  # silu_and_mul_masked's arithmetic on the bf16-rounded gate and up
+                g = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+                up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+                acc = g / (1.0 + tl.exp(-g)) * up
             tl.store(o_ptrs + r * stride_om, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
@@ -98,7 +116,7 @@ def _pow2(v) -> bool:
 
 def expert_gemv_rows(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *,
                      out: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
-                     num_warps: int = 4) -> torch.Tensor:
+                     num_warps: int = 4, act: str | None = None) -> torch.Tensor:
     """``out[e, :masked_m[e]] = a[e, :masked_m[e]] @ b[e].T`` on the CUDA cores, for 1-4 live
     rows an expert (more are correct, each extra row re-reads the weights from cache).
 
@@ -106,7 +124,8 @@ def expert_gemv_rows(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *
         a: bf16 [num_local_experts, cap, k], any strides with the last dim contiguous
             (stride 1); rows past ``masked_m[e]`` are never read.
         b: bf16 [num_local_experts, n, k] ("NT": K-major weights), last dim contiguous; an
-            idle expert's weights are never read.
+            idle expert's weights are never read. With ``act``: W13 [num_local_experts,
+            2 * n, k], the gate rows then the up rows.
         masked_m: int32 [num_local_experts] contiguous, live rows of each expert, read on the
             device (values above ``cap`` count as ``cap``, below 0 as 0).
         out: bf16 [num_local_experts, cap, n], any strides; rows past ``masked_m[e]`` are left
@@ -116,6 +135,11 @@ def expert_gemv_rows(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *
         block_k: K per load round, a power of two in [16, 8192]; ``None``: the config's
             (the whole K up to 4096). ``block_n * block_k`` at most 32768.
         num_warps: Triton launch option.
+        act: ``None``, or ``"silu_and_mul"``: ``out`` = SiLU-and-mul of the W13 GEMM
+            ``[num_local_experts, cap, n]`` (module docstring; bitwise this kernel then
+            ``silu_and_mul_masked``); ``block_n`` then counts the gate rows a work item, as
+            many up rows come with them (``None``: the config's for ``[2 * n, k]``, so each
+            half's tile is the plain W13 GEMM's and sums in its order: bitwise equal).
 
     Returns ``out``. One launch, allocates nothing, no host sync; bitwise reproducible for a
     given ``(block_n, block_k)``.
@@ -124,14 +148,18 @@ def expert_gemv_rows(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *
     """
     check_tensor(a, "a", shape=(None, None, None), dtype=torch.bfloat16)
     E, cap, k = a.shape
+    check(act in (None, "silu_and_mul"), "act", "None or 'silu_and_mul'", repr(act))
     check_tensor(b, "b", shape=(E, None, k), dtype=torch.bfloat16, device=a.device)
     n = b.shape[1]
+    if act is not None:
+        check(n % 2 == 0, "b.shape[1] with act", "2 * n (gate rows, then up rows)", n)
+        n //= 2
     check(k <= 1 or a.stride(2) == 1, "a.stride(2)", "1 (K contiguous)", a.stride(2))
     check(k <= 1 or b.stride(2) == 1, "b.stride(2)", "1 (K contiguous)", b.stride(2))
     check_tensor(masked_m, "masked_m", shape=(E,), dtype=torch.int32, device=a.device,
                  contiguous=True)
     check_tensor(out, "out", shape=(E, cap, n), dtype=torch.bfloat16, device=a.device)
-    cfg = expert_gemv_rows_config(n, k)
+    cfg = expert_gemv_rows_config(2 * n if act else n, k)  # with act: W13's, per half
     block_n = cfg["block_n"] if block_n is None else block_n
     block_k = cfg["block_k"] if block_k is None else block_k
     check(_pow2(block_n) and block_n <= 128, "block_n", "a power of two <= 128 (or None)",
@@ -149,7 +177,8 @@ def expert_gemv_rows(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *
     _expert_rows_kernel[grid](
         a, b, out, masked_m, E, cap, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         *out.stride(), E_POW2=max(16, triton.next_power_of_2(E)), BLOCK_N=block_n,
-        BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=num_warps, **pdl_args())
+        BLOCK_K=block_k, EVEN_K=k % block_k == 0, ACT=act is not None, num_warps=num_warps,
+        **pdl_args())
     return out
 
 

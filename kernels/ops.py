@@ -23,7 +23,7 @@ every op returns ``None`` (a custom op may not return an alias of its input)::
                                           split_k=1, workspace=None, a_scale=None,
                                           b_scale=None, num_warps=4, num_stages=4, act=None)
     torch.ops.graphrt.expert_gemv_rows(a, b, masked_m, out, block_n=None, block_k=None,
-                                       num_warps=4)
+                                       num_warps=4, act=None)
     torch.ops.graphrt.kv_append(k, v, slot_mapping, n, k_cache, v_cache)
     torch.ops.graphrt.decode_attention(q, k_cache, v_cache, block_table, seq_lens, n, out,
                                        workspace_o, workspace_lse, sm_scale=None,
@@ -165,10 +165,11 @@ def decode_grouped_gemm(a: Tensor, b: Tensor, masked_m: Tensor, out: Tensor,
 @_op("expert_gemv_rows", ("out",))
 def expert_gemv_rows(a: Tensor, b: Tensor, masked_m: Tensor, out: Tensor,
                      block_n: Optional[int] = None, block_k: Optional[int] = None,
-                     num_warps: int = 4) -> None:
+                     num_warps: int = 4, act: Optional[str] = None) -> None:
     """``graphrt.kernels.grouped_gemv_rows.expert_gemv_rows``. Graph safety: capturable."""
     _launcher(f"{_KERNELS}.grouped_gemv_rows", "expert_gemv_rows")(
-        a, b, masked_m, out=out, block_n=block_n, block_k=block_k, num_warps=num_warps)
+        a, b, masked_m, out=out, block_n=block_n, block_k=block_k, num_warps=num_warps,
+        act=act)
 
 
 @_op("deepgemm_masked_bf16", ("d",))

@@ -61,8 +61,9 @@ def _wrappers() -> dict[tuple[str, str], object]:
                                 a_scale, b_scale, num_warps, num_stages, act)
         return out
 
-    def expert_gemv_rows_(a, b, masked_m, *, out, block_n=None, block_k=None, num_warps=4):
-        ops.expert_gemv_rows(a, b, masked_m, out, block_n, block_k, num_warps)
+    def expert_gemv_rows_(a, b, masked_m, *, out, block_n=None, block_k=None, num_warps=4,
+                          act=None):
+        ops.expert_gemv_rows(a, b, masked_m, out, block_n, block_k, num_warps, act)
         return out
 
     def kv_append_(k, v, slot_mapping, n, *, k_cache, v_cache):

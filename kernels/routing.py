@@ -23,6 +23,10 @@ one keeps its warps (1 up to 128 experts), which fix the order of the softmax's 
 are bitwise equal to the unpacked kernels' for any logits without NaN (NaN in a live row:
 unspecified).
 
+Each kernel is ``pdl_prologue`` plus a per-row body, ``_softmax_row`` / ``_grouped_sigmoid_row``
+(read one logits row, write its weights and ids): ``kernels.router_topk`` calls the same bodies
+after its router GEMV, so its picks are these kernels' picks of its logits.
+
 Graph safety: capturable (launchers); the ``*_ref`` references are host-only.
 """
 from __future__ import annotations
@@ -110,23 +114,23 @@ def _top_groups_packed(key, g1, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr)
 
 
 @triton.jit
-def _topk_softmax_kernel(
+def _softmax_row(
     logits_ptr,  # [padded_bs, num_experts] bf16/fp16/fp32, last dim contiguous
-    n_ptr,  # int32 [1]: live rows; rows >= n are padding
     weights_ptr,  # fp32 [padded_bs, NUM_TOPK] out, contiguous
     ids_ptr,  # int64 [padded_bs, NUM_TOPK] out, contiguous
+    row,  # int32: the row this program routes
+    live,  # bool: row < n (else ids -1, weights 0)
     num_experts,  # int: router columns
     stride_l,  # int: row stride of logits (elements)
     NUM_TOPK: tl.constexpr,  # experts picked per row
     BLOCK_E: tl.constexpr,  # next power of 2 >= num_experts
     BLOCK_K: tl.constexpr,  # next power of 2 >= NUM_TOPK
     RENORMALIZE: tl.constexpr,  # rescale the k weights to sum to 1
-    PACKED: tl.constexpr = False,  # one int64 max per pick (module docstring)
-    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
+    PACKED: tl.constexpr,  # one int64 max per pick (module docstring)
 ):
-    pdl_prologue(USE_GDC)
-    row = tl.program_id(0)
-    live = row < tl.load(n_ptr)
+    """Softmax top-k of one row: reads ``logits_ptr + row * stride_l``, writes the row's
+    weights and ids. The body of ``_topk_softmax_kernel``, shared with the fused router
+    (``kernels.router_topk``), which calls it once the row's logits are stored."""
     offs_e = tl.arange(0, BLOCK_E)
     emask = offs_e < num_experts
     x = tl.load(logits_ptr + row.to(tl.int64) * stride_l + offs_e, mask=emask, other=0.0)
@@ -158,12 +162,35 @@ def _topk_softmax_kernel(
 
 
 @triton.jit
-def _grouped_topk_sigmoid_kernel(
+def _topk_softmax_kernel(
     logits_ptr,  # [padded_bs, num_experts] bf16/fp16/fp32, last dim contiguous
-    bias_ptr,  # fp32 [num_experts]: e_score_correction_bias
     n_ptr,  # int32 [1]: live rows; rows >= n are padding
     weights_ptr,  # fp32 [padded_bs, NUM_TOPK] out, contiguous
     ids_ptr,  # int64 [padded_bs, NUM_TOPK] out, contiguous
+    num_experts,  # int: router columns
+    stride_l,  # int: row stride of logits (elements)
+    NUM_TOPK: tl.constexpr,  # experts picked per row
+    BLOCK_E: tl.constexpr,  # next power of 2 >= num_experts
+    BLOCK_K: tl.constexpr,  # next power of 2 >= NUM_TOPK
+    RENORMALIZE: tl.constexpr,  # rescale the k weights to sum to 1
+    PACKED: tl.constexpr = False,  # one int64 max per pick (module docstring)
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
+):
+    pdl_prologue(USE_GDC)
+    row = tl.program_id(0)
+    live = row < tl.load(n_ptr)
+    _softmax_row(logits_ptr, weights_ptr, ids_ptr, row, live, num_experts, stride_l,
+                 NUM_TOPK, BLOCK_E, BLOCK_K, RENORMALIZE, PACKED)
+
+
+@triton.jit
+def _grouped_sigmoid_row(
+    logits_ptr,  # [padded_bs, num_experts] bf16/fp16/fp32, last dim contiguous
+    bias_ptr,  # fp32 [num_experts]: e_score_correction_bias
+    weights_ptr,  # fp32 [padded_bs, NUM_TOPK] out, contiguous
+    ids_ptr,  # int64 [padded_bs, NUM_TOPK] out, contiguous
+    row,  # int32: the row this program routes
+    live,  # bool: row < n (else ids -1, weights 0)
     stride_l,  # int: row stride of logits (elements)
     scaling,  # fp32: routed_scaling_factor applied to the final weights
     N_GROUP: tl.constexpr,  # expert groups
@@ -174,12 +201,11 @@ def _grouped_topk_sigmoid_kernel(
     BLOCK_S: tl.constexpr,  # next power of 2 >= GROUP_SIZE
     BLOCK_K: tl.constexpr,  # next power of 2 >= NUM_TOPK
     RENORMALIZE: tl.constexpr,  # rescale the k weights to sum to 1 (before scaling)
-    PACKED: tl.constexpr = False,  # one int64 max per pick (module docstring)
-    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
+    PACKED: tl.constexpr,  # one int64 max per pick (module docstring)
 ):
-    pdl_prologue(USE_GDC)
-    row = tl.program_id(0)
-    live = row < tl.load(n_ptr)
+    """Grouped sigmoid top-k of one row: reads ``logits_ptr + row * stride_l``, writes the
+    row's weights and ids. The body of ``_grouped_topk_sigmoid_kernel``, shared with the fused
+    router (``kernels.router_topk``), which calls it once the row's logits are stored."""
     g1 = tl.arange(0, BLOCK_G)  # [BLOCK_G]
     g = g1[:, None]  # [BLOCK_G, 1]
     j = tl.arange(0, BLOCK_S)[None, :]  # [1, BLOCK_S]
@@ -232,6 +258,34 @@ def _grouped_topk_sigmoid_kernel(
     tl.store(ids_ptr + row * NUM_TOPK + offs_k, ids.to(tl.int64), mask=kmask)
 
 
+@triton.jit
+def _grouped_topk_sigmoid_kernel(
+    logits_ptr,  # [padded_bs, num_experts] bf16/fp16/fp32, last dim contiguous
+    bias_ptr,  # fp32 [num_experts]: e_score_correction_bias
+    n_ptr,  # int32 [1]: live rows; rows >= n are padding
+    weights_ptr,  # fp32 [padded_bs, NUM_TOPK] out, contiguous
+    ids_ptr,  # int64 [padded_bs, NUM_TOPK] out, contiguous
+    stride_l,  # int: row stride of logits (elements)
+    scaling,  # fp32: routed_scaling_factor applied to the final weights
+    N_GROUP: tl.constexpr,  # expert groups
+    GROUP_SIZE: tl.constexpr,  # experts per group (num_experts // N_GROUP)
+    TOPK_GROUP: tl.constexpr,  # groups kept per row
+    NUM_TOPK: tl.constexpr,  # experts picked per row
+    BLOCK_G: tl.constexpr,  # next power of 2 >= N_GROUP
+    BLOCK_S: tl.constexpr,  # next power of 2 >= GROUP_SIZE
+    BLOCK_K: tl.constexpr,  # next power of 2 >= NUM_TOPK
+    RENORMALIZE: tl.constexpr,  # rescale the k weights to sum to 1 (before scaling)
+    PACKED: tl.constexpr = False,  # one int64 max per pick (module docstring)
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
+):
+    pdl_prologue(USE_GDC)
+    row = tl.program_id(0)
+    live = row < tl.load(n_ptr)
+    _grouped_sigmoid_row(logits_ptr, bias_ptr, weights_ptr, ids_ptr, row, live, stride_l,
+                         scaling, N_GROUP, GROUP_SIZE, TOPK_GROUP, NUM_TOPK, BLOCK_G, BLOCK_S,
+                         BLOCK_K, RENORMALIZE, PACKED)
+
+
 def _check_common(logits, n, num_topk, out_weights, out_ids):
     check_tensor(logits, "logits", shape=(None, None), dtype=_LOGIT_DTYPES)
     check(logits.stride(1) == 1, "logits.stride(1)", 1, logits.stride(1))
@@ -246,6 +300,22 @@ def _check_common(logits, n, num_topk, out_weights, out_ids):
     check_tensor(out_ids, "out_ids", shape=(padded_bs, num_topk), dtype=torch.int64,
                  device=dev, contiguous=True)
     return padded_bs, num_experts
+
+
+def _check_grouped(bias, num_experts, num_topk, n_group, topk_group, device):
+    """The grouped launch's own checks (bias, groups) -> the group size."""
+    check_tensor(bias, "bias", shape=(num_experts,), dtype=torch.float32, device=device,
+                 contiguous=True)
+    check(isinstance(n_group, int) and n_group >= 1 and num_experts % n_group == 0,
+          "n_group", f"a divisor of num_experts={num_experts}", n_group)
+    group_size = num_experts // n_group
+    check(group_size >= 2, "num_experts // n_group", ">= 2 (group score sums the top-2)",
+          group_size)
+    check(isinstance(topk_group, int) and 1 <= topk_group <= n_group, "topk_group",
+          f"an int in 1..n_group={n_group}", topk_group)
+    check(num_topk <= topk_group * group_size, "num_topk",
+          f"<= topk_group * group size = {topk_group * group_size}", num_topk)
+    return group_size
 
 
 def _packed_warps(lanes):
@@ -301,17 +371,7 @@ def grouped_topk_sigmoid(logits, bias, n, num_topk, n_group, topk_group, *, out_
     Graph safety: capturable
     """
     padded_bs, num_experts = _check_common(logits, n, num_topk, out_weights, out_ids)
-    check_tensor(bias, "bias", shape=(num_experts,), dtype=torch.float32, device=logits.device,
-                 contiguous=True)
-    check(isinstance(n_group, int) and n_group >= 1 and num_experts % n_group == 0,
-          "n_group", f"a divisor of num_experts={num_experts}", n_group)
-    group_size = num_experts // n_group
-    check(group_size >= 2, "num_experts // n_group", ">= 2 (group score sums the top-2)",
-          group_size)
-    check(isinstance(topk_group, int) and 1 <= topk_group <= n_group, "topk_group",
-          f"an int in 1..n_group={n_group}", topk_group)
-    check(num_topk <= topk_group * group_size, "num_topk",
-          f"<= topk_group * group size = {topk_group * group_size}", num_topk)
+    group_size = _check_grouped(bias, num_experts, num_topk, n_group, topk_group, logits.device)
     if padded_bs == 0:
         return out_weights, out_ids
     packed = PACKED if packed is None else bool(packed)

@@ -5,7 +5,10 @@
 per-token 128-group scales); ``gemm2``: ``-> [num_local_experts, cap, hidden]``. With
 ``Experts.fuse_act`` (``GRAPHRT_FUSE_ACT=1``) and the decode kernel on W2, ``act`` runs
 inside ``gemm2``'s A load (``decode_grouped_gemm(..., act="silu_and_mul")``, bitwise the
-same result) and its launch disappears. With fp8 the
+same result) and its launch disappears. With ``Experts.act_epilogue``
+(``GRAPHRT_ACT_EPILOGUE``) and the ``rows`` kernel on W13, ``act`` is W13's epilogue instead
+(``expert_gemv_rows(..., act="silu_and_mul")``: gate and up columns in one work item, bitwise
+the same result, no ``u`` round trip). With fp8 the
 dispatched tokens are quantized too: by DeepEP's fp8 dispatch in its send kernel, or (EP=1)
 here by ``kernels.activation.quantize_fp8_masked`` over the live rows.
 
@@ -100,6 +103,10 @@ class Experts:
     # dsv3-like bs 1; the activation math sits in the weight-streaming K loop). Off; kept for
     # comparison (GRAPHRT_FUSE_ACT=1 at import).
     fuse_act = env_flag("GRAPHRT_FUSE_ACT", False)
+    # SiLU-and-mul as the epilogue of W13 on the rows kernel (1-4 rows an expert): one launch
+    # fewer a layer, bitwise equal outputs. GRAPHRT_ACT_EPILOGUE at import (A/B: the
+    # act-epilogue switch sets it before capture).
+    act_epilogue = env_flag("GRAPHRT_ACT_EPILOGUE", False)
 
     def __init__(self, hidden: int, inter: int, num_local_experts: int, device, *, seed: int = 0,
                  first_expert: int = 0, backend: str = "auto", fp8: bool = False,
@@ -202,13 +209,15 @@ class Experts:
         """``out = a @ W.T`` on live rows with ``choice``'s kernel; ``which`` is ``"w13"`` or
         ``"w2"``; ``a`` [E, cap, k] bf16 (or fp8 with ``a_scale`` [E, cap, k // 128]),
         ``out`` [E, cap, n] bf16 (the ``rows`` kernel: bf16 only, ValueError with fp8
-        experts). ``act="silu_and_mul"`` (decode kernel only): ``a`` is
+        experts). ``act="silu_and_mul"``: with the decode kernel on W2, ``a`` is
         ``u = [gate | up]`` bf16 [E, cap, 2 * k] and the kernel applies SiLU-and-mul (fp8:
-        and the activation quantization) as it loads A; no ``a_scale``.
+        and the activation quantization) as it loads A, no ``a_scale``; with the rows kernel
+        on W13, ``out`` is [E, cap, inter] and SiLU-and-mul is the GEMM's epilogue.
         Graph safety: capturable."""
-        if act is not None and choice.kernel != "decode":
-            raise ValueError(f"act={act!r}: expected choice.kernel 'decode' (the only kernel "
-                             f"with a fused activation), got {choice.kernel!r}")
+        if act is not None and (choice.kernel, which) not in (("decode", "w2"), ("rows", "w13")):
+            raise ValueError(f"act={act!r} on {which}: expected the decode kernel on w2 or the "
+                             f"rows kernel on w13 (the GEMMs with a fused activation), got "
+                             f"{choice.kernel!r}")
         w = (self.w13_q if which == "w13" else self.w2_q) if self.fp8 else \
             (self.w13 if which == "w13" else self.w2)
         if choice.kernel == "deepgemm":
@@ -223,7 +232,7 @@ class Experts:
                                  "has no fp8 path), got fp8; use the decode kernel")
             from graphrt.kernels.grouped_gemv_rows import expert_gemv_rows
             expert_gemv_rows(a, w, masked_m, out=out, block_n=choice.block_n or None,
-                             num_warps=choice.num_warps)
+                             num_warps=choice.num_warps, act=act)
         elif choice.kernel == "triton":
             from graphrt.kernels.grouped_gemm import masked_grouped_gemm
             masked_grouped_gemm(a, w, masked_m, out=out, expected_m=expected_m)
@@ -286,9 +295,12 @@ class Experts:
             a_s = self.ws.view("a_s", (E, cap, self.inter // 128))
             silu_and_mul_masked_fp8(u, masked_m, out_q=a_q, out_scale=a_s)
             return self.gemm("w2", a_q, masked_m, expected_m, y, c2, a_s)
+        a = self.ws.view("a", (E, cap, self.inter))
+        if self.act_epilogue and c13.kernel == "rows" and not fused:  # W13 writes a itself
+            self.gemm("w13", recv_x, masked_m, expected_m, a, c13, act="silu_and_mul")
+            return self.gemm("w2", a, masked_m, expected_m, y, c2)
         self.gemm("w13", recv_x, masked_m, expected_m, u, c13)
         if fused:
             return self.gemm("w2", u, masked_m, expected_m, y, c2, act="silu_and_mul")
-        a = self.ws.view("a", (E, cap, self.inter))
         silu_and_mul_masked(u, masked_m, out=a)
         return self.gemm("w2", a, masked_m, expected_m, y, c2)

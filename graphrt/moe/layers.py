@@ -132,7 +132,12 @@ def dense_normed(p: PendingNorm, w: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 class Router:
     """Gate GEMM + top-k routing. Returns (weights fp32 ``[bs, num_topk]``, ids int64
-    ``[bs, num_topk]``); padded rows get id -1 and weight 0 so they create no expert traffic."""
+    ``[bs, num_topk]``); padded rows get id -1 and weight 0 so they create no expert traffic.
+    With ``fused`` (``GRAPHRT_ROUTER_FUSED``) on a CUDA device, both in one launch
+    (``graphrt.kernels.router_topk``; not inside torch.compile, and not with a
+    ``logit_bias``)."""
+
+    fused = env_flag("GRAPHRT_ROUTER_FUSED", False)
 
     def __init__(self, cfg: MoEConfig, device, gen):
         self.cfg = cfg
@@ -140,16 +145,38 @@ class Router:
         self.bias = (torch.rand(cfg.num_experts, generator=gen, device=device) * 0.1
                      if cfg.routing == "grouped_sigmoid" else None)
         self.logit_bias = None  # [num_experts] in cfg.dtype, added to the logits (skew studies)
+        # the fused launch's per-row counters: zero, and left zero by every launch
+        self._sem = (torch.zeros(cfg.num_slots, dtype=torch.int32, device=device)
+                     if torch.device(device).type == "cuda" else None)
+
+    def _fusable(self, h: torch.Tensor) -> bool:
+        return (self.fused and self.logit_bias is None and self._sem is not None
+                and h.device.type == "cuda" and h.dtype == torch.bfloat16 and h.is_contiguous()
+                and h.shape[0] <= self._sem.shape[0] and not torch.compiler.is_compiling())
 
     def __call__(self, h: torch.Tensor, n: torch.Tensor):
         from graphrt.kernels import routing
         cfg, bs = self.cfg, h.shape[0]
+        w = torch.empty(bs, cfg.num_topk, dtype=torch.float32, device=h.device)
+        ids = torch.empty(bs, cfg.num_topk, dtype=torch.int64, device=h.device)
+        grouped = {} if cfg.routing == "softmax" else dict(
+            bias=self.bias, n_group=cfg.n_group, topk_group=cfg.topk_group,
+            routed_scaling_factor=cfg.routed_scaling_factor)
+        if self._fusable(h):
+            from graphrt.kernels.dense_gemv import num_sms
+            from graphrt.kernels.router_topk import router_topk, router_topk_workspace_shape
+            logits = torch.empty(bs, cfg.num_experts, dtype=h.dtype, device=h.device)
+            ws = torch.empty(router_topk_workspace_shape(bs, cfg.num_experts, cfg.hidden,
+                                                         num_sms(h.device)),
+                             dtype=torch.float32, device=h.device)
+            router_topk(h, self.w, n, cfg.num_topk, out_logits=logits, out_weights=w,
+                        out_ids=ids, workspace=ws, semaphore=self._sem[:bs],
+                        routing=cfg.routing, **grouped)
+            return w, ids
         if self.logit_bias is None:
             logits = dense(h, self.w)                                      # [bs, num_experts]
         else:
             logits = torch.addmm(self.logit_bias, h, self.w.t())
-        w = torch.empty(bs, cfg.num_topk, dtype=torch.float32, device=h.device)
-        ids = torch.empty(bs, cfg.num_topk, dtype=torch.int64, device=h.device)
         if cfg.routing == "softmax":
             return routing.topk_softmax(logits, n, cfg.num_topk, out_weights=w, out_ids=ids)
         return routing.grouped_topk_sigmoid(

@@ -66,6 +66,49 @@ def test_matches_ref_untouched_rows(n, k, block_n, block_k):
     assert torch.equal(again.view(torch.int16), out.view(torch.int16))
 
 
+def _act_pair(a, w13, masked_m, **kw):
+    """(the fused W13 + SiLU-and-mul, the rows kernel's u then silu_and_mul_masked), both
+    NaN-poisoned first."""
+    from graphrt.kernels.activation import silu_and_mul_masked
+    E, cap, _ = a.shape
+    inter = w13.shape[1] // 2
+    u = _run(a, w13, masked_m, **kw)
+    want = torch.full((E, cap, inter), float("nan"), dtype=torch.bfloat16, device=a.device)
+    silu_and_mul_masked(u, masked_m, out=want)
+    got = torch.full_like(want, float("nan"))
+    assert expert_gemv_rows(a, w13, masked_m, out=got, act="silu_and_mul", **kw) is got
+    return got, want
+
+
+@pytest.mark.parametrize("inter, k, block_n, block_k", [
+    (12, 64, None, None),     # the config's: whole K in one round
+    (10, 100, 4, 32),         # ragged K and inter
+    (9, 130, 1, 256),         # one gate and one up row an item, block_k > k
+])
+def test_act_epilogue_is_bitwise_the_activation_after(inter, k, block_n, block_k):
+    """W13 with the SiLU-and-mul epilogue: bitwise the rows kernel's u (the same block_n and
+    block_k: every tile sums in the same order) followed by silu_and_mul_masked, rows past
+    masked_m untouched (NaN kept)."""
+    a, w13 = _inputs(len(MASKED), 8, 2 * inter, k, seed=inter + k)
+    masked_m = torch.tensor(MASKED, dtype=torch.int32)
+    got, want = _act_pair(a, w13, masked_m, block_n=block_n, block_k=block_k)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert torch.isnan(got[~_live(masked_m, 8, inter)].float()).all()
+
+
+def test_act_validation():
+    a, b = _inputs(2, 4, 7, 32)
+    m = torch.ones(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="act: expected None or 'silu_and_mul', got 'gelu'"):
+        expert_gemv_rows(a, b, m, out=torch.empty(2, 4, 7, dtype=torch.bfloat16), act="gelu")
+    with pytest.raises(ValueError, match=r"b.shape\[1\] with act: expected 2 \* n"):
+        expert_gemv_rows(a, b, m, out=torch.empty(2, 4, 3, dtype=torch.bfloat16),
+                         act="silu_and_mul")
+    with pytest.raises(ValueError, match=r"out.shape: expected \(2, 4, 4\)"):
+        expert_gemv_rows(a, torch.cat([b, b[:, :1]], 1), m,
+                         out=torch.empty(2, 4, 8, dtype=torch.bfloat16), act="silu_and_mul")
+
+
 def test_close_to_the_decode_kernel():
     """The same GEMM as decode_grouped_gemm, summed in another order: within one bf16 step."""
     a, b = _inputs(len(MASKED), 8, 40, 160, seed=3)
@@ -251,6 +294,27 @@ def test_gpu_matches_ref(shape):
                                           device="cuda")
     _check(_run(a, b, masked_m), expert_gemv_rows_ref(a, b, masked_m), masked_m)
     del a, b
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [s for s in GPU_SHAPES if "w13" in s])
+def test_gpu_act_epilogue_is_bitwise_the_activation_after(shape):
+    E, n, k = GPU_SHAPES[shape]
+    a, w13 = _gpu_case(E, n, k, seed=8)
+    masked_m = _one_row_on_8(E, 9)
+    masked_m[masked_m > 0] = torch.tensor([1, 2, 3, 4, 1, 2, 3, 4], dtype=torch.int32,
+                                          device="cuda")
+    got, want = _act_pair(a, w13, masked_m)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        expert_gemv_rows(a, w13, masked_m, out=got, act="silu_and_mul")
+    got.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    del a, w13, graph
     torch.cuda.empty_cache()
 
 

@@ -28,23 +28,25 @@ SCRIPT = textwrap.dedent('''
 
     out = {}
     for bn, bk in ((4, 2048), (2, 4096)):        # qwen3-like W13, dsv3-like W13 configs
-        for even in (True, False):
+        for even, act in ((True, False), (False, False), (True, True), (False, True)):
             for gdc in (0, 1, 2):
-                p = rows_ptx(dict(E_POW2=64, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=even, USE_GDC=gdc))
-                out[f"bn{bn}-{even}-{gdc}"] = {"wait": "griddepcontrol.wait" in p,
-                                               "mma": "mma.sync" in p or "wgmma" in p,
-                                               "v4": "ld.global.v4" in p,
-                                               "spill": "ld.local" in p}
+                p = rows_ptx(dict(E_POW2=64, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=even, ACT=act,
+                                  USE_GDC=gdc))
+                out[f"bn{bn}-{even}-{act}-{gdc}"] = {"wait": "griddepcontrol.wait" in p,
+                                                     "mma": "mma.sync" in p or "wgmma" in p,
+                                                     "v4": "ld.global.v4" in p,
+                                                     "spill": "ld.local" in p}
     print(json.dumps(out))
 ''')
 
 
 def test_the_expert_rows_kernel_compiles_for_sm90():
-    """Every (EVEN_K, USE_GDC) variant compiles; ``griddepcontrol.wait`` is in the PTX exactly
+    """Every (EVEN_K, ACT, USE_GDC) variant compiles (ACT: the SiLU-and-mul epilogue, two
+    weight tiles a round); ``griddepcontrol.wait`` is in the PTX exactly
     when ``USE_GDC != 0``; no tensor-core instruction (the reduction is on the CUDA cores); with
     the launch's alignment specialization the weights load as 16-byte vectors, no spills."""
     res = compile_results(SCRIPT)
-    assert len(res) == 12
+    assert len(res) == 24
     for key, found in res.items():
         assert found == {"wait": not key.endswith("-0"), "mma": False, "v4": True,
                          "spill": False}, key
