@@ -71,6 +71,7 @@ from .attention_kernels import (
 )
 
 BLOCK_N = 64  # cache positions per inner step of kernel 1 (spans pages when block_size < 64)
+SPLIT_LAUNCH = {"num_warps": 4, "num_stages": 2}  # the split kernel's (graphrt.bench.attention --sweep)
 # Default positions per split (rounded up to BLOCK_N). Measured on H200 (32 q / 8 kv heads,
 # head_dim 128, ctx 4096, unpaged): 256 is best at bs 1 (13 us); 512 is ~4% faster at bs >= 64
 # and costs less for short contexts at bs 256 (37 vs 46 us at ctx 64). 256 is the middle ground.
@@ -331,8 +332,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             scale, num_blocks, max_ctx, split_size, q.stride(0), q.stride(1),
             block_table.stride(0), *cache_strides,
             workspace_o.stride(0), workspace_o.stride(1), workspace_o.stride(2),
-            workspace_lse.stride(0), workspace_lse.stride(1), *append, **geometry, num_warps=4,
-            num_stages=2, **pdl_args())
+            workspace_lse.stride(0), workspace_lse.stride(1), *append, **geometry, **SPLIT_LAUNCH,
+            **pdl_args())
         attn_merge_kernel[(padded_bs, num_heads)](
             out, workspace_o, workspace_lse, seq_lens, n, max_ctx, split_size,
             out.stride(0), out.stride(1),

@@ -71,7 +71,8 @@ class _Case:
 
 def bench(bs_list: list[int], ctx_list: list[int], *, reach: int = 0, heads: int = 32,
           kv_heads: int = 4, head_dim: int = 128, block_size: int = 16, layers: int = 4,
-          iters: int = 50, variants=VARIANTS, device: str = "cuda", log=print) -> dict:
+          iters: int = 50, variants=VARIANTS, device: str = "cuda", sweep: bool = False,
+          log=print) -> dict:
     """Time every variant at every (ctx, bs); returns the JSON document (module docstring).
     Host-only tooling (synchronizes)."""
     from graphrt.bench.timing import graph_time_us, hbm_bandwidth_gbs
@@ -104,6 +105,12 @@ def bench(bs_list: list[int], ctx_list: list[int], *, reach: int = 0, heads: int
                 res["variants"][variant] = {"us": round(us, 2),
                                             "tbs": round(kv_bytes / (us * 1e-6) / 1e12, 3),
                                             "rel_err": round(err, 5), "semaphore_nonzero": stale}
+            if sweep:
+                res["sweep"] = sweep_split(case, heads, head_dim, iters)
+                best = min(res["sweep"], key=res["sweep"].get)
+                log(f"sweep bs {bs} ctx {ctx}: best {best} {res['sweep'][best]} µs; "
+                    + ", ".join(f"{k} {v}" for k, v in sorted(res["sweep"].items(),
+                                                             key=lambda kv: kv[1])[:8]))
             timed = {v: x for v, x in res["variants"].items() if "us" in x}
             res["best"] = min(timed, key=lambda v: timed[v]["us"]) if timed else None
             doc["results"].append(res)
@@ -111,6 +118,34 @@ def bench(bs_list: list[int], ctx_list: list[int], *, reach: int = 0, heads: int
             del case
             torch.cuda.empty_cache()
     return doc
+
+
+# --sweep: the split kernel's (BLOCK_N, num_warps, num_stages, split size) at each (ctx, bs)
+SWEEP = [(bn, nw, st, sp) for bn in (32, 64, 128) for nw in (4, 8) for st in (1, 2, 3)
+         for sp in (128, 256) if sp >= bn]
+
+
+def sweep_split(case: "_Case", heads: int, head_dim: int, iters: int) -> dict:
+    """µs per layer of the split variant for every ``SWEEP`` config (``attention.BLOCK_N``
+    and ``attention.SPLIT_LAUNCH`` set for the call, put back after; a workspace per split
+    size). Host-only tooling."""
+    from graphrt.bench.timing import graph_time_us
+    from graphrt.kernels import attention
+    saved = attention.BLOCK_N, dict(attention.SPLIT_LAUNCH)
+    ws = case.ws_o, case.ws_lse
+    max_ctx = case.max_blocks * case.caches[0][0].shape[1]
+    times = {}
+    try:
+        for bn, nw, st, sp in SWEEP:
+            attention.BLOCK_N, attention.SPLIT_LAUNCH = bn, {"num_warps": nw, "num_stages": st}
+            case.ws_o, case.ws_lse = attention.attention_workspace(
+                case.q.shape[0], heads, head_dim, max_ctx, case.q.device, split_size=sp)
+            us = graph_time_us(lambda: case.run("split"), iters=iters) / len(case.caches)
+            times[f"bn{bn}w{nw}s{st}sp{sp}"] = round(us, 2)
+    finally:
+        attention.BLOCK_N, attention.SPLIT_LAUNCH = saved
+        case.ws_o, case.ws_lse = ws
+    return times
 
 
 def _header(variants) -> str:
@@ -159,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=4, help="launches (separate caches) per replay")
     p.add_argument("--iters", type=int, default=50, help="replays per timing sample")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--sweep", action="store_true",
+                   help="also time the split kernel's (BLOCK_N, num_warps, num_stages, split size)")
     p.add_argument("--out", required=True, help="JSON results path (the table goes to .md beside it)")
     a = p.parse_args(argv)
     variants = [v for v in a.variants.split(",") if v]
@@ -171,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     print(_header(variants), flush=True)
     doc = bench(int_list(a.bs), int_list(a.ctx), reach=a.reach, heads=a.heads, kv_heads=a.kv_heads,
                 head_dim=a.head_dim, block_size=a.block_size, layers=a.layers, iters=a.iters,
-                variants=variants, log=lambda s: print(s, flush=True))
+                variants=variants, sweep=a.sweep, log=lambda s: print(s, flush=True))
     doc["wall_s"] = round(time.perf_counter() - t0, 1)
     md = markdown(doc, variants)
     save_doc(a.out, doc, md)
