@@ -97,6 +97,7 @@ def _decode_gemm_kernel(
     FP8: tl.constexpr,  # fp8 operands with DeepGEMM's scales (ACT: fp8 b, a quantised here)
     ACT: tl.constexpr,  # 0: a as given; 1: a = silu_and_mul(u) made per K tile (ACTS[ACT])
     UPCAST: tl.constexpr,  # interpreter: dot in fp32 (bf16 math gives NaN there)
+    SWAP: tl.constexpr = False,  # weights as the MMA's M side: y.T tiles [BLOCK_N, BLOCK_M]
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
@@ -124,7 +125,10 @@ def _decode_gemm_kernel(
             mask_m = offs_m < m
             a_ptrs = a_ptr + e64 * stride_ae + offs_m[:, None] * stride_am + (k_lo + offs_k)[None, :] * stride_ak
             b_ptrs = b_base + k_lo * stride_bk
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if SWAP:
+                acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            else:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(k_lo, k_hi, BLOCK_K):
                 if EVEN_K:
                     mask_a = mask_m[:, None]
@@ -154,20 +158,29 @@ def _decode_gemm_kernel(
                         sa = tl.load(as_ptr + e64 * stride_ase + offs_m * stride_asm
                                      + kb * stride_ask, mask=mask_m, other=0.0)  # [BM]
                     sb = tl.load(bs_ptr + e64 * stride_bse + (n0 // BLOCK_K) * stride_bsn + kb * stride_bsk)
-                    acc += tl.dot(a, b) * (sa[:, None] * sb)
+                    if SWAP:
+                        acc += tl.dot(tl.trans(b), tl.trans(a)) * (sa[None, :] * sb)
+                    else:
+                        acc += tl.dot(a, b) * (sa[:, None] * sb)
+                elif SWAP:
+                    acc += tl.dot(tl.trans(b), tl.trans(a))  # [BN, BK] @ [BK, BM]
                 else:
                     acc += tl.dot(a, b)
                 a_ptrs += BLOCK_K * stride_ak
                 b_ptrs += BLOCK_K * stride_bk
+            if SWAP:  # y.T's tile: rows along dim 1
+                offs_r, offs_c = offs_m[None, :], offs_n[:, None]
+            else:
+                offs_r, offs_c = offs_m[:, None], offs_n[None, :]
             if SPLIT_K > 1:
-                rows = row_end - m + offs_m  # compacted live rows
-                ws_ptrs = ws_ptr + (s * ws_rows + rows[:, None]).to(tl.int64) * n + offs_n[None, :]
+                rows = row_end - m + offs_r  # compacted live rows
+                ws_ptrs = ws_ptr + (s * ws_rows + rows).to(tl.int64) * n + offs_c
                 m_ws = tl.where(split, m, 0)
-                tl.store(ws_ptrs, acc, mask=(offs_m < m_ws)[:, None] & mask_n[None, :])
+                tl.store(ws_ptrs, acc, mask=(offs_r < m_ws) & (offs_c < n))
             m_out = tl.where(split, 0, m)
-            out_ptrs = out_ptr + e64 * stride_oe + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+            out_ptrs = out_ptr + e64 * stride_oe + offs_r * stride_om + offs_c * stride_on
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty),
-                     mask=(offs_m < m_out)[:, None] & mask_n[None, :])
+                     mask=(offs_r < m_out) & (offs_c < n))
 
 
 @triton.jit
@@ -247,7 +260,7 @@ def decode_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
                         split_k: int = 1, workspace: torch.Tensor | None = None,
                         a_scale: torch.Tensor | None = None, b_scale: torch.Tensor | None = None,
                         num_warps: int = 4, num_stages: int = 4,
-                        act: str | None = None) -> torch.Tensor:
+                        act: str | None = None, swap: bool = False) -> torch.Tensor:
     """``out[e, :masked_m[e]] = a[e, :masked_m[e]] @ b[e].T`` reading only live experts' weights.
 
     Args:
@@ -277,6 +290,9 @@ def decode_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
             quantised per row and 128 columns, DeepGEMM's 1x128 scales) followed by this
             GEMM with the same options; one launch fewer and no ``[E, cap, k]`` activation
             buffer.
+        swap: the weights as the MMA's M side (``[block_n, BK] @ [BK, rows]`` tiles of
+            ``y.T``, the sm_90 warpgroup MMA; as ``kernels.dense_mma``): ``block_n`` 64 or
+            128. Same sums (fp32, the same K tiles); the tensor-core instruction differs.
 
     Returns ``out``. One launch (two with split-K), allocates nothing, no host sync.
 
@@ -287,6 +303,7 @@ def decode_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
                  contiguous=True)
     check_tensor(out, "out", shape=(E, cap, n), dtype=torch.bfloat16, device=a.device)
     check(block_n in BLOCK_NS, "block_n", f"one of {BLOCK_NS}", block_n)
+    check(not swap or block_n >= 64, "block_n with swap", "64 or 128 (the MMA's M side)", block_n)
     check(isinstance(split_k, int) and 1 <= split_k <= 16, "split_k", "an int in [1, 16]", split_k)
     check(expected_m is None or (isinstance(expected_m, int) and expected_m >= 0),
           "expected_m", "None or a non-negative host int", repr(expected_m))
@@ -334,7 +351,7 @@ def decode_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
         *a.stride(), *b.stride(), *out.stride(), *s_strides,
         E_POW2=e_pow2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
         EVEN_K=k % block_k == 0, FP8=fp8, ACT=ACTS.index(act), UPCAST=interpreting(),
-        num_warps=num_warps, num_stages=num_stages, **pdl_args())
+        SWAP=bool(swap), num_warps=num_warps, num_stages=num_stages, **pdl_args())
     if split_k > 1:
         rn = min(128, triton.next_power_of_2(n))
         _decode_reduce_kernel[(num_programs(a.device, E * triton.cdiv(n, rn), 32 << 10),)](

@@ -15,7 +15,7 @@ import graphrt.moe.expert_plan as ep
 from graphrt.moe import MoEModel, make_step, preset
 from graphrt.moe.expert_plan import (Choice, ExpertPlan, decode_candidates, default_choice,
                                      plan_candidates, routed_rows, rows_candidates, rows_eligible,
-                                     shape_key, synthetic_masked_m)
+                                     shape_key, swap_candidates, synthetic_masked_m)
 
 
 # ------------------------------------------------------------------------------ policy (CPU)
@@ -105,21 +105,27 @@ def test_rows_candidates_only_for_bf16_decode_and_few_rows():
     assert not rows_eligible(BF16_KERNELS, routed_rows(256, 8, 64, 64), fp8=False)  # 32 rows
     names = [c.name for c in plan_candidates(BF16_KERNELS, 1536, 2048, one_row, 132)]
     assert names == ["decode/bn16", "decode/bn32", "decode/bn64", "decode/bn32/w8",
-                     "decode/bn64/w8", "decode/bn16/w2", "rows/bn2", "rows/bn4", "rows/bn8",
-                     "triton", "deepgemm"]
+                     "decode/bn64/w8", "decode/bn16/w2", "swap/bn64", "swap/bn128", "rows/bn2",
+                     "rows/bn4", "rows/bn8", "triton", "deepgemm"]
     names = [c.name for c in plan_candidates(BF16_KERNELS, 1536, 2048, [5] * 8, 132)]
-    assert names == [c.name for c in decode_candidates(1536, 2048, 8, 132)] + ["triton",
-                                                                               "deepgemm"]
+    assert names == [c.name for c in decode_candidates(1536, 2048, 8, 132)] + [
+        "swap/bn64", "swap/bn128", "triton", "deepgemm"]
     fp8 = [c.name for c in plan_candidates(("decode", "deepgemm"), 1536, 2048, one_row, 132,
                                            fp8=True)]
     assert fp8 == ["decode/bn16", "decode/bn32", "decode/bn64", "decode/bn32/w8",
-                   "decode/bn64/w8", "decode/bn16/w2", "deepgemm"]
+                   "decode/bn64/w8", "decode/bn16/w2", "swap/bn64", "swap/bn128", "deepgemm"]
+    # one live expert of a 2048-wide W2: 32 slices of 64, K split 2 and 4 ways too
+    assert [c.name for c in swap_candidates(2048, 768, 1, 132)] == [
+        "swap/bn64", "swap/bn128", "swap/bn64/sk2"]
+    with pytest.raises(ValueError, match="Choice.block_n with kernel 'swap'"):
+        Choice("swap", block_n=32)
     assert [c.name for c in plan_candidates(("triton",), 1536, 2048, one_row, 132)] == ["triton"]
     assert [c.name for c in plan_candidates(("rows", "triton"), 64, 64, one_row, 132)] == \
         ["triton"]                                   # rows rides on the decode kernel
-    # the decode kernel's split-K candidates are unchanged by the rows ones
+    # the decode kernel's split-K candidates are unchanged by the swap and rows ones
     names = [c.name for c in plan_candidates(("decode",), 1536, 2048, [1], 132)]
     assert names == [c.name for c in decode_candidates(1536, 2048, 1, 132)] + \
+        [c.name for c in swap_candidates(1536, 2048, 1, 132)] + \
         [c.name for c in rows_candidates(1536, 2048)]
     assert default_choice(1536, 8).kernel == "decode"                 # untimed: still decode
 

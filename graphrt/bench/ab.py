@@ -119,6 +119,9 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
                                                   "ROWS_SMALL_N", 256 if on else 0),
             "fuse-dispatch": lambda on: _class_attr("graphrt.kernels.dispatch", None,
                                                     "FUSED_MAX_FLAT", 256 if on else 0),
+            "expert-swap": lambda on: _class_attr("graphrt.moe.expert_plan", "ExpertPlan",
+                                                  "exclude", frozenset() if on else
+                                                  frozenset({"swap"})),
             "expert-rows": lambda on: _class_attr("graphrt.moe.expert_plan", "ExpertPlan",
                                                   "exclude", frozenset() if on else
                                                   frozenset({"rows"}))}

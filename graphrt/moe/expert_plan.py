@@ -42,7 +42,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 PLAN_VERSION = 1
-KERNELS = ("decode", "rows", "triton", "deepgemm")
+KERNELS = ("decode", "swap", "rows", "triton", "deepgemm")
+SWAP_BLOCK_NS = (64, 128)  # the swapped decode kernel's block_n: the MMA's M side
 ROWS_MAX = 4  # the rows kernel is a candidate while no live expert has more rows than this
 ROWS_BLOCK_NS = (0, 1, 2, 4, 8, 16, 32, 64)  # the rows kernel's block_n (0: its config's pick)
 SPLIT_ROWS = 256  # split-K workspace rows (compacted live rows); larger routings run unsplit
@@ -65,8 +66,11 @@ class Choice:
     def __post_init__(self):
         if self.kernel not in KERNELS:
             raise ValueError(f"Choice.kernel: expected one of {KERNELS}, got {self.kernel!r}")
-        if self.kernel == "decode" and not (1 <= self.split_k <= MAX_SPLIT):
+        if self.kernel in ("decode", "swap") and not (1 <= self.split_k <= MAX_SPLIT):
             raise ValueError(f"Choice.split_k: expected 1..{MAX_SPLIT}, got {self.split_k}")
+        if self.kernel == "swap" and self.block_n not in SWAP_BLOCK_NS:
+            raise ValueError(f"Choice.block_n with kernel 'swap': expected one of "
+                             f"{SWAP_BLOCK_NS}, got {self.block_n}")
         if self.kernel == "rows":
             if self.block_n not in ROWS_BLOCK_NS:
                 raise ValueError(f"Choice.block_n with kernel 'rows': expected one of "
@@ -82,10 +86,10 @@ class Choice:
         warps = f"/w{self.num_warps}" if self.num_warps != 4 else ""
         if self.kernel == "rows":
             return "rows" + (f"/bn{self.block_n}" if self.block_n else "") + warps
-        if self.kernel != "decode":
+        if self.kernel not in ("decode", "swap"):
             return self.kernel
-        return (f"decode/bn{self.block_n}" + (f"/sk{self.split_k}" if self.split_k > 1 else "")
-                + warps)
+        return (f"{self.kernel}/bn{self.block_n}"
+                + (f"/sk{self.split_k}" if self.split_k > 1 else "") + warps)
 
 
 def shape_key(num_local_experts: int, n: int, k: int, fp8: bool) -> str:
@@ -125,6 +129,17 @@ def decode_candidates(n: int, k: int, live: int, num_sms: int, fp8: bool = False
     return out
 
 
+def swap_candidates(n: int, k: int, live: int, num_sms: int, fp8: bool = False) -> list[Choice]:
+    """The decode kernel with the weights as the MMA's M side (``swap=True``) worth timing:
+    column tiles 64 and 128, plus 64 split 2 and 4 ways when fewer than one work item per SM
+    would run unsplit. Pure Python."""
+    out = [Choice("swap", block_n=bn) for bn in SWAP_BLOCK_NS]
+    if live * -(-n // 64) < num_sms:
+        out += [Choice("swap", block_n=64, split_k=s) for s in (2, MAX_SPLIT)
+                if k // s >= (128 if fp8 else 256)]
+    return out
+
+
 def rows_candidates(n: int, k: int) -> list[Choice]:
     """Rows-kernel configurations worth timing: ``expert_gemv_rows_config``'s ``block_n``
     (the whole K up to 4096 a round, 8192 weights a program), half and twice it (1-64, at
@@ -148,15 +163,17 @@ def rows_eligible(kernels, rows: list[int], fp8: bool) -> bool:
 def plan_candidates(kernels, n: int, k: int, rows: list[int], num_sms: int,
                     fp8: bool = False) -> list[Choice]:
     """Every configuration ``plan_size`` times for one GEMM shape: with ``"decode"`` in
-    ``kernels`` the decode kernel's (``decode_candidates``) and, when ``rows_eligible``,
+    ``kernels`` the decode kernel's (``decode_candidates``, ``swap_candidates``) and, when
+    ``rows_eligible``,
     the rows kernel's (``rows_candidates``); then each other kernel of ``kernels``
     (``triton``, ``deepgemm``) once. Pure Python."""
     out = []
     if "decode" in kernels:
         out += decode_candidates(n, k, len(rows), num_sms, fp8)
+        out += swap_candidates(n, k, len(rows), num_sms, fp8)
         if rows_eligible(kernels, rows, fp8):
             out += rows_candidates(n, k)
-    return out + [Choice(kname) for kname in kernels if kname not in ("decode", "rows")]
+    return out + [Choice(kname) for kname in kernels if kname not in ("decode", "swap", "rows")]
 
 
 def default_choice(n: int, live: int, num_sms: int = 132) -> Choice:

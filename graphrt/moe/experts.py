@@ -238,14 +238,14 @@ class Experts:
             masked_grouped_gemm(a, w, masked_m, out=out, expected_m=expected_m)
         else:
             from graphrt.kernels.grouped_gemm_decode import decode_grouped_gemm
-            n = out.shape[2]
+            n = out.shape[2]  # the decode kernel, or "swap": it with the weights as MMA's M
             ws = (self.ws.view("gemm_partials", (choice.split_k, SPLIT_ROWS, n))
                   if choice.split_k > 1 else None)
             w, b_scale = w if self.fp8 else (w, None)
             decode_grouped_gemm(a, w, masked_m, out=out, expected_m=expected_m,
                                 block_n=choice.block_n, split_k=choice.split_k, workspace=ws,
                                 a_scale=a_scale, b_scale=b_scale, num_warps=choice.num_warps,
-                                act=act)
+                                act=act, swap=choice.kernel == "swap")
         return out
 
     def synthetic_io(self, which: str, cap: int):

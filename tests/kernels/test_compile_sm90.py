@@ -64,7 +64,7 @@ DECODE_GEMM = textwrap.dedent('''
                **{name: "i32" for name in INTS}}
         if fp8 and not const["ACT"]:
             sig["a_ptr"] = "*fp8e4nv"
-        const = dict(E_POW2=16, UPCAST=False, USE_GDC=2, FP8=fp8, **const)
+        const = {**dict(E_POW2=16, UPCAST=False, USE_GDC=2, FP8=fp8, SWAP=False), **const}
         return ptx(_decode_gemm_kernel, sig, const, num_stages=4)
 
     out = {}
@@ -76,6 +76,12 @@ DECODE_GEMM = textwrap.dedent('''
                           BLOCK_K=128))
         out[f"{'fp8' if fp8 else 'bf16'}-act{act}-{even}-sk{split}-bm{bm}"] = {
             "silu": "ex2.approx.f32" in p, "mma": "mma" in p}
+    for fp8, act, split, bn in ((False, 0, 1, 64), (False, 0, 2, 128), (False, 1, 1, 64),
+                                (True, 0, 2, 64), (True, 1, 1, 128)):
+        p = decode_ptx(fp8, dict(ACT=act, EVEN_K=True, SPLIT_K=split, BLOCK_M=16, BLOCK_N=bn,
+                                 BLOCK_K=128, SWAP=True))
+        out[f"swap-{'fp8' if fp8 else 'bf16'}-act{act}-sk{split}-bn{bn}"] = {
+            "silu": "ex2.approx.f32" in p, "mma": "wgmma.mma_async" in p}
     print(json.dumps(out))
 ''')
 
@@ -83,8 +89,9 @@ DECODE_GEMM = textwrap.dedent('''
 def test_the_decode_grouped_gemm_compiles_for_sm90_with_and_without_fused_act():
     """``_decode_gemm_kernel`` with ``ACT`` 0 and 1 (bf16 and fp8 weights, ragged K, split-K,
     16- and 64-row blocks) compiles; the SiLU (``ex2``) is in the ``ACT=1`` variants alone and
-    each one still runs its dot on the tensor cores."""
+    each one still runs its dot on the tensor cores; with ``SWAP`` (the weights as the MMA's M
+    side) on the warpgroup MMA."""
     res = compile_results(DECODE_GEMM)
-    assert len(res) == 8
+    assert len(res) == 13
     for key, found in res.items():
         assert found == {"silu": "-act1-" in key, "mma": True}, key

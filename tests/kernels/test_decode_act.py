@@ -229,7 +229,7 @@ def test_experts_fuse_act_needs_decode_on_w2():
     y = ex(x, masked_m, expected_m=4)
     assert not torch.isnan(y[0, :3].float()).any()
     u = torch.zeros(2, 8, 192, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"act='silu_and_mul': expected choice\.kernel 'decode'"):
+    with pytest.raises(ValueError, match=r"act='silu_and_mul' on w2: expected the decode kernel"):
         ex.gemm("w2", u, masked_m, 4, y, Choice("triton"), act=ACT)
 
 

@@ -89,6 +89,30 @@ def test_gpu_decode_graph_replay_bitwise_and_follows_masked_m(case, split_k):
         _check(out, decode_grouped_gemm_ref(a, b, masked_m), masked_m)
 
 
+@pytest.mark.parametrize("block_n, split_k", [(64, 1), (128, 1), (64, 2), (64, 4)])
+def test_gpu_swap_matches_ref_and_replays_bitwise(case, block_n, split_k):
+    """The weights as the MMA's M side (swap=True): within bf16 rounding of the reference,
+    bitwise eager = replay, the same graph following a new routing."""
+    a, b, ws = case
+    masked_m = _masked(5)
+    out = torch.full((E, CAP, b.shape[1]), float("nan"), dtype=torch.bfloat16, device="cuda")
+    _run(a, b, masked_m, out, ws, block_n, split_k, swap=True)
+    _check(out, decode_grouped_gemm_ref(a, b, masked_m), masked_m)
+    eager = out.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _run(a, b, masked_m, out, ws, block_n, split_k, swap=True)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
+    masked_m.copy_(_masked(6))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(out, decode_grouped_gemm_ref(a, b, masked_m), masked_m)
+
+
 def test_gpu_decode_agrees_with_deepgemm(case):
     from graphrt.moe.experts import deep_gemm_available
     if not deep_gemm_available():
