@@ -62,6 +62,8 @@ import math
 import torch
 import triton
 
+from graphrt.env import env_flag
+
 from ._util import check, check_tensor, interpreting, pdl_args
 from .attention_kernels import (
     _kv_append_kernel,
@@ -72,6 +74,13 @@ from .attention_kernels import (
 
 BLOCK_N = 64  # cache positions per inner step of kernel 1 (spans pages when block_size < 64)
 SPLIT_LAUNCH = {"num_warps": 4, "num_stages": 2}  # the split kernel's (graphrt.bench.attention --sweep)
+# With splits of >= WIDE_MIN_SPLIT positions (bs >= 8 under the per-size rule) the split kernel
+# walks WIDE_BLOCK_N positions an inner step on one stage (graphrt.bench.attention --sweep,
+# qwen3-like heads, ctx 1024: 15.3 vs 17.4 µs at bs 16, 11.6 vs 13.5 at bs 8). WIDE is read at
+# each launch (GRAPHRT_ATTN_WIDE at import; A/B: the attn-wide switch).
+WIDE = env_flag("GRAPHRT_ATTN_WIDE", False)
+WIDE_BLOCK_N, WIDE_MIN_SPLIT = 128, 256
+WIDE_LAUNCH = {"num_warps": 4, "num_stages": 1}
 # Default positions per split (rounded up to BLOCK_N). Measured on H200 (32 q / 8 kv heads,
 # head_dim 128, ctx 4096, unpaged): 256 is best at bs 1 (13 us); 512 is ~4% faster at bs >= 64
 # and costs less for short contexts at bs 256 (37 vs 46 us at ctx 64). 256 is the middle ground.
@@ -327,12 +336,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     grid = (padded_bs, num_kv_heads, num_splits)
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     if variant == "split":
+        wide = WIDE and split_size >= WIDE_MIN_SPLIT and split_size % WIDE_BLOCK_N == 0
+        launch = WIDE_LAUNCH if wide else SPLIT_LAUNCH
+        split_geometry = {**geometry, "BLOCK_N": WIDE_BLOCK_N} if wide else geometry
         attn_split_kernel[grid](
             q, k_cache, v_cache, block_table, seq_lens, n, workspace_o, workspace_lse,
             scale, num_blocks, max_ctx, split_size, q.stride(0), q.stride(1),
             block_table.stride(0), *cache_strides,
             workspace_o.stride(0), workspace_o.stride(1), workspace_o.stride(2),
-            workspace_lse.stride(0), workspace_lse.stride(1), *append, **geometry, **SPLIT_LAUNCH,
+            workspace_lse.stride(0), workspace_lse.stride(1), *append, **split_geometry, **launch,
             **pdl_args())
         attn_merge_kernel[(padded_bs, num_heads)](
             out, workspace_o, workspace_lse, seq_lens, n, max_ctx, split_size,

@@ -61,6 +61,9 @@ _FP8 = torch.float8_e4m3fn
 _SCALE_BLOCK = 128  # DeepGEMM's fp8 scale granularity (weights 128x128, activations 1x128)
 BLOCK_NS = (16, 32, 64, 128)
 ACTS = (None, "silu_and_mul")  # the fused A-operand activations; ACT constexpr = the index
+# swap=True, bf16 without act, block_n 64: K tiles of this many (3 stages), as the dense
+# swapped GEMM's sweep found best (kernels.dense_mma); 128 otherwise. A/B: the swap-bk256 switch.
+SWAP_BLOCK_K = 128
 
 
 @triton.jit
@@ -336,6 +339,8 @@ def decode_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
         return out
 
     block_k = _SCALE_BLOCK if fp8 else max(16, min(128, triton.next_power_of_2(k)))
+    if swap and not fp8 and act is None and block_n == 64 and k >= SWAP_BLOCK_K > block_k:
+        block_k, num_stages = SWAP_BLOCK_K, min(num_stages, 3)
     block_m = block_m_for(min(cap, 16) if expected_m is None else expected_m)
     tiles_n = triton.cdiv(n, block_n)
     e_pow2 = max(16, triton.next_power_of_2(E))

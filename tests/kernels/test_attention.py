@@ -108,6 +108,26 @@ def test_decode_attention_matches_ref(group, block_size, split_size, variant):
     assert (out[3] == 0).all(), "a row with seq_len 0 must be zeros"
 
 
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_wide_split_kernel_matches_ref(block_size, monkeypatch):
+    """attention.WIDE: splits of >= 256 positions walk 128 positions an inner step on one
+    stage; shorter splits keep 64. Both within bf16 rounding of the reference."""
+    monkeypatch.setattr(attn, "WIDE", True)
+    kvh, d, max_blocks = 2, 64, -(-600 // block_size)
+    max_ctx = max_blocks * block_size
+    seq_lens = [1, max_ctx, 300, 0, 257, 129, 511]
+    num_blocks = sum(-(-L // block_size) for L in seq_lens) + 3
+    k_cache, v_cache = paged_cache(num_blocks, block_size, kvh, d, seed=3)
+    table = block_table_for(seq_lens, block_size, max_blocks, num_blocks, seed=block_size)
+    q = randn_bf16(len(seq_lens), kvh * 4, d, seed=4)
+    n = i32([6])  # row 6 is padding
+    ref = decode_attention_ref(q, k_cache, v_cache, table, i32(seq_lens), n)
+    for split_size in (256, 64):  # wide; not wide
+        out = run_attention(q, k_cache, v_cache, table, i32(seq_lens), n, split_size,
+                            variant="split")
+        check_attention(out, ref, 6)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_placement_of_pages_does_not_change_the_result(variant):
     """The same logical K/V in shuffled blocks and in blocks 0, 1, 2, ... give bitwise the same

@@ -49,6 +49,18 @@ def _close(got, want, masked_m, tol=1e-2):
     assert float((g - w).norm() / w.norm()) < tol
 
 
+def test_swap_with_k_tiles_of_256(monkeypatch):
+    """SWAP_BLOCK_K = 256 (bf16, block_n 64): the same sums, bitwise on exact inputs."""
+    from graphrt.kernels import grouped_gemm_decode
+    monkeypatch.setattr(grouped_gemm_decode, "SWAP_BLOCK_K", 256)
+    a, b = _exact(len(MASKED), 24, 130, 600, seed=7)  # K: two tiles of 256 and a ragged one
+    masked_m = torch.tensor(MASKED, dtype=torch.int32)
+    for split_k in (1, 2):
+        kw = dict(block_n=64, split_k=split_k)
+        assert torch.equal(_run(a, b, masked_m, 130, swap=True, **kw).view(torch.int16),
+                           _run(a, b, masked_m, 130, **kw).view(torch.int16))
+
+
 def test_swap_with_fp8_weights_and_the_fused_activation():
     """fp8 (DeepGEMM's scales) and act="silu_and_mul" take the swap too: close to the
     unswapped kernel (the same products, summed by another MMA)."""
