@@ -21,7 +21,8 @@ every op returns ``None`` (a custom op may not return an alias of its input)::
     torch.ops.graphrt.masked_grouped_gemm(a, b, masked_m, out, expected_m=None)
     torch.ops.graphrt.decode_grouped_gemm(a, b, masked_m, out, expected_m=None, block_n=32,
                                           split_k=1, workspace=None, a_scale=None,
-                                          b_scale=None, num_warps=4, num_stages=4, act=None)
+                                          b_scale=None, num_warps=4, num_stages=4, act=None,
+                                          swap=False)
     torch.ops.graphrt.expert_gemv_rows(a, b, masked_m, out, block_n=None, block_k=None,
                                        num_warps=4, act=None)
     torch.ops.graphrt.kv_append(k, v, slot_mapping, n, k_cache, v_cache)
@@ -154,12 +155,13 @@ def decode_grouped_gemm(a: Tensor, b: Tensor, masked_m: Tensor, out: Tensor,
                         expected_m: Optional[int] = None, block_n: int = 32, split_k: int = 1,
                         workspace: Optional[Tensor] = None, a_scale: Optional[Tensor] = None,
                         b_scale: Optional[Tensor] = None, num_warps: int = 4,
-                        num_stages: int = 4, act: Optional[str] = None) -> None:
+                        num_stages: int = 4, act: Optional[str] = None,
+                        swap: bool = False) -> None:
     """``graphrt.kernels.grouped_gemm_decode.decode_grouped_gemm``. Graph safety: capturable."""
     _launcher(f"{_KERNELS}.grouped_gemm_decode", "decode_grouped_gemm")(
         a, b, masked_m, out=out, expected_m=expected_m, block_n=block_n, split_k=split_k,
         workspace=workspace, a_scale=a_scale, b_scale=b_scale, num_warps=num_warps,
-        num_stages=num_stages, act=act)
+        num_stages=num_stages, act=act, swap=swap)
 
 
 @_op("expert_gemv_rows", ("out",))

@@ -54,11 +54,11 @@ def _wrappers() -> dict[tuple[str, str], object]:
 
     def decode_grouped_gemm_(a, b, masked_m, *, out, expected_m=None, block_n=32, split_k=1,
                              workspace=None, a_scale=None, b_scale=None, num_warps=4,
-                             num_stages=4, act=None):
+                             num_stages=4, act=None, swap=False):
         if workspace is None:  # a None mutated argument breaks torch 2.11's fake-tensor tracing
             workspace = out.new_empty((0,), dtype=torch.float32)
         ops.decode_grouped_gemm(a, b, masked_m, out, expected_m, block_n, split_k, workspace,
-                                a_scale, b_scale, num_warps, num_stages, act)
+                                a_scale, b_scale, num_warps, num_stages, act, bool(swap))
         return out
 
     def expert_gemv_rows_(a, b, masked_m, *, out, block_n=None, block_k=None, num_warps=4,
