@@ -2,7 +2,7 @@
 
     y[m, n] = sum_k x[m, k] * W[n, k]        # x bf16 [m, k], W bf16 [n, k], fp32 acc, bf16 y
 
-For 3-16 rows (``dense_gemv_rows`` serves 1-2). :mod:`graphrt.kernels.dense_gemv`'s
+For 2-16 rows (``dense_gemv_rows`` serves one row). :mod:`graphrt.kernels.dense_gemv`'s
 tensor-core GEMV puts the rows in the MMA's M dimension (``[16, BK] @ [BK, BLOCK_N]``), the
 sm_80 ``mma.sync`` shape. Here the roles swap ("swap AB", as decode GEMMs on Hopper do):
 each program computes ``y.T``'s tile ``[BLOCK_N, 16] = W[BLOCK_N, BK] @ x.T[BK, 16]``, so the

@@ -41,43 +41,54 @@ DENSE = os.environ.get("GRAPHRT_DENSE", "auto")
 # bs 1, 0.980x at bs 2, neutral at dsv3-like (BENCHMARKS.md §25); GRAPHRT_PDL_PRELOAD=1 at
 # import (A/B: the preload switch sets layers.PRELOAD before capture).
 PRELOAD = env_flag("GRAPHRT_PDL_PRELOAD", False)
-# 3-16 rows on graphrt's tensor-core GEMM with the weights as the MMA's M side
+# 2-16 rows on graphrt's tensor-core GEMM with the weights as the MMA's M side
 # (graphrt.kernels.dense_mma, split-K reduced in the launch) instead of cuBLAS, under
 # DENSE="auto": 0.956x / 0.971x / 0.975x the qwen3-like step at bs 4 / 8 / 16, 0.985x at
-# dsv3-like bs 4 (BENCHMARKS.md §26). GRAPHRT_DENSE_MMA=0 at import turns it off (A/B: the
+# dsv3-like bs 4, 0.95x the rows GEMV's at qwen3-like bs 2 (BENCHMARKS.md §26). GRAPHRT_DENSE_MMA=0 at import turns it off (A/B: the
 # dense-mma switch sets it before capture).
 DENSE_MMA = env_flag("GRAPHRT_DENSE_MMA", True)
+MMA_MIN_ROWS = 2  # rows from which DENSE_MMA takes the dense projections (1: the rows GEMV)
 
 
 def dense_path(x: torch.Tensor, w: torch.Tensor) -> str:
-    """Which path :func:`dense` takes: ``"gemv"`` (``graphrt.kernels.dense_gemv``) for bf16,
-    contiguous x ``[rows, in]`` and w on a CUDA device with ``rows <=
-    graphrt.kernels.dense_gemv.ROWS_AUTO`` (2; ``DENSE="auto"``, the default: 0.93x the step
-    time of cuBLAS at qwen3-like bs 1, BENCHMARKS.md §22, and 0.96x at 2 rows, §23; or up to
-    16 rows when w has at most ``dense_gemv.ROWS_SMALL_N`` outputs: ``dense_gemv.rows_path``)
-    or ``rows <= 16`` (``GRAPHRT_DENSE=gemv``); ``"mma"`` (``graphrt.kernels.dense_mma``) for
-    the other bf16 steps of up to 16 rows under ``"auto"`` when ``DENSE_MMA`` (not inside
-    torch.compile, which traces cuBLAS there: the kernel's per-weight semaphore is host
-    state); else
-    ``"torch"`` (cuBLAS; ``GRAPHRT_DENSE=torch`` always)."""
+    """Which path :func:`dense` takes for bf16, contiguous x ``[rows, in]`` and w on a CUDA
+    device (else ``"torch"``, cuBLAS; ``GRAPHRT_DENSE=torch`` always). Under ``DENSE="auto"``
+    (the default):
+
+    - ``"gemv"`` (``graphrt.kernels.dense_gemv``'s rows GEMV) for one row (0.93x the step
+      time of cuBLAS at qwen3-like bs 1, BENCHMARKS.md §22), or up to 16 rows when w has at
+      most ``dense_gemv.ROWS_SMALL_N`` outputs (``dense_gemv.rows_path``);
+    - ``"mma"`` (``graphrt.kernels.dense_mma``) from ``MMA_MIN_ROWS`` (2) to 16 rows when
+      ``DENSE_MMA`` (2 rows: 0.95x the rows GEMV's step at qwen3-like bs 2, §26), not inside
+      torch.compile (which traces cuBLAS there: the kernel's per-weight semaphore is host
+      state); without ``DENSE_MMA`` the rows GEMV up to ``dense_gemv.ROWS_AUTO`` (2) rows;
+    - else ``"torch"``.
+
+    ``GRAPHRT_DENSE=gemv``: the GEMVs for up to 16 rows."""
     if DENSE not in ("auto", "gemv") or x.device.type != "cuda":
         return "torch"
     from graphrt.kernels import dense_gemv
     rows = x.shape[0] if x.dim() == 2 else 0
-    fits = dense_gemv.rows_path(rows, w.shape[0]) if DENSE == "auto" else 0 < rows <= 16
     ok = (x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.is_contiguous()
           and w.is_contiguous())
-    if ok and fits:
-        return "gemv"
-    mma = DENSE_MMA and DENSE == "auto" and 0 < rows <= 16 and not torch.compiler.is_compiling()
-    return "mma" if ok and mma else "torch"
+    if not ok:
+        return "torch"
+    if DENSE == "gemv":
+        return "gemv" if 0 < rows <= 16 else "torch"
+    narrow = 0 < w.shape[0] <= dense_gemv.ROWS_SMALL_N and rows <= dense_gemv.ROWS_MAX
+    mma = (DENSE_MMA and MMA_MIN_ROWS <= rows <= 16 and not narrow
+           and not torch.compiler.is_compiling())
+    if mma:
+        return "mma"
+    return "gemv" if dense_gemv.rows_path(rows, w.shape[0]) else "torch"
 
 
 def dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.t()``: x ``[bs, in]``, w ``[out, in]`` (row-major weights) -> ``[bs, out]``.
-    The decode GEMV (``graphrt.kernels.dense_gemv``, reads w once) where :func:`dense_path`
-    says so (one or two rows, by default), else cuBLAS. A graph bakes the path: set
-    ``GRAPHRT_DENSE`` before import (or ``graphrt.moe.layers.DENSE`` before capture).
+    The path :func:`dense_path` picks (by default the rows GEMV for one row,
+    ``graphrt.kernels.dense_mma`` for 2-16, cuBLAS beyond), each reading w once. A graph
+    bakes the path: set ``GRAPHRT_DENSE`` / ``GRAPHRT_DENSE_MMA`` before import (or
+    ``graphrt.moe.layers.DENSE`` / ``DENSE_MMA`` before capture).
 
     Graph safety: capturable"""
     path = dense_path(x, w)

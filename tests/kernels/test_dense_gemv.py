@@ -160,7 +160,12 @@ def test_dense_path_rules(monkeypatch):
     assert layers.dense_path(_stub(rows=17), router) == "torch"
     assert layers.dense_path(_stub(rows=3), wide) == "torch"         # wide: the 2-row rule
     monkeypatch.setattr(layers, "DENSE_MMA", True)                   # the dense-mma switch
-    assert layers.dense_path(_stub(rows=3), wide) == "mma"           # 3-16 rows: the MMA GEMM
+    assert layers.dense_path(_stub(rows=3), wide) == "mma"           # 2-16 rows: the MMA GEMM
+    assert layers.dense_path(_stub(rows=2), wide) == "mma"
+    assert layers.dense_path(_stub(rows=1), wide) == "gemv"          # one row: the rows GEMV
+    monkeypatch.setattr(layers, "MMA_MIN_ROWS", 3)                   # the mma-min3 switch
+    assert layers.dense_path(_stub(rows=2), wide) == "gemv"          # ROWS_AUTO's 2 rows
+    monkeypatch.setattr(layers, "MMA_MIN_ROWS", 2)
     assert layers.dense_path(_stub(rows=16), router) == "gemv"       # the rows GEMV first
     assert layers.dense_path(_stub(rows=17), wide) == "torch"
     assert layers.dense_path(_stub(rows=3, device="cpu"), wide) == "torch"
