@@ -202,11 +202,17 @@ _SEMAPHORES: dict = {}
 def semaphore_for(w: torch.Tensor) -> torch.Tensor:
     """The all-zero int32 semaphore :func:`dense_mma_auto` uses for weight ``w``: one per
     (device, weight address, n), made on first use and kept (every launch leaves it zero).
-    Made before capture when the step runs eagerly first; made inside a capture it is a
-    memset node of that graph (still zero on every replay). Host-only."""
+    The first use must be eager (graphrt's capture manager warms every size up eagerly
+    first): zeros made inside a capture would exist only as that graph's memset node, so an
+    eager launch after it would count from garbage; RuntimeError then. Host-only."""
     key = (w.device, w.data_ptr(), w.shape[0])
     sem = _SEMAPHORES.get(key)
     if sem is None:
+        if w.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"dense_mma: no semaphore yet for the weight {tuple(w.shape)} at "
+                f"{w.data_ptr():#x}, and the stream is capturing; run the step once eagerly "
+                "before capture (or call graphrt.kernels.dense_mma.semaphore_for(w) then)")
         sem = _SEMAPHORES[key] = torch.zeros(dense_mma_semaphore_shape(w.shape[0]),
                                              dtype=torch.int32, device=w.device)
     return sem

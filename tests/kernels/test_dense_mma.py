@@ -139,3 +139,18 @@ def test_mma_compiles_for_sm90():
         assert r["atomic"] == (split == "True"), (key, r)
         if gdc == "2":
             assert r["wait_first"], (key, r)
+
+
+def test_semaphore_is_not_made_inside_a_capture(monkeypatch):
+    """A first use inside a capture raises (zeros made there would exist only as that
+    graph's memset node); an existing semaphore is returned while capturing."""
+    import types
+    w = types.SimpleNamespace(device=torch.device("cuda", 0), shape=(256, 64),
+                              data_ptr=lambda: 0x1234)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match=r"no semaphore yet for the weight \(256, 64\).*"
+                                           r"run the step once eagerly before capture"):
+        mod.semaphore_for(w)
+    sem = torch.zeros(4, dtype=torch.int32)
+    monkeypatch.setitem(mod._SEMAPHORES, (w.device, 0x1234, 256), sem)
+    assert mod.semaphore_for(w) is sem
