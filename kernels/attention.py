@@ -73,7 +73,8 @@ from .attention_kernels import (
 )
 
 BLOCK_N = 64  # cache positions per inner step of kernel 1 (spans pages when block_size < 64)
-SPLIT_LAUNCH = {"num_warps": 4, "num_stages": 2}  # the split kernel's (graphrt.bench.attention --sweep)
+# the split kernel's launch options (graphrt.bench.attention --sweep varies them)
+SPLIT_LAUNCH = {"num_warps": 4, "num_stages": 2}
 # With splits of >= WIDE_MIN_SPLIT positions (bs >= 8 under the per-size rule) the split kernel
 # walks WIDE_BLOCK_N positions an inner step on one stage (graphrt.bench.attention --sweep,
 # qwen3-like heads, ctx 1024: 15.3 vs 17.4 µs at bs 16, 11.6 vs 13.5 at bs 8). WIDE is read at

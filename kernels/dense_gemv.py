@@ -52,6 +52,26 @@ _REDUCE_BLOCK_N = 64
 
 
 @triton.jit
+def _xw_tiles(x_ptrs, w_ptrs, mask_m, mask_n, k_left, offs_k, EVEN_K: tl.constexpr,
+              UPCAST: tl.constexpr):
+    """One K tile of x ``[BM, BK]`` and of W ``[BN, BK]`` (W's loads issued first) at the
+    pointers: zeros past the rows (``mask_m``), the columns (``mask_n``) and, unless
+    ``EVEN_K``, the ``k_left`` columns of K left; widened to fp32 with ``UPCAST`` (the
+    interpreter). Shared with ``kernels.dense_mma``."""
+    if EVEN_K:
+        b = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
+        a = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+    else:
+        mask_k = offs_k < k_left
+        b = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        a = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return a, b
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,  # bf16 [m, k] contiguous
     w_ptr,  # bf16 [n, k] contiguous (row-major weights)
@@ -81,16 +101,7 @@ def _gemv_kernel(
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * k + (k_lo + offs_k)[None, :]  # [BN, BK]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
-            b = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
-        else:
-            mask_k = offs_k < k - k0
-            a = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
+        a, b = _xw_tiles(x_ptrs, w_ptrs, mask_m, mask_n, k - k0, offs_k, EVEN_K, UPCAST)
         acc += tl.dot(a, tl.trans(b))  # [BM, BK] @ [BK, BN]
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ._pdl import pdl_prologue
 from ._util import check, check_tensor, interpreting, pdl_args
-from .dense_gemv import _check_xw_out
+from .dense_gemv import _check_xw_out, _xw_tiles
 
 MAX_ROWS = 16  # the MMA's N side
 BLOCK_NS = (64, 128)
@@ -68,16 +68,7 @@ def _dense_mma_gemm_kernel(
     x_ptrs = x_ptr + offs_m[:, None] * k + (k_lo + offs_k)[None, :]  # [BM, BK]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if EVEN_K:
-            b = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
-            a = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
-        else:
-            mask_k = offs_k < k - k0
-            b = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            a = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
+        a, b = _xw_tiles(x_ptrs, w_ptrs, mask_m, mask_n, k - k0, offs_k, EVEN_K, UPCAST)
         acc += tl.dot(b, tl.trans(a))  # [BN, BK] @ [BK, BM]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K

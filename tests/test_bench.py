@@ -802,3 +802,16 @@ def test_bench_loop_gathers_every_rank_over_gloo(tmp_path):
             assert v["global_tokens_per_s"] == pytest.approx(sum(v["per_rank"]["tokens_per_s"]))
             assert v["gpu_busy_min"] == min(v["per_rank"]["gpu_busy"])
     assert r0["rows"][0]["loops"]["async"]["per_rank"] == r1["rows"][0]["loops"]["async"]["per_rank"]
+
+
+def test_dense_bench_markdown_has_the_mma_columns():
+    from graphrt.bench.dense import markdown
+    impl = {"us": 8.0, "gbs": 2600.0, "frac_hbm": 0.61, "max_rel_err": 1.7e-3}
+    row = {"shape": "qwen3-qkv", "n": 5120, "k": 2048, "m": 4, "copies": 13, "ratio": 1.4,
+           "config": {"block_n": 16, "split_k": 1}, "cublas": impl, "gemv": dict(impl, us=11.4),
+           "rows": dict(impl, us=11.5), "mma": dict(impl, us=7.9),
+           "mma_best": {"config": "64x256x1s3", "us": 7.9}}
+    md = markdown({"device": "H200", "num_sms": 132, "hbm_gbs": 4270.0, "cold_mb": 256,
+                   "results": [row]})
+    assert "| mma µs | mma / cuBLAS |" in md and "| 7.9 | 0.99 |" in md
+    assert "mma 64x256x1s3 7.9" in md and md.count("\n| qwen3-qkv |") == 1

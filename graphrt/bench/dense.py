@@ -174,9 +174,11 @@ def _row(r: dict) -> str:
     rows = (f"{r['rows']['us']:.1f} | {r['rows']['us'] / c['us']:.2f}" if "rows" in r
             else "— | —")
     return (f"| {r['shape']} | {r['n']} | {r['k']} | {r['m']} | {c['us']:.1f} | {g['us']:.1f} | "
-            f"{r['ratio']:.2f} | {rows} | {mma['us']:.1f} | {mma['us'] / c['us']:.2f} | {c['gbs']:.0f} | {g['gbs']:.0f} | {100 * c['frac_hbm']:.0f}% | "
+            f"{r['ratio']:.2f} | {rows} | {mma['us']:.1f} | {mma['us'] / c['us']:.2f} | "
+            f"{c['gbs']:.0f} | {g['gbs']:.0f} | {100 * c['frac_hbm']:.0f}% | "
             f"{100 * g['frac_hbm']:.0f}% | {r['config']['block_n']}x{r['config']['split_k']} | "
-            f"{best} | {c['max_rel_err']:.1e} / {g['max_rel_err']:.1e} / {mma['max_rel_err']:.1e} |")
+            f"{best} | {c['max_rel_err']:.1e} / {g['max_rel_err']:.1e} / "
+            f"{mma['max_rel_err']:.1e} |")
 
 
 def markdown(doc: dict) -> str:

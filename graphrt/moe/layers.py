@@ -44,8 +44,8 @@ PRELOAD = env_flag("GRAPHRT_PDL_PRELOAD", False)
 # 2-16 rows on graphrt's tensor-core GEMM with the weights as the MMA's M side
 # (graphrt.kernels.dense_mma, split-K reduced in the launch) instead of cuBLAS, under
 # DENSE="auto": 0.956x / 0.971x / 0.975x the qwen3-like step at bs 4 / 8 / 16, 0.985x at
-# dsv3-like bs 4, 0.95x the rows GEMV's at qwen3-like bs 2 (BENCHMARKS.md §26). GRAPHRT_DENSE_MMA=0 at import turns it off (A/B: the
-# dense-mma switch sets it before capture).
+# dsv3-like bs 4, 0.95x the rows GEMV's at qwen3-like bs 2 (BENCHMARKS.md §26).
+# GRAPHRT_DENSE_MMA=0 at import turns it off (A/B: the dense-mma switch sets it before capture).
 DENSE_MMA = env_flag("GRAPHRT_DENSE_MMA", True)
 MMA_MIN_ROWS = 2  # rows from which DENSE_MMA takes the dense projections (1: the rows GEMV)
 

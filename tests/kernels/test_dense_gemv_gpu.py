@@ -15,31 +15,16 @@ from graphrt.kernels.dense_gemv import (
     num_sms,
 )
 
+from dense_cases import SHAPES, TOL, rel_err as _rel_err, weights as dense_weights, x_rows as _x
+
 pytestmark = pytest.mark.gpu
 
-SHAPES = {  # (n, k) of W [n, k]
-    "qwen3-qkv": (5120, 2048), "qwen3-o": (2048, 4096), "qwen3-lm_head": (32768, 2048),
-    "qwen3-router": (128, 2048), "dsv3-qkv": (9216, 7168), "dsv3-o": (7168, 8192),
-    "dsv3-shared-w13": (4096, 7168), "dsv3-shared-w2": (7168, 2048),
-}
 ROWS = (1, 3, 8, 16)
-TOL = 4e-3  # relative (norm) error vs the fp32 reference: bf16 output rounding is ~1e-3
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
 def weights(request):
-    n, k = SHAPES[request.param]
-    g = torch.Generator(device="cuda").manual_seed(0)
-    return (torch.randn(n, k, generator=g, device="cuda") * k ** -0.5).to(torch.bfloat16)
-
-
-def _x(m, k, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
-
-
-def _rel_err(out, ref):
-    return float((out.float() - ref.float()).norm() / ref.float().norm())
+    return dense_weights(*SHAPES[request.param])
 
 
 def _launch(x, w, out, ws, cfg):
