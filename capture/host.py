@@ -45,9 +45,13 @@ def tensors(*trees) -> list[torch.Tensor]:
 
 
 def _line_names_cpu() -> bool:
-    """Whether the user's source line of the current call mentions ``cpu``."""
-    from graphrt.capture.sites import user_site
-    file, line = user_site()
+    """Whether the source line that made the current torch call mentions ``cpu``: the
+    innermost frame outside torch and the capture machinery (``sites.calling_site``), in the
+    user's code or in graphrt's. Not the user's own outermost line: a library line such as
+    ``torch.empty(..., device=x.device)`` called from ``analyze_step(spec, [2], "cpu")`` means
+    the step's device."""
+    from graphrt.capture.sites import calling_site
+    file, line = calling_site()
     return "cpu" in linecache.getline(file, line)
 
 
@@ -101,8 +105,8 @@ class HostData:
 
     def target(self, func, args, kwargs) -> bool | None:
         """Where the call puts its result: True host, False device, None not said. On CPU
-        stand-ins a ``torch.device("cpu")`` is the step's own device unless the user's line
-        names cpu."""
+        stand-ins a ``torch.device("cpu")`` is the step's own device unless the line making
+        the call names cpu (``_line_names_cpu``)."""
         if func in _TO_HOST:
             return True
         if func in _TO_DEVICE:

@@ -63,6 +63,18 @@ def _classify(filename: str) -> int:
     return 0
 
 
+def calling_site(skip: int = 1) -> tuple[str, int]:
+    """``(file, line)`` of the innermost frame outside torch, triton, the standard library
+    and graphrt's capture machinery: the line that made the current torch call, in the
+    user's code or in graphrt's own (the reference model, a kernel launcher)."""
+    frame = sys._getframe(skip)
+    while frame is not None:
+        if _classify(frame.f_code.co_filename) < 2:
+            return frame.f_code.co_filename, frame.f_lineno
+        frame = frame.f_back
+    return "<unknown>", 0
+
+
 def user_site(skip: int = 1) -> tuple[str, int]:
     """``(file, line)`` of the innermost user frame on the current stack."""
     frame = sys._getframe(skip)

@@ -122,6 +122,19 @@ def test_host_data_follows_factories_moves_and_results():
     assert cuda_view.is_host(torch.zeros(1))         # a real CPU tensor next to CUDA ones
 
 
+def test_the_line_that_makes_a_tensor_decides_not_the_user_line_above_it():
+    """A graphrt line ``torch.empty(..., device=device)`` called from a user line that names
+    cpu makes device memory: the calling line decides (a user line naming cpu itself still
+    makes host memory)."""
+    from graphrt.kernels.attention import attention_workspace
+    host = HostData(simulate=True)
+    with host.track():
+        ws_o, ws_lse = attention_workspace(2, 4, 64, 128, torch.device("cpu"))  # stand-in
+        mine = torch.empty(3, device=torch.device("cpu"))  # the user's explicit host memory
+    assert not host.is_host(ws_o) and not host.is_host(ws_lse)
+    assert host.is_host(mine)
+
+
 def test_work_on_host_data_is_no_hazard():
     """`.item()`/`.tolist()` of host memory do not sync (on CUDA either): only the first read
     of device data is a finding."""
