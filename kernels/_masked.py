@@ -33,4 +33,10 @@ def _silu_mul_tile(g_ptrs, up_ptrs, mask):
     ``up_ptrs``, any tile shape."""
     g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptrs, mask=mask, other=0.0).to(tl.float32)
+    return _silu_mul(g, up)
+
+
+@triton.jit
+def _silu_mul(g, up):
+    """``silu(g) * up`` of fp32 values: the arithmetic every activation path uses."""
     return g / (1.0 + tl.exp(-g)) * up

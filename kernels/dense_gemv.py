@@ -369,7 +369,13 @@ def dense_gemv_auto(x: torch.Tensor, w: torch.Tensor, *, preload: bool = False) 
 def rows_path(m: int, n: int) -> bool:
     """Whether ``dense_gemv_auto`` takes the rows GEMV for ``m`` rows and ``n`` outputs
     (``ROWS_AUTO``, ``ROWS_SMALL_N``). Host-only."""
-    return 0 < m <= ROWS_AUTO or (n <= ROWS_SMALL_N and 0 < m <= ROWS_MAX)
+    return 0 < m <= ROWS_AUTO or narrow_path(m, n)
+
+
+def narrow_path(m: int, n: int) -> bool:
+    """Whether ``rows_path`` takes ``m`` rows for the narrowness of ``n`` alone
+    (``ROWS_SMALL_N``; off by default), whatever ``ROWS_AUTO``. Host-only."""
+    return 0 < n <= ROWS_SMALL_N and 0 < m <= ROWS_MAX
 
 
 def dense_gemv_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,8 @@ With ``act="silu_and_mul"`` (the experts' W13 GEMM) the activation is its epilog
 W13 ``[E, 2 * n, k]`` (gate rows, then up rows), a work item computes output columns
 ``j..j + BLOCK_N`` of both halves and writes ``silu(gate) * up`` ``[E, cap, n]``, with the
 gate and up values rounded to bf16 first: bitwise what this kernel's ``u`` followed by
-:func:`graphrt.kernels.activation.silu_and_mul_masked` gives, one launch and no ``u`` round
-trip through memory fewer.
+:func:`graphrt.kernels.activation.silu_and_mul_masked` gives, in one launch fewer and without
+``u``'s round trip through memory.
 
 At a bs-1 step every live expert has one row, and the decode kernel pads it to a 16-row
 ``tl.dot`` block (~1.55x its HBM floor on an H200). Here a work item is the dense rows
@@ -41,7 +41,7 @@ import triton.language as tl
 from ._pdl import pdl_prologue
 from ._util import check, check_tensor, pdl_args
 from .dense_gemv import dense_gemv_rows_config
-from ._masked import _live_prologue, _pick_expert
+from ._masked import _live_prologue, _pick_expert, _silu_mul
 from .grouped_gemm_decode import decode_grouped_gemm_ref, num_programs
 
 ROWS_MAX = 4  # live rows an expert the kernel is meant for (more are correct, just slower)
@@ -98,7 +98,7 @@ def _expert_rows_kernel(
             if ACT:  # silu_and_mul_masked's arithmetic on the bf16-rounded gate and up
                 g = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
                 up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
-                acc = g / (1.0 + tl.exp(-g)) * up
+                acc = _silu_mul(g, up)
             tl.store(o_ptrs + r * stride_om, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 

@@ -236,9 +236,9 @@ class Experts:
         elif choice.kernel == "triton":
             from graphrt.kernels.grouped_gemm import masked_grouped_gemm
             masked_grouped_gemm(a, w, masked_m, out=out, expected_m=expected_m)
-        else:
+        else:  # "decode", or "swap": the decode kernel with the weights as the MMA's M side
             from graphrt.kernels.grouped_gemm_decode import decode_grouped_gemm
-            n = out.shape[2]  # the decode kernel, or "swap": it with the weights as MMA's M
+            n = out.shape[2]
             ws = (self.ws.view("gemm_partials", (choice.split_k, SPLIT_ROWS, n))
                   if choice.split_k > 1 else None)
             w, b_scale = w if self.fp8 else (w, None)

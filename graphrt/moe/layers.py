@@ -75,7 +75,7 @@ def dense_path(x: torch.Tensor, w: torch.Tensor) -> str:
         return "torch"
     if DENSE == "gemv":
         return "gemv" if 0 < rows <= 16 else "torch"
-    narrow = 0 < w.shape[0] <= dense_gemv.ROWS_SMALL_N and rows <= dense_gemv.ROWS_MAX
+    narrow = dense_gemv.narrow_path(rows, w.shape[0])  # the rows GEMV first (ROWS_SMALL_N)
     mma = (DENSE_MMA and MMA_MIN_ROWS <= rows <= 16 and not narrow
            and not torch.compiler.is_compiling())
     if mma:
@@ -170,10 +170,10 @@ class Router:
         cfg, bs = self.cfg, h.shape[0]
         w = torch.empty(bs, cfg.num_topk, dtype=torch.float32, device=h.device)
         ids = torch.empty(bs, cfg.num_topk, dtype=torch.int64, device=h.device)
-        grouped = {} if cfg.routing == "softmax" else dict(
-            bias=self.bias, n_group=cfg.n_group, topk_group=cfg.topk_group,
-            routed_scaling_factor=cfg.routed_scaling_factor)
         if self._fusable(h):
+            grouped = {} if cfg.routing == "softmax" else dict(
+                bias=self.bias, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                routed_scaling_factor=cfg.routed_scaling_factor)
             from graphrt.kernels.dense_gemv import num_sms
             from graphrt.kernels.router_topk import router_topk, router_topk_workspace_shape
             logits = torch.empty(bs, cfg.num_experts, dtype=h.dtype, device=h.device)
