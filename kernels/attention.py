@@ -58,6 +58,7 @@ Graph safety: capturable (``kv_append``, ``decode_attention``)
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -65,6 +66,7 @@ import triton
 from graphrt.env import env_flag
 
 from ._util import check, check_tensor, interpreting, pdl_args
+from .dense_gemv import num_sms
 from .attention_kernels import (
     _kv_append_kernel,
     attn_fused_kernel,
@@ -82,6 +84,16 @@ SPLIT_LAUNCH = {"num_warps": 4, "num_stages": 2}
 WIDE = env_flag("GRAPHRT_ATTN_WIDE", False)
 WIDE_BLOCK_N, WIDE_MIN_SPLIT = 128, 256
 WIDE_LAUNCH = {"num_warps": 4, "num_stages": 1}
+# The inner loop pipelined by hand (attention_kernels._attend's PREFETCH: the next step's K/V
+# and the step after's block ids in flight during a step's math), with its own launch options.
+# "auto" (the default): for splits of at least PREFETCH_MIN_STEPS inner steps, or of one on
+# a grid of at most one program an SM (use_prefetch); True / False: always / never. Read at
+# each launch (GRAPHRT_ATTN_PREFETCH=1 or 0 at import forces it; A/B: the attn-prefetch and
+# attn-prefetch-all switches).
+PREFETCH: bool | str = {"1": True, "0": False}.get(os.environ.get("GRAPHRT_ATTN_PREFETCH", ""),
+                                                  "auto")
+PREFETCH_MIN_STEPS = 4
+PREFETCH_LAUNCH = {"num_warps": 4, "num_stages": 1}
 # Default positions per split (rounded up to BLOCK_N). Measured on H200 (32 q / 8 kv heads,
 # head_dim 128, ctx 4096, unpaged): 256 is best at bs 1 (13 us); 512 is ~4% faster at bs >= 64
 # and costs less for short contexts at bs 256 (37 vs 46 us at ctx 64). 256 is the middle ground.
@@ -163,6 +175,21 @@ def select_variant(max_ctx: int, num_splits: int) -> str:
     if max_ctx <= SINGLE_PASS_MAX_CTX or num_splits == 1:
         return "single"
     return "fused" if num_splits <= FUSED_MAX_SPLITS else "split"
+
+
+def use_prefetch(split_size: int, programs: int, num_sms: int) -> bool:
+    """Whether the split kernel walks splits of ``split_size`` positions (a multiple of
+    ``BLOCK_N``) on a grid of ``programs`` with the hand-pipelined loop: ``PREFETCH`` when
+    forced, else ("auto") for at least ``PREFETCH_MIN_STEPS`` inner steps a split, or for one
+    step when the grid fits the ``num_sms`` SMs once. Measured on an H200 (qwen3-like heads,
+    ctx 1024; BENCHMARKS.md §27): 4 steps 15.1 against 17.4 µs a layer at bs 16 (the step
+    0.994x); 2 steps ran faster on Triton's own 3-stage pipeline, which then has both steps'
+    loads in flight; one step made the bs-1 step (128 programs) 0.981x but the bs-2 step (256)
+    1.019x. Graph safety: host-only (pure Python)"""
+    if isinstance(PREFETCH, bool):
+        return PREFETCH
+    steps = split_size // BLOCK_N
+    return steps >= PREFETCH_MIN_STEPS or (steps == 1 and programs <= num_sms)
 
 
 # ----------------------------------------------------------------------------- kv append
@@ -250,8 +277,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             ``block_size`` a power of two.
         block_table: int32 [padded_bs, max_blocks_per_seq], row-contiguous: position ``p`` of
             row ``b`` is in block ``block_table[b, p // block_size]``. Entries past a row's
-            ``seq_len`` are never read; ids outside ``[0, num_blocks)`` are clamped into it
-            (a bad table reads a wrong page, never out of bounds).
+            ``seq_len`` are never used (with ``PREFETCH`` they may be loaded); ids outside
+            ``[0, num_blocks)`` are clamped into it (a bad table reads a wrong page, never out
+            of bounds).
         seq_lens: int32 [padded_bs], valid positions of each row including the new token
             (values above ``max_ctx = max_blocks_per_seq * block_size`` count as ``max_ctx``).
         n: int32 [1], live rows. Rows ``>= n`` and rows with ``seq_len <= 0`` are zeros.
@@ -329,7 +357,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     scale = (1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)) * _LOG2E
     geometry = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
                     HEAD_DIM=head_dim, PAGE=block_size, BLOCK_N=BLOCK_N, UPCAST=interpreting(),
-                    APPEND=bool(given))
+                    APPEND=bool(given),
+                    PREFETCH=use_prefetch(split_size, padded_bs * num_kv_heads * num_splits,
+                                          num_sms(dev)))
     # fused kv_append (APPEND): without it the kernels never touch these: stand-ins for None
     append = ((k_new, v_new, slot_mapping, num_blocks * block_size, k_new.stride(0),
                k_new.stride(1), v_new.stride(0), v_new.stride(1)) if given
@@ -338,8 +368,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     if variant == "split":
         wide = WIDE and split_size >= WIDE_MIN_SPLIT and split_size % WIDE_BLOCK_N == 0
-        launch = WIDE_LAUNCH if wide else SPLIT_LAUNCH
-        split_geometry = {**geometry, "BLOCK_N": WIDE_BLOCK_N} if wide else geometry
+        launch = (WIDE_LAUNCH if wide else PREFETCH_LAUNCH if geometry["PREFETCH"]
+                  else SPLIT_LAUNCH)
+        split_geometry = ({**geometry, "BLOCK_N": WIDE_BLOCK_N, "PREFETCH": False} if wide
+                          else geometry)
         attn_split_kernel[grid](
             q, k_cache, v_cache, block_table, seq_lens, n, workspace_o, workspace_lse,
             scale, num_blocks, max_ctx, split_size, q.stride(0), q.stride(1),

@@ -55,38 +55,84 @@ _LN2 = tl.constexpr(0.6931471805599453)  # ln 2: base-2 lse back to natural log
 
 
 @triton.jit
-def _attend(q, k_cache_ptr, v_cache_ptr, table, kvh, start, end, qk_scale, num_blocks,
+def _kv_rows(table, pos, kvh, max_ctx, num_blocks, stride_cb, stride_ct, stride_ch,
+             PAGE: tl.constexpr):
+    """Cache offsets (elements, int64) of positions ``pos`` [BLOCK_N] of one row and kv head,
+    without a mask: the table index is clamped to the row's reach (``max_ctx - 1``) and the
+    block id to ``[0, num_blocks)``, so the table load can be issued before the row's length
+    is known. Offsets past the live context are never loaded from (the K/V loads are masked)."""
+    blk = tl.load(table + tl.minimum(pos, max_ctx - 1) // PAGE)  # [BLOCK_N] page of each position
+    blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)  # a bad table never reads out of bounds
+    return blk.to(tl.int64) * stride_cb + (pos % PAGE) * stride_ct + kvh * stride_ch
+
+
+@triton.jit
+def _softmax_step(q, k, v, mask_n, acc, m_i, l_i, qk_scale, UPCAST: tl.constexpr):
+    """One online-softmax step of ``q`` [GROUP_PAD, HEAD_DIM] over the tiles ``k``, ``v``
+    [BLOCK_N, HEAD_DIM] (positions where ``mask_n`` is False count as -inf); returns the
+    updated ``(acc, m_i, l_i)``."""
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N]
+    s = tl.where(mask_n[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every step has a live position
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attend(q, k_cache_ptr, v_cache_ptr, table, kvh, start, end, qk_scale, num_blocks, max_ctx,
             stride_cb, stride_ct, stride_ch,
             GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-            BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+            BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr = False):
     """Online softmax of ``q`` [GROUP_PAD, HEAD_DIM] over positions ``[start, end)`` (at least
     one) of one row (``table``: its block-table row) and kv head -> ``(acc, m, l)``: the
-    unnormalised output [GROUP_PAD, HEAD_DIM] fp32, the running max and sum (base 2)."""
+    unnormalised output [GROUP_PAD, HEAD_DIM] fp32, the running max and sum (base 2).
+
+    ``PREFETCH``: software pipelining by hand. Step ``i + 1``'s K/V loads are issued before
+    step ``i``'s math and step ``i + 2``'s block ids before that, each from offsets made
+    without a mask (:func:`_kv_rows`), so a step never waits for a table load and the next
+    tiles are in flight while this one computes. Same loads, same arithmetic in the same
+    order: bitwise the result without it."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)  # running max (base 2)
     l_i = tl.zeros((GROUP_PAD,), dtype=tl.float32)  # running sum of exp2
     acc = tl.zeros((GROUP_PAD, HEAD_DIM), dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
+    if PREFETCH:
+        pos = start + offs_n
         mask_n = pos < end
-        blk = tl.load(table + pos // PAGE, mask=mask_n, other=0)  # [BLOCK_N] page of each position
-        blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)  # a bad table never reads out of bounds
-        row = blk.to(tl.int64) * stride_cb + (pos % PAGE) * stride_ct + kvh * stride_ch
-        kv_off = row[:, None] + offs_d[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=mask_n[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+        kv_off = _kv_rows(table, pos, kvh, max_ctx, num_blocks, stride_cb, stride_ct, stride_ch,
+                          PAGE)[:, None] + offs_d[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=mask_n[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=mask_n[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N]
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every step has a live position
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        rows_nx = _kv_rows(table, pos + BLOCK_N, kvh, max_ctx, num_blocks, stride_cb, stride_ct,
+                           stride_ch, PAGE)
+        for n0 in range(start, end, BLOCK_N):
+            pos_nx = n0 + BLOCK_N + offs_n  # the next step's positions (none live past end)
+            mask_nx = pos_nx < end
+            kv_nx = rows_nx[:, None] + offs_d[None, :]
+            k_nx = tl.load(k_cache_ptr + kv_nx, mask=mask_nx[:, None], other=0.0)
+            v_nx = tl.load(v_cache_ptr + kv_nx, mask=mask_nx[:, None], other=0.0)
+            rows_nx = _kv_rows(table, pos_nx + BLOCK_N, kvh, max_ctx, num_blocks, stride_cb,
+                               stride_ct, stride_ch, PAGE)
+            acc, m_i, l_i = _softmax_step(q, k, v, mask_n, acc, m_i, l_i, qk_scale, UPCAST)
+            k, v, mask_n = k_nx, v_nx, mask_nx
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + offs_n
+            mask_n = pos < end
+            blk = tl.load(table + pos // PAGE, mask=mask_n, other=0)  # [BLOCK_N] page of each position
+            blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)  # a bad table never reads out of bounds
+            row = blk.to(tl.int64) * stride_cb + (pos % PAGE) * stride_ct + kvh * stride_ch
+            kv_off = row[:, None] + offs_d[None, :]
+            k = tl.load(k_cache_ptr + kv_off, mask=mask_n[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+            v = tl.load(v_cache_ptr + kv_off, mask=mask_n[:, None], other=0.0)
+            acc, m_i, l_i = _softmax_step(q, k, v, mask_n, acc, m_i, l_i, qk_scale, UPCAST)
     return acc, m_i, l_i
 
 
@@ -170,6 +216,7 @@ def attn_split_kernel(
     BLOCK_N: tl.constexpr,  # positions per inner step
     UPCAST: tl.constexpr,  # True under the interpreter: dots in fp32
     APPEND: tl.constexpr = False,  # write k_new / v_new into the caches first (kv_append fused)
+    PREFETCH: tl.constexpr = False,  # _attend's hand-pipelined loads (attention.PREFETCH)
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
@@ -190,8 +237,8 @@ def attn_split_kernel(
     end = tl.minimum(start + split_size, ctx)
     q = _load_q(q_ptr, b, kvh, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM, UPCAST)
     acc, m_i, l_i = _attend(q, k_cache_ptr, v_cache_ptr, block_table_ptr + b * stride_bt, kvh,
-                            start, end, qk_scale, num_blocks, stride_cb, stride_ct, stride_ch,
-                            GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N, UPCAST)
+                            start, end, qk_scale, num_blocks, max_ctx, stride_cb, stride_ct,
+                            stride_ch, GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N, UPCAST, PREFETCH)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_g = offs_g < GROUP
@@ -308,6 +355,7 @@ def attn_fused_kernel(
     MERGE_S: tl.constexpr,  # splits per merge step of the last program (a power of two)
     UPCAST: tl.constexpr,  # True under the interpreter: dots in fp32
     APPEND: tl.constexpr = False,  # write k_new / v_new into the caches first (kv_append fused)
+    PREFETCH: tl.constexpr = False,  # _attend's hand-pipelined loads (attention.PREFETCH)
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
@@ -339,8 +387,8 @@ def attn_fused_kernel(
     end = tl.minimum(start + split_size, ctx)
     q = _load_q(q_ptr, b, kvh, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM, UPCAST)
     acc, m_i, l_i = _attend(q, k_cache_ptr, v_cache_ptr, block_table_ptr + b * stride_bt, kvh,
-                            start, end, qk_scale, num_blocks, stride_cb, stride_ct, stride_ch,
-                            GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N, UPCAST)
+                            start, end, qk_scale, num_blocks, max_ctx, stride_cb, stride_ct,
+                            stride_ch, GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N, UPCAST, PREFETCH)
     o = acc / l_i[:, None]
     if SPLIT:
         if num_live > 1:

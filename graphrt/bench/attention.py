@@ -120,30 +120,35 @@ def bench(bs_list: list[int], ctx_list: list[int], *, reach: int = 0, heads: int
     return doc
 
 
-# --sweep: the split kernel's (BLOCK_N, num_warps, num_stages, split size) at each (ctx, bs)
-SWEEP = [(bn, nw, st, sp) for bn in (32, 64, 128) for nw in (4, 8) for st in (1, 2, 3)
-         for sp in (128, 256) if sp >= bn]
+# --sweep: the split kernel's (BLOCK_N, num_warps, num_stages, split size, hand prefetch) at
+# each (ctx, bs)
+SWEEP = [(bn, nw, st, sp, pf) for bn in (32, 64, 128) for nw in (4, 8) for st in (1, 2, 3)
+         for sp in (128, 256) for pf in (False, True) if sp >= bn and not (pf and st > 2)]
 
 
 def sweep_split(case: "_Case", heads: int, head_dim: int, iters: int) -> dict:
-    """µs per layer of the split variant for every ``SWEEP`` config (``attention.BLOCK_N``
-    and ``attention.SPLIT_LAUNCH`` set for the call, put back after; a workspace per split
-    size). Host-only tooling."""
+    """µs per layer of the split variant for every ``SWEEP`` config (``attention.BLOCK_N``,
+    ``attention.PREFETCH`` and the launch options it uses set for the call, put back after; a
+    workspace per split size). Host-only tooling."""
     from graphrt.bench.timing import graph_time_us
     from graphrt.kernels import attention
-    saved = attention.BLOCK_N, dict(attention.SPLIT_LAUNCH)
+    names = ("BLOCK_N", "PREFETCH", "WIDE", "SPLIT_LAUNCH", "PREFETCH_LAUNCH")
+    saved = {name: getattr(attention, name) for name in names}
     ws = case.ws_o, case.ws_lse
     max_ctx = case.max_blocks * case.caches[0][0].shape[1]
     times = {}
     try:
-        for bn, nw, st, sp in SWEEP:
-            attention.BLOCK_N, attention.SPLIT_LAUNCH = bn, {"num_warps": nw, "num_stages": st}
+        for bn, nw, st, sp, pf in SWEEP:
+            launch = {"num_warps": nw, "num_stages": st}
+            attention.BLOCK_N, attention.PREFETCH, attention.WIDE = bn, pf, False
+            attention.SPLIT_LAUNCH = attention.PREFETCH_LAUNCH = launch
             case.ws_o, case.ws_lse = attention.attention_workspace(
                 case.q.shape[0], heads, head_dim, max_ctx, case.q.device, split_size=sp)
             us = graph_time_us(lambda: case.run("split"), iters=iters) / len(case.caches)
-            times[f"bn{bn}w{nw}s{st}sp{sp}"] = round(us, 2)
+            times[f"bn{bn}w{nw}s{st}sp{sp}" + ("pf" if pf else "")] = round(us, 2)
     finally:
-        attention.BLOCK_N, attention.SPLIT_LAUNCH = saved
+        for name, value in saved.items():
+            setattr(attention, name, value)
         case.ws_o, case.ws_lse = ws
     return times
 

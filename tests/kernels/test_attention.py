@@ -128,6 +128,60 @@ def test_wide_split_kernel_matches_ref(block_size, monkeypatch):
         check_attention(out, ref, 6)
 
 
+def test_prefetch_rule_by_inner_steps(monkeypatch):
+    """use_prefetch: "auto" takes the hand-pipelined loop for at least PREFETCH_MIN_STEPS
+    inner steps, or for one on a grid of at most one program an SM; True / False force it."""
+    assert attn.PREFETCH == "auto"  # the default (GRAPHRT_ATTN_PREFETCH unset)
+    steps = [attn.use_prefetch(s * attn.BLOCK_N, 128, 132) for s in (1, 2, 3, 4, 8)]
+    assert steps == [True, False, False, True, True]
+    assert not attn.use_prefetch(attn.BLOCK_N, 256, 132)     # qwen3-like bs 2: 256 programs
+    assert attn.use_prefetch(4 * attn.BLOCK_N, 4096, 132)
+    for forced in (True, False):
+        monkeypatch.setattr(attn, "PREFETCH", forced)
+        assert {attn.use_prefetch(s * attn.BLOCK_N, 256, 132) for s in (1, 2, 4)} == {forced}
+
+
+def _poison_unread(cache, table, seq_lens, n_live):
+    """NaN in every cache position no live row reads (unused blocks, page tails past seq_len)."""
+    block_size = cache.shape[1]
+    keep = torch.zeros(cache.shape[:2], dtype=torch.bool)
+    for b, L in enumerate(seq_lens[:n_live]):
+        for p in range(min(L, table.shape[1] * block_size)):
+            keep[int(table[b, p // block_size]), p % block_size] = True
+    cache[~keep] = float("nan")
+
+
+@pytest.mark.parametrize("variant", ["split", "fused"])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_prefetch_is_bitwise_the_plain_loop(variant, block_size, monkeypatch):
+    """attention.PREFETCH (the next step's K/V and the step after's block ids loaded ahead of
+    the step's math, table indices clamped instead of masked) gives bitwise the plain loop's
+    output. Positions no row reads hold NaN and the table's unused entries hold ids out of
+    range: they may be loaded (ids), never used."""
+    kvh, d, max_blocks = 2, 32, -(-400 // block_size)
+    max_ctx = max_blocks * block_size
+    seq_lens = [1, 64, 65, 128, max_ctx, 0, 250, 7, 300]
+    n_live = 8  # the last row is padding
+    num_blocks = sum(-(-L // block_size) for L in seq_lens) + 3
+    k_cache, v_cache = paged_cache(num_blocks, block_size, kvh, d, seed=11)
+    table = block_table_for(seq_lens, block_size, max_blocks, num_blocks, seed=block_size + 1)
+    for b, L in enumerate(seq_lens):  # garbage past each row's pages
+        table[b, -(-L // block_size):] = [-7, 10 ** 6][b % 2]
+    for cache in (k_cache, v_cache):
+        _poison_unread(cache, table, seq_lens, n_live)
+    q = randn_bf16(len(seq_lens), kvh * 4, d, seed=12)
+    n = i32([n_live])
+    outs = {}
+    for prefetch in (False, True):
+        monkeypatch.setattr(attn, "PREFETCH", prefetch)
+        outs[prefetch] = run_attention(q, k_cache, v_cache, table, i32(seq_lens), n, 128,
+                                       variant=variant)
+    assert not torch.isnan(outs[True].float()).any(), "used a position no row reads"
+    assert torch.equal(outs[True], outs[False])
+    clean = [c.nan_to_num(0.0) for c in (k_cache, v_cache)]
+    check_attention(outs[True], decode_attention_ref(q, *clean, table, i32(seq_lens), n), n_live)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_placement_of_pages_does_not_change_the_result(variant):
     """The same logical K/V in shuffled blocks and in blocks 0, 1, 2, ... give bitwise the same

@@ -367,13 +367,16 @@ SM90 = textwrap.dedent(r'''
                 "cache_load": at(r"cp\.async|ld\.global\.v4"), "nc": ".nc" in p,
                 "stores": len(re.findall(r"st\.global", p))}
 
-    geo = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, PAGE=16, BLOCK_N=64, UPCAST=False, USE_GDC=2)
+    geo = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, PAGE=16, BLOCK_N=64, UPCAST=False, USE_GDC=2,
+               PREFETCH=False)
     out = {}
     for slot in ("i64", "i32"):
         for append in (False, True):
             key = f"{slot}-{int(append)}"
             out["split-" + key] = compile_(attn_split_kernel, slot, dict(geo, APPEND=append),
                                            num_stages=2)
+            out["splitpf-" + key] = compile_(attn_split_kernel, slot,
+                                             dict(geo, APPEND=append, PREFETCH=True), num_stages=1)
             for split in (False, True):
                 out[f"fused{int(split)}-" + key] = compile_(
                     attn_fused_kernel, slot,
@@ -388,12 +391,13 @@ def test_fused_append_kernels_compile_for_sm90():
     """Every attention kernel with and without ``APPEND`` (int64 and int32 slots, the launch's
     16-byte alignment) compiles for Hopper; the PDL wait precedes every global load and store;
     with ``APPEND`` the owner's K/V stores come first, then the CTA barrier, then the cache
-    reads (no ``.nc`` read-only loads, which would not see the write)."""
+    reads (no ``.nc`` read-only loads, which would not see the write). The split kernel also
+    with ``PREFETCH`` (``splitpf``)."""
     res = compile_results(SM90)
-    assert len(res) == 14
+    assert len(res) == 18
     for key, at in res.items():
         assert at["wait"] < min(at["load"], at["store"]) and not at["nc"], (key, at)
-    for kernel in ("split", "fused0", "fused1"):
+    for kernel in ("split", "splitpf", "fused0", "fused1"):
         for slot in ("i64", "i32"):
             plain, fused = res[f"{kernel}-{slot}-0"], res[f"{kernel}-{slot}-1"]
             assert fused["stores"] == plain["stores"] + 2, (kernel, slot, plain, fused)
