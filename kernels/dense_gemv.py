@@ -58,17 +58,22 @@ def _xw_tiles(x_ptrs, w_ptrs, mask_m, mask_n, k_left, offs_k, EVEN_K: tl.constex
     pointers: zeros past the rows (``mask_m``), the columns (``mask_n``) and, unless
     ``EVEN_K``, the ``k_left`` columns of K left; widened to fp32 with ``UPCAST`` (the
     interpreter). Shared with ``kernels.dense_mma``."""
-    if EVEN_K:
-        b = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
-        a = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
-    else:
-        mask_k = offs_k < k_left
-        b = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        a = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
+    b = _k_tile(w_ptrs, mask_n, k_left, offs_k, EVEN_K, UPCAST)
+    a = _k_tile(x_ptrs, mask_m, k_left, offs_k, EVEN_K, UPCAST)
     return a, b
+
+
+@triton.jit
+def _k_tile(ptrs, mask_rows, k_left, offs_k, EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
+    """One K tile ``[rows, BK]`` at ``ptrs``: zeros past the rows (``mask_rows``) and, unless
+    ``EVEN_K``, past the ``k_left`` columns of K left; fp32 with ``UPCAST``."""
+    if EVEN_K:
+        t = tl.load(ptrs, mask=mask_rows[:, None], other=0.0)
+    else:
+        t = tl.load(ptrs, mask=mask_rows[:, None] & (offs_k < k_left)[None, :], other=0.0)
+    if UPCAST:
+        t = t.to(tl.float32)
+    return t
 
 
 @triton.jit

@@ -27,9 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._pdl import pdl_prologue
+from ._pdl import pdl_trigger, pdl_wait
 from ._util import check, check_tensor, interpreting, pdl_args
-from .dense_gemv import _check_xw_out, _xw_tiles
+from .dense_gemv import _check_xw_out, _k_tile, _xw_tiles
 
 MAX_ROWS = 16  # the MMA's N side
 BLOCK_NS = (64, 128)
@@ -52,9 +52,10 @@ def _dense_mma_gemm_kernel(
     SPLIT: tl.constexpr,  # split_k > 1: partials + the last program's fixed-order sum
     EVEN_K: tl.constexpr,  # k % BLOCK_K == 0: no K masks
     UPCAST: tl.constexpr,  # interpreter: dot in fp32 (bf16 math gives NaN there)
+    PRELOAD: tl.constexpr = False,  # the first W tile loaded before the PDL wait (kernels._pdl)
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
-    pdl_prologue(USE_GDC)
+    pdl_trigger(USE_GDC)
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
     k_lo = s * k_step
@@ -67,7 +68,18 @@ def _dense_mma_gemm_kernel(
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * k + (k_lo + offs_k)[None, :]  # [BN, BK]
     x_ptrs = x_ptr + offs_m[:, None] * k + (k_lo + offs_k)[None, :]  # [BM, BK]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    k_first = k_lo
+    if PRELOAD:  # weights: written by no kernel of the stream, so loaded before the wait
+        b0 = _k_tile(w_ptrs, mask_n, k - k_lo, offs_k, EVEN_K, UPCAST)
+        pdl_wait(USE_GDC)
+        a0 = _k_tile(x_ptrs, mask_m, k - k_lo, offs_k, EVEN_K, UPCAST)
+        acc += tl.dot(b0, tl.trans(a0))  # the first K tile: every split has one
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        k_first += BLOCK_K
+    else:
+        pdl_wait(USE_GDC)
+    for k0 in range(k_first, k_hi, BLOCK_K):
         a, b = _xw_tiles(x_ptrs, w_ptrs, mask_m, mask_n, k - k0, offs_k, EVEN_K, UPCAST)
         acc += tl.dot(b, tl.trans(a))  # [BN, BK] @ [BK, BM]
         w_ptrs += BLOCK_K
@@ -131,7 +143,7 @@ def dense_mma_semaphore_shape(n: int, block_n: int = min(BLOCK_NS)) -> tuple[int
 def dense_mma(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
               workspace: torch.Tensor | None = None, semaphore: torch.Tensor | None = None,
               block_n: int = 64, block_k: int = 128, split_k: int = 1, num_warps: int = 4,
-              num_stages: int = 4) -> torch.Tensor:
+              num_stages: int = 4, preload: bool = False) -> torch.Tensor:
     """``out = x @ w.T`` with fp32 accumulation, reading ``w`` once, in one launch.
 
     Args:
@@ -148,6 +160,9 @@ def dense_mma(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
         block_k: reduction tile, a power of two in [16, 512].
         split_k: K splits, 1-16 (``dense_mma_config`` picks the config from the shape).
         num_warps, num_stages: Triton launch options.
+        preload: each program loads its first W tile before it waits for the kernel before it
+            (PDL, ``kernels._pdl``; only for weights no kernel of the stream writes). The
+            same result bitwise.
 
     Returns ``out``. Allocates nothing, no host sync; bitwise reproducible for a config.
 
@@ -182,7 +197,7 @@ def dense_mma(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
     _dense_mma_gemm_kernel[(triton.cdiv(n, block_n), split_k)](
         x, w, out, workspace if split else out, semaphore if split else out, m, n, k, k_step,
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
-        EVEN_K=k % block_k == 0, UPCAST=interpreting(),
+        EVEN_K=k % block_k == 0, UPCAST=interpreting(), PRELOAD=bool(preload),
         num_warps=num_warps, num_stages=num_stages, **pdl_args())
     return out
 
@@ -209,8 +224,9 @@ def semaphore_for(w: torch.Tensor) -> torch.Tensor:
     return sem
 
 
-def dense_mma_auto(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` through :func:`dense_mma` with ``dense_mma_config``'s pick, allocating
+def dense_mma_auto(x: torch.Tensor, w: torch.Tensor, *, preload: bool = False) -> torch.Tensor:
+    """``x @ w.T`` through :func:`dense_mma` with ``dense_mma_config``'s pick (and
+    ``preload``), allocating
     ``out`` (and the split-K workspace) with ``torch.empty``, for a step's intermediates,
     which a captured graph allocates from its pool; the semaphore from :func:`semaphore_for`.
     Shapes as :func:`dense_mma`.
@@ -227,7 +243,7 @@ def dense_mma_auto(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         ws = torch.empty(dense_mma_workspace_shape(m, n, cfg["split_k"]), dtype=torch.float32,
                          device=x.device)
         sem = semaphore_for(w)
-    return dense_mma(x, w, out=out, workspace=ws, semaphore=sem, **cfg)
+    return dense_mma(x, w, out=out, workspace=ws, semaphore=sem, preload=preload, **cfg)
 
 
 def dense_mma_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -54,10 +54,10 @@ def test_mma_exact_cpu(m, n, k, block_n, block_k, split_k):
     assert torch.equal(ref.float(), x.float() @ w.float().t())  # the case is exact
     ws = torch.full(dense_mma_workspace_shape(m, n, split_k), float("nan"))
     sem = torch.zeros(dense_mma_semaphore_shape(n), dtype=torch.int32)
-    for _ in range(2):  # the semaphore is left zero: a second call is the same
+    for preload in (False, True):  # the semaphore is left zero: a second call is the same
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
         assert dense_mma(x, w, out=out, workspace=ws, semaphore=sem, block_n=block_n,
-                         block_k=block_k, split_k=split_k) is out
+                         block_k=block_k, split_k=split_k, preload=preload) is out
         assert torch.equal(out, ref)
         assert not sem.any()
 
@@ -114,16 +114,18 @@ SM90 = textwrap.dedent('''
     names = ["x_ptr", "w_ptr", "out_ptr", "ws_ptr", "sem_ptr", "n", "k", "k_step"]
     attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in names}
     out = {}
-    for bn, bk in ((64, 128), (64, 256), (128, 64)):
+    for bn, bk, pre in ((64, 128, False), (64, 256, False), (128, 64, False), (64, 256, True)):
         for split in (False, True):
             for gdc in (0, 2):
                 p = ptx(kernel, sig, dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split,
-                                          EVEN_K=True, UPCAST=False, USE_GDC=gdc),
-                        attrs=attrs, num_stages=4)
+                                          EVEN_K=True, UPCAST=False, PRELOAD=pre, USE_GDC=gdc),
+                        attrs=attrs, num_stages=3 if pre else 4)
                 copy = p.find("cp.async")
-                out[f"{bn}-{bk}-{split}-{gdc}"] = {
+                wait = p.find("griddepcontrol.wait")
+                out[f"{bn}-{bk}-{split}-{gdc}-{pre}"] = {
                     "wgmma": "wgmma.mma_async" in p, "cp_async": copy >= 0,
-                    "wait_first": 0 <= p.find("griddepcontrol.wait") < copy,
+                    "wait_first": 0 <= wait < copy,
+                    "load_first": 0 <= p.find("ld.global") < wait,
                     "atomic": "atom.global" in p or "atom.acq_rel" in p,
                     "spill": "ld.local" in p}
     print(json.dumps(out))
@@ -131,14 +133,17 @@ SM90 = textwrap.dedent('''
 
 
 def test_mma_compiles_for_sm90():
+    """wgmma and async copies, no spills; the PDL wait before the pipeline's copies; with
+    ``PRELOAD`` the first weight tile's global load before the wait, without it none."""
     res = compile_results(SM90)
-    assert len(res) == 12
+    assert len(res) == 16
     for key, r in res.items():
-        split, gdc = key.split("-")[2:]
+        split, gdc, pre = key.split("-")[2:]
         assert r["wgmma"] and r["cp_async"] and not r["spill"], (key, r)
         assert r["atomic"] == (split == "True"), (key, r)
         if gdc == "2":
             assert r["wait_first"], (key, r)
+            assert r["load_first"] == (pre == "True"), (key, r)
 
 
 def test_semaphore_is_not_made_inside_a_capture(monkeypatch):

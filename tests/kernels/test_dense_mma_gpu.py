@@ -2,7 +2,7 @@
 within bf16 rounding of the fp32 reference for 2-16 rows with the config rule's pick and
 with forced split-K, bitwise equal from eager to CUDA-graph replay and replay to replay
 (the in-launch split-K reduction is deterministic), the semaphore zero after every launch,
-one graph following new x and W."""
+one graph following new x and W; ``preload=True`` bitwise the plain launch."""
 from __future__ import annotations
 
 import pytest
@@ -62,6 +62,29 @@ def test_gpu_matches_ref_and_replays_bitwise(weights, m):
         x.copy_(_x(m, k, seed=m + 100))  # the same graph on new rows
         graph.replay()
         assert _rel_err(out, dense_mma_ref(x, weights)) < TOL, cfg
+
+
+@pytest.mark.parametrize("m", (2, 16))
+def test_gpu_preload_is_bitwise_the_plain_launch(weights, m):
+    """``preload=True`` (the first weight tile loaded before the PDL wait): the same bits as
+    without it, eager and replayed, unsplit and split."""
+    n, k = weights.shape
+    sem = torch.zeros(dense_mma_semaphore_shape(n), dtype=torch.int32, device="cuda")
+    x = _x(m, k, seed=m + 7)
+    for cfg in _configs(m, n, k)[:2]:
+        ws = torch.empty(dense_mma_workspace_shape(m, n, cfg["split_k"]), device="cuda")
+        plain = dense_mma(x, weights, out=torch.empty(m, n, dtype=torch.bfloat16, device="cuda"),
+                          workspace=ws, semaphore=sem, **cfg)
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        dense_mma(x, weights, out=out, workspace=ws, semaphore=sem, preload=True, **cfg)
+        assert torch.equal(out, plain), cfg
+        with torch.cuda.graph(graph):
+            dense_mma(x, weights, out=out, workspace=ws, semaphore=sem, preload=True, **cfg)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain) and not sem.any(), cfg
 
 
 def test_gpu_many_launches_share_one_semaphore():
