@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from ._pdl import pdl_prologue
-from ._masked import _live_prologue, _pick_expert, _silu_mul_tile
+from ._masked import _live_prologue, _pick_expert, _silu_mul, _silu_mul_tile
 from .activation import _round_to_e4m3
 from ._util import check, check_tensor, interpreting, pdl_args
 
@@ -64,6 +64,7 @@ ACTS = (None, "silu_and_mul")  # the fused A-operand activations; ACT constexpr 
 # swap=True, bf16 without act, block_n 64: K tiles of this many (3 stages), as the dense
 # swapped GEMM's sweep found best (kernels.dense_mma); 128 otherwise. A/B: the swap-bk256 switch.
 SWAP_BLOCK_K = 128
+_SMEM_BUDGET = 200 << 10  # shared memory for the pipeline's stages (sm_90: 227 KB a block)
 
 
 @triton.jit
@@ -101,6 +102,7 @@ def _decode_gemm_kernel(
     ACT: tl.constexpr,  # 0: a as given; 1: a = silu_and_mul(u) made per K tile (ACTS[ACT])
     UPCAST: tl.constexpr,  # interpreter: dot in fp32 (bf16 math gives NaN there)
     SWAP: tl.constexpr = False,  # weights as the MMA's M side: y.T tiles [BLOCK_N, BLOCK_M]
+    EPI: tl.constexpr = False,  # b is W13 [E, 2 * n, k]: out = silu(a @ gate.T) * (a @ up.T)
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
@@ -108,6 +110,7 @@ def _decode_gemm_kernel(
     tiles_n = tl.cdiv(n, BLOCK_N)
     k_step = tl.cdiv(tl.cdiv(k, BLOCK_K), SPLIT_K) * BLOCK_K  # K per split
     offs_k = tl.arange(0, BLOCK_K)
+    up_rows = n.to(tl.int64) * stride_bn  # with EPI: the up half's offset in b
     for w in range(tl.program_id(0), num_live * tiles_n * SPLIT_K, tl.num_programs(0)):
         s = w % SPLIT_K
         n0 = ((w // SPLIT_K) % tiles_n) * BLOCK_N
@@ -132,6 +135,7 @@ def _decode_gemm_kernel(
                 acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             else:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros_like(acc)  # EPI only
             for k0 in range(k_lo, k_hi, BLOCK_K):
                 if EVEN_K:
                     mask_a = mask_m[:, None]
@@ -149,6 +153,10 @@ def _decode_gemm_kernel(
                 else:
                     a = tl.load(a_ptrs, mask=mask_a, other=0.0)  # [BM, BK]
                 b = tl.load(b_ptrs, mask=mask_b, other=0.0)  # [BK, BN]
+                if EPI:  # the up rows' tile too (bf16 only)
+                    b_up = tl.load(b_ptrs + up_rows, mask=mask_b, other=0.0)
+                    if UPCAST:
+                        b_up = b_up.to(tl.float32)
                 if UPCAST:
                     a = a.to(tl.float32)
                     b = b.to(tl.float32)
@@ -167,10 +175,17 @@ def _decode_gemm_kernel(
                         acc += tl.dot(a, b) * (sa[:, None] * sb)
                 elif SWAP:
                     acc += tl.dot(tl.trans(b), tl.trans(a))  # [BN, BK] @ [BK, BM]
+                    if EPI:
+                        acc_up += tl.dot(tl.trans(b_up), tl.trans(a))
                 else:
                     acc += tl.dot(a, b)
+                    if EPI:
+                        acc_up += tl.dot(a, b_up)
                 a_ptrs += BLOCK_K * stride_ak
                 b_ptrs += BLOCK_K * stride_bk
+            if EPI:  # silu_and_mul_masked's arithmetic on the bf16-rounded gate and up
+                acc = _silu_mul(acc.to(out_ptr.dtype.element_ty).to(tl.float32),
+                                acc_up.to(out_ptr.dtype.element_ty).to(tl.float32))
             if SWAP:  # y.T's tile: rows along dim 1
                 offs_r, offs_c = offs_m[None, :], offs_n[:, None]
             else:
@@ -263,7 +278,8 @@ def decode_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
                         split_k: int = 1, workspace: torch.Tensor | None = None,
                         a_scale: torch.Tensor | None = None, b_scale: torch.Tensor | None = None,
                         num_warps: int = 4, num_stages: int = 4,
-                        act: str | None = None, swap: bool = False) -> torch.Tensor:
+                        act: str | None = None, swap: bool = False,
+                        epilogue: str | None = None) -> torch.Tensor:
     """``out[e, :masked_m[e]] = a[e, :masked_m[e]] @ b[e].T`` reading only live experts' weights.
 
     Args:
@@ -296,12 +312,24 @@ def decode_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
         swap: the weights as the MMA's M side (``[block_n, BK] @ [BK, rows]`` tiles of
             ``y.T``, the sm_90 warpgroup MMA; as ``kernels.dense_mma``): ``block_n`` 64 or
             128. Same sums (fp32, the same K tiles); the tensor-core instruction differs.
+        epilogue: ``None`` or ``"silu_and_mul"``: ``b`` is W13 ``[E, 2 * n, k]`` (gate rows,
+            then up rows; bf16 only, ``split_k`` 1, no ``act``) and ``out`` ``[E, cap, n]``
+            gets ``silu(a @ gate.T) * (a @ up.T)``: a work item reduces the gate and up
+            columns of its tile together and applies the activation to the bf16-rounded
+            results, bitwise this GEMM into ``u`` followed by
+            ``kernels.activation.silu_and_mul_masked(u, ...)``, one launch fewer.
 
     Returns ``out``. One launch (two with split-K), allocates nothing, no host sync.
 
     Graph safety: capturable (``act`` too: a host string picking a compiled variant)
     """
     E, cap, n, k, fp8 = _check_operands(a, b, act)
+    check(epilogue in ACTS, "epilogue", f"one of {ACTS}", repr(epilogue))
+    if epilogue is not None:
+        check(not fp8 and act is None and split_k == 1, "epilogue with (fp8, act, split_k)",
+              "bf16 weights, act=None and split_k=1", (fp8, act, split_k))
+        check(n % 2 == 0, "b.shape[1] with epilogue", "2 * n (gate rows, then up rows)", n)
+        n //= 2
     check_tensor(masked_m, "masked_m", shape=(E,), dtype=torch.int32, device=a.device,
                  contiguous=True)
     check_tensor(out, "out", shape=(E, cap, n), dtype=torch.bfloat16, device=a.device)
@@ -349,14 +377,18 @@ def decode_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
     s_strides = ((*(a_scale.stride() if act is None else (0, 0, 0)), *b_scale.stride())
                  if fp8 else (0,) * 6)
     a_rows = block_m if act is None else 2 * block_m  # gate and up tiles with act
-    smem = num_stages * (a_rows * a.element_size() + block_n * b.element_size()) * block_k
+    b_rows = block_n if epilogue is None else 2 * block_n  # gate and up tiles with epilogue
+    stage = (a_rows * a.element_size() + b_rows * b.element_size()) * block_k
+    num_stages = max(1, min(num_stages, _SMEM_BUDGET // stage))  # e.g. epilogue at block_n 128
+    smem = num_stages * stage
     grid = (num_programs(a.device, E * tiles_n * split_k, smem),)
     _decode_gemm_kernel[grid](
         a, b, out, ws, masked_m, *scales, E, cap, n, k, ws_rows,
         *a.stride(), *b.stride(), *out.stride(), *s_strides,
         E_POW2=e_pow2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
         EVEN_K=k % block_k == 0, FP8=fp8, ACT=ACTS.index(act), UPCAST=interpreting(),
-        SWAP=bool(swap), num_warps=num_warps, num_stages=num_stages, **pdl_args())
+        SWAP=bool(swap), EPI=epilogue is not None, num_warps=num_warps, num_stages=num_stages,
+        **pdl_args())
     if split_k > 1:
         rn = min(128, triton.next_power_of_2(n))
         _decode_reduce_kernel[(num_programs(a.device, E * triton.cdiv(n, rn), 32 << 10),)](

@@ -1,7 +1,7 @@
 """Residual add + RMSNorm fused into the decode GEMV that reads the normed rows.
 
     residual = x + d1 + d2                       # bf16 [m, k] (written when deltas are given)
-    h        = rmsnorm(residual) * norm_weight   # bf16 [m, k], never stored
+    h        = rmsnorm(residual) * norm_weight   # bf16 [m, k] (written when asked for)
     out      = h @ W.T                           # bf16 [m, n], fp32 accumulation
 
 In a decode step every layer ends with ``add_rmsnorm`` (the residual stream plus the MoE
@@ -39,6 +39,7 @@ def _norm_gemv_rows_kernel(
     x_ptr, d1_ptr, d2_ptr,  # bf16 [m, k] contiguous: residual stream and up to two deltas
     nw_ptr,  # [k] norm weight
     res_ptr,  # bf16 [m, k] out: x + d1 + d2 (program 0; unused when NUM_ADD == 0)
+    h_ptr,  # bf16 [m, k] out: the normed rows (program 0; WRITE_H only)
     w_ptr,  # bf16 [n, k] contiguous
     out_ptr,  # bf16 [m, n] out
     m, n, k, eps,
@@ -47,6 +48,7 @@ def _norm_gemv_rows_kernel(
     BLOCK_N: tl.constexpr,  # W rows per program
     BLOCK_K: tl.constexpr,  # >= k: the whole row
     PRELOAD: tl.constexpr,  # load W and the norm weight before the PDL wait (kernels._pdl)
+    WRITE_H: tl.constexpr = False,  # program 0 also stores the normed rows
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_trigger(USE_GDC)
@@ -78,14 +80,19 @@ def _norm_gemv_rows_kernel(
                     tl.store(res_ptr + row, rounded, mask=mask_k)
                 res = rounded.to(tl.float32)
             rstd = 1.0 / tl.sqrt(tl.sum(res * res, axis=0) / k + eps)
-            h = (res * rstd * nw).to(out_ptr.dtype.element_ty).to(tl.float32)
+            h = (res * rstd * nw).to(out_ptr.dtype.element_ty)
+            if WRITE_H:
+                if pid == 0:
+                    tl.store(h_ptr + row, h, mask=mask_k)
+            h = h.to(tl.float32)
             tl.store(out_ptr + r * n + offs_n, tl.sum(w * h[None, :], axis=1)
                      .to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
 def norm_gemv_rows(x: torch.Tensor, *deltas: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                    w: torch.Tensor, out: torch.Tensor,
-                   out_residual: torch.Tensor | None = None, preload: bool = False) -> torch.Tensor:
+                   out_residual: torch.Tensor | None = None, preload: bool = False,
+                   out_normed: torch.Tensor | None = None) -> torch.Tensor:
     """``out = (rmsnorm(x + sum(deltas)) * norm_weight) @ w.T``, and ``out_residual = x +
     sum(deltas)`` when deltas are given. One launch.
 
@@ -101,6 +108,8 @@ def norm_gemv_rows(x: torch.Tensor, *deltas: torch.Tensor, norm_weight: torch.Te
         preload: each program loads its ``w`` tile and ``norm_weight`` before it waits for
             the previous kernel (PDL, ``kernels._pdl``); only for weights that no kernel of
             the stream writes.
+        out_normed: bf16 ``[m, k]`` contiguous, or None: also store the normed rows
+            (``add_rmsnorm``'s ``out``, bitwise), for the other readers of them.
 
     Returns ``out``. No allocation, no host sync; bitwise reproducible.
 
@@ -127,6 +136,8 @@ def norm_gemv_rows(x: torch.Tensor, *deltas: torch.Tensor, norm_weight: torch.Te
         check(all(out_residual.data_ptr() != t.data_ptr() for t in (x, *deltas)), "out_residual",
               "a tensor other than x and the deltas (programs read them after program 0 writes)",
               "one of them")
+    if out_normed is not None:
+        check_tensor(out_normed, "out_normed", **like)
     if m == 0 or n == 0:
         return out
     block_k = triton.next_power_of_2(k)
@@ -135,9 +146,10 @@ def norm_gemv_rows(x: torch.Tensor, *deltas: torch.Tensor, norm_weight: torch.Te
     d2 = deltas[1] if len(deltas) > 1 else d1
     res = out_residual if deltas else x
     _norm_gemv_rows_kernel[(triton.cdiv(n, block_n),)](
-        x, d1, d2, norm_weight, res, w, out, m, n, k, float(eps), NUM_ADD=len(deltas),
-        M_MAX=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        PRELOAD=bool(preload), num_warps=4, **pdl_args())
+        x, d1, d2, norm_weight, res, out if out_normed is None else out_normed, w, out, m, n, k,
+        float(eps), NUM_ADD=len(deltas), M_MAX=triton.next_power_of_2(m), BLOCK_N=block_n,
+        BLOCK_K=block_k, PRELOAD=bool(preload), WRITE_H=out_normed is not None, num_warps=4,
+        **pdl_args())
     return out
 
 

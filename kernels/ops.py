@@ -22,7 +22,7 @@ every op returns ``None`` (a custom op may not return an alias of its input)::
     torch.ops.graphrt.decode_grouped_gemm(a, b, masked_m, out, expected_m=None, block_n=32,
                                           split_k=1, workspace=None, a_scale=None,
                                           b_scale=None, num_warps=4, num_stages=4, act=None,
-                                          swap=False)
+                                          swap=False, epilogue=None)
     torch.ops.graphrt.expert_gemv_rows(a, b, masked_m, out, block_n=None, block_k=None,
                                        num_warps=4, act=None)
     torch.ops.graphrt.kv_append(k, v, slot_mapping, n, k_cache, v_cache)
@@ -41,7 +41,7 @@ every op returns ``None`` (a custom op may not return an alias of its input)::
     torch.ops.graphrt.dense_gemv_rows(x, w, out, block_n=None, block_k=None, num_warps=4,
                                       preload=False)
     torch.ops.graphrt.norm_gemv_rows(x, d1, d2, norm_weight, eps, w, out, out_residual=None,
-                                     preload=False)
+                                     preload=False, out_normed=None)
     torch.ops.graphrt.deepgemm_masked_bf16(a, b, d, masked_m, expected_m)
     torch.ops.graphrt.deepgemm_masked_fp8(a, a_scale, b, b_scale, d, masked_m, expected_m)
 
@@ -156,12 +156,12 @@ def decode_grouped_gemm(a: Tensor, b: Tensor, masked_m: Tensor, out: Tensor,
                         workspace: Optional[Tensor] = None, a_scale: Optional[Tensor] = None,
                         b_scale: Optional[Tensor] = None, num_warps: int = 4,
                         num_stages: int = 4, act: Optional[str] = None,
-                        swap: bool = False) -> None:
+                        swap: bool = False, epilogue: Optional[str] = None) -> None:
     """``graphrt.kernels.grouped_gemm_decode.decode_grouped_gemm``. Graph safety: capturable."""
     _launcher(f"{_KERNELS}.grouped_gemm_decode", "decode_grouped_gemm")(
         a, b, masked_m, out=out, expected_m=expected_m, block_n=block_n, split_k=split_k,
         workspace=workspace, a_scale=a_scale, b_scale=b_scale, num_warps=num_warps,
-        num_stages=num_stages, act=act, swap=swap)
+        num_stages=num_stages, act=act, swap=swap, epilogue=epilogue)
 
 
 @_op("expert_gemv_rows", ("out",))
@@ -259,16 +259,17 @@ def dense_gemv_rows(x: Tensor, w: Tensor, out: Tensor, block_n: Optional[int] = 
         x, w, out=out, block_n=block_n, block_k=block_k, num_warps=num_warps, preload=preload)
 
 
-@_op("norm_gemv_rows", ("out", "out_residual"))
+@_op("norm_gemv_rows", ("out", "out_residual", "out_normed"))
 def norm_gemv_rows(x: Tensor, d1: Optional[Tensor], d2: Optional[Tensor], norm_weight: Tensor,
                    eps: float, w: Tensor, out: Tensor, out_residual: Optional[Tensor] = None,
-                   preload: bool = False) -> None:
-    """``graphrt.kernels.norm_gemv.norm_gemv_rows`` (a 1-D empty ``out_residual`` stands for
-    None). Graph safety: capturable."""
+                   preload: bool = False, out_normed: Optional[Tensor] = None) -> None:
+    """``graphrt.kernels.norm_gemv.norm_gemv_rows`` (a 1-D empty ``out_residual`` or
+    ``out_normed`` stands for None). Graph safety: capturable."""
     given = None if out_residual is None or out_residual.numel() == 0 else out_residual
+    normed = None if out_normed is None or out_normed.numel() == 0 else out_normed
     _launcher(f"{_KERNELS}.norm_gemv", "norm_gemv_rows")(
         x, *[d for d in (d1, d2) if d is not None], norm_weight=norm_weight, eps=eps, w=w,
-        out=out, out_residual=given, preload=preload)
+        out=out, out_residual=given, preload=preload, out_normed=normed)
 
 
 @_op("embedding_rows", ("out",))

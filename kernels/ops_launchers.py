@@ -54,11 +54,12 @@ def _wrappers() -> dict[tuple[str, str], object]:
 
     def decode_grouped_gemm_(a, b, masked_m, *, out, expected_m=None, block_n=32, split_k=1,
                              workspace=None, a_scale=None, b_scale=None, num_warps=4,
-                             num_stages=4, act=None, swap=False):
+                             num_stages=4, act=None, swap=False, epilogue=None):
         if workspace is None:  # a None mutated argument breaks torch 2.11's fake-tensor tracing
             workspace = out.new_empty((0,), dtype=torch.float32)
         ops.decode_grouped_gemm(a, b, masked_m, out, expected_m, block_n, split_k, workspace,
-                                a_scale, b_scale, num_warps, num_stages, act, bool(swap))
+                                a_scale, b_scale, num_warps, num_stages, act, bool(swap),
+                                epilogue)
         return out
 
     def expert_gemv_rows_(a, b, masked_m, *, out, block_n=None, block_k=None, num_warps=4,
@@ -117,13 +118,17 @@ def _wrappers() -> dict[tuple[str, str], object]:
         ops.dense_gemv_rows(x, w, out, block_n, block_k, num_warps, bool(preload))
         return out
 
-    def norm_gemv_rows_(x, *deltas, norm_weight, eps, w, out, out_residual=None, preload=False):
+    def norm_gemv_rows_(x, *deltas, norm_weight, eps, w, out, out_residual=None, preload=False,
+                        out_normed=None):
         if len(deltas) > 2:
             raise ValueError(f"number of deltas: expected 0, 1 or 2, got {len(deltas)}")
         d1, d2 = (list(deltas) + [None, None])[:2]
         if out_residual is None:  # a None mutated argument breaks torch 2.11's fake-tensor tracing
             out_residual = out.new_empty((0,))
-        ops.norm_gemv_rows(x, d1, d2, norm_weight, float(eps), w, out, out_residual, bool(preload))
+        if out_normed is None:
+            out_normed = out.new_empty((0,))
+        ops.norm_gemv_rows(x, d1, d2, norm_weight, float(eps), w, out, out_residual, bool(preload),
+                           out_normed)
         return out
 
     def m_grouped_bf16_gemm_nt_masked_(a, b, d, masked_m, expected_m):

@@ -112,6 +112,32 @@ def test_add_rmsnorm_op_matches_launcher(num_add):
     assert torch.equal(out2, want_out)
 
 
+@pytest.mark.parametrize("normed", [False, True])
+def test_norm_gemv_rows_op_matches_launcher(normed):
+    """The fused norm + GEMV op with and without ``out_normed`` (the normed rows stored too,
+    as the router's fused norm asks): bitwise its launcher, directly and through the
+    launcher-shaped wrapper."""
+    from graphrt.kernels.norm_gemv import norm_gemv_rows
+    g = torch.Generator().manual_seed(2)
+    x, d, nw, w = _rand(2, 64, gen=g), _rand(2, 64, gen=g), _rand(64, gen=g), _rand(24, 64, gen=g)
+    want = [torch.zeros(2, 24, dtype=torch.bfloat16), torch.zeros_like(x), torch.zeros_like(x)]
+    norm_gemv_rows(x, d, norm_weight=nw, eps=1e-6, w=w, out=want[0], out_residual=want[1],
+                   out_normed=want[2] if normed else None)
+    got = [torch.zeros_like(t) for t in want]
+    assert OPS.norm_gemv_rows(x, d, None, nw, 1e-6, w, got[0], got[1],
+                              out_normed=got[2] if normed else None) is None
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    torch.library.opcheck(OPS.norm_gemv_rows.default,
+                          (x, d, None, nw, 1e-6, w, *[torch.zeros_like(t) for t in want[:2]]),
+                          dict(out_normed=torch.zeros_like(x) if normed else None))
+    with gops.launchers_as_ops():
+        import graphrt.kernels.norm_gemv as ng
+        again = [torch.zeros_like(t) for t in want]
+        ng.norm_gemv_rows(x, d, norm_weight=nw, eps=1e-6, w=w, out=again[0],
+                          out_residual=again[1], out_normed=again[2] if normed else None)
+    assert all(torch.equal(a, b) for a, b in zip(want, again))
+
+
 def test_deepgemm_ops_have_fakes_and_import_nothing():
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():

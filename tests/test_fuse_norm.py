@@ -49,3 +49,51 @@ def test_unfusable_rows_fall_back_to_add_rmsnorm(monkeypatch):
     y, res = layers.dense_normed(layers.PendingNorm(x, (d,), nw, 1e-6), w)
     want_res, h = layers.add_rmsnorm(x, d, weight=nw, eps=1e-6)
     assert torch.equal(res, want_res) and torch.equal(y, h @ w.t())
+
+
+@pytest.mark.parametrize("bs", [1, 2])
+def test_moe_norm_fused_into_the_router_matches_the_unfused_step(monkeypatch, bs):
+    """``DecoderLayer.fuse_moe_norm``: the add + RMSNorm after attention computed by the
+    router gate's GEMV (``layers.dense_normed_keep``; the normed rows stored for the dispatch
+    and the shared expert): the same logits as the unfused step (interpreter rounding apart),
+    one fused launch a layer, and none when the router makes its own logits."""
+    calls = []
+    real = layers.dense_normed_keep
+
+    def counted(p, w):
+        calls.append(tuple(w.shape))
+        return real(p, w)
+    monkeypatch.setattr(layers, "norm_fusable", lambda x, w: True)
+    monkeypatch.setattr(model_mod, "norm_fusable", lambda x, w: True)
+    monkeypatch.setattr(model_mod, "dense_normed_keep", counted)
+    monkeypatch.setattr(model_mod.DecoderLayer, "fuse_norm", False)
+    cfg = preset("tiny")
+    logits = []
+    for fuse in (False, True):
+        monkeypatch.setattr(model_mod.DecoderLayer, "fuse_moe_norm", fuse)
+        spec, model = make_step(cfg, "cpu", max_batch_size=8, backend="triton")
+        x = model.example_inputs(bs, "cpu", torch.Generator().manual_seed(bs))
+        logits.append(spec.call(x)["logits"].float())
+    assert calls == [(cfg.num_experts, cfg.hidden)] * cfg.num_layers
+    a, b = logits
+    assert float((a - b).norm() / a.norm()) < 2e-2
+    calls.clear()
+    monkeypatch.setattr(layers.Router, "fused", True)  # makes its own logits: no fusion
+    spec, model = make_step(cfg, "cpu", max_batch_size=8, backend="triton")
+    spec.call(model.example_inputs(bs, "cpu", torch.Generator().manual_seed(bs)))
+    assert calls == []
+
+
+def test_router_refuses_logits_it_would_make_itself():
+    from graphrt.moe.layers import Router
+    cfg = preset("tiny")
+    router = Router(cfg, "cpu", torch.Generator().manual_seed(0))
+    h = torch.randn(2, cfg.hidden).to(torch.bfloat16)
+    n = torch.tensor([2], dtype=torch.int32)
+    logits = h @ router.w.t()
+    w, ids = router(h, n, logits)
+    w0, ids0 = router(h, n)
+    assert torch.equal(ids, ids0) and torch.equal(w, w0)
+    router.logit_bias = torch.zeros(cfg.num_experts, dtype=cfg.dtype)
+    with pytest.raises(ValueError, match="logits given, but this router makes its own"):
+        router(h, n, logits)

@@ -313,7 +313,9 @@ def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: 
               num_experts: int, num_ranks: int = 1, rotations: int = 4) -> None:
     """Fill ``plan`` for ``padded_bs`` with the fastest kernel of each of ``experts``' GEMMs
     (``experts.gemm_shapes()``), timed on a synthetic routing (``routed_rows``) in the
-    experts' own workspace; shapes already in the plan are skipped. On a CPU device the
+    experts' own workspace (W13 with its activation where ``experts.epilogue_for`` holds:
+    the step then runs one or the other, see ``Experts.w13_act``); shapes already in the plan
+    are skipped. On a CPU device the
     decode kernel is recorded without timing. A candidate that fails (e.g. does not compile)
     is recorded with its error and never chosen. Host-only: synchronizes the device."""
     from graphrt.kernels.dispatch import expected_m as expected_m_of
@@ -340,8 +342,15 @@ def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: 
         cands = plan_candidates(experts.kernels, n, k, rows, num_sms(device), experts.fp8)
         timings: dict[str, float | str] = {}
         timed = []                               # (µs, candidate) of those that ran
+        # Where W13 may carry the activation as its epilogue (Experts.epilogue_for), every W13
+        # candidate is timed with the activation, as the step runs it (Experts.w13_act): fused
+        # for the unsplit decode kernels (half the work items), a launch after the others.
+        with_act = which == "w13" and not experts.fp8 and experts.epilogue_for(padded_bs)
+        act_out = experts.ws.view("a", (E, cap, n // 2)) if with_act else None
         for c in cands:
-            fns = [functools.partial(experts.gemm, which, a, m, em, out, c, a_scale) for m in masked]
+            fns = [functools.partial(experts.w13_act, a, m, em, out, act_out, c, padded_bs)
+                   if with_act else
+                   functools.partial(experts.gemm, which, a, m, em, out, c, a_scale) for m in masked]
             try:
                 us = _graph_us(fns)
             except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is skipped

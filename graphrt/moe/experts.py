@@ -8,7 +8,9 @@ inside ``gemm2``'s A load (``decode_grouped_gemm(..., act="silu_and_mul")``, bit
 same result) and its launch disappears. With ``Experts.act_epilogue``
 (``GRAPHRT_ACT_EPILOGUE``) and the ``rows`` kernel on W13, ``act`` is W13's epilogue instead
 (``expert_gemv_rows(..., act="silu_and_mul")``: gate and up columns in one work item, bitwise
-the same result, no ``u`` round trip). With fp8 the
+the same result, no ``u`` round trip); with ``Experts.decode_epilogue`` (by default at bs 1) and
+the decode kernel on W13, unsplit, likewise there (``decode_grouped_gemm(...,
+epilogue="silu_and_mul")``). With fp8 the
 dispatched tokens are quantized too: by DeepEP's fp8 dispatch in its send kernel, or (EP=1)
 here by ``kernels.activation.quantize_fp8_masked`` over the live rows.
 
@@ -29,6 +31,7 @@ Graph safety: capturable (every call; weights are allocated in ``__init__``).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -107,6 +110,17 @@ class Experts:
     # fewer a layer, bitwise equal outputs. GRAPHRT_ACT_EPILOGUE at import (A/B: the
     # act-epilogue switch sets it before capture).
     act_epilogue = env_flag("GRAPHRT_ACT_EPILOGUE", False)
+    # SiLU-and-mul as the epilogue of W13 on the decode kernel (either operand order, unsplit,
+    # bf16): one launch fewer a layer, bitwise equal outputs, but half the work items (a work
+    # item holds gate and up tiles), so the expert plan times W13 with its activation at those
+    # sizes (expert_plan.plan_size, w13_act). "auto" (the default): for padded batches of at
+    # most EPILOGUE_MAX_BS rows, where it made the step 0.983x-0.989x (qwen3-like) and 0.993x
+    # (dsv3-like) at bs 1 but 1.011x at bs 2 and 1.009x at qwen3-like bs 16 (BENCHMARKS.md
+    # §27); True / False: always / never. GRAPHRT_DECODE_EPILOGUE=1 or 0 at import forces it
+    # (A/B: the decode-epilogue and decode-epilogue-all switches).
+    decode_epilogue: bool | str = {"1": True, "0": False}.get(
+        os.environ.get("GRAPHRT_DECODE_EPILOGUE", ""), "auto")
+    EPILOGUE_MAX_BS = 1
 
     def __init__(self, hidden: int, inter: int, num_local_experts: int, device, *, seed: int = 0,
                  first_expert: int = 0, backend: str = "auto", fp8: bool = False,
@@ -204,16 +218,29 @@ class Experts:
             return self._fixed, self._fixed
         return sel.get(self._keys[0], self._fixed), sel.get(self._keys[1], self._fixed)
 
+    def epilogue_for(self, bs: int | None) -> bool:
+        """Whether W13 on the decode kernel applies SiLU-and-mul itself at padded batch
+        ``bs`` (``decode_epilogue``: forced, or "auto": ``bs <= EPILOGUE_MAX_BS``).
+        Host-only."""
+        if isinstance(self.decode_epilogue, bool):
+            return self.decode_epilogue
+        return bs is not None and bs <= self.EPILOGUE_MAX_BS
+
     def gemm(self, which: str, a, masked_m, expected_m: int, out, choice: Choice, a_scale=None,
-             act: str | None = None):
+             act: str | None = None, epilogue: str | None = None):
         """``out = a @ W.T`` on live rows with ``choice``'s kernel; ``which`` is ``"w13"`` or
         ``"w2"``; ``a`` [E, cap, k] bf16 (or fp8 with ``a_scale`` [E, cap, k // 128]),
         ``out`` [E, cap, n] bf16 (the ``rows`` kernel: bf16 only, ValueError with fp8
         experts). ``act="silu_and_mul"``: with the decode kernel on W2, ``a`` is
         ``u = [gate | up]`` bf16 [E, cap, 2 * k] and the kernel applies SiLU-and-mul (fp8:
         and the activation quantization) as it loads A, no ``a_scale``; with the rows kernel
-        on W13, ``out`` is [E, cap, inter] and SiLU-and-mul is the GEMM's epilogue.
-        Graph safety: capturable."""
+        on W13, ``out`` is [E, cap, inter] and SiLU-and-mul is the GEMM's epilogue; so with
+        ``epilogue="silu_and_mul"`` and the decode kernel (``decode`` or ``swap``, unsplit) on
+        W13. Graph safety: capturable."""
+        if epilogue is not None and (which != "w13" or choice.kernel not in ("decode", "swap")
+                                     or choice.split_k != 1):
+            raise ValueError(f"epilogue={epilogue!r} on {which}: expected the unsplit decode "
+                             f"kernel on w13, got {choice.name}")
         if act is not None and (choice.kernel, which) not in (("decode", "w2"), ("rows", "w13")):
             raise ValueError(f"act={act!r} on {which}: expected the decode kernel on w2 or the "
                              f"rows kernel on w13 (the GEMMs with a fused activation), got "
@@ -245,7 +272,7 @@ class Experts:
             decode_grouped_gemm(a, w, masked_m, out=out, expected_m=expected_m,
                                 block_n=choice.block_n, split_k=choice.split_k, workspace=ws,
                                 a_scale=a_scale, b_scale=b_scale, num_warps=choice.num_warps,
-                                act=act, swap=choice.kernel == "swap")
+                                act=act, swap=choice.kernel == "swap", epilogue=epilogue)
         return out
 
     def synthetic_io(self, which: str, cap: int):
@@ -299,8 +326,26 @@ class Experts:
         if self.act_epilogue and c13.kernel == "rows" and not fused:  # W13 writes a itself
             self.gemm("w13", recv_x, masked_m, expected_m, a, c13, act="silu_and_mul")
             return self.gemm("w2", a, masked_m, expected_m, y, c2)
-        self.gemm("w13", recv_x, masked_m, expected_m, u, c13)
         if fused:
+            self.gemm("w13", recv_x, masked_m, expected_m, u, c13)
             return self.gemm("w2", u, masked_m, expected_m, y, c2, act="silu_and_mul")
-        silu_and_mul_masked(u, masked_m, out=a)
+        self.w13_act(recv_x, masked_m, expected_m, u, a, c13, bs)
         return self.gemm("w2", a, masked_m, expected_m, y, c2)
+
+    def takes_epilogue(self, choice: Choice, bs: int | None) -> bool:
+        """Whether W13 with ``choice`` at padded batch ``bs`` applies SiLU-and-mul itself:
+        ``epilogue_for(bs)``, bf16, the decode kernel (either operand order), unsplit.
+        Host-only."""
+        return (self.epilogue_for(bs) and not self.fp8 and choice.kernel in ("decode", "swap")
+                and choice.split_k == 1)
+
+    def w13_act(self, x, masked_m, expected_m: int, u, a, choice: Choice, bs: int | None):
+        """``a = silu_and_mul(x @ W13.T)`` on live rows (bf16), as a step at padded batch
+        ``bs`` runs it: W13's epilogue where ``takes_epilogue``, else W13 into ``u`` and the
+        activation launch. The expert plan times W13 candidates through this where the
+        epilogue applies. Graph safety: capturable."""
+        from graphrt.kernels.activation import silu_and_mul_masked
+        if self.takes_epilogue(choice, bs):
+            return self.gemm("w13", x, masked_m, expected_m, a, choice, epilogue="silu_and_mul")
+        self.gemm("w13", x, masked_m, expected_m, u, choice)
+        return silu_and_mul_masked(u, masked_m, out=a)

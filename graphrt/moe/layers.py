@@ -48,6 +48,10 @@ PRELOAD = env_flag("GRAPHRT_PDL_PRELOAD", False)
 # GRAPHRT_DENSE_MMA=0 at import turns it off (A/B: the dense-mma switch sets it before capture).
 DENSE_MMA = env_flag("GRAPHRT_DENSE_MMA", True)
 MMA_MIN_ROWS = 2  # rows from which DENSE_MMA takes the dense projections (1: the rows GEMV)
+# dense_mma loads each program's first weight tile before its PDL wait (dense_mma(preload=)).
+# Off: 0.993x-1.006x the qwen3-like step at bs 2-16, 0.998x / 1.002x dsv3-like bs 1 / 8
+# (BENCHMARKS.md §27); GRAPHRT_MMA_PRELOAD=1 at import (A/B: the mma-preload switch).
+MMA_PRELOAD = env_flag("GRAPHRT_MMA_PRELOAD", False)
 
 
 def dense_path(x: torch.Tensor, w: torch.Tensor) -> str:
@@ -97,7 +101,7 @@ def dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return dense_gemv_auto(x, w, preload=PRELOAD)
     if path == "mma":
         from graphrt.kernels.dense_mma import dense_mma_auto
-        return dense_mma_auto(x, w)
+        return dense_mma_auto(x, w, preload=MMA_PRELOAD)
     return x @ w.t()
 
 
@@ -130,15 +134,28 @@ def dense_normed(p: PendingNorm, w: torch.Tensor) -> tuple[torch.Tensor, torch.T
     """``(normed @ w.t(), residual)`` of a ``PendingNorm``: one launch
     (``graphrt.kernels.norm_gemv``) where ``norm_fusable``, else ``add_rmsnorm`` then
     :func:`dense`. Graph safety: capturable"""
+    out, residual, _ = _dense_normed(p, w, keep_normed=False)
+    return out, residual
+
+
+def dense_normed_keep(p: PendingNorm, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(normed @ w.t(), residual, normed)``: :func:`dense_normed` that also returns the
+    normed rows, for their other readers (the fused launch stores them from its program 0,
+    bitwise ``add_rmsnorm``'s). Graph safety: capturable"""
+    return _dense_normed(p, w, keep_normed=True)
+
+
+def _dense_normed(p: PendingNorm, w: torch.Tensor, *, keep_normed: bool):
     if not norm_fusable(p.x, w):
         residual, h = p.materialize()
-        return dense(h, w), residual
+        return dense(h, w), residual, h
     from graphrt.kernels.norm_gemv import norm_gemv_rows
     out = torch.empty(p.x.shape[0], w.shape[0], dtype=p.x.dtype, device=p.x.device)
     res = torch.empty_like(p.x) if p.deltas else None
+    h = torch.empty_like(p.x) if keep_normed else None
     norm_gemv_rows(p.x, *p.deltas, norm_weight=p.weight, eps=p.eps, w=w, out=out, out_residual=res,
-                   preload=PRELOAD)
-    return out, (res if p.deltas else p.x)
+                   preload=PRELOAD, out_normed=h)
+    return out, (res if p.deltas else p.x), h
 
 
 class Router:
@@ -165,12 +182,19 @@ class Router:
                 and h.device.type == "cuda" and h.dtype == torch.bfloat16 and h.is_contiguous()
                 and h.shape[0] <= self._sem.shape[0] and not torch.compiler.is_compiling())
 
-    def __call__(self, h: torch.Tensor, n: torch.Tensor):
+    def takes_logits(self) -> bool:
+        """Whether ``__call__`` may be handed the gate's logits (``logits=``): not with
+        ``logit_bias`` nor on the fused path, which make their own."""
+        return self.logit_bias is None and not self.fused
+
+    def __call__(self, h: torch.Tensor, n: torch.Tensor, logits: torch.Tensor | None = None):
+        """``h`` [bs, hidden] -> (weights, ids). ``logits``: ``h @ w.T`` [bs, num_experts]
+        made already (``takes_logits``; e.g. by the norm's fused GEMV), else computed here."""
         from graphrt.kernels import routing
         cfg, bs = self.cfg, h.shape[0]
         w = torch.empty(bs, cfg.num_topk, dtype=torch.float32, device=h.device)
         ids = torch.empty(bs, cfg.num_topk, dtype=torch.int64, device=h.device)
-        if self._fusable(h):
+        if logits is None and self._fusable(h):
             grouped = {} if cfg.routing == "softmax" else dict(
                 bias=self.bias, n_group=cfg.n_group, topk_group=cfg.topk_group,
                 routed_scaling_factor=cfg.routed_scaling_factor)
@@ -184,7 +208,11 @@ class Router:
                         out_ids=ids, workspace=ws, semaphore=self._sem[:bs],
                         routing=cfg.routing, **grouped)
             return w, ids
-        if self.logit_bias is None:
+        if logits is not None:
+            if not self.takes_logits():
+                raise ValueError("Router: logits given, but this router makes its own "
+                                 "(logit_bias set or the fused path on); pass logits=None")
+        elif self.logit_bias is None:
             logits = dense(h, self.w)                                      # [bs, num_experts]
         else:
             logits = torch.addmm(self.logit_bias, h, self.w.t())

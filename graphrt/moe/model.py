@@ -32,7 +32,7 @@ from graphrt.moe.config import MoEConfig
 from graphrt.moe.experts import Experts
 from graphrt.moe import paged_kv
 from graphrt.moe.layers import (Attention, PendingNorm, Router, SharedExpert, add_rmsnorm, dense,
-                                dense_normed)
+                                dense_normed, dense_normed_keep, norm_fusable)
 from graphrt.moe.workspace import Workspace
 from graphrt.spec import Input, StepSpec
 
@@ -54,10 +54,12 @@ class MoEBlock:
                                expert_map.local_experts(index))
         self.shared = SharedExpert(cfg, device, gen) if cfg.num_shared_experts else None
 
-    def __call__(self, h: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def __call__(self, h: torch.Tensor, n: torch.Tensor,
+                 logits: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """h ``[bs, hidden]`` -> the routed experts' output and the shared expert's (when the
-        model has one), each ``[bs, hidden]``; the caller adds them into the residual."""
-        w, ids = self.router(h, n)                                         # [bs, k] fp32, int64
+        model has one), each ``[bs, hidden]``; the caller adds them into the residual.
+        ``logits``: the router gate's ``h @ w.T``, when the caller made it (``Router``)."""
+        w, ids = self.router(h, n, logits)                                 # [bs, k] fp32, int64
         if self.expert_map is not None:  # logical -> physical slots (replica per token)
             ids = self.expert_map.route(self.index, ids)
         d = self.comm.dispatch(h, ids, n, topk_weights=w)
@@ -88,6 +90,11 @@ class DecoderLayer:
     # (MoEModel.step). Off: 1.000x / 1.021x the step at qwen3-like bs 1 / 2 (BENCHMARKS.md
     # §25); GRAPHRT_FUSE_FINAL_NORM=1 at import (A/B: the fuse-final-norm switch).
     fuse_final_norm = env_flag("GRAPHRT_FUSE_FINAL_NORM", False)
+    # Hand the add + RMSNorm after attention to the router gate's GEMV where it runs on the
+    # one-row GEMV (layers.dense_normed_keep: the fused launch also stores the normed rows for
+    # the dispatch and the shared expert): 0.987x the step at qwen3-like bs 1 (BENCHMARKS.md
+    # §27). GRAPHRT_FUSE_MOE_NORM=0 at import turns it off (A/B: the fuse-moe-norm switch).
+    fuse_moe_norm = env_flag("GRAPHRT_FUSE_MOE_NORM", True)
 
     def __init__(self, cfg, comm, device, gen, seed, **kw):
         self.cfg = cfg
@@ -110,10 +117,14 @@ class DecoderLayer:
             attn = self.attn(None, slot_mapping, block_table, seq_lens, n, qkv=qkv)
         else:
             attn = self.attn(h, slot_mapping, block_table, seq_lens, n)
-        x, h = add_rmsnorm(x, attn, weight=self.moe_norm, eps=eps)
+        router, logits = self.moe.router, None
+        if self.fuse_moe_norm and router.takes_logits() and norm_fusable(x, router.w):
+            logits, x, h = dense_normed_keep(PendingNorm(x, (attn,), self.moe_norm, eps), router.w)
+        else:
+            x, h = add_rmsnorm(x, attn, weight=self.moe_norm, eps=eps)
         recv = (next_attn.start_prefetch(next_attn.wqkv)
                 if next_attn is not None and self.prefetch_next_qkv else None)
-        deltas = self.moe(h, n)
+        deltas = self.moe(h, n, logits)
         if self.fuse_norm and (next_attn is not None or self.fuse_final_norm):
             out = x, PendingNorm(x, deltas, next_norm, eps)
         else:

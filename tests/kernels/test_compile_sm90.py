@@ -30,11 +30,11 @@ SCRIPT = textwrap.dedent('''
                         "EVEN_K": even, "PRELOAD": pre, "USE_GDC": gdc})
                 out[f"rows-{pre}-{even}-{gdc}"] = order(p)
     norm = dict(rows, d1_ptr="*bf16", d2_ptr="*bf16", nw_ptr="*bf16", res_ptr="*bf16",
-                eps="fp32")
+                h_ptr="*bf16", eps="fp32")
     for pre in (True, False):
-        for na in (0, 1, 2):
+        for na in (0, 1, 2):  # WRITE_H (the normed rows stored too) with one delta
             p = ptx(_norm_gemv_rows_kernel, norm, {"NUM_ADD": na, "M_MAX": 1, "BLOCK_N": 4,
-                    "BLOCK_K": 2048, "PRELOAD": pre, "USE_GDC": 2})
+                    "BLOCK_K": 2048, "PRELOAD": pre, "WRITE_H": na == 1, "USE_GDC": 2})
             out[f"norm-{pre}-{na}"] = order(p)
     print(json.dumps(out))
 ''')
@@ -64,7 +64,8 @@ DECODE_GEMM = textwrap.dedent('''
                **{name: "i32" for name in INTS}}
         if fp8 and not const["ACT"]:
             sig["a_ptr"] = "*fp8e4nv"
-        const = {**dict(E_POW2=16, UPCAST=False, USE_GDC=2, FP8=fp8, SWAP=False), **const}
+        const = {**dict(E_POW2=16, UPCAST=False, USE_GDC=2, FP8=fp8, SWAP=False, EPI=False),
+                 **const}
         return ptx(_decode_gemm_kernel, sig, const, num_stages=4)
 
     out = {}
@@ -82,6 +83,12 @@ DECODE_GEMM = textwrap.dedent('''
                                  BLOCK_K=128, SWAP=True))
         out[f"swap-{'fp8' if fp8 else 'bf16'}-act{act}-sk{split}-bn{bn}"] = {
             "silu": "ex2.approx.f32" in p, "mma": "wgmma.mma_async" in p}
+    for swap, bn in ((True, 64), (True, 128), (False, 32)):  # SiLU-and-mul as W13's epilogue
+        p = decode_ptx(False, dict(ACT=0, EVEN_K=True, SPLIT_K=1, BLOCK_M=16, BLOCK_N=bn,
+                                   BLOCK_K=128, SWAP=swap, EPI=True))
+        out[f"epi-swap{int(swap)}-act1-bn{bn}"] = {
+            "silu": "ex2.approx.f32" in p,
+            "mma": ("wgmma.mma_async" if swap else "mma") in p}
     print(json.dumps(out))
 ''')
 
@@ -90,8 +97,9 @@ def test_the_decode_grouped_gemm_compiles_for_sm90_with_and_without_fused_act():
     """``_decode_gemm_kernel`` with ``ACT`` 0 and 1 (bf16 and fp8 weights, ragged K, split-K,
     16- and 64-row blocks) compiles; the SiLU (``ex2``) is in the ``ACT=1`` variants alone and
     each one still runs its dot on the tensor cores; with ``SWAP`` (the weights as the MMA's M
-    side) on the warpgroup MMA."""
+    side) on the warpgroup MMA; with ``EPI`` (the SiLU as W13's epilogue, keys ``epi-...``)
+    likewise."""
     res = compile_results(DECODE_GEMM)
-    assert len(res) == 13
+    assert len(res) == 16
     for key, found in res.items():
         assert found == {"silu": "-act1-" in key, "mma": True}, key

@@ -4,7 +4,8 @@ a quarter of the experts, rows past masked_m untouched, bitwise deterministic fr
 to replay under CUDA-graph capture (split-K included), one graph following new masked_m;
 agreement with DeepGEMM where it imports; fp8 with DeepGEMM's scale layout. With the fused
 SiLU-and-mul (``act="silu_and_mul"``, the W2 shapes): bitwise equal to
-``silu_and_mul_masked[_fp8]`` followed by the unfused GEMM, eager and under graph replay."""
+``silu_and_mul_masked[_fp8]`` followed by the unfused GEMM, eager and under graph replay;
+so with the SiLU-and-mul as W13's epilogue (``epilogue="silu_and_mul"``)."""
 from __future__ import annotations
 
 import pytest
@@ -87,6 +88,34 @@ def test_gpu_decode_graph_replay_bitwise_and_follows_masked_m(case, split_k):
         graph.replay()
         torch.cuda.synchronize()
         _check(out, decode_grouped_gemm_ref(a, b, masked_m), masked_m)
+
+
+@pytest.mark.parametrize("swap, block_n", [(True, 64), (True, 128), (False, 32)])
+def test_gpu_epilogue_is_bitwise_gemm_then_activation(swap, block_n):
+    """SiLU-and-mul as W13's epilogue (``epilogue="silu_and_mul"``, qwen3-like W13) gives
+    bitwise the W13 GEMM into ``u`` followed by ``silu_and_mul_masked``, eager and replayed."""
+    from graphrt.kernels.activation import silu_and_mul_masked
+    n, k = SHAPES["qwen3-w13"]
+    g = torch.Generator(device="cuda").manual_seed(7)
+    a = torch.randn(E, CAP, k, generator=g, device="cuda").to(torch.bfloat16)
+    b = (torch.randn(E, n, k, generator=g, device="cuda") * 2 * k ** -0.5).to(torch.bfloat16)
+    masked_m = _masked(8)
+    nan = lambda cols: torch.full((E, CAP, cols), float("nan"), dtype=torch.bfloat16,  # noqa: E731
+                                  device="cuda")
+    kw = dict(expected_m=8, block_n=block_n, swap=swap)
+    u = decode_grouped_gemm(a, b, masked_m, out=nan(n), **kw)
+    want = silu_and_mul_masked(u, masked_m, out=nan(n // 2))
+    out = nan(n // 2)
+    decode_grouped_gemm(a, b, masked_m, out=out, epilogue="silu_and_mul", **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_grouped_gemm(a, b, masked_m, out=out, epilogue="silu_and_mul", **kw)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
 
 
 @pytest.mark.parametrize("block_n, split_k", [(64, 1), (128, 1), (64, 2), (64, 4)])

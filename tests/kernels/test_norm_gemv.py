@@ -42,6 +42,31 @@ def test_matches_add_rmsnorm_then_gemv(m, num_deltas, n, k):
         assert torch.equal(out, again)
 
 
+@pytest.mark.parametrize("m, num_deltas", [(1, 1), (2, 2), (4, 0)])
+def test_out_normed_is_add_rmsnorm_bitwise(m, num_deltas):
+    """``out_normed``: program 0 also stores the normed rows, bitwise ``add_rmsnorm``'s
+    ``out`` (the same arithmetic), and ``out`` is unchanged by asking for them."""
+    from graphrt.kernels.norm import add_rmsnorm
+    k, n = 256, 40
+    x = _t(m, k, seed=11)
+    deltas = [_t(m, k, seed=12 + i, scale=0.5) for i in range(num_deltas)]
+    nw = (1 + 0.1 * torch.randn(k, generator=torch.Generator().manual_seed(3))).to(torch.bfloat16)
+    w = _t(n, k, seed=13, scale=k ** -0.5)
+    plain = torch.empty(m, n, dtype=torch.bfloat16)
+    res = torch.empty_like(x) if deltas else None
+    norm_gemv_rows(x, *deltas, norm_weight=nw, eps=1e-6, w=w, out=plain, out_residual=res)
+    out, h = torch.empty_like(plain), torch.full_like(x, float("nan"))
+    norm_gemv_rows(x, *deltas, norm_weight=nw, eps=1e-6, w=w, out=out,
+                   out_residual=torch.empty_like(x) if deltas else None, out_normed=h)
+    want = torch.empty_like(x)
+    add_rmsnorm(x, *deltas, weight=nw, eps=1e-6, out=want,
+                out_residual=torch.empty_like(x) if deltas else None)
+    assert torch.equal(h, want) and torch.equal(out, plain)
+    with pytest.raises(ValueError, match=r"out_normed\.shape"):
+        norm_gemv_rows(x, *deltas, norm_weight=nw, eps=1e-6, w=w, out=out, out_residual=res,
+                       out_normed=torch.empty(m, k + 1, dtype=torch.bfloat16))
+
+
 def test_errors_say_what_to_do():
     x, w = _t(1, 64, seed=1), _t(8, 64, seed=2)
     nw = torch.ones(64, dtype=torch.bfloat16)
