@@ -20,6 +20,8 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   (``DecoderLayer.fuse_norm``, ``graphrt.kernels.norm_gemv``);
 - ``fuse-final-norm``: the last layer's add + final RMSNorm computed by the LM head's
   GEMV as well (``DecoderLayer.fuse_final_norm``);
+- ``fuse-moe-norm``: the add + RMSNorm after attention computed by the router gate's
+  one-row GEMV, which also stores the normed rows (``DecoderLayer.fuse_moe_norm``);
 - ``fuse-act``: the experts' SiLU-and-mul computed by the W2 decode GEMM as it loads its
   operand (``Experts.fuse_act``, ``decode_grouped_gemm(act="silu_and_mul")``);
 - ``act-compact``: the experts' SiLU-and-mul on a grid shared among live rows instead of one
@@ -36,6 +38,15 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   to 16 rows instead of cuBLAS (``graphrt.kernels.dense_gemv.ROWS_SMALL_N``);
 - ``fuse-dispatch``: the EP=1 dispatch in one launch up to 256 flat (token, k) ids instead of
   plan + copy (``graphrt.kernels.dispatch.FUSED_MAX_FLAT``);
+- ``decode-epilogue``: the experts' SiLU-and-mul as the epilogue of W13 on the decode
+  kernel, unsplit, where ``Experts.epilogue_for`` takes it (the default, "auto") instead of
+  nowhere (``decode_grouped_gemm(epilogue=)``); ``decode-epilogue-all``: at every size;
+- ``mma-preload``: ``dense_mma``'s programs load their first weight tile before the PDL
+  wait (``graphrt.moe.layers.MMA_PRELOAD``, ``dense_mma(preload=)``);
+- ``attn-prefetch``: decode attention's inner loop pipelined by hand, the next step's K/V in
+  flight during a step's math, where ``kernels.attention.use_prefetch`` takes it (the
+  default, ``PREFETCH = "auto"``) instead of nowhere; ``attn-prefetch-all``: at every split
+  size; ``attn-pf-w8``: that loop on 8 warps instead of 4 (``PREFETCH_LAUNCH``);
 - ``expert-rows``: the expert plan's choices as measured, the CUDA-core rows kernel included
   (``kernels.grouped_gemv_rows``), against the fastest other kernel of each entry
   (``ExpertPlan.exclude``).
@@ -102,10 +113,17 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "fuse-norm": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer", "fuse_norm", on),
             "fuse-final-norm": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
                                                       "fuse_final_norm", on),
+            "fuse-moe-norm": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
+                                                    "fuse_moe_norm", on),
             "fuse-act": lambda on: _class_attr("graphrt.moe.experts", "Experts", "fuse_act", on),
             "router-fused": lambda on: _class_attr("graphrt.moe.layers", "Router", "fused", on),
             "act-epilogue": lambda on: _class_attr("graphrt.moe.experts", "Experts",
                                                    "act_epilogue", on),
+            "decode-epilogue": lambda on: _class_attr("graphrt.moe.experts", "Experts",
+                                                      "decode_epilogue",
+                                                      "auto" if on else False),
+            "decode-epilogue-all": lambda on: _class_attr("graphrt.moe.experts", "Experts",
+                                                          "decode_epilogue", on),
             "act-compact": lambda on: _class_attr("graphrt.kernels.activation", None, "COMPACT",
                                                   on),
             "fuse-append": lambda on: _class_attr("graphrt.moe.layers", "Attention", "fuse_append",
@@ -113,6 +131,7 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "mma-min3": lambda on: _class_attr("graphrt.moe.layers", None, "MMA_MIN_ROWS",
                                                3 if on else 2),
             "dense-mma": lambda on: _class_attr("graphrt.moe.layers", None, "DENSE_MMA", on),
+            "mma-preload": lambda on: _class_attr("graphrt.moe.layers", None, "MMA_PRELOAD", on),
             "preload": lambda on: _class_attr("graphrt.moe.layers", None, "PRELOAD", on),
             "routing-packed": lambda on: _class_attr("graphrt.kernels.routing", None, "PACKED", on),
             "embed-kernel": lambda on: _class_attr("graphrt.moe.model", "MoEModel", "embed_kernel",
@@ -122,6 +141,13 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "fuse-dispatch": lambda on: _class_attr("graphrt.kernels.dispatch", None,
                                                     "FUSED_MAX_FLAT", 256 if on else 0),
             "attn-wide": lambda on: _class_attr("graphrt.kernels.attention", None, "WIDE", on),
+            "attn-prefetch": lambda on: _class_attr("graphrt.kernels.attention", None, "PREFETCH",
+                                                    "auto" if on else False),
+            "attn-prefetch-all": lambda on: _class_attr("graphrt.kernels.attention", None,
+                                                        "PREFETCH", on),
+            "attn-pf-w8": lambda on: _class_attr("graphrt.kernels.attention", None,
+                                                 "PREFETCH_LAUNCH", {"num_warps": 8 if on else 4,
+                                                                     "num_stages": 1}),
             "swap-bk256": lambda on: _class_attr("graphrt.kernels.grouped_gemm_decode", None,
                                                  "SWAP_BLOCK_K", 256 if on else 128),
             "expert-swap": lambda on: _class_attr("graphrt.moe.expert_plan", "ExpertPlan",
