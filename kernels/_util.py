@@ -91,3 +91,15 @@ def _pdl_args(pdl_env: str | None, early_env: str | None, interpret_env: str) ->
     if not _pdl_enabled(pdl_env, interpret_env):
         return ()
     return (("launch_pdl", True), ("USE_GDC", 2 if flag_value(early_env, True) else 1))
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``device_index`` (cached; 132 on an H200).
+    The one place the launchers and the expert plan ask. Host-only."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def cuda_index(device: torch.device) -> int:
+    """``device``'s CUDA index, the current device's when it names none. Host-only."""
+    return device.index if device.index is not None else torch.cuda.current_device()

@@ -34,7 +34,6 @@ Glossary: ``m`` rows (bs, at most 16), ``n`` output features, ``k`` input featur
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -42,7 +41,7 @@ import triton
 import triton.language as tl
 
 from ._pdl import pdl_prologue, pdl_trigger, pdl_wait
-from ._util import check, check_tensor, interpreting, pdl_args
+from ._util import check, check_tensor, cuda_index, interpreting, pdl_args, sm_count
 
 MAX_ROWS = 16  # rows the kernel serves: one tl.dot row block
 BLOCK_NS = (16, 32, 64, 128)
@@ -280,16 +279,11 @@ def dense_gemv_config(m: int, n: int, k: int, num_sms: int) -> dict:
     return {"block_n": block_n, "split_k": split_k}
 
 
-@functools.cache
-def _cuda_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def num_sms(device: torch.device) -> int:
-    """SMs of ``device`` (cached); 4 for the CPU interpreter. Host-only."""
+    """SMs of ``device`` (``_util.sm_count``); 4 for the CPU interpreter. Host-only."""
     if device.type != "cuda":
         return 4
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return sm_count(cuda_index(device))
 
 
 def dense_gemv_workspace_shape(m: int, n: int, split_k: int) -> tuple[int, ...]:

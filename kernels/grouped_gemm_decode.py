@@ -46,7 +46,6 @@ Glossary: ``E`` = num_local_experts, ``cap`` rows per local expert, ``n`` output
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
@@ -55,7 +54,7 @@ import triton.language as tl
 from ._pdl import pdl_prologue
 from ._masked import _live_prologue, _pick_expert, _silu_mul, _silu_mul_tile
 from .activation import _round_to_e4m3
-from ._util import check, check_tensor, interpreting, pdl_args
+from ._util import check, check_tensor, cuda_index, interpreting, pdl_args, sm_count
 
 _FP8 = torch.float8_e4m3fn
 _SCALE_BLOCK = 128  # DeepGEMM's fp8 scale granularity (weights 128x128, activations 1x128)
@@ -232,11 +231,6 @@ def _decode_reduce_kernel(
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def num_programs(device: torch.device, work_items: int, smem_bytes: int) -> int:
     """Grid size: two waves of resident programs (as many per SM as ``smem_bytes`` of shared
     memory lets reside, 1 to 8), never more than ``work_items`` (an upper bound: every expert
@@ -245,8 +239,7 @@ def num_programs(device: torch.device, work_items: int, smem_bytes: int) -> int:
     if device.type != "cuda":
         return max(1, min(work_items, 4))
     per_sm = max(1, min(8, (220 << 10) // max(smem_bytes, 1)))
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return max(1, min(work_items, 2 * per_sm * _num_sms(index)))
+    return max(1, min(work_items, 2 * per_sm * sm_count(cuda_index(device))))
 
 
 def block_m_for(expected_m: int) -> int:

@@ -301,7 +301,8 @@ def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA ``device`` (132 on an H200); 132 elsewhere."""
     if device.type != "cuda":
         return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    from graphrt.kernels._util import cuda_index, sm_count
+    return sm_count(cuda_index(device))
 
 
 def _measured(us: float, c: Choice) -> Choice:

@@ -302,8 +302,7 @@ class Experts:
         and W2 on the decode kernel, W2 reads ``u`` and applies the activation itself (no
         ``silu_and_mul_masked[_fp8]`` launch; bitwise the same output). Graph safety:
         capturable."""
-        from graphrt.kernels.activation import (quantize_fp8_masked, silu_and_mul_masked,
-                                                silu_and_mul_masked_fp8)
+        from graphrt.kernels.activation import quantize_fp8_masked, silu_and_mul_masked_fp8
         c13, c2 = self.choices(bs)
         E, cap = recv_x.shape[0], recv_x.shape[1]
         u = self.ws.view("u", (E, cap, 2 * self.inter))
