@@ -336,7 +336,7 @@ def test_bench_eplb_plans_and_spawns_each_redundancy(monkeypatch, tmp_path, caps
     """--suite eplb: refused without an EP --comm or under torchrun; --redundant only with it;
     one spawn per (backend, redundancy), rank 0's rows rendered and saved."""
     from graphrt.bench import run
-    from graphrt.bench.plan import Plan, Refusal, plan
+    from graphrt.bench.plan import Refusal, plan
     import graphrt.testing.launch as launch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
