@@ -21,6 +21,13 @@ def env_flag(name: str, default: bool) -> bool:
     return flag_value(os.environ.get(name), default)
 
 
+def env_auto(name: str) -> bool | str:
+    """A switch whose default is a rule: unset, empty or ``auto`` is ``"auto"``; any other
+    value reads as ``env_flag`` reads it (``True`` / ``False``: forced)."""
+    v = (os.environ.get(name) or "").strip().lower()
+    return "auto" if v in ("", "auto") else v not in OFF
+
+
 @contextlib.contextmanager
 def env_override(name: str, value: str):
     """``os.environ[name] = value`` inside the block, put back (or removed) after: for a

@@ -58,12 +58,11 @@ Graph safety: capturable (``kv_append``, ``decode_attention``)
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 
-from graphrt.env import env_flag
+from graphrt.env import env_auto, env_flag
 
 from ._util import check, check_tensor, interpreting, pdl_args
 from .dense_gemv import num_sms
@@ -90,8 +89,7 @@ WIDE_LAUNCH = {"num_warps": 4, "num_stages": 1}
 # a grid of at most one program an SM (use_prefetch); True / False: always / never. Read at
 # each launch (GRAPHRT_ATTN_PREFETCH=1 or 0 at import forces it; A/B: the attn-prefetch and
 # attn-prefetch-all switches).
-PREFETCH: bool | str = {"1": True, "0": False}.get(os.environ.get("GRAPHRT_ATTN_PREFETCH", ""),
-                                                  "auto")
+PREFETCH: bool | str = env_auto("GRAPHRT_ATTN_PREFETCH")
 PREFETCH_MIN_STEPS = 4
 PREFETCH_LAUNCH = {"num_warps": 4, "num_stages": 1}
 # Default positions per split (rounded up to BLOCK_N). Measured on H200 (32 q / 8 kv heads,

@@ -55,15 +55,22 @@ _LN2 = tl.constexpr(0.6931471805599453)  # ln 2: base-2 lse back to natural log
 
 
 @triton.jit
+def _kv_offsets(blk, pos, kvh, num_blocks, stride_cb, stride_ct, stride_ch, PAGE: tl.constexpr):
+    """Cache offsets (elements, int64) of positions ``pos`` [BLOCK_N] of one row and kv head
+    from their block ids ``blk``, clamped to ``[0, num_blocks)`` (a bad table never reads out
+    of bounds)."""
+    blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
+    return blk.to(tl.int64) * stride_cb + (pos % PAGE) * stride_ct + kvh * stride_ch
+
+
+@triton.jit
 def _kv_rows(table, pos, kvh, max_ctx, num_blocks, stride_cb, stride_ct, stride_ch,
              PAGE: tl.constexpr):
-    """Cache offsets (elements, int64) of positions ``pos`` [BLOCK_N] of one row and kv head,
-    without a mask: the table index is clamped to the row's reach (``max_ctx - 1``) and the
-    block id to ``[0, num_blocks)``, so the table load can be issued before the row's length
-    is known. Offsets past the live context are never loaded from (the K/V loads are masked)."""
+    """:func:`_kv_offsets` of ``pos`` without a mask: the table index is clamped to the row's
+    reach (``max_ctx - 1``), so the table load can be issued before the row's length is
+    known. Offsets past the live context are never loaded from (the K/V loads are masked)."""
     blk = tl.load(table + tl.minimum(pos, max_ctx - 1) // PAGE)  # [BLOCK_N] page of each position
-    blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)  # a bad table never reads out of bounds
-    return blk.to(tl.int64) * stride_cb + (pos % PAGE) * stride_ct + kvh * stride_ch
+    return _kv_offsets(blk, pos, kvh, num_blocks, stride_cb, stride_ct, stride_ch, PAGE)
 
 
 @triton.jit
@@ -127,9 +134,8 @@ def _attend(q, k_cache_ptr, v_cache_ptr, table, kvh, start, end, qk_scale, num_b
             pos = n0 + offs_n
             mask_n = pos < end
             blk = tl.load(table + pos // PAGE, mask=mask_n, other=0)  # [BLOCK_N] page of each position
-            blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)  # a bad table never reads out of bounds
-            row = blk.to(tl.int64) * stride_cb + (pos % PAGE) * stride_ct + kvh * stride_ch
-            kv_off = row[:, None] + offs_d[None, :]
+            kv_off = _kv_offsets(blk, pos, kvh, num_blocks, stride_cb, stride_ct, stride_ch,
+                                 PAGE)[:, None] + offs_d[None, :]
             k = tl.load(k_cache_ptr + kv_off, mask=mask_n[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
             v = tl.load(v_cache_ptr + kv_off, mask=mask_n[:, None], other=0.0)
             acc, m_i, l_i = _softmax_step(q, k, v, mask_n, acc, m_i, l_i, qk_scale, UPCAST)

@@ -31,11 +31,10 @@ Graph safety: capturable (every call; weights are allocated in ``__init__``).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from graphrt.env import env_flag
+from graphrt.env import env_auto, env_flag
 from graphrt.moe.expert_plan import MAX_SPLIT, SPLIT_ROWS, Choice, shape_key
 
 
@@ -118,8 +117,7 @@ class Experts:
     # (dsv3-like) at bs 1 but 1.011x at bs 2 and 1.009x at qwen3-like bs 16 (BENCHMARKS.md
     # §27); True / False: always / never. GRAPHRT_DECODE_EPILOGUE=1 or 0 at import forces it
     # (A/B: the decode-epilogue and decode-epilogue-all switches).
-    decode_epilogue: bool | str = {"1": True, "0": False}.get(
-        os.environ.get("GRAPHRT_DECODE_EPILOGUE", ""), "auto")
+    decode_epilogue: bool | str = env_auto("GRAPHRT_DECODE_EPILOGUE")
     EPILOGUE_MAX_BS = 1
 
     def __init__(self, hidden: int, inter: int, num_local_experts: int, device, *, seed: int = 0,
