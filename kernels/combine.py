@@ -22,6 +22,31 @@ _ID_DTYPES = (torch.int64, torch.int32)
 
 
 @triton.jit
+def _combine_row(
+    y_ptr, ids_ptr, w_ptr, pos_ptr,  # as _combine_masked_kernel's
+    t,  # int: the token (row) combined
+    live,  # bool: t < n (else the row is zeros)
+    offs,  # int32 [BLOCK]: hidden columns
+    hidden, cap, num_experts,  # ints
+    NUM_TOPK: tl.constexpr,  # experts per token
+):
+    """fp32 ``[BLOCK]``: ``sum_k w[t, k] * y[ids[t, k], pos[t, k], offs]`` in k order over the
+    valid picks, 0 on columns past ``hidden`` and on rows that are not live. The body of
+    ``_combine_masked_kernel``, shared with the norms that take the combine as a delta
+    (``kernels.norm``, ``kernels.norm_gemv``), so their sums are this kernel's, bitwise."""
+    acc = tl.zeros(offs.shape, dtype=tl.float32)
+    for k in tl.static_range(NUM_TOPK):
+        e = tl.load(ids_ptr + t * NUM_TOPK + k).to(tl.int64)
+        p = tl.load(pos_ptr + t * NUM_TOPK + k)
+        w = tl.load(w_ptr + t * NUM_TOPK + k)
+        ok = live & (p >= 0) & (p < cap) & (e >= 0) & (e < num_experts)
+        vmask = offs < tl.where(ok, hidden, 0)  # = hmask & ok (scalar & vector breaks the interp.)
+        v = tl.load(y_ptr + (e * cap + p) * hidden + offs, mask=vmask, other=0.0)
+        acc += tl.where(ok, w, 0.0) * v.to(tl.float32)
+    return acc
+
+
+@triton.jit
 def _combine_masked_kernel(
     y_ptr,  # [num_local_experts, cap, hidden] bf16/fp16/fp32, contiguous: expert outputs
     ids_ptr,  # int64/int32 [padded_bs, NUM_TOPK], contiguous: expert of (token, k), -1 = none
@@ -43,15 +68,8 @@ def _combine_masked_kernel(
     live = t < tl.load(n_ptr)
     offs = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs < hidden
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for k in tl.static_range(NUM_TOPK):
-        e = tl.load(ids_ptr + t * NUM_TOPK + k).to(tl.int64)
-        p = tl.load(pos_ptr + t * NUM_TOPK + k)
-        w = tl.load(w_ptr + t * NUM_TOPK + k)
-        ok = live & (p >= 0) & (p < cap) & (e >= 0) & (e < num_experts)
-        vmask = offs < tl.where(ok, hidden, 0)  # = hmask & ok (scalar & vector breaks the interp.)
-        v = tl.load(y_ptr + (e * cap + p) * hidden + offs, mask=vmask, other=0.0)
-        acc += tl.where(ok, w, 0.0) * v.to(tl.float32)
+    acc = _combine_row(y_ptr, ids_ptr, w_ptr, pos_ptr, t, live, offs, hidden, cap, num_experts,
+                       NUM_TOPK)
     tl.store(out_ptr + t.to(tl.int64) * stride_out + offs, acc.to(out_ptr.dtype.element_ty),
              mask=hmask)
 
@@ -88,6 +106,30 @@ def combine_masked(y, topk_ids, topk_weights, pos, n, *, out):
         y, topk_ids, topk_weights, pos, n, out, hidden, cap, num_experts, out.stride(0),
         NUM_TOPK=num_topk, BLOCK_H=block_h, num_warps=4, **pdl_args())
     return out
+
+
+def check_combine(combine, rows: int, hidden: int, device) -> tuple:
+    """Validate a combine handed to a norm as its first delta (``kernels.norm.add_rmsnorm``,
+    ``kernels.norm_gemv.norm_gemv_rows``): ``combine = (y, topk_ids, topk_weights, pos, n)``
+    as :func:`combine_masked` takes them, for ``rows`` tokens of ``hidden`` columns on
+    ``device``. Returns ``(y, topk_ids, topk_weights, pos, n, cap, num_local_experts,
+    num_topk)`` (the norms' kernel arguments in order). Host-only."""
+    check(isinstance(combine, (tuple, list)) and len(combine) == 5, "combine",
+          "(y, topk_ids, topk_weights, pos, n), as combine_masked takes them",
+          type(combine).__name__ if not isinstance(combine, (tuple, list)) else len(combine))
+    y, ids, w, pos, n = combine
+    check_tensor(y, "combine y", shape=(None, None, hidden), dtype=_FLOAT_DTYPES, device=device,
+                 contiguous=True)
+    check_tensor(ids, "combine topk_ids", shape=(rows, None), dtype=_ID_DTYPES, device=device,
+                 contiguous=True)
+    num_topk = ids.shape[1]
+    check(num_topk >= 1, "combine num_topk (topk_ids.shape[1])", ">= 1", num_topk)
+    check_tensor(w, "combine topk_weights", shape=(rows, num_topk), dtype=torch.float32,
+                 device=device, contiguous=True)
+    check_tensor(pos, "combine pos", shape=(rows, num_topk), dtype=torch.int32, device=device,
+                 contiguous=True)
+    check_tensor(n, "combine n", shape=(1,), dtype=torch.int32, device=device)
+    return y, ids, w, pos, n, y.shape[1], y.shape[0], num_topk
 
 
 def combine_masked_ref(y, topk_ids, topk_weights, pos, n_live):

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from ._pdl import pdl_prologue
 from ._util import check, check_tensor, pdl_args
+from .combine import _combine_row, check_combine
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HIDDEN = 32768  # one row per program must fit in registers
@@ -37,8 +38,12 @@ def _add_rmsnorm_kernel(
     out_ptr,  # [rows, hidden] out: the normed residual
     hidden, eps,
     stride_x, stride_d1, stride_d2, stride_res, stride_out,  # row strides (elements)
-    NUM_ADD: tl.constexpr,  # 0, 1 or 2 deltas
+    cy_ptr, cids_ptr, cw_ptr, cpos_ptr, cn_ptr,  # COMBINE: combine_masked's y, ids, w, pos, n
+    cap, num_experts,  # COMBINE: y's rows per expert and experts
+    NUM_ADD: tl.constexpr,  # 0, 1 or 2 deltas (the combine counts as d1)
     BLOCK: tl.constexpr,  # next power of two >= hidden
+    COMBINE: tl.constexpr = False,  # d1 is kernels.combine's gather-sum, made here
+    NUM_TOPK: tl.constexpr = 1,  # COMBINE: experts per token
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
@@ -49,7 +54,12 @@ def _add_rmsnorm_kernel(
     # trip (the compiler cannot move a load above a store that may alias it).
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    if NUM_ADD >= 1:
+    if COMBINE:  # combine_masked's row, rounded as it stores it
+        live = row < tl.load(cn_ptr)
+        c = _combine_row(cy_ptr, cids_ptr, cw_ptr, cpos_ptr, row, live, offs, hidden, cap,
+                         num_experts, NUM_TOPK)
+        r += c.to(res_ptr.dtype.element_ty).to(tl.float32)
+    elif NUM_ADD >= 1:
         r += tl.load(d1_ptr + row * stride_d1 + offs, mask=mask, other=0.0).to(tl.float32)
     if NUM_ADD >= 2:
         r += tl.load(d2_ptr + row * stride_d2 + offs, mask=mask, other=0.0).to(tl.float32)
@@ -63,7 +73,8 @@ def _add_rmsnorm_kernel(
 
 
 def add_rmsnorm(x: torch.Tensor, *deltas: torch.Tensor, weight: torch.Tensor, eps: float,
-                out: torch.Tensor, out_residual: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor, out_residual: torch.Tensor | None = None,
+                combine: tuple | None = None) -> torch.Tensor:
     """``residual = x + sum(deltas)``; ``out = rmsnorm(residual) * weight``. One launch.
 
     Args:
@@ -72,14 +83,20 @@ def add_rmsnorm(x: torch.Tensor, *deltas: torch.Tensor, weight: torch.Tensor, ep
         weight: [hidden], any float dtype.
         eps: added to the mean square.
         out: [rows, hidden], ``x.dtype``: the normed residual.
-        out_residual: [rows, hidden], ``x.dtype``: the new residual; required with deltas,
-            may be ``x`` itself (in place). Ignored without deltas.
+        out_residual: [rows, hidden], ``x.dtype``: the new residual; required with deltas
+            (or ``combine``), may be ``x`` itself (in place). Ignored without.
+        combine: ``(y, topk_ids, topk_weights, pos, n)``, the arguments of
+            ``kernels.combine.combine_masked``, or None. The EP=1 combine's output is then the
+            first delta, made here instead of by its own launch: bitwise
+            ``combine_masked(..., out=d)`` (d in ``x.dtype``) followed by
+            ``add_rmsnorm(x, d, *deltas, ...)``. At most one other delta.
 
     Returns ``out``. No allocation.
 
     Graph safety: capturable
     """
-    check(len(deltas) <= 2, "number of deltas", "0, 1 or 2", len(deltas))
+    check(len(deltas) + (combine is not None) <= 2, "number of deltas (the combine included)",
+          "0, 1 or 2", len(deltas) + (combine is not None))
     check_tensor(x, "x", shape=(None, None), dtype=_DTYPES)
     rows, hidden = x.shape
     check(1 <= hidden <= MAX_HIDDEN, "x.shape[1] (hidden)", f"1..{MAX_HIDDEN}", hidden)
@@ -88,11 +105,19 @@ def add_rmsnorm(x: torch.Tensor, *deltas: torch.Tensor, weight: torch.Tensor, ep
         check_tensor(d, f"deltas[{i}]", **like)
     check_tensor(weight, "weight", shape=(hidden,), dtype=_DTYPES, device=x.device, contiguous=True)
     check_tensor(out, "out", **like)
+    cargs, ckw = (x,) * 5 + (0, 0), {}
+    if combine is not None:
+        *cargs, num_topk = check_combine(combine, rows, hidden, x.device)
+        ckw = dict(COMBINE=True, NUM_TOPK=num_topk)
+        deltas = (x, *deltas)  # a stand-in for d1 (not read): NUM_ADD counts the combine
     if deltas:
         if out_residual is None:
             raise ValueError("add_rmsnorm: out_residual is required when deltas are given "
                              "(pass x itself to update the residual in place)")
         check_tensor(out_residual, "out_residual", **like)
+        if combine is not None:
+            check(out_residual.data_ptr() != combine[0].data_ptr(), "out_residual",
+                  "a tensor other than the combine's y", "y")
     res = out_residual if deltas else out
     named = [("x", x), ("out", out), ("out_residual", res)] + [(f"deltas[{i}]", d) for i, d in enumerate(deltas)]
     for name, t in named:
@@ -104,8 +129,8 @@ def add_rmsnorm(x: torch.Tensor, *deltas: torch.Tensor, weight: torch.Tensor, ep
     block = triton.next_power_of_2(hidden)
     _add_rmsnorm_kernel[(rows,)](
         x, d1, d2, weight, res, out, hidden, float(eps),
-        x.stride(0), d1.stride(0), d2.stride(0), res.stride(0), out.stride(0),
-        NUM_ADD=len(deltas), BLOCK=block, num_warps=min(16, max(1, block // 512)),
+        x.stride(0), d1.stride(0), d2.stride(0), res.stride(0), out.stride(0), *cargs,
+        NUM_ADD=len(deltas), BLOCK=block, num_warps=min(16, max(1, block // 512)), **ckw,
         **pdl_args(),
     )
     return out

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from ._pdl import pdl_trigger, pdl_wait
 from ._util import check, check_tensor, pdl_args
+from .combine import _combine_row, check_combine
 from .dense_gemv import dense_gemv_rows_config
 
 MAX_K = 4096  # the whole row in one round
@@ -43,12 +44,16 @@ def _norm_gemv_rows_kernel(
     w_ptr,  # bf16 [n, k] contiguous
     out_ptr,  # bf16 [m, n] out
     m, n, k, eps,
-    NUM_ADD: tl.constexpr,  # 0, 1 or 2 deltas
+    cy_ptr, cids_ptr, cw_ptr, cpos_ptr, cn_ptr,  # COMBINE: combine_masked's y, ids, w, pos, n
+    cap, num_experts,  # COMBINE: y's rows per expert and experts
+    NUM_ADD: tl.constexpr,  # 0, 1 or 2 deltas (the combine counts as d1)
     M_MAX: tl.constexpr,  # rows the kernel is built for (static loop; rows >= m skipped)
     BLOCK_N: tl.constexpr,  # W rows per program
     BLOCK_K: tl.constexpr,  # >= k: the whole row
     PRELOAD: tl.constexpr,  # load W and the norm weight before the PDL wait (kernels._pdl)
     WRITE_H: tl.constexpr = False,  # program 0 also stores the normed rows
+    COMBINE: tl.constexpr = False,  # d1 is kernels.combine's gather-sum, made here
+    NUM_TOPK: tl.constexpr = 1,  # COMBINE: experts per token
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_trigger(USE_GDC)
@@ -70,7 +75,11 @@ def _norm_gemv_rows_kernel(
         if r < m:
             row = r * k + offs_k
             res = tl.load(x_ptr + row, mask=mask_k, other=0.0).to(tl.float32)
-            if NUM_ADD >= 1:
+            if COMBINE:  # combine_masked's row, rounded as it stores it
+                c = _combine_row(cy_ptr, cids_ptr, cw_ptr, cpos_ptr, r, r < tl.load(cn_ptr),
+                                 offs_k, k, cap, num_experts, NUM_TOPK)
+                res += c.to(res_ptr.dtype.element_ty).to(tl.float32)
+            elif NUM_ADD >= 1:
                 res += tl.load(d1_ptr + row, mask=mask_k, other=0.0).to(tl.float32)
             if NUM_ADD >= 2:
                 res += tl.load(d2_ptr + row, mask=mask_k, other=0.0).to(tl.float32)
@@ -92,7 +101,8 @@ def _norm_gemv_rows_kernel(
 def norm_gemv_rows(x: torch.Tensor, *deltas: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                    w: torch.Tensor, out: torch.Tensor,
                    out_residual: torch.Tensor | None = None, preload: bool = False,
-                   out_normed: torch.Tensor | None = None) -> torch.Tensor:
+                   out_normed: torch.Tensor | None = None,
+                   combine: tuple | None = None) -> torch.Tensor:
     """``out = (rmsnorm(x + sum(deltas)) * norm_weight) @ w.T``, and ``out_residual = x +
     sum(deltas)`` when deltas are given. One launch.
 
@@ -110,12 +120,18 @@ def norm_gemv_rows(x: torch.Tensor, *deltas: torch.Tensor, norm_weight: torch.Te
             the stream writes.
         out_normed: bf16 ``[m, k]`` contiguous, or None: also store the normed rows
             (``add_rmsnorm``'s ``out``, bitwise), for the other readers of them.
+        combine: ``(y, topk_ids, topk_weights, pos, n)``, the arguments of
+            ``kernels.combine.combine_masked``, or None. Its output is then the first delta,
+            made by every program for its rows (8 expert rows of a few KB each from L2)
+            instead of by its own launch: bitwise ``combine_masked(..., out=d)`` followed by
+            this GEMV with ``d`` first among the deltas. At most one other delta.
 
     Returns ``out``. No allocation, no host sync; bitwise reproducible.
 
     Graph safety: capturable
     """
-    check(len(deltas) <= 2, "number of deltas", "0, 1 or 2", len(deltas))
+    check(len(deltas) + (combine is not None) <= 2, "number of deltas (the combine included)",
+          "0, 1 or 2", len(deltas) + (combine is not None))
     check_tensor(x, "x", shape=(None, None), dtype=torch.bfloat16, contiguous=True)
     m, k = x.shape
     check(m <= ROWS_MAX, "x.shape[0] (rows)", f"<= {ROWS_MAX}", m)
@@ -129,13 +145,19 @@ def norm_gemv_rows(x: torch.Tensor, *deltas: torch.Tensor, norm_weight: torch.Te
     check_tensor(w, "w", shape=(None, k), dtype=torch.bfloat16, device=x.device, contiguous=True)
     n = w.shape[0]
     check_tensor(out, "out", shape=(m, n), dtype=torch.bfloat16, device=x.device, contiguous=True)
+    cargs, ckw = (x,) * 5 + (0, 0), {}
+    if combine is not None:
+        *cargs, num_topk = check_combine(combine, m, k, x.device)
+        ckw = dict(COMBINE=True, NUM_TOPK=num_topk)
+        deltas = (x, *deltas)  # a stand-in for d1 (not read): NUM_ADD counts the combine
     if deltas:
         check(out_residual is not None, "out_residual", "a bf16 [m, k] tensor when deltas are given",
               None)
         check_tensor(out_residual, "out_residual", **like)
-        check(all(out_residual.data_ptr() != t.data_ptr() for t in (x, *deltas)), "out_residual",
-              "a tensor other than x and the deltas (programs read them after program 0 writes)",
-              "one of them")
+        read = (x, *deltas) + ((combine[0],) if combine is not None else ())
+        check(all(out_residual.data_ptr() != t.data_ptr() for t in read), "out_residual",
+              "a tensor other than x, the deltas and the combine's y (programs read them after "
+              "program 0 writes)", "one of them")
     if out_normed is not None:
         check_tensor(out_normed, "out_normed", **like)
     if m == 0 or n == 0:
@@ -147,9 +169,9 @@ def norm_gemv_rows(x: torch.Tensor, *deltas: torch.Tensor, norm_weight: torch.Te
     res = out_residual if deltas else x
     _norm_gemv_rows_kernel[(triton.cdiv(n, block_n),)](
         x, d1, d2, norm_weight, res, out if out_normed is None else out_normed, w, out, m, n, k,
-        float(eps), NUM_ADD=len(deltas), M_MAX=triton.next_power_of_2(m), BLOCK_N=block_n,
+        float(eps), *cargs, NUM_ADD=len(deltas), M_MAX=triton.next_power_of_2(m), BLOCK_N=block_n,
         BLOCK_K=block_k, PRELOAD=bool(preload), WRITE_H=out_normed is not None, num_warps=4,
-        **pdl_args())
+        **ckw, **pdl_args())
     return out
 
 

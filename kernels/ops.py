@@ -29,7 +29,8 @@ every op returns ``None`` (a custom op may not return an alias of its input)::
     torch.ops.graphrt.decode_attention(q, k_cache, v_cache, block_table, seq_lens, n, out,
                                        workspace_o, workspace_lse, sm_scale=None,
                                        semaphore=None, variant="split")
-    torch.ops.graphrt.add_rmsnorm(x, d1, d2, weight, eps, out, out_residual)   # d1, d2 optional
+    torch.ops.graphrt.add_rmsnorm(x, d1, d2, weight, eps, out, out_residual,    # d1, d2 optional
+                                  cy=None, cids=None, cw=None, cpos=None, cn=None)
     torch.ops.graphrt.silu_and_mul(u, out)
     torch.ops.graphrt.embedding_rows(table, ids, out)
     torch.ops.graphrt.unpack_rows(rows, sampled, vocab, max_ctx, scratch_slot, scratch_block,
@@ -41,12 +42,15 @@ every op returns ``None`` (a custom op may not return an alias of its input)::
     torch.ops.graphrt.dense_gemv_rows(x, w, out, block_n=None, block_k=None, num_warps=4,
                                       preload=False)
     torch.ops.graphrt.norm_gemv_rows(x, d1, d2, norm_weight, eps, w, out, out_residual=None,
-                                     preload=False, out_normed=None)
+                                     preload=False, out_normed=None, cy=None, cids=None,
+                                     cw=None, cpos=None, cn=None)
     torch.ops.graphrt.deepgemm_masked_bf16(a, b, d, masked_m, expected_m)
     torch.ops.graphrt.deepgemm_masked_fp8(a, a_scale, b, b_scale, d, masked_m, expected_m)
 
 Shapes and dtypes are the launchers' (``graphrt.kernels.*``; ``add_rmsnorm`` takes its
-launcher's zero to two ``*deltas`` as the optional ``d1``, ``d2``; ``unpack_rows`` and
+launcher's zero to two ``*deltas`` as the optional ``d1``, ``d2``, and both norms take their
+launchers' ``combine=(y, topk_ids, topk_weights, pos, n)`` flattened as ``cy`` .. ``cn``;
+``unpack_rows`` and
 ``greedy_sample`` are ``graphrt.kernels.decode_io``'s); the two DeepGEMM ops are
 ``deep_gemm.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m)`` and
 ``deep_gemm.m_grouped_fp8_gemm_nt_masked((a, a_scale), (b, b_scale), d, masked_m, expected_m)``
@@ -224,15 +228,23 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: T
 
 
 # ------------------------------------------------------------------------ norm / activation
+def _combine(cy, cids, cw, cpos, cn):
+    """The norms' ``combine=`` tuple from its flattened op arguments (None when ``cy`` is)."""
+    return None if cy is None else (cy, cids, cw, cpos, cn)
+
+
 @_op("add_rmsnorm", ("out", "out_residual"))
 def add_rmsnorm(x: Tensor, d1: Optional[Tensor], d2: Optional[Tensor], weight: Tensor, eps: float,
-                out: Tensor, out_residual: Optional[Tensor]) -> None:
-    """``graphrt.kernels.norm.add_rmsnorm(x, *deltas, ...)`` with the deltas that are not
-    ``None``; ``out_residual`` must not be ``x`` here (an op may not mutate an unmutated input).
-    Graph safety: capturable."""
+                out: Tensor, out_residual: Optional[Tensor], cy: Optional[Tensor] = None,
+                cids: Optional[Tensor] = None, cw: Optional[Tensor] = None,
+                cpos: Optional[Tensor] = None, cn: Optional[Tensor] = None) -> None:
+    """``graphrt.kernels.norm.add_rmsnorm(x, *deltas, ..., combine=(cy, cids, cw, cpos, cn))``
+    with the deltas that are not ``None`` (no combine when ``cy`` is None); ``out_residual``
+    must not be ``x`` here (an op may not mutate an unmutated input). Graph safety: capturable."""
     deltas = [d for d in (d1, d2) if d is not None]
     _launcher(f"{_KERNELS}.norm", "add_rmsnorm")(
-        x, *deltas, weight=weight, eps=eps, out=out, out_residual=out_residual)
+        x, *deltas, weight=weight, eps=eps, out=out, out_residual=out_residual,
+        combine=_combine(cy, cids, cw, cpos, cn))
 
 
 @_op("silu_and_mul", ("out",))
@@ -262,14 +274,19 @@ def dense_gemv_rows(x: Tensor, w: Tensor, out: Tensor, block_n: Optional[int] = 
 @_op("norm_gemv_rows", ("out", "out_residual", "out_normed"))
 def norm_gemv_rows(x: Tensor, d1: Optional[Tensor], d2: Optional[Tensor], norm_weight: Tensor,
                    eps: float, w: Tensor, out: Tensor, out_residual: Optional[Tensor] = None,
-                   preload: bool = False, out_normed: Optional[Tensor] = None) -> None:
+                   preload: bool = False, out_normed: Optional[Tensor] = None,
+                   cy: Optional[Tensor] = None, cids: Optional[Tensor] = None,
+                   cw: Optional[Tensor] = None, cpos: Optional[Tensor] = None,
+                   cn: Optional[Tensor] = None) -> None:
     """``graphrt.kernels.norm_gemv.norm_gemv_rows`` (a 1-D empty ``out_residual`` or
-    ``out_normed`` stands for None). Graph safety: capturable."""
+    ``out_normed`` stands for None; ``combine=(cy, cids, cw, cpos, cn)``, none when ``cy`` is
+    None). Graph safety: capturable."""
     given = None if out_residual is None or out_residual.numel() == 0 else out_residual
     normed = None if out_normed is None or out_normed.numel() == 0 else out_normed
     _launcher(f"{_KERNELS}.norm_gemv", "norm_gemv_rows")(
         x, *[d for d in (d1, d2) if d is not None], norm_weight=norm_weight, eps=eps, w=w,
-        out=out, out_residual=given, preload=preload, out_normed=normed)
+        out=out, out_residual=given, preload=preload, out_normed=normed,
+        combine=_combine(cy, cids, cw, cpos, cn))
 
 
 @_op("embedding_rows", ("out",))

@@ -16,6 +16,16 @@ import torch
 from .ops import _KERNELS, _originals
 
 
+def _flat(combine) -> tuple:
+    """The norms' ``combine=`` tuple as the ops' five optional tensors ``cy`` .. ``cn``."""
+    if combine is None:
+        return (None,) * 5
+    if not isinstance(combine, (tuple, list)) or len(combine) != 5:
+        raise ValueError("combine: expected (y, topk_ids, topk_weights, pos, n), as "
+                         f"combine_masked takes them; got {combine!r:.80}")
+    return tuple(combine)
+
+
 def _wrappers() -> dict[tuple[str, str], object]:
     """Launcher-compatible callables (same signature and return) that call the ops."""
     ops = torch.ops.graphrt
@@ -80,11 +90,13 @@ def _wrappers() -> dict[tuple[str, str], object]:
                              slot_mapping)
         return out
 
-    def add_rmsnorm_(x, *deltas, weight, eps, out, out_residual=None):
-        if len(deltas) > 2:
-            raise ValueError(f"number of deltas: expected 0, 1 or 2, got {len(deltas)}")
+    def add_rmsnorm_(x, *deltas, weight, eps, out, out_residual=None, combine=None):
+        if len(deltas) + (combine is not None) > 2:
+            raise ValueError(f"number of deltas (the combine included): expected 0, 1 or 2, "
+                             f"got {len(deltas) + (combine is not None)}")
         d1, d2 = (list(deltas) + [None, None])[:2]
-        ops.add_rmsnorm(x, d1, d2, weight, float(eps), out, out_residual if deltas else None)
+        res = out_residual if deltas or combine is not None else None
+        ops.add_rmsnorm(x, d1, d2, weight, float(eps), out, res, *_flat(combine))
         return out
 
     def silu_and_mul_(u, *, out):
@@ -119,16 +131,17 @@ def _wrappers() -> dict[tuple[str, str], object]:
         return out
 
     def norm_gemv_rows_(x, *deltas, norm_weight, eps, w, out, out_residual=None, preload=False,
-                        out_normed=None):
-        if len(deltas) > 2:
-            raise ValueError(f"number of deltas: expected 0, 1 or 2, got {len(deltas)}")
+                        out_normed=None, combine=None):
+        if len(deltas) + (combine is not None) > 2:
+            raise ValueError(f"number of deltas (the combine included): expected 0, 1 or 2, "
+                             f"got {len(deltas) + (combine is not None)}")
         d1, d2 = (list(deltas) + [None, None])[:2]
         if out_residual is None:  # a None mutated argument breaks torch 2.11's fake-tensor tracing
             out_residual = out.new_empty((0,))
         if out_normed is None:
             out_normed = out.new_empty((0,))
         ops.norm_gemv_rows(x, d1, d2, norm_weight, float(eps), w, out, out_residual, bool(preload),
-                           out_normed)
+                           out_normed, *_flat(combine))
         return out
 
     def m_grouped_bf16_gemm_nt_masked_(a, b, d, masked_m, expected_m):

@@ -97,3 +97,41 @@ def test_router_refuses_logits_it_would_make_itself():
     router.logit_bias = torch.zeros(cfg.num_experts, dtype=cfg.dtype)
     with pytest.raises(ValueError, match="logits given, but this router makes its own"):
         router(h, n, logits)
+
+
+@pytest.mark.parametrize("gemv", [False, True])
+@pytest.mark.parametrize("shared", [False, True])
+def test_combine_made_by_the_next_norm_matches_the_step(monkeypatch, gemv, shared):
+    """``DecoderLayer.fuse_combine``: the EP=1 combine made by the norm after the MoE block
+    (the next layer's QKV norm GEMV with ``gemv``, else ``add_rmsnorm``; the final norm):
+    logits bitwise the unfused step's, and no combine launch of its own. With a shared
+    expert that overlaps the combine (``overlap``), the combine keeps its launch."""
+    import graphrt.kernels.combine as combine_mod
+    launches = []
+    real = combine_mod.combine_masked
+
+    def counted(*a, **kw):
+        launches.append(1)
+        return real(*a, **kw)
+    monkeypatch.setattr(combine_mod, "combine_masked", counted)
+    if gemv:
+        monkeypatch.setattr(layers, "norm_fusable", lambda x, w: True)
+    cfg = preset("tiny")
+    if not shared:
+        cfg = type(cfg)(**{**cfg.__dict__, "num_shared_experts": 0, "shared_inter": 0})
+    logits, counts = [], []
+    for fuse in (False, True):
+        monkeypatch.setattr(model_mod.DecoderLayer, "fuse_combine", fuse)
+        spec, model = make_step(cfg, "cpu", max_batch_size=8, backend="triton")
+        model.overlap = False
+        launches.clear()
+        x = model.example_inputs(3, "cpu", torch.Generator().manual_seed(5))
+        logits.append(spec.call(x)["logits"])
+        counts.append(len(launches))
+    assert counts == [cfg.num_layers, 0]
+    assert torch.equal(logits[0], logits[1])
+    if shared:  # overlapped with the shared expert: the combine runs on its own (side) stream
+        model.overlap = True
+        launches.clear()
+        spec.call(x)
+        assert len(launches) == cfg.num_layers

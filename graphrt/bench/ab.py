@@ -22,6 +22,9 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   GEMV as well (``DecoderLayer.fuse_final_norm``);
 - ``fuse-moe-norm``: the add + RMSNorm after attention computed by the router gate's
   one-row GEMV, which also stores the normed rows (``DecoderLayer.fuse_moe_norm``);
+- ``fuse-combine``: the EP=1 combine made by the norm after the MoE block (the next
+  layer's QKV norm GEMV, ``add_rmsnorm``, the final norm) instead of its own launch
+  (``DecoderLayer.fuse_combine``, ``layers.PendingCombine``);
 - ``fuse-act``: the experts' SiLU-and-mul computed by the W2 decode GEMM as it loads its
   operand (``Experts.fuse_act``, ``decode_grouped_gemm(act="silu_and_mul")``);
 - ``act-compact``: the experts' SiLU-and-mul on a grid shared among live rows instead of one
@@ -115,6 +118,8 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
                                                       "fuse_final_norm", on),
             "fuse-moe-norm": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
                                                     "fuse_moe_norm", on),
+            "fuse-combine": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
+                                                   "fuse_combine", on),
             "fuse-act": lambda on: _class_attr("graphrt.moe.experts", "Experts", "fuse_act", on),
             "router-fused": lambda on: _class_attr("graphrt.moe.layers", "Router", "fused", on),
             "act-epilogue": lambda on: _class_attr("graphrt.moe.experts", "Experts",

@@ -68,6 +68,14 @@ class LocalComm:
         from graphrt.kernels.combine import combine_masked
         return combine_masked(y, topk_ids, topk_weights, d.handle, n, out=out)
 
+    def combine_args(self, y, topk_ids, topk_weights, d: Dispatched, n) -> tuple:
+        """The arguments of this comm's combine, ``kernels.combine.combine_masked(*args,
+        out=)``, for a consumer that makes the combine itself (the norm after the MoE block:
+        ``graphrt.moe.layers.PendingCombine``). ``d.handle`` (the slots) and ``y`` live in
+        buffers that the next dispatch and expert GEMMs reuse: consume them before those.
+        Host-only (launches nothing)."""
+        return y, topk_ids, topk_weights, d.handle, n
+
     def combine_async(self, y, topk_ids, topk_weights, d: Dispatched, n, *, out) -> Receiver:
         """The combine on the communication stream, joined by the receiver's event wait.
         Graph safety: capturable."""

@@ -20,15 +20,43 @@ def _randn(gen, device, dtype, *shape, fan_in):
     return torch.randn(*shape, generator=gen, device=device, dtype=dtype) * fan_in ** -0.5
 
 
-def add_rmsnorm(x: torch.Tensor, *deltas: torch.Tensor, weight: torch.Tensor,
+class PendingCombine:
+    """The EP=1 combine (``kernels.combine.combine_masked``) of a MoE block, not launched: the
+    norm that adds it to the residual makes it (``add_rmsnorm`` here and ``dense_normed``:
+    ``kernels.norm.add_rmsnorm(combine=)`` / ``kernels.norm_gemv.norm_gemv_rows(combine=)``),
+    one launch fewer. Only ever the first of a norm's deltas. ``args``: ``(y, topk_ids,
+    topk_weights, pos, n)`` from the comm's ``combine_args``; ``y`` and ``pos`` are buffers
+    the next dispatch and expert GEMMs reuse, so the next layer's first norm consumes it.
+    ``materialize(like)`` launches the combine alone -> ``[bs, hidden]`` like ``like``."""
+
+    __slots__ = ("args",)
+
+    def __init__(self, args: tuple):
+        self.args = tuple(args)
+
+    def materialize(self, like: torch.Tensor) -> torch.Tensor:
+        from graphrt.kernels.combine import combine_masked
+        return combine_masked(*self.args, out=torch.empty_like(like))
+
+
+def _take_combine(deltas: tuple) -> tuple:
+    """``(combine args or None, the tensor deltas)``: a leading ``PendingCombine`` split off."""
+    if deltas and isinstance(deltas[0], PendingCombine):
+        return deltas[0].args, tuple(deltas[1:])
+    return None, tuple(deltas)
+
+
+def add_rmsnorm(x: torch.Tensor, *deltas, weight: torch.Tensor,
                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual = x + sum(deltas)`` and ``rmsnorm(residual) * weight`` in one Triton launch
     (``graphrt.kernels.norm``). x and deltas ``[bs, hidden]`` -> ``(residual, normed)``, both
-    ``x.dtype``; without deltas the residual is ``x`` itself."""
+    ``x.dtype``; without deltas the residual is ``x`` itself. The first delta may be a
+    ``PendingCombine``: the launch makes it."""
     from graphrt.kernels.norm import add_rmsnorm as launch
+    combine, tensors = _take_combine(deltas)
     out = torch.empty_like(x)
     res = torch.empty_like(x) if deltas else None
-    launch(x, *deltas, weight=weight, eps=eps, out=out, out_residual=res)
+    launch(x, *tensors, weight=weight, eps=eps, out=out, out_residual=res, combine=combine)
     return (res if deltas else x), out
 
 
@@ -108,7 +136,8 @@ def dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 class PendingNorm:
     """``add_rmsnorm(x, *deltas, weight=weight, eps=eps)`` not launched yet: the next dense
     projection of the normed rows computes it in its prologue (``dense_normed``). x and
-    deltas ``[bs, hidden]``; ``materialize()`` -> ``(residual, normed)`` launches it alone."""
+    deltas ``[bs, hidden]`` (the first may be a ``PendingCombine``); ``materialize()`` ->
+    ``(residual, normed)`` launches it alone."""
 
     __slots__ = ("x", "deltas", "weight", "eps")
 
@@ -153,8 +182,9 @@ def _dense_normed(p: PendingNorm, w: torch.Tensor, *, keep_normed: bool):
     out = torch.empty(p.x.shape[0], w.shape[0], dtype=p.x.dtype, device=p.x.device)
     res = torch.empty_like(p.x) if p.deltas else None
     h = torch.empty_like(p.x) if keep_normed else None
-    norm_gemv_rows(p.x, *p.deltas, norm_weight=p.weight, eps=p.eps, w=w, out=out, out_residual=res,
-                   preload=PRELOAD, out_normed=h)
+    combine, tensors = _take_combine(p.deltas)
+    norm_gemv_rows(p.x, *tensors, norm_weight=p.weight, eps=p.eps, w=w, out=out, out_residual=res,
+                   preload=PRELOAD, out_normed=h, combine=combine)
     return out, (res if p.deltas else p.x), h
 
 

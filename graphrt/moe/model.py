@@ -31,8 +31,8 @@ from graphrt.env import env_flag
 from graphrt.moe.config import MoEConfig
 from graphrt.moe.experts import Experts
 from graphrt.moe import paged_kv
-from graphrt.moe.layers import (Attention, PendingNorm, Router, SharedExpert, add_rmsnorm, dense,
-                                dense_normed, dense_normed_keep, norm_fusable)
+from graphrt.moe.layers import (Attention, PendingCombine, PendingNorm, Router, SharedExpert,
+                                add_rmsnorm, dense, dense_normed, dense_normed_keep, norm_fusable)
 from graphrt.moe.workspace import Workspace
 from graphrt.spec import Input, StepSpec
 
@@ -54,11 +54,15 @@ class MoEBlock:
                                expert_map.local_experts(index))
         self.shared = SharedExpert(cfg, device, gen) if cfg.num_shared_experts else None
 
-    def __call__(self, h: torch.Tensor, n: torch.Tensor,
-                 logits: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    def __call__(self, h: torch.Tensor, n: torch.Tensor, logits: torch.Tensor | None = None,
+                 defer_combine: bool = False) -> tuple:
         """h ``[bs, hidden]`` -> the routed experts' output and the shared expert's (when the
         model has one), each ``[bs, hidden]``; the caller adds them into the residual.
-        ``logits``: the router gate's ``h @ w.T``, when the caller made it (``Router``)."""
+        ``logits``: the router gate's ``h @ w.T``, when the caller made it (``Router``).
+        ``defer_combine``: where the comm can hand its combine over (``combine_args``: the
+        EP=1 ``LocalComm``) and it would not overlap the shared expert, the routed output is
+        a ``layers.PendingCombine`` that the caller's norm makes (``layers.add_rmsnorm``,
+        ``PendingNorm``) instead of a tensor."""
         w, ids = self.router(h, n, logits)                                 # [bs, k] fp32, int64
         if self.expert_map is not None:  # logical -> physical slots (replica per token)
             ids = self.expert_map.route(self.index, ids)
@@ -68,8 +72,13 @@ class MoEBlock:
         self.last_masked_m = d.masked_m  # a reference for benchmarks/tests (no sync)
         y = self.experts(d.recv_x, d.masked_m, d.expected_m, d.recv_scale,
                          bs=h.shape[0])                                    # [E, cap, hidden]
+        overlapped = self.overlap and self.shared is not None
+        combine_args = getattr(self.comm, "combine_args", None)
+        if defer_combine and combine_args is not None and not overlapped:
+            pending = PendingCombine(combine_args(y, ids, w, d, n))
+            return (pending,) if self.shared is None else (pending, self.shared(h))
         out = torch.empty_like(h)                                          # [bs, hidden]
-        if self.overlap and self.shared is not None:
+        if overlapped:
             recv = self.comm.combine_async(y, ids, w, d, n, out=out)
             s = self.shared(h)
             return recv(), s
@@ -95,6 +104,11 @@ class DecoderLayer:
     # the dispatch and the shared expert): 0.987x the step at qwen3-like bs 1 (BENCHMARKS.md
     # §27). GRAPHRT_FUSE_MOE_NORM=0 at import turns it off (A/B: the fuse-moe-norm switch).
     fuse_moe_norm = env_flag("GRAPHRT_FUSE_MOE_NORM", True)
+    # Hand the EP=1 combine to the norm after the MoE block (MoEBlock(defer_combine=): the
+    # next layer's QKV norm GEMV or add_rmsnorm, or the final norm, gathers the expert rows
+    # itself; layers.PendingCombine), one launch fewer a layer. GRAPHRT_FUSE_COMBINE=0 at
+    # import turns it off (A/B: the fuse-combine switch).
+    fuse_combine = env_flag("GRAPHRT_FUSE_COMBINE", True)
 
     def __init__(self, cfg, comm, device, gen, seed, **kw):
         self.cfg = cfg
@@ -124,7 +138,7 @@ class DecoderLayer:
             x, h = add_rmsnorm(x, attn, weight=self.moe_norm, eps=eps)
         recv = (next_attn.start_prefetch(next_attn.wqkv)
                 if next_attn is not None and self.prefetch_next_qkv else None)
-        deltas = self.moe(h, n, logits)
+        deltas = self.moe(h, n, logits, defer_combine=self.fuse_combine)
         if self.fuse_norm and (next_attn is not None or self.fuse_final_norm):
             out = x, PendingNorm(x, deltas, next_norm, eps)
         else:
