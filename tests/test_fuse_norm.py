@@ -104,8 +104,9 @@ def test_router_refuses_logits_it_would_make_itself():
 def test_combine_made_by_the_next_norm_matches_the_step(monkeypatch, gemv, shared):
     """``DecoderLayer.fuse_combine``: the EP=1 combine made by the norm after the MoE block
     (the next layer's QKV norm GEMV with ``gemv``, else ``add_rmsnorm``; the final norm):
-    logits bitwise the unfused step's, and no combine launch of its own. With a shared
-    expert that overlaps the combine (``overlap``), the combine keeps its launch."""
+    logits bitwise the unfused step's, and no combine launch of its own ("auto": not in the
+    GEMV, which launches it first). With a shared expert that overlaps the combine
+    (``overlap``), the combine keeps its launch."""
     import graphrt.kernels.combine as combine_mod
     launches = []
     real = combine_mod.combine_masked
@@ -120,7 +121,7 @@ def test_combine_made_by_the_next_norm_matches_the_step(monkeypatch, gemv, share
     if not shared:
         cfg = type(cfg)(**{**cfg.__dict__, "num_shared_experts": 0, "shared_inter": 0})
     logits, counts = [], []
-    for fuse in (False, True):
+    for fuse in (False, "auto", True):
         monkeypatch.setattr(model_mod.DecoderLayer, "fuse_combine", fuse)
         spec, model = make_step(cfg, "cpu", max_batch_size=8, backend="triton")
         model.overlap = False
@@ -128,8 +129,9 @@ def test_combine_made_by_the_next_norm_matches_the_step(monkeypatch, gemv, share
         x = model.example_inputs(3, "cpu", torch.Generator().manual_seed(5))
         logits.append(spec.call(x)["logits"])
         counts.append(len(launches))
-    assert counts == [cfg.num_layers, 0]
-    assert torch.equal(logits[0], logits[1])
+    # "auto" with the GEMV: every layer's but the last (the final norm is add_rmsnorm)
+    assert counts == [cfg.num_layers, cfg.num_layers - 1 if gemv else 0, 0]
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
     if shared:  # overlapped with the shared expert: the combine runs on its own (side) stream
         model.overlap = True
         launches.clear()

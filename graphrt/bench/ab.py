@@ -23,8 +23,9 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
 - ``fuse-moe-norm``: the add + RMSNorm after attention computed by the router gate's
   one-row GEMV, which also stores the normed rows (``DecoderLayer.fuse_moe_norm``);
 - ``fuse-combine``: the EP=1 combine made by the norm after the MoE block (the next
-  layer's QKV norm GEMV, ``add_rmsnorm``, the final norm) instead of its own launch
-  (``DecoderLayer.fuse_combine``, ``layers.PendingCombine``);
+  layer's ``add_rmsnorm`` or the final norm) instead of its own launch where
+  ``DecoderLayer.fuse_combine`` takes it (the default, "auto"; ``layers.PendingCombine``);
+  ``fuse-combine-all``: also in the one-row QKV norm GEMV;
 - ``fuse-act``: the experts' SiLU-and-mul computed by the W2 decode GEMM as it loads its
   operand (``Experts.fuse_act``, ``decode_grouped_gemm(act="silu_and_mul")``);
 - ``act-compact``: the experts' SiLU-and-mul on a grid shared among live rows instead of one
@@ -119,7 +120,9 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "fuse-moe-norm": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
                                                     "fuse_moe_norm", on),
             "fuse-combine": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
-                                                   "fuse_combine", on),
+                                                   "fuse_combine", "auto" if on else False),
+            "fuse-combine-all": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
+                                                       "fuse_combine", on),
             "fuse-act": lambda on: _class_attr("graphrt.moe.experts", "Experts", "fuse_act", on),
             "router-fused": lambda on: _class_attr("graphrt.moe.layers", "Router", "fused", on),
             "act-epilogue": lambda on: _class_attr("graphrt.moe.experts", "Experts",

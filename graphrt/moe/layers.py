@@ -27,12 +27,15 @@ class PendingCombine:
     one launch fewer. Only ever the first of a norm's deltas. ``args``: ``(y, topk_ids,
     topk_weights, pos, n)`` from the comm's ``combine_args``; ``y`` and ``pos`` are buffers
     the next dispatch and expert GEMMs reuse, so the next layer's first norm consumes it.
-    ``materialize(like)`` launches the combine alone -> ``[bs, hidden]`` like ``like``."""
+    ``in_gemv``: the one-row norm GEMV may make it too (there every program gathers the
+    expert rows: 1.012x the qwen3-like bs-1 step, BENCHMARKS.md §28); else that consumer
+    launches the combine first. ``materialize(like)`` launches the combine alone ->
+    ``[bs, hidden]`` like ``like``."""
 
-    __slots__ = ("args",)
+    __slots__ = ("args", "in_gemv")
 
-    def __init__(self, args: tuple):
-        self.args = tuple(args)
+    def __init__(self, args: tuple, in_gemv: bool = False):
+        self.args, self.in_gemv = tuple(args), bool(in_gemv)
 
     def materialize(self, like: torch.Tensor) -> torch.Tensor:
         from graphrt.kernels.combine import combine_masked
@@ -183,6 +186,8 @@ def _dense_normed(p: PendingNorm, w: torch.Tensor, *, keep_normed: bool):
     res = torch.empty_like(p.x) if p.deltas else None
     h = torch.empty_like(p.x) if keep_normed else None
     combine, tensors = _take_combine(p.deltas)
+    if combine is not None and not p.deltas[0].in_gemv:  # the combine's own launch first
+        combine, tensors = None, (p.deltas[0].materialize(p.x), *tensors)
     norm_gemv_rows(p.x, *tensors, norm_weight=p.weight, eps=p.eps, w=w, out=out, out_residual=res,
                    preload=PRELOAD, out_normed=h, combine=combine)
     return out, (res if p.deltas else p.x), h

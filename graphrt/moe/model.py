@@ -27,7 +27,7 @@ import torch
 
 from graphrt.comm.base import EPComm
 from graphrt.comm.local import LocalComm
-from graphrt.env import env_flag
+from graphrt.env import env_auto, env_flag
 from graphrt.moe.config import MoEConfig
 from graphrt.moe.experts import Experts
 from graphrt.moe import paged_kv
@@ -55,14 +55,15 @@ class MoEBlock:
         self.shared = SharedExpert(cfg, device, gen) if cfg.num_shared_experts else None
 
     def __call__(self, h: torch.Tensor, n: torch.Tensor, logits: torch.Tensor | None = None,
-                 defer_combine: bool = False) -> tuple:
+                 defer_combine: bool | str = False) -> tuple:
         """h ``[bs, hidden]`` -> the routed experts' output and the shared expert's (when the
         model has one), each ``[bs, hidden]``; the caller adds them into the residual.
         ``logits``: the router gate's ``h @ w.T``, when the caller made it (``Router``).
         ``defer_combine``: where the comm can hand its combine over (``combine_args``: the
         EP=1 ``LocalComm``) and it would not overlap the shared expert, the routed output is
         a ``layers.PendingCombine`` that the caller's norm makes (``layers.add_rmsnorm``,
-        ``PendingNorm``) instead of a tensor."""
+        ``PendingNorm``) instead of a tensor: ``"auto"`` where that norm is ``add_rmsnorm``
+        (the one-row norm GEMV launches the combine first), ``True`` in the GEMV too."""
         w, ids = self.router(h, n, logits)                                 # [bs, k] fp32, int64
         if self.expert_map is not None:  # logical -> physical slots (replica per token)
             ids = self.expert_map.route(self.index, ids)
@@ -75,7 +76,7 @@ class MoEBlock:
         overlapped = self.overlap and self.shared is not None
         combine_args = getattr(self.comm, "combine_args", None)
         if defer_combine and combine_args is not None and not overlapped:
-            pending = PendingCombine(combine_args(y, ids, w, d, n))
+            pending = PendingCombine(combine_args(y, ids, w, d, n), in_gemv=defer_combine is True)
             return (pending,) if self.shared is None else (pending, self.shared(h))
         out = torch.empty_like(h)                                          # [bs, hidden]
         if overlapped:
@@ -104,11 +105,14 @@ class DecoderLayer:
     # the dispatch and the shared expert): 0.987x the step at qwen3-like bs 1 (BENCHMARKS.md
     # §27). GRAPHRT_FUSE_MOE_NORM=0 at import turns it off (A/B: the fuse-moe-norm switch).
     fuse_moe_norm = env_flag("GRAPHRT_FUSE_MOE_NORM", True)
-    # Hand the EP=1 combine to the norm after the MoE block (MoEBlock(defer_combine=): the
-    # next layer's QKV norm GEMV or add_rmsnorm, or the final norm, gathers the expert rows
-    # itself; layers.PendingCombine), one launch fewer a layer. GRAPHRT_FUSE_COMBINE=0 at
-    # import turns it off (A/B: the fuse-combine switch).
-    fuse_combine = env_flag("GRAPHRT_FUSE_COMBINE", True)
+    # Hand the EP=1 combine to the norm after the MoE block (MoEBlock(defer_combine=):
+    # add_rmsnorm, the next layer's or the final one, gathers the expert rows itself;
+    # layers.PendingCombine), one launch fewer a layer. "auto" (default): not into the
+    # one-row QKV norm GEMV, where each of its programs would gather them (1.012x the
+    # qwen3-like bs-1 step; 0.995x / 0.998x at bs 2 / 4, 1.000x at bs 16; BENCHMARKS.md §28).
+    # GRAPHRT_FUSE_COMBINE=0 / 1 at import forces it off / everywhere (A/B: the fuse-combine
+    # and fuse-combine-all switches).
+    fuse_combine: bool | str = env_auto("GRAPHRT_FUSE_COMBINE")
 
     def __init__(self, cfg, comm, device, gen, seed, **kw):
         self.cfg = cfg
