@@ -133,6 +133,50 @@ def _dispatch_copy_kernel(
 
 
 @triton.jit
+def _dispatch_flat_id(
+    e,  # int: the expert of flat id f
+    f,  # int32: this program's flat (token, k) id, < num_flat
+    hb,  # int32: this program's hidden block
+    ids,  # int [BLOCK]: every flat id (-1 past num_flat)
+    offs,  # int32 [BLOCK]: arange(0, BLOCK)
+    x_ptr, recv_ptr, src_idx_ptr, pos_ptr,  # as _dispatch_fused_kernel's
+    num_experts, hidden, cap, stride_x,  # ints
+    NUM_TOPK: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """One flat id's part of the one-launch dispatch: its slot (the exclusive prefix count of
+    earlier equal ids), its row block copied, and (``hb == 0``) its ``pos`` / ``src_idx``."""
+    # slot = earlier flat ids with the same expert (the plan kernel's exclusive prefix count)
+    slot = tl.sum(((offs < f) & (ids == e)).to(tl.int32), axis=0)
+    keep = (e >= 0) & (e < num_experts) & (slot < cap)  # out-of-range ids count as -1
+    e64 = tl.where(keep, e, 0).to(tl.int64)
+    row = e64 * cap + tl.where(keep, slot, 0)  # recv_x / src_idx row; unused unless keep
+    t = f // NUM_TOPK
+    cols = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    m = cols < tl.where(keep, hidden, 0)  # (a scalar & vector bool mask breaks the interpreter)
+    v = tl.load(x_ptr + t.to(tl.int64) * stride_x + cols, mask=m)
+    tl.store(recv_ptr + row * hidden + cols, v, mask=m)
+    if hb == 0:
+        tl.store(pos_ptr + f, tl.where(keep, slot, -1))
+        tl.store(src_idx_ptr + row, t, mask=keep)
+
+
+@triton.jit
+def _dispatch_count(
+    f,  # int32: this program's index; it counts experts [f * EB, (f + 1) * EB)
+    ids,  # int [BLOCK]: every flat id
+    fmask,  # bool [BLOCK]: lanes < num_flat
+    masked_m_ptr, num_experts, cap,
+    EB: tl.constexpr,
+):
+    """``masked_m`` of experts ``[f * EB, (f + 1) * EB)`` (zero-hit experts too: masked_m is
+    rewritten each step), from every flat id."""
+    eo = f * EB + tl.arange(0, EB)
+    hit = (ids[None, :] == eo[:, None]) & fmask[None, :]
+    count = tl.sum(hit.to(tl.int32), axis=1)
+    tl.store(masked_m_ptr + eo, tl.minimum(count, cap), mask=eo < num_experts)
+
+
+@triton.jit
 def _dispatch_fused_kernel(
     x_ptr,  # [padded_bs, hidden] bf16/fp16/fp32, last dim contiguous
     ids_ptr,  # int64/int32 [padded_bs * NUM_TOPK]: flat topk ids, contiguous; -1 = no expert
@@ -158,25 +202,10 @@ def _dispatch_fused_kernel(
     fmask = offs < num_flat
     ids = tl.load(ids_ptr + offs, mask=fmask, other=-1)
     if f < num_flat:
-        e = tl.load(ids_ptr + f)
-        # slot = earlier flat ids with the same expert (the plan kernel's exclusive prefix count)
-        slot = tl.sum(((offs < f) & (ids == e)).to(tl.int32), axis=0)
-        keep = (e >= 0) & (e < num_experts) & (slot < cap)  # out-of-range ids count as -1
-        e64 = tl.where(keep, e, 0).to(tl.int64)
-        row = e64 * cap + tl.where(keep, slot, 0)  # recv_x / src_idx row; unused unless keep
-        t = f // NUM_TOPK
-        cols = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-        m = cols < tl.where(keep, hidden, 0)  # (a scalar & vector bool mask breaks the interpreter)
-        v = tl.load(x_ptr + t.to(tl.int64) * stride_x + cols, mask=m)
-        tl.store(recv_ptr + row * hidden + cols, v, mask=m)
-        if hb == 0:
-            tl.store(pos_ptr + f, tl.where(keep, slot, -1))
-            tl.store(src_idx_ptr + row, t, mask=keep)
+        _dispatch_flat_id(tl.load(ids_ptr + f), f, hb, ids, offs, x_ptr, recv_ptr, src_idx_ptr,
+                          pos_ptr, num_experts, hidden, cap, stride_x, NUM_TOPK, BLOCK_H)
     if (hb == 0) & (f * EB < num_experts):  # masked_m of experts [f * EB, (f + 1) * EB)
-        eo = f * EB + tl.arange(0, EB)  # (zero-hit experts too: masked_m is rewritten each step)
-        hit = (ids[None, :] == eo[:, None]) & fmask[None, :]
-        count = tl.sum(hit.to(tl.int32), axis=1)
-        tl.store(masked_m_ptr + eo, tl.minimum(count, cap), mask=eo < num_experts)
+        _dispatch_count(f, ids, fmask, masked_m_ptr, num_experts, cap, EB)
 
 
 def dispatch_masked(x, topk_ids, *, out_recv_x, out_masked_m, out_src_idx, out_pos,
@@ -205,27 +234,14 @@ def dispatch_masked(x, topk_ids, *, out_recv_x, out_masked_m, out_src_idx, out_p
     check_tensor(topk_ids, "topk_ids", shape=(padded_bs, None), dtype=_ID_DTYPES, device=dev,
                  contiguous=True)
     num_topk = topk_ids.shape[1]
-    check_tensor(out_recv_x, "out_recv_x", shape=(None, None, hidden), dtype=x.dtype, device=dev,
-                 contiguous=True)
-    num_experts, cap = out_recv_x.shape[:2]
-    check(num_experts >= 1 and cap >= 1, "out_recv_x.shape[:2] (num_local_experts, cap)",
-          ">= 1 each", (num_experts, cap))
-    check_tensor(out_masked_m, "out_masked_m", shape=(num_experts,), dtype=torch.int32, device=dev,
-                 contiguous=True)
-    check_tensor(out_src_idx, "out_src_idx", shape=(num_experts, cap), dtype=torch.int32,
-                 device=dev, contiguous=True)
-    check_tensor(out_pos, "out_pos", shape=(padded_bs, num_topk), dtype=torch.int32, device=dev,
-                 contiguous=True)
+    num_experts, cap = check_outputs(x, num_topk, out_recv_x, out_masked_m, out_src_idx, out_pos)
     num_flat = padded_bs * num_topk
     if _take_fused(num_flat, fused):
-        block = max(triton.next_power_of_2(max(num_flat, 1)), 16)
-        eb = max(4, min(triton.next_power_of_2(num_experts), _FUSED_COUNT_ELEMS // block))
-        block_h = min(triton.next_power_of_2(max(hidden, 1)), 1024)
-        _dispatch_fused_kernel[(max(num_flat, triton.cdiv(num_experts, eb)),
-                                max(1, triton.cdiv(hidden, block_h)))](
+        grid, const = fused_launch(num_flat, num_experts, hidden)
+        _dispatch_fused_kernel[grid](
             x, topk_ids, out_recv_x, out_masked_m, out_src_idx, out_pos, num_flat, num_experts,
-            hidden, cap, x.stride(0), NUM_TOPK=max(num_topk, 1), BLOCK=block, EB=eb,
-            BLOCK_H=block_h, num_warps=4, **pdl_args())
+            hidden, cap, x.stride(0), NUM_TOPK=max(num_topk, 1), **const, num_warps=4,
+            **pdl_args())
         return out_recv_x, out_masked_m, out_src_idx, out_pos
     block = min(max(triton.next_power_of_2(max(num_flat, 1)), 16), 1024)
     _dispatch_plan_kernel[(num_experts,)](
@@ -238,6 +254,36 @@ def dispatch_masked(x, topk_ids, *, out_recv_x, out_masked_m, out_src_idx, out_p
         x, topk_ids, out_pos, out_recv_x, hidden, cap, x.stride(0),
         NUM_TOPK=num_topk, BLOCK_H=block_h, num_warps=4, **pdl_args())
     return out_recv_x, out_masked_m, out_src_idx, out_pos
+
+
+def check_outputs(x, num_topk, out_recv_x, out_masked_m, out_src_idx, out_pos) -> tuple:
+    """Validate the dispatch outputs for ``x`` ``[padded_bs, hidden]`` and ``num_topk``
+    picks a row (as :func:`dispatch_masked` documents them); returns ``(num_local_experts,
+    cap)``. Host-only."""
+    padded_bs, hidden = x.shape
+    dev = x.device
+    check_tensor(out_recv_x, "out_recv_x", shape=(None, None, hidden), dtype=x.dtype, device=dev,
+                 contiguous=True)
+    num_experts, cap = out_recv_x.shape[:2]
+    check(num_experts >= 1 and cap >= 1, "out_recv_x.shape[:2] (num_local_experts, cap)",
+          ">= 1 each", (num_experts, cap))
+    check_tensor(out_masked_m, "out_masked_m", shape=(num_experts,), dtype=torch.int32, device=dev,
+                 contiguous=True)
+    check_tensor(out_src_idx, "out_src_idx", shape=(num_experts, cap), dtype=torch.int32,
+                 device=dev, contiguous=True)
+    check_tensor(out_pos, "out_pos", shape=(padded_bs, num_topk), dtype=torch.int32, device=dev,
+                 contiguous=True)
+    return num_experts, cap
+
+
+def fused_launch(num_flat: int, num_experts: int, hidden: int) -> tuple:
+    """``(grid, constexprs BLOCK / EB / BLOCK_H)`` of the one-launch dispatch (the module
+    docstring's grid) for ``num_flat`` flat ids. Host-only."""
+    block = max(triton.next_power_of_2(max(num_flat, 1)), 16)
+    eb = max(4, min(triton.next_power_of_2(num_experts), _FUSED_COUNT_ELEMS // block))
+    block_h = min(triton.next_power_of_2(max(hidden, 1)), 1024)
+    grid = (max(num_flat, triton.cdiv(num_experts, eb)), max(1, triton.cdiv(hidden, block_h)))
+    return grid, dict(BLOCK=block, EB=eb, BLOCK_H=block_h)
 
 
 def _take_fused(num_flat: int, fused: bool | None) -> bool:

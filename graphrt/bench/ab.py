@@ -26,6 +26,9 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   layer's ``add_rmsnorm`` or the final norm) instead of its own launch where
   ``DecoderLayer.fuse_combine`` takes it (the default, "auto"; ``layers.PendingCombine``);
   ``fuse-combine-all``: also in the one-row QKV norm GEMV;
+- ``fuse-route``: the router's top-k computed by the dispatch launch
+  (``kernels.route_dispatch``) where ``MoEBlock.fuse_route`` takes it (the default, "auto":
+  one row); ``fuse-route-all``: up to ``route_dispatch.MAX_ROWS`` rows;
 - ``fuse-act``: the experts' SiLU-and-mul computed by the W2 decode GEMM as it loads its
   operand (``Experts.fuse_act``, ``decode_grouped_gemm(act="silu_and_mul")``);
 - ``act-compact``: the experts' SiLU-and-mul on a grid shared among live rows instead of one
@@ -123,6 +126,10 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
                                                    "fuse_combine", "auto" if on else False),
             "fuse-combine-all": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
                                                        "fuse_combine", on),
+            "fuse-route": lambda on: _class_attr("graphrt.moe.model", "MoEBlock", "fuse_route",
+                                                 "auto" if on else False),
+            "fuse-route-all": lambda on: _class_attr("graphrt.moe.model", "MoEBlock",
+                                                     "fuse_route", on),
             "fuse-act": lambda on: _class_attr("graphrt.moe.experts", "Experts", "fuse_act", on),
             "router-fused": lambda on: _class_attr("graphrt.moe.layers", "Router", "fused", on),
             "act-epilogue": lambda on: _class_attr("graphrt.moe.experts", "Experts",

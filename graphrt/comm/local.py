@@ -68,6 +68,27 @@ class LocalComm:
         from graphrt.kernels.combine import combine_masked
         return combine_masked(y, topk_ids, topk_weights, d.handle, n, out=out)
 
+    def route_dispatch(self, x: torch.Tensor, logits: torch.Tensor, n: torch.Tensor,
+                       num_topk: int, topk: dict) -> tuple:
+        """The router's top-k of ``logits`` ``[bs, num_experts]`` and :meth:`dispatch` by it
+        in one launch (``kernels.route_dispatch``; ``bs <= route_dispatch.MAX_ROWS``):
+        ``(weights fp32, ids int64 [bs, num_topk], Dispatched)``, bitwise the top-k launch
+        followed by :meth:`dispatch`. ``topk``: the router's ``topk_args()``. Graph safety:
+        capturable."""
+        from graphrt.kernels.dispatch import expected_m
+        from graphrt.kernels.route_dispatch import route_dispatch
+        bs, E = x.shape[0], self.num_local_experts
+        cap = self.cap_for(bs)
+        w = torch.empty(bs, num_topk, dtype=torch.float32, device=x.device)
+        ids = torch.empty(bs, num_topk, dtype=torch.int64, device=x.device)
+        recv_x = self.ws.view("recv_x", (E, cap, self.hidden))
+        pos = self.ws.view("pos", (bs, num_topk))
+        route_dispatch(x, logits, n, num_topk, out_weights=w, out_ids=ids, out_recv_x=recv_x,
+                       out_masked_m=self.masked_m, out_src_idx=self.ws.view("src_idx", (E, cap)),
+                       out_pos=pos, **topk)
+        em = expected_m(bs, num_topk, E, cap=cap)
+        return w, ids, Dispatched(recv_x, self.masked_m, em, handle=pos)
+
     def combine_args(self, y, topk_ids, topk_weights, d: Dispatched, n) -> tuple:
         """The arguments of this comm's combine, ``kernels.combine.combine_masked(*args,
         out=)``, for a consumer that makes the combine itself (the norm after the MoE block:

@@ -247,15 +247,29 @@ class Router:
             if not self.takes_logits():
                 raise ValueError("Router: logits given, but this router makes its own "
                                  "(logit_bias set or the fused path on); pass logits=None")
-        elif self.logit_bias is None:
-            logits = dense(h, self.w)                                      # [bs, num_experts]
         else:
-            logits = torch.addmm(self.logit_bias, h, self.w.t())
+            logits = self.gate(h)
         if cfg.routing == "softmax":
             return routing.topk_softmax(logits, n, cfg.num_topk, out_weights=w, out_ids=ids)
         return routing.grouped_topk_sigmoid(
             logits, self.bias, n, cfg.num_topk, cfg.n_group, cfg.topk_group, out_weights=w,
             out_ids=ids, routed_scaling_factor=cfg.routed_scaling_factor)
+
+    def gate(self, h: torch.Tensor) -> torch.Tensor:
+        """The gate's logits ``h @ w.T`` (+ ``logit_bias``) ``[bs, num_experts]``, as
+        ``__call__`` makes them before its top-k. Graph safety: capturable"""
+        if self.logit_bias is None:
+            return dense(h, self.w)
+        return torch.addmm(self.logit_bias, h, self.w.t())
+
+    def topk_args(self) -> dict:
+        """This router's top-k as ``kernels.route_dispatch.route_dispatch`` takes it:
+        ``routing`` and, for grouped sigmoid, its bias, groups and scaling. Host-only."""
+        cfg = self.cfg
+        if cfg.routing == "softmax":
+            return dict(routing="softmax")
+        return dict(routing=cfg.routing, bias=self.bias, n_group=cfg.n_group,
+                    topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor)
 
 
 class SharedExpert:

@@ -54,6 +54,25 @@ class MoEBlock:
                                expert_map.local_experts(index))
         self.shared = SharedExpert(cfg, device, gen) if cfg.num_shared_experts else None
 
+    # The router's top-k and the EP=1 dispatch in one launch (kernels.route_dispatch, the
+    # comm's route_dispatch): "auto" (default) at up to ROUTE_MAX_ROWS rows, True up to
+    # route_dispatch.MAX_ROWS; not with EPLB's expert map, a router that makes its own
+    # logits, other comms, nor inside torch.compile. GRAPHRT_FUSE_ROUTE=0 / 1 at import
+    # (A/B: the fuse-route and fuse-route-all switches).
+    fuse_route: bool | str = env_auto("GRAPHRT_FUSE_ROUTE")
+    ROUTE_MAX_ROWS = 1
+
+    def _routes_in_dispatch(self, h: torch.Tensor) -> bool:
+        """Whether this step's top-k runs inside the dispatch launch (``fuse_route``).
+        Host-only (shapes and settings)."""
+        if self.fuse_route is False or self.expert_map is not None \
+                or not hasattr(self.comm, "route_dispatch") or not self.router.takes_logits() \
+                or torch.compiler.is_compiling():
+            return False
+        from graphrt.kernels.route_dispatch import MAX_ROWS
+        rows = MAX_ROWS if self.fuse_route is True else self.ROUTE_MAX_ROWS
+        return 1 <= h.shape[0] <= rows
+
     def __call__(self, h: torch.Tensor, n: torch.Tensor, logits: torch.Tensor | None = None,
                  defer_combine: bool | str = False) -> tuple:
         """h ``[bs, hidden]`` -> the routed experts' output and the shared expert's (when the
@@ -64,10 +83,15 @@ class MoEBlock:
         a ``layers.PendingCombine`` that the caller's norm makes (``layers.add_rmsnorm``,
         ``PendingNorm``) instead of a tensor: ``"auto"`` where that norm is ``add_rmsnorm``
         (the one-row norm GEMV launches the combine first), ``True`` in the GEMV too."""
-        w, ids = self.router(h, n, logits)                                 # [bs, k] fp32, int64
-        if self.expert_map is not None:  # logical -> physical slots (replica per token)
-            ids = self.expert_map.route(self.index, ids)
-        d = self.comm.dispatch(h, ids, n, topk_weights=w)
+        if self._routes_in_dispatch(h):  # top-k and dispatch in one launch
+            logits = self.router.gate(h) if logits is None else logits
+            w, ids, d = self.comm.route_dispatch(h, logits, n, self.cfg.num_topk,
+                                                 self.router.topk_args())
+        else:
+            w, ids = self.router(h, n, logits)                             # [bs, k] fp32, int64
+            if self.expert_map is not None:  # logical -> physical slots (replica per token)
+                ids = self.expert_map.route(self.index, ids)
+            d = self.comm.dispatch(h, ids, n, topk_weights=w)
         if self.expert_map is not None:
             self.expert_map.record(self.index, d.masked_m)
         self.last_masked_m = d.masked_m  # a reference for benchmarks/tests (no sync)
