@@ -21,11 +21,14 @@ def env_flag(name: str, default: bool) -> bool:
     return flag_value(os.environ.get(name), default)
 
 
-def env_auto(name: str) -> bool | str:
-    """A switch whose default is a rule: unset, empty or ``auto`` is ``"auto"``; any other
-    value reads as ``env_flag`` reads it (``True`` / ``False``: forced)."""
+def env_auto(name: str, default: bool | str = "auto") -> bool | str:
+    """A switch whose default is a rule: unset or empty is ``default`` (``"auto"`` unless
+    given), ``auto`` is ``"auto"``; any other value reads as ``env_flag`` reads it (``True`` /
+    ``False``: forced)."""
     v = (os.environ.get(name) or "").strip().lower()
-    return "auto" if v in ("", "auto") else v not in OFF
+    if not v:
+        return default
+    return "auto" if v == "auto" else v not in OFF
 
 
 @contextlib.contextmanager

@@ -10,3 +10,13 @@ def test_env_auto(monkeypatch):
                         ("0", False), ("off", False), ("False", False)):
         monkeypatch.setenv(name, value)
         assert env_auto(name) == want, value
+
+
+def test_env_auto_with_another_default(monkeypatch):
+    """A rule that is off until asked for: unset or empty is the default, ``auto`` the rule."""
+    name = "GRAPHRT_TEST_AUTO_SWITCH"
+    monkeypatch.delenv(name, raising=False)
+    assert env_auto(name, default=False) is False
+    for value, want in (("", False), ("auto", "auto"), ("1", True), ("0", False)):
+        monkeypatch.setenv(name, value)
+        assert env_auto(name, default=False) == want, value

@@ -48,6 +48,32 @@ def test_decode_candidates_split_only_when_few_work_items():
     assert default_choice(1536, 8).block_n == 32 and default_choice(1536, 1).block_n == 16
 
 
+def test_near_ties_are_decided_by_medians_of_interleaved_retimes():
+    """``choose_timed``: a first sample's noise does not decide a near-tie (A really 10.0,
+    B 10.2: B's lucky first sample would have won); a far candidate is timed once; one that
+    raises is recorded with its error, ``on_error`` runs, and it is never chosen."""
+    a, b = Choice("decode", 32), Choice("decode", 64)
+    far, bad = Choice("triton"), Choice("swap", 64)
+    seq = {a.name: iter([10.1, 9.9, 10.0, 10.0, 10.1]),
+           b.name: iter([9.95, 10.3, 10.2, 10.2, 10.25]), far.name: iter([20.0])}
+    calls, errors = [], []
+
+    def time_one(c):
+        calls.append(c.name)
+        if c is bad:
+            raise RuntimeError("does not compile")
+        return next(seq[c.name])
+    timed, timings = ep.choose_timed([a, b, far, bad], time_one,
+                                     on_error=lambda: errors.append(1))
+    assert min(timed, key=lambda t: t[0])[1] == a
+    assert calls.count(a.name) == calls.count(b.name) == 1 + ep.RETIMES
+    assert calls.count(far.name) == 1 and errors == [1]
+    assert list(timings) == [a.name, b.name, far.name, bad.name]
+    assert timings[a.name] == 10.0 and timings[far.name] == 20.0
+    assert timings[bad.name].startswith("RuntimeError: does not compile")
+    assert [c for _, c in timed] == [a, b, far]
+
+
 def test_choice_validates_and_names():
     assert Choice("triton").name == "triton" and Choice("decode", 16, 2).name == "decode/bn16/sk2"
     assert Choice("decode", 64, num_warps=8).name == "decode/bn64/w8"

@@ -297,6 +297,46 @@ def _graph_us(fns, samples: int = 7, replays: int = 5) -> float:
     return statistics.median(times)
 
 
+NEAR_TIE = 0.03  # candidates within this fraction of the first round's best are timed again
+RETIMES = 4  # the near-tied candidates' extra rounds, interleaved; each one's median decides
+
+
+def choose_timed(cands: list[Choice], time_one, on_error=None) -> tuple[list, dict]:
+    """Time every candidate once (``time_one(c)`` -> µs), then the ones within ``NEAR_TIE`` of
+    the best ``RETIMES`` more times, interleaved, so a near-tie is decided by medians rather
+    than one sample's noise (a single timing once chose a W13 kernel that made the step
+    1.2x slower, BENCHMARKS.md §27). Returns ``(timed, timings)``: ``(median µs,
+    candidate)`` of those that ran, and ``{name: median µs rounded, or the error}`` in
+    candidate order. A candidate that raises is recorded with its error (``on_error()`` runs
+    first) and never chosen. Host-only."""
+    samples: dict[str, list[float]] = {}
+    errors: dict[str, str] = {}
+
+    def sample(c: Choice) -> None:
+        try:
+            samples.setdefault(c.name, []).append(time_one(c))
+        except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is skipped
+            if on_error is not None:
+                on_error()
+            samples.pop(c.name, None)
+            errors[c.name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    for c in cands:
+        sample(c)
+    if samples:
+        best = min(v[0] for v in samples.values())
+        near = [c for c in cands
+                if c.name in samples and samples[c.name][0] <= best * (1 + NEAR_TIE)]
+        if len(near) > 1:
+            for _ in range(RETIMES):
+                for c in near:
+                    if c.name in samples:
+                        sample(c)
+    timed = [(statistics.median(samples[c.name]), c) for c in cands if c.name in samples]
+    timings = {c.name: round(statistics.median(samples[c.name]), 2) if c.name in samples
+               else errors[c.name] for c in cands if c.name in samples or c.name in errors}
+    return timed, timings
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA ``device`` (132 on an H200); 132 elsewhere."""
     if device.type != "cuda":
@@ -315,8 +355,8 @@ def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: 
     """Fill ``plan`` for ``padded_bs`` with the fastest kernel of each of ``experts``' GEMMs
     (``experts.gemm_shapes()``), timed on a synthetic routing (``routed_rows``) in the
     experts' own workspace (W13 with its activation where ``experts.epilogue_for`` holds:
-    the step then runs one or the other, see ``Experts.w13_act``); shapes already in the plan
-    are skipped. On a CPU device the
+    the step then runs one or the other, see ``Experts.w13_act``; near-ties timed again,
+    ``choose_timed``); shapes already in the plan are skipped. On a CPU device the
     decode kernel is recorded without timing. A candidate that fails (e.g. does not compile)
     is recorded with its error and never chosen. Host-only: synchronizes the device."""
     from graphrt.kernels.dispatch import expected_m as expected_m_of
@@ -341,25 +381,20 @@ def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: 
     for which, (key, n, k) in todo.items():
         a, a_scale, out = experts.synthetic_io(which, cap)
         cands = plan_candidates(experts.kernels, n, k, rows, num_sms(device), experts.fp8)
-        timings: dict[str, float | str] = {}
-        timed = []                               # (µs, candidate) of those that ran
         # Where W13 may carry the activation as its epilogue (Experts.epilogue_for), every W13
         # candidate is timed with the activation, as the step runs it (Experts.w13_act): fused
         # for the unsplit decode kernels (half the work items), a launch after the others.
         with_act = which == "w13" and not experts.fp8 and experts.epilogue_for(padded_bs)
         act_out = experts.ws.view("a", (E, cap, n // 2)) if with_act else None
-        for c in cands:
-            fns = [functools.partial(experts.w13_act, a, m, em, out, act_out, c, padded_bs)
-                   if with_act else
-                   functools.partial(experts.gemm, which, a, m, em, out, c, a_scale) for m in masked]
-            try:
-                us = _graph_us(fns)
-            except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is skipped
-                torch.cuda.synchronize(device)
-                timings[c.name] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                continue
-            timings[c.name] = round(us, 2)
-            timed.append((us, c))
+
+        def time_one(c: Choice) -> float:
+            return _graph_us([functools.partial(experts.w13_act, a, m, em, out, act_out, c,
+                                                padded_bs)
+                              if with_act else
+                              functools.partial(experts.gemm, which, a, m, em, out, c, a_scale)
+                              for m in masked])
+        timed, timings = choose_timed(cands, time_one,
+                                      on_error=lambda: torch.cuda.synchronize(device))
         if not timed:
             raise RuntimeError(f"expert plan for {key} at batch {padded_bs}: every candidate "
                                f"failed: {timings}")

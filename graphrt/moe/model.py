@@ -55,11 +55,13 @@ class MoEBlock:
         self.shared = SharedExpert(cfg, device, gen) if cfg.num_shared_experts else None
 
     # The router's top-k and the EP=1 dispatch in one launch (kernels.route_dispatch, the
-    # comm's route_dispatch): "auto" (default) at up to ROUTE_MAX_ROWS rows, True up to
-    # route_dispatch.MAX_ROWS; not with EPLB's expert map, a router that makes its own
-    # logits, other comms, nor inside torch.compile. GRAPHRT_FUSE_ROUTE=0 / 1 at import
-    # (A/B: the fuse-route and fuse-route-all switches).
-    fuse_route: bool | str = env_auto("GRAPHRT_FUSE_ROUTE")
+    # comm's route_dispatch): "auto" at up to ROUTE_MAX_ROWS rows, True up to
+    # route_dispatch.MAX_ROWS; never with EPLB's expert map, a router that makes its own
+    # logits, other comms, nor inside torch.compile. Off by default: 0.997x the qwen3-like
+    # step at bs 1, 1.003x dsv3-like bs 1; every row in every program costs 1.023x / 1.045x
+    # at bs 2 / 4 (BENCHMARKS.md §28). GRAPHRT_FUSE_ROUTE=auto / 1 at import (A/B: the
+    # fuse-route and fuse-route-all switches).
+    fuse_route: bool | str = env_auto("GRAPHRT_FUSE_ROUTE", default=False)
     ROUTE_MAX_ROWS = 1
 
     def _routes_in_dispatch(self, h: torch.Tensor) -> bool:
@@ -132,8 +134,9 @@ class DecoderLayer:
     # Hand the EP=1 combine to the norm after the MoE block (MoEBlock(defer_combine=):
     # add_rmsnorm, the next layer's or the final one, gathers the expert rows itself;
     # layers.PendingCombine), one launch fewer a layer. "auto" (default): not into the
-    # one-row QKV norm GEMV, where each of its programs would gather them (1.012x the
-    # qwen3-like bs-1 step; 0.995x / 0.998x at bs 2 / 4, 1.000x at bs 16; BENCHMARKS.md §28).
+    # one-row QKV norm GEMV, where each of its programs would gather them (there: 1.012x the
+    # qwen3-like bs-1 step). "auto": 0.994x / 0.994x / 0.996x / 1.000x the step at qwen3-like
+    # bs 1 / 2 / 4 / 16, bitwise equal logits (BENCHMARKS.md §28).
     # GRAPHRT_FUSE_COMBINE=0 / 1 at import forces it off / everywhere (A/B: the fuse-combine
     # and fuse-combine-all switches).
     fuse_combine: bool | str = env_auto("GRAPHRT_FUSE_COMBINE")
