@@ -15,9 +15,12 @@ rounded to the residual's dtype, the mean square of the rounded residual, the no
 rounded to bf16 before the GEMV reads it.
 
 The whole row must fit one load round (``k <= 4096``: the qwen3-like hidden 2048 does,
-dsv3-like 7168 does not; the caller then runs ``add_rmsnorm`` and ``dense_gemv_rows``).
+dsv3-like 7168 does not; the caller then runs ``add_rmsnorm`` and ``dense_gemv_rows``). A
+program takes up to ``ROWS_PER_PROGRAM`` rows against its weight tile; more rows (up to 16,
+e.g. the router gate's 64-128 outputs at a 16-row step) take a second grid dimension, whose
+programs load the tile again (from L2).
 
-Glossary: ``m`` rows (1-4), ``n`` output features, ``k`` hidden size.
+Glossary: ``m`` rows (1-16), ``n`` output features, ``k`` hidden size.
 Graph safety: capturable (no allocation, no host read).
 """
 from __future__ import annotations
@@ -32,7 +35,8 @@ from .combine import _combine_row, check_combine
 from .dense_gemv import dense_gemv_rows_config
 
 MAX_K = 4096  # the whole row in one round
-ROWS_MAX = 4  # rows it serves (each row recomputes its norm in every program)
+ROWS_MAX = 16  # rows it serves (each program recomputes the norms of its rows)
+ROWS_PER_PROGRAM = 4  # rows a program takes (a second grid dimension beyond them)
 
 
 @triton.jit
@@ -47,7 +51,7 @@ def _norm_gemv_rows_kernel(
     cy_ptr, cids_ptr, cw_ptr, cpos_ptr, cn_ptr,  # COMBINE: combine_masked's y, ids, w, pos, n
     cap, num_experts,  # COMBINE: y's rows per expert and experts
     NUM_ADD: tl.constexpr,  # 0, 1 or 2 deltas (the combine counts as d1)
-    M_MAX: tl.constexpr,  # rows the kernel is built for (static loop; rows >= m skipped)
+    M_MAX: tl.constexpr,  # rows a program takes (static loop; rows >= m skipped)
     BLOCK_N: tl.constexpr,  # W rows per program
     BLOCK_K: tl.constexpr,  # >= k: the whole row
     PRELOAD: tl.constexpr,  # load W and the norm weight before the PDL wait (kernels._pdl)
@@ -71,7 +75,9 @@ def _norm_gemv_rows_kernel(
         pdl_wait(USE_GDC)
     w = w.to(tl.float32)
     nw = nw.to(tl.float32)
-    for r in tl.static_range(M_MAX):
+    row0 = tl.program_id(1) * M_MAX  # this program's first row
+    for i in tl.static_range(M_MAX):
+        r = row0 + i
         if r < m:
             row = r * k + offs_k
             res = tl.load(x_ptr + row, mask=mask_k, other=0.0).to(tl.float32)
@@ -107,7 +113,8 @@ def norm_gemv_rows(x: torch.Tensor, *deltas: torch.Tensor, norm_weight: torch.Te
     sum(deltas)`` when deltas are given. One launch.
 
     Args:
-        x: bf16 ``[m, k]`` contiguous, ``m <= 4``, ``k <= MAX_K`` (the residual stream).
+        x: bf16 ``[m, k]`` contiguous, ``m <= ROWS_MAX`` (16), ``k <= MAX_K`` (the residual
+            stream).
         deltas: zero, one or two tensors like ``x``.
         norm_weight: ``[k]`` bf16 or fp32, contiguous.
         eps: added to the mean square.
@@ -167,9 +174,10 @@ def norm_gemv_rows(x: torch.Tensor, *deltas: torch.Tensor, norm_weight: torch.Te
     d1 = deltas[0] if deltas else x
     d2 = deltas[1] if len(deltas) > 1 else d1
     res = out_residual if deltas else x
-    _norm_gemv_rows_kernel[(triton.cdiv(n, block_n),)](
+    rows = min(triton.next_power_of_2(m), ROWS_PER_PROGRAM)
+    _norm_gemv_rows_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, rows))](
         x, d1, d2, norm_weight, res, out if out_normed is None else out_normed, w, out, m, n, k,
-        float(eps), *cargs, NUM_ADD=len(deltas), M_MAX=triton.next_power_of_2(m), BLOCK_N=block_n,
+        float(eps), *cargs, NUM_ADD=len(deltas), M_MAX=rows, BLOCK_N=block_n,
         BLOCK_K=block_k, PRELOAD=bool(preload), WRITE_H=out_normed is not None, num_warps=4,
         **ckw, **pdl_args())
     return out

@@ -64,7 +64,7 @@ def test_moe_norm_fused_into_the_router_matches_the_unfused_step(monkeypatch, bs
         calls.append(tuple(w.shape))
         return real(p, w)
     monkeypatch.setattr(layers, "norm_fusable", lambda x, w: True)
-    monkeypatch.setattr(model_mod, "norm_fusable", lambda x, w: True)
+    monkeypatch.setattr(model_mod, "gate_norm_fusable", lambda x, w: True)
     monkeypatch.setattr(model_mod, "dense_normed_keep", counted)
     monkeypatch.setattr(model_mod.DecoderLayer, "fuse_norm", False)
     cfg = preset("tiny")
@@ -137,3 +137,15 @@ def test_combine_made_by_the_next_norm_matches_the_step(monkeypatch, gemv, share
         launches.clear()
         spec.call(x)
         assert len(launches) == cfg.num_layers
+
+
+def test_gate_norm_fusable_rows(monkeypatch):
+    """The router gate takes the norm at one row (``norm_fusable``), and from 2 rows only up
+    to ``GATE_NORM_ROWS`` and ``GATE_MAX_N`` outputs, on bf16 CUDA tensors."""
+    x = torch.empty(8, 64, dtype=torch.bfloat16)
+    w = torch.empty(16, 64, dtype=torch.bfloat16)
+    assert not layers.gate_norm_fusable(x, w)                   # CPU tensors
+    monkeypatch.setattr(layers, "GATE_NORM_ROWS", 16)
+    assert not layers.gate_norm_fusable(x, w)                   # still: not on a CUDA device
+    monkeypatch.setattr(layers, "norm_fusable", lambda x, w: x.shape[0] == 1)
+    assert layers.gate_norm_fusable(x[:1], w)

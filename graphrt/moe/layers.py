@@ -162,6 +162,28 @@ def norm_fusable(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.shape[0] <= dense_gemv.ROWS_AUTO and x.shape[1] <= norm_gemv.MAX_K
 
 
+# The router gate's GEMV (at most GATE_MAX_N outputs) computes the add + RMSNorm after
+# attention (DecoderLayer.fuse_moe_norm, dense_normed_keep) up to this many rows; past one row
+# the gate otherwise runs on dense_mma after add_rmsnorm. A/B: the moe-norm-rows switch
+# sets 16 before capture.
+GATE_NORM_ROWS = 1
+GATE_MAX_N = 256
+
+
+def gate_norm_fusable(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``dense_normed_keep`` fuses the norm of rows like ``x`` into the router gate
+    ``w``: where ``norm_fusable`` holds (one row), or for 2 to ``GATE_NORM_ROWS`` rows of
+    bf16 on a CUDA device when ``w`` has at most ``GATE_MAX_N`` outputs and the hidden size
+    fits ``graphrt.kernels.norm_gemv.MAX_K`` (``GRAPHRT_DENSE=torch`` keeps cuBLAS)."""
+    if norm_fusable(x, w):
+        return True
+    from graphrt.kernels import norm_gemv
+    return (DENSE in ("auto", "gemv") and x.device.type == "cuda" and x.dim() == 2
+            and 1 < x.shape[0] <= min(GATE_NORM_ROWS, norm_gemv.ROWS_MAX)
+            and x.dtype == w.dtype == torch.bfloat16 and x.is_contiguous() and w.is_contiguous()
+            and w.shape[0] <= GATE_MAX_N and x.shape[1] <= norm_gemv.MAX_K)
+
+
 def dense_normed(p: PendingNorm, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(normed @ w.t(), residual)`` of a ``PendingNorm``: one launch
     (``graphrt.kernels.norm_gemv``) where ``norm_fusable``, else ``add_rmsnorm`` then
@@ -171,14 +193,14 @@ def dense_normed(p: PendingNorm, w: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 def dense_normed_keep(p: PendingNorm, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``(normed @ w.t(), residual, normed)``: :func:`dense_normed` that also returns the
-    normed rows, for their other readers (the fused launch stores them from its program 0,
-    bitwise ``add_rmsnorm``'s). Graph safety: capturable"""
-    return _dense_normed(p, w, keep_normed=True)
+    """``(normed @ w.t(), residual, normed)`` for the router gate ``w``: :func:`dense_normed`
+    that also returns the normed rows, for their other readers (the fused launch stores them,
+    bitwise ``add_rmsnorm``'s), fused where ``gate_norm_fusable``. Graph safety: capturable"""
+    return _dense_normed(p, w, keep_normed=True, fusable=gate_norm_fusable)
 
 
-def _dense_normed(p: PendingNorm, w: torch.Tensor, *, keep_normed: bool):
-    if not norm_fusable(p.x, w):
+def _dense_normed(p: PendingNorm, w: torch.Tensor, *, keep_normed: bool, fusable=None):
+    if not (fusable or norm_fusable)(p.x, w):
         residual, h = p.materialize()
         return dense(h, w), residual, h
     from graphrt.kernels.norm_gemv import norm_gemv_rows

@@ -32,7 +32,8 @@ from graphrt.moe.config import MoEConfig
 from graphrt.moe.experts import Experts
 from graphrt.moe import paged_kv
 from graphrt.moe.layers import (Attention, PendingCombine, PendingNorm, Router, SharedExpert,
-                                add_rmsnorm, dense, dense_normed, dense_normed_keep, norm_fusable)
+                                add_rmsnorm, dense, dense_normed, dense_normed_keep,
+                                gate_norm_fusable)
 from graphrt.moe.workspace import Workspace
 from graphrt.spec import Input, StepSpec
 
@@ -163,7 +164,7 @@ class DecoderLayer:
         else:
             attn = self.attn(h, slot_mapping, block_table, seq_lens, n)
         router, logits = self.moe.router, None
-        if self.fuse_moe_norm and router.takes_logits() and norm_fusable(x, router.w):
+        if self.fuse_moe_norm and router.takes_logits() and gate_norm_fusable(x, router.w):
             logits, x, h = dense_normed_keep(PendingNorm(x, (attn,), self.moe_norm, eps), router.w)
         else:
             x, h = add_rmsnorm(x, attn, weight=self.moe_norm, eps=eps)

@@ -1,5 +1,5 @@
 """Residual add + RMSNorm fused into the one-row decode GEMV, on the CPU interpreter: equal to
-``add_rmsnorm`` then the GEMV (torch references) for 0-2 deltas and 1-4 rows, the residual
+``add_rmsnorm`` then the GEMV (torch references) for 0-2 deltas and 1-16 rows, the residual
 written once, bitwise reproducible, and launcher errors that say what to do."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def _rel_err(a, b):
 
 
 # The interpreter converts fp32 -> bf16 by truncation (the GPU rounds to nearest): 1e-2.
-@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("m", [1, 2, 4, 7, 16])  # past 4: a second grid dimension
 @pytest.mark.parametrize("num_deltas", [0, 1, 2])
 @pytest.mark.parametrize("n, k", [(48, 256), (37, 200)])
 def test_matches_add_rmsnorm_then_gemv(m, num_deltas, n, k):
@@ -42,7 +42,7 @@ def test_matches_add_rmsnorm_then_gemv(m, num_deltas, n, k):
         assert torch.equal(out, again)
 
 
-@pytest.mark.parametrize("m, num_deltas", [(1, 1), (2, 2), (4, 0)])
+@pytest.mark.parametrize("m, num_deltas", [(1, 1), (2, 2), (4, 0), (16, 1)])
 def test_out_normed_is_add_rmsnorm_bitwise(m, num_deltas):
     """``out_normed``: program 0 also stores the normed rows, bitwise ``add_rmsnorm``'s
     ``out`` (the same arithmetic), and ``out`` is unchanged by asking for them."""
@@ -80,8 +80,8 @@ def test_errors_say_what_to_do():
         norm_gemv_rows(big, norm_weight=torch.ones(MAX_K + 64, dtype=torch.bfloat16), eps=1e-6,
                        w=_t(8, MAX_K + 64, seed=4), out=out)
     with pytest.raises(ValueError, match="rows"):
-        norm_gemv_rows(_t(5, 64, seed=5), norm_weight=nw, eps=1e-6, w=w,
-                       out=torch.empty(5, 8, dtype=torch.bfloat16))
+        norm_gemv_rows(_t(17, 64, seed=5), norm_weight=nw, eps=1e-6, w=w,
+                       out=torch.empty(17, 8, dtype=torch.bfloat16))
 
 
 @pytest.mark.gpu
@@ -105,6 +105,42 @@ def test_gpu_real_shapes_and_a_graph_replay(cuda_device, num_deltas, n, k):
     assert _rel_err(out, ref_out) < 4e-3
     if deltas:
         assert torch.equal(res, ref_res)          # the same fp32 sum, rounded to bf16
+    eager = out.clone()
+    g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        launch()
+    torch.cuda.current_stream(dev).wait_stream(s)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize(dev)
+    assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [2, 8, 16])
+def test_gpu_router_gate_rows_normed_bitwise(cuda_device, m):
+    """The router gate (64 experts x hidden 2048) of a 2-16-row step with the add + RMSNorm
+    after attention (``DecoderLayer.fuse_moe_norm``): the normed rows and the residual are
+    ``add_rmsnorm``'s bitwise, the logits within bf16 rounding of the reference, and a
+    replay equals the eager launch."""
+    from graphrt.kernels.norm import add_rmsnorm
+    dev = cuda_device
+    x, d = _t(m, 2048, seed=1).to(dev), _t(m, 2048, seed=2, scale=0.5).to(dev)
+    nw = (1 + 0.1 * torch.randn(2048, generator=torch.Generator().manual_seed(3))).to(
+        torch.bfloat16).to(dev)
+    w = _t(64, 2048, seed=4, scale=2048 ** -0.5).to(dev)
+    out = torch.empty(m, 64, dtype=torch.bfloat16, device=dev)
+    res, h = torch.empty_like(x), torch.empty_like(x)
+
+    def launch():
+        norm_gemv_rows(x, d, norm_weight=nw, eps=1e-6, w=w, out=out, out_residual=res,
+                       out_normed=h)
+    launch()
+    want_h, want_res = torch.empty_like(x), torch.empty_like(x)
+    add_rmsnorm(x, d, weight=nw, eps=1e-6, out=want_h, out_residual=want_res)
+    assert torch.equal(h, want_h) and torch.equal(res, want_res)
+    assert _rel_err(out, norm_gemv_rows_ref(x, d, norm_weight=nw, eps=1e-6, w=w)[0]) < 4e-3
     eager = out.clone()
     g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream(dev)
     s.wait_stream(torch.cuda.current_stream(dev))
