@@ -16,9 +16,9 @@ rounded to bf16 before the GEMV reads it.
 
 The whole row must fit one load round (``k <= 4096``: the qwen3-like hidden 2048 does,
 dsv3-like 7168 does not; the caller then runs ``add_rmsnorm`` and ``dense_gemv_rows``). A
-program takes up to ``ROWS_PER_PROGRAM`` rows against its weight tile; more rows (up to 16,
-e.g. the router gate's 64-128 outputs at a 16-row step) take a second grid dimension, whose
-programs load the tile again (from L2).
+program takes up to ``ROWS_PER_PROGRAM`` rows against its weight tile (one row for narrow
+weights such as the router gate, ``ONE_ROW_N``); more rows (up to 16) take a second grid
+dimension, whose programs load the tile again (from L2).
 
 Glossary: ``m`` rows (1-16), ``n`` output features, ``k`` hidden size.
 Graph safety: capturable (no allocation, no host read).
@@ -36,7 +36,12 @@ from .dense_gemv import dense_gemv_rows_config
 
 MAX_K = 4096  # the whole row in one round
 ROWS_MAX = 16  # rows it serves (each program recomputes the norms of its rows)
-ROWS_PER_PROGRAM = 4  # rows a program takes (a second grid dimension beyond them)
+# Rows a program takes (a second grid dimension beyond them): one for weights of at most
+# ONE_ROW_N outputs (the router gate: 0.977x the qwen3-like step at bs 4 against 0.990x with
+# two rows a program and 1.014x with four, the gate's norm fused at every size; BENCHMARKS.md
+# §28), else up to four (the one-row QKV projection: its weight tile read once).
+ROWS_PER_PROGRAM = 4
+ONE_ROW_N = 256
 
 
 @triton.jit
@@ -174,7 +179,7 @@ def norm_gemv_rows(x: torch.Tensor, *deltas: torch.Tensor, norm_weight: torch.Te
     d1 = deltas[0] if deltas else x
     d2 = deltas[1] if len(deltas) > 1 else d1
     res = out_residual if deltas else x
-    rows = min(triton.next_power_of_2(m), ROWS_PER_PROGRAM)
+    rows = 1 if n <= ONE_ROW_N else min(triton.next_power_of_2(m), ROWS_PER_PROGRAM)
     _norm_gemv_rows_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, rows))](
         x, d1, d2, norm_weight, res, out if out_normed is None else out_normed, w, out, m, n, k,
         float(eps), *cargs, NUM_ADD=len(deltas), M_MAX=rows, BLOCK_N=block_n,

@@ -144,8 +144,9 @@ def test_gate_norm_fusable_rows(monkeypatch):
     to ``GATE_NORM_ROWS`` and ``GATE_MAX_N`` outputs, on bf16 CUDA tensors."""
     x = torch.empty(8, 64, dtype=torch.bfloat16)
     w = torch.empty(16, 64, dtype=torch.bfloat16)
-    assert not layers.gate_norm_fusable(x, w)                   # CPU tensors
-    monkeypatch.setattr(layers, "GATE_NORM_ROWS", 16)
-    assert not layers.gate_norm_fusable(x, w)                   # still: not on a CUDA device
+    assert layers.GATE_NORM_ROWS == 16
+    assert not layers.gate_norm_fusable(x, w)                   # not on a CUDA device
+    monkeypatch.setattr(layers, "GATE_NORM_ROWS", 1)
+    assert not layers.gate_norm_fusable(x, w)
     monkeypatch.setattr(layers, "norm_fusable", lambda x, w: x.shape[0] == 1)
     assert layers.gate_norm_fusable(x[:1], w)

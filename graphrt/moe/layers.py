@@ -163,10 +163,12 @@ def norm_fusable(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 # The router gate's GEMV (at most GATE_MAX_N outputs) computes the add + RMSNorm after
-# attention (DecoderLayer.fuse_moe_norm, dense_normed_keep) up to this many rows; past one row
-# the gate otherwise runs on dense_mma after add_rmsnorm. A/B: the moe-norm-rows switch
-# sets 16 before capture.
-GATE_NORM_ROWS = 1
+# attention (DecoderLayer.fuse_moe_norm, dense_normed_keep) up to this many rows, one row a
+# program (kernels.norm_gemv.ONE_ROW_N); otherwise the gate runs on dense_mma after
+# add_rmsnorm from 2 rows. 0.975x / 0.977x / 0.980x / 0.983x the qwen3-like step at bs 2 / 4 /
+# 8 / 16, logits bitwise equal (BENCHMARKS.md §28). A/B: the moe-norm-rows switch (16 against
+# 1, before capture).
+GATE_NORM_ROWS = 16
 GATE_MAX_N = 256
 
 

@@ -21,7 +21,7 @@ def _rel_err(a, b):
 # The interpreter converts fp32 -> bf16 by truncation (the GPU rounds to nearest): 1e-2.
 @pytest.mark.parametrize("m", [1, 2, 4, 7, 16])  # past 4: a second grid dimension
 @pytest.mark.parametrize("num_deltas", [0, 1, 2])
-@pytest.mark.parametrize("n, k", [(48, 256), (37, 200)])
+@pytest.mark.parametrize("n, k", [(48, 256), (37, 200), (300, 64)])  # 300: 4 rows a program
 def test_matches_add_rmsnorm_then_gemv(m, num_deltas, n, k):
     x = _t(m, k, seed=1)
     deltas = [_t(m, k, seed=2 + i, scale=0.5) for i in range(num_deltas)]
