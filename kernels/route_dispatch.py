@@ -24,7 +24,6 @@ Graph safety: capturable (``route_dispatch``); the reference is host-only.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 

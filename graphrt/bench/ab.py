@@ -30,8 +30,9 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   (``kernels.route_dispatch``) where ``MoEBlock.fuse_route`` takes it (the default, "auto":
   one row); ``fuse-route-all``: up to ``route_dispatch.MAX_ROWS`` rows;
 - ``moe-norm-rows``: the add + RMSNorm after attention computed by the router gate's GEMV
-  up to 16 rows (``layers.GATE_NORM_ROWS``, ``norm_gemv_rows`` on a second grid
-  dimension) instead of at one row only;
+  up to 16 rows (``layers.GATE_NORM_ROWS``, the default, ``norm_gemv_rows`` on a second grid
+  dimension) against one row only; ``gate-4rows``: that GEMV with up to four rows a program
+  instead of one (``kernels.norm_gemv.ONE_ROW_N``);
 - ``fuse-act``: the experts' SiLU-and-mul computed by the W2 decode GEMM as it loads its
   operand (``Experts.fuse_act``, ``decode_grouped_gemm(act="silu_and_mul")``);
 - ``act-compact``: the experts' SiLU-and-mul on a grid shared among live rows instead of one
@@ -135,6 +136,8 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
                                                      "fuse_route", on),
             "moe-norm-rows": lambda on: _class_attr("graphrt.moe.layers", None, "GATE_NORM_ROWS",
                                                     16 if on else 1),
+            "gate-4rows": lambda on: _class_attr("graphrt.kernels.norm_gemv", None, "ONE_ROW_N",
+                                                 0 if on else 256),
             "fuse-act": lambda on: _class_attr("graphrt.moe.experts", "Experts", "fuse_act", on),
             "router-fused": lambda on: _class_attr("graphrt.moe.layers", "Router", "fused", on),
             "act-epilogue": lambda on: _class_attr("graphrt.moe.experts", "Experts",

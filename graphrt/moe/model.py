@@ -12,6 +12,12 @@ One decode step (DESIGN.md, "The MoE decode step"), per layer::
     recv()                                   # device-side join
     x, h = add_rmsnorm(x, moe_out, s)        # with the next layer's (or the final) norm weight
 
+The reference model fuses the glue into its neighbours where that measured faster (each one
+bitwise the unfused step): the layer-end norm into the next QKV projection at one row
+(``DecoderLayer.fuse_norm``), the norm after attention into the router gate's GEMV at 1-16 rows
+(``fuse_moe_norm``), and, without an overlapped shared expert, the EP=1 combine into the
+norm after it (``fuse_combine``, ``layers.PendingCombine``).
+
 ``make_step(cfg, device, ...)`` builds the model and returns ``(StepSpec, model)``: inputs
 ``tokens`` int64 ``[bs]``, ``positions`` int32 ``[bs]`` (context length before this token),
 and the paged KV cache's ``slot_mapping`` int64 ``[bs]``, ``block_table`` int32
