@@ -85,18 +85,9 @@ def combine_masked(y, topk_ids, topk_weights, pos, n, *, out):
 
     Graph safety: capturable
     """
-    check_tensor(y, "y", shape=(None, None, None), dtype=_FLOAT_DTYPES, contiguous=True)
-    num_experts, cap, hidden = y.shape
-    dev = y.device
-    check_tensor(topk_ids, "topk_ids", shape=(None, None), dtype=_ID_DTYPES, device=dev,
-                 contiguous=True)
-    padded_bs, num_topk = topk_ids.shape
-    check(num_topk >= 1, "num_topk (topk_ids.shape[1])", ">= 1", num_topk)
-    check_tensor(topk_weights, "topk_weights", shape=(padded_bs, num_topk), dtype=torch.float32,
-                 device=dev, contiguous=True)
-    check_tensor(pos, "pos", shape=(padded_bs, num_topk), dtype=torch.int32, device=dev,
-                 contiguous=True)
-    check_tensor(n, "n", shape=(1,), dtype=torch.int32, device=dev)
+    *_, cap, num_experts, num_topk = _check_args((y, topk_ids, topk_weights, pos, n), None,
+                                                 None, None, "")
+    padded_bs, hidden, dev = topk_ids.shape[0], y.shape[2], y.device
     check_tensor(out, "out", shape=(padded_bs, hidden), dtype=_FLOAT_DTYPES, device=dev)
     check(out.stride(1) == 1, "out.stride(1)", 1, out.stride(1))
     if padded_bs == 0 or hidden == 0:
@@ -117,18 +108,24 @@ def check_combine(combine, rows: int, hidden: int, device) -> tuple:
     check(isinstance(combine, (tuple, list)) and len(combine) == 5, "combine",
           "(y, topk_ids, topk_weights, pos, n), as combine_masked takes them",
           type(combine).__name__ if not isinstance(combine, (tuple, list)) else len(combine))
-    y, ids, w, pos, n = combine
-    check_tensor(y, "combine y", shape=(None, None, hidden), dtype=_FLOAT_DTYPES, device=device,
+    return _check_args(tuple(combine), rows, hidden, device, "combine ")
+
+
+def _check_args(args: tuple, rows, hidden, device, prefix: str) -> tuple:
+    """The combine's inputs checked (``rows`` / ``hidden`` / ``device``: None for any;
+    ``prefix`` starts each name) -> ``(*args, cap, num_local_experts, num_topk)``."""
+    y, ids, w, pos, n = args
+    check_tensor(y, f"{prefix}y", shape=(None, None, hidden), dtype=_FLOAT_DTYPES, device=device,
                  contiguous=True)
-    check_tensor(ids, "combine topk_ids", shape=(rows, None), dtype=_ID_DTYPES, device=device,
+    check_tensor(ids, f"{prefix}topk_ids", shape=(rows, None), dtype=_ID_DTYPES, device=y.device,
                  contiguous=True)
-    num_topk = ids.shape[1]
-    check(num_topk >= 1, "combine num_topk (topk_ids.shape[1])", ">= 1", num_topk)
-    check_tensor(w, "combine topk_weights", shape=(rows, num_topk), dtype=torch.float32,
-                 device=device, contiguous=True)
-    check_tensor(pos, "combine pos", shape=(rows, num_topk), dtype=torch.int32, device=device,
+    rows, num_topk = ids.shape
+    check(num_topk >= 1, f"{prefix}num_topk (topk_ids.shape[1])", ">= 1", num_topk)
+    check_tensor(w, f"{prefix}topk_weights", shape=(rows, num_topk), dtype=torch.float32,
+                 device=y.device, contiguous=True)
+    check_tensor(pos, f"{prefix}pos", shape=(rows, num_topk), dtype=torch.int32, device=y.device,
                  contiguous=True)
-    check_tensor(n, "combine n", shape=(1,), dtype=torch.int32, device=device)
+    check_tensor(n, f"{prefix}n", shape=(1,), dtype=torch.int32, device=y.device)
     return y, ids, w, pos, n, y.shape[1], y.shape[0], num_topk
 
 

@@ -14,6 +14,21 @@ def _t(*shape, seed, scale=1.0):
     return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
 
 
+def _assert_replay_equals_eager(launch, out, dev):
+    """Capture ``launch`` (already run eagerly into ``out``), replay it over a NaN-filled
+    ``out`` and compare bitwise."""
+    eager = out.clone()
+    g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        launch()
+    torch.cuda.current_stream(dev).wait_stream(s)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize(dev)
+    assert torch.equal(out, eager)
+
+
 def _rel_err(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
@@ -105,16 +120,7 @@ def test_gpu_real_shapes_and_a_graph_replay(cuda_device, num_deltas, n, k):
     assert _rel_err(out, ref_out) < 4e-3
     if deltas:
         assert torch.equal(res, ref_res)          # the same fp32 sum, rounded to bf16
-    eager = out.clone()
-    g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream(dev)
-    s.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
-        launch()
-    torch.cuda.current_stream(dev).wait_stream(s)
-    out.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize(dev)
-    assert torch.equal(out, eager)
+    _assert_replay_equals_eager(launch, out, dev)
 
 
 @pytest.mark.gpu
@@ -141,13 +147,4 @@ def test_gpu_router_gate_rows_normed_bitwise(cuda_device, m):
     add_rmsnorm(x, d, weight=nw, eps=1e-6, out=want_h, out_residual=want_res)
     assert torch.equal(h, want_h) and torch.equal(res, want_res)
     assert _rel_err(out, norm_gemv_rows_ref(x, d, norm_weight=nw, eps=1e-6, w=w)[0]) < 4e-3
-    eager = out.clone()
-    g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream(dev)
-    s.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
-        launch()
-    torch.cuda.current_stream(dev).wait_stream(s)
-    out.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize(dev)
-    assert torch.equal(out, eager)
+    _assert_replay_equals_eager(launch, out, dev)
