@@ -7,7 +7,7 @@ for the one before. Here every program of that dispatch routes the step's rows i
 hundred bytes of logits from L2), keeps the flat ids in registers and copies its row block:
 
 - each program computes the picks of every row with the top-k kernels' own bodies
-  (``routing._softmax_pick`` / ``_grouped_sigmoid_pick``), launched on the same number of
+  (``routing_rows._softmax_pick`` / ``_grouped_sigmoid_pick``), launched on the same number of
   warps, so the weights and ids are theirs, bitwise; program ``(0, 0)`` stores them (the
   combine reads them);
 - the rest is the one-launch dispatch's own code (``dispatch._dispatch_flat_id``,
@@ -31,8 +31,8 @@ from ._pdl import pdl_prologue
 from ._util import check, pdl_args
 from .dispatch import (FUSED_LIMIT, _dispatch_count, _dispatch_flat_id, _X_DTYPES, check_outputs,
                        fused_launch)
-from .routing import (PACKED, _check_common, _check_grouped, _grouped_sigmoid_pick, _packed_warps,
-                      _softmax_pick, _store_picks)
+from .routing import PACKED, _check_common, _check_grouped, _packed_warps
+from .routing_rows import _grouped_sigmoid_pick, _softmax_pick, _store_picks
 
 MAX_ROWS = 4  # rows a launch routes (every program routes them all)
 ROUTINGS = ("softmax", "grouped_sigmoid")

@@ -56,8 +56,8 @@ import triton.language as tl
 from . import routing as _routing
 from ._pdl import pdl_prologue
 from ._util import check, check_tensor, pdl_args
-from .routing import (_check_common, _check_grouped, _grouped_sigmoid_row, _softmax_row,
-                      grouped_topk_sigmoid_ref, topk_softmax_ref)
+from .routing import _check_common, _check_grouped, grouped_topk_sigmoid_ref, topk_softmax_ref
+from .routing_rows import _grouped_sigmoid_row, _softmax_row
 
 ROUTINGS = ("softmax", "grouped_sigmoid")
 PROGRAMS_PER_SM = 2

@@ -23,7 +23,8 @@ one keeps its warps (1 up to 128 experts), which fix the order of the softmax's 
 are bitwise equal to the unpacked kernels' for any logits without NaN (NaN in a live row:
 unspecified).
 
-Each kernel is ``pdl_prologue`` plus a per-row body, ``_softmax_row`` / ``_grouped_sigmoid_row``
+Each kernel is ``pdl_prologue`` plus a per-row body (``kernels.routing_rows``, with the packed
+keys' helpers), ``_softmax_row`` / ``_grouped_sigmoid_row``
 (read one logits row, write its weights and ids): ``kernels.router_topk`` calls the same bodies
 after its router GEMV, so its picks are these kernels' picks of its logits.
 
@@ -39,155 +40,12 @@ from graphrt.env import env_flag
 
 from ._pdl import pdl_prologue
 from ._util import check, check_tensor, pdl_args
+from .routing_rows import _grouped_sigmoid_row, _softmax_row
 
 _LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_EXPERTS = 512
 _MAX_TOPK = 16
 PACKED: bool = env_flag("GRAPHRT_ROUTING_PACKED", True)  # the launchers' ``packed`` default
-_NO_KEY = tl.constexpr(-(2**63))  # below every packed key: padding lanes, groups already taken
-_NEG_INF_KEY = tl.constexpr(-0x7F800001 << 32)  # _pack(-inf, 0)
-
-
-@triton.jit
-def _sigmoid(x):
-    return 1.0 / (1.0 + tl.exp(-x))
-
-
-@triton.jit
-def _pack(v, low):
-    """int64 keys of fp32 scores ``v`` and int32 tie-breakers ``low`` (in [0, 2**31)), same
-    shape: key order = (v, low) order, for every v but NaN (module docstring)."""
-    bits = tl.where(v == 0.0, 0.0, v).to(tl.int32, bitcast=True)  # -0.0 ties with +0.0
-    hi = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return (hi.to(tl.int64) << 32) | low.to(tl.int64)
-
-
-@triton.jit
-def _key_score(key):
-    """The fp32 score a key holds, exactly (the bit map is its own inverse)."""
-    hi = (key >> 32).to(tl.int32)
-    return (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _key_low(key):
-    """The tie-breaker a key holds (int32)."""
-    return (key & 0x7FFFFFFF).to(tl.int32)
-
-
-@triton.jit
-def _sunk(key):
-    """``key`` with its score set to -inf, its tie-breaker kept."""
-    return _NEG_INF_KEY | (key & 0x7FFFFFFF)
-
-
-@triton.jit
-def _top_keys(key, NUM_TOPK: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The NUM_TOPK largest of ``key`` (int64, any shape) in decreasing order, int64 [BLOCK_K];
-    lanes >= NUM_TOPK hold 0 (score +0.0). A picked key sinks to -inf, tie-breaker kept, like
-    the unpacked grouped kernel's picked score, so even rows that run out of finite choices
-    (a -inf bias) pick the same ids. (The unpacked softmax's -1 is as good: every pick there
-    finds a probability >= 0.)"""
-    offs_k = tl.arange(0, BLOCK_K)
-    picks = tl.zeros([BLOCK_K], dtype=tl.int64)
-    for k in tl.static_range(NUM_TOPK):
-        best = tl.max(key)
-        picks = tl.where(offs_k == k, best, picks)
-        key = tl.where(key == best, _sunk(best), key)
-    return picks
-
-
-@triton.jit
-def _top_groups_packed(key, g1, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr):
-    """bool [BLOCK_G]: the TOPK_GROUP groups of the best scores (sum of the two best choice
-    values; ties: lowest group), from the choice keys int64 [BLOCK_G, BLOCK_S]."""
-    k1 = tl.max(key, axis=1)
-    k2 = tl.max(tl.where(key == k1[:, None], _NO_KEY, key), axis=1)  # keys are unique per lane
-    gs = _key_score(k1) + _key_score(k2)
-    gkey = tl.where(g1 < N_GROUP, _pack(gs, N_GROUP - 1 - g1), _NO_KEY)
-    keep = g1 < 0  # all False
-    for _ in tl.static_range(TOPK_GROUP):
-        gbest = tl.max(gkey, axis=0)
-        keep = keep | (gkey == gbest)
-        gkey = tl.where(gkey == gbest, _NO_KEY, gkey)
-    return keep
-
-
-@triton.jit
-def _softmax_pick(
-    logits_ptr,  # [padded_bs, num_experts] bf16/fp16/fp32, last dim contiguous
-    row,  # int32: the row routed
-    live,  # bool: row < n (else ids -1, weights 0)
-    num_experts,  # int: router columns
-    stride_l,  # int: row stride of logits (elements)
-    NUM_TOPK: tl.constexpr,  # experts picked per row
-    BLOCK_E: tl.constexpr,  # next power of 2 >= num_experts
-    BLOCK_K: tl.constexpr,  # next power of 2 >= NUM_TOPK
-    RENORMALIZE: tl.constexpr,  # rescale the k weights to sum to 1
-    PACKED: tl.constexpr,  # one int64 max per pick (module docstring)
-):
-    """Softmax top-k of one row, in registers: ``(w fp32 [BLOCK_K], ids int32 [BLOCK_K])``,
-    lanes past NUM_TOPK unspecified. Shared by ``_softmax_row`` and the routing dispatch
-    (``kernels.route_dispatch``), so their picks are one computation."""
-    offs_e = tl.arange(0, BLOCK_E)
-    emask = offs_e < num_experts
-    x = tl.load(logits_ptr + row.to(tl.int64) * stride_l + offs_e, mask=emask, other=0.0)
-    x = tl.where(emask, x.to(tl.float32), float("-inf"))
-    ex = tl.where(emask, tl.exp(x - tl.max(x, axis=0)), 0.0)
-    p = ex / tl.sum(ex, axis=0)
-    p = tl.where(emask, p, -1.0)  # padding lanes (and picked experts) sit below any probability
-    offs_k = tl.arange(0, BLOCK_K)
-    if PACKED:
-        picks = _top_keys(_pack(p, BLOCK_E - 1 - offs_e), NUM_TOPK, BLOCK_K)
-        w = _key_score(picks)  # the probability; +0.0 on lanes >= NUM_TOPK, as below
-        ids = BLOCK_E - 1 - _key_low(picks)
-    else:
-        w = tl.zeros([BLOCK_K], dtype=tl.float32)
-        ids = tl.full([BLOCK_K], -1, dtype=tl.int32)
-        for k in tl.static_range(NUM_TOPK):
-            best = tl.max(p, axis=0)
-            idx = tl.min(tl.where(p == best, offs_e, BLOCK_E), axis=0)  # lowest id among ties
-            w = tl.where(offs_k == k, best, w)
-            ids = tl.where(offs_k == k, idx, ids)
-            p = tl.where(offs_e == idx, -1.0, p)
-    if RENORMALIZE:
-        w = w / tl.sum(w, axis=0)
-    w = tl.where(live, w, 0.0)
-    ids = tl.where(live, ids, -1)
-    return w, ids
-
-
-@triton.jit
-def _store_picks(weights_ptr, ids_ptr, row, w, ids, NUM_TOPK: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """A row's picks to ``weights`` fp32 / ``ids`` int64 ``[padded_bs, NUM_TOPK]``."""
-    offs_k = tl.arange(0, BLOCK_K)
-    kmask = offs_k < NUM_TOPK
-    tl.store(weights_ptr + row * NUM_TOPK + offs_k, w, mask=kmask)
-    tl.store(ids_ptr + row * NUM_TOPK + offs_k, ids.to(tl.int64), mask=kmask)
-
-
-@triton.jit
-def _softmax_row(
-    logits_ptr,  # [padded_bs, num_experts] bf16/fp16/fp32, last dim contiguous
-    weights_ptr,  # fp32 [padded_bs, NUM_TOPK] out, contiguous
-    ids_ptr,  # int64 [padded_bs, NUM_TOPK] out, contiguous
-    row,  # int32: the row this program routes
-    live,  # bool: row < n (else ids -1, weights 0)
-    num_experts,  # int: router columns
-    stride_l,  # int: row stride of logits (elements)
-    NUM_TOPK: tl.constexpr,  # experts picked per row
-    BLOCK_E: tl.constexpr,  # next power of 2 >= num_experts
-    BLOCK_K: tl.constexpr,  # next power of 2 >= NUM_TOPK
-    RENORMALIZE: tl.constexpr,  # rescale the k weights to sum to 1
-    PACKED: tl.constexpr,  # one int64 max per pick (module docstring)
-):
-    """Softmax top-k of one row: reads ``logits_ptr + row * stride_l``, writes the row's
-    weights and ids. The body of ``_topk_softmax_kernel``, shared with the fused router
-    (``kernels.router_topk``), which calls it once the row's logits are stored."""
-    w, ids = _softmax_pick(logits_ptr, row, live, num_experts, stride_l, NUM_TOPK, BLOCK_E,
-                           BLOCK_K, RENORMALIZE, PACKED)
-    _store_picks(weights_ptr, ids_ptr, row, w, ids, NUM_TOPK, BLOCK_K)
 
 
 @triton.jit
@@ -210,107 +68,6 @@ def _topk_softmax_kernel(
     live = row < tl.load(n_ptr)
     _softmax_row(logits_ptr, weights_ptr, ids_ptr, row, live, num_experts, stride_l,
                  NUM_TOPK, BLOCK_E, BLOCK_K, RENORMALIZE, PACKED)
-
-
-@triton.jit
-def _grouped_sigmoid_pick(
-    logits_ptr,  # [padded_bs, num_experts] bf16/fp16/fp32, last dim contiguous
-    bias_ptr,  # fp32 [num_experts]: e_score_correction_bias
-    row,  # int32: the row routed
-    live,  # bool: row < n (else ids -1, weights 0)
-    stride_l,  # int: row stride of logits (elements)
-    scaling,  # fp32: routed_scaling_factor applied to the final weights
-    N_GROUP: tl.constexpr,  # expert groups
-    GROUP_SIZE: tl.constexpr,  # experts per group (num_experts // N_GROUP)
-    TOPK_GROUP: tl.constexpr,  # groups kept per row
-    NUM_TOPK: tl.constexpr,  # experts picked per row
-    BLOCK_G: tl.constexpr,  # next power of 2 >= N_GROUP
-    BLOCK_S: tl.constexpr,  # next power of 2 >= GROUP_SIZE
-    BLOCK_K: tl.constexpr,  # next power of 2 >= NUM_TOPK
-    RENORMALIZE: tl.constexpr,  # rescale the k weights to sum to 1 (before scaling)
-    PACKED: tl.constexpr,  # one int64 max per pick (module docstring)
-):
-    """Grouped sigmoid top-k of one row, in registers: ``(w fp32 [BLOCK_K], ids int32
-    [BLOCK_K])``, lanes past NUM_TOPK unspecified. Shared by ``_grouped_sigmoid_row`` and the
-    routing dispatch (``kernels.route_dispatch``), so their picks are one computation."""
-    g1 = tl.arange(0, BLOCK_G)  # [BLOCK_G]
-    g = g1[:, None]  # [BLOCK_G, 1]
-    j = tl.arange(0, BLOCK_S)[None, :]  # [1, BLOCK_S]
-    valid = (g < N_GROUP) & (j < GROUP_SIZE)  # [BLOCK_G, BLOCK_S]
-    eid = tl.where(valid, g * GROUP_SIZE + j, -1)  # expert id per lane, -1 on padding lanes
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_l
-    x = tl.load(row_ptr + eid, mask=valid, other=0.0).to(tl.float32)
-    s = tl.where(valid, _sigmoid(x), 0.0)  # sigmoid scores
-    b = tl.load(bias_ptr + eid, mask=valid, other=0.0).to(tl.float32)
-    c = tl.where(valid, s + b, float("-inf"))  # scores used for choice
-    offs_k = tl.arange(0, BLOCK_K)
-    kmask = offs_k < NUM_TOPK
-    if PACKED:
-        key = tl.where(valid, _pack(c, N_GROUP * GROUP_SIZE - 1 - eid), _NO_KEY)
-        keep = _top_groups_packed(key, g1, N_GROUP, TOPK_GROUP)
-        key = tl.where(keep[:, None] | ~valid, key, _sunk(key))  # dropped groups: -inf, as c
-        ids = N_GROUP * GROUP_SIZE - 1 - _key_low(_top_keys(key, NUM_TOPK, BLOCK_K))
-        # the keys hold s + bias; the weight is s: the same expression on the k picked logits
-        xk = tl.load(row_ptr + ids, mask=kmask, other=0.0).to(tl.float32)
-        w = tl.where(kmask, _sigmoid(xk), 0.0)
-    else:
-        # group score = sum of the two best choice values of each group
-        m1 = tl.max(c, axis=1)  # [BLOCK_G]
-        i1 = tl.min(tl.where(c == m1[:, None], j, BLOCK_S), axis=1)
-        m2 = tl.max(tl.where(j == i1[:, None], float("-inf"), c), axis=1)
-        gs = tl.where(g1 < N_GROUP, m1 + m2, float("-inf"))
-        keep = g1 < 0  # all False, [BLOCK_G]
-        for _ in tl.static_range(TOPK_GROUP):
-            gbest = tl.max(gs, axis=0)
-            gi = tl.min(tl.where((gs == gbest) & (g1 < N_GROUP) & (~keep), g1, BLOCK_G), axis=0)
-            keep = keep | (g1 == gi)
-            gs = tl.where(g1 == gi, float("-inf"), gs)
-        c = tl.where(keep[:, None] & valid, c, float("-inf"))
-        w = tl.zeros([BLOCK_K], dtype=tl.float32)
-        ids = tl.full([BLOCK_K], -1, dtype=tl.int32)
-        big = BLOCK_G * BLOCK_S
-        for k in tl.static_range(NUM_TOPK):
-            best = tl.max(tl.max(c, axis=1), axis=0)
-            hit = (c == best) & valid
-            idx = tl.min(tl.min(tl.where(hit, eid, big), axis=1), axis=0)  # lowest id among ties
-            wk = tl.sum(tl.sum(tl.where(eid == idx, s, 0.0), axis=1), axis=0)
-            w = tl.where(offs_k == k, wk, w)
-            ids = tl.where(offs_k == k, idx, ids)
-            c = tl.where(eid == idx, float("-inf"), c)
-    if RENORMALIZE:
-        w = w / tl.sum(w, axis=0)
-    w = tl.where(live, w * scaling, 0.0)
-    ids = tl.where(live, ids, -1)
-    return w, ids
-
-
-@triton.jit
-def _grouped_sigmoid_row(
-    logits_ptr,  # [padded_bs, num_experts] bf16/fp16/fp32, last dim contiguous
-    bias_ptr,  # fp32 [num_experts]: e_score_correction_bias
-    weights_ptr,  # fp32 [padded_bs, NUM_TOPK] out, contiguous
-    ids_ptr,  # int64 [padded_bs, NUM_TOPK] out, contiguous
-    row,  # int32: the row this program routes
-    live,  # bool: row < n (else ids -1, weights 0)
-    stride_l,  # int: row stride of logits (elements)
-    scaling,  # fp32: routed_scaling_factor applied to the final weights
-    N_GROUP: tl.constexpr,  # expert groups
-    GROUP_SIZE: tl.constexpr,  # experts per group (num_experts // N_GROUP)
-    TOPK_GROUP: tl.constexpr,  # groups kept per row
-    NUM_TOPK: tl.constexpr,  # experts picked per row
-    BLOCK_G: tl.constexpr,  # next power of 2 >= N_GROUP
-    BLOCK_S: tl.constexpr,  # next power of 2 >= GROUP_SIZE
-    BLOCK_K: tl.constexpr,  # next power of 2 >= NUM_TOPK
-    RENORMALIZE: tl.constexpr,  # rescale the k weights to sum to 1 (before scaling)
-    PACKED: tl.constexpr,  # one int64 max per pick (module docstring)
-):
-    """Grouped sigmoid top-k of one row: reads ``logits_ptr + row * stride_l``, writes the
-    row's weights and ids. The body of ``_grouped_topk_sigmoid_kernel``, shared with the fused
-    router (``kernels.router_topk``), which calls it once the row's logits are stored."""
-    w, ids = _grouped_sigmoid_pick(logits_ptr, bias_ptr, row, live, stride_l, scaling, N_GROUP,
-                                   GROUP_SIZE, TOPK_GROUP, NUM_TOPK, BLOCK_G, BLOCK_S, BLOCK_K,
-                                   RENORMALIZE, PACKED)
-    _store_picks(weights_ptr, ids_ptr, row, w, ids, NUM_TOPK, BLOCK_K)
 
 
 @triton.jit

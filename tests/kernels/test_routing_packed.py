@@ -14,9 +14,9 @@ import triton.language as tl
 from graphrt.env import env_flag
 from graphrt.kernels import routing
 from graphrt.kernels._util import interpreting
-from graphrt.kernels.routing import (_NEG_INF_KEY, _key_low, _key_score, _pack,
-                                     grouped_topk_sigmoid, grouped_topk_sigmoid_ref,
+from graphrt.kernels.routing import (grouped_topk_sigmoid, grouped_topk_sigmoid_ref,
                                      topk_softmax, topk_softmax_ref)
+from graphrt.kernels.routing_rows import _NEG_INF_KEY, _key_low, _key_score, _pack
 
 from tests.kernels.sm90 import compile_results
 
