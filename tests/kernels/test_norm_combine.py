@@ -151,3 +151,33 @@ def test_gpu_norm_gemv_with_the_combine_bitwise_at_the_qkv_shape(cuda_device, n_
     for extra in (False, True):
         got, want = _gemv_both(x, d, combine, nw, w, extra)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+NORM_SM90 = '''
+    from graphrt.kernels.norm import _add_rmsnorm_kernel
+
+    sig = dict(x_ptr="*bf16", d1_ptr="*bf16", d2_ptr="*bf16", w_ptr="*bf16", res_ptr="*bf16",
+               out_ptr="*bf16", hidden="i32", eps="fp32", stride_x="i32", stride_d1="i32",
+               stride_d2="i32", stride_res="i32", stride_out="i32", cy_ptr="*bf16",
+               cids_ptr="*i64", cw_ptr="*fp32", cpos_ptr="*i32", cn_ptr="*i32", cap="i32",
+               num_experts="i32")
+    out = {}
+    for block, warps in ((2048, 4), (8192, 16)):
+        for na in (1, 2):
+            p = ptx(_add_rmsnorm_kernel, sig, dict(NUM_ADD=na, BLOCK=block, COMBINE=True,
+                    NUM_TOPK=8, USE_GDC=2), num_warps=warps)
+            wait, load = p.find("griddepcontrol.wait"), p.find("ld.global")
+            out[f"{block}-{na}"] = [wait >= 0, 0 <= load < wait]
+    print(json.dumps(out))
+'''
+
+
+def test_add_rmsnorm_with_the_combine_compiles_for_sm90():
+    """The real compiler (sm_90 PTX, on the CPU) at the qwen3-like and dsv3-like hidden
+    sizes: it compiles and reads nothing before its PDL wait (y, ids and pos are the kernels'
+    before it). The norm GEMV's variant: tests/kernels/test_compile_sm90.py."""
+    from tests.kernels.sm90 import compile_results
+    res = compile_results(NORM_SM90)
+    assert len(res) == 4
+    for key, (waits, load_first) in res.items():
+        assert waits and not load_first, key

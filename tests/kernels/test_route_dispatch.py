@@ -128,3 +128,35 @@ def test_gpu_route_dispatch_bitwise_eager_and_replayed(cuda_device, rows, n_live
         dispatch_masked(x, ids, **two)
         two.update(out_weights=w, out_ids=ids)
         _assert_same(outs, two)
+
+
+ROUTE_SM90 = '''
+    from graphrt.kernels.route_dispatch import _route_dispatch_kernel
+
+    sig = dict(logits_ptr="*bf16", bias_ptr="*fp32", n_ptr="*i32", x_ptr="*bf16",
+               weights_ptr="*fp32", ids_ptr="*i64", recv_ptr="*bf16", masked_m_ptr="*i32",
+               src_idx_ptr="*i32", pos_ptr="*i32", num_experts="i32", hidden="i32", cap="i32",
+               stride_l="i32", stride_x="i32", scaling="fp32")
+    out = {}
+    for rows, grouped, packed in ((1, False, True), (4, False, False), (1, True, True),
+                                  (2, True, False)):
+        g = dict(N_GROUP=8, GROUP_SIZE=32, TOPK_GROUP=4, BLOCK_G=8, BLOCK_S=32) if grouped \\
+            else dict(N_GROUP=1, GROUP_SIZE=1, TOPK_GROUP=1, BLOCK_G=1, BLOCK_S=1)
+        p = ptx(_route_dispatch_kernel, sig, dict(
+            ROWS=rows, NUM_TOPK=8, BLOCK_K=8, BLOCK=max(16, 8 * rows), EB=64, BLOCK_H=1024,
+            GROUPED=grouped, BLOCK_E=256 if grouped else 64, **g, RENORMALIZE=True,
+            PACKED=packed, USE_GDC=2), num_warps=1)
+        wait, load = p.find("griddepcontrol.wait"), p.find("ld.global")
+        out[f"{rows}-{grouped}-{packed}"] = [wait >= 0, 0 <= load < wait]
+    print(json.dumps(out))
+'''
+
+
+def test_route_dispatch_compiles_for_sm90_and_waits_before_reading():
+    """The real compiler (sm_90 PTX, on the CPU): every variant compiles, waits for the
+    kernel before it (PDL) and reads nothing before that wait (the logits are its output)."""
+    from tests.kernels.sm90 import compile_results
+    res = compile_results(ROUTE_SM90)
+    assert len(res) == 4
+    for key, (waits, load_first) in res.items():
+        assert waits and not load_first, key
