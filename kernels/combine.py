@@ -111,6 +111,17 @@ def check_combine(combine, rows: int, hidden: int, device) -> tuple:
     return _check_args(tuple(combine), rows, hidden, device, "combine ")
 
 
+def combine_kernel_args(combine, x: torch.Tensor) -> tuple[tuple, dict]:
+    """A norm kernel's combine arguments for rows ``x`` ``[rows, hidden]``: ``(cy, cids, cw,
+    cpos, cn, cap, num_experts)`` and its constexprs ``COMBINE`` / ``NUM_TOPK``, checked by
+    :func:`check_combine`; with ``combine=None`` tensors that the kernel never reads stand in.
+    Host-only."""
+    if combine is None:
+        return (x,) * 5 + (0, 0), {}
+    *args, num_topk = check_combine(combine, x.shape[0], x.shape[1], x.device)
+    return tuple(args), dict(COMBINE=True, NUM_TOPK=num_topk)
+
+
 def _check_args(args: tuple, rows, hidden, device, prefix: str) -> tuple:
     """The combine's inputs checked (``rows`` / ``hidden`` / ``device``: None for any;
     ``prefix`` starts each name) -> ``(*args, cap, num_local_experts, num_topk)``."""

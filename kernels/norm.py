@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ._pdl import pdl_prologue
 from ._util import check, check_tensor, pdl_args
-from .combine import _combine_row, check_combine
+from .combine import _combine_row, combine_kernel_args
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HIDDEN = 32768  # one row per program must fit in registers
@@ -105,10 +105,8 @@ def add_rmsnorm(x: torch.Tensor, *deltas: torch.Tensor, weight: torch.Tensor, ep
         check_tensor(d, f"deltas[{i}]", **like)
     check_tensor(weight, "weight", shape=(hidden,), dtype=_DTYPES, device=x.device, contiguous=True)
     check_tensor(out, "out", **like)
-    cargs, ckw = (x,) * 5 + (0, 0), {}
+    cargs, ckw = combine_kernel_args(combine, x)
     if combine is not None:
-        *cargs, num_topk = check_combine(combine, rows, hidden, x.device)
-        ckw = dict(COMBINE=True, NUM_TOPK=num_topk)
         deltas = (x, *deltas)  # a stand-in for d1 (not read): NUM_ADD counts the combine
     if deltas:
         if out_residual is None:

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ._pdl import pdl_trigger, pdl_wait
 from ._util import check, check_tensor, pdl_args
-from .combine import _combine_row, check_combine
+from .combine import _combine_row, combine_kernel_args
 from .dense_gemv import dense_gemv_rows_config
 
 MAX_K = 4096  # the whole row in one round
@@ -157,10 +157,8 @@ def norm_gemv_rows(x: torch.Tensor, *deltas: torch.Tensor, norm_weight: torch.Te
     check_tensor(w, "w", shape=(None, k), dtype=torch.bfloat16, device=x.device, contiguous=True)
     n = w.shape[0]
     check_tensor(out, "out", shape=(m, n), dtype=torch.bfloat16, device=x.device, contiguous=True)
-    cargs, ckw = (x,) * 5 + (0, 0), {}
+    cargs, ckw = combine_kernel_args(combine, x)
     if combine is not None:
-        *cargs, num_topk = check_combine(combine, m, k, x.device)
-        ckw = dict(COMBINE=True, NUM_TOPK=num_topk)
         deltas = (x, *deltas)  # a stand-in for d1 (not read): NUM_ADD counts the combine
     if deltas:
         check(out_residual is not None, "out_residual", "a bf16 [m, k] tensor when deltas are given",

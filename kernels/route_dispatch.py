@@ -31,7 +31,7 @@ from ._pdl import pdl_prologue
 from ._util import check, pdl_args
 from .dispatch import (FUSED_LIMIT, _dispatch_count, _dispatch_flat_id, _X_DTYPES, check_outputs,
                        fused_launch)
-from .routing import PACKED, _check_common, _check_grouped, _packed_warps
+from .routing import PACKED, _check_common, _check_grouped, grouped_config, softmax_warps
 from .routing_rows import _grouped_sigmoid_pick, _softmax_pick, _store_picks
 
 MAX_ROWS = 4  # rows a launch routes (every program routes them all)
@@ -135,21 +135,17 @@ def route_dispatch(x, logits, n, num_topk, *, out_weights, out_ids, out_recv_x, 
     check(num_flat <= FUSED_LIMIT, "padded_bs * num_topk", f"<= {FUSED_LIMIT}", num_flat)
     packed = PACKED if packed is None else bool(packed)
     grouped = routing == "grouped_sigmoid"
-    group = dict(N_GROUP=1, GROUP_SIZE=1, TOPK_GROUP=1, BLOCK_G=1, BLOCK_S=1)
-    block_e = triton.next_power_of_2(num_experts)
-    warps = 4 if block_e >= 256 else 1  # topk_softmax's: they fix the order of its sums
-    if grouped:
+    if grouped:  # the top-k launchers' constexprs and warps, so the picks are theirs bitwise
         size = _check_grouped(bias, num_experts, num_topk, n_group, topk_group, logits.device)
-        group = dict(N_GROUP=n_group, GROUP_SIZE=size, TOPK_GROUP=topk_group,
-                     BLOCK_G=triton.next_power_of_2(n_group),
-                     BLOCK_S=triton.next_power_of_2(size))
-        lanes = group["BLOCK_G"] * group["BLOCK_S"]
-        warps = _packed_warps(lanes) if packed else (4 if num_experts >= 256 else 1)
+        group, warps = grouped_config(num_experts, n_group, size, topk_group, packed)
+    else:
+        group = dict(N_GROUP=1, GROUP_SIZE=1, TOPK_GROUP=1, BLOCK_G=1, BLOCK_S=1)
+        warps = softmax_warps(num_experts)
     grid, const = fused_launch(num_flat, num_experts, x.shape[1])
     _route_dispatch_kernel[grid](
         logits, bias if grouped else logits, n, x, out_weights, out_ids, out_recv_x,
         out_masked_m, out_src_idx, out_pos, num_experts, x.shape[1], cap, logits.stride(0),
         x.stride(0), float(routed_scaling_factor), ROWS=padded_bs, NUM_TOPK=num_topk,
-        BLOCK_K=triton.next_power_of_2(num_topk), **const, GROUPED=grouped, BLOCK_E=block_e,
+        BLOCK_K=triton.next_power_of_2(num_topk), **const, GROUPED=grouped, BLOCK_E=triton.next_power_of_2(num_experts),
         **group, RENORMALIZE=bool(renormalize), PACKED=packed, num_warps=warps, **pdl_args())
     return out_weights, out_ids, out_recv_x, out_masked_m, out_src_idx, out_pos

@@ -21,8 +21,9 @@ then ``kernels.routing``); at 1-16 rows both are latency, not bandwidth. Here on
   replays), rounds to h's dtype (as a GEMM writing bf16 logits does) and stores the row to
   ``logits``. With ``num_splits == 1`` the one program does it all: no workspace, no atomic.
 - **Top-k by routing's own code.** After a CTA barrier (its threads see the row it just
-  stored) that program calls ``kernels.routing``'s per-row body (``_softmax_row`` or
-  ``_grouped_sigmoid_row``) on the stored row. The picks are routing's picks of these logits;
+  stored) that program runs the top-k's per-row body on the stored row
+  (``kernels.routing_rows``: ``_softmax_pick`` or ``_grouped_sigmoid_pick``, then
+  ``_store_picks``). The picks are routing's picks of these logits;
   on the GPU bit for bit for the grouped body (its only sums run over the k picks) and for
   softmax from 256 experts; below 256 the routing launcher runs softmax on one warp and this
   kernel on four, so the softmax normaliser's sum (and a weight's last bits) may differ.
@@ -57,7 +58,7 @@ from . import routing as _routing
 from ._pdl import pdl_prologue
 from ._util import check, check_tensor, pdl_args
 from .routing import _check_common, _check_grouped, grouped_topk_sigmoid_ref, topk_softmax_ref
-from .routing_rows import _grouped_sigmoid_row, _softmax_row
+from .routing_rows import _grouped_sigmoid_pick, _softmax_pick, _store_picks
 
 ROUTINGS = ("softmax", "grouped_sigmoid")
 PROGRAMS_PER_SM = 2
@@ -126,18 +127,19 @@ def _route_row(acc, logits_ptr, bias_ptr, weights_ptr, ids_ptr, row, live, num_e
                N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
                BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr):
     """Store the row's logits (``acc`` rounded to the logits dtype), then route that row with
-    ``kernels.routing``'s per-row body."""
+    the top-k's per-row picks (``kernels.routing_rows``)."""
     offs_e = tl.arange(0, BLOCK_E)
     tl.store(logits_ptr + row.to(tl.int64) * num_experts + offs_e,
              acc.to(logits_ptr.dtype.element_ty), mask=offs_e < num_experts)
     tl.debug_barrier()  # the row's stores before this program's own loads of it
     if GROUPED:
-        _grouped_sigmoid_row(logits_ptr, bias_ptr, weights_ptr, ids_ptr, row, live, num_experts,
-                             scaling, N_GROUP, GROUP_SIZE, TOPK_GROUP, NUM_TOPK, BLOCK_G,
-                             BLOCK_S, BLOCK_TOPK, RENORMALIZE, PACKED)
+        w, ids = _grouped_sigmoid_pick(logits_ptr, bias_ptr, row, live, num_experts, scaling,
+                                       N_GROUP, GROUP_SIZE, TOPK_GROUP, NUM_TOPK, BLOCK_G,
+                                       BLOCK_S, BLOCK_TOPK, RENORMALIZE, PACKED)
     else:
-        _softmax_row(logits_ptr, weights_ptr, ids_ptr, row, live, num_experts, num_experts,
-                     NUM_TOPK, BLOCK_E, BLOCK_TOPK, RENORMALIZE, PACKED)
+        w, ids = _softmax_pick(logits_ptr, row, live, num_experts, num_experts, NUM_TOPK,
+                               BLOCK_E, BLOCK_TOPK, RENORMALIZE, PACKED)
+    _store_picks(weights_ptr, ids_ptr, row, w, ids, NUM_TOPK, BLOCK_TOPK)
 
 
 @triton.jit

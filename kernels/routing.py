@@ -24,7 +24,7 @@ are bitwise equal to the unpacked kernels' for any logits without NaN (NaN in a 
 unspecified).
 
 Each kernel is ``pdl_prologue`` plus a per-row body (``kernels.routing_rows``, with the packed
-keys' helpers), ``_softmax_row`` / ``_grouped_sigmoid_row``
+keys' helpers), ``_softmax_pick`` / ``_grouped_sigmoid_pick`` then ``_store_picks``
 (read one logits row, write its weights and ids): ``kernels.router_topk`` calls the same bodies
 after its router GEMV, so its picks are these kernels' picks of its logits.
 
@@ -40,7 +40,7 @@ from graphrt.env import env_flag
 
 from ._pdl import pdl_prologue
 from ._util import check, check_tensor, pdl_args
-from .routing_rows import _grouped_sigmoid_row, _softmax_row
+from .routing_rows import _grouped_sigmoid_pick, _softmax_pick, _store_picks
 
 _LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_EXPERTS = 512
@@ -66,8 +66,9 @@ def _topk_softmax_kernel(
     pdl_prologue(USE_GDC)
     row = tl.program_id(0)
     live = row < tl.load(n_ptr)
-    _softmax_row(logits_ptr, weights_ptr, ids_ptr, row, live, num_experts, stride_l,
-                 NUM_TOPK, BLOCK_E, BLOCK_K, RENORMALIZE, PACKED)
+    w, ids = _softmax_pick(logits_ptr, row, live, num_experts, stride_l, NUM_TOPK, BLOCK_E,
+                           BLOCK_K, RENORMALIZE, PACKED)
+    _store_picks(weights_ptr, ids_ptr, row, w, ids, NUM_TOPK, BLOCK_K)
 
 
 @triton.jit
@@ -93,9 +94,10 @@ def _grouped_topk_sigmoid_kernel(
     pdl_prologue(USE_GDC)
     row = tl.program_id(0)
     live = row < tl.load(n_ptr)
-    _grouped_sigmoid_row(logits_ptr, bias_ptr, weights_ptr, ids_ptr, row, live, stride_l,
-                         scaling, N_GROUP, GROUP_SIZE, TOPK_GROUP, NUM_TOPK, BLOCK_G, BLOCK_S,
-                         BLOCK_K, RENORMALIZE, PACKED)
+    w, ids = _grouped_sigmoid_pick(logits_ptr, bias_ptr, row, live, stride_l, scaling, N_GROUP,
+                                   GROUP_SIZE, TOPK_GROUP, NUM_TOPK, BLOCK_G, BLOCK_S, BLOCK_K,
+                                   RENORMALIZE, PACKED)
+    _store_picks(weights_ptr, ids_ptr, row, w, ids, NUM_TOPK, BLOCK_K)
 
 
 def _check_common(logits, n, num_topk, out_weights, out_ids):
@@ -138,6 +140,24 @@ def _packed_warps(lanes):
     return max(1, lanes // 256)
 
 
+def softmax_warps(num_experts: int) -> int:
+    """num_warps of a softmax top-k launch. A launch whose weights must be this kernel's bit
+    for bit (``kernels.route_dispatch``) runs on these too: the order of the normaliser's sum
+    over the experts depends on them. Host-only."""
+    return 4 if triton.next_power_of_2(num_experts) >= 256 else 1
+
+
+def grouped_config(num_experts: int, n_group: int, group_size: int, topk_group: int,
+                   packed: bool) -> tuple[dict, int]:
+    """``(constexprs N_GROUP / GROUP_SIZE / TOPK_GROUP / BLOCK_G / BLOCK_S, num_warps)`` of a
+    grouped sigmoid top-k launch (``_check_grouped``'s group size), shared by every launch
+    that runs ``_grouped_sigmoid_pick``. Host-only."""
+    block_g, block_s = triton.next_power_of_2(n_group), triton.next_power_of_2(group_size)
+    warps = _packed_warps(block_g * block_s) if packed else (4 if num_experts >= 256 else 1)
+    return dict(N_GROUP=n_group, GROUP_SIZE=group_size, TOPK_GROUP=topk_group, BLOCK_G=block_g,
+                BLOCK_S=block_s), warps
+
+
 def topk_softmax(logits, n, num_topk, *, out_weights, out_ids, renormalize=True,
                  packed: bool | None = None):
     """Softmax over experts (fp32), top-``num_topk``, optional renormalisation.
@@ -159,7 +179,7 @@ def topk_softmax(logits, n, num_topk, *, out_weights, out_ids, renormalize=True,
     _topk_softmax_kernel[(padded_bs,)](
         logits, n, out_weights, out_ids, num_experts, logits.stride(0),
         NUM_TOPK=num_topk, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(num_topk),
-        RENORMALIZE=bool(renormalize), PACKED=packed, num_warps=4 if block_e >= 256 else 1,
+        RENORMALIZE=bool(renormalize), PACKED=packed, num_warps=softmax_warps(num_experts),
         **pdl_args())
     return out_weights, out_ids
 
@@ -187,14 +207,11 @@ def grouped_topk_sigmoid(logits, bias, n, num_topk, n_group, topk_group, *, out_
     if padded_bs == 0:
         return out_weights, out_ids
     packed = PACKED if packed is None else bool(packed)
-    block_g, block_s = triton.next_power_of_2(n_group), triton.next_power_of_2(group_size)
+    group, warps = grouped_config(num_experts, n_group, group_size, topk_group, packed)
     _grouped_topk_sigmoid_kernel[(padded_bs,)](
         logits, bias, n, out_weights, out_ids, logits.stride(0), float(routed_scaling_factor),
-        N_GROUP=n_group, GROUP_SIZE=group_size, TOPK_GROUP=topk_group, NUM_TOPK=num_topk,
-        BLOCK_G=block_g, BLOCK_S=block_s, BLOCK_K=triton.next_power_of_2(num_topk),
-        RENORMALIZE=bool(renormalize), PACKED=packed,
-        num_warps=_packed_warps(block_g * block_s) if packed else (4 if num_experts >= 256 else 1),
-        **pdl_args())
+        **group, NUM_TOPK=num_topk, BLOCK_K=triton.next_power_of_2(num_topk),
+        RENORMALIZE=bool(renormalize), PACKED=packed, num_warps=warps, **pdl_args())
     return out_weights, out_ids
 
 

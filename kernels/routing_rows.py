@@ -3,12 +3,11 @@ module docstring describes the keys and the two routings).
 
 - ``_softmax_pick`` / ``_grouped_sigmoid_pick``: one row's picks in registers,
   ``(w fp32 [BLOCK_K], ids int32 [BLOCK_K])``, padded rows already ids -1 and weights 0;
-- ``_store_picks``: a row's picks to the ``[padded_bs, NUM_TOPK]`` outputs;
-- ``_softmax_row`` / ``_grouped_sigmoid_row``: pick, then store: the bodies of
-  ``kernels.routing``'s two kernels and of the fused router (``kernels.router_topk``).
+- ``_store_picks``: a row's picks to the ``[padded_bs, NUM_TOPK]`` outputs.
 
-The routing dispatch (``kernels.route_dispatch``) calls the picks directly, so every caller's
-picks are one computation.
+``kernels.routing``'s two kernels, the fused router (``kernels.router_topk``) and the
+routing dispatch (``kernels.route_dispatch``) all pick with these, so every caller's picks
+are one computation.
 
 Graph safety: device functions only (``@triton.jit``), called from the launchers' kernels.
 """
@@ -100,8 +99,7 @@ def _softmax_pick(
     PACKED: tl.constexpr,  # one int64 max per pick (module docstring)
 ):
     """Softmax top-k of one row, in registers: ``(w fp32 [BLOCK_K], ids int32 [BLOCK_K])``,
-    lanes past NUM_TOPK unspecified. Shared by ``_softmax_row`` and the routing dispatch
-    (``kernels.route_dispatch``), so their picks are one computation."""
+    lanes past NUM_TOPK unspecified (module docstring: its callers)."""
     offs_e = tl.arange(0, BLOCK_E)
     emask = offs_e < num_experts
     x = tl.load(logits_ptr + row.to(tl.int64) * stride_l + offs_e, mask=emask, other=0.0)
@@ -141,29 +139,6 @@ def _store_picks(weights_ptr, ids_ptr, row, w, ids, NUM_TOPK: tl.constexpr,
 
 
 @triton.jit
-def _softmax_row(
-    logits_ptr,  # [padded_bs, num_experts] bf16/fp16/fp32, last dim contiguous
-    weights_ptr,  # fp32 [padded_bs, NUM_TOPK] out, contiguous
-    ids_ptr,  # int64 [padded_bs, NUM_TOPK] out, contiguous
-    row,  # int32: the row this program routes
-    live,  # bool: row < n (else ids -1, weights 0)
-    num_experts,  # int: router columns
-    stride_l,  # int: row stride of logits (elements)
-    NUM_TOPK: tl.constexpr,  # experts picked per row
-    BLOCK_E: tl.constexpr,  # next power of 2 >= num_experts
-    BLOCK_K: tl.constexpr,  # next power of 2 >= NUM_TOPK
-    RENORMALIZE: tl.constexpr,  # rescale the k weights to sum to 1
-    PACKED: tl.constexpr,  # one int64 max per pick (module docstring)
-):
-    """Softmax top-k of one row: reads ``logits_ptr + row * stride_l``, writes the row's
-    weights and ids. The body of ``_topk_softmax_kernel``, shared with the fused router
-    (``kernels.router_topk``), which calls it once the row's logits are stored."""
-    w, ids = _softmax_pick(logits_ptr, row, live, num_experts, stride_l, NUM_TOPK, BLOCK_E,
-                           BLOCK_K, RENORMALIZE, PACKED)
-    _store_picks(weights_ptr, ids_ptr, row, w, ids, NUM_TOPK, BLOCK_K)
-
-
-@triton.jit
 def _grouped_sigmoid_pick(
     logits_ptr,  # [padded_bs, num_experts] bf16/fp16/fp32, last dim contiguous
     bias_ptr,  # fp32 [num_experts]: e_score_correction_bias
@@ -182,8 +157,7 @@ def _grouped_sigmoid_pick(
     PACKED: tl.constexpr,  # one int64 max per pick (module docstring)
 ):
     """Grouped sigmoid top-k of one row, in registers: ``(w fp32 [BLOCK_K], ids int32
-    [BLOCK_K])``, lanes past NUM_TOPK unspecified. Shared by ``_grouped_sigmoid_row`` and the
-    routing dispatch (``kernels.route_dispatch``), so their picks are one computation."""
+    [BLOCK_K])``, lanes past NUM_TOPK unspecified (module docstring: its callers)."""
     g1 = tl.arange(0, BLOCK_G)  # [BLOCK_G]
     g = g1[:, None]  # [BLOCK_G, 1]
     j = tl.arange(0, BLOCK_S)[None, :]  # [1, BLOCK_S]
@@ -233,32 +207,3 @@ def _grouped_sigmoid_pick(
     w = tl.where(live, w * scaling, 0.0)
     ids = tl.where(live, ids, -1)
     return w, ids
-
-
-@triton.jit
-def _grouped_sigmoid_row(
-    logits_ptr,  # [padded_bs, num_experts] bf16/fp16/fp32, last dim contiguous
-    bias_ptr,  # fp32 [num_experts]: e_score_correction_bias
-    weights_ptr,  # fp32 [padded_bs, NUM_TOPK] out, contiguous
-    ids_ptr,  # int64 [padded_bs, NUM_TOPK] out, contiguous
-    row,  # int32: the row this program routes
-    live,  # bool: row < n (else ids -1, weights 0)
-    stride_l,  # int: row stride of logits (elements)
-    scaling,  # fp32: routed_scaling_factor applied to the final weights
-    N_GROUP: tl.constexpr,  # expert groups
-    GROUP_SIZE: tl.constexpr,  # experts per group (num_experts // N_GROUP)
-    TOPK_GROUP: tl.constexpr,  # groups kept per row
-    NUM_TOPK: tl.constexpr,  # experts picked per row
-    BLOCK_G: tl.constexpr,  # next power of 2 >= N_GROUP
-    BLOCK_S: tl.constexpr,  # next power of 2 >= GROUP_SIZE
-    BLOCK_K: tl.constexpr,  # next power of 2 >= NUM_TOPK
-    RENORMALIZE: tl.constexpr,  # rescale the k weights to sum to 1 (before scaling)
-    PACKED: tl.constexpr,  # one int64 max per pick (module docstring)
-):
-    """Grouped sigmoid top-k of one row: reads ``logits_ptr + row * stride_l``, writes the
-    row's weights and ids. The body of ``_grouped_topk_sigmoid_kernel``, shared with the fused
-    router (``kernels.router_topk``), which calls it once the row's logits are stored."""
-    w, ids = _grouped_sigmoid_pick(logits_ptr, bias_ptr, row, live, stride_l, scaling, N_GROUP,
-                                   GROUP_SIZE, TOPK_GROUP, NUM_TOPK, BLOCK_G, BLOCK_S, BLOCK_K,
-                                   RENORMALIZE, PACKED)
-    _store_picks(weights_ptr, ids_ptr, row, w, ids, NUM_TOPK, BLOCK_K)

@@ -48,20 +48,14 @@ class LocalComm:
                  topk_weights: torch.Tensor | None = None) -> Dispatched:
         """x ``[bs, hidden]`` bf16, topk_ids int64 ``[bs, num_topk]``. Padded rows carry id -1
         (the router's job), so they create no slots. Graph safety: capturable."""
-        from graphrt.kernels.dispatch import dispatch_masked, expected_m
-        bs, E = x.shape[0], self.num_local_experts
+        from graphrt.kernels.dispatch import dispatch_masked
+        bs = x.shape[0]
         if bs > self.max_tokens:
             raise ValueError(f"LocalComm.dispatch: {bs} tokens exceed max_tokens={self.max_tokens}; "
                              "build the comm with a larger max_tokens")
-        cap = self.cap_for(bs)
-        recv_x = self.ws.view("recv_x", (E, cap, self.hidden))
-        masked_m = self.masked_m
-        src_idx = self.ws.view("src_idx", (E, cap))
-        pos = self.ws.view("pos", (bs, topk_ids.shape[1]))
-        dispatch_masked(x, topk_ids, out_recv_x=recv_x, out_masked_m=masked_m,
-                        out_src_idx=src_idx, out_pos=pos)
-        em = expected_m(bs, topk_ids.shape[1], E, cap=cap)
-        return Dispatched(recv_x, masked_m, em, handle=pos)
+        outs, d = self._layout(bs, topk_ids.shape[1])
+        dispatch_masked(x, topk_ids, **outs)
+        return d
 
     def combine(self, y, topk_ids, topk_weights, d: Dispatched, n, *, out):
         """Weighted gather-reduce on the current stream. Graph safety: capturable."""
@@ -75,19 +69,24 @@ class LocalComm:
         ``(weights fp32, ids int64 [bs, num_topk], Dispatched)``, bitwise the top-k launch
         followed by :meth:`dispatch`. ``topk``: the router's ``topk_args()``. Graph safety:
         capturable."""
-        from graphrt.kernels.dispatch import expected_m
         from graphrt.kernels.route_dispatch import route_dispatch
-        bs, E = x.shape[0], self.num_local_experts
-        cap = self.cap_for(bs)
+        bs = x.shape[0]
         w = torch.empty(bs, num_topk, dtype=torch.float32, device=x.device)
         ids = torch.empty(bs, num_topk, dtype=torch.int64, device=x.device)
-        recv_x = self.ws.view("recv_x", (E, cap, self.hidden))
-        pos = self.ws.view("pos", (bs, num_topk))
-        route_dispatch(x, logits, n, num_topk, out_weights=w, out_ids=ids, out_recv_x=recv_x,
-                       out_masked_m=self.masked_m, out_src_idx=self.ws.view("src_idx", (E, cap)),
-                       out_pos=pos, **topk)
+        outs, d = self._layout(bs, num_topk)
+        route_dispatch(x, logits, n, num_topk, out_weights=w, out_ids=ids, **outs, **topk)
+        return w, ids, d
+
+    def _layout(self, bs: int, num_topk: int) -> tuple[dict, Dispatched]:
+        """The static buffers a dispatch of ``bs`` rows writes, as ``dispatch_masked``'s
+        ``out_*`` keywords, and the ``Dispatched`` that hands them on. Host-only."""
+        from graphrt.kernels.dispatch import expected_m
+        E, cap = self.num_local_experts, self.cap_for(bs)
+        outs = dict(out_recv_x=self.ws.view("recv_x", (E, cap, self.hidden)),
+                    out_masked_m=self.masked_m, out_src_idx=self.ws.view("src_idx", (E, cap)),
+                    out_pos=self.ws.view("pos", (bs, num_topk)))
         em = expected_m(bs, num_topk, E, cap=cap)
-        return w, ids, Dispatched(recv_x, self.masked_m, em, handle=pos)
+        return outs, Dispatched(outs["out_recv_x"], self.masked_m, em, handle=outs["out_pos"])
 
     def combine_args(self, y, topk_ids, topk_weights, d: Dispatched, n) -> tuple:
         """The arguments of this comm's combine, ``kernels.combine.combine_masked(*args,

@@ -254,9 +254,6 @@ class Router:
         w = torch.empty(bs, cfg.num_topk, dtype=torch.float32, device=h.device)
         ids = torch.empty(bs, cfg.num_topk, dtype=torch.int64, device=h.device)
         if logits is None and self._fusable(h):
-            grouped = {} if cfg.routing == "softmax" else dict(
-                bias=self.bias, n_group=cfg.n_group, topk_group=cfg.topk_group,
-                routed_scaling_factor=cfg.routed_scaling_factor)
             from graphrt.kernels.dense_gemv import num_sms
             from graphrt.kernels.router_topk import router_topk, router_topk_workspace_shape
             logits = torch.empty(bs, cfg.num_experts, dtype=h.dtype, device=h.device)
@@ -265,7 +262,7 @@ class Router:
                              dtype=torch.float32, device=h.device)
             router_topk(h, self.w, n, cfg.num_topk, out_logits=logits, out_weights=w,
                         out_ids=ids, workspace=ws, semaphore=self._sem[:bs],
-                        routing=cfg.routing, **grouped)
+                        **self.topk_args())
             return w, ids
         if logits is not None:
             if not self.takes_logits():
@@ -287,8 +284,9 @@ class Router:
         return torch.addmm(self.logit_bias, h, self.w.t())
 
     def topk_args(self) -> dict:
-        """This router's top-k as ``kernels.route_dispatch.route_dispatch`` takes it:
-        ``routing`` and, for grouped sigmoid, its bias, groups and scaling. Host-only."""
+        """This router's top-k as ``kernels.route_dispatch.route_dispatch`` and
+        ``kernels.router_topk.router_topk`` take it: ``routing`` and, for grouped sigmoid, its
+        bias, groups and scaling. Host-only."""
         cfg = self.cfg
         if cfg.routing == "softmax":
             return dict(routing="softmax")
