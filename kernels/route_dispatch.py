@@ -32,7 +32,7 @@ from ._util import check, pdl_args
 from .dispatch import (FUSED_LIMIT, _dispatch_count, _dispatch_flat_id, _X_DTYPES, check_outputs,
                        fused_launch)
 from .routing import PACKED, _check_common, _check_grouped, grouped_config, softmax_warps
-from .routing_rows import _grouped_sigmoid_pick, _softmax_pick, _store_picks
+from .routing_rows import _pick, _store_picks
 
 MAX_ROWS = 4  # rows a launch routes (every program routes them all)
 ROUTINGS = ("softmax", "grouped_sigmoid")
@@ -73,13 +73,9 @@ def _route_dispatch_kernel(
     for r in tl.static_range(ROWS):
         row = f * 0 + r
         live = row < n_live
-        if GROUPED:
-            w, ids = _grouped_sigmoid_pick(logits_ptr, bias_ptr, row, live, stride_l, scaling,
-                                           N_GROUP, GROUP_SIZE, TOPK_GROUP, NUM_TOPK, BLOCK_G,
-                                           BLOCK_S, BLOCK_K, RENORMALIZE, PACKED)
-        else:
-            w, ids = _softmax_pick(logits_ptr, row, live, num_experts, stride_l, NUM_TOPK,
-                                   BLOCK_E, BLOCK_K, RENORMALIZE, PACKED)
+        w, ids = _pick(logits_ptr, bias_ptr, row, live, num_experts, stride_l, scaling, GROUPED,
+                       NUM_TOPK, BLOCK_E, BLOCK_K, RENORMALIZE, PACKED, N_GROUP, GROUP_SIZE,
+                       TOPK_GROUP, BLOCK_G, BLOCK_S)
         if (f == 0) & (hb == 0):
             _store_picks(weights_ptr, ids_ptr, row, w, ids, NUM_TOPK, BLOCK_K)
         sel = (offs[:, None] == r * NUM_TOPK + offs_k[None, :]) & (offs_k < NUM_TOPK)[None, :]

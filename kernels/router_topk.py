@@ -22,8 +22,7 @@ then ``kernels.routing``); at 1-16 rows both are latency, not bandwidth. Here on
   ``logits``. With ``num_splits == 1`` the one program does it all: no workspace, no atomic.
 - **Top-k by routing's own code.** After a CTA barrier (its threads see the row it just
   stored) that program runs the top-k's per-row body on the stored row
-  (``kernels.routing_rows``: ``_softmax_pick`` or ``_grouped_sigmoid_pick``, then
-  ``_store_picks``). The picks are routing's picks of these logits;
+  (``kernels.routing_rows``: ``_pick``, then ``_store_picks``). The picks are routing's picks of these logits;
   on the GPU bit for bit for the grouped body (its only sums run over the k picks) and for
   softmax from 256 experts; below 256 the routing launcher runs softmax on one warp and this
   kernel on four, so the softmax normaliser's sum (and a weight's last bits) may differ.
@@ -58,7 +57,7 @@ from . import routing as _routing
 from ._pdl import pdl_prologue
 from ._util import check, check_tensor, pdl_args
 from .routing import _check_common, _check_grouped, grouped_topk_sigmoid_ref, topk_softmax_ref
-from .routing_rows import _grouped_sigmoid_pick, _softmax_pick, _store_picks
+from .routing_rows import _pick, _store_picks
 
 ROUTINGS = ("softmax", "grouped_sigmoid")
 PROGRAMS_PER_SM = 2
@@ -132,13 +131,9 @@ def _route_row(acc, logits_ptr, bias_ptr, weights_ptr, ids_ptr, row, live, num_e
     tl.store(logits_ptr + row.to(tl.int64) * num_experts + offs_e,
              acc.to(logits_ptr.dtype.element_ty), mask=offs_e < num_experts)
     tl.debug_barrier()  # the row's stores before this program's own loads of it
-    if GROUPED:
-        w, ids = _grouped_sigmoid_pick(logits_ptr, bias_ptr, row, live, num_experts, scaling,
-                                       N_GROUP, GROUP_SIZE, TOPK_GROUP, NUM_TOPK, BLOCK_G,
-                                       BLOCK_S, BLOCK_TOPK, RENORMALIZE, PACKED)
-    else:
-        w, ids = _softmax_pick(logits_ptr, row, live, num_experts, num_experts, NUM_TOPK,
-                               BLOCK_E, BLOCK_TOPK, RENORMALIZE, PACKED)
+    w, ids = _pick(logits_ptr, bias_ptr, row, live, num_experts, num_experts, scaling, GROUPED,
+                   NUM_TOPK, BLOCK_E, BLOCK_TOPK, RENORMALIZE, PACKED, N_GROUP, GROUP_SIZE,
+                   TOPK_GROUP, BLOCK_G, BLOCK_S)
     _store_picks(weights_ptr, ids_ptr, row, w, ids, NUM_TOPK, BLOCK_TOPK)
 
 

@@ -3,6 +3,7 @@ module docstring describes the keys and the two routings).
 
 - ``_softmax_pick`` / ``_grouped_sigmoid_pick``: one row's picks in registers,
   ``(w fp32 [BLOCK_K], ids int32 [BLOCK_K])``, padded rows already ids -1 and weights 0;
+- ``_pick``: either one, by a constexpr;
 - ``_store_picks``: a row's picks to the ``[padded_bs, NUM_TOPK]`` outputs.
 
 ``kernels.routing``'s two kernels, the fused router (``kernels.router_topk``) and the
@@ -206,4 +207,22 @@ def _grouped_sigmoid_pick(
         w = w / tl.sum(w, axis=0)
     w = tl.where(live, w * scaling, 0.0)
     ids = tl.where(live, ids, -1)
+    return w, ids
+
+
+@triton.jit
+def _pick(logits_ptr, bias_ptr, row, live, num_experts, stride_l, scaling,
+          GROUPED: tl.constexpr, NUM_TOPK: tl.constexpr, BLOCK_E: tl.constexpr,
+          BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr, PACKED: tl.constexpr,
+          N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
+          BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr):
+    """``_grouped_sigmoid_pick`` (``GROUPED``) or ``_softmax_pick`` of one row, for the
+    kernels that serve either routing (``kernels.router_topk``, ``kernels.route_dispatch``)."""
+    if GROUPED:
+        w, ids = _grouped_sigmoid_pick(logits_ptr, bias_ptr, row, live, stride_l, scaling,
+                                       N_GROUP, GROUP_SIZE, TOPK_GROUP, NUM_TOPK, BLOCK_G,
+                                       BLOCK_S, BLOCK_K, RENORMALIZE, PACKED)
+    else:
+        w, ids = _softmax_pick(logits_ptr, row, live, num_experts, stride_l, NUM_TOPK, BLOCK_E,
+                               BLOCK_K, RENORMALIZE, PACKED)
     return w, ids
