@@ -259,36 +259,6 @@ def kv_append_ref(k, v, slot_mapping, n, *, k_cache, v_cache) -> None:
             v_cache[s // block_size, s % block_size] = v[b]
 
 # ----------------------------------------------------------------------------- decode attention
-def _check_decode_args(q, k_cache, v_cache, block_table, seq_lens, n, out, k_new, v_new,
-                       slot_mapping):
-    """The checks every decode-attention launcher makes (shapes, dtypes, devices, the
-    fused append's all-or-none); returns ``(num_blocks, block_size, num_kv_heads,
-    head_dim, max_ctx, append)``. Host-only."""
-    num_blocks, block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
-    dev = k_cache.device
-    check_tensor(q, "q", shape=(None, None, head_dim), dtype=torch.bfloat16, device=dev)
-    padded_bs, num_heads, _ = q.shape
-    check(num_heads >= 1 and num_heads % num_kv_heads == 0, "q.shape[1] (num_heads)",
-          f"a positive multiple of num_kv_heads={num_kv_heads}", num_heads)
-    check(q.stride(2) == 1, "q.stride(2)", 1, q.stride(2))
-    check_tensor(block_table, "block_table", shape=(padded_bs, None), dtype=torch.int32, device=dev)
-    max_blocks = block_table.shape[1]
-    check(max_blocks >= 1, "block_table.shape[1] (max_blocks_per_seq)", ">= 1", max_blocks)
-    check(block_table.stride(1) == 1, "block_table.stride(1)", 1, block_table.stride(1))
-    check_tensor(seq_lens, "seq_lens", shape=(padded_bs,), dtype=torch.int32, device=dev)
-    check_tensor(n, "n", shape=(1,), dtype=torch.int32, device=dev)
-    check_tensor(out, "out", shape=(padded_bs, num_heads, head_dim), dtype=torch.bfloat16, device=dev)
-    check(out.stride(2) == 1, "out.stride(2)", 1, out.stride(2))
-    new_kv = {"k_new": k_new, "v_new": v_new, "slot_mapping": slot_mapping}
-    given = [name for name, t in new_kv.items() if t is not None]
-    check(len(given) in (0, 3), "k_new, v_new, slot_mapping", "all three or none",
-          f"only {', '.join(given)}")
-    if given:
-        _check_new_kv(k_new, v_new, slot_mapping, (padded_bs, num_kv_heads, head_dim), dev,
-                      names=("k_new", "v_new"))
-    return num_blocks, block_size, num_kv_heads, head_dim, max_blocks * block_size, bool(given)
-
-
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_table: torch.Tensor, seq_lens: torch.Tensor, n: torch.Tensor, *,
                      out: torch.Tensor, workspace_o: torch.Tensor | None = None,
@@ -335,11 +305,30 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     Graph safety: capturable
     """
-    check(variant in VARIANTS, "variant", " | ".join(VARIANTS), repr(variant))
-    num_blocks, block_size, num_kv_heads, head_dim, max_ctx, given = _check_decode_args(
-        q, k_cache, v_cache, block_table, seq_lens, n, out, k_new, v_new, slot_mapping)
+    num_blocks, block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
     dev = k_cache.device
+    check(variant in VARIANTS, "variant", " | ".join(VARIANTS), repr(variant))
+    check_tensor(q, "q", shape=(None, None, head_dim), dtype=torch.bfloat16, device=dev)
     padded_bs, num_heads, _ = q.shape
+    check(num_heads >= 1 and num_heads % num_kv_heads == 0, "q.shape[1] (num_heads)",
+          f"a positive multiple of num_kv_heads={num_kv_heads}", num_heads)
+    check(q.stride(2) == 1, "q.stride(2)", 1, q.stride(2))
+    check_tensor(block_table, "block_table", shape=(padded_bs, None), dtype=torch.int32, device=dev)
+    max_blocks = block_table.shape[1]
+    check(max_blocks >= 1, "block_table.shape[1] (max_blocks_per_seq)", ">= 1", max_blocks)
+    check(block_table.stride(1) == 1, "block_table.stride(1)", 1, block_table.stride(1))
+    check_tensor(seq_lens, "seq_lens", shape=(padded_bs,), dtype=torch.int32, device=dev)
+    check_tensor(n, "n", shape=(1,), dtype=torch.int32, device=dev)
+    check_tensor(out, "out", shape=(padded_bs, num_heads, head_dim), dtype=torch.bfloat16, device=dev)
+    check(out.stride(2) == 1, "out.stride(2)", 1, out.stride(2))
+    new_kv = {"k_new": k_new, "v_new": v_new, "slot_mapping": slot_mapping}
+    given = [name for name, t in new_kv.items() if t is not None]
+    check(len(given) in (0, 3), "k_new, v_new, slot_mapping", "all three or none",
+          f"only {', '.join(given)}")
+    if given:
+        _check_new_kv(k_new, v_new, slot_mapping, (padded_bs, num_kv_heads, head_dim), dev,
+                      names=("k_new", "v_new"))
+    max_ctx = max_blocks * block_size
     num_splits = 1
     if variant != "single" and (workspace_o is not None or variant != "auto"):
         check(workspace_o is not None, "workspace_o", f"a tensor with variant={variant!r}", None)

@@ -29,9 +29,6 @@ every op returns ``None`` (a custom op may not return an alias of its input)::
     torch.ops.graphrt.decode_attention(q, k_cache, v_cache, block_table, seq_lens, n, out,
                                        workspace_o, workspace_lse, sm_scale=None,
                                        semaphore=None, variant="split")
-    torch.ops.graphrt.decode_attention_balanced(q, k_cache, v_cache, block_table, seq_lens, n,
-                                                out, workspace_o, workspace_lse, programs,
-                                                sm_scale=None)
     torch.ops.graphrt.add_rmsnorm(x, d1, d2, weight, eps, out, out_residual,    # d1, d2 optional
                                   cy=None, cids=None, cw=None, cpos=None, cn=None)
     torch.ops.graphrt.silu_and_mul(u, out)
@@ -230,21 +227,6 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: T
         variant=variant, k_new=k_new, v_new=v_new, slot_mapping=slot_mapping)
 
 
-@_op("decode_attention_balanced", ("k_cache", "v_cache", "out", "workspace_o", "workspace_lse"))
-def decode_attention_balanced(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
-                              seq_lens: Tensor, n: Tensor, out: Tensor, workspace_o: Tensor,
-                              workspace_lse: Tensor, programs: int,
-                              sm_scale: Optional[float] = None, k_new: Optional[Tensor] = None,
-                              v_new: Optional[Tensor] = None,
-                              slot_mapping: Optional[Tensor] = None) -> None:
-    """``graphrt.kernels.attention_balanced.decode_attention_balanced`` (the caches are
-    declared mutated: the append may be fused in). Graph safety: capturable."""
-    _launcher(f"{_KERNELS}.attention_balanced", "decode_attention_balanced")(
-        q, k_cache, v_cache, block_table, seq_lens, n, out=out, workspace_o=workspace_o,
-        workspace_lse=workspace_lse, programs=programs, sm_scale=sm_scale, k_new=k_new,
-        v_new=v_new, slot_mapping=slot_mapping)
-
-
 # ------------------------------------------------------------------------ norm / activation
 def _combine(cy, cids, cw, cpos, cn):
     """The norms' ``combine=`` tuple from its flattened op arguments (None when ``cy`` is)."""
@@ -337,8 +319,8 @@ def greedy_sample(logits: Tensor, out_ids: Tensor, out_sampled: Optional[Tensor]
 
 OPS = (topk_softmax, grouped_topk_sigmoid, dispatch_masked, combine_masked, silu_and_mul_masked,
        silu_and_mul_masked_fp8, masked_grouped_gemm, decode_grouped_gemm, expert_gemv_rows,
-       deepgemm_masked_bf16, deepgemm_masked_fp8, kv_append, decode_attention,
-       decode_attention_balanced, add_rmsnorm, silu_and_mul, unpack_rows, greedy_sample, dense_gemv, dense_gemv_rows, norm_gemv_rows)
+       deepgemm_masked_bf16, deepgemm_masked_fp8, kv_append, decode_attention, add_rmsnorm,
+       silu_and_mul, unpack_rows, greedy_sample, dense_gemv, dense_gemv_rows, norm_gemv_rows)
 
 
 def _no_outputs(*args, **kwargs) -> None:

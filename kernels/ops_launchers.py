@@ -90,14 +90,6 @@ def _wrappers() -> dict[tuple[str, str], object]:
                              slot_mapping)
         return out
 
-    def decode_attention_balanced_(q, k_cache, v_cache, block_table, seq_lens, n, *, out,
-                                   workspace_o, workspace_lse, programs, sm_scale=None,
-                                   k_new=None, v_new=None, slot_mapping=None):
-        ops.decode_attention_balanced(q, k_cache, v_cache, block_table, seq_lens, n, out,
-                                      workspace_o, workspace_lse, programs, sm_scale, k_new,
-                                      v_new, slot_mapping)
-        return out
-
     def add_rmsnorm_(x, *deltas, weight, eps, out, out_residual=None, combine=None):
         if len(deltas) + (combine is not None) > 2:
             raise ValueError(f"number of deltas (the combine included): expected 0, 1 or 2, "
@@ -170,7 +162,6 @@ def _wrappers() -> dict[tuple[str, str], object]:
             (f"{k}.grouped_gemv_rows", "expert_gemv_rows"): expert_gemv_rows_,
             (f"{k}.attention", "kv_append"): kv_append_,
             (f"{k}.attention", "decode_attention"): decode_attention_,
-            (f"{k}.attention_balanced", "decode_attention_balanced"): decode_attention_balanced_,
             (f"{k}.norm", "add_rmsnorm"): add_rmsnorm_,
             (f"{k}.activation", "silu_and_mul"): silu_and_mul_,
             (f"{k}.embedding", "embedding_rows"): embedding_rows_,

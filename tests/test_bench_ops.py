@@ -33,9 +33,7 @@ def _cases():
     slot_mapping = torch.tensor([0 * 8 + 4, 5 * 8, 7 * 8 + 1, 2 * 8 + 3, 64, 64], dtype=i64)
     cache = lambda: _rand(9, 8, 2, 32, gen=g)  # noqa: E731 - [num_blocks, block_size, kv heads, d]
     from graphrt.kernels.attention import attention_workspace_shape
-    from graphrt.kernels.attention_balanced import balanced_workspace_shape
     o_shape, lse_shape = attention_workspace_shape(bs, 4, 32, 16)
-    bo_shape, blse_shape = balanced_workspace_shape(bs, 4, 2, 32, 16, 3)
     routed = dict(out_weights=torch.zeros(bs, k), out_ids=torch.zeros(bs, k, dtype=i64))
     return [
         ("topk_softmax", "routing", (logits, n, k), routed),
@@ -62,10 +60,6 @@ def _cases():
          (_rand(bs, 4, 32, gen=g), cache(), cache(), block_table, seq_lens, n),
          dict(out=torch.zeros(bs, 4, 32, dtype=bf16), workspace_o=torch.zeros(o_shape),
               workspace_lse=torch.zeros(lse_shape))),
-        ("decode_attention_balanced", "attention_balanced",
-         (_rand(bs, 4, 32, gen=g), cache(), cache(), block_table, seq_lens, n),
-         dict(out=torch.zeros(bs, 4, 32, dtype=bf16), workspace_o=torch.zeros(bo_shape),
-              workspace_lse=torch.zeros(blse_shape), programs=3)),
         ("silu_and_mul", "activation", (_rand(bs, 2 * inter, gen=g),),
          dict(out=torch.zeros(bs, inter, dtype=bf16))),
         ("embedding_rows", "embedding", (_rand(40, H, gen=g), torch.tensor([3, 39, 0, 3, 7, -1])),

@@ -58,9 +58,6 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   flight during a step's math, where ``kernels.attention.use_prefetch`` takes it (the
   default, ``PREFETCH = "auto"``) instead of nowhere; ``attn-prefetch-all``: at every split
   size; ``attn-pf-w8``: that loop on 8 warps instead of 4 (``PREFETCH_LAUNCH``);
-- ``attn-balanced``: decode attention with the live context cut evenly over a fixed grid
-  (``graphrt.kernels.attention_balanced``, ``Attention.balanced``) instead of one program
-  per (row, kv head, split);
 - ``expert-rows``: the expert plan's choices as measured, the CUDA-core rows kernel included
   (``kernels.grouped_gemv_rows``), against the fastest other kernel of each entry
   (``ExpertPlan.exclude``).
@@ -166,8 +163,6 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
                                                   "ROWS_SMALL_N", 256 if on else 0),
             "fuse-dispatch": lambda on: _class_attr("graphrt.kernels.dispatch", None,
                                                     "FUSED_MAX_FLAT", 256 if on else 0),
-            "attn-balanced": lambda on: _class_attr("graphrt.moe.layers", "Attention",
-                                                    "balanced", on),
             "attn-wide": lambda on: _class_attr("graphrt.kernels.attention", None, "WIDE", on),
             "attn-prefetch": lambda on: _class_attr("graphrt.kernels.attention", None, "PREFETCH",
                                                     "auto" if on else False),

@@ -336,13 +336,6 @@ class Attention:
     benchmarks) with ``GRAPHRT_ATTN_VARIANT`` in the environment at import."""
 
     variant = os.environ.get("GRAPHRT_ATTN_VARIANT", "auto")
-    # The live context cut evenly over a fixed grid on the device instead of one program per
-    # (row, kv head, split) (graphrt.kernels.attention_balanced): a ragged batch's work no
-    # longer spills into a second wave. Off by default until measured (A/B: the attn-balanced
-    # switch); GRAPHRT_ATTN_BALANCED=1 at import turns it on where the variant is not
-    # "single"; balanced_programs fixes the grid (None: two programs an SM).
-    balanced = env_flag("GRAPHRT_ATTN_BALANCED", False)
-    balanced_programs = None
     # Positions per split: None picks per captured size (split_size_for: smaller splits when
     # the rows are too few to fill the SMs); an int fixes it (256 before; A/B benchmarks).
     split_size = None
@@ -386,7 +379,9 @@ class Attention:
         ``[bs, max_blocks_per_seq]``, seq_lens int32 ``[bs]`` (the new token included) ->
         ``[bs, hidden]``. Writes the new K/V at ``slot_mapping`` (live rows only). ``qkv``:
         the QKV projection already made (``dense_normed``); h is then not read."""
-        from graphrt.kernels.attention import kv_append, select_variant
+        from graphrt.kernels.attention import (attention_workspace_shape, decode_attention,
+                                               kv_append, select_variant, split_size_for)
+        from graphrt.moe.expert_plan import num_sms
         if qkv is None:
             qkv = dense(h, self.wqkv)                                      # [bs, q + 2 kv]
         cfg, bs, dev = self.cfg, qkv.shape[0], qkv.device
@@ -400,38 +395,6 @@ class Attention:
             new_kv = {}
             kv_append(k, v, slot_mapping, n, k_cache=self.k_cache, v_cache=self.v_cache)
         max_ctx = cfg.max_blocks_per_seq * cfg.block_size
-        o = torch.empty(bs, cfg.num_heads, cfg.head_dim, dtype=cfg.dtype, device=dev)
-        single = self.variant == "single" or select_variant(max_ctx, 2) == "single"
-        if self.balanced and not single:
-            self._attend_balanced(q, block_table, seq_lens, n, o, new_kv)
-        else:
-            self._attend_split(q, block_table, seq_lens, n, o, new_kv, max_ctx)
-        if recv is not None:
-            recv()
-        return dense(o.view(bs, cfg.q_dim), self.wo)
-
-    def _attend_balanced(self, q, block_table, seq_lens, n, o, new_kv) -> None:
-        """``decode_attention_balanced`` into ``o``, its workspaces from the graph's pool."""
-        from graphrt.kernels.attention_balanced import (balanced_programs,
-                                                        balanced_workspace_shape,
-                                                        decode_attention_balanced)
-        cfg, bs, dev = self.cfg, q.shape[0], q.device
-        programs = self.balanced_programs or balanced_programs(dev)
-        o_shape, lse_shape = balanced_workspace_shape(
-            bs, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            cfg.max_blocks_per_seq * cfg.block_size, programs)
-        decode_attention_balanced(
-            q, self.k_cache, self.v_cache, block_table, seq_lens, n, out=o,
-            workspace_o=torch.empty(o_shape, dtype=torch.float32, device=dev),
-            workspace_lse=torch.empty(lse_shape, dtype=torch.float32, device=dev),
-            programs=programs, **new_kv)
-
-    def _attend_split(self, q, block_table, seq_lens, n, o, new_kv, max_ctx) -> None:
-        """``decode_attention`` (``variant``, per-size splits) into ``o``."""
-        from graphrt.kernels.attention import (attention_workspace_shape, decode_attention,
-                                               select_variant, split_size_for)
-        from graphrt.moe.expert_plan import num_sms
-        cfg, bs, dev = self.cfg, q.shape[0], q.device
         split = self.split_size or split_size_for(bs, cfg.num_kv_heads, max_ctx, num_sms(dev))
         o_shape, lse_shape = attention_workspace_shape(bs, cfg.num_heads, cfg.head_dim, max_ctx,
                                                        split_size=split)
@@ -440,10 +403,14 @@ class Attention:
         if variant != "single":                           # partials: [bs, heads, splits, d], [.., splits]
             ws_o = torch.empty(o_shape, dtype=torch.float32, device=dev)
             ws_lse = torch.empty(lse_shape, dtype=torch.float32, device=dev)
+        o = torch.empty(bs, cfg.num_heads, cfg.head_dim, dtype=cfg.dtype, device=dev)
         decode_attention(q, self.k_cache, self.v_cache, block_table, seq_lens, n, out=o,
                          workspace_o=ws_o, workspace_lse=ws_lse,
                          semaphore=self.semaphore[:bs] if variant == "fused" else None, variant=variant,
                          **new_kv)
+        if recv is not None:
+            recv()
+        return dense(o.view(bs, cfg.q_dim), self.wo)
 
     def start_prefetch(self, w: torch.Tensor):
         """Fork the side stream from the current stream and ``l2_prefetch(w)`` there (``w``:
