@@ -92,6 +92,12 @@ WIDE_LAUNCH = {"num_warps": 4, "num_stages": 1}
 PREFETCH: bool | str = env_auto("GRAPHRT_ATTN_PREFETCH")
 PREFETCH_MIN_STEPS = 4
 PREFETCH_LAUNCH = {"num_warps": 4, "num_stages": 1}
+# The split's block ids loaded once up front (attention_kernels._attend's TABLE_PAGES): no K/V
+# address waits on a load inside the loop, so Triton's pipeline keeps num_stages steps' K/V in
+# flight. Takes the place of PREFETCH where on. Read at each launch (GRAPHRT_ATTN_TABLE=1 at
+# import; A/B: the attn-table switch; graphrt.bench.attention --sweep varies TABLE_LAUNCH).
+TABLE_UPFRONT = env_flag("GRAPHRT_ATTN_TABLE", False)
+TABLE_LAUNCH = {"num_warps": 4, "num_stages": 3}
 # Default positions per split (rounded up to BLOCK_N). Measured on H200 (32 q / 8 kv heads,
 # head_dim 128, ctx 4096, unpaged): 256 is best at bs 1 (13 us); 512 is ~4% faster at bs >= 64
 # and costs less for short contexts at bs 256 (37 vs 46 us at ctx 64). 256 is the middle ground.
@@ -173,6 +179,13 @@ def select_variant(max_ctx: int, num_splits: int) -> str:
     if max_ctx <= SINGLE_PASS_MAX_CTX or num_splits == 1:
         return "single"
     return "fused" if num_splits <= FUSED_MAX_SPLITS else "split"
+
+
+def table_pages(split_size: int, block_size: int) -> int:
+    """The ``TABLE_PAGES`` of a split of ``split_size`` positions on pages of ``block_size``:
+    the pages one split can touch (one more when the split is not a whole number of pages: it
+    may then start mid-page), rounded up to a power of two. Graph safety: host-only"""
+    return triton.next_power_of_2(-(-split_size // block_size) + (split_size % block_size > 0))
 
 
 def use_prefetch(split_size: int, programs: int, num_sms: int) -> bool:
@@ -366,10 +379,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     if variant == "split":
         wide = WIDE and split_size >= WIDE_MIN_SPLIT and split_size % WIDE_BLOCK_N == 0
-        launch = (WIDE_LAUNCH if wide else PREFETCH_LAUNCH if geometry["PREFETCH"]
-                  else SPLIT_LAUNCH)
+        launch = (WIDE_LAUNCH if wide else TABLE_LAUNCH if TABLE_UPFRONT
+                  else PREFETCH_LAUNCH if geometry["PREFETCH"] else SPLIT_LAUNCH)
         split_geometry = ({**geometry, "BLOCK_N": WIDE_BLOCK_N, "PREFETCH": False} if wide
-                          else geometry)
+                          else {**geometry, "PREFETCH": False,
+                                "TABLE_PAGES": table_pages(split_size, block_size)}
+                          if TABLE_UPFRONT else geometry)
         attn_split_kernel[grid](
             q, k_cache, v_cache, block_table, seq_lens, n, workspace_o, workspace_lse,
             scale, num_blocks, max_ctx, split_size, q.stride(0), q.stride(1),

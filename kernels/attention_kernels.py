@@ -95,7 +95,8 @@ def _softmax_step(q, k, v, mask_n, acc, m_i, l_i, qk_scale, UPCAST: tl.constexpr
 def _attend(q, k_cache_ptr, v_cache_ptr, table, kvh, start, end, qk_scale, num_blocks, max_ctx,
             stride_cb, stride_ct, stride_ch,
             GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-            BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr = False):
+            BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr = False,
+            TABLE_PAGES: tl.constexpr = 0):
     """Online softmax of ``q`` [GROUP_PAD, HEAD_DIM] over positions ``[start, end)`` (at least
     one) of one row (``table``: its block-table row) and kv head -> ``(acc, m, l)``: the
     unnormalised output [GROUP_PAD, HEAD_DIM] fp32, the running max and sum (base 2).
@@ -104,7 +105,13 @@ def _attend(q, k_cache_ptr, v_cache_ptr, table, kvh, start, end, qk_scale, num_b
     step ``i``'s math and step ``i + 2``'s block ids before that, each from offsets made
     without a mask (:func:`_kv_rows`), so a step never waits for a table load and the next
     tiles are in flight while this one computes. Same loads, same arithmetic in the same
-    order: bitwise the result without it."""
+    order: bitwise the result without it.
+
+    ``TABLE_PAGES`` (> 0, a power of two at least the pages ``[start, end)`` touches): the
+    range's block ids are loaded once, up front,
+    and each step picks its positions' ids from registers, so no K/V address waits on a load
+    inside the loop and Triton's own pipeline (``num_stages``) can keep several steps' K/V
+    copies in flight. Same loads, same arithmetic: bitwise the plain loop's result."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)  # running max (base 2)
@@ -129,6 +136,20 @@ def _attend(q, k_cache_ptr, v_cache_ptr, table, kvh, start, end, qk_scale, num_b
                                stride_ct, stride_ch, PAGE)
             acc, m_i, l_i = _softmax_step(q, k, v, mask_n, acc, m_i, l_i, qk_scale, UPCAST)
             k, v, mask_n = k_nx, v_nx, mask_nx
+    elif TABLE_PAGES > 0:
+        offs_t = tl.arange(0, TABLE_PAGES)
+        first = start // PAGE
+        ids = tl.load(table + first + offs_t, mask=first + offs_t < tl.cdiv(end, PAGE), other=0)
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + offs_n
+            mask_n = pos < end
+            rel = pos // PAGE - first  # [BLOCK_N] in [0, TABLE_PAGES): the id from registers
+            blk = tl.sum(tl.where(rel[:, None] == offs_t[None, :], ids[None, :], 0), 1)
+            kv_off = _kv_offsets(blk, pos, kvh, num_blocks, stride_cb, stride_ct, stride_ch,
+                                 PAGE)[:, None] + offs_d[None, :]
+            k = tl.load(k_cache_ptr + kv_off, mask=mask_n[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + kv_off, mask=mask_n[:, None], other=0.0)
+            acc, m_i, l_i = _softmax_step(q, k, v, mask_n, acc, m_i, l_i, qk_scale, UPCAST)
     else:
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + offs_n
@@ -223,6 +244,7 @@ def attn_split_kernel(
     UPCAST: tl.constexpr,  # True under the interpreter: dots in fp32
     APPEND: tl.constexpr = False,  # write k_new / v_new into the caches first (kv_append fused)
     PREFETCH: tl.constexpr = False,  # _attend's hand-pipelined loads (attention.PREFETCH)
+    TABLE_PAGES: tl.constexpr = 0,  # _attend's block ids up front (attention.TABLE_UPFRONT)
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
@@ -244,7 +266,8 @@ def attn_split_kernel(
     q = _load_q(q_ptr, b, kvh, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM, UPCAST)
     acc, m_i, l_i = _attend(q, k_cache_ptr, v_cache_ptr, block_table_ptr + b * stride_bt, kvh,
                             start, end, qk_scale, num_blocks, max_ctx, stride_cb, stride_ct,
-                            stride_ch, GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N, UPCAST, PREFETCH)
+                            stride_ch, GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N, UPCAST, PREFETCH,
+                            TABLE_PAGES)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_g = offs_g < GROUP

@@ -182,6 +182,36 @@ def test_prefetch_is_bitwise_the_plain_loop(variant, block_size, monkeypatch):
     check_attention(outs[True], decode_attention_ref(q, *clean, table, i32(seq_lens), n), n_live)
 
 
+@pytest.mark.parametrize("block_size,split_size", [(16, 128), (64, 128), (128, 64), (16, 64)])
+def test_table_upfront_is_bitwise_the_plain_loop(block_size, split_size, monkeypatch):
+    """attention.TABLE_UPFRONT (a split's block ids loaded once, each step's picked from
+    registers) gives bitwise the plain loop's output, pages shorter and longer than a split
+    (a split then starts mid-page). Positions no row reads hold NaN, and the table's unused
+    entries hold ids out of range."""
+    kvh, d, max_blocks = 2, 32, -(-400 // block_size)
+    max_ctx = max_blocks * block_size
+    seq_lens = [1, 64, 65, 128, max_ctx, 0, 250, 7, 300]
+    n_live = 8  # the last row is padding
+    num_blocks = sum(-(-L // block_size) for L in seq_lens) + 3
+    k_cache, v_cache = paged_cache(num_blocks, block_size, kvh, d, seed=13)
+    table = block_table_for(seq_lens, block_size, max_blocks, num_blocks, seed=block_size + 2)
+    for b, L in enumerate(seq_lens):  # garbage past each row's pages
+        table[b, -(-L // block_size):] = [-7, 10 ** 6][b % 2]
+    for cache in (k_cache, v_cache):
+        _poison_unread(cache, table, seq_lens, n_live)
+    q = randn_bf16(len(seq_lens), kvh * 4, d, seed=14)
+    n = i32([n_live])
+    monkeypatch.setattr(attn, "PREFETCH", False)
+    outs = {}
+    for upfront in (False, True):
+        monkeypatch.setattr(attn, "TABLE_UPFRONT", upfront)
+        outs[upfront] = run_attention(q, k_cache, v_cache, table, i32(seq_lens), n, split_size)
+    assert not torch.isnan(outs[True].float()).any(), "used a position no row reads"
+    assert torch.equal(outs[True], outs[False])
+    assert attn.table_pages(256, 16) == 16 and attn.table_pages(64, 128) == 2
+    assert attn.table_pages(96, 64) == 4
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_placement_of_pages_does_not_change_the_result(variant):
     """The same logical K/V in shuffled blocks and in blocks 0, 1, 2, ... give bitwise the same

@@ -373,10 +373,14 @@ SM90 = textwrap.dedent(r'''
     for slot in ("i64", "i32"):
         for append in (False, True):
             key = f"{slot}-{int(append)}"
-            out["split-" + key] = compile_(attn_split_kernel, slot, dict(geo, APPEND=append),
-                                           num_stages=2)
+            out["split-" + key] = compile_(attn_split_kernel, slot,
+                                           dict(geo, APPEND=append, TABLE_PAGES=0), num_stages=2)
             out["splitpf-" + key] = compile_(attn_split_kernel, slot,
-                                             dict(geo, APPEND=append, PREFETCH=True), num_stages=1)
+                                             dict(geo, APPEND=append, PREFETCH=True,
+                                                  TABLE_PAGES=0), num_stages=1)
+            out["splittb-" + key] = compile_(attn_split_kernel, slot,
+                                             dict(geo, APPEND=append, TABLE_PAGES=16),
+                                             num_stages=3)
             for split in (False, True):
                 out[f"fused{int(split)}-" + key] = compile_(
                     attn_fused_kernel, slot,
@@ -392,12 +396,12 @@ def test_fused_append_kernels_compile_for_sm90():
     16-byte alignment) compiles for Hopper; the PDL wait precedes every global load and store;
     with ``APPEND`` the owner's K/V stores come first, then the CTA barrier, then the cache
     reads (no ``.nc`` read-only loads, which would not see the write). The split kernel also
-    with ``PREFETCH`` (``splitpf``)."""
+    with ``PREFETCH`` (``splitpf``) and with its block ids up front on 3 stages (``splittb``)."""
     res = compile_results(SM90)
-    assert len(res) == 18
+    assert len(res) == 22
     for key, at in res.items():
         assert at["wait"] < min(at["load"], at["store"]) and not at["nc"], (key, at)
-    for kernel in ("split", "splitpf", "fused0", "fused1"):
+    for kernel in ("split", "splitpf", "splittb", "fused0", "fused1"):
         for slot in ("i64", "i32"):
             plain, fused = res[f"{kernel}-{slot}-0"], res[f"{kernel}-{slot}-1"]
             assert fused["stores"] == plain["stores"] + 2, (kernel, slot, plain, fused)
