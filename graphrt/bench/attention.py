@@ -120,19 +120,22 @@ def bench(bs_list: list[int], ctx_list: list[int], *, reach: int = 0, heads: int
     return doc
 
 
-# --sweep: the split kernel's (BLOCK_N, num_warps, num_stages, split size, hand prefetch) at
-# each (ctx, bs)
-SWEEP = [(bn, nw, st, sp, pf) for bn in (32, 64, 128) for nw in (4, 8) for st in (1, 2, 3)
-         for sp in (128, 256) for pf in (False, True) if sp >= bn and not (pf and st > 2)]
+# --sweep: the split kernel's (BLOCK_N, num_warps, num_stages, split size, loop) at each
+# (ctx, bs); the loop is the plain one (False), the hand-pipelined one (True) or the one with
+# the block ids up front ("table")
+SWEEP = [(bn, nw, st, sp, pf) for bn in (32, 64, 128) for nw in (4, 8) for st in (1, 2, 3, 4)
+         for sp in (128, 256) for pf in (False, True, "table")
+         if sp >= bn and not (pf is True and st > 2) and (st < 4 or pf == "table")]
 
 
 def sweep_split(case: "_Case", heads: int, head_dim: int, iters: int) -> dict:
     """µs per layer of the split variant for every ``SWEEP`` config (``attention.BLOCK_N``,
-    ``attention.PREFETCH`` and the launch options it uses set for the call, put back after; a
-    workspace per split size). Host-only tooling."""
+    ``attention.PREFETCH``, ``attention.TABLE_UPFRONT`` and the launch options they use set
+    for the call, put back after; a workspace per split size). Host-only tooling."""
     from graphrt.bench.timing import graph_time_us
     from graphrt.kernels import attention
-    names = ("BLOCK_N", "PREFETCH", "WIDE", "SPLIT_LAUNCH", "PREFETCH_LAUNCH")
+    names = ("BLOCK_N", "PREFETCH", "WIDE", "SPLIT_LAUNCH", "PREFETCH_LAUNCH", "TABLE_UPFRONT",
+             "TABLE_LAUNCH")
     saved = {name: getattr(attention, name) for name in names}
     ws = case.ws_o, case.ws_lse
     max_ctx = case.max_blocks * case.caches[0][0].shape[1]
@@ -140,12 +143,14 @@ def sweep_split(case: "_Case", heads: int, head_dim: int, iters: int) -> dict:
     try:
         for bn, nw, st, sp, pf in SWEEP:
             launch = {"num_warps": nw, "num_stages": st}
-            attention.BLOCK_N, attention.PREFETCH, attention.WIDE = bn, pf, False
-            attention.SPLIT_LAUNCH = attention.PREFETCH_LAUNCH = launch
+            attention.BLOCK_N, attention.WIDE = bn, False
+            attention.PREFETCH, attention.TABLE_UPFRONT = pf is True, pf == "table"
+            attention.SPLIT_LAUNCH = attention.PREFETCH_LAUNCH = attention.TABLE_LAUNCH = launch
             case.ws_o, case.ws_lse = attention.attention_workspace(
                 case.q.shape[0], heads, head_dim, max_ctx, case.q.device, split_size=sp)
             us = graph_time_us(lambda: case.run("split"), iters=iters) / len(case.caches)
-            times[f"bn{bn}w{nw}s{st}sp{sp}" + ("pf" if pf else "")] = round(us, 2)
+            times[f"bn{bn}w{nw}s{st}sp{sp}" + {False: "", True: "pf", "table": "tb"}[pf]] = \
+                round(us, 2)
     finally:
         for name, value in saved.items():
             setattr(attention, name, value)

@@ -172,6 +172,7 @@ def test_prefetch_is_bitwise_the_plain_loop(variant, block_size, monkeypatch):
     q = randn_bf16(len(seq_lens), kvh * 4, d, seed=12)
     n = i32([n_live])
     outs = {}
+    monkeypatch.setattr(attn, "TABLE_UPFRONT", False)  # else it takes PREFETCH's place
     for prefetch in (False, True):
         monkeypatch.setattr(attn, "PREFETCH", prefetch)
         outs[prefetch] = run_attention(q, k_cache, v_cache, table, i32(seq_lens), n, 128,
@@ -210,6 +211,10 @@ def test_table_upfront_is_bitwise_the_plain_loop(block_size, split_size, monkeyp
     assert torch.equal(outs[True], outs[False])
     assert attn.table_pages(256, 16) == 16 and attn.table_pages(64, 128) == 2
     assert attn.table_pages(96, 64) == 4
+    assert attn.TABLE_UPFRONT is True and attn.TABLE_LAUNCH is None  # the defaults
+    assert [attn.table_launch(s)["num_stages"] for s in (64, 128, 256)] == [2, 2, 3]
+    monkeypatch.setattr(attn, "TABLE_LAUNCH", {"num_warps": 8, "num_stages": 4})
+    assert attn.table_launch(64) == {"num_warps": 8, "num_stages": 4}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
