@@ -94,13 +94,13 @@ PREFETCH_MIN_STEPS = 4
 PREFETCH_LAUNCH = {"num_warps": 4, "num_stages": 1}
 # The split's block ids loaded once up front (attention_kernels._attend's TABLE_PAGES): no K/V
 # address waits on a load inside the loop, so Triton's pipeline keeps num_stages steps' K/V in
-# flight. On by default, in the place of PREFETCH: the qwen3-like step 0.988x-0.996x at bs 1-16
-# and decode attention 0.83x-0.86x at bs 32-64 (BENCHMARKS.md §29). Read at each launch
-# (GRAPHRT_ATTN_TABLE=0 at import turns it off; A/B: the attn-table switch). TABLE_LAUNCH
-# None: table_launch's rule; a dict fixes the launch options (the attn-table-s4 switch,
-# graphrt.bench.attention --sweep).
+# flight. On by default, in the place of PREFETCH, on 3 stages at every split size: the
+# qwen3-like step 0.988x-0.996x at bs 1-16 and 0.960x at bs 64 (2 stages for the short splits
+# of bs 1-4, the microbenchmark's pick there, lost in the step; BENCHMARKS.md §29). Read at
+# each launch (GRAPHRT_ATTN_TABLE=0 at import turns it off; A/B: the attn-table and
+# attn-table-s4 switches; graphrt.bench.attention --sweep varies TABLE_LAUNCH).
 TABLE_UPFRONT = env_flag("GRAPHRT_ATTN_TABLE", True)
-TABLE_LAUNCH: dict | None = None
+TABLE_LAUNCH = {"num_warps": 4, "num_stages": 3}
 # Default positions per split (rounded up to BLOCK_N). Measured on H200 (32 q / 8 kv heads,
 # head_dim 128, ctx 4096, unpaged): 256 is best at bs 1 (13 us); 512 is ~4% faster at bs >= 64
 # and costs less for short contexts at bs 256 (37 vs 46 us at ctx 64). 256 is the middle ground.
@@ -189,17 +189,6 @@ def table_pages(split_size: int, block_size: int) -> int:
     the pages one split can touch (one more when the split is not a whole number of pages: it
     may then start mid-page), rounded up to a power of two. Graph safety: host-only"""
     return triton.next_power_of_2(-(-split_size // block_size) + (split_size % block_size > 0))
-
-
-def table_launch(split_size: int) -> dict:
-    """The split kernel's launch options with its block ids up front (``TABLE_UPFRONT``):
-    ``TABLE_LAUNCH`` when set, else 4 warps on 2 stages for splits of at most two inner
-    steps and 3 stages for longer ones (``python -m graphrt.bench.attention --sweep``,
-    BENCHMARKS.md §29: qwen3-like heads, ragged lengths; 0.91x-0.95x the hand-pipelined loop
-    at bs 1-4 on 2 stages, 0.83x-0.86x at bs 32-64 on 3). Graph safety: host-only"""
-    if TABLE_LAUNCH is not None:
-        return TABLE_LAUNCH
-    return {"num_warps": 4, "num_stages": 2 if split_size // BLOCK_N <= 2 else 3}
 
 
 def use_prefetch(split_size: int, programs: int, num_sms: int) -> bool:
@@ -393,7 +382,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     if variant == "split":
         wide = WIDE and split_size >= WIDE_MIN_SPLIT and split_size % WIDE_BLOCK_N == 0
-        launch = (WIDE_LAUNCH if wide else table_launch(split_size) if TABLE_UPFRONT
+        launch = (WIDE_LAUNCH if wide else TABLE_LAUNCH if TABLE_UPFRONT
                   else PREFETCH_LAUNCH if geometry["PREFETCH"] else SPLIT_LAUNCH)
         split_geometry = ({**geometry, "BLOCK_N": WIDE_BLOCK_N, "PREFETCH": False} if wide
                           else {**geometry, "PREFETCH": False,

@@ -59,9 +59,9 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   default, ``PREFETCH = "auto"``) instead of nowhere; ``attn-prefetch-all``: at every split
   size; ``attn-pf-w8``: that loop on 8 warps instead of 4 (``PREFETCH_LAUNCH``);
 - ``attn-table``: the split kernel loads its split's block ids once, up front, and runs on
-  Triton's own pipeline (``kernels.attention.TABLE_UPFRONT``, the default, with
-  ``table_launch``'s stages; ``attn-table-s4``: 4 stages at every split size) instead of the
-  hand-pipelined loop where it is on;
+  Triton's own pipeline (``kernels.attention.TABLE_UPFRONT``, the default, on 3 stages;
+  ``attn-table-s4``: on 4, ``TABLE_LAUNCH``) instead of the hand-pipelined loop where it is
+  on;
 - ``expert-rows``: the expert plan's choices as measured, the CUDA-core rows kernel included
   (``kernels.grouped_gemv_rows``), against the fastest other kernel of each entry
   (``ExpertPlan.exclude``).
@@ -171,8 +171,7 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
                                                  "TABLE_UPFRONT", on),
             "attn-table-s4": lambda on: _class_attr("graphrt.kernels.attention", None,
                                                     "TABLE_LAUNCH", {"num_warps": 4,
-                                                                     "num_stages": 4}
-                                                    if on else None),
+                                                                     "num_stages": 4 if on else 3}),
             "attn-wide": lambda on: _class_attr("graphrt.kernels.attention", None, "WIDE", on),
             "attn-prefetch": lambda on: _class_attr("graphrt.kernels.attention", None, "PREFETCH",
                                                     "auto" if on else False),
