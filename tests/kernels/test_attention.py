@@ -151,6 +151,24 @@ def _poison_unread(cache, table, seq_lens, n_live):
     cache[~keep] = float("nan")
 
 
+def _poisoned_batch(block_size, seed):
+    """Ragged rows (page and 64-position edges, the reach, 0; the last row padding) over a
+    cache with NaN in every position no live row reads and ids out of range in the table's
+    unused entries: ``(q, k_cache, v_cache, table, seq_lens, n)``."""
+    kvh, d, max_blocks = 2, 32, -(-400 // block_size)
+    seq_lens = [1, 64, 65, 128, max_blocks * block_size, 0, 250, 7, 300]
+    n_live = 8
+    num_blocks = sum(-(-L // block_size) for L in seq_lens) + 3
+    k_cache, v_cache = paged_cache(num_blocks, block_size, kvh, d, seed=seed)
+    table = block_table_for(seq_lens, block_size, max_blocks, num_blocks, seed=block_size + seed)
+    for b, L in enumerate(seq_lens):  # garbage past each row's pages
+        table[b, -(-L // block_size):] = [-7, 10 ** 6][b % 2]
+    for cache in (k_cache, v_cache):
+        _poison_unread(cache, table, seq_lens, n_live)
+    q = randn_bf16(len(seq_lens), kvh * 4, d, seed=seed + 1)
+    return q, k_cache, v_cache, table, i32(seq_lens), i32([n_live])
+
+
 @pytest.mark.parametrize("variant", ["split", "fused"])
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_prefetch_is_bitwise_the_plain_loop(variant, block_size, monkeypatch):
@@ -158,60 +176,34 @@ def test_prefetch_is_bitwise_the_plain_loop(variant, block_size, monkeypatch):
     the step's math, table indices clamped instead of masked) gives bitwise the plain loop's
     output. Positions no row reads hold NaN and the table's unused entries hold ids out of
     range: they may be loaded (ids), never used."""
-    kvh, d, max_blocks = 2, 32, -(-400 // block_size)
-    max_ctx = max_blocks * block_size
-    seq_lens = [1, 64, 65, 128, max_ctx, 0, 250, 7, 300]
-    n_live = 8  # the last row is padding
-    num_blocks = sum(-(-L // block_size) for L in seq_lens) + 3
-    k_cache, v_cache = paged_cache(num_blocks, block_size, kvh, d, seed=11)
-    table = block_table_for(seq_lens, block_size, max_blocks, num_blocks, seed=block_size + 1)
-    for b, L in enumerate(seq_lens):  # garbage past each row's pages
-        table[b, -(-L // block_size):] = [-7, 10 ** 6][b % 2]
-    for cache in (k_cache, v_cache):
-        _poison_unread(cache, table, seq_lens, n_live)
-    q = randn_bf16(len(seq_lens), kvh * 4, d, seed=12)
-    n = i32([n_live])
+    q, k_cache, v_cache, table, lens, n = _poisoned_batch(block_size, 11)
     outs = {}
     monkeypatch.setattr(attn, "TABLE_UPFRONT", False)  # else it takes PREFETCH's place
     for prefetch in (False, True):
         monkeypatch.setattr(attn, "PREFETCH", prefetch)
-        outs[prefetch] = run_attention(q, k_cache, v_cache, table, i32(seq_lens), n, 128,
-                                       variant=variant)
+        outs[prefetch] = run_attention(q, k_cache, v_cache, table, lens, n, 128, variant=variant)
     assert not torch.isnan(outs[True].float()).any(), "used a position no row reads"
     assert torch.equal(outs[True], outs[False])
     clean = [c.nan_to_num(0.0) for c in (k_cache, v_cache)]
-    check_attention(outs[True], decode_attention_ref(q, *clean, table, i32(seq_lens), n), n_live)
+    check_attention(outs[True], decode_attention_ref(q, *clean, table, lens, n), int(n[0]))
 
 
 @pytest.mark.parametrize("block_size,split_size", [(16, 128), (64, 128), (128, 64), (16, 64)])
 def test_table_upfront_is_bitwise_the_plain_loop(block_size, split_size, monkeypatch):
-    """attention.TABLE_UPFRONT (a split's block ids loaded once, each step's picked from
-    registers) gives bitwise the plain loop's output, pages shorter and longer than a split
-    (a split then starts mid-page). Positions no row reads hold NaN, and the table's unused
-    entries hold ids out of range."""
-    kvh, d, max_blocks = 2, 32, -(-400 // block_size)
-    max_ctx = max_blocks * block_size
-    seq_lens = [1, 64, 65, 128, max_ctx, 0, 250, 7, 300]
-    n_live = 8  # the last row is padding
-    num_blocks = sum(-(-L // block_size) for L in seq_lens) + 3
-    k_cache, v_cache = paged_cache(num_blocks, block_size, kvh, d, seed=13)
-    table = block_table_for(seq_lens, block_size, max_blocks, num_blocks, seed=block_size + 2)
-    for b, L in enumerate(seq_lens):  # garbage past each row's pages
-        table[b, -(-L // block_size):] = [-7, 10 ** 6][b % 2]
-    for cache in (k_cache, v_cache):
-        _poison_unread(cache, table, seq_lens, n_live)
-    q = randn_bf16(len(seq_lens), kvh * 4, d, seed=14)
-    n = i32([n_live])
+    """attention.TABLE_UPFRONT (the default: a split's block ids loaded once, each step's
+    picked from registers) gives bitwise the plain loop's output, pages shorter and longer
+    than a split (a split then starts mid-page), on the same poisoned batch."""
+    assert attn.TABLE_UPFRONT is True  # the default (GRAPHRT_ATTN_TABLE unset)
+    assert attn.table_pages(256, 16) == 16 and attn.table_pages(64, 128) == 2
+    assert attn.table_pages(96, 64) == 4
+    q, k_cache, v_cache, table, lens, n = _poisoned_batch(block_size, 13)
     monkeypatch.setattr(attn, "PREFETCH", False)
     outs = {}
     for upfront in (False, True):
         monkeypatch.setattr(attn, "TABLE_UPFRONT", upfront)
-        outs[upfront] = run_attention(q, k_cache, v_cache, table, i32(seq_lens), n, split_size)
+        outs[upfront] = run_attention(q, k_cache, v_cache, table, lens, n, split_size)
     assert not torch.isnan(outs[True].float()).any(), "used a position no row reads"
     assert torch.equal(outs[True], outs[False])
-    assert attn.table_pages(256, 16) == 16 and attn.table_pages(64, 128) == 2
-    assert attn.table_pages(96, 64) == 4
-    assert attn.TABLE_UPFRONT is True  # the default (GRAPHRT_ATTN_TABLE unset)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
