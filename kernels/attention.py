@@ -27,7 +27,9 @@ chunk) reads the row's ``seq_len`` on the device and exits at once past it (or o
 cost follows the live context. An inner step covers ``BLOCK_N`` positions: their block ids
 from the table (``pos // block_size``, a shift), then each position's ``head_dim`` K/V row
 (contiguous, 16-byte vectorised) for the whole GQA group; a ``BLOCK_N`` independent of the
-page size keeps ``tl.dot`` tiles large for 16-position pages. The chunks' partials are merged
+page size keeps ``tl.dot`` tiles large for 16-position pages. By default (``TABLE_UPFRONT``)
+the split kernel loads its split's block ids once, before its loop, so Triton's pipeline
+keeps several steps' K/V copies in flight. The chunks' partials are merged
 with log-sum-exp weights; chunks past ``seq_len`` are neither written nor read. ``variant=``
 picks one of three schedules, or lets ``"auto"`` pick (kernels and the exact protocol:
 ``graphrt.kernels.attention_kernels``):

@@ -14,8 +14,8 @@ from graphrt.kernels.attention import (attention_semaphore, attention_workspace,
                                        decode_attention_ref, gather_pages, kv_append,
                                        kv_append_ref, num_splits_for, select_variant,
                                        split_size_for)
-from paged_cases import (block_table_for, check_attention, i32, paged_cache, randn_bf16, rel_err,
-                         run_attention, slots_of)
+from paged_cases import (block_table_for, check_attention, i32, paged_batch, paged_cache,
+                         randn_bf16, rel_err, run_attention, slots_of)
 
 
 # ----------------------------------------------------------------------------- CPU (interpreter)
@@ -234,6 +234,46 @@ def test_placement_of_pages_does_not_change_the_result(variant):
     clean = (logical_k.view(bs * max_blocks, block_size, kvh, d),
              logical_v.view(bs * max_blocks, block_size, kvh, d))
     check_attention(outs[0], decode_attention_ref(q, *clean, dense, i32(seq_lens), n), bs)
+
+
+def _hnd_view(cache: torch.Tensor) -> torch.Tensor:
+    """The same values stored HND (``[blocks, kv_heads, block_size, head_dim]``, FlashInfer's
+    other layout) and viewed back as ``[blocks, block_size, kv_heads, head_dim]``."""
+    return cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("fused_append", [False, True])
+def test_hnd_cache_view_is_bitwise_the_nhd_cache(variant, fused_append):
+    """An engine whose cache is stored HND passes it as a permuted view: the kernels read and
+    write through the strides, so kv_append (or the append fused into the launch) writes the
+    same values and the attention gives bitwise the output of the same cache stored NHD."""
+    block_size, kvh, group, d, max_blocks = 16, 2, 4, 32, 8
+    seq_lens = [1, 16, 17, 100, 0, 128, 40, 9]
+    n_live = 6
+    table, slots, num_blocks = paged_batch(seq_lens, n_live, block_size, max_blocks, seed=3)
+    nhd = paged_cache(num_blocks, block_size, kvh, d, seed=4)
+    q = randn_bf16(len(seq_lens), kvh * group, d, seed=5)
+    k, v = randn_bf16(len(seq_lens), kvh, d, seed=6), randn_bf16(len(seq_lens), kvh, d, seed=7)
+    lens, n = i32(seq_lens), i32([n_live])
+    outs, caches = [], []
+    for k_cache, v_cache in ([c.clone() for c in nhd], [_hnd_view(c) for c in nhd]):
+        assert k_cache.shape == nhd[0].shape
+        new = dict(k_new=k, v_new=v, slot_mapping=slots) if fused_append else {}
+        if not fused_append:
+            kv_append(k, v, slots, n, k_cache=k_cache, v_cache=v_cache)
+        wo, wl = attention_workspace(len(seq_lens), kvh * group, d, max_blocks * block_size,
+                                     q.device, split_size=64)
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, k_cache, v_cache, table, lens, n, out=out, workspace_o=wo,
+                         workspace_lse=wl, variant=variant,
+                         semaphore=attention_semaphore(len(seq_lens), kvh, q.device), **new)
+        outs.append(out)
+        caches.append((k_cache, v_cache))
+    assert caches[1][0].stride(1) == d and caches[1][0].stride(2) == block_size * d  # HND
+    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(a, b) for a, b in zip(caches[0], caches[1]))
+    check_attention(outs[0], decode_attention_ref(q, *caches[0], table, lens, n), n_live)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

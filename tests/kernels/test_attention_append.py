@@ -17,36 +17,10 @@ import torch
 from graphrt.kernels.attention import (attention_semaphore, attention_workspace, decode_attention,
                                        decode_attention_ref, kv_append, kv_append_ref,
                                        split_size_for)
-from paged_cases import check_attention, i32, paged_cache, randn_bf16, slots_of
+from paged_cases import check_attention, i32, paged_batch, paged_cache, randn_bf16
 from tests.kernels.sm90 import compile_results
 
 VARIANTS = ["split", "fused", "single", "auto"]
-
-
-def paged_batch(seq_lens, n_live, block_size, max_blocks, seed=0, device="cpu"):
-    """A decode step of ``len(seq_lens)`` rows, ``n_live`` live: block table, int64 slots and
-    the cache size. Live rows own distinct shuffled blocks; a live row's slot is its position
-    ``seq_len - 1``, or a block of its own outside the table when ``seq_len`` is ``<= 0`` or
-    past the reach. Padded rows carry the scratch block in their table; their slots aim at
-    the scratch block and at a live row's context (both must stay unwritten)."""
-    bs = len(seq_lens)
-    need = [min(-(-max(L, 0) // block_size), max_blocks) for L in seq_lens[:n_live]]
-    extra = [b for b, L in enumerate(seq_lens[:n_live]) if L <= 0 or L > max_blocks * block_size]
-    num_blocks = sum(need) + len(extra) + 2 + 1  # two spare, the scratch (last)
-    scratch = num_blocks - 1
-    perm = torch.randperm(scratch, generator=torch.Generator().manual_seed(seed)).tolist()
-    table = torch.full((bs, max_blocks), scratch, dtype=torch.int32)
-    for b, k in enumerate(need):
-        table[b, :k] = torch.tensor(perm[:k], dtype=torch.int32)
-        perm = perm[k:]
-    pos = torch.tensor([max(L, 1) - 1 for L in seq_lens]).clamp(max=max_blocks * block_size - 1)
-    slots = slots_of(table, pos, block_size)
-    for b in extra:                                   # an own block no table holds
-        slots[b] = perm.pop() * block_size + 3
-    slots[n_live:] = scratch * block_size             # padding: the scratch slot ...
-    if bs - n_live >= 2:  # ... or position 0 of a live row (row 1's: not its new token)
-        slots[n_live + 1] = slots_of(table[min(1, n_live - 1)][None], i32([0]), block_size)[0]
-    return table.to(device), slots.to(device), num_blocks
 
 
 def run_step(q, k, v, slots, caches, table, lens, n, split_size, variant, fused):
