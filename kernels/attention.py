@@ -384,12 +384,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     if variant == "split":
         wide = WIDE and split_size >= WIDE_MIN_SPLIT and split_size % WIDE_BLOCK_N == 0
-        launch = (WIDE_LAUNCH if wide else TABLE_LAUNCH if TABLE_UPFRONT
-                  else PREFETCH_LAUNCH if geometry["PREFETCH"] else SPLIT_LAUNCH)
-        split_geometry = ({**geometry, "BLOCK_N": WIDE_BLOCK_N, "PREFETCH": False} if wide
-                          else {**geometry, "PREFETCH": False,
-                                "TABLE_PAGES": table_pages(split_size, block_size)}
-                          if TABLE_UPFRONT else geometry)
+        if wide:
+            launch, split_geometry = WIDE_LAUNCH, {**geometry, "BLOCK_N": WIDE_BLOCK_N,
+                                                   "PREFETCH": False}
+        elif TABLE_UPFRONT:
+            launch, split_geometry = TABLE_LAUNCH, {
+                **geometry, "PREFETCH": False, "TABLE_PAGES": table_pages(split_size, block_size)}
+        else:
+            launch = PREFETCH_LAUNCH if geometry["PREFETCH"] else SPLIT_LAUNCH
+            split_geometry = geometry
         attn_split_kernel[grid](
             q, k_cache, v_cache, block_table, seq_lens, n, workspace_o, workspace_lse,
             scale, num_blocks, max_ctx, split_size, q.stride(0), q.stride(1),

@@ -108,8 +108,8 @@ def _attend(q, k_cache_ptr, v_cache_ptr, table, kvh, start, end, qk_scale, num_b
     order: bitwise the result without it.
 
     ``TABLE_PAGES`` (> 0, a power of two at least the pages ``[start, end)`` touches): the
-    range's block ids are loaded once, up front,
-    and each step picks its positions' ids from registers, so no K/V address waits on a load
+    range's block ids are loaded once, up front, and each step picks its positions' ids from
+    registers, so no K/V address waits on a load
     inside the loop and Triton's own pipeline (``num_stages``) can keep several steps' K/V
     copies in flight. Same loads, same arithmetic: bitwise the plain loop's result."""
     offs_d = tl.arange(0, HEAD_DIM)
@@ -136,25 +136,20 @@ def _attend(q, k_cache_ptr, v_cache_ptr, table, kvh, start, end, qk_scale, num_b
                                stride_ct, stride_ch, PAGE)
             acc, m_i, l_i = _softmax_step(q, k, v, mask_n, acc, m_i, l_i, qk_scale, UPCAST)
             k, v, mask_n = k_nx, v_nx, mask_nx
-    elif TABLE_PAGES > 0:
-        offs_t = tl.arange(0, TABLE_PAGES)
-        first = start // PAGE
-        ids = tl.load(table + first + offs_t, mask=first + offs_t < tl.cdiv(end, PAGE), other=0)
-        for n0 in range(start, end, BLOCK_N):
-            pos = n0 + offs_n
-            mask_n = pos < end
-            rel = pos // PAGE - first  # [BLOCK_N] in [0, TABLE_PAGES): the id from registers
-            blk = tl.sum(tl.where(rel[:, None] == offs_t[None, :], ids[None, :], 0), 1)
-            kv_off = _kv_offsets(blk, pos, kvh, num_blocks, stride_cb, stride_ct, stride_ch,
-                                 PAGE)[:, None] + offs_d[None, :]
-            k = tl.load(k_cache_ptr + kv_off, mask=mask_n[:, None], other=0.0)
-            v = tl.load(v_cache_ptr + kv_off, mask=mask_n[:, None], other=0.0)
-            acc, m_i, l_i = _softmax_step(q, k, v, mask_n, acc, m_i, l_i, qk_scale, UPCAST)
     else:
+        if TABLE_PAGES > 0:  # the range's block ids, once
+            offs_t = tl.arange(0, TABLE_PAGES)
+            first = start // PAGE
+            ids = tl.load(table + first + offs_t, mask=first + offs_t < tl.cdiv(end, PAGE),
+                          other=0)
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + offs_n
             mask_n = pos < end
-            blk = tl.load(table + pos // PAGE, mask=mask_n, other=0)  # [BLOCK_N] page of each position
+            if TABLE_PAGES > 0:  # [BLOCK_N] page of each position, picked from registers
+                rel = pos // PAGE - first
+                blk = tl.sum(tl.where(rel[:, None] == offs_t[None, :], ids[None, :], 0), 1)
+            else:
+                blk = tl.load(table + pos // PAGE, mask=mask_n, other=0)
             kv_off = _kv_offsets(blk, pos, kvh, num_blocks, stride_cb, stride_ct, stride_ch,
                                  PAGE)[:, None] + offs_d[None, :]
             k = tl.load(k_cache_ptr + kv_off, mask=mask_n[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]

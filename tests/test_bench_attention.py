@@ -27,9 +27,7 @@ def test_sweep_runs_every_loop_and_restores_the_settings(monkeypatch):
 
     monkeypatch.setattr(timing, "graph_time_us", once)
     case = bench._Case(2, 200, 256, 4, 2, 32, 16, 1, torch.device("cpu"))
-    names = ("BLOCK_N", "PREFETCH", "WIDE", "SPLIT_LAUNCH", "PREFETCH_LAUNCH", "TABLE_UPFRONT",
-             "TABLE_LAUNCH")
-    before = {name: getattr(attention, name) for name in names}
+    before = {name: getattr(attention, name) for name in bench.SWEPT}
     monkeypatch.setattr(bench, "SWEEP", [c for c in bench.SWEEP if c[0] == 64])
     times = bench.sweep_split(case, 4, 32, iters=1)
     assert len(times) == len(bench.SWEEP) == len(outs)
@@ -37,5 +35,5 @@ def test_sweep_runs_every_loop_and_restores_the_settings(monkeypatch):
     first = {}
     for (bn, nw, st, sp, pf), out in zip(bench.SWEEP, outs):  # one split size: same loads,
         assert torch.equal(out, first.setdefault(sp, out)), (bn, nw, st, sp, pf)  # same math
-    assert {name: getattr(attention, name) for name in names} == before
+    assert {name: getattr(attention, name) for name in bench.SWEPT} == before
     assert case.rel_err() < 1e-2  # the last config's output against the torch reference

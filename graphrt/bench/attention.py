@@ -127,6 +127,10 @@ SWEEP = [(bn, nw, st, sp, pf) for bn in (32, 64, 128) for nw in (4, 8) for st in
          for sp in (128, 256) for pf in (False, True, "table")
          if sp >= bn and not (pf is True and st > 2) and (st < 4 or pf == "table")]
 
+# the settings of graphrt.kernels.attention that sweep_split sets per config and puts back
+SWEPT = ("BLOCK_N", "PREFETCH", "WIDE", "SPLIT_LAUNCH", "PREFETCH_LAUNCH", "TABLE_UPFRONT",
+         "TABLE_LAUNCH")
+
 
 def sweep_split(case: "_Case", heads: int, head_dim: int, iters: int) -> dict:
     """µs per layer of the split variant for every ``SWEEP`` config (``attention.BLOCK_N``,
@@ -134,9 +138,7 @@ def sweep_split(case: "_Case", heads: int, head_dim: int, iters: int) -> dict:
     for the call, put back after; a workspace per split size). Host-only tooling."""
     from graphrt.bench.timing import graph_time_us
     from graphrt.kernels import attention
-    names = ("BLOCK_N", "PREFETCH", "WIDE", "SPLIT_LAUNCH", "PREFETCH_LAUNCH", "TABLE_UPFRONT",
-             "TABLE_LAUNCH")
-    saved = {name: getattr(attention, name) for name in names}
+    saved = {name: getattr(attention, name) for name in SWEPT}
     ws = case.ws_o, case.ws_lse
     max_ctx = case.max_blocks * case.caches[0][0].shape[1]
     times = {}
