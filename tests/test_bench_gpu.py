@@ -64,6 +64,19 @@ def test_idle_and_host_cost_measured(res):
         assert res["capture"][mode]["capture_s_total"] > 0
 
 
+def test_every_call_timed_alike(res):
+    """Each mode that has a call of its own is timed through it, back to back and as the span
+    of one profiled call: run() stages the inputs, so its call is never shorter than the
+    bare replay's device work (the span; 5% spread), and compile's step time is its call."""
+    for row in res["rows"]:
+        for mode in ("graph", "graph-overlap", "compile", "naive-compile", "naive-graph"):
+            assert row["call_us"][mode] > 0 and row["call_span_us"][mode] > 0, (mode, row)
+            assert row["call_us"][mode] >= 0.95 * row["call_span_us"][mode], (mode, row)
+        for mode in ("graph", "graph-overlap"):
+            assert row["call_us"][mode] >= 0.95 * row["idle"][mode]["span_us"], (mode, row)
+        assert row["step_us"]["compile"] == row["call_us"]["compile"]
+
+
 def test_overlap_region_is_timed_alone():
     """``graphrt.bench.suites.overlap_region_us`` (the per-layer overlap figure of the moe
     suite) times each form of one layer's overlap region from its own graph; every form does

@@ -23,6 +23,7 @@ are in ``graphrt.bench.modes_compile``.
 from __future__ import annotations
 
 import gc
+import statistics
 import time
 
 import torch
@@ -98,8 +99,8 @@ class ModesBench:
         self.n = {bs: torch.full((1,), bs, dtype=torch.int32, device=device) for bs in self.sizes}
         self._naive = None
         self.rows = {bs: {"bs": bs, "step_us": {}, "rel_err_vs_eager": {},
-                          "rows_off_vs_eager": {}, "idle": {},
-                          "run_host_us": {}, "notes": {}} for bs in self.sizes}
+                          "rows_off_vs_eager": {}, "idle": {}, "call_us": {},
+                          "call_span_us": {}, "run_host_us": {}, "notes": {}} for bs in self.sizes}
         self.res = {"config": cfg.name, "layers": cfg.num_layers, "experts": cfg.num_experts,
                     "hidden": cfg.hidden, "num_topk": cfg.num_topk, "moe_inter": cfg.moe_inter,
                     "fp8": fp8, "device": str(device), "comm": type(self.model.comm).__name__,
@@ -142,6 +143,20 @@ class ModesBench:
         err = row_rel_err(out, ref)  # [bs] per row
         self.rows[bs]["rel_err_vs_eager"][mode] = float(err.median())  # near-tie routing flips
         self.rows[bs]["rows_off_vs_eager"][mode] = float((~(err <= 0.05)).float().mean())
+
+    def time_call(self, mode, bs, call) -> None:
+        """Time ``mode``'s own call at ``bs`` (``GraphRuntime.run``, the compiled step, a naive
+        graph's replay) the same way for every mode that has one: ``call_us``, the device time
+        per call of back-to-back calls (CUDA events: host work the device waits on counts, as
+        in a decode loop), and ``call_span_us``, the median over 3 profiled calls of first
+        device activity start to last end (the work one call queues, its input copies and
+        staging included, host time before the first kernel not). ``step_us`` of a graph mode
+        is a bare ``graph.replay()`` and of a compile mode its call; these two put them on one
+        footing. Host-only (synchronizes; needs CUDA)."""
+        from graphrt.bench.profile import replay_profile
+        self.rows[bs]["call_us"][mode] = cuda_time_us(call, iters=20)
+        idle = replay_profile(call, trials=3)[0]
+        self.rows[bs]["call_span_us"][mode] = statistics.median(idle["span_us_all"])
 
     def done(self, mode, bs, us) -> None:
         self.rows[bs]["step_us"][mode] = us
@@ -237,6 +252,7 @@ def _graph(b: ModesBench, mode: str) -> None:
         hits = experts_hit(b.model, b.spec, b.inputs[bs])  # one eager step of these inputs
         floors = model_floor_bytes(b.model, bs, b.inputs[bs]["seq_lens"], experts_hit=hits)
         b.rows[bs]["run_host_us"][mode] = host_call_us(lambda: rt.run(**b.inputs[bs]), iters=100)
+        b.time_call(mode, bs, lambda: rt.run(**b.inputs[bs]))
         rt.stager.stage(b.inputs[bs], bs, bs)
         replay = rt.graphs[bs].graph.replay
         us = cuda_time_us(replay, iters=20)
@@ -280,7 +296,8 @@ def _naive_graph(b: ModesBench, mode: str, nv, bs: int) -> None:
                             "pool_bytes": torch.cuda.memory_reserved(b.device) - before}
     cap["capture_s_total"] += cap["per_graph"][bs]["capture_s"]
     b.check(mode, bs, lambda: (g.replay(), out)[1])
-    b.done(mode, bs, cuda_time_us(g.replay, iters=20))
+    b.time_call(mode, bs, g.replay)  # its call is the replay
+    b.done(mode, bs, b.rows[bs]["call_us"][mode])
 
 
 RUNNERS = {"eager": _eager, "graph": _graph, "graph-overlap": _graph, "compile": run_compile,

@@ -13,7 +13,6 @@ import time
 
 import torch
 
-from graphrt.bench.timing import cuda_time_us
 
 
 def _graphrt_tensors(root) -> list[torch.Tensor]:
@@ -68,7 +67,8 @@ def _compiled(b, mode: str, fn, call, static) -> None:
                 torch.cuda.synchronize()
                 info["compile_s"][bs] = time.perf_counter() - t0
                 b.check(mode, bs, lambda: call(compiled, bs)["logits"])
-                b.done(mode, bs, cuda_time_us(lambda: call(compiled, bs), iters=20))
+                b.time_call(mode, bs, lambda: call(compiled, bs))  # its step_us: the call
+                b.done(mode, bs, b.rows[bs]["call_us"][mode])
     finally:
         log.removeHandler(skips)
         info.update(_dynamo_counts(counters), cudagraph_skip_reasons=skips.messages,

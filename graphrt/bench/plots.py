@@ -153,6 +153,28 @@ def write_timeline_plots(res: dict, out_dir: str, tag: str = "") -> dict:
     return paths
 
 
+def _calls_md(r: dict, rows: list, fmt) -> list[str]:
+    """The modes timed through their own calls (``call_us``, ``call_span_us``) and, where
+    ``compile`` ran, each graph mode over it on both footings."""
+    called = [m for m in r["modes"] if any((row.get("call_us") or {}).get(m) for row in rows)]
+    if not called:
+        return []
+    pairs = [m for m in ("graph", "graph-overlap") if m in called and "compile" in called]
+    out = ["", "Through each mode's own call (`run()`, the compiled step, the replay): device µs "
+           "per call back to back / device span of one profiled call:", "",
+           "| bs | " + " | ".join(f"{m} call µs | {m} span µs" for m in called)
+           + "".join(f" | {m} / compile, calls | {m} / compile, spans" for m in pairs) + " |",
+           "|---|" + "---|" * (2 * len(called) + 2 * len(pairs))]
+    for row in rows:
+        call, span = row.get("call_us") or {}, row.get("call_span_us") or {}
+        cells = [c for m in called for c in (fmt(call.get(m), ".0f"), fmt(span.get(m), ".0f"))]
+        for m in pairs:
+            cells += [fmt(call[m] / call["compile"] if call.get(m) and call.get("compile") else None, ".3f"),
+                      fmt(span[m] / span["compile"] if span.get(m) and span.get("compile") else None, ".3f")]
+        out.append(f"| {row['bs']} | " + " | ".join(cells) + " |")
+    return out
+
+
 def markdown(r: dict) -> str:
     """The ``modes`` result as markdown: step times, ratios to the floor, replay details
     (idle, ``run()`` host cost, capture), compile and skip notes."""
@@ -188,6 +210,7 @@ def markdown(r: dict) -> str:
                           fmt(g.get("capture_s"), ".2f"),
                           fmt((g.get("pool_bytes") or 0) / 2**20, ".1f")]
             out.append(f"| {row['bs']} | " + " | ".join(cells) + " |")
+    out += _calls_md(r, rows, fmt)
     out.append("")
     for m, c in r["compile"].items():
         secs = ", ".join(f"bs {bs} {t:.0f} s" for bs, t in c.get("compile_s", {}).items())

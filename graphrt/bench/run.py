@@ -83,7 +83,9 @@ printed at the end. ``results.json``::
             plots {step_time, over_floor, timeline_smallest, timeline_largest}  PNG file names
                                         (null: nothing to plot; timelines: GPU graph modes)
             rows [{bs,
-                   step_us {mode: µs}            median device time of one step (null: not run)
+                   step_us {mode: µs}            median device time of one step (null: not run);
+                                                 graph modes: a bare graph.replay(); compile
+                                                 modes: the compiled call (= call_us)
                    floor_us                      bytes the step must read / hbm_gbs (null on CPU)
                    over_floor {mode: ratio}      step_us / floor_us
                    speedup_vs_eager {mode: x}    eager step_us / step_us
@@ -111,6 +113,12 @@ printed at the end. ``results.json``::
                                                     largest size of graph-overlap)
                          error                   "Type: msg" instead, if building it failed}}
                    run_host_us {graph|graph-overlap: µs}   host cost of GraphRuntime.run()
+                   call_us {graph|graph-overlap|compile|naive-compile|naive-graph: µs}
+                                                 device µs per call of back-to-back calls of
+                                                 the mode's own call (run(), the compiled
+                                                 step, the replay); GPU only
+                   call_span_us {the same modes: µs}   median over 3 profiled calls of first
+                                                 device activity start to last end
                    notes {mode: why}}]}          e.g. the naive gather is too large at this bs
     loop: {config, layers, experts, hidden, device, comm ("local" on one GPU), ranks, rank,
            steps, warmup, sizes, loops (run), skipped {loop: why},
