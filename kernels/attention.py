@@ -103,12 +103,6 @@ PREFETCH_LAUNCH = {"num_warps": 4, "num_stages": 1}
 # attn-table-s4 switches; graphrt.bench.attention --sweep varies TABLE_LAUNCH).
 TABLE_UPFRONT = env_flag("GRAPHRT_ATTN_TABLE", True)
 TABLE_LAUNCH = {"num_warps": 4, "num_stages": 3}
-# Loads that wait on nothing the row's length decides, issued beside it: the split kernel's
-# q and (with TABLE_UPFRONT) its block ids, bounded by the table's width; the merge kernel's
-# every partial, the splits it then finds dead dropped. Each kernel's chain of dependent
-# memory round trips before its first K/V (or partial) arrives is one shorter; same values,
-# bitwise. Read at each launch (GRAPHRT_ATTN_EARLY at import; A/B: the attn-early switch).
-EARLY = env_flag("GRAPHRT_ATTN_EARLY", False)
 # Default positions per split (rounded up to BLOCK_N). Measured on H200 (32 q / 8 kv heads,
 # head_dim 128, ctx 4096, unpaged): 256 is best at bs 1 (13 us); 512 is ~4% faster at bs >= 64
 # and costs less for short contexts at bs 256 (37 vs 46 us at ctx 64). 256 is the middle ground.
@@ -404,15 +398,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             scale, num_blocks, max_ctx, split_size, q.stride(0), q.stride(1),
             block_table.stride(0), *cache_strides,
             workspace_o.stride(0), workspace_o.stride(1), workspace_o.stride(2),
-            workspace_lse.stride(0), workspace_lse.stride(1), *append, **split_geometry,
-            EARLY=EARLY, **launch, **pdl_args())
+            workspace_lse.stride(0), workspace_lse.stride(1), *append, **split_geometry, **launch,
+            **pdl_args())
         attn_merge_kernel[(padded_bs, num_heads)](
-            out, workspace_o, workspace_lse, seq_lens, n, max_ctx, split_size, num_splits,
+            out, workspace_o, workspace_lse, seq_lens, n, max_ctx, split_size,
             out.stride(0), out.stride(1),
             workspace_o.stride(0), workspace_o.stride(1), workspace_o.stride(2),
             workspace_lse.stride(0), workspace_lse.stride(1), HEAD_DIM=head_dim,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), EARLY=EARLY,
-            num_warps=1 if num_splits <= 8 else 4, **pdl_args())
+            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=1 if num_splits <= 8 else 4,
+            **pdl_args())
         return out
     split = num_splits > 1  # else one program per (row, kv head): no partial, no semaphore
     # without SPLIT the kernel never touches these three: any tensors stand in for None

@@ -92,21 +92,11 @@ def _softmax_step(q, k, v, mask_n, acc, m_i, l_i, qk_scale, UPCAST: tl.constexpr
 
 
 @triton.jit
-def _table_ids(table, start, limit, PAGE: tl.constexpr, TABLE_PAGES: tl.constexpr):
-    """The block ids [TABLE_PAGES] of one row's pages from ``start // PAGE`` on (``table``: its
-    block-table row), 0 from page ``limit`` on (``cdiv(end, PAGE)`` once the row's length is
-    known; the table's width before)."""
-    offs_t = tl.arange(0, TABLE_PAGES)
-    first = start // PAGE
-    return tl.load(table + first + offs_t, mask=first + offs_t < limit, other=0)
-
-
-@triton.jit
 def _attend(q, k_cache_ptr, v_cache_ptr, table, kvh, start, end, qk_scale, num_blocks, max_ctx,
             stride_cb, stride_ct, stride_ch,
             GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
             BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr = False,
-            TABLE_PAGES: tl.constexpr = 0, ids=0):
+            TABLE_PAGES: tl.constexpr = 0):
     """Online softmax of ``q`` [GROUP_PAD, HEAD_DIM] over positions ``[start, end)`` (at least
     one) of one row (``table``: its block-table row) and kv head -> ``(acc, m, l)``: the
     unnormalised output [GROUP_PAD, HEAD_DIM] fp32, the running max and sum (base 2).
@@ -121,8 +111,7 @@ def _attend(q, k_cache_ptr, v_cache_ptr, table, kvh, start, end, qk_scale, num_b
     range's block ids are loaded once, up front, and each step picks its positions' ids from
     registers, so no K/V address waits on a load
     inside the loop and Triton's own pipeline (``num_stages``) can keep several steps' K/V
-    copies in flight. Same loads, same arithmetic: bitwise the plain loop's result. ``ids``:
-    those block ids, from the caller (:func:`_table_ids`); unused without ``TABLE_PAGES``."""
+    copies in flight. Same loads, same arithmetic: bitwise the plain loop's result."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)  # running max (base 2)
@@ -151,6 +140,8 @@ def _attend(q, k_cache_ptr, v_cache_ptr, table, kvh, start, end, qk_scale, num_b
         if TABLE_PAGES > 0:  # the range's block ids, once
             offs_t = tl.arange(0, TABLE_PAGES)
             first = start // PAGE
+            ids = tl.load(table + first + offs_t, mask=first + offs_t < tl.cdiv(end, PAGE),
+                          other=0)
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + offs_n
             mask_n = pos < end
@@ -249,7 +240,6 @@ def attn_split_kernel(
     APPEND: tl.constexpr = False,  # write k_new / v_new into the caches first (kv_append fused)
     PREFETCH: tl.constexpr = False,  # _attend's hand-pipelined loads (attention.PREFETCH)
     TABLE_PAGES: tl.constexpr = 0,  # _attend's block ids up front (attention.TABLE_UPFRONT)
-    EARLY: tl.constexpr = False,  # q and the block ids loaded beside the length (attention.EARLY)
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
@@ -259,12 +249,6 @@ def attn_split_kernel(
     ctx = tl.minimum(tl.load(seq_lens_ptr + b), max_ctx)
     start = split * split_size
     n = tl.load(n_ptr)
-    table = block_table_ptr + b * stride_bt
-    ids = 0  # _attend reads ids only with TABLE_PAGES
-    if EARLY:  # one round trip, not two: these wait on nothing the row's length decides
-        q = _load_q(q_ptr, b, kvh, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM, UPCAST)
-        if TABLE_PAGES > 0:  # bounded by the table's width (max_ctx // PAGE pages)
-            ids = _table_ids(table, start, max_ctx // PAGE, PAGE, TABLE_PAGES)
     if APPEND:
         if (b < n) & (split == tl.maximum(tl.cdiv(ctx, split_size), 1) - 1):  # the owner
             _append_kv(k_new_ptr, v_new_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, b, kvh,
@@ -274,14 +258,11 @@ def attn_split_kernel(
     if (b >= n) | (start >= ctx):
         return  # padding row or chunk past the live context: no work, nothing written
     end = tl.minimum(start + split_size, ctx)
-    if not EARLY:
-        q = _load_q(q_ptr, b, kvh, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM, UPCAST)
-        if TABLE_PAGES > 0:
-            ids = _table_ids(table, start, tl.cdiv(end, PAGE), PAGE, TABLE_PAGES)
-    acc, m_i, l_i = _attend(q, k_cache_ptr, v_cache_ptr, table, kvh,
+    q = _load_q(q_ptr, b, kvh, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM, UPCAST)
+    acc, m_i, l_i = _attend(q, k_cache_ptr, v_cache_ptr, block_table_ptr + b * stride_bt, kvh,
                             start, end, qk_scale, num_blocks, max_ctx, stride_cb, stride_ct,
                             stride_ch, GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N, UPCAST, PREFETCH,
-                            TABLE_PAGES, ids)
+                            TABLE_PAGES)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_g = offs_g < GROUP
@@ -301,40 +282,31 @@ def attn_merge_kernel(
     seq_lens_ptr,  # int32 [padded_bs]: valid positions of each row
     n_ptr,  # int32 [1]: live rows
     max_ctx, split_size,  # same values kernel 1 ran with
-    num_splits,  # workspace splits (ws_o.shape[2])
     stride_outb, stride_outh,  # strides of out (row, head)
     stride_ob, stride_oh, stride_os,  # strides of ws_o (row, head, split)
     stride_lb, stride_lh,  # strides of ws_lse (row, head); split stride is 1
     HEAD_DIM: tl.constexpr,  # head_dim (a power of two)
     SPLITS_PAD: tl.constexpr,  # num_splits rounded up to a power of two
-    EARLY: tl.constexpr = False,  # every split's partial loaded beside the length (attention.EARLY)
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
     b = tl.program_id(0)  # row
     h = tl.program_id(1)  # q head
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_s = tl.arange(0, SPLITS_PAD)
     out_ptrs = out_ptr + b * stride_outb + h * stride_outh + offs_d
-    lse_ptrs = ws_lse_ptr + b * stride_lb + h * stride_lh + offs_s
-    o_ptrs = ws_o_ptr + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :]
     ctx = tl.minimum(tl.load(seq_lens_ptr + b), max_ctx)
-    if EARLY:  # one round trip, not two: every split's slot, live or not (masked below)
-        lse_all = tl.load(lse_ptrs, mask=offs_s < num_splits, other=float("-inf"))
-        o_all = tl.load(o_ptrs, mask=(offs_s < num_splits)[:, None], other=0.0)
     if (b >= tl.load(n_ptr)) | (ctx <= 0):
         tl.store(out_ptrs, tl.zeros((HEAD_DIM,), dtype=tl.float32).to(out_ptr.dtype.element_ty))
         return
     num_live = tl.cdiv(ctx, split_size)  # splits kernel 1 wrote
     # Every live split at once (no loop of dependent loads): weights exp(lse - max lse).
+    offs_s = tl.arange(0, SPLITS_PAD)
     mask_s = offs_s < num_live
-    if EARLY:  # the splits kernel 1 did not write hold anything (NaN included): drop them
-        lse = tl.where(mask_s, lse_all, float("-inf"))
-        o = tl.where(mask_s[:, None], o_all, 0.0)
-    else:
-        lse = tl.load(lse_ptrs, mask=mask_s, other=float("-inf"))
-        o = tl.load(o_ptrs, mask=mask_s[:, None], other=0.0)
+    lse = tl.load(ws_lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=mask_s,
+                  other=float("-inf"))
     w = tl.exp(lse - tl.max(lse, axis=0))  # 0 on the splits past num_live
+    o = tl.load(ws_o_ptr + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os
+                + offs_d[None, :], mask=mask_s[:, None], other=0.0)
     acc = tl.sum(w[:, None] * o, axis=0)
     tl.store(out_ptrs, (acc / tl.sum(w, axis=0)).to(out_ptr.dtype.element_ty))
 

@@ -62,9 +62,6 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   Triton's own pipeline (``kernels.attention.TABLE_UPFRONT``, the default, on 3 stages;
   ``attn-table-s4``: on 4, ``TABLE_LAUNCH``) instead of the hand-pipelined loop where it is
   on;
-- ``attn-early``: decode attention's split kernel loads q and its block ids beside the row's
-  length and the merge kernel every split's partial (``kernels.attention.EARLY``) instead of
-  after it;
 - ``expert-rows``: the expert plan's choices as measured, the CUDA-core rows kernel included
   (``kernels.grouped_gemv_rows``), against the fastest other kernel of each entry
   (``ExpertPlan.exclude``).
@@ -175,7 +172,6 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "attn-table-s4": lambda on: _class_attr("graphrt.kernels.attention", None,
                                                     "TABLE_LAUNCH", {"num_warps": 4,
                                                                      "num_stages": 4 if on else 3}),
-            "attn-early": lambda on: _class_attr("graphrt.kernels.attention", None, "EARLY", on),
             "attn-wide": lambda on: _class_attr("graphrt.kernels.attention", None, "WIDE", on),
             "attn-prefetch": lambda on: _class_attr("graphrt.kernels.attention", None, "PREFETCH",
                                                     "auto" if on else False),

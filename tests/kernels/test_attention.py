@@ -206,47 +206,6 @@ def test_table_upfront_is_bitwise_the_plain_loop(block_size, split_size, monkeyp
     assert torch.equal(outs[True], outs[False])
 
 
-@pytest.mark.parametrize("upfront", [True, False])
-@pytest.mark.parametrize("block_size,split_size", [(16, 128), (64, 128), (128, 64)])
-def test_early_loads_are_bitwise_the_late_ones(block_size, split_size, upfront, monkeypatch):
-    """attention.EARLY (q and the block ids loaded beside the row's length, bounded by the
-    table's width; the merge loading every split's partial and dropping the dead ones) gives
-    bitwise the output without it, on the poisoned batch with NaN workspaces: a dead split's
-    partial or an id past the row's pages may be loaded, never used. With the append fused
-    in, the new K/V is written and read back the same way."""
-    assert attn.EARLY is False  # the default (GRAPHRT_ATTN_EARLY unset)
-    q, k_cache, v_cache, table, lens, n = _poisoned_batch(block_size, 17)
-    monkeypatch.setattr(attn, "PREFETCH", False)
-    monkeypatch.setattr(attn, "TABLE_UPFRONT", upfront)
-    outs = {}
-    for early in (False, True):
-        monkeypatch.setattr(attn, "EARLY", early)
-        outs[early] = run_attention(q, k_cache, v_cache, table, lens, n, split_size)
-    assert not torch.isnan(outs[True].float()).any(), "used a position no row reads"
-    assert torch.equal(outs[True], outs[False])
-    # the append fused in: one new token per live row at its own last position
-    bs, kvh, d = q.shape[0], k_cache.shape[2], k_cache.shape[3]
-    k_new, v_new = randn_bf16(bs, kvh, d, seed=5), randn_bf16(bs, kvh, d, seed=6)
-    slots = torch.tensor([int(table[b, (L - 1) // block_size]) * block_size + (L - 1) % block_size
-                          if L > 0 and b < int(n[0]) else -1 for b, L in enumerate(lens.tolist())])
-    max_ctx = table.shape[1] * block_size
-    res = {}
-    for early in (False, True):
-        monkeypatch.setattr(attn, "EARLY", early)
-        kc, vc = k_cache.clone(), v_cache.clone()
-        wo, wl = attn.attention_workspace(bs, q.shape[1], d, max_ctx, q.device, split_size=split_size)
-        wo.fill_(float("nan"))
-        wl.fill_(float("nan"))
-        out = torch.full_like(q, float("nan"))
-        attn.decode_attention(q, kc, vc, table, lens, n, out=out, workspace_o=wo, workspace_lse=wl,
-                              k_new=k_new, v_new=v_new, slot_mapping=slots)
-        res[early] = (out, kc, vc)
-    # bit patterns: the caches keep their NaN where no row reads
-    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16))
-               for a, b in zip(res[True], res[False]))
-    assert not torch.isnan(res[True][0].float()).any()
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_placement_of_pages_does_not_change_the_result(variant):
     """The same logical K/V in shuffled blocks and in blocks 0, 1, 2, ... give bitwise the same

@@ -321,7 +321,7 @@ def test_gpu_fused_append_is_stable_over_many_replays(cuda_device, variant):
 SM90 = textwrap.dedent(r'''
     import re
     from graphrt.kernels.attention_kernels import (_kv_append_kernel, attn_fused_kernel,
-                                                   attn_merge_kernel, attn_split_kernel)
+                                                   attn_split_kernel)
 
     TYPES = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "k_ptr": "*bf16",
              "v_ptr": "*bf16", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "out_ptr": "*bf16",
@@ -339,38 +339,28 @@ SM90 = textwrap.dedent(r'''
         return {"wait": at(r"griddepcontrol\.wait"), "load": at(r"ld\.global|cp\.async"),
                 "store": at(r"st\.global"), "bar": at(r"bar\.sync"),
                 "cache_load": at(r"cp\.async|ld\.global\.v4"), "nc": ".nc" in p,
-                "stores": len(re.findall(r"st\.global", p)), "q_load": at(r"ld\.global\.v4"),
-                "cp_async": at(r"cp\.async"),
-                "loads_before_store": len(re.findall(r"ld\.global", p[:at(r"st\.global")]))}
+                "stores": len(re.findall(r"st\.global", p))}
 
     geo = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, PAGE=16, BLOCK_N=64, UPCAST=False, USE_GDC=2,
                PREFETCH=False)
     out = {}
-    split_geo = dict(geo, EARLY=False)  # given: USE_GDC, after it, is
     for slot in ("i64", "i32"):
         for append in (False, True):
             key = f"{slot}-{int(append)}"
             out["split-" + key] = compile_(attn_split_kernel, slot,
-                                           dict(split_geo, APPEND=append, TABLE_PAGES=0), num_stages=2)
+                                           dict(geo, APPEND=append, TABLE_PAGES=0), num_stages=2)
             out["splitpf-" + key] = compile_(attn_split_kernel, slot,
-                                             dict(split_geo, APPEND=append, PREFETCH=True,
+                                             dict(geo, APPEND=append, PREFETCH=True,
                                                   TABLE_PAGES=0), num_stages=1)
             out["splittb-" + key] = compile_(attn_split_kernel, slot,
-                                             dict(split_geo, APPEND=append, TABLE_PAGES=16),
+                                             dict(geo, APPEND=append, TABLE_PAGES=16),
                                              num_stages=3)
-            out["splitearly-" + key] = compile_(attn_split_kernel, slot,
-                                                dict(split_geo, APPEND=append, TABLE_PAGES=16,
-                                                     EARLY=True), num_stages=3)
             for split in (False, True):
                 out[f"fused{int(split)}-" + key] = compile_(
                     attn_fused_kernel, slot,
                     dict(geo, APPEND=append, SPLIT=split, GROUP_P2=4, MERGE_S=16), num_stages=2)
         out["append-" + slot] = compile_(_kv_append_kernel, slot,
                                          dict(HEAD_DIM=128, PAGE=16, USE_GDC=2), num_warps=1)
-    for early in (False, True):
-        out[f"merge{int(early)}"] = compile_(attn_merge_kernel, "i32",
-                                             dict(HEAD_DIM=128, SPLITS_PAD=8, EARLY=early,
-                                                  USE_GDC=2), num_warps=1)
     print(json.dumps(out))
 ''')
 
@@ -380,21 +370,13 @@ def test_fused_append_kernels_compile_for_sm90():
     16-byte alignment) compiles for Hopper; the PDL wait precedes every global load and store;
     with ``APPEND`` the owner's K/V stores come first, then the CTA barrier, then the cache
     reads (no ``.nc`` read-only loads, which would not see the write). The split kernel also
-    with ``PREFETCH`` (``splitpf``), with its block ids up front on 3 stages (``splittb``) and
-    with them and q loaded early (``splitearly``: q before the owner's write, the K/V after);
-    the merge kernel with and without ``EARLY``."""
+    with ``PREFETCH`` (``splitpf``) and with its block ids up front on 3 stages (``splittb``)."""
     res = compile_results(SM90)
-    assert len(res) == 28
+    assert len(res) == 22
     for key, at in res.items():
         assert at["wait"] < min(at["load"], at["store"]) and not at["nc"], (key, at)
-    for kernel in ("split", "splitpf", "splittb", "splitearly", "fused0", "fused1"):
+    for kernel in ("split", "splitpf", "splittb", "fused0", "fused1"):
         for slot in ("i64", "i32"):
             plain, fused = res[f"{kernel}-{slot}-0"], res[f"{kernel}-{slot}-1"]
             assert fused["stores"] == plain["stores"] + 2, (kernel, slot, plain, fused)
-            # the K/V loads after the owner's write (EARLY: cp.async; q comes before it)
-            loads = fused["cp_async"] if kernel == "splitearly" else fused["cache_load"]
-            assert fused["store"] < fused["bar"] < loads, (kernel, slot, fused)
-            if kernel == "splitearly":  # q issued above the append, beside the row's length
-                assert fused["q_load"] < fused["store"], (slot, fused)
-    # the merge's partials loaded beside the row's length: before the padding rows' zero store
-    assert res["merge1"]["loads_before_store"] > res["merge0"]["loads_before_store"] + 2, res
+            assert fused["store"] < fused["bar"] < fused["cache_load"], (kernel, slot, fused)
