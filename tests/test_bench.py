@@ -124,13 +124,13 @@ def test_bench_cpu_smoke(tmp_path, capsys):
     assert os.path.getsize(out / "step_time.png") > 1000
     for row in m["rows"]:
         for key in ("bs", "step_us", "floor_us", "over_floor", "speedup_vs_eager",
-                    "rel_err_vs_eager", "rows_off_vs_eager", "idle", "call_us", "call_span_us",
-                    "run_host_us", "notes"):
+                    "rel_err_vs_eager", "rows_off_vs_eager", "idle", "call_us", "call_busy_us",
+                    "call_span_us", "run_host_us", "notes"):
             assert key in row, key
         assert row["step_us"]["eager"] > 0 and row["step_us"]["naive"] > 0
         assert row["rel_err_vs_eager"]["naive"] < 3e-2
         assert row["floor_us"] is None and row["idle"] == {} and row["run_host_us"] == {}
-        assert row["call_us"] == {} and row["call_span_us"] == {}  # GPU modes only
+        assert row["call_us"] == row["call_busy_us"] == row["call_span_us"] == {}  # GPU only
     assert m["rows"][0]["rel_err_vs_eager"]["compile"] == 0.0
     md = (out / "results.md").read_text()
     assert "| bs | eager µs | naive µs | floor µs |" in md and "graph: skipped" in md
@@ -310,7 +310,8 @@ def _gpu_result():
                               "graph-overlap": {"idle_frac": 0.3, "idle_frac_in_span": 0.02}},
                      "run_host_us": {"graph": 20.0, "graph-overlap": 21.0},
                      "call_us": {"graph": 900.0 * (i + 1), "compile": 1000.0 * (i + 1)},
-                     "call_span_us": {"graph": 800.0 * (i + 1), "compile": 1000.0 * (i + 1)},
+                     "call_busy_us": {"graph": 800.0 * (i + 1), "compile": 1000.0 * (i + 1)},
+                     "call_span_us": {"graph": 810.0 * (i + 1), "compile": 1500.0 * (i + 1)},
                      "notes": {"naive": "too large"} if bs == 64 else {}})
     per_graph = {bs: {"capture_s": 0.5, "pool_bytes": 3 << 20} for bs in (1, 8, 64)}
     return {"config": "dsv3-like", "layers": 4, "experts": 64, "hidden": 7168, "num_topk": 8,
@@ -332,10 +333,10 @@ def test_markdown_and_plots_of_a_gpu_result(tmp_path):
     assert "| bs | eager µs | compile µs |" in md and "graph-overlap ×floor" in md
     assert "| 64 |" in md and "4.0%" in md and "2.0%" in md and "1 graph break(s)" in md
     assert "naive-graph: FAILED" in md and "naive at bs 64: too large" in md
-    # graph over compile on both footings: through the calls and as device spans
-    assert "| bs | compile call µs | compile span µs | graph call µs | graph span µs | " \
-           "graph / compile, calls | graph / compile, spans |" in md
-    assert "| 8 | 2000 | 2000 | 1800 | 1600 | 0.900 | 0.800 |" in md
+    # graph over compile on both footings: through the calls and by device busy time
+    assert "| bs | compile call µs | compile busy µs | compile span µs | graph call µs | " \
+           "graph busy µs | graph span µs | graph / compile, calls | graph / compile, busy |" in md
+    assert "| 8 | 2000 | 2000 | 3000 | 1800 | 1600 | 1620 | 0.900 | 0.800 |" in md
     paths = write_plots(res, str(tmp_path))
     assert all(os.path.getsize(p) > 1000 for p in paths.values()), paths
 

@@ -100,7 +100,8 @@ class ModesBench:
         self._naive = None
         self.rows = {bs: {"bs": bs, "step_us": {}, "rel_err_vs_eager": {},
                           "rows_off_vs_eager": {}, "idle": {}, "call_us": {},
-                          "call_span_us": {}, "run_host_us": {}, "notes": {}} for bs in self.sizes}
+                          "call_span_us": {}, "call_busy_us": {}, "run_host_us": {},
+                          "notes": {}} for bs in self.sizes}
         self.res = {"config": cfg.name, "layers": cfg.num_layers, "experts": cfg.num_experts,
                     "hidden": cfg.hidden, "num_topk": cfg.num_topk, "moe_inter": cfg.moe_inter,
                     "fp8": fp8, "device": str(device), "comm": type(self.model.comm).__name__,
@@ -146,16 +147,23 @@ class ModesBench:
 
     def time_call(self, mode, bs, call) -> None:
         """Time ``mode``'s own call at ``bs`` (``GraphRuntime.run``, the compiled step, a naive
-        graph's replay) the same way for every mode that has one: ``call_us``, the device time
-        per call of back-to-back calls (CUDA events: host work the device waits on counts, as
-        in a decode loop), and ``call_span_us``, the median over 3 profiled calls of first
-        device activity start to last end (the work one call queues, its input copies and
-        staging included, host time before the first kernel not). ``step_us`` of a graph mode
-        is a bare ``graph.replay()`` and of a compile mode its call; these two put them on one
-        footing. Host-only (synchronizes; needs CUDA)."""
+        graph's replay) the same way for every mode that has one. ``step_us`` of a graph mode
+        is a bare ``graph.replay()`` and of a compile mode its call; these put them on one
+        footing. Medians over 3 profiled calls for the last two:
+
+        - ``call_us``: device time per call of back-to-back calls (CUDA events: host work the
+          device waits on counts, as in a decode loop);
+        - ``call_busy_us``: the union of the device activity one call queues (its input
+          copies and staging included), host time not;
+        - ``call_span_us``: first device activity start to last end of one call: its busy
+          time plus the gaps where the device waited for the host between the call's own
+          launches (the profiler slows the host, so these gaps are larger than unprofiled).
+
+        Host-only (synchronizes; needs CUDA)."""
         from graphrt.bench.profile import replay_profile
         self.rows[bs]["call_us"][mode] = cuda_time_us(call, iters=20)
         idle = replay_profile(call, trials=3)[0]
+        self.rows[bs]["call_busy_us"][mode] = statistics.median(idle["busy_us_all"])
         self.rows[bs]["call_span_us"][mode] = statistics.median(idle["span_us_all"])
 
     def done(self, mode, bs, us) -> None:

@@ -153,24 +153,28 @@ def write_timeline_plots(res: dict, out_dir: str, tag: str = "") -> dict:
     return paths
 
 
+_CALL_KEYS = ("call_us", "call_busy_us", "call_span_us")
+
+
 def _calls_md(r: dict, rows: list, fmt) -> list[str]:
-    """The modes timed through their own calls (``call_us``, ``call_span_us``) and, where
-    ``compile`` ran, each graph mode over it on both footings."""
+    """The modes timed through their own calls (``ModesBench.time_call``) and, where
+    ``compile`` ran, each graph mode over it through the calls and by device busy time."""
     called = [m for m in r["modes"] if any((row.get("call_us") or {}).get(m) for row in rows)]
     if not called:
         return []
     pairs = [m for m in ("graph", "graph-overlap") if m in called and "compile" in called]
     out = ["", "Through each mode's own call (`run()`, the compiled step, the replay): device µs "
-           "per call back to back / device span of one profiled call:", "",
-           "| bs | " + " | ".join(f"{m} call µs | {m} span µs" for m in called)
-           + "".join(f" | {m} / compile, calls | {m} / compile, spans" for m in pairs) + " |",
-           "|---|" + "---|" * (2 * len(called) + 2 * len(pairs))]
+           "per call back to back; device busy and span µs of one profiled call (span: busy "
+           "plus the device's waits for the host between the call's launches):", "",
+           "| bs | " + " | ".join(f"{m} call µs | {m} busy µs | {m} span µs" for m in called)
+           + "".join(f" | {m} / compile, calls | {m} / compile, busy" for m in pairs) + " |",
+           "|---|" + "---|" * (3 * len(called) + 2 * len(pairs))]
+    ratio = lambda d, m: d[m] / d["compile"] if d.get(m) and d.get("compile") else None  # noqa: E731
     for row in rows:
-        call, span = row.get("call_us") or {}, row.get("call_span_us") or {}
-        cells = [c for m in called for c in (fmt(call.get(m), ".0f"), fmt(span.get(m), ".0f"))]
+        got = [row.get(key) or {} for key in _CALL_KEYS]
+        cells = [fmt(d.get(m), ".0f") for m in called for d in got]
         for m in pairs:
-            cells += [fmt(call[m] / call["compile"] if call.get(m) and call.get("compile") else None, ".3f"),
-                      fmt(span[m] / span["compile"] if span.get(m) and span.get("compile") else None, ".3f")]
+            cells += [fmt(ratio(got[0], m), ".3f"), fmt(ratio(got[1], m), ".3f")]
         out.append(f"| {row['bs']} | " + " | ".join(cells) + " |")
     return out
 

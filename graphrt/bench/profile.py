@@ -113,7 +113,7 @@ def device_intervals_us(prof) -> list[tuple[float, float]]:
 def replay_profile(replay: Callable[[], object], *, trials: int = 3) -> tuple[dict, list[dict]]:
     """Profile ``trials`` single replays (after one discarded warm-up session): ``(idle,
     events)``, ``idle`` the ``idle_stats`` of the median trial by ``idle_frac`` plus
-    ``trials``, ``idle_frac_all`` and ``span_us_all`` (every trial's), ``events`` that trial's
+    ``trials``, ``idle_frac_all``, ``span_us_all`` and ``busy_us_all`` (every trial's), ``events`` that trial's
     ``trace_events``. ``replay`` may be any call that puts device work on the GPU (a bare
     replay, ``GraphRuntime.run``, a compiled step)."""
     import torch
@@ -138,7 +138,8 @@ def replay_profile(replay: Callable[[], object], *, trials: int = 3) -> tuple[di
     results.sort(key=lambda r: -1.0 if r[0]["idle_frac"] is None else r[0]["idle_frac"])
     idle, events = results[len(results) // 2]
     return {**idle, "trials": trials, "idle_frac_all": [r[0]["idle_frac"] for r in results],
-            "span_us_all": [r[0]["span_us"] for r in results]}, events
+            "span_us_all": [r[0]["span_us"] for r in results],
+            "busy_us_all": [r[0]["busy_us"] for r in results]}, events
 
 
 def replay_idle(replay: Callable[[], object], *, trials: int = 3) -> dict:

@@ -117,8 +117,10 @@ printed at the end. ``results.json``::
                                                  device µs per call of back-to-back calls of
                                                  the mode's own call (run(), the compiled
                                                  step, the replay); GPU only
-                   call_span_us {the same modes: µs}   median over 3 profiled calls of first
-                                                 device activity start to last end
+                   call_busy_us {the same modes: µs}   median over 3 profiled calls of the
+                                                 union of the call's device activity
+                   call_span_us {the same modes: µs}   the same calls' first device activity
+                                                 start to last end (busy + waits for the host)
                    notes {mode: why}}]}          e.g. the naive gather is too large at this bs
     loop: {config, layers, experts, hidden, device, comm ("local" on one GPU), ranks, rank,
            steps, warmup, sizes, loops (run), skipped {loop: why},
