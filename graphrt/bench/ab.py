@@ -62,6 +62,9 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   Triton's own pipeline (``kernels.attention.TABLE_UPFRONT``, the default, on 3 stages;
   ``attn-table-s4``: on 4, ``TABLE_LAUNCH``) instead of the hand-pipelined loop where it is
   on;
+- ``attn-fused``: decode attention as one launch whose last program of each (row, kv
+  head) merges (``Attention.variant = "fused"``) instead of ``"auto"`` (split + merge past
+  one pass);
 - ``expert-rows``: the expert plan's choices as measured, the CUDA-core rows kernel included
   (``kernels.grouped_gemv_rows``), against the fastest other kernel of each entry
   (``ExpertPlan.exclude``).
@@ -114,6 +117,8 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
                                                   None if on else 256),
             "attn-split128": lambda on: _class_attr("graphrt.moe.layers", "Attention",
                                                     "split_size", 128 if on else None),
+            "attn-fused": lambda on: _class_attr("graphrt.moe.layers", "Attention", "variant",
+                                                 "fused" if on else "auto"),
             "attn-split64": lambda on: _class_attr("graphrt.moe.layers", "Attention",
                                                    "split_size", 64 if on else None),
             "pdl-early": lambda on: env_override("GRAPHRT_PDL_EARLY", "1" if on else "0"),
