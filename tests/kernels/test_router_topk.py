@@ -12,6 +12,7 @@ import triton
 
 from graphrt.kernels import router_topk as rt
 from graphrt.kernels._util import interpreting
+from graphrt.kernels.dense_gemv import num_sms
 from graphrt.kernels.router_topk import (router_topk, router_topk_num_splits, router_topk_ref,
                                          router_topk_semaphore, router_topk_workspace,
                                          router_topk_workspace_shape)
@@ -383,10 +384,6 @@ def _check_gpu(got, h, w, n, spec, bias):
 GPU_MODELS = [("qwen3", 2048), ("dsv3", 7168)]
 
 
-def _num_sms(dev):
-    return torch.cuda.get_device_properties(dev).multi_processor_count
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("bs", [1, 4, 16])
 @pytest.mark.parametrize("name,hidden", GPU_MODELS)
@@ -394,7 +391,7 @@ def test_router_topk_gpu(name, hidden, bs, cuda_device):
     spec, dev = SPECS[name], cuda_device
     h, w = _gpu_inputs(bs, spec, hidden, dev, seed=bs)
     bias = torch.randn(spec["num_experts"], device=dev) * 0.1
-    ws = router_topk_workspace(bs, spec["num_experts"], hidden, _num_sms(dev), dev)
+    ws = router_topk_workspace(bs, spec["num_experts"], hidden, num_sms(dev), dev)
     sem = router_topk_semaphore(bs, dev)
     for n_live in sorted({bs, max(bs - 3, 0)}):
         n = _n(n_live, dev)
@@ -416,7 +413,7 @@ def test_router_topk_cuda_graph_gpu(name, hidden, cuda_device):
     for bs in (1, 4, 16):
         h, w = _gpu_inputs(bs, spec, hidden, dev, seed=0)
         n = _n(bs, dev)
-        ws = router_topk_workspace(bs, spec["num_experts"], hidden, _num_sms(dev), dev)
+        ws = router_topk_workspace(bs, spec["num_experts"], hidden, num_sms(dev), dev)
         sem = router_topk_semaphore(bs, dev)
         outs = _outs(bs, spec["num_experts"], spec["k"], device=dev)
 
