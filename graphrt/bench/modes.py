@@ -149,13 +149,13 @@ class ModesBench:
         """Time ``mode``'s own call at ``bs`` (``GraphRuntime.run``, the compiled step, a naive
         graph's replay) the same way for every mode that has one. ``step_us`` of a graph mode
         is a bare ``graph.replay()`` and of a compile mode its call; these put them on one
-        footing. Medians over 3 profiled calls for the last two:
+        footing:
 
         - ``call_us``: device time per call of back-to-back calls (CUDA events: host work the
           device waits on counts, as in a decode loop);
-        - ``call_busy_us``: the union of the device activity one call queues (its input
-          copies and staging included), host time not;
-        - ``call_span_us``: first device activity start to last end of one call: its busy
+        - ``call_busy_us`` (median over 3 profiled calls): the union of the device activity
+          one call queues (its input copies and staging included), host time not;
+        - ``call_span_us`` (the same calls): first device activity start to last end: busy
           time plus the gaps where the device waited for the host between the call's own
           launches (the profiler slows the host, so these gaps are larger than unprofiled).
 

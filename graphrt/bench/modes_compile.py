@@ -14,7 +14,6 @@ import time
 import torch
 
 
-
 def _graphrt_tensors(root) -> list[torch.Tensor]:
     """Every tensor reachable from ``root`` through graphrt objects, lists and dicts."""
     out, seen, stack = [], set(), [root]

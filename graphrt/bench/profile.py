@@ -113,9 +113,9 @@ def device_intervals_us(prof) -> list[tuple[float, float]]:
 def replay_profile(replay: Callable[[], object], *, trials: int = 3) -> tuple[dict, list[dict]]:
     """Profile ``trials`` single replays (after one discarded warm-up session): ``(idle,
     events)``, ``idle`` the ``idle_stats`` of the median trial by ``idle_frac`` plus
-    ``trials``, ``idle_frac_all``, ``span_us_all`` and ``busy_us_all`` (every trial's), ``events`` that trial's
-    ``trace_events``. ``replay`` may be any call that puts device work on the GPU (a bare
-    replay, ``GraphRuntime.run``, a compiled step)."""
+    ``trials`` and every trial's ``idle_frac_all``, ``span_us_all`` and ``busy_us_all``,
+    ``events`` that trial's ``trace_events``. ``replay`` may be any call that puts device
+    work on the GPU (a bare replay, ``GraphRuntime.run``, a compiled step)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     results = []
