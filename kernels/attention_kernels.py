@@ -109,9 +109,9 @@ def _attend(q, k_cache_ptr, v_cache_ptr, table, kvh, start, end, qk_scale, num_b
 
     ``TABLE_PAGES`` (> 0, a power of two at least the pages ``[start, end)`` touches): the
     range's block ids are loaded once, up front, and each step picks its positions' ids from
-    registers, so no K/V address waits on a load
-    inside the loop and Triton's own pipeline (``num_stages``) can keep several steps' K/V
-    copies in flight. Same loads, same arithmetic: bitwise the plain loop's result."""
+    registers, so no K/V address waits on a load inside the loop and Triton's own pipeline
+    (``num_stages``) can keep several steps' K/V copies in flight. Same loads, same
+    arithmetic: bitwise the plain loop's result."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)  # running max (base 2)
