@@ -14,17 +14,6 @@ uint8 when the size is not a multiple of 4): program ``p`` of ``P`` reads chunks
 stores the XOR of the words it read into ``sink[p]``; ``l2_prefetch_ref`` computes the same
 XORs, which is how the tests prove that every word is read exactly once.
 
-**Bulk prefetch** (``l2_prefetch_bulk``): the same effect without a side stream, a sink or
-any load into registers. Each thread of a small grid issues one Hopper bulk prefetch
-(``cp.async.bulk.prefetch.L2.global``, sm_90) for a ``BULK_CHUNK``-byte chunk of the weight;
-the copy engine (TMA) fetches it into L2 while the kernel has already moved on. It runs on
-the compute stream itself, just before the latency-bound kernels (no fork, no join), and
-under PDL it keeps the stream's chain: it lets the next kernel launch, issues its prefetches,
-then waits for the kernel before it (``kernels._pdl``), so a kernel after it that waits
-still covers every kernel before. A hint only: nothing is written, the weight's values
-cannot change, and without sm_90 or on the CPU interpreter (no PTX) the launcher does
-nothing.
-
 Glossary: ``P`` programs (by default one per chunk: every load in flight at once).
 Graph safety: capturable (no allocation, no host read).
 """
@@ -35,12 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._pdl import pdl_trigger, pdl_wait
-from ._util import check, check_tensor, interpreting, pdl_args
+from ._util import check, check_tensor
 
 BLOCK = 4096        # words per program per iteration (16 KB as int32)
-BULK_CHUNK = 8192   # bytes one bulk prefetch instruction asks for (l2_prefetch_bulk)
-BULK_THREADS = 32   # chunks a program issues, one per thread (one warp)
 
 
 @triton.jit
@@ -113,69 +99,3 @@ def l2_prefetch_ref(w: torch.Tensor, programs: int) -> torch.Tensor:
         if per_chunk[p::programs].size:
             out[p] = np.bitwise_xor.reduce(per_chunk[p::programs])
     return torch.from_numpy(out.astype(np.int32))
-
-
-@triton.jit
-def _l2_bulk_prefetch_kernel(
-    w_ptr,  # uint8 [nbytes]: the weight's bytes, 16-byte aligned
-    nbytes,  # int: a multiple of 16
-    CHUNK: tl.constexpr,  # bytes per prefetch instruction (a multiple of 16)
-    THREADS: tl.constexpr,  # chunks per program: one per thread
-    AFTER_WAIT: tl.constexpr = False,  # issue after the PDL wait (the kernel before is done)
-    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
-):
-    """Thread t of program p asks L2 for chunk ``p * THREADS + t`` (the tail chunk's true
-    size; none past the end). The program waits for the kernel before it (PDL) after that,
-    or, with ``AFTER_WAIT``, first."""
-    pdl_trigger(USE_GDC)
-    if AFTER_WAIT:
-        pdl_wait(USE_GDC)
-    chunk = tl.program_id(0) * THREADS + tl.arange(0, THREADS)
-    off = chunk.to(tl.int64) * CHUNK
-    size = tl.minimum(nbytes - off, CHUNK).to(tl.int32)  # <= 0 past the end: no prefetch
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [w_ptr + off, size], dtype=tl.int32, is_pure=False, pack=1)
-    if not AFTER_WAIT:
-        pdl_wait(USE_GDC)
-
-
-def bulk_programs(nbytes: int, chunk: int = BULK_CHUNK) -> int:
-    """The grid ``l2_prefetch_bulk`` launches for ``nbytes``: one thread per ``chunk`` bytes,
-    ``BULK_THREADS`` a program. Host-only."""
-    return max(1, -(-max(nbytes, 1) // (chunk * BULK_THREADS)))
-
-
-def l2_prefetch_bulk(w: torch.Tensor, *, chunk: int = BULK_CHUNK, after_wait: bool = False) -> None:
-    """Ask L2 for every byte of ``w`` with Hopper bulk prefetches, on the current stream.
-
-    Args:
-        w: a contiguous CUDA tensor (a weight), its start 16-byte aligned and its size a
-            multiple of 16 bytes (the instruction's granularity).
-        chunk: bytes per instruction, a multiple of 16.
-        after_wait: under PDL, issue the prefetches once the kernel before has finished
-            (its HBM traffic done) instead of at once (while it may still run).
-
-    Returns None; writes nothing. Launches ``bulk_programs(nbytes)`` programs of one warp;
-    their prefetches complete in the background while the kernels after it run. A no-op on
-    the CPU interpreter and below sm_90 (no bulk prefetch there): the result of every later
-    kernel is the same either way.
-
-    Graph safety: capturable (no allocation, no host read)
-    """
-    check_tensor(w, "w", contiguous=True)
-    nbytes = w.numel() * w.element_size()
-    check(isinstance(chunk, int) and chunk >= 16 and chunk % 16 == 0, "chunk",
-          "a multiple of 16 bytes", chunk)
-    check(nbytes % 16 == 0, "w's size in bytes", "a multiple of 16 (the bulk prefetch's "
-          "granularity)", nbytes)
-    check(w.data_ptr() % 16 == 0, "w's address", "16-byte aligned", hex(w.data_ptr()))
-    if nbytes == 0 or interpreting() or w.device.type != "cuda" \
-            or torch.cuda.get_device_capability(w.device) < (9, 0):
-        return None
-    flat = w.reshape(-1).view(torch.uint8)
-    _l2_bulk_prefetch_kernel[(bulk_programs(nbytes, chunk),)](
-        flat, nbytes, CHUNK=chunk, THREADS=BULK_THREADS, AFTER_WAIT=bool(after_wait), num_warps=1,
-        **pdl_args())
-    return None

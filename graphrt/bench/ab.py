@@ -8,11 +8,6 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   (``Attention.prefetch``, ``graphrt.kernels.prefetch``);
 - ``prefetch-qkv``: each layer's L2 prefetch of the next layer's QKV weight beside its MoE
   block (``DecoderLayer.prefetch_next_qkv``);
-- ``prefetch-bulk`` / ``prefetch-bulk-late``: the o-projection weight pulled into L2 with
-  Hopper bulk prefetches on the compute stream after the QKV projection, issued at once /
-  once the QKV projection is done (``Attention.prefetch_bulk``,
-  ``graphrt.kernels.prefetch.l2_prefetch_bulk``); ``prefetch-qkv-bulk``: the next layer's
-  QKV weight the same way, before the router gate (``DecoderLayer.prefetch_next_qkv_bulk``);
 - ``attn-splits``: decode attention's split size picked per captured size
   (``Attention.split_size = None``, ``kernels.attention.split_size_for``) instead of 256;
 - ``pdl-early``: kernels let the next kernel launch before they wait (``GRAPHRT_PDL_EARLY``);
@@ -118,12 +113,6 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "prefetch": lambda on: _class_attr("graphrt.moe.layers", "Attention", "prefetch", on),
             "prefetch-qkv": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
                                                    "prefetch_next_qkv", on),
-            "prefetch-bulk": lambda on: _class_attr("graphrt.moe.layers", "Attention",
-                                                    "prefetch_bulk", on),
-            "prefetch-bulk-late": lambda on: _class_attr("graphrt.moe.layers", "Attention",
-                                                         "prefetch_bulk", "late" if on else False),
-            "prefetch-qkv-bulk": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
-                                                        "prefetch_next_qkv_bulk", on),
             "attn-splits": lambda on: _class_attr("graphrt.moe.layers", "Attention", "split_size",
                                                   None if on else 256),
             "attn-split128": lambda on: _class_attr("graphrt.moe.layers", "Attention",

@@ -345,13 +345,6 @@ class Attention:
     # (BENCHMARKS.md §19); GRAPHRT_PREFETCH=1 at import turns it on (A/B benchmarks).
     prefetch = env_flag("GRAPHRT_PREFETCH", False)
     prefetch_programs = None  # l2_prefetch's grid (None: one program per chunk)
-    # The same pull with Hopper bulk prefetches on the compute stream, launched after the QKV
-    # projection (graphrt.kernels.prefetch.l2_prefetch_bulk): no side stream, no join.
-    # False (off), True (issued as soon as its launch starts, under PDL while the QKV
-    # projection may still run) or "late" (issued once the QKV projection is done).
-    # GRAPHRT_PREFETCH_BULK=1 / late at import (A/B: prefetch-bulk, prefetch-bulk-late).
-    prefetch_bulk: bool | str = ("late" if os.environ.get("GRAPHRT_PREFETCH_BULK", "").strip().lower()
-                                 == "late" else env_flag("GRAPHRT_PREFETCH_BULK", False))
     # Write the new K/V inside the attention launch (decode_attention(k_new=, ...)) instead of
     # a kv_append launch before it. On by default: 1.002x / 0.985x the step at qwen3-like
     # bs 1 / 16 (BENCHMARKS.md §25); GRAPHRT_FUSE_APPEND=0 at import turns it off (A/B
@@ -396,8 +389,6 @@ class Attention:
         k = qkv[:, cfg.q_dim:cfg.q_dim + cfg.kv_dim].view(bs, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, cfg.q_dim + cfg.kv_dim:].view(bs, cfg.num_kv_heads, cfg.head_dim)
         recv = self.start_prefetch(self.wo) if self.prefetch else None  # joined before wo
-        if self.prefetch_bulk:
-            self.bulk_prefetch(self.wo)
         if self.fuse_append:                      # the attention launch writes the new K/V
             new_kv = dict(k_new=k, v_new=v, slot_mapping=slot_mapping)
         else:
@@ -420,16 +411,6 @@ class Attention:
         if recv is not None:
             recv()
         return dense(o.view(bs, cfg.q_dim), self.wo)
-
-    def bulk_prefetch(self, w: torch.Tensor) -> None:
-        """``l2_prefetch_bulk(w)`` on the current stream (``prefetch_bulk``: ``"late"`` issues
-        after the kernel before has finished); nothing without CUDA, under torch.compile, or
-        when ``w`` exceeds half the L2 (as ``start_prefetch``). Graph safety: capturable."""
-        if self.side is None or torch.compiler.is_compiling() \
-                or w.numel() * w.element_size() > self.l2_bytes // 2:
-            return
-        from graphrt.kernels.prefetch import l2_prefetch_bulk
-        l2_prefetch_bulk(w, after_wait=self.prefetch_bulk == "late")
 
     def start_prefetch(self, w: torch.Tensor):
         """Fork the side stream from the current stream and ``l2_prefetch(w)`` there (``w``:

@@ -125,10 +125,6 @@ class DecoderLayer:
     # before the router, joined at the end of the layer); GRAPHRT_PREFETCH_QKV=1 at import.
     # Off by default: measured 1.8-3.7% slower on an H200 (BENCHMARKS.md §19).
     prefetch_next_qkv = env_flag("GRAPHRT_PREFETCH_QKV", False)
-    # The same with Hopper bulk prefetches on the compute stream, launched before the router
-    # gate (Attention.bulk_prefetch: latency-bound gate, top-k and dispatch follow).
-    # GRAPHRT_PREFETCH_QKV_BULK=1 at import (A/B: the prefetch-qkv-bulk switch).
-    prefetch_next_qkv_bulk = env_flag("GRAPHRT_PREFETCH_QKV_BULK", False)
     # Hand the layer-end add + RMSNorm to the next layer's QKV projection when it runs on the
     # one-row GEMV (layers.dense_normed: one launch instead of two): 0.96x the step time at
     # qwen3-like bs 1 (BENCHMARKS.md §23). GRAPHRT_FUSE_NORM=0 at import turns it off.
@@ -173,8 +169,6 @@ class DecoderLayer:
             attn = self.attn(None, slot_mapping, block_table, seq_lens, n, qkv=qkv)
         else:
             attn = self.attn(h, slot_mapping, block_table, seq_lens, n)
-        if next_attn is not None and self.prefetch_next_qkv_bulk:
-            next_attn.bulk_prefetch(next_attn.wqkv)
         router, logits = self.moe.router, None
         if self.fuse_moe_norm and router.takes_logits() and gate_norm_fusable(x, router.w):
             logits, x, h = dense_normed_keep(PendingNorm(x, (attn,), self.moe_norm, eps), router.w)
