@@ -24,9 +24,10 @@ as two graph-captured launches, where one launch reading the same 75 MB takes 23
   so by then the wait is short or nothing, and the W2 weights stream while the last W13 items
   still run: no launch boundary between the two GEMMs.
 - **Deadlock-free by the grid.** A waiting W2 item depends only on W13 items that precede it
-  in the order and never wait. ``P`` is at most one program per SM, so every program is
-  resident at once (a dependent kernel under PDL launches only after every program of this
-  one has started). The counters end every launch at zero: the last W2 item of an expert
+  in the order and never wait. ``P`` is at most the programs the GPU holds resident at once
+  (``resident_programs``: from the compiled kernel's registers and shared memory, and the
+  SM's limits), so every program runs at once (a dependent kernel under PDL launches only
+  after every program of this one has started). The counters end every launch at zero: the last W2 item of an expert
   (a second counter) puts both back, so graphs need no memset.
 
 On the CPU interpreter, whose programs run one after another, a program would wait forever
@@ -227,8 +228,9 @@ def experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, masked_m
         counters: int32 ``[>= 2 * E]`` contiguous, **all zero** on entry (``torch.zeros``);
             every launch leaves it zero, so one buffer serves every call ordered after the
             previous one has finished (one stream), never two launches at once.
-        programs: the grid; at most the SM count (the default): every program must be
-            resident at once (module docstring).
+        programs: the grid; at most (and by default) ``resident_programs`` of the compiled
+            kernel: every program must be resident at once (module docstring). The first
+            call of a config on a device launches one program an SM, which always fits.
         block_n1, block_n2: columns of ``a`` / ``out`` a work item (16-128, powers of two).
         block_k1, block_k2: reduction tiles of W13 / W2 (powers of two, 16-512).
         num_warps, num_stages: Triton launch options.
@@ -263,11 +265,12 @@ def experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, masked_m
               f"a power of two in [{lo}, {hi}]", v)
     if E == 0 or cap == 0 or hidden == 0 or inter == 0:
         return out
+    key = (x.device, block_n1, block_n2, block_k1, block_k2, num_warps, num_stages)
     if x.device.type == "cuda":
-        sms = sm_count(cuda_index(x.device))
-        programs = sms if programs is None else programs
-        check(isinstance(programs, int) and 1 <= programs <= sms, "programs",
-              f"an int in [1, {sms}] (one program an SM at most: all resident)", programs)
+        cap_p = _RESIDENT.get(key, sm_count(cuda_index(x.device)))
+        programs = cap_p if programs is None else programs
+        check(isinstance(programs, int) and 1 <= programs <= cap_p, "programs",
+              f"an int in [1, {cap_p}] (the programs resident at once)", programs)
     else:
         programs = 4 if programs is None else programs
     e_pow2 = max(16, triton.next_power_of_2(E))
@@ -280,8 +283,28 @@ def experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, masked_m
         for phase in (1, 2):
             _experts_fused_kernel[(programs,)](*args, PHASE=phase, **meta)
         return out
-    _experts_fused_kernel[(programs,)](*args, PHASE=0, **meta, **pdl_args())
+    compiled = _experts_fused_kernel[(programs,)](*args, PHASE=0, **meta, **pdl_args())
+    if key not in _RESIDENT:
+        _RESIDENT[key] = resident_programs(x.device, compiled.n_regs, compiled.metadata.shared,
+                                           num_warps)
     return out
+
+
+_RESIDENT: dict = {}  # (device, config) -> resident_programs of its compiled kernel
+
+
+def resident_programs(device: torch.device, regs: int, smem: int, num_warps: int) -> int:
+    """Programs of a kernel (``regs`` registers a thread, ``smem`` bytes of shared memory and
+    ``num_warps`` warps a program) the GPU holds at once: per SM the fewest of what its
+    registers (allocated per warp in units of 256), shared memory (1 KB reserved a block),
+    warps and block slots allow, times the SM count. Host-only."""
+    props = torch.cuda.get_device_properties(device)
+    per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (per_warp * num_warps)
+    by_smem = getattr(props, "shared_memory_per_multiprocessor", 228 << 10) // (smem + 1024)
+    by_warps = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * num_warps)
+    per_sm = max(1, min(by_regs, by_smem, by_warps, 32))
+    return per_sm * props.multi_processor_count
 
 
 def experts_fused_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
