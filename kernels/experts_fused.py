@@ -193,13 +193,14 @@ def _experts_fused_kernel(
 def experts_fused_config(hidden: int, inter: int) -> dict:
     """``{"block_n1", "block_n2", "block_k1", "block_k2", "num_warps", "num_stages"}`` for
     W13 ``[2 * inter, hidden]`` and W2 ``[hidden, inter]``, from host ints only (a captured
-    graph bakes it). Host-only."""
+    graph bakes it). The fastest of a sweep at qwen3-like bs 1 (BENCHMARKS.md §31): W13 items
+    of 32 columns, W2 items of 64, K tiles of 128, 3 stages, 4 warps. Host-only."""
     check(all(isinstance(v, int) and v >= 1 for v in (hidden, inter)), "(hidden, inter)",
           "positive host ints", (hidden, inter))
-    return {"block_n1": 16, "block_n2": 32,
-            "block_k1": max(16, min(256, triton.next_power_of_2(hidden))),
-            "block_k2": max(16, min(256, triton.next_power_of_2(inter))),
-            "num_warps": 4, "num_stages": 4}
+    return {"block_n1": 32, "block_n2": 64,
+            "block_k1": max(16, min(128, triton.next_power_of_2(hidden))),
+            "block_k2": max(16, min(128, triton.next_power_of_2(inter))),
+            "num_warps": 4, "num_stages": 3}
 
 
 def counters_shape(num_local_experts: int) -> tuple[int, ...]:
@@ -209,9 +210,9 @@ def counters_shape(num_local_experts: int) -> tuple[int, ...]:
 
 def experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, masked_m: torch.Tensor,
                   *, a: torch.Tensor, out: torch.Tensor, counters: torch.Tensor,
-                  programs: int | None = None, block_n1: int = 16, block_n2: int = 32,
-                  block_k1: int = 256, block_k2: int = 256, num_warps: int = 4,
-                  num_stages: int = 4) -> torch.Tensor:
+                  programs: int | None = None, block_n1: int = 32, block_n2: int = 64,
+                  block_k1: int = 128, block_k2: int = 128, num_warps: int = 4,
+                  num_stages: int = 3) -> torch.Tensor:
     """``out = silu_and_mul(x @ w13.T) @ w2.T`` on the live rows of every expert, one launch.
 
     Args:
@@ -265,7 +266,15 @@ def experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, masked_m
               f"a power of two in [{lo}, {hi}]", v)
     if E == 0 or cap == 0 or hidden == 0 or inter == 0:
         return out
-    key = (x.device, block_n1, block_n2, block_k1, block_k2, num_warps, num_stages)
+    e_pow2 = max(16, triton.next_power_of_2(E))
+    args = (x, w13, w2, a, out, masked_m, counters, E, cap, hidden, inter,
+            x.stride(0), x.stride(1), a.stride(0), a.stride(1), out.stride(0), out.stride(1))
+    # what picks the compiled kernel: the constexprs and Triton's specialization of each
+    # argument (a pointer's or an int's divisibility by 16, an int equal to 1)
+    key = (cuda_index(x.device) if x.device.type == "cuda" else -1, e_pow2, block_n1, block_n2,
+           block_k1, block_k2, num_warps, num_stages,
+           tuple((v.data_ptr() if isinstance(v, torch.Tensor) else v) % 16 == 0 for v in args),
+           tuple(v == 1 for v in args if isinstance(v, int)))
     if x.device.type == "cuda":
         cap_p = _RESIDENT.get(key, sm_count(cuda_index(x.device)))
         programs = cap_p if programs is None else programs
@@ -273,9 +282,7 @@ def experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, masked_m
               f"an int in [1, {cap_p}] (the programs resident at once)", programs)
     else:
         programs = 4 if programs is None else programs
-    e_pow2 = max(16, triton.next_power_of_2(E))
-    args = (x, w13, w2, a, out, masked_m, counters, E, cap, hidden, inter,
-            x.stride(0), x.stride(1), a.stride(0), a.stride(1), out.stride(0), out.stride(1))
+        check(isinstance(programs, int) and programs >= 1, "programs", "an int >= 1", programs)
     meta = dict(E_POW2=e_pow2, BLOCK_M=BLOCK_M, BLOCK_N1=block_n1, BLOCK_N2=block_n2,
                 BLOCK_K1=block_k1, BLOCK_K2=block_k2, UPCAST=interpreting(),
                 num_warps=num_warps, num_stages=num_stages)
@@ -290,21 +297,30 @@ def experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, masked_m
     return out
 
 
-_RESIDENT: dict = {}  # (device, config) -> resident_programs of its compiled kernel
+_RESIDENT: dict = {}  # the key of a compiled kernel (experts_fused) -> its resident_programs
 
 
 def resident_programs(device: torch.device, regs: int, smem: int, num_warps: int) -> int:
     """Programs of a kernel (``regs`` registers a thread, ``smem`` bytes of shared memory and
-    ``num_warps`` warps a program) the GPU holds at once: per SM the fewest of what its
-    registers (allocated per warp in units of 256), shared memory (1 KB reserved a block),
-    warps and block slots allow, times the SM count. Host-only."""
+    ``num_warps`` warps a program) the GPU ``device`` holds at once:
+    ``programs_per_sm`` with its SM's limits, times its SM count. Host-only."""
     props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count * programs_per_sm(
+        regs, smem, num_warps, regs_per_sm=getattr(props, "regs_per_multiprocessor", 65536),
+        smem_per_sm=getattr(props, "shared_memory_per_multiprocessor", 228 << 10),
+        threads_per_sm=getattr(props, "max_threads_per_multi_processor", 2048))
+
+
+def programs_per_sm(regs: int, smem: int, num_warps: int, *, regs_per_sm: int = 65536,
+                    smem_per_sm: int = 228 << 10, threads_per_sm: int = 2048) -> int:
+    """Programs one SM holds at once: the fewest of what its registers (allocated per warp in
+    units of 256), its shared memory (1 KB reserved a block), its threads and its 32 block
+    slots allow; at least 1. Defaults: an H100/H200 SM. Pure Python."""
     per_warp = -(-max(regs, 1) * 32 // 256) * 256
-    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (per_warp * num_warps)
-    by_smem = getattr(props, "shared_memory_per_multiprocessor", 228 << 10) // (smem + 1024)
-    by_warps = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * num_warps)
-    per_sm = max(1, min(by_regs, by_smem, by_warps, 32))
-    return per_sm * props.multi_processor_count
+    by_regs = regs_per_sm // (per_warp * num_warps)
+    by_smem = smem_per_sm // (smem + 1024)
+    by_threads = threads_per_sm // (32 * num_warps)
+    return max(1, min(by_regs, by_smem, by_threads, 32))
 
 
 def experts_fused_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
