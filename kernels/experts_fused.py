@@ -212,7 +212,7 @@ def experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, masked_m
                   *, a: torch.Tensor, out: torch.Tensor, counters: torch.Tensor,
                   programs: int | None = None, block_n1: int = 32, block_n2: int = 64,
                   block_k1: int = 128, block_k2: int = 128, num_warps: int = 4,
-                  num_stages: int = 3) -> torch.Tensor:
+                  num_stages: int = 3, maxnreg: int | None = None) -> torch.Tensor:
     """``out = silu_and_mul(x @ w13.T) @ w2.T`` on the live rows of every expert, one launch.
 
     Args:
@@ -234,7 +234,8 @@ def experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, masked_m
             call of a config on a device launches one program an SM, which always fits.
         block_n1, block_n2: columns of ``a`` / ``out`` a work item (16-128, powers of two).
         block_k1, block_k2: reduction tiles of W13 / W2 (powers of two, 16-512).
-        num_warps, num_stages: Triton launch options.
+        num_warps, num_stages, maxnreg: Triton launch options (``maxnreg``: a cap on the
+            registers a thread, so that more programs fit an SM; None: the compiler's pick).
 
     Returns ``out``. Allocates nothing, no host sync; deterministic for a config.
 
@@ -272,7 +273,7 @@ def experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, masked_m
     # what picks the compiled kernel: the constexprs and Triton's specialization of each
     # argument (a pointer's or an int's divisibility by 16, an int equal to 1)
     key = (cuda_index(x.device) if x.device.type == "cuda" else -1, e_pow2, block_n1, block_n2,
-           block_k1, block_k2, num_warps, num_stages,
+           block_k1, block_k2, num_warps, num_stages, maxnreg,
            tuple((v.data_ptr() if isinstance(v, torch.Tensor) else v) % 16 == 0 for v in args),
            tuple(v == 1 for v in args if isinstance(v, int)))
     if x.device.type == "cuda":
@@ -286,6 +287,8 @@ def experts_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, masked_m
     meta = dict(E_POW2=e_pow2, BLOCK_M=BLOCK_M, BLOCK_N1=block_n1, BLOCK_N2=block_n2,
                 BLOCK_K1=block_k1, BLOCK_K2=block_k2, UPCAST=interpreting(),
                 num_warps=num_warps, num_stages=num_stages)
+    if maxnreg is not None:
+        meta["maxnreg"] = maxnreg
     if interpreting():  # programs run one after another: W13 items, then W2 items
         for phase in (1, 2):
             _experts_fused_kernel[(programs,)](*args, PHASE=phase, **meta)
