@@ -25,9 +25,6 @@ every op returns ``None`` (a custom op may not return an alias of its input)::
                                           swap=False, epilogue=None)
     torch.ops.graphrt.expert_gemv_rows(a, b, masked_m, out, block_n=None, block_k=None,
                                        num_warps=4, act=None)
-    torch.ops.graphrt.experts_fused(x, w13, w2, masked_m, a, out, counters, programs=None,
-                                    block_n1=32, block_n2=64, block_k1=128, block_k2=128,
-                                    num_warps=4, num_stages=3)
     torch.ops.graphrt.kv_append(k, v, slot_mapping, n, k_cache, v_cache)
     torch.ops.graphrt.decode_attention(q, k_cache, v_cache, block_table, seq_lens, n, out,
                                        workspace_o, workspace_lse, sm_scale=None,
@@ -169,18 +166,6 @@ def decode_grouped_gemm(a: Tensor, b: Tensor, masked_m: Tensor, out: Tensor,
         a, b, masked_m, out=out, expected_m=expected_m, block_n=block_n, split_k=split_k,
         workspace=workspace, a_scale=a_scale, b_scale=b_scale, num_warps=num_warps,
         num_stages=num_stages, act=act, swap=swap, epilogue=epilogue)
-
-
-@_op("experts_fused", ("a", "out", "counters"))
-def experts_fused(x: Tensor, w13: Tensor, w2: Tensor, masked_m: Tensor, a: Tensor, out: Tensor,
-                  counters: Tensor, programs: Optional[int] = None, block_n1: int = 32,
-                  block_n2: int = 64, block_k1: int = 128, block_k2: int = 128,
-                  num_warps: int = 4, num_stages: int = 3) -> None:
-    """``graphrt.kernels.experts_fused.experts_fused``. Graph safety: capturable."""
-    _launcher(f"{_KERNELS}.experts_fused", "experts_fused")(
-        x, w13, w2, masked_m, a=a, out=out, counters=counters, programs=programs,
-        block_n1=block_n1, block_n2=block_n2, block_k1=block_k1, block_k2=block_k2,
-        num_warps=num_warps, num_stages=num_stages)
 
 
 @_op("expert_gemv_rows", ("out",))
@@ -333,7 +318,7 @@ def greedy_sample(logits: Tensor, out_ids: Tensor, out_sampled: Optional[Tensor]
 
 
 OPS = (topk_softmax, grouped_topk_sigmoid, dispatch_masked, combine_masked, silu_and_mul_masked,
-       silu_and_mul_masked_fp8, masked_grouped_gemm, decode_grouped_gemm, expert_gemv_rows, experts_fused,
+       silu_and_mul_masked_fp8, masked_grouped_gemm, decode_grouped_gemm, expert_gemv_rows,
        deepgemm_masked_bf16, deepgemm_masked_fp8, kv_append, decode_attention, add_rmsnorm,
        silu_and_mul, unpack_rows, greedy_sample, dense_gemv, dense_gemv_rows, norm_gemv_rows)
 

@@ -62,12 +62,6 @@ def _wrappers() -> dict[tuple[str, str], object]:
         ops.masked_grouped_gemm(a, b, masked_m, out, expected_m)
         return out
 
-    def experts_fused_(x, w13, w2, masked_m, *, a, out, counters, programs=None, block_n1=32,
-                       block_n2=64, block_k1=128, block_k2=128, num_warps=4, num_stages=3):
-        ops.experts_fused(x, w13, w2, masked_m, a, out, counters, programs, block_n1, block_n2,
-                          block_k1, block_k2, num_warps, num_stages)
-        return out
-
     def decode_grouped_gemm_(a, b, masked_m, *, out, expected_m=None, block_n=32, split_k=1,
                              workspace=None, a_scale=None, b_scale=None, num_warps=4,
                              num_stages=4, act=None, swap=False, epilogue=None):
@@ -166,7 +160,6 @@ def _wrappers() -> dict[tuple[str, str], object]:
             (f"{k}.grouped_gemm", "masked_grouped_gemm"): masked_grouped_gemm_,
             (f"{k}.grouped_gemm_decode", "decode_grouped_gemm"): decode_grouped_gemm_,
             (f"{k}.grouped_gemv_rows", "expert_gemv_rows"): expert_gemv_rows_,
-            (f"{k}.experts_fused", "experts_fused"): experts_fused_,
             (f"{k}.attention", "kv_append"): kv_append_,
             (f"{k}.attention", "decode_attention"): decode_attention_,
             (f"{k}.norm", "add_rmsnorm"): add_rmsnorm_,

@@ -65,9 +65,6 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
 - ``attn-fused``: decode attention as one launch whose last program of each (row, kv
   head) merges (``Attention.variant = "fused"``) instead of ``"auto"`` (split + merge past
   one pass);
-- ``experts-fused``: both expert GEMMs in one launch with a device-side join per expert
-  (``graphrt.kernels.experts_fused``) where ``Experts.fused_pair`` takes it (the default,
-  "auto": padded batch 1) instead of nowhere; ``experts-fused-all``: at every size;
 - ``expert-rows``: the expert plan's choices as measured, the CUDA-core rows kernel included
   (``kernels.grouped_gemv_rows``), against the fastest other kernel of each entry
   (``ExpertPlan.exclude``).
@@ -116,10 +113,6 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "prefetch": lambda on: _class_attr("graphrt.moe.layers", "Attention", "prefetch", on),
             "prefetch-qkv": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
                                                    "prefetch_next_qkv", on),
-            "experts-fused": lambda on: _class_attr("graphrt.moe.experts", "Experts",
-                                                    "fused_pair", "auto" if on else False),
-            "experts-fused-all": lambda on: _class_attr("graphrt.moe.experts", "Experts",
-                                                        "fused_pair", on),
             "attn-splits": lambda on: _class_attr("graphrt.moe.layers", "Attention", "split_size",
                                                   None if on else 256),
             "attn-split128": lambda on: _class_attr("graphrt.moe.layers", "Attention",

@@ -97,8 +97,6 @@ class Experts:
             included); default ``first_expert, first_expert + 1, ...``.
         plan: an ``ExpertPlan`` shared by the model's layers (``graphrt.moe.expert_plan``);
             ``None``: always ``backend``.
-        fused_ok: whether ``experts_fused`` may run both GEMMs as one launch (``fused_pair``,
-            with ``backend="auto"`` only); the model passes False under expert parallelism.
     """
 
     # Fuse SiLU-and-mul (and, with fp8, its quantization) into the W2 GEMM's A load when the
@@ -121,20 +119,11 @@ class Experts:
     # (A/B: the decode-epilogue and decode-epilogue-all switches).
     decode_epilogue: bool | str = env_auto("GRAPHRT_DECODE_EPILOGUE")
     EPILOGUE_MAX_BS = 1
-    # Both GEMMs (W13 with SiLU-and-mul, then W2) in one persistent launch with a per-expert
-    # device-side join (graphrt.kernels.experts_fused), bf16 only, where the routing leaves
-    # few live experts: "auto" (the default) for padded batches of at most FUSED_MAX_BS rows
-    # on CUDA.
-    # GRAPHRT_EXPERTS_FUSED=0 / 1 at import forces it off / at every size (A/B: the
-    # experts-fused switch).
-    fused_pair: bool | str = env_auto("GRAPHRT_EXPERTS_FUSED")
-    FUSED_MAX_BS = 1
 
     def __init__(self, hidden: int, inter: int, num_local_experts: int, device, *, seed: int = 0,
                  first_expert: int = 0, backend: str = "auto", fp8: bool = False,
                  dtype=torch.bfloat16, max_cap: int = 256, workspace=None,
-                 quantize_input: bool = True, plan=None, expert_ids=None,
-                 fused_ok: bool = True):
+                 quantize_input: bool = True, plan=None, expert_ids=None):
         on_cuda = torch.device(device).type == "cuda"
         self.planned = backend == "auto"
         if backend == "auto":
@@ -195,9 +184,6 @@ class Experts:
                 self.ws.reserve("x_s", (E, max_cap, hidden // 128), torch.float32)
         else:
             self.ws.reserve("a", (E, max_cap, inter), dtype)
-        # experts_fused's join counters: zero here and after every launch (no memset in graphs)
-        self.fused_counters = torch.zeros(2 * E, dtype=torch.int32, device=device)
-        self.fused_ok = fused_ok  # False: never experts_fused (expert-parallel: MoEBlock)
 
     def slot_tensors(self) -> dict[str, torch.Tensor]:
         """The per-slot weight tensors, each ``[num_local_experts, ...]`` (bf16 ``w13``/``w2``,
@@ -334,11 +320,6 @@ class Experts:
             silu_and_mul_masked_fp8(u, masked_m, out_q=a_q, out_scale=a_s)
             return self.gemm("w2", a_q, masked_m, expected_m, y, c2, a_s)
         a = self.ws.view("a", (E, cap, self.inter))
-        if self.fuses_pair(bs):  # both GEMMs in one launch
-            from graphrt.kernels.experts_fused import experts_fused, experts_fused_config
-            return experts_fused(recv_x, self.w13, self.w2, masked_m, a=a, out=y,
-                                 counters=self.fused_counters,
-                                 **experts_fused_config(self.hidden, self.inter))
         if self.act_epilogue and c13.kernel == "rows" and not fused:  # W13 writes a itself
             self.gemm("w13", recv_x, masked_m, expected_m, a, c13, act="silu_and_mul")
             return self.gemm("w2", a, masked_m, expected_m, y, c2)
@@ -347,18 +328,6 @@ class Experts:
             return self.gemm("w2", u, masked_m, expected_m, y, c2, act="silu_and_mul")
         self.w13_act(recv_x, masked_m, expected_m, u, a, c13, bs)
         return self.gemm("w2", a, masked_m, expected_m, y, c2)
-
-    def fuses_pair(self, bs: int | None) -> bool:
-        """Whether a step at padded batch ``bs`` runs both GEMMs as one ``experts_fused``
-        launch (``fused_pair``: forced, or "auto": ``bs <= FUSED_MAX_BS`` on CUDA; the CPU
-        interpreter runs it as two phases, for no gain): bf16 only, with
-        ``backend="auto"`` (a backend the caller names is used as named), EP=1
-        only (``fused_ok``: its programs must all be resident at once, which no other
-        rank's kernels may hold up), and never for an unknown size. Host-only."""
-        if self.fp8 or not self.planned or not self.fused_ok or self.fused_pair is False:
-            return False
-        return self.fused_pair is True or (bs is not None and bs <= self.FUSED_MAX_BS
-                                           and self.device.type == "cuda")
 
     def takes_epilogue(self, choice: Choice, bs: int | None) -> bool:
         """Whether W13 with ``choice`` at padded batch ``bs`` applies SiLU-and-mul itself:

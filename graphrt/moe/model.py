@@ -57,7 +57,6 @@ class MoEBlock:
                                backend=backend, fp8=fp8, dtype=cfg.dtype,
                                max_cap=comm.cap_for(cfg.num_slots), workspace=workspace,
                                quantize_input=not getattr(comm, "fp8", False),
-                               fused_ok=getattr(comm, "num_ranks", 1) == 1,
                                expert_ids=None if expert_map is None else
                                expert_map.local_experts(index))
         self.shared = SharedExpert(cfg, device, gen) if cfg.num_shared_experts else None
