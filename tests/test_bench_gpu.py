@@ -94,3 +94,18 @@ def test_overlap_region_is_timed_alone():
     assert r["saved_us"] == pytest.approx(r["sequential_us"] - r["overlapped_us"])
     assert r["saved_frac_of_shorter"] == pytest.approx(
         r["saved_us"] / min(r["shared_us"], r["combine_us"]))
+
+
+def test_hbm_bench_reads_at_a_physical_rate(tmp_path):
+    """Small launches read slower than large ones, and no kind beats the copy bandwidth by
+    more than the copy's own read + write count allows."""
+    from graphrt.bench.hbm import main
+    import json
+    assert main(["--sizes", "1,64", "--cold-mb", "256", "--iters", "5",
+                 "--out", str(tmp_path / "h.json")]) == 0
+    doc = json.loads((tmp_path / "h.json").read_text())
+    small, large = doc["results"]
+    for r in (small, large):
+        for kind in ("read", "stream", "copy"):
+            assert r[kind]["us"] > 0 and 0 < r[kind]["frac_hbm"] < (2.2 if kind == "copy" else 1.2)
+    assert small["read"]["gbs"] < large["read"]["gbs"]

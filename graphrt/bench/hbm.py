@@ -1,0 +1,121 @@
+"""HBM read bandwidth against the bytes one kernel launch reads: what a launch of N MB reaches.
+
+    python -m graphrt.bench.hbm --out bench-out/hbm.json
+    python -m graphrt.bench.hbm --sizes 16,50,134 --out h.json
+
+The floors of ``graphrt bench`` divide a step's bytes by the copy bandwidth of a 4 GB
+transfer (``graphrt.bench.timing.hbm_bandwidth_gbs``). A decode step is dozens of launches of
+1-134 MB, and a launch that short spends a fixed part of its time ramping up and draining.
+This measures that directly. Per size N, three kernels are each captured in a CUDA graph over
+``copies`` separate buffers of N MB (at least ``--cold-mb`` MB in all, so every launch reads
+bytes that are not in L2) and timed with ``graphrt.bench.timing.graph_time_us``; reported per
+launch:
+
+- ``read``: ``torch.sum`` of the buffer viewed as int32 (one reduction kernel, N MB read);
+- ``stream``: ``graphrt.kernels.prefetch.l2_prefetch`` (graphrt's grid-stride read, one
+  program per 16 KB chunk, every byte once; it asks L2 to keep the lines, which makes no
+  difference to a buffer read once);
+- ``copy``: ``dst.copy_(src)`` (N MB read and N MB written; GB/s counts both).
+
+µs per launch, GB/s, and that rate as a fraction of the 4 GB copy bandwidth measured in the
+same run. Prints a markdown table; writes JSON to ``--out`` (and the table beside it, ``.md``).
+
+Tooling: synchronizes the device; nothing here runs inside a step.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from graphrt.bench.output import int_list, save_doc
+
+SCHEMA = "graphrt.bench.hbm/1"
+SIZES_MB = (1, 2, 4, 8, 16, 25, 50, 75, 134, 256, 1024)
+KINDS = ("read", "stream", "copy")
+
+
+def bench(sizes_mb: list[int], *, cold_mb: int, iters: int, log=print) -> dict:
+    """``{"schema", "device", "hbm_gbs", "cold_mb", "results": [per size: {"mb", "copies",
+    kind: {"us", "gbs", "frac_hbm"}}]}`` on the current CUDA device."""
+    from graphrt.bench.timing import graph_time_us, hbm_bandwidth_gbs
+    from graphrt.kernels.prefetch import l2_prefetch, sink_size
+    dev = torch.device("cuda", torch.cuda.current_device())
+    hbm = hbm_bandwidth_gbs(dev)
+    doc = {"schema": SCHEMA, "device": torch.cuda.get_device_name(dev), "hbm_gbs": round(hbm, 1),
+           "cold_mb": cold_mb, "results": []}
+    for mb in sizes_mb:
+        nbytes = mb << 20
+        copies = max(1, -(-cold_mb // mb))
+        bufs = [torch.empty(nbytes // 4, dtype=torch.int32, device=dev).random_(0, 1 << 20)
+                for _ in range(copies)]
+        dst = torch.empty_like(bufs[0])
+        sink = torch.empty(sink_size(bufs[0]), dtype=torch.int32, device=dev)
+        out = torch.empty((), dtype=torch.int64, device=dev)
+        runs = {"read": lambda: [torch.sum(b, out=out) for b in bufs],
+                "stream": lambda: [l2_prefetch(b, sink=sink) for b in bufs],
+                "copy": lambda: [dst.copy_(b) for b in bufs]}
+        res = {"mb": mb, "copies": copies}
+        for kind, fn in runs.items():
+            us = graph_time_us(fn, iters=iters) / copies
+            moved = nbytes * (2 if kind == "copy" else 1)
+            gbs = moved / (us * 1e-6) / 1e9
+            res[kind] = {"us": round(us, 2), "gbs": round(gbs, 1), "frac_hbm": round(gbs / hbm, 3)}
+        doc["results"].append(res)
+        log(_row(res))
+        del bufs, dst
+        torch.cuda.empty_cache()
+    return doc
+
+
+def _header() -> str:
+    cols = " | ".join(f"{k} µs | {k} GB/s | {k} / 4 GB copy" for k in KINDS)
+    return (f"| MB a launch | {cols} |\n|---|" + "---|" * (3 * len(KINDS)))
+
+
+def _row(r: dict) -> str:
+    cells = " | ".join(f"{r[k]['us']} | {r[k]['gbs']:.0f} | {r[k]['frac_hbm']:.0%}" for k in KINDS)
+    return f"| {r['mb']} | {cells} |"
+
+
+def markdown(doc: dict) -> str:
+    """The results as a markdown table under a line naming the device and the 4 GB copy
+    bandwidth the fractions divide by."""
+    head = (f"Device {doc['device']}, 4 GB copy bandwidth {doc['hbm_gbs']:.0f} GB/s; µs per "
+            f"launch from CUDA-graph replays over >= {doc['cold_mb']} MB of buffers (cold L2), "
+            "median.\n\n")
+    return head + "\n".join([_header()] + [_row(r) for r in doc["results"]]) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m graphrt.bench.hbm",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default=",".join(map(str, SIZES_MB)),
+                   help="MB one launch reads, comma-separated (each >= 1)")
+    p.add_argument("--cold-mb", type=int, default=512,
+                   help="MB of buffers a timed call reads (well past the L2)")
+    p.add_argument("--iters", type=int, default=20, help="replays per timing sample")
+    p.add_argument("--out", required=True, help="JSON results path (the table goes to .md beside it)")
+    a = p.parse_args(argv)
+    try:
+        sizes = int_list(a.sizes)
+    except ValueError:
+        sizes = [0]
+    bad = [s for s in sizes if s < 1]
+    if bad or a.cold_mb < 1 or not torch.cuda.is_available():
+        why = (f"--sizes needs comma-separated MB >= 1, got {a.sizes!r}" if bad else
+               f"--cold-mb needs >= 1, got {a.cold_mb}" if a.cold_mb < 1 else "needs a CUDA GPU")
+        print(f"graphrt.bench.hbm: {why}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    print(_header(), flush=True)
+    doc = bench(sizes, cold_mb=a.cold_mb, iters=a.iters, log=lambda s: print(s, flush=True))
+    doc["wall_s"] = round(time.perf_counter() - t0, 1)
+    save_doc(a.out, doc, markdown(doc))
+    return 0 if doc["results"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
