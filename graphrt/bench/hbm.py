@@ -40,34 +40,39 @@ KINDS = ("read", "stream", "copy")
 def bench(sizes_mb: list[int], *, cold_mb: int, iters: int, log=print) -> dict:
     """``{"schema", "device", "hbm_gbs", "cold_mb", "results": [per size: {"mb", "copies",
     kind: {"us", "gbs", "frac_hbm"}}]}`` on the current CUDA device."""
-    from graphrt.bench.timing import graph_time_us, hbm_bandwidth_gbs
-    from graphrt.kernels.prefetch import l2_prefetch, sink_size
+    from graphrt.bench.timing import hbm_bandwidth_gbs
     dev = torch.device("cuda", torch.cuda.current_device())
     hbm = hbm_bandwidth_gbs(dev)
     doc = {"schema": SCHEMA, "device": torch.cuda.get_device_name(dev), "hbm_gbs": round(hbm, 1),
            "cold_mb": cold_mb, "results": []}
     for mb in sizes_mb:
-        nbytes = mb << 20
-        copies = max(1, -(-cold_mb // mb))
-        bufs = [torch.empty(nbytes // 4, dtype=torch.int32, device=dev).random_(0, 1 << 20)
-                for _ in range(copies)]
-        dst = torch.empty_like(bufs[0])
-        sink = torch.empty(sink_size(bufs[0]), dtype=torch.int32, device=dev)
-        out = torch.empty((), dtype=torch.int64, device=dev)
-        runs = {"read": lambda: [torch.sum(b, out=out) for b in bufs],
-                "stream": lambda: [l2_prefetch(b, sink=sink) for b in bufs],
-                "copy": lambda: [dst.copy_(b) for b in bufs]}
-        res = {"mb": mb, "copies": copies}
-        for kind, fn in runs.items():
-            us = graph_time_us(fn, iters=iters) / copies
-            moved = nbytes * (2 if kind == "copy" else 1)
-            gbs = moved / (us * 1e-6) / 1e9
-            res[kind] = {"us": round(us, 2), "gbs": round(gbs, 1), "frac_hbm": round(gbs / hbm, 3)}
-        doc["results"].append(res)
-        log(_row(res))
-        del bufs, dst
+        doc["results"].append(_measure(mb, cold_mb, iters, hbm, dev))
+        log(_row(doc["results"][-1]))
         torch.cuda.empty_cache()
     return doc
+
+
+def _measure(mb: int, cold_mb: int, iters: int, hbm: float, dev) -> dict:
+    """One size: ``{"mb", "copies", kind: {"us", "gbs", "frac_hbm"}}`` (module docstring)."""
+    from graphrt.bench.timing import graph_time_us
+    from graphrt.kernels.prefetch import l2_prefetch, sink_size
+    nbytes = mb << 20
+    copies = max(1, -(-cold_mb // mb))
+    bufs = [torch.empty(nbytes // 4, dtype=torch.int32, device=dev).random_(0, 1 << 20)
+            for _ in range(copies)]
+    dst = torch.empty_like(bufs[0])
+    sink = torch.empty(sink_size(bufs[0]), dtype=torch.int32, device=dev)
+    out = torch.empty((), dtype=torch.int64, device=dev)
+    runs = {"read": lambda: [torch.sum(b, out=out) for b in bufs],
+            "stream": lambda: [l2_prefetch(b, sink=sink) for b in bufs],
+            "copy": lambda: [dst.copy_(b) for b in bufs]}
+    res = {"mb": mb, "copies": copies}
+    for kind, fn in runs.items():
+        us = graph_time_us(fn, iters=iters) / copies
+        moved = nbytes * (2 if kind == "copy" else 1)
+        gbs = moved / (us * 1e-6) / 1e9
+        res[kind] = {"us": round(us, 2), "gbs": round(gbs, 1), "frac_hbm": round(gbs / hbm, 3)}
+    return res
 
 
 def _header() -> str:
