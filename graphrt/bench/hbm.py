@@ -63,7 +63,7 @@ def _measure(mb: int, cold_mb: int, iters: int, hbm: float, dev) -> dict:
     dst = torch.empty_like(bufs[0])
     sink = torch.empty(sink_size(bufs[0]), dtype=torch.int32, device=dev)
     out = torch.empty((), dtype=torch.int64, device=dev)
-    runs = {"read": lambda: [torch.sum(b, out=out) for b in bufs],
+    runs = {"read": lambda: [torch.sum(b, 0, out=out) for b in bufs],
             "stream": lambda: [l2_prefetch(b, sink=sink) for b in bufs],
             "copy": lambda: [dst.copy_(b) for b in bufs]}
     res = {"mb": mb, "copies": copies}
