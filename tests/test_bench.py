@@ -831,8 +831,8 @@ def test_hbm_bench_markdown_and_arguments(capsys):
     kind = {"us": 16.1, "gbs": 3256.0, "frac_hbm": 0.763}
     row = {"mb": 50, "copies": 11, "stream": kind, "copy": dict(kind, gbs=6100.0, frac_hbm=1.43)}
     md = markdown({"device": "H200", "hbm_gbs": 4268.0, "cold_mb": 512, "results": [row]})
-    assert "| MB a launch | stream µs | stream GB/s | stream / 4 GB copy |" in md
+    assert "| MiB a launch | stream µs | stream GB/s | stream / 4 GB copy |" in md
     assert "| 50 | 16.1 | 3256 | 76% | 16.1 | 6100 | 143% |" in md
     assert main(["--sizes", "4,x", "--out", "unused.json"]) == 2
-    assert "--sizes needs comma-separated MB >= 1, got '4,x'" in capsys.readouterr().err
+    assert "--sizes needs comma-separated MiB >= 1, got '4,x'" in capsys.readouterr().err
     assert main(["--sizes", "0", "--out", "unused.json"]) == 2

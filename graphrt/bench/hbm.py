@@ -1,20 +1,20 @@
-"""HBM read bandwidth against the bytes one kernel launch reads: what a launch of N MB reaches.
+"""HBM read bandwidth against the bytes one kernel launch reads: what a launch of N MiB reaches.
 
     python -m graphrt.bench.hbm --out bench-out/hbm.json
     python -m graphrt.bench.hbm --sizes 16,50,134 --out h.json
 
 The floors of ``graphrt bench`` divide a step's bytes by the copy bandwidth of a 4 GB
 transfer (``graphrt.bench.timing.hbm_bandwidth_gbs``). A decode step is dozens of launches of
-1-134 MB, and a launch that short spends a fixed part of its time ramping up and draining.
+1-128 MiB, and a launch that short spends a fixed part of its time ramping up and draining.
 This measures that directly. Per size N, two kernels are each captured in a CUDA graph over
-``copies`` separate buffers of N MB (at least ``--cold-mb`` MB in all, so every launch reads
+``copies`` separate buffers of N MiB (at least ``--cold-mb`` MiB in all, so every launch reads
 bytes that are not in L2) and timed with ``graphrt.bench.timing.graph_time_us``; reported per
 launch:
 
 - ``stream``: ``graphrt.kernels.prefetch.l2_prefetch`` (graphrt's grid-stride read, one
   program per 16 KB chunk, every byte once; it asks L2 to keep the lines, which makes no
-  difference to a buffer read once): the fastest a launch of N MB of weights can go;
-- ``copy``: ``dst.copy_(src)`` (N MB read and N MB written; GB/s counts both).
+  difference to a buffer read once);
+- ``copy``: ``dst.copy_(src)`` (N MiB read and N MiB written; GB/s counts both).
 
 (``torch.sum`` is no read probe: its int32 reduction reads at 2-18% of HBM on an H200.)
 
@@ -34,7 +34,7 @@ import torch
 from graphrt.bench.output import int_list, save_doc
 
 SCHEMA = "graphrt.bench.hbm/1"
-SIZES_MB = (1, 2, 4, 8, 16, 25, 50, 75, 134, 256, 1024)
+SIZES_MB = (1, 2, 4, 8, 16, 20, 24, 48, 128, 256, 1024)  # MiB; 16-128: qwen3-like weights
 KINDS = ("stream", "copy")
 
 
@@ -76,7 +76,7 @@ def _measure(mb: int, cold_mb: int, iters: int, hbm: float, dev) -> dict:
 
 def _header() -> str:
     cols = " | ".join(f"{k} µs | {k} GB/s | {k} / 4 GB copy" for k in KINDS)
-    return (f"| MB a launch | {cols} |\n|---|" + "---|" * (3 * len(KINDS)))
+    return (f"| MiB a launch | {cols} |\n|---|" + "---|" * (3 * len(KINDS)))
 
 
 def _row(r: dict) -> str:
@@ -88,7 +88,7 @@ def markdown(doc: dict) -> str:
     """The results as a markdown table under a line naming the device and the 4 GB copy
     bandwidth the fractions divide by."""
     head = (f"Device {doc['device']}, 4 GB copy bandwidth {doc['hbm_gbs']:.0f} GB/s; µs per "
-            f"launch from CUDA-graph replays over >= {doc['cold_mb']} MB of buffers (cold L2), "
+            f"launch from CUDA-graph replays over >= {doc['cold_mb']} MiB of buffers (cold L2), "
             "median.\n\n")
     return head + "\n".join([_header()] + [_row(r) for r in doc["results"]]) + "\n"
 
@@ -97,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m graphrt.bench.hbm",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default=",".join(map(str, SIZES_MB)),
-                   help="MB one launch reads, comma-separated (each >= 1)")
+                   help="MiB one launch reads, comma-separated (each >= 1)")
     p.add_argument("--cold-mb", type=int, default=512,
-                   help="MB of buffers a timed call reads (well past the L2)")
+                   help="MiB of buffers a timed call reads (well past the L2)")
     p.add_argument("--iters", type=int, default=20, help="replays per timing sample")
     p.add_argument("--out", required=True, help="JSON results path (the table goes to .md beside it)")
     a = p.parse_args(argv)
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [0]
     bad = [s for s in sizes if s < 1]
     if bad or a.cold_mb < 1 or not torch.cuda.is_available():
-        why = (f"--sizes needs comma-separated MB >= 1, got {a.sizes!r}" if bad else
+        why = (f"--sizes needs comma-separated MiB >= 1, got {a.sizes!r}" if bad else
                f"--cold-mb needs >= 1, got {a.cold_mb}" if a.cold_mb < 1 else "needs a CUDA GPU")
         print(f"graphrt.bench.hbm: {why}", file=sys.stderr)
         return 2
