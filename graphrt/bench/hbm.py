@@ -1,7 +1,7 @@
 """HBM read bandwidth against the bytes one kernel launch reads: what a launch of N MiB reaches.
 
     python -m graphrt.bench.hbm --out bench-out/hbm.json
-    python -m graphrt.bench.hbm --sizes 16,50,134 --out h.json
+    python -m graphrt.bench.hbm --sizes 16,48,128 --out h.json
 
 The floors of ``graphrt bench`` divide a step's bytes by the copy bandwidth of a 4 GB
 transfer (``graphrt.bench.timing.hbm_bandwidth_gbs``). A decode step is dozens of launches of
