@@ -1,7 +1,7 @@
 """GPU test of the ``modes`` suite on one H200 (a 1-layer qwen3-moe-like model with 16 experts,
 sizes 1 and 8, so it compiles in a few minutes): every mode runs and times, torch.compile
 takes no graph break and keeps its CUDA graphs, replays match eager, and the profiler sees
-the replay's kernels."""
+the replay's kernels; and the hbm bench's read rates."""
 import pytest
 import torch
 
@@ -99,8 +99,8 @@ def test_overlap_region_is_timed_alone():
 def test_hbm_bench_reads_at_a_physical_rate(tmp_path):
     """Small launches read slower than large ones, and no kind beats the copy bandwidth by
     more than the copy's own read + write count allows."""
-    from graphrt.bench.hbm import main
     import json
+    from graphrt.bench.hbm import main
     assert main(["--sizes", "1,64", "--cold-mb", "256", "--iters", "5",
                  "--out", str(tmp_path / "h.json")]) == 0
     doc = json.loads((tmp_path / "h.json").read_text())

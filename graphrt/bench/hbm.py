@@ -34,7 +34,7 @@ import torch
 from graphrt.bench.output import int_list, save_doc
 
 SCHEMA = "graphrt.bench.hbm/1"
-SIZES_MB = (1, 2, 4, 8, 16, 20, 24, 48, 128, 256, 1024)  # MiB; 16-128: qwen3-like weights
+SIZES_MIB = (1, 2, 4, 8, 16, 20, 24, 48, 128, 256, 1024)  # MiB; 16-128: qwen3-like weights
 KINDS = ("stream", "copy")
 
 
@@ -63,12 +63,11 @@ def _measure(mb: int, cold_mb: int, iters: int, hbm: float, dev) -> dict:
             for _ in range(copies)]
     dst = torch.empty_like(bufs[0])
     sink = torch.empty(sink_size(bufs[0]), dtype=torch.int32, device=dev)
-    runs = {"stream": lambda: [l2_prefetch(b, sink=sink) for b in bufs],
-            "copy": lambda: [dst.copy_(b) for b in bufs]}
+    runs = {"stream": (lambda: [l2_prefetch(b, sink=sink) for b in bufs], nbytes),
+            "copy": (lambda: [dst.copy_(b) for b in bufs], 2 * nbytes)}  # (call, bytes moved)
     res = {"mb": mb, "copies": copies}
-    for kind, fn in runs.items():
+    for kind, (fn, moved) in runs.items():
         us = graph_time_us(fn, iters=iters) / copies
-        moved = nbytes * (2 if kind == "copy" else 1)
         gbs = moved / (us * 1e-6) / 1e9
         res[kind] = {"us": round(us, 2), "gbs": round(gbs, 1), "frac_hbm": round(gbs / hbm, 3)}
     return res
@@ -96,7 +95,7 @@ def markdown(doc: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m graphrt.bench.hbm",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--sizes", default=",".join(map(str, SIZES_MB)),
+    p.add_argument("--sizes", default=",".join(map(str, SIZES_MIB)),
                    help="MiB one launch reads, comma-separated (each >= 1)")
     p.add_argument("--cold-mb", type=int, default=512,
                    help="MiB of buffers a timed call reads (well past the L2)")
