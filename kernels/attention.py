@@ -103,6 +103,10 @@ PREFETCH_LAUNCH = {"num_warps": 4, "num_stages": 1}
 # attn-table-s4 switches; graphrt.bench.attention --sweep varies TABLE_LAUNCH).
 TABLE_UPFRONT = env_flag("GRAPHRT_ATTN_TABLE", True)
 TABLE_LAUNCH = {"num_warps": 4, "num_stages": 3}
+# With metadata_ready: the split kernel also loads its first inner step's K/V before the PDL
+# wait (True), or only the lengths, n and its block ids (False). Read at each launch (A/B:
+# the attn-ready and attn-ready-ids switches).
+READY_FIRST_STEP = True
 # Default positions per split (rounded up to BLOCK_N). Measured on H200 (32 q / 8 kv heads,
 # head_dim 128, ctx 4096, unpaged): 256 is best at bs 1 (13 us); 512 is ~4% faster at bs >= 64
 # and costs less for short contexts at bs 256 (37 vs 46 us at ctx 64). 256 is the middle ground.
@@ -400,7 +404,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         elif TABLE_UPFRONT:
             launch, split_geometry = TABLE_LAUNCH, {
                 **geometry, "PREFETCH": False, "TABLE_PAGES": table_pages(split_size, block_size),
-                "EARLY": bool(metadata_ready)}
+                "EARLY": (2 if READY_FIRST_STEP else 1) if metadata_ready else 0}
         else:
             launch = PREFETCH_LAUNCH if geometry["PREFETCH"] else SPLIT_LAUNCH
             split_geometry = geometry

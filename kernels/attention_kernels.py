@@ -322,7 +322,7 @@ def attn_split_kernel(
     APPEND: tl.constexpr = False,  # write k_new / v_new into the caches first (kv_append fused)
     PREFETCH: tl.constexpr = False,  # _attend's hand-pipelined loads (attention.PREFETCH)
     TABLE_PAGES: tl.constexpr = 0,  # _attend's block ids up front (attention.TABLE_UPFRONT)
-    EARLY: tl.constexpr = False,  # TABLE_PAGES: metadata and first K/V step before the PDL wait
+    EARLY: tl.constexpr = 0,  # TABLE_PAGES: metadata (1; and the first K/V step: 2) before the wait
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_trigger(USE_GDC)
@@ -336,21 +336,34 @@ def attn_split_kernel(
     end = tl.minimum(start + split_size, ctx)
     n = tl.load(n_ptr)
     table = block_table_ptr + b * stride_bt
-    if EARLY:  # the split's block ids and first step's K/V, then the wait (module docstring)
+    if EARLY:  # the split's block ids (and first step's K/V), then the wait (module docstring)
         end_live = tl.where(b < n, end, 0)  # a padding row loads nothing
         ids = _table_ids(table, start, end_live, PAGE, TABLE_PAGES)
-        k0, v0, mask0, rows0 = _table_step(k_cache_ptr, v_cache_ptr, ids, kvh, start, start,
+        if EARLY == 2:
+            k0, v0, mask0, rows0 = _table_step(k_cache_ptr, v_cache_ptr, ids, kvh, start, start,
+                                               end_live, num_blocks, stride_cb, stride_ct,
+                                               stride_ch, HEAD_DIM, PAGE, BLOCK_N, TABLE_PAGES)
+        pdl_wait(USE_GDC)
+        if EARLY == 2:
+            if APPEND:
+                owner = (b < n) & (split == tl.maximum(tl.cdiv(ctx, split_size), 1) - 1)
+                k0, v0 = _append_kv_patch(k_new_ptr, v_new_ptr, slot_mapping_ptr, k_cache_ptr,
+                                          v_cache_ptr, b, kvh, owner, k0, v0, rows0,
+                                          num_cache_slots, stride_kb, stride_kh, stride_vb,
+                                          stride_vh, stride_cb, stride_ct, stride_ch, HEAD_DIM,
+                                          PAGE)
+                if owner:
+                    tl.debug_barrier()  # the write before this program's later loads of the page
+        else:
+            if APPEND:
+                if (b < n) & (split == tl.maximum(tl.cdiv(ctx, split_size), 1) - 1):  # owner
+                    _append_kv(k_new_ptr, v_new_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr,
+                               b, kvh, num_cache_slots, stride_kb, stride_kh, stride_vb,
+                               stride_vh, stride_cb, stride_ct, stride_ch, HEAD_DIM, PAGE)
+                    tl.debug_barrier()  # the write before this program's own loads of the page
+            k0, v0, mask0, _ = _table_step(k_cache_ptr, v_cache_ptr, ids, kvh, start, start,
                                            end_live, num_blocks, stride_cb, stride_ct,
                                            stride_ch, HEAD_DIM, PAGE, BLOCK_N, TABLE_PAGES)
-        pdl_wait(USE_GDC)
-        if APPEND:
-            owner = (b < n) & (split == tl.maximum(tl.cdiv(ctx, split_size), 1) - 1)
-            k0, v0 = _append_kv_patch(k_new_ptr, v_new_ptr, slot_mapping_ptr, k_cache_ptr,
-                                      v_cache_ptr, b, kvh, owner, k0, v0, rows0,
-                                      num_cache_slots, stride_kb, stride_kh, stride_vb,
-                                      stride_vh, stride_cb, stride_ct, stride_ch, HEAD_DIM, PAGE)
-            if owner:
-                tl.debug_barrier()  # the write before this program's later loads of that page
     elif APPEND:
         if (b < n) & (split == tl.maximum(tl.cdiv(ctx, split_size), 1) - 1):  # the owner
             _append_kv(k_new_ptr, v_new_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, b, kvh,

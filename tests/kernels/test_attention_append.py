@@ -108,16 +108,18 @@ EARLY_SHAPES = {
 }
 
 
+@pytest.mark.parametrize("first_step", [True, False], ids=["tiles", "ids"])
 @pytest.mark.parametrize("fused", [True, False], ids=["append", "no-append"])
 @pytest.mark.parametrize("group", [1, 8])
 @pytest.mark.parametrize("shape", list(EARLY_SHAPES))
-def test_metadata_ready_is_bitwise_the_plain_path(shape, group, fused, monkeypatch):
+def test_metadata_ready_is_bitwise_the_plain_path(shape, group, fused, first_step, monkeypatch):
     """``metadata_ready=True`` (the split path loads the metadata and its first K/V step
     before the PDL wait; the owner patches the new row into those tiles): caches and ``out``
     bitwise the plain launch's, with the new slots poisoned with NaN beforehand (a pre-wait
     tile that kept the stale slot would put NaN in ``out``), one live row with slot -1."""
     import graphrt.kernels.attention as attn
     monkeypatch.setattr(attn, "TABLE_UPFRONT", True)
+    monkeypatch.setattr(attn, "READY_FIRST_STEP", first_step)
     max_blocks, split_size, seq_lens = EARLY_SHAPES[shape]
     block_size, kvh, d, bs = 16, 2, 32, len(seq_lens)
     n = i32([bs - 2])
@@ -354,15 +356,18 @@ def test_gpu_fused_append_is_stable_over_many_replays(cuda_device, variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("first_step", [True, False], ids=["tiles", "ids"])
 @pytest.mark.parametrize("bs", [1, 8, 64])
-def test_gpu_metadata_ready_behind_a_slow_writer(cuda_device, bs):
+def test_gpu_metadata_ready_behind_a_slow_writer(cuda_device, bs, first_step, monkeypatch):
     """``metadata_ready=True`` in a graph behind a slow PDL kernel that writes q and the new
     K/V (``pdl_cases.slow_copy``), the metadata staged by copies before each replay: the split
     kernel's early loads run while the writer spins, yet every replay's ``out`` and caches are
     bitwise the plain path's (run eagerly on copies of the caches and the writer's new rows),
     with new lengths, tables, slots and live counts each replay and the new slots poisoned."""
+    import graphrt.kernels.attention as attn
     from graphrt.kernels._util import pdl_args
     from pdl_cases import slow_copy
+    monkeypatch.setattr(attn, "READY_FIRST_STEP", first_step)
     if not pdl_args():
         pytest.skip("PDL is off here (pre-Hopper GPU or GRAPHRT_PDL=0)")
     dev, padded = cuda_device, bs + 2
@@ -452,14 +457,14 @@ SM90 = textwrap.dedent(r'''
         for append in (False, True):
             key = f"{slot}-{int(append)}"
             out["split-" + key] = compile_(attn_split_kernel, slot,
-                                           dict(geo, APPEND=append, TABLE_PAGES=0, EARLY=False),
+                                           dict(geo, APPEND=append, TABLE_PAGES=0, EARLY=0),
                                            num_stages=2)
             out["splitpf-" + key] = compile_(attn_split_kernel, slot,
                                              dict(geo, APPEND=append, PREFETCH=True,
-                                                  TABLE_PAGES=0, EARLY=False), num_stages=1)
+                                                  TABLE_PAGES=0, EARLY=0), num_stages=1)
             out["splittb-" + key] = compile_(attn_split_kernel, slot,
                                              dict(geo, APPEND=append, TABLE_PAGES=16,
-                                                  EARLY=False), num_stages=3)
+                                                  EARLY=0), num_stages=3)
             for split in (False, True):
                 out[f"fused{int(split)}-" + key] = compile_(
                     attn_fused_kernel, slot,
@@ -489,7 +494,7 @@ def test_fused_append_kernels_compile_for_sm90():
 
 SM90_EARLY = SM90[:SM90.index("out = {}")] + textwrap.dedent(r'''
     def early(append):
-        fn, const = attn_split_kernel, dict(geo, APPEND=append, TABLE_PAGES=16, EARLY=True)
+        fn, const = attn_split_kernel, dict(geo, APPEND=append, TABLE_PAGES=16, EARLY=2)
         names = [p.name for p in fn.params if not p.is_constexpr]
         sig = {a: TYPES.get(a, "*i64" if a == "slot_mapping_ptr" else
                             "*i32" if a.endswith("_ptr") else "i32") for a in names}
