@@ -22,12 +22,6 @@ before them still runs (a norm, the attention merge, the combine: latency-bound,
 then have those bytes in flight already. Only for weights: data that no kernel in the stream
 writes, so reading it early cannot see a stale value.
 
-**Metadata before the wait** (decode attention's ``metadata_ready``): the same rule for data
-a kernel of the step does write, but only one that is complete before any later kernel can
-start: the step's inputs, staged by copies or by a launch without PDL. Such a launch never
-triggers, so the kernel after it launches only once it is complete, and every kernel after
-that one too (graphrt's input staging, ``decode_io.unpack_rows``).
-
 Graph safety: capturable (device code).
 """
 import triton

@@ -103,10 +103,6 @@ PREFETCH_LAUNCH = {"num_warps": 4, "num_stages": 1}
 # attn-table-s4 switches; graphrt.bench.attention --sweep varies TABLE_LAUNCH).
 TABLE_UPFRONT = env_flag("GRAPHRT_ATTN_TABLE", True)
 TABLE_LAUNCH = {"num_warps": 4, "num_stages": 3}
-# With metadata_ready: the split kernel also loads its first inner step's K/V before the PDL
-# wait (True), or only the lengths, n and its block ids (False). Read at each launch (A/B:
-# the attn-ready and attn-ready-ids switches).
-READY_FIRST_STEP = True
 # Default positions per split (rounded up to BLOCK_N). Measured on H200 (32 q / 8 kv heads,
 # head_dim 128, ctx 4096, unpaged): 256 is best at bs 1 (13 us); 512 is ~4% faster at bs >= 64
 # and costs less for short contexts at bs 256 (37 vs 46 us at ctx 64). 256 is the middle ground.
@@ -287,8 +283,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      workspace_lse: torch.Tensor | None = None, sm_scale: float | None = None,
                      semaphore: torch.Tensor | None = None, variant: str = "split",
                      k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
-                     slot_mapping: torch.Tensor | None = None,
-                     metadata_ready: bool = False) -> torch.Tensor:
+                     slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
     """GQA decode attention of one new token per row over its pages of the KV cache.
 
     Args:
@@ -323,14 +318,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             bitwise the same cache and ``out`` as the two calls. Each live row's slot must be
             its own position ``seq_len - 1`` or a slot no row's context reaches (a decode
             step's slots are), else another program may read it before it is written.
-        metadata_ready: the caller's promise that ``block_table``, ``seq_lens``, ``n``,
-            ``slot_mapping`` and the caches' old positions were written before any kernel
-            that may still run when this launch starts (by the host, a copy, a kernel
-            launched without PDL or one that never lets its dependents start early: graphrt's
-            input staging, ``decode_io.unpack_rows``), never by the kernels just before it.
-            With PDL the split path (block ids up front) then loads them and its first K/V
-            step before it waits for the kernel before it (``attention_kernels``: bitwise
-            the same ``out``); ignored elsewhere. A broken promise reads stale metadata.
 
     Returns ``out``. One or two launches, no allocation; the work done follows ``seq_lens``.
 
@@ -339,7 +326,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_blocks, block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache)
     dev = k_cache.device
     check(variant in VARIANTS, "variant", " | ".join(VARIANTS), repr(variant))
-    check(isinstance(metadata_ready, bool), "metadata_ready", "a bool", repr(metadata_ready))
     check_tensor(q, "q", shape=(None, None, head_dim), dtype=torch.bfloat16, device=dev)
     padded_bs, num_heads, _ = q.shape
     check(num_heads >= 1 and num_heads % num_kv_heads == 0, "q.shape[1] (num_heads)",
@@ -403,8 +389,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                                    "PREFETCH": False}
         elif TABLE_UPFRONT:
             launch, split_geometry = TABLE_LAUNCH, {
-                **geometry, "PREFETCH": False, "TABLE_PAGES": table_pages(split_size, block_size),
-                "EARLY": (2 if READY_FIRST_STEP else 1) if metadata_ready else 0}
+                **geometry, "PREFETCH": False, "TABLE_PAGES": table_pages(split_size, block_size)}
         else:
             launch = PREFETCH_LAUNCH if geometry["PREFETCH"] else SPLIT_LAUNCH
             split_geometry = geometry
@@ -421,7 +406,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             workspace_o.stride(0), workspace_o.stride(1), workspace_o.stride(2),
             workspace_lse.stride(0), workspace_lse.stride(1), HEAD_DIM=head_dim,
             SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=1 if num_splits <= 8 else 4,
-            EARLY=bool(metadata_ready), **pdl_args())
+            **pdl_args())
         return out
     split = num_splits > 1  # else one program per (row, kv head): no partial, no semaphore
     # without SPLIT the kernel never touches these three: any tensors stand in for None

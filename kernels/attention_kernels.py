@@ -38,19 +38,6 @@ row with ``seq_len > max_ctx`` or ``<= 0`` reads no position holding the slot; n
 holds a live row's new slot in its context. So every read sees the cache ``kv_append`` would
 have left, and ``out`` is bitwise the unfused path's (same loads, same order).
 
-Reads before the PDL wait (``EARLY``: ``decode_attention(metadata_ready=True)``, the split
-path with its block ids up front): under programmatic dependent launch a kernel's programs
-may start while the kernel before it still runs, and wait (``griddepcontrol.wait``) before
-they read what it wrote. Of attention's inputs only ``q`` and the new K/V come from the
-kernels before it; a row's length, ``n``, its block ids and its cache's old positions do not.
-With ``EARLY`` the split kernel loads the length, ``n``, its split's block ids and its first
-step's K/V tiles before the wait (a chain of three dependent loads off the step's critical
-path), and the merge kernel the length and ``n``. After the wait the owner appends as above
-and puts the new row into its first step's tiles in registers wherever a position's cache
-offset is the new slot's (``_append_kv_patch``): the tiles then hold what loading them after
-the append gives, and ``out`` is bitwise the plain path's. Correct only when no kernel that
-may still be running writes those tensors: the caller's promise (``metadata_ready``).
-
 Memory ordering of the fused merge (the "last block" pattern of CUTLASS's semaphore): the
 partial stores of all threads of a program, then a CTA barrier, then one thread's
 ``atom.add.acq_rel.gpu`` (release: the partials are visible before the count; acquire: the
@@ -62,7 +49,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._pdl import pdl_prologue, pdl_trigger, pdl_wait
+from ._pdl import pdl_prologue
 
 _LN2 = tl.constexpr(0.6931471805599453)  # ln 2: base-2 lse back to natural log
 
@@ -149,72 +136,25 @@ def _attend(q, k_cache_ptr, v_cache_ptr, table, kvh, start, end, qk_scale, num_b
                                stride_ct, stride_ch, PAGE)
             acc, m_i, l_i = _softmax_step(q, k, v, mask_n, acc, m_i, l_i, qk_scale, UPCAST)
             k, v, mask_n = k_nx, v_nx, mask_nx
-    elif TABLE_PAGES > 0:  # the range's block ids once, each step's picked from registers
-        ids = _table_ids(table, start, end, PAGE, TABLE_PAGES)
-        for n0 in range(start, end, BLOCK_N):
-            k, v, mask_n, _ = _table_step(k_cache_ptr, v_cache_ptr, ids, kvh, start, n0, end,
-                                          num_blocks, stride_cb, stride_ct, stride_ch,
-                                          HEAD_DIM, PAGE, BLOCK_N, TABLE_PAGES)
-            acc, m_i, l_i = _softmax_step(q, k, v, mask_n, acc, m_i, l_i, qk_scale, UPCAST)
     else:
+        if TABLE_PAGES > 0:  # the range's block ids, once
+            offs_t = tl.arange(0, TABLE_PAGES)
+            first = start // PAGE
+            ids = tl.load(table + first + offs_t, mask=first + offs_t < tl.cdiv(end, PAGE),
+                          other=0)
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + offs_n
             mask_n = pos < end
-            blk = tl.load(table + pos // PAGE, mask=mask_n, other=0)
+            if TABLE_PAGES > 0:  # [BLOCK_N] page of each position, picked from registers
+                rel = pos // PAGE - first
+                blk = tl.sum(tl.where(rel[:, None] == offs_t[None, :], ids[None, :], 0), 1)
+            else:
+                blk = tl.load(table + pos // PAGE, mask=mask_n, other=0)
             kv_off = _kv_offsets(blk, pos, kvh, num_blocks, stride_cb, stride_ct, stride_ch,
                                  PAGE)[:, None] + offs_d[None, :]
             k = tl.load(k_cache_ptr + kv_off, mask=mask_n[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
             v = tl.load(v_cache_ptr + kv_off, mask=mask_n[:, None], other=0.0)
             acc, m_i, l_i = _softmax_step(q, k, v, mask_n, acc, m_i, l_i, qk_scale, UPCAST)
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _table_ids(table, start, end, PAGE: tl.constexpr, TABLE_PAGES: tl.constexpr):
-    """The block ids of positions ``[start, end)`` of one row (``table``: its block-table
-    row), ``[TABLE_PAGES]`` int32 from page ``start // PAGE`` on, 0 past ``end``."""
-    offs_t = tl.arange(0, TABLE_PAGES)
-    first = start // PAGE
-    return tl.load(table + first + offs_t, mask=first + offs_t < tl.cdiv(end, PAGE), other=0)
-
-
-@triton.jit
-def _table_step(k_cache_ptr, v_cache_ptr, ids, kvh, start, n0, end, num_blocks,
-                stride_cb, stride_ct, stride_ch, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                BLOCK_N: tl.constexpr, TABLE_PAGES: tl.constexpr):
-    """One inner step's K/V tiles ``[BLOCK_N, HEAD_DIM]`` (positions ``n0..`` below ``end``,
-    zeros past it) with each position's block id picked from ``ids`` (:func:`_table_ids` of a
-    range starting at ``start``) -> ``(k, v, mask_n, rows)``; ``rows`` [BLOCK_N] int64 the
-    positions' cache offsets (:func:`_kv_offsets`)."""
-    offs_t = tl.arange(0, TABLE_PAGES)
-    pos = n0 + tl.arange(0, BLOCK_N)
-    mask_n = pos < end
-    rel = pos // PAGE - start // PAGE
-    blk = tl.sum(tl.where(rel[:, None] == offs_t[None, :], ids[None, :], 0), 1)
-    rows = _kv_offsets(blk, pos, kvh, num_blocks, stride_cb, stride_ct, stride_ch, PAGE)
-    kv_off = rows[:, None] + tl.arange(0, HEAD_DIM)[None, :]
-    k = tl.load(k_cache_ptr + kv_off, mask=mask_n[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
-    v = tl.load(v_cache_ptr + kv_off, mask=mask_n[:, None], other=0.0)
-    return k, v, mask_n, rows
-
-
-@triton.jit
-def _attend_rest(q, k, v, mask_n, ids, k_cache_ptr, v_cache_ptr, kvh, start, end, qk_scale,
-                 num_blocks, stride_cb, stride_ct, stride_ch,
-                 GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, TABLE_PAGES: tl.constexpr):
-    """:func:`_attend` with ``TABLE_PAGES`` whose first step's tiles ``k``, ``v`` (``mask_n``)
-    and block ids ``ids`` were loaded already (before the PDL wait: ``attn_split_kernel``'s
-    ``EARLY``): the same steps in the same order, bitwise its result."""
-    m_i = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((GROUP_PAD,), dtype=tl.float32)
-    acc = tl.zeros((GROUP_PAD, HEAD_DIM), dtype=tl.float32)
-    acc, m_i, l_i = _softmax_step(q, k, v, mask_n, acc, m_i, l_i, qk_scale, UPCAST)
-    for n0 in range(start + BLOCK_N, end, BLOCK_N):
-        kt, vt, mt, _ = _table_step(k_cache_ptr, v_cache_ptr, ids, kvh, start, n0, end,
-                                    num_blocks, stride_cb, stride_ct, stride_ch,
-                                    HEAD_DIM, PAGE, BLOCK_N, TABLE_PAGES)
-        acc, m_i, l_i = _softmax_step(q, kt, vt, mt, acc, m_i, l_i, qk_scale, UPCAST)
     return acc, m_i, l_i
 
 
@@ -248,28 +188,6 @@ def _append_kv(k_new_ptr, v_new_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr,
         v = tl.load(v_new_ptr + b * stride_vb + kvh * stride_vh + offs_d)
         tl.store(k_cache_ptr + dst, k)
         tl.store(v_cache_ptr + dst, v)
-
-
-@triton.jit
-def _append_kv_patch(k_new_ptr, v_new_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, b, kvh,
-                     owner, k, v, rows, num_cache_slots, stride_kb, stride_kh, stride_vb,
-                     stride_vh, stride_cb, stride_ct, stride_ch, HEAD_DIM: tl.constexpr,
-                     PAGE: tl.constexpr):
-    """:func:`_append_kv` when ``owner`` (branch-free: masked loads and stores), for K/V tiles
-    ``k``, ``v`` ``[BLOCK_N, HEAD_DIM]`` loaded *before* the append (cache offsets ``rows``
-    [BLOCK_N]): returns them with every position at the new slot holding the new row, i.e.
-    what loading them after the append gives."""
-    slot = tl.load(slot_mapping_ptr + b, mask=owner, other=-1).to(tl.int64)
-    ok = owner & (slot >= 0) & (slot < num_cache_slots)
-    offs_d = tl.arange(0, HEAD_DIM)
-    dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct + kvh * stride_ch
-    mask_d = offs_d < tl.where(ok, HEAD_DIM, 0)  # ok on every lane
-    k_row = tl.load(k_new_ptr + b * stride_kb + kvh * stride_kh + offs_d, mask=mask_d, other=0.0)
-    v_row = tl.load(v_new_ptr + b * stride_vb + kvh * stride_vh + offs_d, mask=mask_d, other=0.0)
-    tl.store(k_cache_ptr + dst + offs_d, k_row, mask=mask_d)
-    tl.store(v_cache_ptr + dst + offs_d, v_row, mask=mask_d)
-    hit = (rows == tl.where(ok, dst, -1))[:, None]  # offsets are >= 0
-    return tl.where(hit, k_row[None, :], k), tl.where(hit, v_row[None, :], v)
 
 
 @triton.jit
@@ -322,49 +240,16 @@ def attn_split_kernel(
     APPEND: tl.constexpr = False,  # write k_new / v_new into the caches first (kv_append fused)
     PREFETCH: tl.constexpr = False,  # _attend's hand-pipelined loads (attention.PREFETCH)
     TABLE_PAGES: tl.constexpr = 0,  # _attend's block ids up front (attention.TABLE_UPFRONT)
-    EARLY: tl.constexpr = 0,  # TABLE_PAGES: metadata (1; and the first K/V step: 2) before the wait
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
-    pdl_trigger(USE_GDC)
-    if not EARLY:
-        pdl_wait(USE_GDC)
+    pdl_prologue(USE_GDC)
     b = tl.program_id(0)  # row
     kvh = tl.program_id(1)  # kv head
     split = tl.program_id(2)  # chunk of the context
     ctx = tl.minimum(tl.load(seq_lens_ptr + b), max_ctx)
     start = split * split_size
-    end = tl.minimum(start + split_size, ctx)
     n = tl.load(n_ptr)
-    table = block_table_ptr + b * stride_bt
-    if EARLY:  # the split's block ids (and first step's K/V), then the wait (module docstring)
-        end_live = tl.where(b < n, end, 0)  # a padding row loads nothing
-        ids = _table_ids(table, start, end_live, PAGE, TABLE_PAGES)
-        if EARLY == 2:
-            k0, v0, mask0, rows0 = _table_step(k_cache_ptr, v_cache_ptr, ids, kvh, start, start,
-                                               end_live, num_blocks, stride_cb, stride_ct,
-                                               stride_ch, HEAD_DIM, PAGE, BLOCK_N, TABLE_PAGES)
-        pdl_wait(USE_GDC)
-        if EARLY == 2:
-            if APPEND:
-                owner = (b < n) & (split == tl.maximum(tl.cdiv(ctx, split_size), 1) - 1)
-                k0, v0 = _append_kv_patch(k_new_ptr, v_new_ptr, slot_mapping_ptr, k_cache_ptr,
-                                          v_cache_ptr, b, kvh, owner, k0, v0, rows0,
-                                          num_cache_slots, stride_kb, stride_kh, stride_vb,
-                                          stride_vh, stride_cb, stride_ct, stride_ch, HEAD_DIM,
-                                          PAGE)
-                if owner:
-                    tl.debug_barrier()  # the write before this program's later loads of the page
-        else:
-            if APPEND:
-                if (b < n) & (split == tl.maximum(tl.cdiv(ctx, split_size), 1) - 1):  # owner
-                    _append_kv(k_new_ptr, v_new_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr,
-                               b, kvh, num_cache_slots, stride_kb, stride_kh, stride_vb,
-                               stride_vh, stride_cb, stride_ct, stride_ch, HEAD_DIM, PAGE)
-                    tl.debug_barrier()  # the write before this program's own loads of the page
-            k0, v0, mask0, _ = _table_step(k_cache_ptr, v_cache_ptr, ids, kvh, start, start,
-                                           end_live, num_blocks, stride_cb, stride_ct,
-                                           stride_ch, HEAD_DIM, PAGE, BLOCK_N, TABLE_PAGES)
-    elif APPEND:
+    if APPEND:
         if (b < n) & (split == tl.maximum(tl.cdiv(ctx, split_size), 1) - 1):  # the owner
             _append_kv(k_new_ptr, v_new_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, b, kvh,
                        num_cache_slots, stride_kb, stride_kh, stride_vb, stride_vh,
@@ -372,15 +257,12 @@ def attn_split_kernel(
             tl.debug_barrier()  # the write before this program's own loads of that page
     if (b >= n) | (start >= ctx):
         return  # padding row or chunk past the live context: no work, nothing written
+    end = tl.minimum(start + split_size, ctx)
     q = _load_q(q_ptr, b, kvh, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM, UPCAST)
-    if EARLY:
-        acc, m_i, l_i = _attend_rest(q, k0, v0, mask0, ids, k_cache_ptr, v_cache_ptr, kvh, start,
-                                     end, qk_scale, num_blocks, stride_cb, stride_ct, stride_ch,
-                                     GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N, UPCAST, TABLE_PAGES)
-    else:
-        acc, m_i, l_i = _attend(q, k_cache_ptr, v_cache_ptr, table, kvh, start, end, qk_scale,
-                                num_blocks, max_ctx, stride_cb, stride_ct, stride_ch, GROUP_PAD,
-                                HEAD_DIM, PAGE, BLOCK_N, UPCAST, PREFETCH, TABLE_PAGES)
+    acc, m_i, l_i = _attend(q, k_cache_ptr, v_cache_ptr, block_table_ptr + b * stride_bt, kvh,
+                            start, end, qk_scale, num_blocks, max_ctx, stride_cb, stride_ct,
+                            stride_ch, GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N, UPCAST, PREFETCH,
+                            TABLE_PAGES)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_g = offs_g < GROUP
@@ -405,21 +287,15 @@ def attn_merge_kernel(
     stride_lb, stride_lh,  # strides of ws_lse (row, head); split stride is 1
     HEAD_DIM: tl.constexpr,  # head_dim (a power of two)
     SPLITS_PAD: tl.constexpr,  # num_splits rounded up to a power of two
-    EARLY: tl.constexpr = False,  # the row's length and n before the PDL wait
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
-    pdl_trigger(USE_GDC)
-    if not EARLY:
-        pdl_wait(USE_GDC)
+    pdl_prologue(USE_GDC)
     b = tl.program_id(0)  # row
     h = tl.program_id(1)  # q head
     offs_d = tl.arange(0, HEAD_DIM)
     out_ptrs = out_ptr + b * stride_outb + h * stride_outh + offs_d
     ctx = tl.minimum(tl.load(seq_lens_ptr + b), max_ctx)
-    n = tl.load(n_ptr)
-    if EARLY:
-        pdl_wait(USE_GDC)
-    if (b >= n) | (ctx <= 0):
+    if (b >= tl.load(n_ptr)) | (ctx <= 0):
         tl.store(out_ptrs, tl.zeros((HEAD_DIM,), dtype=tl.float32).to(out_ptr.dtype.element_ty))
         return
     num_live = tl.cdiv(ctx, split_size)  # splits kernel 1 wrote

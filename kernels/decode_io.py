@@ -145,9 +145,7 @@ def unpack_rows(rows: torch.Tensor, sampled: torch.Tensor, *, vocab: int, max_ct
         rows.stride(0), sampled.stride(0), out_tokens.stride(0), out_positions.stride(0),
         out_slots.stride(0), out_block_table.stride(0), out_seq_lens.stride(0),
         BLOCK_T=block_t, num_warps=1 if block_t <= 256 else 4,
-        # no PDL: a kernel that never triggers lets its dependents start only once it is
-        # complete, so the kernels after it may read the metadata it writes before their own
-        # PDL wait (decode_attention(metadata_ready=True))
+        **pdl_args(),
     )
     return outs
 

@@ -65,11 +65,6 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
 - ``attn-fused``: decode attention as one launch whose last program of each (row, kv
   head) merges (``Attention.variant = "fused"``) instead of ``"auto"`` (split + merge past
   one pass);
-- ``attn-ready``: decode attention's split kernel loads the paged-KV metadata and its first
-  K/V step before its PDL wait, the merge kernel the lengths
-  (``Attention.metadata_ready``, ``decode_attention(metadata_ready=True)``);
-  ``attn-ready-ids``: with ``attn-ready``, only the lengths, ``n`` and the block ids
-  (``kernels.attention.READY_FIRST_STEP = False``);
 - ``expert-rows``: the expert plan's choices as measured, the CUDA-core rows kernel included
   (``kernels.grouped_gemv_rows``), against the fastest other kernel of each entry
   (``ExpertPlan.exclude``).
@@ -182,10 +177,6 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "attn-table-s4": lambda on: _class_attr("graphrt.kernels.attention", None,
                                                     "TABLE_LAUNCH", {"num_warps": 4,
                                                                      "num_stages": 4 if on else 3}),
-            "attn-ready": lambda on: _class_attr("graphrt.moe.layers", "Attention",
-                                                 "metadata_ready", on),
-            "attn-ready-ids": lambda on: _class_attr("graphrt.kernels.attention", None,
-                                                     "READY_FIRST_STEP", not on),
             "attn-wide": lambda on: _class_attr("graphrt.kernels.attention", None, "WIDE", on),
             "attn-prefetch": lambda on: _class_attr("graphrt.kernels.attention", None, "PREFETCH",
                                                     "auto" if on else False),

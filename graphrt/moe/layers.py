@@ -350,12 +350,6 @@ class Attention:
     # bs 1 / 16 (BENCHMARKS.md §25); GRAPHRT_FUSE_APPEND=0 at import turns it off (A/B
     # benchmarks: the fuse-append switch).
     fuse_append = env_flag("GRAPHRT_FUSE_APPEND", True)
-    # The split kernel reads the paged-KV metadata (block table, seq_lens, n) and its first
-    # K/V step before its PDL wait, the merge kernel the lengths (decode_attention's
-    # metadata_ready=): the model's metadata are step inputs, staged before the step's first
-    # kernel by a launch that never lets its dependents start early. CUDA only, not under
-    # torch.compile. GRAPHRT_ATTN_READY=1 at import (A/B: the attn-ready switch).
-    metadata_ready = env_flag("GRAPHRT_ATTN_READY", False)
 
     def __init__(self, cfg: MoEConfig, device, gen):
         self.cfg = cfg
@@ -413,7 +407,6 @@ class Attention:
         decode_attention(q, self.k_cache, self.v_cache, block_table, seq_lens, n, out=o,
                          workspace_o=ws_o, workspace_lse=ws_lse,
                          semaphore=self.semaphore[:bs] if variant == "fused" else None, variant=variant,
-                         metadata_ready=self.metadata_ready and not torch.compiler.is_compiling(),
                          **new_kv)
         if recv is not None:
             recv()

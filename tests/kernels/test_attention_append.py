@@ -23,7 +23,7 @@ from tests.kernels.sm90 import compile_results
 VARIANTS = ["split", "fused", "single", "auto"]
 
 
-def run_step(q, k, v, slots, caches, table, lens, n, split_size, variant, fused, ready=False):
+def run_step(q, k, v, slots, caches, table, lens, n, split_size, variant, fused):
     """One step on copies of ``caches`` (NaN at every live row's in-range new slot first):
     the fused launch or ``kv_append`` + ``decode_attention``; NaN-poisoned out and workspaces.
     Returns ``(out, k_cache, v_cache)``; the semaphore must be zero again."""
@@ -43,8 +43,7 @@ def run_step(q, k, v, slots, caches, table, lens, n, split_size, variant, fused,
     if not fused:
         kv_append(k, v, slots, n, k_cache=k_cache, v_cache=v_cache)
     res = decode_attention(q, k_cache, v_cache, table, lens, n, out=out, workspace_o=wo,
-                           workspace_lse=wl, semaphore=sem, variant=variant,
-                           metadata_ready=ready, **new)
+                           workspace_lse=wl, semaphore=sem, variant=variant, **new)
     assert res is out and not sem.any(), "semaphore not reset"
     return out, k_cache, v_cache
 
@@ -97,43 +96,6 @@ def test_fused_append_matches_append_then_attend(shape, group, variant):
     written = [s for s in slots[:bs - 2].tolist() if s >= 0]
     assert sorted(changed.nonzero()[:, 0].tolist()) == sorted(written), "padding wrote"
     assert (out[bs - 2:] == 0).all() and (out[seq_lens.index(0)] == 0).all()  # padding, len 0
-
-
-# (pages of 16 in the table, split size, seq_lens): the new token in a split's first inner
-# step of 64 (1, 65, 129, 193: the owner patches its pre-wait tiles) and in a later one (64,
-# 100, 128, 256: loaded after the append); 0, past the reach, and two padded rows
-EARLY_SHAPES = {
-    "one-step": (20, 64, [1, 64, 65, 128, 193, 320, 0, 400, 200, 5, 40]),
-    "four-steps": (40, 256, [1, 64, 100, 129, 256, 257, 300, 640, 0, 900, 200, 5, 40]),
-}
-
-
-@pytest.mark.parametrize("first_step", [True, False], ids=["tiles", "ids"])
-@pytest.mark.parametrize("fused", [True, False], ids=["append", "no-append"])
-@pytest.mark.parametrize("group", [1, 8])
-@pytest.mark.parametrize("shape", list(EARLY_SHAPES))
-def test_metadata_ready_is_bitwise_the_plain_path(shape, group, fused, first_step, monkeypatch):
-    """``metadata_ready=True`` (the split path loads the metadata and its first K/V step
-    before the PDL wait; the owner patches the new row into those tiles): caches and ``out``
-    bitwise the plain launch's, with the new slots poisoned with NaN beforehand (a pre-wait
-    tile that kept the stale slot would put NaN in ``out``), one live row with slot -1."""
-    import graphrt.kernels.attention as attn
-    monkeypatch.setattr(attn, "TABLE_UPFRONT", True)
-    monkeypatch.setattr(attn, "READY_FIRST_STEP", first_step)
-    max_blocks, split_size, seq_lens = EARLY_SHAPES[shape]
-    block_size, kvh, d, bs = 16, 2, 32, len(seq_lens)
-    n = i32([bs - 2])
-    table, slots, num_blocks = paged_batch(seq_lens, bs - 2, block_size, max_blocks, seed=group)
-    slots[bs - 3] = -1
-    caches = paged_cache(num_blocks, block_size, kvh, d, seed=1)
-    q = randn_bf16(bs, kvh * group, d, seed=2)
-    k, v = randn_bf16(bs, kvh, d, seed=3), randn_bf16(bs, kvh, d, seed=4)
-    args = (q, k, v, slots, caches, table, i32(seq_lens), n, split_size, "split", fused)
-    got, want = run_step(*args, ready=True), run_step(*args, ready=False)
-    live = [i for i in range(bs - 2) if 0 < seq_lens[i] and i != bs - 3]
-    assert not torch.isnan(got[0][live].float()).any(), "read a stale new slot"
-    for g, w, name in zip(got, want, ("out", "k_cache", "v_cache")):
-        assert torch.equal(g.nan_to_num(7.0), w.nan_to_num(7.0)), f"{name} differs"
 
 
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
@@ -355,77 +317,6 @@ def test_gpu_fused_append_is_stable_over_many_replays(cuda_device, variant):
     assert torch.equal(k_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[s], k[0])
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("first_step", [True, False], ids=["tiles", "ids"])
-@pytest.mark.parametrize("bs", [1, 8, 64])
-def test_gpu_metadata_ready_behind_a_slow_writer(cuda_device, bs, first_step, monkeypatch):
-    """``metadata_ready=True`` in a graph behind a slow PDL kernel that writes q and the new
-    K/V (``pdl_cases.slow_copy``), the metadata staged by copies before each replay: the split
-    kernel's early loads run while the writer spins, yet every replay's ``out`` and caches are
-    bitwise the plain path's (run eagerly on copies of the caches and the writer's new rows),
-    with new lengths, tables, slots and live counts each replay and the new slots poisoned."""
-    import graphrt.kernels.attention as attn
-    from graphrt.kernels._util import pdl_args
-    from pdl_cases import slow_copy
-    monkeypatch.setattr(attn, "READY_FIRST_STEP", first_step)
-    if not pdl_args():
-        pytest.skip("PDL is off here (pre-Hopper GPU or GRAPHRT_PDL=0)")
-    dev, padded = cuda_device, bs + 2
-    split = split_size_for(padded, NUM_KV_HEADS, MAX_CTX, 132)
-    max_blocks, width = MAX_CTX // BLOCK, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
-    g = torch.Generator().manual_seed(200 + bs)
-    plans = []
-    for it in range(5):
-        live = max(1, bs - it)
-        lens = _gpu_lens(live, split, g, it) + [0] * (padded - live)
-        plans.append((live, lens, *paged_batch(lens, live, BLOCK, max_blocks, seed=it)))
-    num_blocks = max(p[-1] for p in plans)
-    caches = {r: paged_cache(num_blocks, BLOCK, NUM_KV_HEADS, HEAD_DIM, device=dev, seed=9)
-              for r in (True, False)}
-    src, qkv = (randn_bf16(padded, width, device=dev, seed=s) for s in (1, 2))
-    views = lambda t: (t[:, :NUM_HEADS * HEAD_DIM].view(padded, NUM_HEADS, HEAD_DIM),  # noqa: E731
-                       *(t[:, (NUM_HEADS + i * NUM_KV_HEADS) * HEAD_DIM:
-                           (NUM_HEADS + (i + 1) * NUM_KV_HEADS) * HEAD_DIM]
-                         .view(padded, NUM_KV_HEADS, HEAD_DIM) for i in (0, 1)))
-    st = dict(lens=i32([0] * padded, dev), n=i32([0], dev),
-              table=torch.full((padded, max_blocks), num_blocks - 1, dtype=torch.int32, device=dev),
-              slots=torch.full((padded,), (num_blocks - 1) * BLOCK, dtype=torch.int64, device=dev))
-    wo, wl = attention_workspace(padded, NUM_HEADS, HEAD_DIM, MAX_CTX, dev, split_size=split)
-    outs = {r: torch.empty(padded, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)
-            for r in (True, False)}
-
-    def attend(ready, t):
-        q, k, v = views(t)
-        decode_attention(q, *caches[ready], st["table"], st["lens"], st["n"], out=outs[ready],
-                         workspace_o=wo, workspace_lse=wl, variant="split", k_new=k, v_new=v,
-                         slot_mapping=st["slots"], metadata_ready=ready)
-
-    def step():
-        slow_copy(src, qkv)
-        attend(True, qkv)
-    step()  # compile before capture (n = 0: nothing written)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for it, (live, lens, table, slots, _) in enumerate(plans):
-        st["table"].copy_(table), st["slots"].copy_(slots)
-        st["lens"].copy_(i32(lens)), st["n"].fill_(live)
-        src.copy_(randn_bf16(padded, width, device=dev, seed=10 + it))
-        for c in (*caches[True], *caches[False]):
-            c.view(-1, NUM_KV_HEADS, HEAD_DIM)[st["slots"][:live]] = float("nan")
-        outs[True].fill_(float("nan"))
-        graph.replay()
-        attend(False, src.clone())  # the plain path, eagerly, on the writer's new rows
-        torch.cuda.synchronize()
-        assert torch.equal(qkv, src), f"replay {it}: the writer's rows"
-        assert all(torch.equal(a, b) for a, b in zip(caches[True], caches[False])), \
-            f"replay {it}: caches differ"
-        assert torch.equal(outs[True][:live].nan_to_num(7.0), outs[False][:live].nan_to_num(7.0)), \
-            f"replay {it}: out differs"
-        assert not torch.isnan(outs[True][:live].float()).any(), f"replay {it}: a stale read"
-
-
 # ----------------------------------------------------------------------------- sm_90 compile (CPU)
 SM90 = textwrap.dedent(r'''
     import re
@@ -457,14 +348,13 @@ SM90 = textwrap.dedent(r'''
         for append in (False, True):
             key = f"{slot}-{int(append)}"
             out["split-" + key] = compile_(attn_split_kernel, slot,
-                                           dict(geo, APPEND=append, TABLE_PAGES=0, EARLY=0),
-                                           num_stages=2)
+                                           dict(geo, APPEND=append, TABLE_PAGES=0), num_stages=2)
             out["splitpf-" + key] = compile_(attn_split_kernel, slot,
                                              dict(geo, APPEND=append, PREFETCH=True,
-                                                  TABLE_PAGES=0, EARLY=0), num_stages=1)
+                                                  TABLE_PAGES=0), num_stages=1)
             out["splittb-" + key] = compile_(attn_split_kernel, slot,
-                                             dict(geo, APPEND=append, TABLE_PAGES=16,
-                                                  EARLY=0), num_stages=3)
+                                             dict(geo, APPEND=append, TABLE_PAGES=16),
+                                             num_stages=3)
             for split in (False, True):
                 out[f"fused{int(split)}-" + key] = compile_(
                     attn_fused_kernel, slot,
@@ -490,39 +380,3 @@ def test_fused_append_kernels_compile_for_sm90():
             plain, fused = res[f"{kernel}-{slot}-0"], res[f"{kernel}-{slot}-1"]
             assert fused["stores"] == plain["stores"] + 2, (kernel, slot, plain, fused)
             assert fused["store"] < fused["bar"] < fused["cache_load"], (kernel, slot, fused)
-
-
-SM90_EARLY = SM90[:SM90.index("out = {}")] + textwrap.dedent(r'''
-    def early(append):
-        fn, const = attn_split_kernel, dict(geo, APPEND=append, TABLE_PAGES=16, EARLY=2)
-        names = [p.name for p in fn.params if not p.is_constexpr]
-        sig = {a: TYPES.get(a, "*i64" if a == "slot_mapping_ptr" else
-                            "*i32" if a.endswith("_ptr") else "i32") for a in names}
-        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in names
-                 if a.endswith("_ptr") or a.startswith("stride_") or a in ALIGNED}
-        p = ptx(fn, sig, const, attrs=attrs, num_stages=3)
-        wait = p.index("griddepcontrol.wait")
-        at = lambda pat: (m.start() if (m := re.search(pat, p)) else len(p))  # noqa: E731
-        return {"wait": wait, "load": at(r"ld\.global"), "store": at(r"st\.global"),
-                "bar": at(r"bar\.sync"), "nc": ".nc" in p,
-                "stores": len(re.findall(r"st\.global", p)),
-                "cp_async": len(re.findall(r"cp\.async\.c", p[wait:])),
-                "loads_before_wait": len(re.findall(r"ld\.global", p[:wait]))}
-
-    print(json.dumps({f"early-{int(a)}": early(a) for a in (False, True)}))
-''')
-
-
-def test_metadata_ready_split_kernel_compiles_for_sm90():
-    """``EARLY`` (``metadata_ready``) compiled for Hopper: global loads before the PDL wait
-    (the length, ``n``, the block ids, the first step's K/V), every store after it; with
-    ``APPEND`` the owner's two K/V stores, then the barrier, then the pipelined loop's
-    ``cp.async`` copies (no ``.nc`` loads)."""
-    res = compile_results(SM90_EARLY)
-    assert set(res) == {"early-0", "early-1"}
-    for key, at in res.items():
-        assert at["loads_before_wait"] >= 4 and at["load"] < at["wait"] < at["store"], (key, at)
-        assert at["cp_async"] > 0 and not at["nc"], (key, at)
-    plain, fused = res["early-0"], res["early-1"]
-    assert fused["stores"] == plain["stores"] + 2, (plain, fused)
-    assert fused["wait"] < fused["store"] < fused["bar"], fused

@@ -2,10 +2,9 @@
 very first statement (after the docstring), before any load, store or early return; or it
 starts with ``pdl_trigger(USE_GDC)`` and reaches ``pdl_wait(USE_GDC)`` before any store,
 return or load other than of its weights (a pointer named ``w_ptr``/``nw_ptr``, or built
-from one: ``w_ptrs``): the weight preload of the decode GEMVs (kernels._pdl). A kernel with
-an ``EARLY`` constexpr (decode attention's ``metadata_ready``) may also load the paged-KV
-metadata and cache before it (``seq_lens_ptr``, ``n_ptr``, the table and cache pointers,
-and the table helpers ``_table_ids`` / ``_table_step``), nothing else.
+from one: ``w_ptrs``): the weight preload of the decode GEMVs and ``dense_mma``
+(kernels._pdl). Inside a constexpr branch that waits (``if PRELOAD: ... pdl_wait(USE_GDC)``)
+the statements before its wait are held to the same rule.
 
 Correctness under programmatic dependent launch rests on it: a kernel may start while the one
 before it still runs, and with ``GRAPHRT_PDL_EARLY=1`` it lets the next kernel start before it
@@ -34,9 +33,6 @@ def _takes_gdc(fn: ast.FunctionDef) -> bool:
 
 GDC_KERNELS = [(f, fn) for f, fn in _jit_functions() if _takes_gdc(fn) and f != "_pdl.py"]
 _WEIGHTS = ("w_ptr", "w_ptrs", "nw_ptr")
-# EARLY kernels: the staged metadata and the caches' old positions (kernels.attention_kernels)
-_METADATA = ("seq_lens_ptr", "n_ptr", "block_table_ptr", "table", "k_cache_ptr", "v_cache_ptr")
-_METADATA_HELPERS = ("_table_ids", "_table_step")
 
 
 def test_the_kernels_are_found():
@@ -62,13 +58,11 @@ def _check_preload(where, fn, body):
     """Every top-level statement before the last one that calls ``pdl_wait(USE_GDC)`` (a
     kernel may wait at one of two places, by a constexpr): no store, no atomic, no return,
     and loads only through a weight pointer."""
-    early = any(a.arg == "EARLY" for a in fn.args.args)
-    allowed = set(_WEIGHTS) | (set(_METADATA) if early else set())
     waits = [i for i, stmt in enumerate(body) if "pdl_wait(USE_GDC)" in ast.unparse(stmt)]
     assert waits, f"{where}:{fn.lineno} {fn.name} triggers but never calls pdl_wait"
     before = list(body[:waits[-1]])
     last = body[waits[-1]]
-    if isinstance(last, ast.If):  # `if EARLY: <loads> pdl_wait(USE_GDC) ...`: up to its wait
+    if isinstance(last, ast.If):  # `if PRELOAD: <loads> pdl_wait(USE_GDC) ...`: up to its wait
         inner = [i for i, stmt in enumerate(last.body) if "pdl_wait(USE_GDC)" in ast.unparse(stmt)]
         before += last.body[:inner[-1]] if inner else []
     for stmt in before:
@@ -80,10 +74,10 @@ def _check_preload(where, fn, body):
                     f"{where}:{node.lineno} {name} before the wait"
                 if name in ("tl.load", "_k_tile"):  # _k_tile(ptrs, ...): a masked load
                     roots = {n.id for n in ast.walk(node.args[0]) if isinstance(n, ast.Name)}
-                    assert roots & allowed, \
+                    assert roots & set(_WEIGHTS), \
                         f"{where}:{node.lineno} loads {ast.unparse(node.args[0])} before the wait"
-                elif name.startswith("_"):
-                    assert early and name in _METADATA_HELPERS, \
+                else:  # a helper could hide a load or a store
+                    assert not name.startswith("_"), \
                         f"{where}:{node.lineno} calls {name} before the wait"
 
 
