@@ -44,14 +44,16 @@ def _reqs(extra: str | None = None) -> dict[str, Requirement]:
 
 
 def test_metadata_lives_in_pyproject():
-    assert PYPROJECT["build-system"]["requires"] == ["setuptools>=64"]  # offline GPU installs
+    assert PYPROJECT["build-system"]["requires"] == ["setuptools>=77"]  # PEP 639 license
     assert PROJECT["name"] == "graphrt" and PROJECT["dynamic"] == ["version"]
     assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {
         "attr": "graphrt._version.__version__"}
     for key in ("description", "readme", "license", "requires-python", "classifiers",
                 "dependencies", "optional-dependencies", "scripts"):
         assert PROJECT.get(key), key
-    assert isinstance(PROJECT["license"], dict)  # a plain SPDX string needs setuptools >= 77
+    # an SPDX expression: the `{text = ...}` table stops building after 2027-02-18
+    assert PROJECT["license"] == "MIT" and PROJECT["license-files"] == ["LICENSE"]
+    assert not any(c.startswith("License ::") for c in PROJECT["classifiers"])  # PEP 639
     assert PROJECT["scripts"] == {"graphrt": "graphrt.cli.main:main"}
     setup = ast.parse((ROOT / "setup.py").read_text())
     call = next(n for n in ast.walk(setup) if isinstance(n, ast.Call)
@@ -130,7 +132,7 @@ def test_wheel_without_isolation(tmp_path):
     the dynamic version and the requirements."""
     pytest.importorskip("setuptools")
     src = tmp_path / "src"
-    for name in ("pyproject.toml", "setup.py", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
         (src / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, src / name)
     for folder in ("graphrt", "capture", "kernels"):
@@ -152,4 +154,6 @@ def test_wheel_without_isolation(tmp_path):
                                                       for n in names)
     requires = re.findall(r"^Requires-Dist: (.+)$", meta, re.M)
     assert 'triton; sys_platform == "linux"' in requires and not any("tqdm" in r for r in requires)
+    assert re.search(r"^License-Expression: MIT$", meta, re.M), meta[:800]
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
     assert "graphrt = graphrt.cli.main:main" in entry
