@@ -836,3 +836,21 @@ def test_hbm_bench_markdown_and_arguments(capsys):
     assert main(["--sizes", "4,x", "--out", "unused.json"]) == 2
     assert "--sizes needs comma-separated MiB >= 1, got '4,x'" in capsys.readouterr().err
     assert main(["--sizes", "0", "--out", "unused.json"]) == 2
+
+
+def test_pdl_bench_summary_markdown_and_arguments(capsys):
+    from graphrt.bench.pdl import main, markdown, summarize
+    # two replays of three probe programs: per replay min / median / max, then medians
+    assert summarize([[1.0, 2.0, 9.0], [3.0, 4.0, 5.0]]) == {
+        "min_us": 2.0, "median_us": 3.0, "max_us": 7.0}
+    row = {"primary": "o GEMV, 1 row (2048x4096)", "primary_us": 6.41, "min_us": 1.2,
+           "median_us": 1.31, "max_us": 1.4}
+    md = markdown({"device": "H200", "pdl": {"launch_pdl": True, "USE_GDC": 2},
+                   "probe_programs": 128, "results": [row]})
+    assert "PDL on (USE_GDC=2); probe of 128 programs" in md
+    assert "| primary | primary µs | probe head start µs: min | median | max |" in md
+    assert "| o GEMV, 1 row (2048x4096) | 6.41 | 1.2 | 1.31 | 1.4 |" in md
+    assert "PDL off" in markdown({"device": "H200", "pdl": {}, "probe_programs": 128,
+                                  "results": []})
+    assert main(["--replays", "0", "--out", "unused.json"]) == 2
+    assert "--replays needs >= 1, got 0" in capsys.readouterr().err

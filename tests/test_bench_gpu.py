@@ -1,7 +1,7 @@
 """GPU test of the ``modes`` suite on one H200 (a 1-layer qwen3-moe-like model with 16 experts,
 sizes 1 and 8, so it compiles in a few minutes): every mode runs and times, torch.compile
 takes no graph break and keeps its CUDA graphs, replays match eager, and the profiler sees
-the replay's kernels; and the hbm bench's read rates."""
+the replay's kernels; the hbm bench's read rates; the pdl bench's head starts."""
 import pytest
 import torch
 
@@ -109,3 +109,21 @@ def test_hbm_bench_reads_at_a_physical_rate(tmp_path):
         for kind in ("stream", "copy"):
             assert r[kind]["us"] > 0 and 0 < r[kind]["frac_hbm"] < (2.2 if kind == "copy" else 1.2)
     assert small["stream"]["gbs"] < large["stream"]["gbs"]
+
+
+def test_pdl_bench_head_starts_are_physical(tmp_path):
+    """With PDL on, a probe behind a primary of one program an SM starts at once (its head
+    start is most of the primary); no head start is negative or longer than its primary."""
+    import json
+    from graphrt.bench.pdl import main
+    from graphrt.kernels._util import pdl_args
+    if not pdl_args():
+        pytest.skip("PDL is off here (pre-Hopper GPU or GRAPHRT_PDL=0)")
+    assert main(["--replays", "5", "--out", str(tmp_path / "p.json")]) == 0
+    doc = json.loads((tmp_path / "p.json").read_text())
+    rows = {r["primary"]: r for r in doc["results"]}
+    assert len(rows) == 5
+    spin = rows["spin-1-per-sm"]
+    assert spin["min_us"] > 0.5 * spin["primary_us"], spin
+    for r in rows.values():
+        assert 0 <= r["min_us"] <= r["median_us"] <= r["max_us"] <= 1.2 * r["primary_us"] + 2, r

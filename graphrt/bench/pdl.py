@@ -1,0 +1,188 @@
+"""How early a PDL dependent's programs start: the head start work placed before
+``griddepcontrol.wait`` can use.
+
+    python -m graphrt.bench.pdl --out bench-out/pdl.json
+
+Under programmatic dependent launch (``graphrt.kernels._pdl``) a kernel's programs may become
+resident before the kernel ahead of them completes, and run what precedes their wait: weight
+loads (the GEMVs' ``preload``), reads of staged metadata. Such work can hide no more latency
+than that head start. Per *primary* kernel this captures, in one CUDA graph, the primary and
+then a probe launched with PDL (``PROBE_PROGRAMS`` programs of 4 warps, no shared memory) whose
+programs record ``%globaltimer`` before and after their wait, replays it, and reports each
+probe program's **head start** = after - before (µs: min, median, max over the programs,
+medians over replays), beside the primary's own duration (CUDA-graph replays of it alone,
+``graphrt.bench.timing.graph_time_us``).
+
+Primaries:
+
+- ``spin-1-per-sm``: one program an SM, ~70 µs of dependent arithmetic (every probe program
+  fits beside it: the head start is the whole primary);
+- ``spin-16-per-sm``: 16 programs of 4 warps an SM (every thread slot taken);
+- the qwen3-like decode step's projections: the 1-row QKV norm GEMV
+  (``norm_gemv_rows``, 5120 x 2048) and o-projection GEMV (``dense_gemv_rows``, 2048 x 4096),
+  the 16-row QKV ``dense_mma``.
+
+The probe is the lightest dependent there is: one that needs shared memory or many registers
+(decode attention: ~70 KB and 88 registers a program) becomes resident no earlier. Prints a
+markdown table; writes JSON to ``--out`` (and the table beside it, ``.md``).
+
+Tooling: synchronizes the device; nothing here runs inside a step.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+
+import torch
+
+from graphrt.bench.output import save_doc
+
+SCHEMA = "graphrt.bench.pdl/1"
+PROBE_PROGRAMS = 128  # decode attention's grid at bs 1 (4 kv heads x 32 splits)
+
+
+@functools.cache
+def _kernels():
+    """The spin and probe kernels, built on first use (``import triton`` only here)."""
+    import triton
+    import triton.language as tl
+
+    from graphrt.kernels._pdl import pdl_prologue, pdl_trigger, pdl_wait
+
+    @triton.jit
+    def globaltimer():
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                         is_pure=False, pack=1)
+
+    @triton.jit
+    def spin_kernel(out_ptr, spins, USE_GDC: tl.constexpr = False):
+        pdl_prologue(USE_GDC)
+        acc = tl.zeros((128,), dtype=tl.float32)
+        for _ in range(spins):  # dependent multiply-adds: a delay the compiler keeps
+            acc = acc * 0.5 + 1.0
+        tl.store(out_ptr + tl.program_id(0) * 128 + tl.arange(0, 128), acc)
+
+    @triton.jit
+    def probe_kernel(t_ptr, USE_GDC: tl.constexpr = False):
+        pdl_trigger(USE_GDC)
+        t0 = globaltimer()
+        pdl_wait(USE_GDC)
+        t1 = globaltimer()
+        tl.store(t_ptr + 2 * tl.program_id(0), t0)
+        tl.store(t_ptr + 2 * tl.program_id(0) + 1, t1)
+
+    return spin_kernel, probe_kernel
+
+
+def primaries(dev: torch.device) -> dict:
+    """``{name: zero-argument launch}`` of the module docstring's primaries on ``dev``."""
+    from graphrt.kernels._util import pdl_args, sm_count
+    from graphrt.kernels.dense_gemv import dense_gemv_rows
+    from graphrt.kernels.dense_mma import dense_mma_auto
+    from graphrt.kernels.norm_gemv import norm_gemv_rows
+    spin, _ = _kernels()
+    sms = sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
+    g = torch.Generator(device=dev).manual_seed(0)
+    bf16 = lambda *s: (torch.randn(*s, generator=g, device=dev) * s[-1] ** -0.5).to(torch.bfloat16)  # noqa: E731
+    sink = torch.empty(16 * sms * 128, device=dev)
+    wqkv, wo, nw = bf16(5120, 2048), bf16(2048, 4096), torch.ones(2048, device=dev, dtype=torch.bfloat16)
+    x1, xo, x16 = bf16(1, 2048), bf16(1, 4096), bf16(16, 2048)
+    out_qkv, out_o = (torch.empty(1, n, device=dev, dtype=torch.bfloat16) for n in (5120, 2048))
+    return {
+        "spin-1-per-sm": lambda: spin[(sms,)](sink, 20000, **pdl_args()),
+        "spin-16-per-sm": lambda: spin[(16 * sms,)](sink, 2000, **pdl_args()),
+        "qkv norm GEMV, 1 row (5120x2048)":
+            lambda: norm_gemv_rows(x1, norm_weight=nw, eps=1e-6, w=wqkv, out=out_qkv),
+        "o GEMV, 1 row (2048x4096)": lambda: dense_gemv_rows(xo, wo, out=out_o),
+        "qkv dense_mma, 16 rows (5120x2048)": lambda: dense_mma_auto(x16, wqkv),
+    }
+
+
+def head_start(primary, dev: torch.device, *, replays: int = 20, warmup: int = 5) -> dict:
+    """The probe behind ``primary`` in one graph: ``{"min_us", "median_us", "max_us"}`` of the
+    probe programs' head start, each the median over ``replays`` replays after ``warmup``."""
+    from graphrt.kernels._util import pdl_args
+    _, probe = _kernels()
+    t = torch.zeros(PROBE_PROGRAMS, 2, dtype=torch.int64, device=dev)
+
+    def step():
+        primary()
+        probe[(PROBE_PROGRAMS,)](t, **pdl_args())
+    step()
+    torch.cuda.synchronize(dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    samples = []
+    for i in range(warmup + replays):
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        if i >= warmup:
+            samples.append(((t[:, 1] - t[:, 0]).double() / 1000.0).tolist())
+    return summarize(samples)
+
+
+def summarize(samples: list[list[float]]) -> dict:
+    """Per replay the min / median / max over the probe programs' head starts (µs), then the
+    median of each over the replays, rounded to 0.01 µs."""
+    cols = [(min(s), statistics.median(s), max(s)) for s in samples]
+    return {k: round(statistics.median(c[i] for c in cols), 2)
+            for i, k in enumerate(("min_us", "median_us", "max_us"))}
+
+
+def bench(dev: torch.device, *, replays: int, log=print) -> dict:
+    """``{"schema", "device", "pdl", "results": [{"primary", "primary_us", "min_us",
+    "median_us", "max_us"}]}``; ``pdl`` is ``kernels._util.pdl_args()`` (empty: PDL off)."""
+    from graphrt.bench.timing import graph_time_us
+    from graphrt.kernels._util import pdl_args
+    doc = {"schema": SCHEMA, "device": torch.cuda.get_device_name(dev), "pdl": pdl_args(),
+           "probe_programs": PROBE_PROGRAMS, "results": []}
+    for name, fn in primaries(dev).items():
+        row = {"primary": name, "primary_us": round(graph_time_us(fn), 2),
+               **head_start(fn, dev, replays=replays)}
+        doc["results"].append(row)
+        log(_row(row))
+    return doc
+
+
+HEADER = ("| primary | primary µs | probe head start µs: min | median | max |\n"
+          "|---|---|---|---|---|")
+
+
+def _row(r: dict) -> str:
+    return (f"| {r['primary']} | {r['primary_us']} | {r['min_us']} | {r['median_us']} | "
+            f"{r['max_us']} |")
+
+
+def markdown(doc: dict) -> str:
+    """The results as a markdown table under a line naming the device and the PDL mode."""
+    mode = (f"PDL on (USE_GDC={doc['pdl']['USE_GDC']})" if doc["pdl"] else "PDL off")
+    head = (f"Device {doc['device']}, {mode}; probe of {doc['probe_programs']} programs behind "
+            "each primary in one CUDA graph; medians over replays.\n\n")
+    return head + "\n".join([HEADER] + [_row(r) for r in doc["results"]]) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m graphrt.bench.pdl",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--replays", type=int, default=20, help="replays per primary (>= 1)")
+    p.add_argument("--out", required=True, help="JSON results path (the table goes to .md beside it)")
+    a = p.parse_args(argv)
+    if a.replays < 1 or not torch.cuda.is_available():
+        why = (f"--replays needs >= 1, got {a.replays}" if a.replays < 1 else "needs a CUDA GPU")
+        print(f"graphrt.bench.pdl: {why}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    print(HEADER, flush=True)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    doc = bench(dev, replays=a.replays, log=lambda s: print(s, flush=True))
+    doc["wall_s"] = round(time.perf_counter() - t0, 1)
+    save_doc(a.out, doc, markdown(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
