@@ -846,11 +846,13 @@ def test_pdl_bench_summary_markdown_and_arguments(capsys):
     row = {"primary": "o GEMV, 1 row (2048x4096)", "primary_us": 6.41, "min_us": 1.2,
            "median_us": 1.31, "max_us": 1.4}
     md = markdown({"device": "H200", "pdl": {"launch_pdl": True, "USE_GDC": 2},
-                   "probe_programs": 128, "results": [row]})
-    assert "PDL on (USE_GDC=2); probe of 128 programs" in md
+                   "probe_programs": 128, "cold_mb": 256, "results": [row]})
+    assert "PDL on (USE_GDC=2); probe of 128 programs" in md and ">= 256 MiB" in md
     assert "| primary | primary µs | probe head start µs: min | median | max |" in md
     assert "| o GEMV, 1 row (2048x4096) | 6.41 | 1.2 | 1.31 | 1.4 |" in md
     assert "PDL off" in markdown({"device": "H200", "pdl": {}, "probe_programs": 128,
-                                  "results": []})
+                                  "cold_mb": 256, "results": []})
     assert main(["--replays", "0", "--out", "unused.json"]) == 2
     assert "--replays needs >= 1, got 0" in capsys.readouterr().err
+    assert main(["--cold-mb", "0", "--out", "unused.json"]) == 2
+    assert "--cold-mb needs >= 1, got 0" in capsys.readouterr().err

@@ -10,8 +10,10 @@ than that head start. Per *primary* kernel this captures, in one CUDA graph, the
 then a probe launched with PDL (``PROBE_PROGRAMS`` programs of 4 warps, no shared memory) whose
 programs record ``%globaltimer`` before and after their wait, replays it, and reports each
 probe program's **head start** = after - before (µs: min, median, max over the programs,
-medians over replays), beside the primary's own duration (CUDA-graph replays of it alone,
-``graphrt.bench.timing.graph_time_us``).
+medians over replays), beside the primary's own duration (per launch, from CUDA-graph
+replays of its launches back to back, ``graphrt.bench.timing.graph_time_us``). A primary that reads weights runs over ``copies`` of
+them (at least ``--cold-mb`` MiB in all, one primary and probe per copy in the graph), so it
+reads from HBM as in a decode step, not from L2.
 
 Primaries:
 
@@ -77,8 +79,9 @@ def _kernels():
     return spin_kernel, probe_kernel
 
 
-def primaries(dev: torch.device) -> dict:
-    """``{name: zero-argument launch}`` of the module docstring's primaries on ``dev``."""
+def primaries(dev: torch.device, cold_mb: int = 256) -> dict:
+    """``{name: [zero-argument launches]}`` of the module docstring's primaries on ``dev``:
+    one launch per weight copy (``cold_mb`` MiB of weights in all; one launch for the spins)."""
     from graphrt.kernels._util import pdl_args, sm_count
     from graphrt.kernels.dense_gemv import dense_gemv_rows
     from graphrt.kernels.dense_mma import dense_mma_auto
@@ -86,31 +89,41 @@ def primaries(dev: torch.device) -> dict:
     spin, _ = _kernels()
     sms = sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
     g = torch.Generator(device=dev).manual_seed(0)
-    bf16 = lambda *s: (torch.randn(*s, generator=g, device=dev) * s[-1] ** -0.5).to(torch.bfloat16)  # noqa: E731
+
+    def weights(n, k):  # bf16 [n, k] copies, cold_mb MiB in all
+        copies = max(1, -(-(cold_mb << 20) // (2 * n * k)))
+        return [(torch.randn(n, k, generator=g, device=dev) * k ** -0.5).to(torch.bfloat16)
+                for _ in range(copies)]
     sink = torch.empty(16 * sms * 128, device=dev)
-    wqkv, wo, nw = bf16(5120, 2048), bf16(2048, 4096), torch.ones(2048, device=dev, dtype=torch.bfloat16)
-    x1, xo, x16 = bf16(1, 2048), bf16(1, 4096), bf16(16, 2048)
+    wqkv, wo = weights(5120, 2048), weights(2048, 4096)
+    nw = torch.ones(2048, device=dev, dtype=torch.bfloat16)
+    x1, xo, x16 = (w[:m].clone() for w, m in ((wqkv[0], 1), (wo[0], 1), (wqkv[0], 16)))
     out_qkv, out_o = (torch.empty(1, n, device=dev, dtype=torch.bfloat16) for n in (5120, 2048))
     return {
-        "spin-1-per-sm": lambda: spin[(sms,)](sink, 20000, **pdl_args()),
-        "spin-16-per-sm": lambda: spin[(16 * sms,)](sink, 2000, **pdl_args()),
-        "qkv norm GEMV, 1 row (5120x2048)":
-            lambda: norm_gemv_rows(x1, norm_weight=nw, eps=1e-6, w=wqkv, out=out_qkv),
-        "o GEMV, 1 row (2048x4096)": lambda: dense_gemv_rows(xo, wo, out=out_o),
-        "qkv dense_mma, 16 rows (5120x2048)": lambda: dense_mma_auto(x16, wqkv),
+        "spin-1-per-sm": [lambda: spin[(sms,)](sink, 20000, **pdl_args())],
+        "spin-16-per-sm": [lambda: spin[(16 * sms,)](sink, 2000, **pdl_args())],
+        "qkv norm GEMV, 1 row (5120x2048)": [
+            functools.partial(norm_gemv_rows, x1, norm_weight=nw, eps=1e-6, w=w, out=out_qkv)
+            for w in wqkv],
+        "o GEMV, 1 row (2048x4096)": [functools.partial(dense_gemv_rows, xo, w, out=out_o)
+                                      for w in wo],
+        "qkv dense_mma, 16 rows (5120x2048)": [functools.partial(dense_mma_auto, x16, w)
+                                               for w in wqkv],
     }
 
 
-def head_start(primary, dev: torch.device, *, replays: int = 20, warmup: int = 5) -> dict:
-    """The probe behind ``primary`` in one graph: ``{"min_us", "median_us", "max_us"}`` of the
-    probe programs' head start, each the median over ``replays`` replays after ``warmup``."""
+def head_start(launches: list, dev: torch.device, *, replays: int = 20, warmup: int = 5) -> dict:
+    """A probe behind each of ``launches`` (a primary's launches), all in one graph:
+    ``{"min_us", "median_us", "max_us"}`` of the probe programs' head starts (``summarize``
+    over every replay after ``warmup`` and every launch)."""
     from graphrt.kernels._util import pdl_args
     _, probe = _kernels()
-    t = torch.zeros(PROBE_PROGRAMS, 2, dtype=torch.int64, device=dev)
+    t = torch.zeros(len(launches), PROBE_PROGRAMS, 2, dtype=torch.int64, device=dev)
 
     def step():
-        primary()
-        probe[(PROBE_PROGRAMS,)](t, **pdl_args())
+        for i, launch in enumerate(launches):
+            launch()
+            probe[(PROBE_PROGRAMS,)](t[i], **pdl_args())
     step()
     torch.cuda.synchronize(dev)
     graph = torch.cuda.CUDAGraph()
@@ -121,28 +134,30 @@ def head_start(primary, dev: torch.device, *, replays: int = 20, warmup: int = 5
         graph.replay()
         torch.cuda.synchronize(dev)
         if i >= warmup:
-            samples.append(((t[:, 1] - t[:, 0]).double() / 1000.0).tolist())
+            samples += ((t[..., 1] - t[..., 0]).double() / 1000.0).tolist()
     return summarize(samples)
 
 
 def summarize(samples: list[list[float]]) -> dict:
-    """Per replay the min / median / max over the probe programs' head starts (µs), then the
-    median of each over the replays, rounded to 0.01 µs."""
+    """Per sample (one probe launch: its programs' head starts, µs) the min / median / max,
+    then the median of each over the samples, rounded to 0.01 µs."""
     cols = [(min(s), statistics.median(s), max(s)) for s in samples]
     return {k: round(statistics.median(c[i] for c in cols), 2)
             for i, k in enumerate(("min_us", "median_us", "max_us"))}
 
 
-def bench(dev: torch.device, *, replays: int, log=print) -> dict:
-    """``{"schema", "device", "pdl", "results": [{"primary", "primary_us", "min_us",
-    "median_us", "max_us"}]}``; ``pdl`` is ``kernels._util.pdl_args()`` (empty: PDL off)."""
+def bench(dev: torch.device, *, replays: int, cold_mb: int = 256, log=print) -> dict:
+    """``{"schema", "device", "pdl", "probe_programs", "cold_mb", "results": [{"primary",
+    "copies", "primary_us", "min_us", "median_us", "max_us"}]}``; ``pdl`` is
+    ``kernels._util.pdl_args()`` (empty: PDL off); ``primary_us`` per launch."""
     from graphrt.bench.timing import graph_time_us
     from graphrt.kernels._util import pdl_args
     doc = {"schema": SCHEMA, "device": torch.cuda.get_device_name(dev), "pdl": pdl_args(),
-           "probe_programs": PROBE_PROGRAMS, "results": []}
-    for name, fn in primaries(dev).items():
-        row = {"primary": name, "primary_us": round(graph_time_us(fn), 2),
-               **head_start(fn, dev, replays=replays)}
+           "probe_programs": PROBE_PROGRAMS, "cold_mb": cold_mb, "results": []}
+    for name, launches in primaries(dev, cold_mb).items():
+        us = graph_time_us(lambda: [launch() for launch in launches]) / len(launches)
+        row = {"primary": name, "copies": len(launches), "primary_us": round(us, 2),
+               **head_start(launches, dev, replays=replays)}
         doc["results"].append(row)
         log(_row(row))
     return doc
@@ -161,7 +176,8 @@ def markdown(doc: dict) -> str:
     """The results as a markdown table under a line naming the device and the PDL mode."""
     mode = (f"PDL on (USE_GDC={doc['pdl']['USE_GDC']})" if doc["pdl"] else "PDL off")
     head = (f"Device {doc['device']}, {mode}; probe of {doc['probe_programs']} programs behind "
-            "each primary in one CUDA graph; medians over replays.\n\n")
+            f"each primary in one CUDA graph, weights over >= {doc['cold_mb']} MiB of copies "
+            "(cold L2); medians over replays.\n\n")
     return head + "\n".join([HEADER] + [_row(r) for r in doc["results"]]) + "\n"
 
 
@@ -169,16 +185,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m graphrt.bench.pdl",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--replays", type=int, default=20, help="replays per primary (>= 1)")
+    p.add_argument("--cold-mb", type=int, default=256,
+                   help="MiB of weight copies a primary cycles through (well past the L2)")
     p.add_argument("--out", required=True, help="JSON results path (the table goes to .md beside it)")
     a = p.parse_args(argv)
-    if a.replays < 1 or not torch.cuda.is_available():
-        why = (f"--replays needs >= 1, got {a.replays}" if a.replays < 1 else "needs a CUDA GPU")
+    if a.replays < 1 or a.cold_mb < 1 or not torch.cuda.is_available():
+        why = (f"--replays needs >= 1, got {a.replays}" if a.replays < 1 else
+               f"--cold-mb needs >= 1, got {a.cold_mb}" if a.cold_mb < 1 else "needs a CUDA GPU")
         print(f"graphrt.bench.pdl: {why}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     print(HEADER, flush=True)
     dev = torch.device("cuda", torch.cuda.current_device())
-    doc = bench(dev, replays=a.replays, log=lambda s: print(s, flush=True))
+    doc = bench(dev, replays=a.replays, cold_mb=a.cold_mb, log=lambda s: print(s, flush=True))
     doc["wall_s"] = round(time.perf_counter() - t0, 1)
     save_doc(a.out, doc, markdown(doc))
     return 0
