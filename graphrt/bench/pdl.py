@@ -48,7 +48,9 @@ PROBE_PROGRAMS = 128  # decode attention's grid at bs 1 (4 kv heads x 32 splits)
 
 @functools.cache
 def _kernels():
-    """The spin and probe kernels, built on first use (``import triton`` only here)."""
+    """The spin and probe kernels, built on first use (``import triton`` only here). GPU
+    only: the probe reads ``%globaltimer`` through inline PTX, which the CPU interpreter
+    cannot run."""
     import triton
     import triton.language as tl
 
@@ -82,12 +84,12 @@ def _kernels():
 def primaries(dev: torch.device, cold_mb: int = 256) -> dict:
     """``{name: [zero-argument launches]}`` of the module docstring's primaries on ``dev``:
     one launch per weight copy (``cold_mb`` MiB of weights in all; one launch for the spins)."""
-    from graphrt.kernels._util import pdl_args, sm_count
+    from graphrt.kernels._util import cuda_index, pdl_args, sm_count
     from graphrt.kernels.dense_gemv import dense_gemv_rows
     from graphrt.kernels.dense_mma import dense_mma_auto
     from graphrt.kernels.norm_gemv import norm_gemv_rows
     spin, _ = _kernels()
-    sms = sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
+    sms = sm_count(cuda_index(dev))
     g = torch.Generator(device=dev).manual_seed(0)
 
     def weights(n, k):  # bf16 [n, k] copies, cold_mb MiB in all
