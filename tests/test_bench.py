@@ -848,8 +848,11 @@ def test_pdl_bench_summary_markdown_and_arguments(capsys):
     md = markdown({"device": "H200", "pdl": {"launch_pdl": True, "USE_GDC": 2},
                    "probe_programs": 128, "cold_mb": 256, "results": [row]})
     assert "PDL on (USE_GDC=2); probe of 128 programs" in md and ">= 256 MiB" in md
-    assert "| primary | primary µs | probe head start µs: min | median | max |" in md
-    assert "| o GEMV, 1 row (2048x4096) | 6.41 | 1.2 | 1.31 | 1.4 |" in md
+    assert "| primary | primary µs | probe head start µs: min | median | max | wake µs |" in md
+    assert "| o GEMV, 1 row (2048x4096) | 6.41 | 1.2 | 1.31 | 1.4 | — |" in md
+    spin = dict(row, primary="spin-1-per-sm", wake_us=0.84)
+    assert "| spin-1-per-sm | 6.41 | 1.2 | 1.31 | 1.4 | 0.84 |" in markdown(
+        {"device": "H200", "pdl": {}, "probe_programs": 128, "cold_mb": 256, "results": [spin]})
     assert "PDL off" in markdown({"device": "H200", "pdl": {}, "probe_programs": 128,
                                   "cold_mb": 256, "results": []})
     assert main(["--replays", "0", "--out", "unused.json"]) == 2

@@ -127,3 +127,6 @@ def test_pdl_bench_head_starts_are_physical(tmp_path):
     assert spin["min_us"] > 0.5 * spin["primary_us"], spin
     for r in rows.values():
         assert 0 <= r["min_us"] <= r["median_us"] <= r["max_us"] <= 1.2 * r["primary_us"] + 2, r
+        # the spins time their edge: the probe wakes after the primary's last program ended
+        assert (r["wake_us"] is None) == ("spin" not in r["primary"]), r
+        assert r["wake_us"] is None or 0 < r["wake_us"] < 20, r

@@ -11,9 +11,12 @@ then a probe launched with PDL (``PROBE_PROGRAMS`` programs of 4 warps, no share
 programs record ``%globaltimer`` before and after their wait, replays it, and reports each
 probe program's **head start** = after - before (µs: min, median, max over the programs,
 medians over replays), beside the primary's own duration (per launch, from CUDA-graph
-replays of its launches back to back, ``graphrt.bench.timing.graph_time_us``). A primary that reads weights runs over ``copies`` of
-them (at least ``--cold-mb`` MiB in all, one primary and probe per copy in the graph), so it
-reads from HBM as in a decode step, not from L2.
+replays of its launches back to back, ``graphrt.bench.timing.graph_time_us``). A primary
+that reads weights runs over ``copies`` of them (at least ``--cold-mb`` MiB in all, one
+primary and probe per copy in the graph), so it reads from HBM as in a decode step, not from
+L2. The spin primaries also record when each of their programs ends, which gives the
+dependency's **wake** latency: the probe's first return from its wait (its first start with
+PDL off) after the primary's last program ended, the cost of one kernel-to-kernel edge.
 
 Primaries:
 
@@ -62,12 +65,14 @@ def _kernels():
                                          is_pure=False, pack=1)
 
     @triton.jit
-    def spin_kernel(out_ptr, spins, USE_GDC: tl.constexpr = False):
+    def spin_kernel(out_ptr, end_ptr, spins, USE_GDC: tl.constexpr = False):
         pdl_prologue(USE_GDC)
         acc = tl.zeros((128,), dtype=tl.float32)
         for _ in range(spins):  # dependent multiply-adds: a delay the compiler keeps
             acc = acc * 0.5 + 1.0
         tl.store(out_ptr + tl.program_id(0) * 128 + tl.arange(0, 128), acc)
+        tl.debug_barrier()  # every thread's store before the program's end time
+        tl.store(end_ptr + tl.program_id(0), globaltimer())
 
     @triton.jit
     def probe_kernel(t_ptr, USE_GDC: tl.constexpr = False):
@@ -82,8 +87,10 @@ def _kernels():
 
 
 def primaries(dev: torch.device, cold_mb: int = 256) -> dict:
-    """``{name: [zero-argument launches]}`` of the module docstring's primaries on ``dev``:
-    one launch per weight copy (``cold_mb`` MiB of weights in all; one launch for the spins)."""
+    """``{name: ([zero-argument launches], ends)}`` of the module docstring's primaries on
+    ``dev``: one launch per weight copy (``cold_mb`` MiB of weights in all; one launch for the
+    spins); ``ends`` the int64 tensor where a spin's programs write their end times, else
+    None."""
     from graphrt.kernels._util import cuda_index, pdl_args, sm_count
     from graphrt.kernels.dense_gemv import dense_gemv_rows
     from graphrt.kernels.dense_mma import dense_mma_auto
@@ -97,27 +104,32 @@ def primaries(dev: torch.device, cold_mb: int = 256) -> dict:
         return [(torch.randn(n, k, generator=g, device=dev) * k ** -0.5).to(torch.bfloat16)
                 for _ in range(copies)]
     sink = torch.empty(16 * sms * 128, device=dev)
+    ends = [torch.zeros(m * sms, dtype=torch.int64, device=dev) for m in (1, 16)]
     wqkv, wo = weights(5120, 2048), weights(2048, 4096)
     nw = torch.ones(2048, device=dev, dtype=torch.bfloat16)
     x1, xo, x16 = (w[:m].clone() for w, m in ((wqkv[0], 1), (wo[0], 1), (wqkv[0], 16)))
     out_qkv, out_o = (torch.empty(1, n, device=dev, dtype=torch.bfloat16) for n in (5120, 2048))
     return {
-        "spin-1-per-sm": [lambda: spin[(sms,)](sink, 20000, **pdl_args())],
-        "spin-16-per-sm": [lambda: spin[(16 * sms,)](sink, 2000, **pdl_args())],
-        "qkv norm GEMV, 1 row (5120x2048)": [
+        "spin-1-per-sm": ([lambda: spin[(sms,)](sink, ends[0], 20000, **pdl_args())], ends[0]),
+        "spin-16-per-sm": ([lambda: spin[(16 * sms,)](sink, ends[1], 2000, **pdl_args())],
+                           ends[1]),
+        "qkv norm GEMV, 1 row (5120x2048)": ([
             functools.partial(norm_gemv_rows, x1, norm_weight=nw, eps=1e-6, w=w, out=out_qkv)
-            for w in wqkv],
-        "o GEMV, 1 row (2048x4096)": [functools.partial(dense_gemv_rows, xo, w, out=out_o)
-                                      for w in wo],
-        "qkv dense_mma, 16 rows (5120x2048)": [functools.partial(dense_mma_auto, x16, w)
-                                               for w in wqkv],
+            for w in wqkv], None),
+        "o GEMV, 1 row (2048x4096)": ([functools.partial(dense_gemv_rows, xo, w, out=out_o)
+                                       for w in wo], None),
+        "qkv dense_mma, 16 rows (5120x2048)": ([functools.partial(dense_mma_auto, x16, w)
+                                                for w in wqkv], None),
     }
 
 
-def head_start(launches: list, dev: torch.device, *, replays: int = 20, warmup: int = 5) -> dict:
+def head_start(launches: list, dev: torch.device, *, ends: torch.Tensor | None = None,
+               replays: int = 20, warmup: int = 5) -> dict:
     """A probe behind each of ``launches`` (a primary's launches), all in one graph:
     ``{"min_us", "median_us", "max_us"}`` of the probe programs' head starts (``summarize``
-    over every replay after ``warmup`` and every launch)."""
+    over every replay after ``warmup`` and every launch), and ``"wake_us"``: with ``ends``
+    (one launch that writes its programs' end times there) the median over replays of the
+    probe's first wait return after the primary's last end, else None."""
     from graphrt.kernels._util import pdl_args
     _, probe = _kernels()
     t = torch.zeros(len(launches), PROBE_PROGRAMS, 2, dtype=torch.int64, device=dev)
@@ -131,13 +143,16 @@ def head_start(launches: list, dev: torch.device, *, replays: int = 20, warmup: 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    samples = []
+    samples, wakes = [], []
     for i in range(warmup + replays):
         graph.replay()
         torch.cuda.synchronize(dev)
         if i >= warmup:
             samples += ((t[..., 1] - t[..., 0]).double() / 1000.0).tolist()
-    return summarize(samples)
+            if ends is not None:
+                wakes.append((t[0, :, 1].min() - ends.max()).item() / 1000.0)
+    return {**summarize(samples),
+            "wake_us": round(statistics.median(wakes), 2) if wakes else None}
 
 
 def summarize(samples: list[list[float]]) -> dict:
@@ -150,28 +165,29 @@ def summarize(samples: list[list[float]]) -> dict:
 
 def bench(dev: torch.device, *, replays: int, cold_mb: int = 256, log=print) -> dict:
     """``{"schema", "device", "pdl", "probe_programs", "cold_mb", "results": [{"primary",
-    "copies", "primary_us", "min_us", "median_us", "max_us"}]}``; ``pdl`` is
+    "copies", "primary_us", "min_us", "median_us", "max_us", "wake_us"}]}``; ``pdl`` is
     ``kernels._util.pdl_args()`` (empty: PDL off); ``primary_us`` per launch."""
     from graphrt.bench.timing import graph_time_us
     from graphrt.kernels._util import pdl_args
     doc = {"schema": SCHEMA, "device": torch.cuda.get_device_name(dev), "pdl": pdl_args(),
            "probe_programs": PROBE_PROGRAMS, "cold_mb": cold_mb, "results": []}
-    for name, launches in primaries(dev, cold_mb).items():
+    for name, (launches, ends) in primaries(dev, cold_mb).items():
         us = graph_time_us(lambda: [launch() for launch in launches]) / len(launches)
         row = {"primary": name, "copies": len(launches), "primary_us": round(us, 2),
-               **head_start(launches, dev, replays=replays)}
+               **head_start(launches, dev, ends=ends, replays=replays)}
         doc["results"].append(row)
         log(_row(row))
     return doc
 
 
-HEADER = ("| primary | primary µs | probe head start µs: min | median | max |\n"
-          "|---|---|---|---|---|")
+HEADER = ("| primary | primary µs | probe head start µs: min | median | max | wake µs |\n"
+          "|---|---|---|---|---|---|")
 
 
 def _row(r: dict) -> str:
+    wake = "—" if r.get("wake_us") is None else r["wake_us"]
     return (f"| {r['primary']} | {r['primary_us']} | {r['min_us']} | {r['median_us']} | "
-            f"{r['max_us']} |")
+            f"{r['max_us']} | {wake} |")
 
 
 def markdown(doc: dict) -> str:
