@@ -4,19 +4,41 @@ graph, launched with PDL (so the GEMV's programs may start while the writer stil
 replayed with new inputs. The GEMV must read the writer's new rows every replay, and its
 output must be bitwise equal to the launch without preload.
 
-The writer (``pdl_cases.slow_copy``) spins ~50 µs before it stores: long enough that the
-GEMV's programs are resident and waiting (and have issued their weight loads) while it runs."""
+The writer spins ~50 µs before it stores: long enough that the GEMV's programs are resident
+and waiting (and have issued their weight loads) while it runs."""
 from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from graphrt.kernels._pdl import pdl_prologue
 from graphrt.kernels._util import pdl_args
 from graphrt.kernels.dense_gemv import dense_gemv_rows
 from graphrt.kernels.norm_gemv import norm_gemv_rows
-from pdl_cases import slow_copy
 
 pytestmark = pytest.mark.gpu
+
+
+@triton.jit
+def _slow_copy_kernel(src_ptr, dst_ptr, numel, spins, BLOCK: tl.constexpr,
+                      USE_GDC: tl.constexpr = False):
+    """dst = src after ``spins`` dependent multiply-adds (a delay the compiler cannot drop:
+    the stored value depends on it)."""
+    pdl_prologue(USE_GDC)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for _ in range(spins):
+        acc = acc * 0.5 + 1.0                      # converges to 2.0, never NaN
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    v = tl.load(src_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst_ptr + offs, (v + (acc - 2.0)).to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+def _slow_copy(src, dst, spins=20000):
+    n = src.numel()
+    _slow_copy_kernel[(triton.cdiv(n, 1024),)](src, dst, n, spins, BLOCK=1024, **pdl_args())
 
 
 def _t(*shape, seed, scale=1.0):
@@ -45,7 +67,7 @@ def _replays_read_the_new_rows(dev, src, x, out, launch, eager):
     reading ``x``); replay with new rows in ``src``: every replay, ``x`` holds them and ``out``
     equals ``eager(src)`` (the GEMV without preload, run eagerly on the new rows)."""
     def step():
-        slow_copy(src, x)
+        _slow_copy(src, x)
         launch()
     g = _captured(dev, step)
     for i in range(5):
