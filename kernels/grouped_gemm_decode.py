@@ -51,6 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphrt.env import env_flag
+
 from ._pdl import pdl_prologue
 from ._masked import _live_prologue, _pick_expert, _silu_mul, _silu_mul_tile
 from .activation import _round_to_e4m3
@@ -64,6 +66,10 @@ ACTS = (None, "silu_and_mul")  # the fused A-operand activations; ACT constexpr 
 # swapped GEMM's sweep found best (kernels.dense_mma); 128 otherwise. A/B: the swap-bk256 switch.
 SWAP_BLOCK_K = 128
 _SMEM_BUDGET = 200 << 10  # shared memory for the pipeline's stages (sm_90: 227 KB a block)
+# fp8 operands go to the tensor cores as e4m3 (Hopper's fp8 MMA), each 128-wide K block's
+# product scaled and summed in fp32 as DeepGEMM promotes, instead of being widened to bf16
+# first. Read at each launch (GRAPHRT_FP8_MMA=0 at import widens; A/B: the fp8-mma switch).
+FP8_MMA = env_flag("GRAPHRT_FP8_MMA", True)
 
 
 @triton.jit
@@ -102,6 +108,7 @@ def _decode_gemm_kernel(
     UPCAST: tl.constexpr,  # interpreter: dot in fp32 (bf16 math gives NaN there)
     SWAP: tl.constexpr = False,  # weights as the MMA's M side: y.T tiles [BLOCK_N, BLOCK_M]
     EPI: tl.constexpr = False,  # b is W13 [E, 2 * n, k]: out = silu(a @ gate.T) * (a @ up.T)
+    FP8_MMA: tl.constexpr = False,  # FP8: fp8 tl.dot (no widening to bf16)
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
@@ -159,6 +166,8 @@ def _decode_gemm_kernel(
                 if UPCAST:
                     a = a.to(tl.float32)
                     b = b.to(tl.float32)
+                elif FP8 and FP8_MMA:  # e4m3 on the tensor cores as it is (a with ACT:
+                    a = a.to(tl.float8e4nv)  # e4m3 grid values in fp32, so exact)
                 elif FP8:
                     a = a.to(tl.bfloat16)  # e4m3 values -> bf16 is exact
                     b = b.to(tl.bfloat16)
@@ -380,7 +389,8 @@ def decode_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
         *a.stride(), *b.stride(), *out.stride(), *s_strides,
         E_POW2=e_pow2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
         EVEN_K=k % block_k == 0, FP8=fp8, ACT=ACTS.index(act), UPCAST=interpreting(),
-        SWAP=bool(swap), EPI=epilogue is not None, num_warps=num_warps, num_stages=num_stages,
+        SWAP=bool(swap), EPI=epilogue is not None, FP8_MMA=fp8 and FP8_MMA,
+        num_warps=num_warps, num_stages=num_stages,
         **pdl_args())
     if split_k > 1:
         rn = min(128, triton.next_power_of_2(n))

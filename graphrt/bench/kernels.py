@@ -36,6 +36,7 @@ from graphrt.bench.output import int_list, save_doc
 SHAPES = {"qwen3-w13": (1536, 2048), "qwen3-w2": (2048, 768),
           "dsv3-w13": (4096, 7168), "dsv3-w2": (7168, 2048)}
 CAP = 64
+DECODE = ("decode", "swap")  # the decode kernel's configurations, weights on either MMA side
 SCHEMA = "graphrt.bench.kernels/1"
 
 
@@ -43,11 +44,12 @@ def _candidates(n: int, k: int, live: int, fp8: bool, kernels: list[str], num_sm
                 warps: tuple[int, ...] = (4,)):
     from dataclasses import replace
 
-    from graphrt.moe.expert_plan import Choice, decode_candidates
+    from graphrt.moe.expert_plan import Choice, decode_candidates, swap_candidates
     out = []
     if "decode" in kernels:
         out += [replace(c, num_warps=w) for c in decode_candidates(n, k, live, num_sms, fp8)
                 for w in warps]
+        out += swap_candidates(n, k, live, num_sms, fp8)
     if "triton" in kernels and not fp8:
         out.append(Choice("triton"))
     if "deepgemm" in kernels:
@@ -103,7 +105,7 @@ class _Case:
             decode_grouped_gemm(self.a, self.w, masked_m, out=self.out, expected_m=expected_m,
                                 block_n=choice.block_n, split_k=choice.split_k, workspace=ws,
                                 a_scale=self.a_scale, b_scale=self.w_scale,
-                                num_warps=choice.num_warps)
+                                num_warps=choice.num_warps, swap=choice.kernel == "swap")
 
     def rel_err(self, masked_m: torch.Tensor) -> float:
         """Relative error of ``out``'s live rows against the fp32 reference (computed once
@@ -172,7 +174,8 @@ def bench(shapes: list[str], rows_list: list[int], live_list: list[int], *, expe
     return doc
 
 
-def _best(res: dict, prefix: str) -> tuple[str, dict] | None:
+def _best(res: dict, prefix) -> tuple[str, dict] | None:
+    """The fastest timed kernel whose name starts with ``prefix`` (a string or a tuple)."""
     got = [(kn, v) for kn, v in res["kernels"].items() if kn.startswith(prefix) and "us" in v]
     return min(got, key=lambda kv: kv[1]["us"]) if got else None
 
@@ -183,12 +186,12 @@ HEADER = ("| shape | rows | live | MB | decode µs (config) | decode TB/s | deco
 
 
 def _row(res: dict) -> str:
-    dec, tri, dg = _best(res, "decode"), _best(res, "triton"), _best(res, "deepgemm")
+    dec, tri, dg = _best(res, DECODE), _best(res, "triton"), _best(res, "deepgemm")
     errs = [v["rel_err"] for v in res["kernels"].values() if "rel_err" in v]
     f = lambda x: "—" if x is None else f"{x[1]['us']:.1f}"  # noqa: E731
     speed = f"{dg[1]['us'] / dec[1]['us']:.2f}" if dec and dg else "—"
     return (f"| {res['shape']} | {res['rows']} | {res['live']} | {res['weight_bytes'] / 1e6:.0f} | "
-            + (f"{dec[1]['us']:.1f} ({dec[0][7:]}) | {dec[1]['tbs']:.2f} | {dec[1]['frac_hbm']:.0%} | "
+            + (f"{dec[1]['us']:.1f} ({dec[0]}) | {dec[1]['tbs']:.2f} | {dec[1]['frac_hbm']:.0%} | "
                if dec else "— | — | — | ")
             + f"{f(tri)} | {f(dg)} | {speed} | {max(errs) if errs else float('nan'):.1e} |")
 
@@ -200,7 +203,7 @@ def markdown(doc: dict) -> str:
              f"{'fp8' if doc['fp8'] else 'bf16'}; µs per call (graph replays, median).", "",
              HEADER]
     lines += [_row(r) for r in doc["results"]]
-    below = [r for r in doc["results"] if _best(r, "decode") and _best(r, "decode")[1]["frac_hbm"] < 0.8]
+    below = [r for r in doc["results"] if _best(r, DECODE) and _best(r, DECODE)[1]["frac_hbm"] < 0.8]
     lines += ["", f"decode below 80% of HBM: {len(below)} of {len(doc['results'])} cases"]
     return "\n".join(lines)
 

@@ -177,14 +177,14 @@ def test_gpu_decode_fp8_matches_ref(shape):
     ref = decode_grouped_gemm_ref(a_q, b_q, masked_m, a_s, b_s)
     live = torch.arange(CAP, device="cuda")[None, :] < masked_m[:, None]
     ws = torch.empty(2, 256, n, dtype=torch.float32, device="cuda")
-    for block_n, split_k in ((32, 1), (64, 2)):
+    for block_n, split_k, swap in ((32, 1, False), (64, 2, False), (64, 1, True), (128, 2, True)):
         out = torch.full((experts, CAP, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         decode_grouped_gemm(a_q, b_q, masked_m, out=out, expected_m=8, block_n=block_n,
                             split_k=split_k, workspace=ws if split_k > 1 else None,
-                            a_scale=a_s, b_scale=b_s)
+                            a_scale=a_s, b_scale=b_s, swap=swap)
         assert torch.isnan(out[~live].float()).all()
         err = float((out[live].float() - ref[live].float()).norm() / ref[live].float().norm())
-        assert err < 1e-2, (block_n, split_k, err)
+        assert err < 1e-2, (block_n, split_k, swap, err)
     if deep_gemm_available():
         import deep_gemm
         want = torch.full_like(out, float("nan"))
