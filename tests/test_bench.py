@@ -337,6 +337,12 @@ def test_markdown_and_plots_of_a_gpu_result(tmp_path):
     assert "| bs | compile call µs | compile busy µs | compile span µs | graph call µs | " \
            "graph busy µs | graph span µs | graph / compile, calls | graph / compile, busy |" in md
     assert "| 8 | 2000 | 2000 | 3000 | 1800 | 1600 | 1620 | 0.900 | 0.800 |" in md
+    assert "expert GEMMs from the plan" not in md  # a fixed backend: no per-size table
+    res["expert_backend"] = "the per-size plan"
+    res["rows"][0]["expert_kernels"] = "swap/bn64 / swap/bn64"
+    md = markdown(res)
+    assert "experts on the per-size plan bf16" in md
+    assert "| 1 | swap/bn64 / swap/bn64 |" in md and "| 64 | - |" in md
     paths = write_plots(res, str(tmp_path))
     assert all(os.path.getsize(p) > 1000 for p in paths.values()), paths
 

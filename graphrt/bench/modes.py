@@ -106,7 +106,7 @@ class ModesBench:
                     "hidden": cfg.hidden, "num_topk": cfg.num_topk, "moe_inter": cfg.moe_inter,
                     "fp8": fp8, "device": str(device), "comm": type(self.model.comm).__name__,
                     "num_ranks": self.ranks, "sizes": self.sizes, "modes": list(modes),
-                    "expert_backend": self.model.layers[0].moe.experts.backend,
+                    "expert_backend": _backend(self.model.layers[0].moe.experts),
                     "hbm_gbs": None, "skipped": {}, "errors": {}, "capture": {}, "compile": {}}
         # cheap modes first, the torch.compile ones last: a run cut short keeps the most
         self.run_modes = sorted((m for m in modes if not self._skip(m)), key=RUN_ORDER.index)
@@ -236,6 +236,12 @@ class ModesBench:
 
 
 # -- runners --------------------------------------------------------------------------------
+def _backend(experts) -> str:
+    """The experts' GEMM backend as the header names it: ``"the per-size plan"`` when a plan
+    picks the kernels per captured size (``expert_kernels`` in each row), else the backend."""
+    return "the per-size plan" if experts.planned else experts.backend
+
+
 def _eager(b: ModesBench, mode: str) -> None:
     b.model.overlap = True
     for bs in b.sizes:
@@ -255,7 +261,10 @@ def _graph(b: ModesBench, mode: str) -> None:
         "pool_bytes_total": st["pool_bytes"],
         "per_graph": {bs: {"capture_s": v["capture_s"], "pool_bytes": v["pool_bytes"]}
                       for bs, v in st["sizes"].items()}}
+    experts = b.model.layers[0].moe.experts
     for bs in b.sizes:
+        if experts.planned:  # the kernels this size's graph baked
+            b.rows[bs]["expert_kernels"] = " / ".join(c.name for c in experts.choices(bs))
         run = lambda: rt.run(**b.inputs[bs])  # noqa: E731 - the mode's call
         b.check(mode, bs, lambda: run()["logits"])
         hits = experts_hit(b.model, b.spec, b.inputs[bs])  # one eager step of these inputs

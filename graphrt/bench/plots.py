@@ -214,6 +214,9 @@ def markdown(r: dict) -> str:
                           fmt(g.get("capture_s"), ".2f"),
                           fmt((g.get("pool_bytes") or 0) / 2**20, ".1f")]
             out.append(f"| {row['bs']} | " + " | ".join(cells) + " |")
+    if any(row.get("expert_kernels") for row in rows):
+        out += ["", "| bs | expert GEMMs from the plan (W13 / W2) |", "|---|---|"]
+        out += [f"| {row['bs']} | {row.get('expert_kernels') or '-'} |" for row in rows]
     out += _calls_md(r, rows, fmt)
     out.append("")
     for m, c in r["compile"].items():

@@ -67,8 +67,8 @@ DECODE_GEMM = textwrap.dedent('''
                **{name: "i32" for name in INTS}}
         if fp8 and not const["ACT"]:
             sig["a_ptr"] = "*fp8e4nv"
-        const = {**dict(E_POW2=16, UPCAST=False, USE_GDC=2, FP8=fp8, SWAP=False, EPI=False),
-                 **const}
+        const = {**dict(E_POW2=16, UPCAST=False, USE_GDC=2, FP8=fp8, SWAP=False, EPI=False,
+                        FP8_MMA=False), **const}
         return ptx(_decode_gemm_kernel, sig, const, num_stages=4)
 
     out = {}
@@ -92,6 +92,11 @@ DECODE_GEMM = textwrap.dedent('''
         out[f"epi-swap{int(swap)}-act1-bn{bn}"] = {
             "silu": "ex2.approx.f32" in p,
             "mma": ("wgmma.mma_async" if swap else "mma") in p}
+    for swap, act in ((True, 0), (True, 1), (False, 0)):  # fp8 on the tensor cores as e4m3
+        p = decode_ptx(True, dict(ACT=act, EVEN_K=True, SPLIT_K=1, BLOCK_M=16, BLOCK_N=64,
+                                  BLOCK_K=128, SWAP=swap, FP8_MMA=True))
+        out[f"fp8mma-swap{int(swap)}-act{act}"] = {
+            "silu": "ex2.approx.f32" in p, "mma": "mma" in p, "e4m3": ".e4m3.e4m3" in p}
     print(json.dumps(out))
 ''')
 
@@ -101,8 +106,14 @@ def test_the_decode_grouped_gemm_compiles_for_sm90_with_and_without_fused_act():
     16- and 64-row blocks) compiles; the SiLU (``ex2``) is in the ``ACT=1`` variants alone and
     each one still runs its dot on the tensor cores; with ``SWAP`` (the weights as the MMA's M
     side) on the warpgroup MMA; with ``EPI`` (the SiLU as W13's epilogue, keys ``epi-...``)
-    likewise."""
+    likewise. With ``FP8_MMA`` the swapped kernel multiplies e4m3 operands as they are
+    (``wgmma ... .e4m3.e4m3``), the quantised activation of ``ACT`` too."""
     res = compile_results(DECODE_GEMM)
-    assert len(res) == 16
+    assert len(res) == 19
     for key, found in res.items():
+        if key.startswith("fp8mma-"):  # FP8_MMA: the swapped tile on Hopper's e4m3 wgmma;
+            continue                   # the 16-row tile on mma.sync from f16 (exact)
         assert found == {"silu": "-act1-" in key, "mma": True}, key
+    for key in ("fp8mma-swap1-act0", "fp8mma-swap1-act1", "fp8mma-swap0-act0"):
+        assert res[key] == {"silu": key.endswith("act1"), "mma": True,
+                            "e4m3": "swap1" in key}, key
