@@ -365,6 +365,42 @@ def test_gpu_plan_per_size_and_replay_equals_eager():
         ep._graph_us = real
 
 
+@pytest.mark.gpu
+def test_gpu_fp8_plan_on_e4m3_mma_replays_equal_eager(monkeypatch):
+    """fp8 experts (DeepGEMM's block-scaled layout), dsv3-like, 1 layer, 16 experts: the plan
+    times the decode kernel (on Hopper's e4m3 MMA) against DeepGEMM at each size, replays are
+    bitwise eager, and the eager logits stay within fp8 accumulation error of the same step
+    with the operands widened to bf16 first (``grouped_gemm_decode.FP8_MMA = False``)."""
+    import graphrt.kernels.grouped_gemm_decode as gd
+    from graphrt.moe.experts import deep_gemm_available
+    sizes = [1, 8]
+    spec, model = make_step(preset("dsv3-like", layers=1, experts=16), "cuda", max_batch_size=8,
+                            fp8=True)
+    rt = graphrt.GraphRuntime(spec, sizes=sizes, progress=False).capture()
+    table = model.expert_plan()["plan"]
+    assert sorted(table) == ["fp8:16x4096x7168", "fp8:16x7168x2048"]
+    for key, per_size in table.items():
+        for bs, entry in per_size.items():
+            timed = {k: v for k, v in entry["candidates"].items() if isinstance(v, float)}
+            assert any(k.startswith("swap") for k in timed), entry
+            assert ("deepgemm" in timed) == deep_gemm_available(), entry
+            assert entry["us"] == min(timed.values())
+            print(f"\n{key} bs={bs}: {entry['kernel']} {entry['us']} us; {timed}")
+    checks = rt.check_replay(trials=2)
+    assert all(c.ok for c in checks), [str(c) for c in checks if not c.ok]
+    assert all(c.max_abs_err == 0.0 for c in checks if c.what == "graph-vs-eager")
+    x = model.example_inputs(8, "cuda", torch.Generator().manual_seed(3))
+    n = torch.full((1,), 8, dtype=torch.int32, device="cuda")
+    for layer in model.layers:  # the decode kernel on both sides (DeepGEMM ignores FP8_MMA)
+        layer.moe.experts.plan = None
+        layer.moe.experts._fixed = Choice("swap", block_n=64)
+    on = spec.call(x, n)["logits"].float()
+    monkeypatch.setattr(gd, "FP8_MMA", False)
+    off = spec.call(x, n)["logits"].float()
+    rel = (on - off).norm(dim=-1) / off.norm(dim=-1)
+    assert float(rel.max()) < 2e-2, rel
+
+
 def test_an_excluded_kernel_reads_as_the_fastest_other_one(monkeypatch):
     """``ExpertPlan.exclude`` (the ab harness's expert-rows switch): an entry whose choice is
     excluded reads as its recorded fallback; an entry without one keeps its choice."""
