@@ -29,8 +29,13 @@ block) and are tuned for many rows an expert; at a bs-1 step they read the route
 fp8 (DeepGEMM's layout): ``a`` float8_e4m3fn with fp32 per-token 1x128 group scales
 ``a_scale [E, cap, k // 128]`` (any strides, e.g. MN-major), ``b`` float8_e4m3fn with fp32
 128x128 block scales ``b_scale [E, n // 128, k // 128]``: per 128-wide K block the fp8 tiles
-are widened to bf16 (exact), multiplied with fp32 accumulation and scaled by
-``a_scale[m, kb] * b_scale[n // 128, kb]``, as DeepGEMM promotes per K block.
+are multiplied with fp32 accumulation and the product scaled by
+``a_scale[m, kb] * b_scale[n // 128, kb]`` and summed in fp32, as DeepGEMM promotes per K
+block. On the GPU (``FP8_MMA``, the default) the tiles go to the tensor cores as e4m3: with
+``swap`` Hopper's fp8 warpgroup MMA reads the weight tile from shared memory as it is (about
+2x the widened kernel's rate, faster than DeepGEMM's masked fp8 GEMM at decode shapes;
+BENCHMARKS.md §33). ``GRAPHRT_FP8_MMA=0`` widens them to bf16 first (exact), the kernel
+before §33; the interpreter computes in fp32.
 
 Fused activation (``act="silu_and_mul"``, the experts' W2 GEMM): ``a`` is the W13 GEMM's
 output ``u = [gate | up]`` ``[E, cap, 2 * k]`` and each K tile of ``silu(gate) * up`` is made

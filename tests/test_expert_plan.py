@@ -139,7 +139,8 @@ def test_rows_candidates_only_for_bf16_decode_and_few_rows():
     fp8 = [c.name for c in plan_candidates(("decode", "deepgemm"), 1536, 2048, one_row, 132,
                                            fp8=True)]
     assert fp8 == ["decode/bn16", "decode/bn32", "decode/bn64", "decode/bn32/w8",
-                   "decode/bn64/w8", "decode/bn16/w2", "swap/bn64", "swap/bn128", "deepgemm"]
+                   "decode/bn64/w8", "decode/bn16/w2", "swap/bn64", "swap/bn128",
+                   "swap/bn128/w8", "deepgemm"]
     # one live expert of a 2048-wide W2: 32 slices of 64, K split 2 and 4 ways too
     assert [c.name for c in swap_candidates(2048, 768, 1, 132)] == [
         "swap/bn64", "swap/bn128", "swap/bn64/sk2"]

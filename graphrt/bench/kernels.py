@@ -1,5 +1,6 @@
-"""Expert grouped-GEMM microbenchmark at decode shapes: the decode kernel vs the row-tiled
-Triton masked GEMM vs DeepGEMM, each captured in a CUDA graph.
+"""Expert grouped-GEMM microbenchmark at decode shapes: the decode kernel (its tiles, warps
+and split-K, and with the weights on the MMA's M side, ``swap``) vs the row-tiled Triton
+masked GEMM vs DeepGEMM, each captured in a CUDA graph.
 
     python -m graphrt.bench.kernels --out bench-out/kernels.json
     python -m graphrt.bench.kernels --shapes qwen3-w13,qwen3-w2 --rows 1,4,16 --live 8 --out k.json
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     doc["wall_s"] = round(time.perf_counter() - t0, 1)
     md = markdown(doc)
     save_doc(a.out, doc, md)
-    fr = [_best(r, "decode")[1]["frac_hbm"] for r in doc["results"] if _best(r, "decode")]
+    fr = [_best(r, DECODE)[1]["frac_hbm"] for r in doc["results"] if _best(r, DECODE)]
     print(f"\nwall {doc['wall_s']} s; median over cases of the best decode config's fraction of HBM: "
           f"{statistics.median(fr) if fr else float('nan'):.2f}")
     return 0 if doc["results"] else 1

@@ -155,8 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-tokens", type=_positive, default=None, metavar="N",
                    help="tokens per rank the EP buffers hold (default: the largest --sizes)")
     b.add_argument("--fp8", action="store_true",
-                   help="fp8 experts (DeepGEMM, CUDA): the modes suite runs fp8, moe runs bf16 "
-                   "and fp8")
+                   help="fp8 experts (DeepGEMM's block-scaled layout; the per-size plan picks "
+                   "DeepGEMM or graphrt's decode kernel; CUDA): the modes suite runs fp8, moe "
+                   "runs bf16 and fp8")
     b.add_argument("--redundant", type=_counts, default=None, metavar="N,N",
                    help="eplb suite: redundant expert slots per rank, one run each "
                    "(default: 0,4,8)")

@@ -131,9 +131,12 @@ def decode_candidates(n: int, k: int, live: int, num_sms: int, fp8: bool = False
 
 def swap_candidates(n: int, k: int, live: int, num_sms: int, fp8: bool = False) -> list[Choice]:
     """The decode kernel with the weights as the MMA's M side (``swap=True``) worth timing:
-    column tiles 64 and 128, plus 64 split 2 and 4 ways when fewer than one work item per SM
-    would run unsplit. Pure Python."""
+    column tiles 64 and 128 (fp8: 128 on 8 warps too, 0.91x the 4-warp tiles' best at a
+    dsv3-like W13 with 8 live experts; BENCHMARKS.md §33), plus 64 split 2 and 4 ways when
+    fewer than one work item per SM would run unsplit. Pure Python."""
     out = [Choice("swap", block_n=bn) for bn in SWAP_BLOCK_NS]
+    if fp8:
+        out.append(Choice("swap", block_n=128, num_warps=8))
     if live * -(-n // 64) < num_sms:
         out += [Choice("swap", block_n=64, split_k=s) for s in (2, MAX_SPLIT)
                 if k // s >= (128 if fp8 else 256)]
