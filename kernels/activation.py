@@ -11,6 +11,9 @@ grid ``(min(E * cap, 256), min(cdiv(inter, BLOCK_N), 4))`` from shapes alone, ro
 shared by all live rows: each loads masked_m (clamped to ``[0, cap]``), its prefix sums
 ``end``, and walks rows ``t = pid, pid + P, ... < end[-1]`` (expert ``e = #{end <= t}``).
 Bitwise equal outputs; the per-expert kernel when ``E > 1024`` or ``E * cap >= 2**31``.
+The fp8 kernels below take the same compacted rows, and spread a row's quantisation groups
+over up to ``FP8_COL_CHUNKS`` column programs (a per-expert program walked a dsv3-like
+hidden row's 56 groups in 7 dependent steps).
 
 The fp8 variant quantises ``a`` per token and per ``group_size`` columns to float8 e4m3
 (DeepGEMM's 1x128 activation scaling): ``scale = max(amax, 1e-10) / 448`` (fp32),
@@ -43,7 +46,10 @@ _SCALE_EPS = 1e-10
 _MAX_ROW_PROGRAMS = 64  # row programs per expert; each loops over every P-th live row
 # Compacted grid (P, C) <= (256, 4), one wave on an H200; masked_m one vector of <= 1024
 _COMPACT_ROW_PROGRAMS, _COMPACT_COL_CHUNKS, _COMPACT_MAX_EXPERTS = 256, 4, 1024
-COMPACT: bool = env_flag("GRAPHRT_ACT_COMPACT", True)  # silu_and_mul_masked's default
+COMPACT: bool = env_flag("GRAPHRT_ACT_COMPACT", True)  # the masked kernels' default
+# The fp8 kernels' compacted grid spreads a row's groups (GROUPS_PER_STEP a program) over at
+# most this many column programs: a dsv3-like hidden row (56 groups of 128) is 7 steps of 8.
+FP8_COL_CHUNKS = 8
 # Off CUDA (the Triton interpreter, which runs programs one by one) the compacted kernel runs
 # on at most this many row programs and one column chunk: its loops are grid-stride, so the
 # result is the same and a model step on CPU is ~10x faster. None: the plan's full grid.
@@ -134,6 +140,32 @@ def _round_to_e4m3(x):
 
 
 @triton.jit
+def _fp8_row(u_row, q_row, s_row, inter, stride_sg, g_first, g_step,
+             GROUP: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, SILU: tl.constexpr):
+    """One row: groups ``g0 + [0, GROUPS_PER_STEP)`` for ``g0 = g_first, g_first + g_step, ...
+    < inter // GROUP`` of ``silu(gate) * up`` (or the row itself without ``SILU``), quantised
+    to e4m3 with one fp32 scale a group."""
+    num_groups = inter // GROUP
+    gi = tl.arange(0, GROUPS_PER_STEP)  # [GPS]
+    j = tl.arange(0, GROUP)[None, :]  # [1, GROUP]
+    for g0 in range(g_first, num_groups, g_step):
+        grp = g0 + gi  # [GPS]
+        cols = grp[:, None] * GROUP + j  # [GPS, GROUP]
+        cmask = cols < inter
+        g = tl.load(u_row + cols, mask=cmask, other=0.0).to(tl.float32)
+        if SILU:
+            up = tl.load(u_row + inter + cols, mask=cmask, other=0.0).to(tl.float32)
+            a = g / (1.0 + tl.exp(-g)) * up  # [GPS, GROUP]
+        else:
+            a = g
+        amax = tl.max(tl.abs(a), axis=1)  # [GPS]
+        scale = tl.maximum(amax, 1e-10) / 448.0
+        q = _round_to_e4m3(tl.minimum(tl.maximum(a / scale[:, None], -448.0), 448.0))
+        tl.store(q_row + cols, q.to(q_row.dtype.element_ty), mask=cmask)
+        tl.store(s_row + grp * stride_sg, scale, mask=grp < num_groups)
+
+
+@triton.jit
 def _silu_and_mul_masked_fp8_kernel(
     u_ptr,  # [num_local_experts, cap, 2 * inter] bf16/fp16/fp32, last dim contiguous
     masked_m_ptr,  # int32 [num_local_experts]: live rows per expert
@@ -154,31 +186,39 @@ def _silu_and_mul_masked_fp8_kernel(
     r = tl.program_id(1)
     num_r = tl.num_programs(1)
     m_end = tl.minimum(tl.load(masked_m_ptr + e), cap)
-    num_groups = inter // GROUP
-    gi = tl.arange(0, GROUPS_PER_STEP)  # [GPS]
-    j = tl.arange(0, GROUP)[None, :]  # [1, GROUP]
     u_e = u_ptr + e.to(tl.int64) * stride_ue
     q_e = q_ptr + e.to(tl.int64) * stride_qe
     s_e = scale_ptr + e.to(tl.int64) * stride_se
     for m in range(r, m_end, num_r):  # row offsets fit int32 (checked by the launcher)
-        u_row = u_e + m * stride_um
-        q_row = q_e + m * stride_qm
-        s_row = s_e + m * stride_sm
-        for g0 in range(0, num_groups, GROUPS_PER_STEP):
-            grp = g0 + gi  # [GPS]
-            cols = grp[:, None] * GROUP + j  # [GPS, GROUP]
-            cmask = cols < inter
-            g = tl.load(u_row + cols, mask=cmask, other=0.0).to(tl.float32)
-            if SILU:
-                up = tl.load(u_row + inter + cols, mask=cmask, other=0.0).to(tl.float32)
-                a = g / (1.0 + tl.exp(-g)) * up  # [GPS, GROUP]
-            else:
-                a = g
-            amax = tl.max(tl.abs(a), axis=1)  # [GPS]
-            scale = tl.maximum(amax, 1e-10) / 448.0
-            q = _round_to_e4m3(tl.minimum(tl.maximum(a / scale[:, None], -448.0), 448.0))
-            tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=cmask)
-            tl.store(s_row + grp * stride_sg, scale, mask=grp < num_groups)
+        _fp8_row(u_e + m * stride_um, q_e + m * stride_qm, s_e + m * stride_sm, inter,
+                 stride_sg, 0, GROUPS_PER_STEP, GROUP, GROUPS_PER_STEP, SILU)
+
+
+@triton.jit
+def _fp8_compact_kernel(
+    u_ptr, masked_m_ptr, q_ptr, scale_ptr,  # as _silu_and_mul_masked_fp8_kernel
+    num_experts,  # int: num_local_experts (<= E_PAD)
+    inter, cap,
+    stride_ue, stride_um, stride_qe, stride_qm, stride_se, stride_sm, stride_sg,
+    E_PAD: tl.constexpr,  # next power of 2 >= num_experts
+    GROUP: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, SILU: tl.constexpr,
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
+):
+    """The compacted grid of ``silu_and_mul_masked``'s: row programs shared by every live row
+    (``t = pid0, pid0 + P, ...``), column programs over the groups (``pid1 * GPS, + C * GPS,
+    ...``); the same arithmetic as the per-expert kernel, so the same bits."""
+    pdl_prologue(USE_GDC)
+    idx, rows, _, end, _ = _live_prologue(masked_m_ptr, num_experts, cap, E_PAD)
+    start = end - rows  # [E_PAD] exclusive prefix
+    g_first = tl.program_id(1) * GROUPS_PER_STEP
+    g_step = tl.num_programs(1) * GROUPS_PER_STEP
+    for t in range(tl.program_id(0), tl.sum(rows, axis=0), tl.num_programs(0)):
+        e = tl.sum((end <= t).to(tl.int32), axis=0)  # the expert whose live rows hold t
+        m = t - tl.sum(tl.where(idx == e, start, 0), axis=0)  # its row, < masked_m[e]
+        e64 = e.to(tl.int64)
+        _fp8_row(u_ptr + e64 * stride_ue + m * stride_um, q_ptr + e64 * stride_qe + m * stride_qm,
+                 scale_ptr + e64 * stride_se + m * stride_sm, inter, stride_sg, g_first, g_step,
+                 GROUP, GROUPS_PER_STEP, SILU)
 
 
 @triton.jit
@@ -296,7 +336,8 @@ def silu_and_mul_masked(u, masked_m, *, out, compact: bool | None = None):
     return out
 
 
-def silu_and_mul_masked_fp8(u, masked_m, *, out_q, out_scale, group_size=128):
+def silu_and_mul_masked_fp8(u, masked_m, *, out_q, out_scale, group_size=128,
+                            compact: bool | None = None):
     """SiLU-and-mul then per-token, per-``group_size``-column fp8 e4m3 quantisation.
 
     u: [num_local_experts, cap, 2 * inter] bf16 (fp16/fp32 accepted), last dim contiguous;
@@ -304,19 +345,22 @@ def silu_and_mul_masked_fp8(u, masked_m, *, out_q, out_scale, group_size=128):
     out_q: float8_e4m3fn [num_local_experts, cap, inter], last dim contiguous.
     out_scale: fp32 [num_local_experts, cap, inter // group_size], any strides (MN-major ok).
     Dequantise with ``q.float() * scale`` per group. Rows >= masked_m[e] are left untouched.
+    compact: the compacted grid (module docstring; bitwise equal outputs); None: ``COMPACT``.
     Returns ``(out_q, out_scale)``.
 
     Graph safety: capturable
     """
     num_experts, cap, inter = _check_u(u, masked_m)
     return _fp8_masked(u, masked_m, out_q, out_scale, num_experts, cap, inter, group_size,
-                       "inter (u.shape[2] // 2)", silu=True)
+                       "inter (u.shape[2] // 2)", silu=True, compact=compact)
 
 
 def _fp8_masked(src, masked_m, out_q, out_scale, num_experts, cap, cols, group_size, cols_name,
-                *, silu):
+                *, silu, compact=None):
     """Check the fp8 outputs and launch the quantising kernel over ``cols`` output columns
-    (shared by :func:`silu_and_mul_masked_fp8` and :func:`quantize_fp8_masked`)."""
+    (shared by :func:`silu_and_mul_masked_fp8` and :func:`quantize_fp8_masked`): the
+    compacted grid ``(min(E * cap, 256), min(step groups, FP8_COL_CHUNKS))`` where
+    ``compact`` (None: ``COMPACT``) and the experts fit it, else the per-expert grid."""
     check(isinstance(group_size, int) and group_size >= 16 and
           group_size & (group_size - 1) == 0, "group_size", "a power of 2 >= 16", group_size)
     check(cols % group_size == 0, cols_name, f"a multiple of group_size={group_size}", cols)
@@ -330,14 +374,26 @@ def _fp8_masked(src, masked_m, out_q, out_scale, num_experts, cap, cols, group_s
         return out_q, out_scale
     num_groups = cols // group_size
     gps = min(triton.next_power_of_2(num_groups), max(1, 1024 // group_size))
+    strides = (src.stride(0), src.stride(1), out_q.stride(0), out_q.stride(1), *out_scale.stride())
+    compact = COMPACT if compact is None else compact
+    if compact and num_experts <= _COMPACT_MAX_EXPERTS and num_experts * cap < 2**31:
+        grid = (min(num_experts * cap, _COMPACT_ROW_PROGRAMS),
+                min(triton.cdiv(num_groups, gps), FP8_COL_CHUNKS))
+        if src.device.type != "cuda" and CPU_ROW_PROGRAMS is not None:
+            grid = (min(grid[0], CPU_ROW_PROGRAMS), 1)
+        _fp8_compact_kernel[grid](
+            src, masked_m, out_q, out_scale, num_experts, cols, cap, *strides,
+            E_PAD=triton.next_power_of_2(num_experts), GROUP=group_size, GROUPS_PER_STEP=gps,
+            SILU=silu, num_warps=4, **pdl_args())
+        return out_q, out_scale
     _silu_and_mul_masked_fp8_kernel[_grid(num_experts, cap)](
-        src, masked_m, out_q, out_scale, cols, cap, src.stride(0), src.stride(1),
-        out_q.stride(0), out_q.stride(1), *out_scale.stride(),
+        src, masked_m, out_q, out_scale, cols, cap, *strides,
         GROUP=group_size, GROUPS_PER_STEP=gps, SILU=silu, num_warps=4, **pdl_args())
     return out_q, out_scale
 
 
-def quantize_fp8_masked(x, masked_m, *, out_q, out_scale, group_size=128):
+def quantize_fp8_masked(x, masked_m, *, out_q, out_scale, group_size=128,
+                        compact: bool | None = None):
     """Per-token, per-``group_size``-column fp8 e4m3 quantisation of the masked layout, live
     rows only (the EP=1 fp8 path: DeepEP quantizes inside its dispatch, ``LocalComm`` does not).
     Same arithmetic as :func:`silu_and_mul_masked_fp8` without the activation.
@@ -346,7 +402,8 @@ def quantize_fp8_masked(x, masked_m, *, out_q, out_scale, group_size=128):
     hidden % group_size == 0. masked_m: int32 [num_local_experts]. out_q: float8_e4m3fn
     [num_local_experts, cap, hidden], last dim contiguous. out_scale: fp32
     [num_local_experts, cap, hidden // group_size], any strides. Rows >= masked_m[e] are left
-    untouched (never read by the masked GEMM). Returns ``(out_q, out_scale)``.
+    untouched (never read by the masked GEMM). compact: as :func:`silu_and_mul_masked_fp8`.
+    Returns ``(out_q, out_scale)``.
 
     Graph safety: capturable
     """
@@ -356,7 +413,7 @@ def quantize_fp8_masked(x, masked_m, *, out_q, out_scale, group_size=128):
     check_tensor(masked_m, "masked_m", shape=(num_experts,), dtype=torch.int32, device=x.device,
                  contiguous=True)
     return _fp8_masked(x, masked_m, out_q, out_scale, num_experts, cap, hidden, group_size,
-                       "x.shape[2] (hidden)", silu=False)
+                       "x.shape[2] (hidden)", silu=False, compact=compact)
 
 
 def quantize_fp8_masked_ref(x, masked_m, group_size=128):

@@ -239,3 +239,87 @@ def test_compact_cuda_graph_gpu(cuda_device):
         g.replay()
         torch.cuda.synchronize()
         _check(outs[0], outs[1], u, masked_m)
+
+
+# ------------------------------------------------------------------ the fp8 kernels, compacted
+@cpu_interpreter
+@pytest.mark.parametrize("E,cap,cols,group,pattern", [
+    (1, 3, 256, 128, "full"), (8, 3, 1024, 128, "some"), (8, 2, 7168, 128, "over"),
+    (64, 1, 256, 128, "one"), (6, 4, 256, 64, "full"), (256, 1, 128, 128, "some")])
+def test_fp8_compact_matches_per_expert_kernel_cpu(E, cap, cols, group, pattern, monkeypatch):
+    """``silu_and_mul_masked_fp8`` and ``quantize_fp8_masked`` on the compacted grid: the
+    per-expert kernel's bits (q and scales, NaN-poisoned rows past masked_m untouched), on
+    the full (P, C) grid and on the CPU's reduced one; dsv3-like hidden rows (56 groups,
+    7 steps over 8 column programs) included."""
+    from graphrt.kernels.activation import quantize_fp8_masked, silu_and_mul_masked_fp8
+    g = torch.Generator().manual_seed(E * cap + cols)
+    masked_m = _masked_m(pattern, E, cap, seed=E + cols)
+    for silu in (True, False):
+        src = (torch.randn(E, cap, 2 * cols if silu else cols, generator=g) * 3).to(torch.bfloat16)
+        outs = []
+        for compact, cpu_rows in ((False, 4), (True, None), (True, 4)):
+            monkeypatch.setattr(activation, "CPU_ROW_PROGRAMS", cpu_rows)
+            q = torch.full((E, cap, cols), float("nan")).to(torch.float8_e4m3fn)
+            s = torch.full((E, cols // group, cap), float("nan")).transpose(1, 2)  # MN-major
+            fn = silu_and_mul_masked_fp8 if silu else quantize_fp8_masked
+            fn(src, masked_m, out_q=q, out_scale=s, group_size=group, compact=compact)
+            outs.append((q.view(torch.uint8), s))
+        for q, s in outs[1:]:
+            assert torch.equal(q, outs[0][0]), (silu, "q")
+            assert torch.equal(s.view(torch.int32), outs[0][1].view(torch.int32)), (silu, "scale")
+        live = torch.arange(cap)[None, :] < masked_m[:, None]
+        assert torch.isnan(outs[1][1][~live]).all()  # rows past masked_m: untouched
+
+
+SM90_FP8 = textwrap.dedent('''
+    from graphrt.kernels.activation import _fp8_compact_kernel as kernel
+
+    out = {}
+    sig = {"u_ptr": "*bf16", "masked_m_ptr": "*i32", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
+           **{k: "i32" for k in ("num_experts inter cap stride_ue stride_um stride_qe stride_qm "
+                                 "stride_se stride_sm stride_sg").split()}}
+    for e_pad in (8, 256, 1024):
+        for silu in (True, False):
+            for gdc in (0, 2):
+                p = ptx(kernel, sig, dict(E_PAD=e_pad, GROUP=128, GROUPS_PER_STEP=8, SILU=silu,
+                                          USE_GDC=gdc))
+                load = p.find("ld.global")
+                out[f"{e_pad}-{silu}-{gdc}"] = {
+                    "wait": "griddepcontrol.wait" in p,
+                    "wait_first": 0 <= p.find("griddepcontrol.wait") < load,
+                    "exp": "ex2.approx" in p, "spill": "ld.local" in p}
+    print(json.dumps(out))
+''')
+
+
+def test_the_fp8_compact_kernel_compiles_for_sm90():
+    """E_PAD 8-1024, with and without the SiLU, PDL off and on: the wait before the first
+    global load, the exponential only with ``SILU``, no spills."""
+    res = compile_results(SM90_FP8)
+    assert len(res) == 12
+    for key, found in res.items():
+        gdc, silu = key.endswith("-2"), "-True-" in key
+        assert found == {"wait": gdc, "wait_first": gdc, "exp": silu, "spill": False}, key
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("E,cols", [(256, 2048), (256, 7168), (64, 768)])
+@pytest.mark.parametrize("cap", [1, 8, 64])
+def test_fp8_compact_gpu(E, cols, cap, cuda_device):
+    """The compacted fp8 kernels give the per-expert kernel's bits at real sizes."""
+    from graphrt.kernels.activation import quantize_fp8_masked, silu_and_mul_masked_fp8
+    torch.manual_seed(cap + cols)
+    for silu in (True, False):
+        src = (torch.randn(E, cap, 2 * cols if silu else cols, device=cuda_device) * 3).to(
+            torch.bfloat16)
+        fn = silu_and_mul_masked_fp8 if silu else quantize_fp8_masked
+        for pattern in ("zero", "one", "some", "full", "over"):
+            masked_m = _masked_m(pattern, E, cap, cap).to(cuda_device)
+            outs = []
+            for compact in (True, False):
+                q = torch.zeros(E, cap, cols, device=cuda_device).to(torch.float8_e4m3fn)
+                s = torch.full((E, cols // 128, cap), -1.0, device=cuda_device).transpose(1, 2)
+                fn(src, masked_m, out_q=q, out_scale=s, compact=compact)
+                outs.append((q.view(torch.uint8), s.view(torch.int32)))
+            assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), \
+                (silu, pattern)
