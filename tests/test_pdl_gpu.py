@@ -82,6 +82,19 @@ def test_switched_graph_matches_plain_graph(cuda_device, switch):
         assert row["on_us"] > 0 and row["off_us"] > 0
 
 
+@pytest.mark.gpu
+def test_fp8_act_compact_graph_is_bitwise_the_per_expert_one(cuda_device):
+    """``--fp8``: the fp8 activation and input quantisation on the compacted grid against the
+    per-expert grid give the same logits bit for bit (dsv3-like, 2 layers, 16 experts)."""
+    from graphrt.bench.ab import bench_ab
+    from graphrt.moe import preset
+    cfg = preset("dsv3-like", layers=2, experts=16, num_slots=64, max_ctx=256, vocab_size=4096)
+    res = bench_ab(cfg, cuda_device, [1, 8], rounds=1, switch="act-compact", fp8=True)
+    assert res["fp8"] is True
+    for row in res["rows"]:
+        assert row["max_row_rel_diff"] == 0.0, row
+
+
 def test_a_variant_s_own_switches_win_over_the_others_off(monkeypatch):
     """Two switches that set the same thing (layers.DENSE): the variant's own, on, wins."""
     from graphrt.bench import ab

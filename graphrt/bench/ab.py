@@ -35,8 +35,9 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   instead of one (``kernels.norm_gemv.ONE_ROW_N``);
 - ``fuse-act``: the experts' SiLU-and-mul computed by the W2 decode GEMM as it loads its
   operand (``Experts.fuse_act``, ``decode_grouped_gemm(act="silu_and_mul")``);
-- ``act-compact``: the experts' SiLU-and-mul on a grid shared among live rows instead of one
-  per expert (``graphrt.kernels.activation.COMPACT``);
+- ``act-compact``: the experts' SiLU-and-mul (and, with ``--fp8``, its quantisation and the
+  EP=1 input quantisation) on a grid shared among live rows instead of one per expert
+  (``graphrt.kernels.activation.COMPACT``);
 - ``fuse-append``: the new K/V written by the attention launch instead of a ``kv_append``
   launch before it (``Attention.fuse_append``, ``decode_attention(k_new=, ...)``);
 - ``preload``: the one-row GEMVs load their first weight tile before the PDL wait
@@ -229,21 +230,24 @@ def _replay_us(rt, bs: int, iters: int = 50) -> list[float]:
     return out
 
 
-def bench_ab(cfg, device, sizes: list[int], rounds: int = 5, switch: str = "pdl") -> dict:
+def bench_ab(cfg, device, sizes: list[int], rounds: int = 5, switch: str = "pdl",
+             fp8: bool = False) -> dict:
     """Per size: median replay µs with ``switch`` (a variant: switches joined by ``+``) off and
     on (rounds alternate the two graphs), their ratio, and the max relative difference of the
     two graphs' logits."""
-    res = bench_variants(cfg, device, sizes, [switch], rounds)
+    res = bench_variants(cfg, device, sizes, [switch], rounds, fp8=fp8)
     rows = [{"bs": r["bs"], "off_us": r["off_us"], **r["variants"][switch]} for r in res["rows"]]
     return {**{k: v for k, v in res.items() if k != "variants"}, "switch": switch, "rows": rows}
 
 
-def bench_variants(cfg, device, sizes: list[int], variants: list[str], rounds: int = 5) -> dict:
+def bench_variants(cfg, device, sizes: list[int], variants: list[str], rounds: int = 5,
+                   fp8: bool = False) -> dict:
     """``bench_ab`` for several variants against one baseline (every switch they name off): per
-    size and variant ``on_us``, ``on_over_off`` and ``max_row_rel_diff``; replays alternate."""
+    size and variant ``on_us``, ``on_over_off`` and ``max_row_rel_diff``; replays alternate.
+    ``fp8``: the model's experts in fp8 (DeepGEMM's block-scaled layout)."""
     mentioned = list(dict.fromkeys(sw for v in variants for sw in parse_variant(v)))
     from graphrt.moe import MoEModel
-    model = MoEModel(cfg, device)
+    model = MoEModel(cfg, device, fp8=fp8)
     for bs in sizes:           # measure the expert plan first, so every capture bakes the same
         model.prepare(bs)
     off = _capture(model, sizes, mentioned, [])
@@ -267,13 +271,14 @@ def bench_variants(cfg, device, sizes: list[int], variants: list[str], rounds: i
                 "on_over_off": statistics.median(t_on[v]) / m_off,
                 "max_row_rel_diff": diffs[v]} for v in variants}})
     return {"variants": variants, "config": cfg.name, "layers": cfg.num_layers,
-            "experts": cfg.num_experts, "gpu": torch.cuda.get_device_name(device), "rows": rows}
+            "experts": cfg.num_experts, "fp8": fp8, "gpu": torch.cuda.get_device_name(device),
+            "rows": rows}
 
 
 def md_ab(res: dict) -> str:
     variants = res["variants"]
     lines = [f"every switch off vs {', '.join(variants)}: {res['config']} {res['layers']}L "
-             f"{res['experts']} experts, {res['gpu']}", "",
+             f"{res['experts']} experts{' fp8' if res.get('fp8') else ''}, {res['gpu']}", "",
              "| bs | off µs | " + " | ".join(f"{v} µs | on/off | max row rel diff" for v in variants) + " |",
              "|---|---|" + "---|---|---|" * len(variants)]
     for r in res["rows"]:
@@ -293,6 +298,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--sizes", default="1,16")
+    p.add_argument("--fp8", action="store_true", help="fp8 experts (DeepGEMM's block-scaled layout)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -305,7 +311,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         p.error(str(e))
     res = bench_variants(preset(a.config, layers=a.layers, experts=a.experts), device,
-                         [int(s) for s in a.sizes.split(",")], variants)
+                         [int(s) for s in a.sizes.split(",")], variants, fp8=a.fp8)
     print(md_ab(res))
     if a.out:
         with open(a.out, "w") as f:
