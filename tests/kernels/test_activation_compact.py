@@ -171,7 +171,13 @@ def test_compact_default_comes_from_the_environment(monkeypatch):
 
 
 SM90 = textwrap.dedent('''
-    from graphrt.kernels.activation import _silu_and_mul_compact_kernel as kernel
+    from graphrt.kernels.activation import _fp8_compact_kernel, _silu_and_mul_compact_kernel
+
+    def facts(p):
+        load = p.find("ld.global")
+        return {"wait": "griddepcontrol.wait" in p,
+                "wait_first": 0 <= p.find("griddepcontrol.wait") < load,
+                "store": "st.global" in p, "exp": "ex2.approx" in p, "spill": "ld.local" in p}
 
     out = {}
     for dt in ("bf16", "fp32"):
@@ -180,24 +186,32 @@ SM90 = textwrap.dedent('''
                                      "stride_om").split()}}
         for e_pad in (1, 8, 256, 1024):
             for gdc in (0, 1, 2):
-                p = ptx(kernel, sig, dict(E_PAD=e_pad, BLOCK_N=1024, USE_GDC=gdc))
-                load = p.find("ld.global")
-                out[f"{dt}-{e_pad}-{gdc}"] = {
-                    "wait": "griddepcontrol.wait" in p,
-                    "wait_first": 0 <= p.find("griddepcontrol.wait") < load,
-                    "store": "st.global" in p, "spill": "ld.local" in p}
+                out[f"{dt}-{e_pad}-{gdc}"] = facts(ptx(_silu_and_mul_compact_kernel, sig,
+                                                       dict(E_PAD=e_pad, BLOCK_N=1024, USE_GDC=gdc)))
+    sig = {"u_ptr": "*bf16", "masked_m_ptr": "*i32", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
+           **{k: "i32" for k in ("num_experts inter cap stride_ue stride_um stride_qe stride_qm "
+                                 "stride_se stride_sm stride_sg").split()}}
+    for e_pad in (8, 256, 1024):
+        for silu in (True, False):
+            for gdc in (0, 2):
+                out[f"fp8-{e_pad}-{silu}-{gdc}"] = facts(ptx(
+                    _fp8_compact_kernel, sig, dict(E_PAD=e_pad, GROUP=128, GROUPS_PER_STEP=8,
+                                                   SILU=silu, USE_GDC=gdc)))
     print(json.dumps(out))
 ''')
 
 
-def test_the_compact_kernel_compiles_for_sm90():
-    """bf16 and fp32, E_PAD 1-1024, USE_GDC 0/1/2 compile; ``griddepcontrol.wait`` is in the
-    PTX exactly when ``USE_GDC != 0`` and comes before the first global load; no spills."""
+def test_the_compact_kernels_compile_for_sm90():
+    """The bf16 kernel (bf16 and fp32, E_PAD 1-1024, USE_GDC 0/1/2) and the fp8 one (E_PAD
+    8-1024, with and without the SiLU, PDL off and on) compile; ``griddepcontrol.wait`` is in
+    the PTX exactly when ``USE_GDC != 0`` and comes before the first global load; the
+    exponential only where there is a SiLU; no spills."""
     res = compile_results(SM90)
-    assert len(res) == 24
+    assert len(res) == 36
     for key, found in res.items():
-        gdc = not key.endswith("-0")
-        assert found == {"wait": gdc, "wait_first": gdc, "store": True, "spill": False}, key
+        gdc, silu = not key.endswith("-0"), not key.startswith("fp8-") or "-True-" in key
+        assert found == {"wait": gdc, "wait_first": gdc, "store": True, "exp": silu,
+                         "spill": False}, key
 
 
 # ---------------------------------------------------------------- GPU (H200) at real sizes
@@ -269,37 +283,6 @@ def test_fp8_compact_matches_per_expert_kernel_cpu(E, cap, cols, group, pattern,
             assert torch.equal(s.view(torch.int32), outs[0][1].view(torch.int32)), (silu, "scale")
         live = torch.arange(cap)[None, :] < masked_m[:, None]
         assert torch.isnan(outs[1][1][~live]).all()  # rows past masked_m: untouched
-
-
-SM90_FP8 = textwrap.dedent('''
-    from graphrt.kernels.activation import _fp8_compact_kernel as kernel
-
-    out = {}
-    sig = {"u_ptr": "*bf16", "masked_m_ptr": "*i32", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
-           **{k: "i32" for k in ("num_experts inter cap stride_ue stride_um stride_qe stride_qm "
-                                 "stride_se stride_sm stride_sg").split()}}
-    for e_pad in (8, 256, 1024):
-        for silu in (True, False):
-            for gdc in (0, 2):
-                p = ptx(kernel, sig, dict(E_PAD=e_pad, GROUP=128, GROUPS_PER_STEP=8, SILU=silu,
-                                          USE_GDC=gdc))
-                load = p.find("ld.global")
-                out[f"{e_pad}-{silu}-{gdc}"] = {
-                    "wait": "griddepcontrol.wait" in p,
-                    "wait_first": 0 <= p.find("griddepcontrol.wait") < load,
-                    "exp": "ex2.approx" in p, "spill": "ld.local" in p}
-    print(json.dumps(out))
-''')
-
-
-def test_the_fp8_compact_kernel_compiles_for_sm90():
-    """E_PAD 8-1024, with and without the SiLU, PDL off and on: the wait before the first
-    global load, the exponential only with ``SILU``, no spills."""
-    res = compile_results(SM90_FP8)
-    assert len(res) == 12
-    for key, found in res.items():
-        gdc, silu = key.endswith("-2"), "-True-" in key
-        assert found == {"wait": gdc, "wait_first": gdc, "exp": silu, "spill": False}, key
 
 
 @pytest.mark.gpu
