@@ -17,7 +17,8 @@ every op returns ``None`` (a custom op may not return an alias of its input)::
                                       fused=None)
     torch.ops.graphrt.combine_masked(y, topk_ids, topk_weights, pos, n, out)
     torch.ops.graphrt.silu_and_mul_masked(u, masked_m, out, compact=None)
-    torch.ops.graphrt.silu_and_mul_masked_fp8(u, masked_m, out_q, out_scale, group_size=128)
+    torch.ops.graphrt.silu_and_mul_masked_fp8(u, masked_m, out_q, out_scale, group_size=128,
+                                              compact=None)
     torch.ops.graphrt.masked_grouped_gemm(a, b, masked_m, out, expected_m=None)
     torch.ops.graphrt.decode_grouped_gemm(a, b, masked_m, out, expected_m=None, block_n=32,
                                           split_k=1, workspace=None, a_scale=None,
@@ -140,10 +141,10 @@ def silu_and_mul_masked(u: Tensor, masked_m: Tensor, out: Tensor,
 
 @_op("silu_and_mul_masked_fp8", ("out_q", "out_scale"))
 def silu_and_mul_masked_fp8(u: Tensor, masked_m: Tensor, out_q: Tensor, out_scale: Tensor,
-                            group_size: int = 128) -> None:
+                            group_size: int = 128, compact: Optional[bool] = None) -> None:
     """``graphrt.kernels.activation.silu_and_mul_masked_fp8``. Graph safety: capturable."""
     _launcher(f"{_KERNELS}.activation", "silu_and_mul_masked_fp8")(
-        u, masked_m, out_q=out_q, out_scale=out_scale, group_size=group_size)
+        u, masked_m, out_q=out_q, out_scale=out_scale, group_size=group_size, compact=compact)
 
 
 @_op("masked_grouped_gemm", ("out",))

@@ -54,8 +54,8 @@ def _wrappers() -> dict[tuple[str, str], object]:
         ops.silu_and_mul_masked(u, masked_m, out, compact)
         return out
 
-    def silu_and_mul_masked_fp8_(u, masked_m, *, out_q, out_scale, group_size=128):
-        ops.silu_and_mul_masked_fp8(u, masked_m, out_q, out_scale, group_size)
+    def silu_and_mul_masked_fp8_(u, masked_m, *, out_q, out_scale, group_size=128, compact=None):
+        ops.silu_and_mul_masked_fp8(u, masked_m, out_q, out_scale, group_size, compact)
         return out_q, out_scale
 
     def masked_grouped_gemm_(a, b, masked_m, *, out, expected_m=None):
