@@ -292,15 +292,29 @@ def _grid(num_experts, cap):
     return (num_experts, max(1, min(cap, _MAX_ROW_PROGRAMS)))
 
 
-def _compact_plan(num_experts, cap, inter):
-    """``(grid, E_PAD, BLOCK_N)`` of the compacted kernel from shapes alone (a captured graph
-    bakes one launch per size), or None: use the per-expert kernel. Host-only."""
+def _compact_grid(num_experts, cap, col_programs):
+    """The compacted kernels' grid ``(row programs, col_programs)`` from shapes alone (a
+    captured graph bakes one launch per size), or None when the experts do not fit it: use
+    the per-expert kernel. Host-only."""
     if num_experts > _COMPACT_MAX_EXPERTS or num_experts * cap >= 2**31:
         return None
+    return min(num_experts * cap, _COMPACT_ROW_PROGRAMS), col_programs
+
+
+def _launched(grid, device):
+    """``grid`` as launched on ``device``: off CUDA at most ``CPU_ROW_PROGRAMS`` row programs
+    and one column program (grid-stride loops: the same result). Host-only."""
+    if device.type != "cuda" and CPU_ROW_PROGRAMS is not None:
+        return min(grid[0], CPU_ROW_PROGRAMS), 1
+    return grid
+
+
+def _compact_plan(num_experts, cap, inter):
+    """``(grid, E_PAD, BLOCK_N)`` of the compacted SiLU-and-mul kernel from shapes alone, or
+    None: use the per-expert kernel. Host-only."""
     block = min(triton.next_power_of_2(inter), 1024)
-    grid = (min(num_experts * cap, _COMPACT_ROW_PROGRAMS),
-            min(triton.cdiv(inter, block), _COMPACT_COL_CHUNKS))
-    return grid, triton.next_power_of_2(num_experts), block
+    grid = _compact_grid(num_experts, cap, min(triton.cdiv(inter, block), _COMPACT_COL_CHUNKS))
+    return None if grid is None else (grid, triton.next_power_of_2(num_experts), block)
 
 
 def silu_and_mul_masked(u, masked_m, *, out, compact: bool | None = None):
@@ -324,9 +338,7 @@ def silu_and_mul_masked(u, masked_m, *, out, compact: bool | None = None):
     plan = _compact_plan(num_experts, cap, inter) if compact else None
     if plan is not None:
         grid, e_pad, block = plan
-        if u.device.type != "cuda" and CPU_ROW_PROGRAMS is not None:
-            grid = (min(grid[0], CPU_ROW_PROGRAMS), 1)
-        _silu_and_mul_compact_kernel[grid](
+        _silu_and_mul_compact_kernel[_launched(grid, u.device)](
             u, masked_m, out, num_experts, inter, cap, u.stride(0), u.stride(1), out.stride(0),
             out.stride(1), E_PAD=e_pad, BLOCK_N=block, num_warps=4, **pdl_args())
         return out
@@ -376,12 +388,10 @@ def _fp8_masked(src, masked_m, out_q, out_scale, num_experts, cap, cols, group_s
     gps = min(triton.next_power_of_2(num_groups), max(1, 1024 // group_size))
     strides = (src.stride(0), src.stride(1), out_q.stride(0), out_q.stride(1), *out_scale.stride())
     compact = COMPACT if compact is None else compact
-    if compact and num_experts <= _COMPACT_MAX_EXPERTS and num_experts * cap < 2**31:
-        grid = (min(num_experts * cap, _COMPACT_ROW_PROGRAMS),
-                min(triton.cdiv(num_groups, gps), FP8_COL_CHUNKS))
-        if src.device.type != "cuda" and CPU_ROW_PROGRAMS is not None:
-            grid = (min(grid[0], CPU_ROW_PROGRAMS), 1)
-        _fp8_compact_kernel[grid](
+    grid = (_compact_grid(num_experts, cap, min(triton.cdiv(num_groups, gps), FP8_COL_CHUNKS))
+            if compact else None)
+    if grid is not None:
+        _fp8_compact_kernel[_launched(grid, src.device)](
             src, masked_m, out_q, out_scale, num_experts, cols, cap, *strides,
             E_PAD=triton.next_power_of_2(num_experts), GROUP=group_size, GROUPS_PER_STEP=gps,
             SILU=silu, num_warps=4, **pdl_args())

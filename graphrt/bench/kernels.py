@@ -204,7 +204,7 @@ def markdown(doc: dict) -> str:
              f"{'fp8' if doc['fp8'] else 'bf16'}; µs per call (graph replays, median).", "",
              HEADER]
     lines += [_row(r) for r in doc["results"]]
-    below = [r for r in doc["results"] if _best(r, DECODE) and _best(r, DECODE)[1]["frac_hbm"] < 0.8]
+    below = [r for r in doc["results"] if (b := _best(r, DECODE)) and b[1]["frac_hbm"] < 0.8]
     lines += ["", f"decode below 80% of HBM: {len(below)} of {len(doc['results'])} cases"]
     return "\n".join(lines)
 
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     doc["wall_s"] = round(time.perf_counter() - t0, 1)
     md = markdown(doc)
     save_doc(a.out, doc, md)
-    fr = [_best(r, DECODE)[1]["frac_hbm"] for r in doc["results"] if _best(r, DECODE)]
+    fr = [b[1]["frac_hbm"] for r in doc["results"] if (b := _best(r, DECODE))]
     print(f"\nwall {doc['wall_s']} s; median over cases of the best decode config's fraction of HBM: "
           f"{statistics.median(fr) if fr else float('nan'):.2f}")
     return 0 if doc["results"] else 1
