@@ -45,7 +45,9 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
 - ``gemv-resident``: one-row projections whose whole weight fits one wave of programs'
   registers (the qwen3-like o-proj) on ``graphrt.kernels.gemv_resident``, every weight byte
   loaded before the PDL wait (``graphrt.moe.layers.GEMV_RESIDENT``); ``resident-rows16``:
-  with it, up to 16 rows (``layers.RESIDENT_ROWS``) instead of one;
+  with it, up to 16 rows (``layers.RESIDENT_ROWS``) instead of one; ``attn-late``: the
+  attention split kernel lets the next kernels launch once its K/V reads are done
+  (``graphrt.kernels.attention.LATE_TRIGGER``) instead of first;
 - ``routing-packed``: the router top-k kernels pick with one max over packed (score, id)
   keys a pick (``graphrt.kernels.routing.PACKED``);
 - ``embed-kernel``: the embedding lookup on ``graphrt.kernels.embedding`` instead of
@@ -171,6 +173,8 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "mma-preload": lambda on: _class_attr("graphrt.moe.layers", None, "MMA_PRELOAD", on),
             "gemv-resident": lambda on: _class_attr("graphrt.moe.layers", None, "GEMV_RESIDENT",
                                                     on),
+            "attn-late": lambda on: _class_attr("graphrt.kernels.attention", None,
+                                                "LATE_TRIGGER", on),
             "resident-rows16": lambda on: _class_attr("graphrt.moe.layers", None,
                                                       "RESIDENT_ROWS", 16 if on else 1),
             "preload": lambda on: _class_attr("graphrt.moe.layers", None, "PRELOAD", on),
