@@ -865,3 +865,26 @@ def test_pdl_bench_summary_markdown_and_arguments(capsys):
     assert "--replays needs >= 1, got 0" in capsys.readouterr().err
     assert main(["--cold-mb", "0", "--out", "unused.json"]) == 2
     assert "--cold-mb needs >= 1, got 0" in capsys.readouterr().err
+
+
+def test_contention_bench_rule_markdown_and_arguments(capsys):
+    from graphrt.bench.contention import main, markdown, round_elems
+    assert round_elems(128, 4) == 8192 and round_elems(4, 4) == 256 and round_elems(16, 1) == 4096
+    for depth, pps in ((3, 4), (1, 16), (24, 4)):      # not a power of two, below 32, 1536
+        with pytest.raises(ValueError, match="power-of-two round"):
+            round_elems(depth, pps)
+    doc = {"device": "H200", "hbm_gbs": 4200.0, "programs_per_sm": 4, "hops": 200,
+           "results": [{"depth_kb": None, "in_flight_mib": None, "flood_gbs": None,
+                        "inside": True, "hbm_chase_ns": 812.5, "l2_chase_ns": 301.0},
+                       {"depth_kb": 128, "in_flight_mib": 16.5, "flood_gbs": 3990.0,
+                        "inside": False, "hbm_chase_ns": 4100.0, "l2_chase_ns": 2600.0}]}
+    md = markdown(doc)
+    assert "flood of 4 programs an SM" in md and "chase of 200 dependent hops" in md
+    assert "| no flood | 0 | — | — | 812.5 | 301.0 | — |" in md
+    assert "| 128 | 16.5 | 3990 | 95% | 4100.0 | 2600.0 | NO |" in md
+    assert main(["--depths", "4,x", "--out", "unused.json"]) == 2
+    assert "--depths needs comma-separated KB >= 1, got '4,x'" in capsys.readouterr().err
+    assert main(["--depths", "24", "--out", "unused.json"]) == 2
+    assert "power-of-two round" in capsys.readouterr().err
+    assert main(["--hops", "0", "--out", "unused.json"]) == 2
+    assert "--hops needs >= 1, got 0" in capsys.readouterr().err

@@ -130,3 +130,20 @@ def test_pdl_bench_head_starts_are_physical(tmp_path):
         # the spins time their edge: the probe wakes after the primary's last program ended
         assert (r["wake_us"] is None) == ("spin" not in r["primary"]), r
         assert r["wake_us"] is None or 0 < r["wake_us"] < 20, r
+
+
+def test_contention_bench_is_physical(tmp_path):
+    """Without a flood an HBM hop is slower than an L2 hop; every flood reads at a positive
+    rate below 1.2x the copy bandwidth, with each chase inside it; a flood never makes a hop
+    faster than idle (beyond 10% noise)."""
+    import json
+    from graphrt.bench.contention import main
+    assert main(["--depths", "16,128", "--reps", "2", "--hops", "100",
+                 "--out", str(tmp_path / "c.json")]) == 0
+    doc = json.loads((tmp_path / "c.json").read_text())
+    idle, *floods = doc["results"]
+    assert idle["depth_kb"] is None and 0 < idle["l2_chase_ns"] < idle["hbm_chase_ns"], idle
+    assert len(floods) == 2
+    for r in floods:
+        assert 0 < r["flood_gbs"] < 1.2 * doc["hbm_gbs"] and r["inside"], r
+        assert r["hbm_chase_ns"] > 0.9 * idle["hbm_chase_ns"], r
