@@ -113,19 +113,22 @@ def chase_cycle(lines: int, dev: torch.device, seed: int = 0) -> torch.Tensor:
     return nxt
 
 
-def _chase(nxt: torch.Tensor, hops: int, stream=None) -> torch.Tensor:
+def _chase(nxt: torch.Tensor, hops: int, t: torch.Tensor, start: int = 0, stream=None):
+    """``hops`` dependent loads along ``nxt`` from id ``start``: ``t`` (int64 [3], allocated
+    by the caller before any other stream's work, so no later fill overwrites it) gets the
+    start and end ``%globaltimer`` and the id reached."""
     chase, _ = _kernels()
-    t = torch.zeros(3, dtype=torch.int64, device=nxt.device)
     with torch.cuda.stream(stream or torch.cuda.current_stream(nxt.device)):
-        chase[(1,)](nxt, t, hops, 0, num_warps=1)
-    return t
+        chase[(1,)](nxt, t, hops, start, num_warps=1)
 
 
 def measure(dev: torch.device, *, depth_kb: int | None, programs_per_sm: int, hops: int,
             src: torch.Tensor, sink: torch.Tensor, cycles: dict, reps: int,
-            passes: int = 8) -> dict:
+            resume: dict, passes: int = 8) -> dict:
     """One row: with a flood of ``depth_kb`` KB in flight an SM (None: no flood; ``passes``
-    reads of ``src``) beside each chase of ``cycles`` (name -> cycle), ``reps`` times:
+    reads of ``src``) beside each chase of ``cycles`` (name -> cycle), ``reps`` times; an
+    HBM cycle's chase starts where its last one ended (``resume``: name -> id, updated), so
+    it never reads a line an earlier chase left in L2:
     ``{"depth_kb", "in_flight_mib", "flood_gbs", name + "_ns": ns a hop, "inside": every
     chase inside its flood's window}``, medians."""
     from graphrt.kernels._util import cuda_index, sm_count
@@ -141,19 +144,24 @@ def measure(dev: torch.device, *, depth_kb: int | None, programs_per_sm: int, ho
     gbs, ns = [], {name: [] for name in cycles}
     for _ in range(reps):
         for name, nxt in cycles.items():
-            if name.startswith("l2"):
-                _chase(nxt, nxt.numel() // _LINE)  # warm: every line of the cycle into L2
-            torch.cuda.synchronize(dev)  # the chase's stream then needs no wait
+            t = torch.zeros(3, dtype=torch.int64, device=dev)
             tf = torch.zeros(2, dtype=torch.int64, device=dev)
+            if name.startswith("l2"):  # warm: every line of the cycle into L2; start at 0
+                _chase(nxt, nxt.numel() // _LINE, torch.zeros_like(t))
+                start_id = 0
+            else:  # where the last chase of this cycle ended: lines no chase has read yet
+                start_id = resume.get(name, 0)
+            torch.cuda.synchronize(dev)  # the chase's stream then needs no wait
             if depth_kb is not None:
                 start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
                 start.record()
                 flood[(programs,)](src, sink, tf, rounds, slice_elems, CHUNK=chunk,
                                    num_warps=4, num_stages=1)
                 end.record()
-            t = _chase(nxt, hops, side)
+            _chase(nxt, hops, t, start_id, side)
             torch.cuda.synchronize(dev)
             t0, t1 = t[0].item(), t[1].item()
+            resume[name] = t[2].item()
             ns[name].append((t1 - t0) / hops)
             if depth_kb is not None:
                 gbs.append(programs * rounds * chunk * 4 / (start.elapsed_time(end) * 1e-3) / 1e9)
@@ -177,9 +185,10 @@ def bench(dev: torch.device, *, depths_kb: list[int], programs_per_sm: int = 4,
     sink = torch.empty(1 << 24, device=dev)
     doc = {"schema": SCHEMA, "device": torch.cuda.get_device_name(dev), "hbm_gbs": round(hbm, 1),
            "programs_per_sm": programs_per_sm, "hops": hops, "results": []}
+    resume = {}
     for depth in [None, *depths_kb]:
         row = measure(dev, depth_kb=depth, programs_per_sm=programs_per_sm, hops=hops, src=src,
-                      sink=sink, cycles=cycles, reps=reps)
+                      sink=sink, cycles=cycles, reps=reps, resume=resume)
         doc["results"].append(row)
         log(_row(row, doc))
     return doc
