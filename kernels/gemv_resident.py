@@ -42,6 +42,9 @@ RESIDENT_TILE = 65536  # bf16 weights a program holds (128 KB)
 # 87-103% of HBM, the chase's hops 1.26-1.57x slower; 128 KB 1.9x). Read at each launch
 # (A/B: the resident-chunks2 / 4 / 8 switches).
 CHUNKS = 1
+# The weight loads' cache modifier: "" (L1 and L2) or ".cg" (L2 only: the 128 KB a program
+# loads then take no L1 lines from a kernel beside it). Read at each launch (A/B: resident-cg).
+CACHE = ""
 _ELEMS_PER_THREAD = 128  # bf16 weights a thread holds: 64 int32 registers
 
 
@@ -83,6 +86,7 @@ def _gemv_resident_kernel(
     BLOCK_K2: tl.constexpr,  # next_power_of_2(k2): the whole K a program, in pairs
     CHUNKS: tl.constexpr = 1,  # 1, 2, 4 or 8: the weights in flight in that many rounds
     FENCE: tl.constexpr = True,  # a fence between rounds (False: the interpreter)
+    CACHE: tl.constexpr = "",  # the weight loads' cache modifier ("" or ".cg": past L1)
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_trigger(USE_GDC)
@@ -91,7 +95,8 @@ def _gemv_resident_kernel(
     offs_k = tl.arange(0, Q)
     mask_n = offs_n < n
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * k2 + offs_k[None, :]
-    w0 = tl.load(w_ptrs, mask=mask_n[:, None] & (offs_k < k2)[None, :], other=0)
+    w0 = tl.load(w_ptrs, mask=mask_n[:, None] & (offs_k < k2)[None, :], other=0,
+                     cache_modifier=CACHE)
     w1 = w0
     w2 = w0
     w3 = w0
@@ -101,27 +106,34 @@ def _gemv_resident_kernel(
     w7 = w0
     if CHUNKS >= 2:
         _fence(FENCE)
-        w1 = tl.load(w_ptrs + Q, mask=mask_n[:, None] & (Q + offs_k < k2)[None, :], other=0)
+        w1 = tl.load(w_ptrs + Q, mask=mask_n[:, None] & (Q + offs_k < k2)[None, :], other=0,
+                     cache_modifier=CACHE)
     if CHUNKS >= 4:
         _fence(FENCE)
         w2 = tl.load(w_ptrs + 2 * Q, mask=mask_n[:, None] & (2 * Q + offs_k < k2)[None, :],
-                     other=0)
+                     other=0,
+                     cache_modifier=CACHE)
         _fence(FENCE)
         w3 = tl.load(w_ptrs + 3 * Q, mask=mask_n[:, None] & (3 * Q + offs_k < k2)[None, :],
-                     other=0)
+                     other=0,
+                     cache_modifier=CACHE)
     if CHUNKS == 8:
         _fence(FENCE)
         w4 = tl.load(w_ptrs + 4 * Q, mask=mask_n[:, None] & (4 * Q + offs_k < k2)[None, :],
-                     other=0)
+                     other=0,
+                     cache_modifier=CACHE)
         _fence(FENCE)
         w5 = tl.load(w_ptrs + 5 * Q, mask=mask_n[:, None] & (5 * Q + offs_k < k2)[None, :],
-                     other=0)
+                     other=0,
+                     cache_modifier=CACHE)
         _fence(FENCE)
         w6 = tl.load(w_ptrs + 6 * Q, mask=mask_n[:, None] & (6 * Q + offs_k < k2)[None, :],
-                     other=0)
+                     other=0,
+                     cache_modifier=CACHE)
         _fence(FENCE)
         w7 = tl.load(w_ptrs + 7 * Q, mask=mask_n[:, None] & (7 * Q + offs_k < k2)[None, :],
-                     other=0)
+                     other=0,
+                     cache_modifier=CACHE)
     pdl_wait(USE_GDC)  # every load below reads what the kernels before wrote
     for r in tl.static_range(M_MAX):
         if r < m:
@@ -189,6 +201,7 @@ def dense_gemv_resident(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor) 
         x.view(torch.int32), w.view(torch.int32), out, m, n, k // 2, M_MAX=triton.next_power_of_2(m),
         BLOCK_N=cfg["block_n"], BLOCK_K2=cfg["block_k2"],
         CHUNKS=max(1, min(CHUNKS, cfg["block_k2"] // 16)), FENCE=not interpreting(),
+        CACHE=CACHE if not interpreting() else "",
         num_warps=cfg["num_warps"],
         **pdl_args())
     return out

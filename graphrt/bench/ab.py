@@ -47,7 +47,7 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   loaded before the PDL wait (``graphrt.moe.layers.GEMV_RESIDENT``); ``resident-rows16``:
   with it, up to 16 rows (``layers.RESIDENT_ROWS``) instead of one; ``resident-chunks2`` /
   ``4`` / ``8``: its weights in that many fenced rounds (``gemv_resident.CHUNKS``) instead of
-  one; ``attn-late``: the
+  one; ``resident-cg``: its weight loads past L1 (``gemv_resident.CACHE``); ``attn-late``: the
   attention split kernel lets the next kernels launch once its K/V reads are done
   (``graphrt.kernels.attention.LATE_TRIGGER``) instead of first;
 - ``routing-packed``: the router top-k kernels pick with one max over packed (score, id)
@@ -181,6 +181,8 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
                                                        "CHUNKS", 4 if on else 1),
             "resident-chunks8": lambda on: _class_attr("graphrt.kernels.gemv_resident", None,
                                                        "CHUNKS", 8 if on else 1),
+            "resident-cg": lambda on: _class_attr("graphrt.kernels.gemv_resident", None,
+                                                  "CACHE", ".cg" if on else ""),
             "attn-late": lambda on: _class_attr("graphrt.kernels.attention", None,
                                                 "LATE_TRIGGER", on),
             "resident-rows16": lambda on: _class_attr("graphrt.moe.layers", None,

@@ -124,7 +124,7 @@ SM90 = '''
     out = {}
     for m_max, chunks in ((1, 1), (16, 1), (1, 4), (1, 8)):
         for gdc in (0, 2):
-            p = ptx(K, SIG, dict(M_MAX=m_max, BLOCK_N=16, BLOCK_K2=2048, CHUNKS=chunks, FENCE=True,
+            p = ptx(K, SIG, dict(M_MAX=m_max, BLOCK_N=16, BLOCK_K2=2048, CHUNKS=chunks, FENCE=True, CACHE="",
                                  USE_GDC=gdc), attrs=ATTRS, num_warps=16)
             wait = p.find("griddepcontrol.wait")
             head = p if wait < 0 else p[:wait]
