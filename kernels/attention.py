@@ -103,11 +103,6 @@ PREFETCH_LAUNCH = {"num_warps": 4, "num_stages": 1}
 # attn-table-s4 switches; graphrt.bench.attention --sweep varies TABLE_LAUNCH).
 TABLE_UPFRONT = env_flag("GRAPHRT_ATTN_TABLE", True)
 TABLE_LAUNCH = {"num_warps": 4, "num_stages": 3}
-# The split kernel lets the next kernels launch (PDL) once its own K/V reads are done, not
-# first: so that a kernel two launches on that loads its weights before its wait
-# (kernels.gemv_resident) does not put its bytes ahead of attention's in the memory system.
-# Read at each launch (GRAPHRT_ATTN_LATE_TRIGGER=1 at import; A/B: the attn-late switch).
-LATE_TRIGGER = env_flag("GRAPHRT_ATTN_LATE_TRIGGER", False)
 # Default positions per split (rounded up to BLOCK_N). Measured on H200 (32 q / 8 kv heads,
 # head_dim 128, ctx 4096, unpaged): 256 is best at bs 1 (13 us); 512 is ~4% faster at bs >= 64
 # and costs less for short contexts at bs 256 (37 vs 46 us at ctx 64). 256 is the middle ground.
@@ -404,7 +399,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             block_table.stride(0), *cache_strides,
             workspace_o.stride(0), workspace_o.stride(1), workspace_o.stride(2),
             workspace_lse.stride(0), workspace_lse.stride(1), *append, **split_geometry, **launch,
-            LATE_TRIGGER=LATE_TRIGGER, **pdl_args())
+            **pdl_args())
         attn_merge_kernel[(padded_bs, num_heads)](
             out, workspace_o, workspace_lse, seq_lens, n, max_ctx, split_size,
             out.stride(0), out.stride(1),

@@ -49,7 +49,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._pdl import pdl_prologue, pdl_trigger, pdl_wait
+from ._pdl import pdl_prologue
 
 _LN2 = tl.constexpr(0.6931471805599453)  # ln 2: base-2 lse back to natural log
 
@@ -240,13 +240,9 @@ def attn_split_kernel(
     APPEND: tl.constexpr = False,  # write k_new / v_new into the caches first (kv_append fused)
     PREFETCH: tl.constexpr = False,  # _attend's hand-pipelined loads (attention.PREFETCH)
     TABLE_PAGES: tl.constexpr = 0,  # _attend's block ids up front (attention.TABLE_UPFRONT)
-    LATE_TRIGGER: tl.constexpr = False,  # let the next kernel launch after _attend, not first
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
-    if LATE_TRIGGER:
-        pdl_wait(USE_GDC)  # trigger-first: no trigger yet (below, once the K/V are read)
-    else:
-        pdl_prologue(USE_GDC)
+    pdl_prologue(USE_GDC)
     b = tl.program_id(0)  # row
     kvh = tl.program_id(1)  # kv head
     split = tl.program_id(2)  # chunk of the context
@@ -267,8 +263,6 @@ def attn_split_kernel(
                             start, end, qk_scale, num_blocks, max_ctx, stride_cb, stride_ct,
                             stride_ch, GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N, UPCAST, PREFETCH,
                             TABLE_PAGES)
-    if LATE_TRIGGER:
-        pdl_trigger(USE_GDC)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_g = offs_g < GROUP

@@ -42,14 +42,6 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   launch before it (``Attention.fuse_append``, ``decode_attention(k_new=, ...)``);
 - ``preload``: the one-row GEMVs load their first weight tile before the PDL wait
   (``graphrt.moe.layers.PRELOAD``, ``dense_gemv_rows(preload=)``, ``norm_gemv_rows(preload=)``);
-- ``gemv-resident``: one-row projections whose whole weight fits one wave of programs'
-  registers (the qwen3-like o-proj) on ``graphrt.kernels.gemv_resident``, every weight byte
-  loaded before the PDL wait (``graphrt.moe.layers.GEMV_RESIDENT``); ``resident-rows16``:
-  with it, up to 16 rows (``layers.RESIDENT_ROWS``) instead of one; ``resident-chunks2`` /
-  ``4`` / ``8``: its weights in that many fenced rounds (``gemv_resident.CHUNKS``) instead of
-  one; ``resident-cg``: its weight loads past L1 (``gemv_resident.CACHE``); ``attn-late``: the
-  attention split kernel lets the next kernels launch once its K/V reads are done
-  (``graphrt.kernels.attention.LATE_TRIGGER``) instead of first;
 - ``routing-packed``: the router top-k kernels pick with one max over packed (score, id)
   keys a pick (``graphrt.kernels.routing.PACKED``);
 - ``embed-kernel``: the embedding lookup on ``graphrt.kernels.embedding`` instead of
@@ -173,20 +165,6 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
                                                3 if on else 2),
             "dense-mma": lambda on: _class_attr("graphrt.moe.layers", None, "DENSE_MMA", on),
             "mma-preload": lambda on: _class_attr("graphrt.moe.layers", None, "MMA_PRELOAD", on),
-            "gemv-resident": lambda on: _class_attr("graphrt.moe.layers", None, "GEMV_RESIDENT",
-                                                    on),
-            "resident-chunks2": lambda on: _class_attr("graphrt.kernels.gemv_resident", None,
-                                                       "CHUNKS", 2 if on else 1),
-            "resident-chunks4": lambda on: _class_attr("graphrt.kernels.gemv_resident", None,
-                                                       "CHUNKS", 4 if on else 1),
-            "resident-chunks8": lambda on: _class_attr("graphrt.kernels.gemv_resident", None,
-                                                       "CHUNKS", 8 if on else 1),
-            "resident-cg": lambda on: _class_attr("graphrt.kernels.gemv_resident", None,
-                                                  "CACHE", ".cg" if on else ""),
-            "attn-late": lambda on: _class_attr("graphrt.kernels.attention", None,
-                                                "LATE_TRIGGER", on),
-            "resident-rows16": lambda on: _class_attr("graphrt.moe.layers", None,
-                                                      "RESIDENT_ROWS", 16 if on else 1),
             "preload": lambda on: _class_attr("graphrt.moe.layers", None, "PRELOAD", on),
             "routing-packed": lambda on: _class_attr("graphrt.kernels.routing", None, "PACKED", on),
             "embed-kernel": lambda on: _class_attr("graphrt.moe.model", "MoEModel", "embed_kernel",

@@ -83,13 +83,6 @@ MMA_MIN_ROWS = 2  # rows from which DENSE_MMA takes the dense projections (1: th
 # Off: 0.993x-1.006x the qwen3-like step at bs 2-16, 0.998x / 1.002x dsv3-like bs 1 / 8
 # (BENCHMARKS.md §27); GRAPHRT_MMA_PRELOAD=1 at import (A/B: the mma-preload switch).
 MMA_PRELOAD = env_flag("GRAPHRT_MMA_PRELOAD", False)
-# A projection whose whole weight fits one wave of programs in registers (up to 128 KB an SM:
-# the qwen3-like o-proj) runs on graphrt.kernels.gemv_resident for up to RESIDENT_ROWS rows:
-# every weight byte is loaded before the PDL wait, while the kernels before it (attention)
-# run. GRAPHRT_GEMV_RESIDENT=1 at import (A/B: the gemv-resident switch, with
-# resident-rows16 for 2-16 rows). Not inside torch.compile.
-GEMV_RESIDENT = env_flag("GRAPHRT_GEMV_RESIDENT", False)
-RESIDENT_ROWS = 1
 
 
 def dense_path(x: torch.Tensor, w: torch.Tensor) -> str:
@@ -134,11 +127,6 @@ def dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
     Graph safety: capturable"""
     path = dense_path(x, w)
-    if path in ("gemv", "mma") and GEMV_RESIDENT and not torch.compiler.is_compiling():
-        from graphrt.kernels import gemv_resident
-        if gemv_resident.resident_fits(x, w, RESIDENT_ROWS):
-            out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-            return gemv_resident.dense_gemv_resident(x, w, out=out)
     if path == "gemv":
         from graphrt.kernels.dense_gemv import dense_gemv_auto
         return dense_gemv_auto(x, w, preload=PRELOAD)

@@ -106,17 +106,3 @@ def test_norm_gemv_preload_reads_the_writers_rows(pdl, num_deltas):
                               preload=preload)
     _replays_read_the_new_rows(dev, src, x, out, lambda: gemv(x, out, preload=True),
                                lambda rows: gemv(rows, torch.empty_like(out)))
-
-
-@pytest.mark.parametrize("m", [1, 4])
-def test_resident_gemv_reads_the_writers_rows(pdl, m):
-    """``kernels.gemv_resident`` loads its whole weight before the wait: behind the slow writer
-    every replay still reads the new rows, and equals its eager launch bitwise."""
-    from graphrt.kernels.gemv_resident import dense_gemv_resident
-    dev, n, k = pdl, 2048, 4096                               # the qwen3-like o-proj
-    w = _t(n, k, seed=1, scale=k ** -0.5)
-    src, x = _t(m, k, seed=2), torch.zeros(m, k, dtype=torch.bfloat16, device=dev)
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
-    _replays_read_the_new_rows(
-        dev, src, x, out, lambda: dense_gemv_resident(x, w, out=out),
-        lambda rows: dense_gemv_resident(rows, w, out=torch.empty_like(out)))
