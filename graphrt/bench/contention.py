@@ -6,9 +6,10 @@ while a read with a given number of bytes in flight runs on the other SMs' share
 A decode step at one row alternates weight reads (GEMVs, expert GEMMs) with kernels that read
 almost nothing but wait on chains of dependent loads (attention, top-k, dispatch, combine).
 Overlapping the two, by loading a kernel's weights while the one before it runs, looks free:
-HBM is idle during the chain. It is not (BENCHMARKS.md §34): a one-row o-projection that
-loaded its 16 MiB before its PDL wait saved ~3 µs a layer and made the attention kernel
-beside it ~3.5 µs slower. This measures the mechanism in isolation:
+HBM is idle during the chain. In the step it was not (BENCHMARKS.md §34): a one-row
+o-projection that loaded its 16 MiB before its PDL wait saved ~3 µs a layer and made the
+attention kernel beside it ~3 µs slower. This measures the memory-system part of that in
+isolation:
 
 - **flood**: ``programs_per_sm`` programs an SM, each reading its slice of a buffer in
   rounds, one round in flight at a time (a round's loads are masked by a test on the sum
@@ -20,10 +21,12 @@ beside it ~3.5 µs slower. This measures the mechanism in isolation:
 
 The chase runs on a second stream, launched just after the flood, and its window is checked
 to lie inside the flood's (``inside``). Rows: no flood, then each in-flight depth. Reading:
-if the flood's bandwidth stops growing at some depth while the chase's hops keep getting
-slower past it, bytes in flight beyond that depth only queue (they add latency to everything
-else and no bandwidth), and a preload throttled to that depth could pay where an unthrottled
-one does not.
+where the flood's bandwidth stops growing with depth while the chase's hops keep getting
+slower, the extra bytes in flight only queue. On an H200 (§34) full bandwidth comes at
+~32 KB an SM; below it an HBM hop slows by at most 1.2x (an L2 hit by 1.4x), at and above
+it by 1.3-2.6x (1.3-3.7x). The step's loss was
+larger than this predicts: the preload in 8 fenced rounds (~16 KB an SM) cost the attention
+kernel as much as one round of 128 KB, so being resident beside it costs more than queueing.
 
 Prints a markdown table; writes JSON to ``--out`` (and the table beside it, ``.md``). GPU
 only (``%globaltimer`` is inline PTX).
