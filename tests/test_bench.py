@@ -870,7 +870,7 @@ def test_pdl_bench_summary_markdown_and_arguments(capsys):
 def test_contention_bench_rule_markdown_and_arguments(capsys):
     from graphrt.bench.contention import main, markdown, round_elems
     assert round_elems(128, 4) == 8192 and round_elems(4, 4) == 256 and round_elems(16, 1) == 4096
-    for depth, pps in ((3, 4), (1, 16), (24, 4)):      # not a power of two, below 32, 1536
+    for depth, pps in ((3, 4), (1, 16), (24, 4), (128, 1)):  # 192, 16, 1536, 32768 fp32
         with pytest.raises(ValueError, match="power-of-two round"):
             round_elems(depth, pps)
     doc = {"device": "H200", "hbm_gbs": 4200.0, "programs_per_sm": 4, "hops": 200,

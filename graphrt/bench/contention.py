@@ -48,17 +48,20 @@ from graphrt.bench.output import int_list, save_doc
 SCHEMA = "graphrt.bench.contention/1"
 DEPTHS_KB = (4, 16, 32, 64, 128)  # KB in flight an SM (o-proj preload: 128 KB an SM)
 _LINE = 32  # int32 ids a 128-byte line: one chase id a line
+MAX_ROUND = 16384  # fp32 a flood program reads a round (64 KB: 128 a thread at 4 warps)
 
 
 def round_elems(depth_kb: int, programs_per_sm: int) -> int:
     """fp32 elements one flood program reads a round for ``depth_kb`` KB in flight an SM:
-    ``depth_kb * 256 / programs_per_sm``, which must be a power of two of at least 32 (a
-    Triton block); ValueError saying so otherwise. Host-only."""
+    ``depth_kb * 256 / programs_per_sm``, which must be a power of two from 32 (a Triton
+    block) to ``MAX_ROUND`` (what 4 warps hold in registers); ValueError saying so
+    otherwise. Host-only."""
     elems, rest = divmod(depth_kb * 256, max(programs_per_sm, 1))
-    if programs_per_sm < 1 or rest or elems < 32 or elems & (elems - 1):
+    if programs_per_sm < 1 or rest or not 32 <= elems <= MAX_ROUND or elems & (elems - 1):
         raise ValueError(f"--depths: expected KB an SM that give each of the {programs_per_sm} "
-                         f"programs an SM a power-of-two round of at least 32 fp32 "
-                         f"(depth x 256 / programs), got {depth_kb}")
+                         f"programs an SM a power-of-two round of 32 to {MAX_ROUND} fp32 "
+                         f"(depth x 256 / programs; more programs an SM for deeper floods), "
+                         f"got {depth_kb}")
     return elems
 
 
@@ -126,7 +129,7 @@ def _chase(nxt: torch.Tensor, hops: int, t: torch.Tensor, start: int = 0, stream
 
 
 def measure(dev: torch.device, *, depth_kb: int | None, programs_per_sm: int, hops: int,
-            src: torch.Tensor, sink: torch.Tensor, cycles: dict, reps: int,
+            src: torch.Tensor, cycles: dict, reps: int,
             resume: dict, passes: int = 8) -> dict:
     """One row: with a flood of ``depth_kb`` KB in flight an SM (None: no flood; ``passes``
     reads of ``src``) beside each chase of ``cycles`` (name -> cycle), ``reps`` times; an
@@ -143,6 +146,7 @@ def measure(dev: torch.device, *, depth_kb: int | None, programs_per_sm: int, ho
         slice_elems = src.numel() // programs // chunk * chunk
         rounds = passes * slice_elems // chunk
         row["in_flight_mib"] = round(programs * chunk * 4 / 2**20, 2)
+        sink = torch.empty(programs * chunk, device=dev)  # each program's sum, kept
     side = torch.cuda.Stream(dev)
     gbs, ns = [], {name: [] for name in cycles}
     for _ in range(reps):
@@ -185,13 +189,12 @@ def bench(dev: torch.device, *, depths_kb: list[int], programs_per_sm: int = 4,
     cycles = {"hbm_chase": chase_cycle((512 << 20) // 128, dev),
               "l2_chase": chase_cycle((4 << 20) // 128, dev, seed=1)}
     src = torch.rand((1 << 30) // 4, device=dev)  # 1 GiB of fp32 in [0, 1)
-    sink = torch.empty(1 << 24, device=dev)
     doc = {"schema": SCHEMA, "device": torch.cuda.get_device_name(dev), "hbm_gbs": round(hbm, 1),
            "programs_per_sm": programs_per_sm, "hops": hops, "results": []}
     resume = {}
     for depth in [None, *depths_kb]:
         row = measure(dev, depth_kb=depth, programs_per_sm=programs_per_sm, hops=hops, src=src,
-                      sink=sink, cycles=cycles, reps=reps, resume=resume)
+                      cycles=cycles, reps=reps, resume=resume)
         doc["results"].append(row)
         log(_row(row, doc))
     return doc
