@@ -57,12 +57,10 @@ def _kernels():
     import triton
     import triton.language as tl
 
+    from graphrt.bench.timing import globaltimer_jit
     from graphrt.kernels._pdl import pdl_prologue, pdl_trigger, pdl_wait
 
-    @triton.jit
-    def globaltimer():
-        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                         is_pure=False, pack=1)
+    globaltimer = globaltimer_jit()
 
     @triton.jit
     def spin_kernel(out_ptr, end_ptr, spins, USE_GDC: tl.constexpr = False):

@@ -2,11 +2,28 @@
 synchronises the device, so none belongs inside a captured step."""
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from typing import Callable
 
 import torch
+
+
+@functools.cache
+def globaltimer_jit():
+    """A Triton device function returning the GPU's ``%globaltimer`` (int64 ns) through inline
+    PTX, built on first use (``import triton`` only here): for kernels that time themselves
+    (``graphrt.bench.pdl``, ``graphrt.bench.contention``). GPU only: the CPU interpreter
+    runs no PTX."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def globaltimer():
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                         is_pure=False, pack=1)
+    return globaltimer
 
 
 def cuda_time_us(fn: Callable[[], object], *, iters: int = 20, reps: int = 5, warmup: int = 3) -> float:
