@@ -12,12 +12,6 @@ Shapes (glossary: ``num_local_experts`` groups, ``cap`` rows per local expert):
 - ``masked_m`` int32 [num_local_experts]           (live rows of each group, on the device)
 - ``out``      bf16  [num_local_experts, cap, n]
 
-Fused activation (``act="silu_and_mul"``, the experts' W2 GEMM): ``a`` is the W13 GEMM's
-output ``u = [gate | up]`` ``[num_local_experts, cap, 2 * k]`` and each K tile of
-``silu(gate) * up`` is made from it in fp32 and rounded to bf16 as it is loaded, the arithmetic
-and rounding of ``kernels.activation.silu_and_mul_masked``: bitwise that launch followed by
-this GEMM, one launch fewer.
-
 Rows ``>= masked_m[g]`` are neither read nor written: a program whose row block starts past
 ``masked_m[g]`` exits at once, so unused capacity costs only an empty program. The live row
 counts are read on the device, so one captured graph serves any ``masked_m``.
@@ -35,7 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ._masked import _silu_mul_tile
 from ._pdl import pdl_prologue
 from ._util import check, check_tensor, interpreting, pdl_args
 
@@ -45,7 +38,6 @@ from ._util import check, check_tensor, interpreting, pdl_args
 # Measured on H200 (triton 3.6, 32 groups, cap 256, captured): n=4096 k=7168 with 1-16 rows a
 # group takes 420-500 us (3.8-4.4 TB/s of weights, DeepGEMM: ~3.9), 64 rows 505 us, 128 rows 553 us;
 # n=7168 k=2048: 220-240 us at 1-16 rows. A row tile 2x too small costs ~1.5-2x.
-ACTS = (None, "silu_and_mul")  # the fused A-operand activations; ACT constexpr = the index
 _CONFIGS = (
     (16, 16, 64, 128, 4, 4),
     (32, 32, 64, 128, 4, 4),
@@ -67,21 +59,20 @@ def gemm_config(expected_m: int) -> dict:
 
 @triton.jit
 def _masked_grouped_gemm_kernel(
-    a_ptr,  # bf16 [num_groups, m_max, k]; ACT: u = [gate | up] [num_groups, m_max, 2 * k]
+    a_ptr,  # bf16 [num_groups, m_max, k]
     b_ptr,  # bf16 [num_groups, n, k]
     out_ptr,  # bf16 [num_groups, m_max, n]
     masked_m_ptr,  # int32 [num_groups]: live rows of each group
     m_max,  # rows of each group's a/out (capacity)
     n,  # output columns (rows of b)
     k,  # reduction length
-    stride_ag, stride_am, stride_ak,  # strides of a (elements; of u with ACT)
+    stride_ag, stride_am, stride_ak,  # strides of a (elements)
     stride_bg, stride_bn, stride_bk,  # strides of b (elements)
     stride_og, stride_om, stride_on,  # strides of out (elements)
     BLOCK_M: tl.constexpr,  # rows per program (>= 16 for tl.dot)
     BLOCK_N: tl.constexpr,  # output columns per program
     BLOCK_K: tl.constexpr,  # reduction tile
     UPCAST: tl.constexpr,  # True under the interpreter: dot in fp32 (bf16 math gives NaN there)
-    ACT: tl.constexpr = 0,  # 0: a as given; 1: a = silu_and_mul(u) made per K tile (ACTS[ACT])
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
@@ -106,11 +97,7 @@ def _masked_grouped_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
         mask_k = offs_k < k - k0
-        mask_a = mask_m[:, None] & mask_k[None, :]
-        if ACT:  # silu(gate) * up from u's columns k0.. and k + k0.., as silu_and_mul stores it
-            a = _silu_mul_tile(a_ptrs, a_ptrs + k * stride_ak, mask_a).to(tl.bfloat16)
-        else:
-            a = tl.load(a_ptrs, mask=mask_a, other=0.0)  # [BM, BK]
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK]
         b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)  # [BK, BN]
         if UPCAST:
             a = a.to(tl.float32)
@@ -124,14 +111,11 @@ def _masked_grouped_gemm_kernel(
 
 
 def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *,
-                        out: torch.Tensor, expected_m: int | None = None,
-                        act: str | None = None) -> torch.Tensor:
-    """``out[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g].T`` for every group ``g``
-    (``act="silu_and_mul"``: ``silu_and_mul(a)[g, :masked_m[g]] @ b[g].T``).
+                        out: torch.Tensor, expected_m: int | None = None) -> torch.Tensor:
+    """``out[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g].T`` for every group ``g``.
 
     Args:
-        a: bf16 [num_local_experts, cap, k] (rows past ``masked_m[g]`` are never read);
-            with ``act``, ``u = [gate | up]`` bf16 [num_local_experts, cap, 2 * k].
+        a: bf16 [num_local_experts, cap, k] (rows past ``masked_m[g]`` are never read).
         b: bf16 [num_local_experts, n, k] ("NT": K-major weights).
         masked_m: int32 [num_local_experts], live rows of each group, read on the device
             (values above ``cap`` are treated as ``cap``).
@@ -139,19 +123,13 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
         expected_m: host int, typical live rows per group; only picks the tile config
             (``None``: ``cap``). Like DeepGEMM, pass the decode estimate, e.g.
             ``ceil(bs * num_topk / num_experts)``.
-        act: None, or ``"silu_and_mul"``: the experts' activation applied to ``a`` as the
-            kernel loads it (bitwise ``silu_and_mul_masked`` and then this GEMM).
 
     Returns ``out``. Launches one kernel, allocates nothing.
 
     Graph safety: capturable
     """
-    check(act in ACTS, "act", f"one of {ACTS}", repr(act))
     check_tensor(a, "a", shape=(None, None, None), dtype=torch.bfloat16)
     num_groups, m_max, k = a.shape
-    if act is not None:
-        check(k % 2 == 0, "a.shape[2] with act (2 * k: u = [gate | up])", "even", k)
-        k //= 2
     check_tensor(b, "b", shape=(num_groups, None, k), dtype=torch.bfloat16, device=a.device)
     n = b.shape[1]
     check_tensor(masked_m, "masked_m", shape=(num_groups,), dtype=torch.int32, device=a.device)
@@ -170,7 +148,7 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
         b.stride(0), b.stride(1), b.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        UPCAST=interpreting(), ACT=ACTS.index(act), num_stages=cfg["num_stages"], num_warps=cfg["num_warps"],
+        UPCAST=interpreting(), num_stages=cfg["num_stages"], num_warps=cfg["num_warps"],
         **pdl_args(),
     )
     return out

@@ -35,8 +35,6 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   instead of one (``kernels.norm_gemv.ONE_ROW_N``);
 - ``fuse-act``: the experts' SiLU-and-mul computed by the W2 decode GEMM as it loads its
   operand (``Experts.fuse_act``, ``decode_grouped_gemm(act="silu_and_mul")``);
-  ``fuse-act-triton``: likewise by the Triton masked GEMM where the plan runs W2 on it
-  (``Experts.fuse_act_triton``, ``masked_grouped_gemm(act="silu_and_mul")``);
 - ``act-compact``: the experts' SiLU-and-mul (and, with ``--fp8``, its quantisation and the
   EP=1 input quantisation) on a grid shared among live rows instead of one per expert
   (``graphrt.kernels.activation.COMPACT``);
@@ -151,8 +149,6 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "gate-4rows": lambda on: _class_attr("graphrt.kernels.norm_gemv", None, "ONE_ROW_N",
                                                  0 if on else 256),
             "fuse-act": lambda on: _class_attr("graphrt.moe.experts", "Experts", "fuse_act", on),
-            "fuse-act-triton": lambda on: _class_attr("graphrt.moe.experts", "Experts",
-                                                      "fuse_act_triton", on),
             "router-fused": lambda on: _class_attr("graphrt.moe.layers", "Router", "fused", on),
             "act-epilogue": lambda on: _class_attr("graphrt.moe.experts", "Experts",
                                                    "act_epilogue", on),

@@ -5,9 +5,7 @@
 per-token 128-group scales); ``gemm2``: ``-> [num_local_experts, cap, hidden]``. With
 ``Experts.fuse_act`` (``GRAPHRT_FUSE_ACT=1``) and the decode kernel on W2, ``act`` runs
 inside ``gemm2``'s A load (``decode_grouped_gemm(..., act="silu_and_mul")``, bitwise the
-same result) and its launch disappears; with ``Experts.fuse_act_triton``
-(``GRAPHRT_FUSE_ACT_TRITON=1``) likewise in the Triton masked GEMM on W2
-(``masked_grouped_gemm(..., act="silu_and_mul")``). With ``Experts.act_epilogue``
+same result) and its launch disappears. With ``Experts.act_epilogue``
 (``GRAPHRT_ACT_EPILOGUE``) and the ``rows`` kernel on W13, ``act`` is W13's epilogue instead
 (``expert_gemv_rows(..., act="silu_and_mul")``: gate and up columns in one work item, bitwise
 the same result, no ``u`` round trip); with ``Experts.decode_epilogue`` (by default at bs 1) and
@@ -107,11 +105,6 @@ class Experts:
     # dsv3-like bs 1; the activation math sits in the weight-streaming K loop). Off; kept for
     # comparison (GRAPHRT_FUSE_ACT=1 at import).
     fuse_act = env_flag("GRAPHRT_FUSE_ACT", False)
-    # The same on the Triton masked GEMM (``masked_grouped_gemm(act="silu_and_mul")``) where
-    # the plan runs W2 on it (bf16, from a few rows an expert: qwen3-like bs 4-16): its row
-    # tiles load each K tile of gate and up once a program, not once a narrow column tile.
-    # GRAPHRT_FUSE_ACT_TRITON at import (A/B: the fuse-act-triton switch).
-    fuse_act_triton = env_flag("GRAPHRT_FUSE_ACT_TRITON", False)
     # SiLU-and-mul as the epilogue of W13 on the rows kernel (1-4 rows an expert): one launch
     # fewer a layer, bitwise equal outputs. GRAPHRT_ACT_EPILOGUE at import (A/B: the
     # act-epilogue switch sets it before capture).
@@ -236,9 +229,9 @@ class Experts:
         """``out = a @ W.T`` on live rows with ``choice``'s kernel; ``which`` is ``"w13"`` or
         ``"w2"``; ``a`` [E, cap, k] bf16 (or fp8 with ``a_scale`` [E, cap, k // 128]),
         ``out`` [E, cap, n] bf16 (the ``rows`` kernel: bf16 only, ValueError with fp8
-        experts). ``act="silu_and_mul"``: with the decode or Triton kernel on W2, ``a`` is
-        ``u = [gate | up]`` bf16 [E, cap, 2 * k] and the kernel applies SiLU-and-mul (decode
-        with fp8: and the activation quantization) as it loads A, no ``a_scale``; with the rows kernel
+        experts). ``act="silu_and_mul"``: with the decode kernel on W2, ``a`` is
+        ``u = [gate | up]`` bf16 [E, cap, 2 * k] and the kernel applies SiLU-and-mul (fp8:
+        and the activation quantization) as it loads A, no ``a_scale``; with the rows kernel
         on W13, ``out`` is [E, cap, inter] and SiLU-and-mul is the GEMM's epilogue; so with
         ``epilogue="silu_and_mul"`` and the decode kernel (``decode`` or ``swap``, unsplit) on
         W13. Graph safety: capturable."""
@@ -246,11 +239,10 @@ class Experts:
                                      or choice.split_k != 1):
             raise ValueError(f"epilogue={epilogue!r} on {which}: expected the unsplit decode "
                              f"kernel on w13, got {choice.name}")
-        if act is not None and (choice.kernel, which) not in (
-                ("decode", "w2"), ("triton", "w2"), ("rows", "w13")):
-            raise ValueError(f"act={act!r} on {which}: expected the decode or Triton kernel on "
-                             f"w2 or the rows kernel on w13 (the GEMMs with a fused "
-                             f"activation), got {choice.kernel!r}")
+        if act is not None and (choice.kernel, which) not in (("decode", "w2"), ("rows", "w13")):
+            raise ValueError(f"act={act!r} on {which}: expected the decode kernel on w2 or the "
+                             f"rows kernel on w13 (the GEMMs with a fused activation), got "
+                             f"{choice.kernel!r}")
         w = (self.w13_q if which == "w13" else self.w2_q) if self.fp8 else \
             (self.w13 if which == "w13" else self.w2)
         if choice.kernel == "deepgemm":
@@ -268,7 +260,7 @@ class Experts:
                              num_warps=choice.num_warps, act=act)
         elif choice.kernel == "triton":
             from graphrt.kernels.grouped_gemm import masked_grouped_gemm
-            masked_grouped_gemm(a, w, masked_m, out=out, expected_m=expected_m, act=act)
+            masked_grouped_gemm(a, w, masked_m, out=out, expected_m=expected_m)
         else:  # "decode", or "swap": the decode kernel with the weights as the MMA's M side
             from graphrt.kernels.grouped_gemm_decode import decode_grouped_gemm
             n = out.shape[2]
@@ -313,7 +305,7 @@ class Experts:
         E, cap = recv_x.shape[0], recv_x.shape[1]
         u = self.ws.view("u", (E, cap, 2 * self.inter))
         y = self.ws.view("y", (E, cap, self.hidden))
-        fused = self.fuses_act(c2)
+        fused = self.fuse_act and c2.kernel == "decode"
         if self.fp8:
             if recv_scale is None:  # EP=1: quantize live rows after dispatch (DeepEP's fp8
                 # dispatch quantizes in its send kernel)
@@ -336,13 +328,6 @@ class Experts:
             return self.gemm("w2", u, masked_m, expected_m, y, c2, act="silu_and_mul")
         self.w13_act(recv_x, masked_m, expected_m, u, a, c13, bs)
         return self.gemm("w2", a, masked_m, expected_m, y, c2)
-
-    def fuses_act(self, w2: Choice) -> bool:
-        """Whether W2 on ``w2`` applies SiLU-and-mul as it loads its operand: ``fuse_act``
-        with the decode kernel, ``fuse_act_triton`` with the Triton masked GEMM (bf16).
-        Host-only."""
-        return ((self.fuse_act and w2.kernel == "decode")
-                or (self.fuse_act_triton and w2.kernel == "triton" and not self.fp8))
 
     def takes_epilogue(self, choice: Choice, bs: int | None) -> bool:
         """Whether W13 with ``choice`` at padded batch ``bs`` applies SiLU-and-mul itself:

@@ -69,40 +69,6 @@ def test_strided_views():
     assert torch.isnan(out_big[:, 24:].float()).all()
 
 
-@pytest.mark.parametrize("expected_m", [1, 32])
-def test_act_is_bitwise_the_activation_launch_then_the_gemm(expected_m):
-    # u = [gate | up] with k not a multiple of BLOCK_K (a ragged last K tile of both halves),
-    # gate values where silu is far from linear; masked_m with 0, one row, cap and > cap
-    from graphrt.kernels.activation import silu_and_mul_masked
-    E, cap, n, k = 4, 20, 48, 96
-    g = torch.Generator().manual_seed(8)
-    u = (torch.randn(E, cap, 2 * k, generator=g) * 3).to(torch.bfloat16)
-    b = (torch.randn(E, n, k, generator=g) / k ** 0.5).to(torch.bfloat16)
-    masked_m = torch.tensor([0, 1, 20, 33], dtype=torch.int32)
-    a = torch.full((E, cap, k), float("nan"), dtype=torch.bfloat16)
-    silu_and_mul_masked(u, masked_m, out=a)
-    two = torch.full((E, cap, n), float("nan"), dtype=torch.bfloat16)
-    masked_grouped_gemm(a, b, masked_m, out=two, expected_m=expected_m)
-    one = torch.full((E, cap, n), float("nan"), dtype=torch.bfloat16)
-    assert masked_grouped_gemm(u, b, masked_m, out=one, expected_m=expected_m,
-                               act="silu_and_mul") is one
-    assert torch.equal(one.view(torch.int16), two.view(torch.int16))  # NaN poison included
-    assert not torch.isnan(one[1, :1].float()).any() and torch.isnan(one[1, 1:].float()).all()
-
-
-@pytest.mark.parametrize("kw, match", [
-    (dict(act="gelu"), r"act: expected one of \(None, 'silu_and_mul'\), got 'gelu'"),
-    (dict(act="silu_and_mul", u_width=31), r"a\.shape\[2\] with act .*: expected even, got 31"),
-    (dict(act="silu_and_mul", u_width=64), r"b\.shape: expected \(2, '\*', 32\), got \(2, 16, 16\)"),
-])
-def test_act_validation(kw, match):
-    u = torch.zeros(2, 8, kw.pop("u_width", 32), dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=match):
-        masked_grouped_gemm(u, torch.zeros(2, 16, 16, dtype=torch.bfloat16),
-                            torch.zeros(2, dtype=torch.int32),
-                            out=torch.zeros(2, 8, 16, dtype=torch.bfloat16), **kw)
-
-
 def test_config_table_is_monotone():
     picks = [gemm_config(m)["BLOCK_M"] for m in (0, 1, 16, 17, 32, 33, 64, 65, 4096)]
     assert picks == sorted(picks) and picks[0] == 16 and picks[-1] >= 64
@@ -174,45 +140,6 @@ def test_gpu_graph_replay_honors_new_data_and_masked_m(cuda_device, n, k):
         graph.replay()
         torch.cuda.synchronize()
         _check_against_ref(a, b, masked_m, out)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n, k, cap", [(2048, 768, 16), (7168, 2048, 8)])
-def test_gpu_act_bitwise_the_two_launches_under_replay(cuda_device, n, k, cap):
-    """The fused activation on the experts' W2 shapes (qwen3-like, dsv3-like): bitwise
-    silu_and_mul_masked + the GEMM, eagerly and over graph replays with new u and masked_m."""
-    from graphrt.kernels.activation import silu_and_mul_masked
-    E = 64
-    g = torch.Generator(device=cuda_device).manual_seed(60)
-    u = (torch.randn(E, cap, 2 * k, generator=g, device=cuda_device) * 3).to(torch.bfloat16)
-    b = (torch.randn(E, n, k, generator=g, device=cuda_device) / k ** 0.5).to(torch.bfloat16)
-    masked_m = torch.zeros(E, dtype=torch.int32, device=cuda_device)
-    a = torch.empty(E, cap, k, dtype=torch.bfloat16, device=cuda_device)
-    two, one = (torch.empty(E, cap, n, dtype=torch.bfloat16, device=cuda_device) for _ in "12")
-
-    def both():
-        silu_and_mul_masked(u, masked_m, out=a)
-        masked_grouped_gemm(a, b, masked_m, out=two, expected_m=2)
-        masked_grouped_gemm(u, b, masked_m, out=one, expected_m=2, act="silu_and_mul")
-
-    both()  # compile before capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        both()
-    gen = torch.Generator().manual_seed(61)
-    for step in range(4):
-        m = torch.randint(0, cap + 1, (E,), generator=gen, dtype=torch.int32)
-        m[torch.randperm(E, generator=gen)[: E // 4]] = 0
-        masked_m.copy_(m)
-        u.copy_((torch.randn(E, cap, 2 * k, generator=g, device=cuda_device) * 3).to(torch.bfloat16))
-        one.fill_(float("nan"))
-        two.fill_(float("nan"))
-        graph.replay() if step else both()
-        torch.cuda.synchronize()
-        assert torch.equal(one.view(torch.int16), two.view(torch.int16)), f"step {step}"
-        live = torch.arange(cap, device=cuda_device)[None, :] < masked_m[:, None]
-        assert not torch.isnan(one[live].float()).any() and torch.isnan(one[~live].float()).all()
 
 
 @pytest.mark.gpu
