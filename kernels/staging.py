@@ -24,22 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from graphrt.env import env_flag
-
-from ._pdl import pdl_prologue
-from ._util import check, check_tensor, pdl_args
+from ._util import check, check_tensor
 
 BLOCK = 1024  # bytes per program
-# Launch with programmatic dependent launch (``kernels._pdl``): the kernel lets the graph's
-# next kernel launch at once, and that kernel's own wait (before any read) still covers every
-# byte staged here. Read at each launch (GRAPHRT_STAGE_PDL at import; A/B: the stage-pdl
-# switch).
-PDL = env_flag("GRAPHRT_STAGE_PDL", False)
 
 
 @triton.jit
-def _stage_table_kernel(row, dsts, caps, BLOCK: tl.constexpr, USE_GDC: tl.constexpr = False):
-    pdl_prologue(USE_GDC)
+def _stage_table_kernel(row, dsts, caps, BLOCK: tl.constexpr):
     i = tl.program_id(0)
     c = tl.program_id(1)
     if tl.load(row) != 0:
@@ -74,5 +65,4 @@ def stage_table(row: torch.Tensor, dsts: torch.Tensor, caps: torch.Tensor, chunk
     check_tensor(dsts, "dsts", shape=(entries,), dtype=torch.int64, device=dev)
     check_tensor(caps, "caps", shape=(entries,), dtype=torch.int64, device=dev)
     check(entries >= 1 and chunks >= 1, "entries, chunks", ">= 1 each", (entries, chunks))
-    _stage_table_kernel[(entries, chunks)](row, dsts, caps, BLOCK=BLOCK, num_warps=4,
-                                           **(pdl_args() if PDL else {}))
+    _stage_table_kernel[(entries, chunks)](row, dsts, caps, BLOCK=BLOCK, num_warps=4)

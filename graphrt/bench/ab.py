@@ -33,9 +33,6 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   up to 16 rows (``layers.GATE_NORM_ROWS``, the default, ``norm_gemv_rows`` on a second grid
   dimension) against one row only; ``gate-4rows``: that GEMV with up to four rows a program
   instead of one (``kernels.norm_gemv.ONE_ROW_N``);
-- ``stage-pdl``: the staging table's copy kernel, the graph's first, launched with PDL so
-  the step's first kernel launches at once and waits on the device
-  (``graphrt.kernels.staging.PDL``);
 - ``fuse-act``: the experts' SiLU-and-mul computed by the W2 decode GEMM as it loads its
   operand (``Experts.fuse_act``, ``decode_grouped_gemm(act="silu_and_mul")``);
 - ``act-compact``: the experts' SiLU-and-mul (and, with ``--fp8``, its quantisation and the
@@ -152,7 +149,6 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "gate-4rows": lambda on: _class_attr("graphrt.kernels.norm_gemv", None, "ONE_ROW_N",
                                                  0 if on else 256),
             "fuse-act": lambda on: _class_attr("graphrt.moe.experts", "Experts", "fuse_act", on),
-            "stage-pdl": lambda on: _class_attr("graphrt.kernels.staging", None, "PDL", on),
             "router-fused": lambda on: _class_attr("graphrt.moe.layers", "Router", "fused", on),
             "act-epilogue": lambda on: _class_attr("graphrt.moe.experts", "Experts",
                                                    "act_epilogue", on),
