@@ -12,6 +12,14 @@ Shapes (glossary: ``num_local_experts`` groups, ``cap`` rows per local expert):
 - ``masked_m`` int32 [num_local_experts]           (live rows of each group, on the device)
 - ``out``      bf16  [num_local_experts, cap, n]
 
+SiLU-and-mul as the epilogue (``epilogue="silu_and_mul"``, the experts' W13 GEMM): ``b`` is
+W13 ``[num_local_experts, 2 * n, k]`` (gate rows, then up rows) and ``out``
+``[num_local_experts, cap, n]`` gets ``silu(a @ gate.T) * (a @ up.T)``. A program reduces
+``BLOCK_N / 2`` gate columns and the matching up columns in one K loop (the same weight bytes
+a program as without it) and applies ``kernels.activation``'s arithmetic to the bf16-rounded
+sums: bitwise this GEMM into ``u`` followed by ``silu_and_mul_masked(u, ...)``, one launch
+and one round trip of ``u`` fewer.
+
 Rows ``>= masked_m[g]`` are neither read nor written: a program whose row block starts past
 ``masked_m[g]`` exits at once, so unused capacity costs only an empty program. The live row
 counts are read on the device, so one captured graph serves any ``masked_m``.
@@ -29,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._masked import _silu_mul
 from ._pdl import pdl_prologue
 from ._util import check, check_tensor, interpreting, pdl_args
 
@@ -38,6 +47,7 @@ from ._util import check, check_tensor, interpreting, pdl_args
 # Measured on H200 (triton 3.6, 32 groups, cap 256, captured): n=4096 k=7168 with 1-16 rows a
 # group takes 420-500 us (3.8-4.4 TB/s of weights, DeepGEMM: ~3.9), 64 rows 505 us, 128 rows 553 us;
 # n=7168 k=2048: 220-240 us at 1-16 rows. A row tile 2x too small costs ~1.5-2x.
+EPILOGUES = (None, "silu_and_mul")
 _CONFIGS = (
     (16, 16, 64, 128, 4, 4),
     (32, 32, 64, 128, 4, 4),
@@ -60,7 +70,7 @@ def gemm_config(expected_m: int) -> dict:
 @triton.jit
 def _masked_grouped_gemm_kernel(
     a_ptr,  # bf16 [num_groups, m_max, k]
-    b_ptr,  # bf16 [num_groups, n, k]
+    b_ptr,  # bf16 [num_groups, n, k]; EPI: W13 [num_groups, 2 * n, k] (gate rows, up rows)
     out_ptr,  # bf16 [num_groups, m_max, n]
     masked_m_ptr,  # int32 [num_groups]: live rows of each group
     m_max,  # rows of each group's a/out (capacity)
@@ -73,6 +83,7 @@ def _masked_grouped_gemm_kernel(
     BLOCK_N: tl.constexpr,  # output columns per program
     BLOCK_K: tl.constexpr,  # reduction tile
     UPCAST: tl.constexpr,  # True under the interpreter: dot in fp32 (bf16 math gives NaN there)
+    EPI: tl.constexpr = False,  # out = silu(a @ gate.T) * (a @ up.T), BLOCK_N // 2 columns
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
@@ -87,32 +98,58 @@ def _masked_grouped_gemm_kernel(
 
     g64 = g.to(tl.int64)
     offs_m = row0 + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < m
-    mask_n = offs_n < n
     a_ptrs = a_ptr + g64 * stride_ag + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + g64 * stride_bg + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    out_row = out_ptr + g64 * stride_og + offs_m[:, None] * stride_om
+    if EPI:  # BLOCK_N // 2 gate columns and the same up columns (n rows further down b)
+        offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        mask_n = offs_n < n
+        b_ptrs = b_ptr + g64 * stride_bg + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N // 2), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N // 2), dtype=tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            mask_k = offs_k < k - k0
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            mask_b = mask_k[:, None] & mask_n[None, :]
+            b = tl.load(b_ptrs, mask=mask_b, other=0.0)
+            b_up = tl.load(b_ptrs + n * stride_bn, mask=mask_b, other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+                b_up = b_up.to(tl.float32)
+            acc += tl.dot(a, b)
+            acc_up += tl.dot(a, b_up)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        # silu_and_mul_masked's arithmetic on the bf16 u this GEMM would have stored
+        ty = out_ptr.dtype.element_ty
+        acc = _silu_mul(acc.to(ty).to(tl.float32), acc_up.to(ty).to(tl.float32))
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < n
+        b_ptrs = b_ptr + g64 * stride_bg + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            mask_k = offs_k < k - k0
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK]
+            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)  # [BK, BN]
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc += tl.dot(a, b)  # bf16 operands, fp32 accumulation on the GPU
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, k, BLOCK_K):
-        mask_k = offs_k < k - k0
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK]
-        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)  # [BK, BN]
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc += tl.dot(a, b)  # bf16 operands, fp32 accumulation on the GPU
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
-
-    out_ptrs = out_ptr + g64 * stride_og + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(out_row + offs_n[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
 
 
 def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *,
-                        out: torch.Tensor, expected_m: int | None = None) -> torch.Tensor:
-    """``out[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g].T`` for every group ``g``.
+                        out: torch.Tensor, expected_m: int | None = None,
+                        epilogue: str | None = None) -> torch.Tensor:
+    """``out[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g].T`` for every group ``g`` (with
+    ``epilogue="silu_and_mul"``: ``silu(a @ gate.T) * (a @ up.T)`` on those rows).
 
     Args:
         a: bf16 [num_local_experts, cap, k] (rows past ``masked_m[g]`` are never read).
@@ -123,6 +160,9 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
         expected_m: host int, typical live rows per group; only picks the tile config
             (``None``: ``cap``). Like DeepGEMM, pass the decode estimate, e.g.
             ``ceil(bs * num_topk / num_experts)``.
+        epilogue: None, or ``"silu_and_mul"``: ``b`` is W13 ``[num_local_experts, 2 * n, k]``
+            (gate rows, then up rows) and ``out`` ``[num_local_experts, cap, n]`` gets the
+            activation, bitwise this GEMM into ``u`` and ``silu_and_mul_masked(u, ...)``.
 
     Returns ``out``. Launches one kernel, allocates nothing.
 
@@ -132,6 +172,10 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
     num_groups, m_max, k = a.shape
     check_tensor(b, "b", shape=(num_groups, None, k), dtype=torch.bfloat16, device=a.device)
     n = b.shape[1]
+    check(epilogue in EPILOGUES, "epilogue", f"one of {EPILOGUES}", repr(epilogue))
+    if epilogue is not None:
+        check(n % 2 == 0, "b.shape[1] with epilogue", "2 * n (gate rows, then up rows)", n)
+        n //= 2
     check_tensor(masked_m, "masked_m", shape=(num_groups,), dtype=torch.int32, device=a.device)
     check_tensor(out, "out", shape=(num_groups, m_max, n), dtype=torch.bfloat16, device=a.device)
     check(k >= 1, "a.shape[2] (k)", ">= 1", k)
@@ -141,14 +185,15 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
         return out
 
     cfg = gemm_config(m_max if expected_m is None else expected_m)
-    grid = (num_groups * triton.cdiv(m_max, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+    cols = cfg["BLOCK_N"] if epilogue is None else cfg["BLOCK_N"] // 2  # out columns a program
+    grid = (num_groups * triton.cdiv(m_max, cfg["BLOCK_M"]), triton.cdiv(n, cols))
     _masked_grouped_gemm_kernel[grid](
         a, b, out, masked_m, m_max, n, k,
         a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        UPCAST=interpreting(), num_stages=cfg["num_stages"], num_warps=cfg["num_warps"],
+        UPCAST=interpreting(), EPI=epilogue is not None, num_stages=cfg["num_stages"], num_warps=cfg["num_warps"],
         **pdl_args(),
     )
     return out

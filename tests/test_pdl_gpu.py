@@ -49,7 +49,8 @@ def test_pdl_is_on_by_default_on_hopper(monkeypatch, cuda_device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("switch", ["pdl", "prefetch", "pdl-early", "dense-gemv", "attn-splits",
                                     "pdl-early+dense-gemv+attn-splits", "fuse-norm", "rows4",
-                                    "fuse-act", "fuse-dispatch", "preload", "fuse-final-norm",
+                                    "fuse-act", "triton-epilogue", "fuse-dispatch", "preload",
+                                    "fuse-final-norm",
                                     "preload+fuse-final-norm", "act-compact", "fuse-append",
                                     "routing-packed", "embed-kernel", "router-rows",
                                     "dense-mma", "attn-split128", "router-fused",

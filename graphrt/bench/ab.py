@@ -33,6 +33,9 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   up to 16 rows (``layers.GATE_NORM_ROWS``, the default, ``norm_gemv_rows`` on a second grid
   dimension) against one row only; ``gate-4rows``: that GEMV with up to four rows a program
   instead of one (``kernels.norm_gemv.ONE_ROW_N``);
+- ``triton-epilogue``: the experts' SiLU-and-mul as the epilogue of W13 where the plan runs
+  it on the Triton masked GEMM (``Experts.triton_epilogue``,
+  ``masked_grouped_gemm(epilogue="silu_and_mul")``; the plan times W13 with it);
 - ``fuse-act``: the experts' SiLU-and-mul computed by the W2 decode GEMM as it loads its
   operand (``Experts.fuse_act``, ``decode_grouped_gemm(act="silu_and_mul")``);
 - ``act-compact``: the experts' SiLU-and-mul (and, with ``--fp8``, its quantisation and the
@@ -149,6 +152,8 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "gate-4rows": lambda on: _class_attr("graphrt.kernels.norm_gemv", None, "ONE_ROW_N",
                                                  0 if on else 256),
             "fuse-act": lambda on: _class_attr("graphrt.moe.experts", "Experts", "fuse_act", on),
+            "triton-epilogue": lambda on: _class_attr("graphrt.moe.experts", "Experts",
+                                                      "triton_epilogue", on),
             "router-fused": lambda on: _class_attr("graphrt.moe.layers", "Router", "fused", on),
             "act-epilogue": lambda on: _class_attr("graphrt.moe.experts", "Experts",
                                                    "act_epilogue", on),

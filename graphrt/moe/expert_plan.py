@@ -357,7 +357,7 @@ def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: 
               num_experts: int, num_ranks: int = 1, rotations: int = 4) -> None:
     """Fill ``plan`` for ``padded_bs`` with the fastest kernel of each of ``experts``' GEMMs
     (``experts.gemm_shapes()``), timed on a synthetic routing (``routed_rows``) in the
-    experts' own workspace (W13 with its activation where ``experts.epilogue_for`` holds:
+    experts' own workspace (W13 with its activation where ``experts.act_in_w13(padded_bs)``:
     the step then runs one or the other, see ``Experts.w13_act``; near-ties timed again,
     ``choose_timed``); shapes already in the plan are skipped. On a CPU device the
     decode kernel is recorded without timing. A candidate that fails (e.g. does not compile)
@@ -384,10 +384,10 @@ def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: 
     for which, (key, n, k) in todo.items():
         a, a_scale, out = experts.synthetic_io(which, cap)
         cands = plan_candidates(experts.kernels, n, k, rows, num_sms(device), experts.fp8)
-        # Where W13 may carry the activation as its epilogue (Experts.epilogue_for), every W13
+        # Where W13 may carry the activation as its epilogue (Experts.act_in_w13), every W13
         # candidate is timed with the activation, as the step runs it (Experts.w13_act): fused
-        # for the unsplit decode kernels (half the work items), a launch after the others.
-        with_act = which == "w13" and not experts.fp8 and experts.epilogue_for(padded_bs)
+        # for the kernels that take it (Experts.takes_epilogue), a launch after the others.
+        with_act = which == "w13" and experts.act_in_w13(padded_bs)
         act_out = experts.ws.view("a", (E, cap, n // 2)) if with_act else None
 
         def time_one(c: Choice) -> float:

@@ -10,7 +10,8 @@ same result) and its launch disappears. With ``Experts.act_epilogue``
 (``expert_gemv_rows(..., act="silu_and_mul")``: gate and up columns in one work item, bitwise
 the same result, no ``u`` round trip); with ``Experts.decode_epilogue`` (by default at bs 1) and
 the decode kernel on W13, unsplit, likewise there (``decode_grouped_gemm(...,
-epilogue="silu_and_mul")``). With fp8 the
+epilogue="silu_and_mul")``), and with ``Experts.triton_epilogue`` on the Triton masked GEMM
+(``masked_grouped_gemm(..., epilogue="silu_and_mul")``). With fp8 the
 dispatched tokens are quantized too: by DeepEP's fp8 dispatch in its send kernel, or (EP=1)
 here by ``kernels.activation.quantize_fp8_masked`` over the live rows.
 
@@ -119,6 +120,12 @@ class Experts:
     # (A/B: the decode-epilogue and decode-epilogue-all switches).
     decode_epilogue: bool | str = env_auto("GRAPHRT_DECODE_EPILOGUE")
     EPILOGUE_MAX_BS = 1
+    # The same epilogue on the Triton masked GEMM (``masked_grouped_gemm(epilogue=...)``): a
+    # program reduces half its columns from gate rows and half from up rows, so the work
+    # items and the bytes each reads stay as without it. Where the plan times W13 on that
+    # kernel, it times it with its activation (w13_act). GRAPHRT_TRITON_EPILOGUE at import
+    # (A/B: the triton-epilogue switch).
+    triton_epilogue = env_flag("GRAPHRT_TRITON_EPILOGUE", False)
 
     def __init__(self, hidden: int, inter: int, num_local_experts: int, device, *, seed: int = 0,
                  first_expert: int = 0, backend: str = "auto", fp8: bool = False,
@@ -233,12 +240,12 @@ class Experts:
         ``u = [gate | up]`` bf16 [E, cap, 2 * k] and the kernel applies SiLU-and-mul (fp8:
         and the activation quantization) as it loads A, no ``a_scale``; with the rows kernel
         on W13, ``out`` is [E, cap, inter] and SiLU-and-mul is the GEMM's epilogue; so with
-        ``epilogue="silu_and_mul"`` and the decode kernel (``decode`` or ``swap``, unsplit) on
-        W13. Graph safety: capturable."""
-        if epilogue is not None and (which != "w13" or choice.kernel not in ("decode", "swap")
-                                     or choice.split_k != 1):
+        ``epilogue="silu_and_mul"`` and the decode kernel (``decode`` or ``swap``, unsplit) or
+        the Triton masked GEMM on W13. Graph safety: capturable."""
+        if epilogue is not None and (which != "w13" or choice.split_k != 1 or choice.kernel
+                                     not in ("decode", "swap", "triton")):
             raise ValueError(f"epilogue={epilogue!r} on {which}: expected the unsplit decode "
-                             f"kernel on w13, got {choice.name}")
+                             f"kernel or the Triton kernel on w13, got {choice.name}")
         if act is not None and (choice.kernel, which) not in (("decode", "w2"), ("rows", "w13")):
             raise ValueError(f"act={act!r} on {which}: expected the decode kernel on w2 or the "
                              f"rows kernel on w13 (the GEMMs with a fused activation), got "
@@ -260,7 +267,8 @@ class Experts:
                              num_warps=choice.num_warps, act=act)
         elif choice.kernel == "triton":
             from graphrt.kernels.grouped_gemm import masked_grouped_gemm
-            masked_grouped_gemm(a, w, masked_m, out=out, expected_m=expected_m)
+            masked_grouped_gemm(a, w, masked_m, out=out, expected_m=expected_m,
+                                epilogue=epilogue)
         else:  # "decode", or "swap": the decode kernel with the weights as the MMA's M side
             from graphrt.kernels.grouped_gemm_decode import decode_grouped_gemm
             n = out.shape[2]
@@ -329,12 +337,22 @@ class Experts:
         self.w13_act(recv_x, masked_m, expected_m, u, a, c13, bs)
         return self.gemm("w2", a, masked_m, expected_m, y, c2)
 
+    def act_in_w13(self, bs: int | None) -> bool:
+        """Whether some W13 kernel at padded batch ``bs`` applies SiLU-and-mul itself (bf16;
+        ``epilogue_for(bs)`` or ``triton_epilogue``): the expert plan then times every W13
+        candidate with its activation. Host-only."""
+        return not self.fp8 and (self.epilogue_for(bs) or self.triton_epilogue)
+
     def takes_epilogue(self, choice: Choice, bs: int | None) -> bool:
         """Whether W13 with ``choice`` at padded batch ``bs`` applies SiLU-and-mul itself:
-        ``epilogue_for(bs)``, bf16, the decode kernel (either operand order), unsplit.
+        bf16 and unsplit, on the decode kernel (either operand order) where
+        ``epilogue_for(bs)``, on the Triton masked GEMM where ``triton_epilogue``.
         Host-only."""
-        return (self.epilogue_for(bs) and not self.fp8 and choice.kernel in ("decode", "swap")
-                and choice.split_k == 1)
+        if self.fp8 or choice.split_k != 1:
+            return False
+        if choice.kernel in ("decode", "swap"):
+            return self.epilogue_for(bs)
+        return choice.kernel == "triton" and self.triton_epilogue
 
     def w13_act(self, x, masked_m, expected_m: int, u, a, choice: Choice, bs: int | None):
         """``a = silu_and_mul(x @ W13.T)`` on live rows (bf16), as a step at padded batch

@@ -145,11 +145,42 @@ def test_experts_epilogue_only_on_unsplit_decode_w13(monkeypatch):
     y = ex(x, masked_m, expected_m=4)
     assert not torch.isnan(y[0, :3].float()).any()
     with pytest.raises(ValueError, match=r"epilogue='silu_and_mul' on w2: expected the unsplit "
-                                         r"decode kernel on w13, got decode/bn32"):
+                                         r"decode kernel or the Triton kernel on w13, got "
+                                         r"decode/bn32"):
         ex.gemm("w2", x, masked_m, 4, y, Choice("decode"), epilogue=EPI)
-    with pytest.raises(ValueError, match=r"on w13: expected the unsplit decode kernel on w13, "
-                                         r"got triton"):
-        ex.gemm("w13", x, masked_m, 4, y, Choice("triton"), epilogue=EPI)
+    with pytest.raises(ValueError, match=r"on w13: expected the unsplit decode kernel or the "
+                                         r"Triton kernel on w13, got rows/bn8"):
+        ex.gemm("w13", x, masked_m, 4, y, Choice("rows", block_n=8), epilogue=EPI)
+
+
+def test_experts_triton_epilogue_same_output_and_rule(monkeypatch):
+    """With ``triton_epilogue`` W13 on the Triton masked GEMM writes the activation itself
+    (the activation launch must not run), bitwise the output without it; ``act_in_w13``
+    then holds at every size (the plan times W13 with the activation), never with fp8."""
+    import graphrt.kernels.activation as act_mod
+    from graphrt.moe.expert_plan import Choice
+    from graphrt.moe.experts import Experts
+    assert Experts.triton_epilogue is False
+    ex = Experts(64, 96, len(MASKED), "cpu", seed=4, backend="decode", max_cap=40)
+    ex._fixed = Choice("triton")
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(len(MASKED), 40, 64, generator=g).to(torch.bfloat16)
+    masked_m = torch.tensor(MASKED, dtype=torch.int32)
+    live = torch.arange(40)[None, :] < masked_m[:, None]
+    assert [ex.act_in_w13(bs) for bs in (1, 2, 16)] == [True, False, False]
+    off = ex(x, masked_m, expected_m=8, bs=16)[live].clone()
+
+    def boom(*a, **k):
+        raise AssertionError("the activation launch ran with triton_epilogue on")
+    monkeypatch.setattr(act_mod, "silu_and_mul_masked", boom)
+    monkeypatch.setattr(Experts, "triton_epilogue", True)
+    assert [ex.act_in_w13(bs) for bs in (1, 2, 16)] == [True, True, True]
+    assert ex.takes_epilogue(Choice("triton"), 16) and not ex.takes_epilogue(Choice("rows"), 16)
+    on = ex(x, masked_m, expected_m=8, bs=16)[live].clone()
+    assert not torch.isnan(off.float()).any()
+    assert torch.equal(_bits(on), _bits(off))
+    fp8 = Experts(128, 128, 2, "cpu", backend="decode", max_cap=8, fp8=True)
+    assert not fp8.act_in_w13(16) and not fp8.takes_epilogue(Choice("triton"), 16)
 
 
 def test_the_custom_op_takes_epilogue():

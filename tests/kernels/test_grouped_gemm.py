@@ -69,6 +69,42 @@ def test_strided_views():
     assert torch.isnan(out_big[:, 24:].float()).all()
 
 
+@pytest.mark.parametrize("expected_m", [1, 32, 64])
+def test_epilogue_is_bitwise_the_gemm_then_the_activation(expected_m):
+    # W13 = [gate; up] with n not a multiple of the half tile and k a ragged last K tile;
+    # masked_m with 0, one row, cap and > cap; large sums where silu is far from linear
+    from graphrt.kernels.activation import silu_and_mul_masked
+    E, cap, n, k = 4, 20, 40, 160
+    g = torch.Generator().manual_seed(9)
+    a = torch.randn(E, cap, k, generator=g).to(torch.bfloat16)
+    w13 = (torch.randn(E, 2 * n, k, generator=g) * 3 / k ** 0.5).to(torch.bfloat16)
+    masked_m = torch.tensor([0, 1, 20, 33], dtype=torch.int32)
+    u = torch.full((E, cap, 2 * n), float("nan"), dtype=torch.bfloat16)
+    masked_grouped_gemm(a, w13, masked_m, out=u, expected_m=expected_m)
+    two = torch.full((E, cap, n), float("nan"), dtype=torch.bfloat16)
+    silu_and_mul_masked(u, masked_m, out=two)
+    one = torch.full((E, cap, n), float("nan"), dtype=torch.bfloat16)
+    assert masked_grouped_gemm(a, w13, masked_m, out=one, expected_m=expected_m,
+                               epilogue="silu_and_mul") is one
+    assert torch.equal(one.view(torch.int16), two.view(torch.int16))  # NaN poison included
+    assert not torch.isnan(one[1, :1].float()).any() and torch.isnan(one[1, 1:].float()).all()
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(epilogue="gelu"), r"epilogue: expected one of \(None, 'silu_and_mul'\), got 'gelu'"),
+    (dict(epilogue="silu_and_mul", w_rows=31),
+     r"b\.shape\[1\] with epilogue: expected 2 \* n \(gate rows, then up rows\), got 31"),
+    (dict(epilogue="silu_and_mul", w_rows=16),
+     r"out\.shape: expected \(2, 8, 8\), got \(2, 8, 16\)"),
+])
+def test_epilogue_validation(kw, match):
+    w = torch.zeros(2, kw.pop("w_rows", 32), 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        masked_grouped_gemm(torch.zeros(2, 8, 32, dtype=torch.bfloat16), w,
+                            torch.zeros(2, dtype=torch.int32),
+                            out=torch.zeros(2, 8, 16, dtype=torch.bfloat16), **kw)
+
+
 def test_config_table_is_monotone():
     picks = [gemm_config(m)["BLOCK_M"] for m in (0, 1, 16, 17, 32, 33, 64, 65, 4096)]
     assert picks == sorted(picks) and picks[0] == 16 and picks[-1] >= 64
@@ -140,6 +176,49 @@ def test_gpu_graph_replay_honors_new_data_and_masked_m(cuda_device, n, k):
         graph.replay()
         torch.cuda.synchronize()
         _check_against_ref(a, b, masked_m, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k, cap, expected_m", [(768, 2048, 16, 2), (768, 2048, 64, 40),
+                                                   (2048, 7168, 8, 1)])
+def test_gpu_epilogue_bitwise_the_two_launches_under_replay(cuda_device, n, k, cap, expected_m):
+    """The SiLU epilogue on the experts' W13 shapes (qwen3-like, dsv3-like): bitwise the GEMM
+    into u and silu_and_mul_masked, eagerly and over graph replays with new inputs and
+    masked_m; rows past masked_m untouched."""
+    from graphrt.kernels.activation import silu_and_mul_masked
+    E = 64
+    g = torch.Generator(device=cuda_device).manual_seed(60)
+    a = torch.randn(E, cap, k, generator=g, device=cuda_device).to(torch.bfloat16)
+    w13 = (torch.randn(E, 2 * n, k, generator=g, device=cuda_device) * 3 / k ** 0.5
+           ).to(torch.bfloat16)
+    masked_m = torch.zeros(E, dtype=torch.int32, device=cuda_device)
+    u = torch.empty(E, cap, 2 * n, dtype=torch.bfloat16, device=cuda_device)
+    two, one = (torch.empty(E, cap, n, dtype=torch.bfloat16, device=cuda_device) for _ in "12")
+
+    def both():
+        masked_grouped_gemm(a, w13, masked_m, out=u, expected_m=expected_m)
+        silu_and_mul_masked(u, masked_m, out=two)
+        masked_grouped_gemm(a, w13, masked_m, out=one, expected_m=expected_m,
+                            epilogue="silu_and_mul")
+
+    both()  # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        both()
+    gen = torch.Generator().manual_seed(61)
+    for step in range(4):
+        m = torch.randint(0, cap + 1, (E,), generator=gen, dtype=torch.int32)
+        m[torch.randperm(E, generator=gen)[: E // 4]] = 0
+        masked_m.copy_(m)
+        a.copy_(torch.randn(E, cap, k, generator=g, device=cuda_device).to(torch.bfloat16))
+        one.fill_(float("nan"))
+        two.fill_(float("nan"))
+        graph.replay() if step else both()
+        torch.cuda.synchronize()
+        assert torch.equal(one.view(torch.int16), two.view(torch.int16)), f"step {step}"
+        live = torch.arange(cap, device=cuda_device)[None, :] < masked_m[:, None]
+        assert not torch.isnan(one[live].float()).any() and torch.isnan(one[~live].float()).all()
 
 
 @pytest.mark.gpu
