@@ -122,10 +122,12 @@ class Experts:
     EPILOGUE_MAX_BS = 1
     # The same epilogue on the Triton masked GEMM (``masked_grouped_gemm(epilogue=...)``): a
     # program reduces half its columns from gate rows and half from up rows, so the work
-    # items and the bytes each reads stay as without it. Where the plan times W13 on that
-    # kernel, it times it with its activation (w13_act). GRAPHRT_TRITON_EPILOGUE at import
-    # (A/B: the triton-epilogue switch).
-    triton_epilogue = env_flag("GRAPHRT_TRITON_EPILOGUE", False)
+    # items and the bytes each reads stay as without it. On (the default), the plan times
+    # every W13 candidate with its activation (act_in_w13, w13_act) and picks the Triton
+    # kernel with it at qwen3-like bs 2-16: the step 0.975x-0.987x, bitwise equal logits
+    # (BENCHMARKS.md §35). GRAPHRT_TRITON_EPILOGUE=0 at import turns it off (A/B: the
+    # triton-epilogue switch).
+    triton_epilogue = env_flag("GRAPHRT_TRITON_EPILOGUE", True)
 
     def __init__(self, hidden: int, inter: int, num_local_experts: int, device, *, seed: int = 0,
                  first_expert: int = 0, backend: str = "auto", fp8: bool = False,

@@ -160,7 +160,8 @@ def test_experts_triton_epilogue_same_output_and_rule(monkeypatch):
     import graphrt.kernels.activation as act_mod
     from graphrt.moe.expert_plan import Choice
     from graphrt.moe.experts import Experts
-    assert Experts.triton_epilogue is False
+    assert Experts.triton_epilogue is True  # the default
+    monkeypatch.setattr(Experts, "triton_epilogue", False)
     ex = Experts(64, 96, len(MASKED), "cpu", seed=4, backend="decode", max_cap=40)
     ex._fixed = Choice("triton")
     g = torch.Generator().manual_seed(6)
