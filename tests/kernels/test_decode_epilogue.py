@@ -184,6 +184,23 @@ def test_experts_triton_epilogue_same_output_and_rule(monkeypatch):
     assert not fp8.act_in_w13(16) and not fp8.takes_epilogue(Choice("triton"), 16)
 
 
+def test_the_custom_op_takes_the_triton_epilogue():
+    """torch.compile runs the model through ``torch.ops.graphrt.masked_grouped_gemm``: the
+    epilogue passes through it, bitwise the launcher's output."""
+    import graphrt.kernels.ops  # noqa: F401 - registers torch.ops.graphrt.*
+    from graphrt.kernels.grouped_gemm import masked_grouped_gemm
+    x, w13 = _inputs(3, 8, 64, 64, seed=22)
+    masked_m = torch.tensor([2, 0, 5], dtype=torch.int32)
+    want = _nan(3, 8, 64)
+    masked_grouped_gemm(x, w13, masked_m, out=want, expected_m=4, epilogue=EPI)
+    got = _nan(3, 8, 64)
+    torch.ops.graphrt.masked_grouped_gemm(x, w13, masked_m, got, 4, epilogue=EPI)
+    assert torch.equal(_bits(got), _bits(want))
+    torch.library.opcheck(torch.ops.graphrt.masked_grouped_gemm.default,
+                          (x, w13, masked_m, torch.zeros_like(want)), dict(epilogue=EPI),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
 def test_the_custom_op_takes_epilogue():
     """torch.compile runs the model through ``torch.ops.graphrt.decode_grouped_gemm``: the
     epilogue passes through it."""
