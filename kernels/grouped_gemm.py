@@ -41,13 +41,14 @@ from ._masked import _silu_mul
 from ._pdl import pdl_prologue
 from ._util import check, check_tensor, interpreting, pdl_args
 
+EPILOGUES = (None, "silu_and_mul")  # masked_grouped_gemm's epilogue= values
+
 # (largest expected_m served, BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps).
 # Picked for streaming b at decode sizes; the last row serves everything larger.
 # smem per program = num_stages * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 bytes (<= 128 KiB here).
 # Measured on H200 (triton 3.6, 32 groups, cap 256, captured): n=4096 k=7168 with 1-16 rows a
 # group takes 420-500 us (3.8-4.4 TB/s of weights, DeepGEMM: ~3.9), 64 rows 505 us, 128 rows 553 us;
 # n=7168 k=2048: 220-240 us at 1-16 rows. A row tile 2x too small costs ~1.5-2x.
-EPILOGUES = (None, "silu_and_mul")
 _CONFIGS = (
     (16, 16, 64, 128, 4, 4),
     (32, 32, 64, 128, 4, 4),
