@@ -103,44 +103,34 @@ def _masked_grouped_gemm_kernel(
     mask_m = offs_m < m
     a_ptrs = a_ptr + g64 * stride_ag + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
     out_row = out_ptr + g64 * stride_og + offs_m[:, None] * stride_om
-    if EPI:  # BLOCK_N // 2 gate columns and the same up columns (n rows further down b)
-        offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        mask_n = offs_n < n
-        b_ptrs = b_ptr + g64 * stride_bg + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
-        acc = tl.zeros((BLOCK_M, BLOCK_N // 2), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N // 2), dtype=tl.float32)
-        for k0 in range(0, k, BLOCK_K):
-            mask_k = offs_k < k - k0
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            mask_b = mask_k[:, None] & mask_n[None, :]
-            b = tl.load(b_ptrs, mask=mask_b, other=0.0)
+    # output columns a program: with EPI, BLOCK_N // 2 gate rows of b and the same up rows,
+    # n rows further down (the same weight bytes a program)
+    COLS: tl.constexpr = BLOCK_N // 2 if EPI else BLOCK_N
+    offs_n = pid_n * COLS + tl.arange(0, COLS)
+    mask_n = offs_n < n
+    b_ptrs = b_ptr + g64 * stride_bg + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, COLS), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, COLS), dtype=tl.float32)  # EPI only
+    for k0 in range(0, k, BLOCK_K):
+        mask_k = offs_k < k - k0
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK]
+        mask_b = mask_k[:, None] & mask_n[None, :]
+        b = tl.load(b_ptrs, mask=mask_b, other=0.0)  # [BK, COLS]
+        if EPI:
             b_up = tl.load(b_ptrs + n * stride_bn, mask=mask_b, other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc += tl.dot(a, b)  # bf16 operands, fp32 accumulation on the GPU
+        if EPI:
             if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
                 b_up = b_up.to(tl.float32)
-            acc += tl.dot(a, b)
             acc_up += tl.dot(a, b_up)
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
-        # silu_and_mul_masked's arithmetic on the bf16 u this GEMM would have stored
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if EPI:  # silu_and_mul_masked's arithmetic on the bf16 u this GEMM would have stored
         ty = out_ptr.dtype.element_ty
         acc = _silu_mul(acc.to(ty).to(tl.float32), acc_up.to(ty).to(tl.float32))
-    else:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < n
-        b_ptrs = b_ptr + g64 * stride_bg + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, k, BLOCK_K):
-            mask_k = offs_k < k - k0
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK]
-            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)  # [BK, BN]
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc += tl.dot(a, b)  # bf16 operands, fp32 accumulation on the GPU
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
 
     tl.store(out_row + offs_n[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
