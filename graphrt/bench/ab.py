@@ -36,6 +36,9 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
 - ``triton-epilogue``: the experts' SiLU-and-mul as the epilogue of W13 where the plan runs
   it on the Triton masked GEMM (``Experts.triton_epilogue``,
   ``masked_grouped_gemm(epilogue="silu_and_mul")``; the plan times W13 with it);
+- ``routed-gemv``: one-row steps' routed experts addressed by the top-k's ids and weights,
+  W13 with SiLU-and-mul and W2 with the combine, no dispatch and no combine launch
+  (``MoEBlock.routed_gemv``, ``Experts.routed``, ``kernels.routed_gemv``);
 - ``fuse-act``: the experts' SiLU-and-mul computed by the W2 decode GEMM as it loads its
   operand (``Experts.fuse_act``, ``decode_grouped_gemm(act="silu_and_mul")``);
 - ``act-compact``: the experts' SiLU-and-mul (and, with ``--fp8``, its quantisation and the
@@ -154,6 +157,8 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "fuse-act": lambda on: _class_attr("graphrt.moe.experts", "Experts", "fuse_act", on),
             "triton-epilogue": lambda on: _class_attr("graphrt.moe.experts", "Experts",
                                                       "triton_epilogue", on),
+            "routed-gemv": lambda on: _class_attr("graphrt.moe.model", "MoEBlock", "routed_gemv",
+                                                  on),
             "router-fused": lambda on: _class_attr("graphrt.moe.layers", "Router", "fused", on),
             "act-epilogue": lambda on: _class_attr("graphrt.moe.experts", "Experts",
                                                    "act_epilogue", on),

@@ -82,6 +82,22 @@ class MoEBlock:
         rows = MAX_ROWS if self.fuse_route is True else self.ROUTE_MAX_ROWS
         return 1 <= h.shape[0] <= rows
 
+    # One-row steps skip the masked layout: the experts read the top-k's ids and weights
+    # themselves (Experts.routed, kernels.routed_gemv: W13 with SiLU-and-mul, then W2 with
+    # the combine), so the dispatch and the combine launches are gone. EP=1 (LocalComm),
+    # planned bf16 experts (backend "auto"), no EPLB map, outside torch.compile.
+    # GRAPHRT_ROUTED_GEMV=0 at import turns it off (A/B: the routed-gemv switch).
+    routed_gemv = env_flag("GRAPHRT_ROUTED_GEMV", True)
+
+    def _routed(self, h: torch.Tensor) -> bool:
+        """Whether this step's routed experts run ``Experts.routed`` (``routed_gemv``).
+        Host-only (shapes and settings)."""
+        ex = self.experts
+        return (self.routed_gemv and h.shape[0] == 1 and isinstance(self.comm, LocalComm)
+                and self.expert_map is None and ex.planned and not ex.fp8
+                and h.dtype == torch.bfloat16 and h.is_contiguous()
+                and not torch.compiler.is_compiling())
+
     def __call__(self, h: torch.Tensor, n: torch.Tensor, logits: torch.Tensor | None = None,
                  defer_combine: bool | str = False) -> tuple:
         """h ``[bs, hidden]`` -> the routed experts' output and the shared expert's (when the
@@ -92,6 +108,11 @@ class MoEBlock:
         a ``layers.PendingCombine`` that the caller's norm makes (``layers.add_rmsnorm``,
         ``PendingNorm``) instead of a tensor: ``"auto"`` where that norm is ``add_rmsnorm``
         (the one-row norm GEMV launches the combine first), ``True`` in the GEMV too."""
+        if self._routed(h):  # no masked layout: the experts read the picks themselves
+            w, ids = self.router(h, n, logits)                             # [1, k] fp32, int64
+            self.last_masked_m = None  # no dispatch ran: no counts to show
+            out = self.experts.routed(h, ids, w, n, out=torch.empty_like(h))
+            return (out,) if self.shared is None else (out, self.shared(h))
         if self._routes_in_dispatch(h):  # top-k and dispatch in one launch
             logits = self.router.gate(h) if logits is None else logits
             w, ids, d = self.comm.route_dispatch(h, logits, n, self.cfg.num_topk,
@@ -103,7 +124,8 @@ class MoEBlock:
             d = self.comm.dispatch(h, ids, n, topk_weights=w)
         if self.expert_map is not None:
             self.expert_map.record(self.index, d.masked_m)
-        self.last_masked_m = d.masked_m  # a reference for benchmarks/tests (no sync)
+        self.last_masked_m = d.masked_m  # a reference for benchmarks/tests (no sync; None
+        # after a routed one-row step)
         y = self.experts(d.recv_x, d.masked_m, d.expected_m, d.recv_scale,
                          bs=h.shape[0])                                    # [E, cap, hidden]
         overlapped = self.overlap and self.shared is not None
