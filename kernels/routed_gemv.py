@@ -56,6 +56,7 @@ def _routed_w13_kernel(
     NUM_TOPK: tl.constexpr,
     BLOCK_N: tl.constexpr,  # gate (and up) rows a program
     BLOCK_K: tl.constexpr,  # K columns a round (the whole K when it fits)
+    ROUNDS: tl.constexpr,  # cdiv(hidden, BLOCK_K)
     EVEN_K: tl.constexpr,  # hidden % BLOCK_K == 0
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
@@ -72,7 +73,8 @@ def _routed_w13_kernel(
         u_ptrs = g_ptrs + inter * stride_wn
         g = tl.zeros([BLOCK_N], dtype=tl.float32)
         u = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
+        for r in tl.static_range(ROUNDS):  # unrolled: every round's loads may issue at once
+            k0 = r * BLOCK_K
             if EVEN_K:
                 wm = mask_n[:, None]
                 xm = offs_k < BLOCK_K
@@ -105,6 +107,7 @@ def _routed_w2_combine_kernel(
     BLOCK_T: tl.constexpr,  # next power of 2 >= NUM_TOPK
     BLOCK_N: tl.constexpr,  # output columns a program
     BLOCK_K: tl.constexpr,  # inter columns a round (the whole inter when it fits)
+    ROUNDS: tl.constexpr,  # cdiv(inter, BLOCK_K)
     EVEN_K: tl.constexpr,  # inter % BLOCK_K == 0
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
@@ -123,7 +126,8 @@ def _routed_w2_combine_kernel(
               + offs_k[None, None, :])
     a_ptrs = act_ptr + offs_t[:, None] * inter + offs_k[None, :]
     y = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):  # every pick's tile in one round
+    for r in tl.static_range(ROUNDS):  # every pick's tile a round; unrolled, loads at once
+        k0 = r * BLOCK_K
         if EVEN_K:
             km = offs_k < BLOCK_K
         else:
@@ -201,7 +205,8 @@ def routed_w13(x: torch.Tensor, topk_ids: torch.Tensor, n: torch.Tensor, w13: to
         return out
     _routed_w13_kernel[(num_topk, triton.cdiv(inter, block_n))](
         x, topk_ids, n, w13, out, w13.shape[0], inter, hidden, w13.stride(0), w13.stride(1),
-        NUM_TOPK=num_topk, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
+        NUM_TOPK=num_topk, BLOCK_N=block_n, BLOCK_K=block_k, ROUNDS=triton.cdiv(hidden, block_k),
+        EVEN_K=hidden % block_k == 0,
         num_warps=num_warps,
         **pdl_args())
     return out
@@ -245,7 +250,8 @@ def routed_w2_combine(act: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     _routed_w2_combine_kernel[(triton.cdiv(hidden, block_n),)](
         act, topk_ids, topk_weights, n, w2, out, w2.shape[0], hidden, inter, w2.stride(0),
         w2.stride(1), NUM_TOPK=num_topk, BLOCK_T=triton.next_power_of_2(num_topk),
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=inter % block_k == 0,
+        BLOCK_N=block_n, BLOCK_K=block_k, ROUNDS=triton.cdiv(inter, block_k),
+        EVEN_K=inter % block_k == 0,
         num_warps=num_warps, **pdl_args())
     return out
 
