@@ -40,7 +40,9 @@ from ._masked import _silu_mul
 from ._pdl import pdl_prologue
 from ._util import check, check_tensor, pdl_args
 
-_TILE = 8192  # weight elements a program loads in one round, per matrix (16 KB bf16)
+_TILE = 8192  # W13: weight elements a program loads in one round, per matrix (16 KB bf16)
+_W2_TILE = 16384  # W2: weight elements a program loads in one round, every pick's (32 KB)
+KORDER = False  # W2 sums the picks in k order (the combine's) instead of one reduction
 MAX_K_ROUND = 4096  # K columns a round loads at most (K loops past it)
 
 
@@ -109,6 +111,7 @@ def _routed_w2_combine_kernel(
     BLOCK_K: tl.constexpr,  # inter columns a round (the whole inter when it fits)
     ROUNDS: tl.constexpr,  # cdiv(inter, BLOCK_K)
     EVEN_K: tl.constexpr,  # inter % BLOCK_K == 0
+    KORDER: tl.constexpr = False,  # sum the picks in k order (the combine's), else one reduction
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
@@ -137,23 +140,27 @@ def _routed_w2_combine_kernel(
         y += tl.sum(wt.to(tl.float32) * av[:, None, :], axis=2)
     y = y.to(out_ptr.dtype.element_ty).to(tl.float32)  # each pick's row as the masked y holds it
     tw = tl.load(tw_ptr + offs_t, mask=offs_t < NUM_TOPK, other=0.0)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k in tl.static_range(NUM_TOPK):  # the combine's sum: k order, fp32 (kernels.combine)
-        sel = offs_t == k
-        wk = tl.sum(tl.where(sel & ok, tw, 0.0), axis=0)
-        yk = tl.sum(tl.where(sel[:, None], y, 0.0), axis=0)
-        acc += wk * yk
+    if KORDER:  # the combine's sum: k order, fp32 (kernels.combine), one reduction a pick
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k in tl.static_range(NUM_TOPK):
+            sel = offs_t == k
+            wk = tl.sum(tl.where(sel & ok, tw, 0.0), axis=0)
+            yk = tl.sum(tl.where(sel[:, None], y, 0.0), axis=0)
+            acc += wk * yk
+    else:  # one reduction over the picks (a fixed order for a config)
+        acc = tl.sum(tl.where(ok, tw, 0.0)[:, None] * y, axis=0)
     tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
-def routed_config(rows_k: int, picks: int = 1) -> dict:
+def routed_config(rows_k: int, picks: int = 1, tile: int | None = None) -> dict:
     """``{"block_n", "block_k"}`` for a routed kernel reducing over ``rows_k`` columns with
     ``picks`` weight tiles in one round: ``block_k`` = the whole K up to ``MAX_K_ROUND`` (a
-    power of two), ``block_n`` = ``_TILE // (block_k * picks)`` rows, at least 1. qwen3-like
-    W13 (K 2048, one pick a program) -> (4, 2048); W2 (K 768 -> 1024, 8 picks) -> (1, 1024).
-    Host-only."""
+    power of two), ``block_n`` = ``tile // (block_k * picks)`` rows (``tile``: ``_TILE`` for
+    one pick, ``_W2_TILE`` for more), at least 1. qwen3-like W13 (K 2048, one pick a program)
+    -> (4, 2048); W2 (K 768 -> 1024, 8 picks) -> (2, 1024). Host-only."""
     block_k = max(16, min(MAX_K_ROUND, triton.next_power_of_2(max(rows_k, 1))))
-    block_n = max(1, _TILE // (block_k * triton.next_power_of_2(max(picks, 1))))
+    tile = tile or (_TILE if picks == 1 else _W2_TILE)
+    block_n = max(1, tile // (block_k * triton.next_power_of_2(max(picks, 1))))
     return {"block_n": block_n, "block_k": block_k}
 
 
@@ -175,7 +182,7 @@ def _check_picks(ids: torch.Tensor, n: torch.Tensor, device) -> int:
 
 def routed_w13(x: torch.Tensor, topk_ids: torch.Tensor, n: torch.Tensor, w13: torch.Tensor, *,
                out: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
-               num_warps: int = 4) -> torch.Tensor:
+               num_warps: int = 8) -> torch.Tensor:
     """SiLU-and-mul of one row's W13 for each of its picks: ``out[k] = silu(x @ gate.T) *
     (x @ up.T)`` with ``[gate | up] = w13[topk_ids[0, k]]``.
 
@@ -251,7 +258,7 @@ def routed_w2_combine(act: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
         act, topk_ids, topk_weights, n, w2, out, w2.shape[0], hidden, inter, w2.stride(0),
         w2.stride(1), NUM_TOPK=num_topk, BLOCK_T=triton.next_power_of_2(num_topk),
         BLOCK_N=block_n, BLOCK_K=block_k, ROUNDS=triton.cdiv(inter, block_k),
-        EVEN_K=inter % block_k == 0,
+        EVEN_K=inter % block_k == 0, KORDER=KORDER,
         num_warps=num_warps, **pdl_args())
     return out
 

@@ -16,7 +16,9 @@ The reference model fuses the glue into its neighbours where that measured faste
 bitwise the unfused step): the layer-end norm into the next QKV projection at one row
 (``DecoderLayer.fuse_norm``), the norm after attention into the router gate's GEMV at 1-16 rows
 (``fuse_moe_norm``), and, without an overlapped shared expert, the EP=1 combine into the
-norm after it (``fuse_combine``, ``layers.PendingCombine``).
+norm after it (``fuse_combine``, ``layers.PendingCombine``). At one row (EP=1, planned bf16
+experts) the experts read the top-k's ids and weights themselves, with no dispatch and no
+combine launch (``MoEBlock.routed_gemv``, ``Experts.routed``).
 
 ``make_step(cfg, device, ...)`` builds the model and returns ``(StepSpec, model)``: inputs
 ``tokens`` int64 ``[bs]``, ``positions`` int32 ``[bs]`` (context length before this token),

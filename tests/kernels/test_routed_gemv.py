@@ -148,9 +148,10 @@ def test_int32_ids_and_fp32_out():
 
 def test_config():
     assert routed_config(2048) == {"block_n": 4, "block_k": 2048}
-    assert routed_config(768, 8) == {"block_n": 1, "block_k": 1024}
+    assert routed_config(768, 8) == {"block_n": 2, "block_k": 1024}
+    assert routed_config(768, 8, tile=8192) == {"block_n": 1, "block_k": 1024}
     assert routed_config(7168) == {"block_n": 2, "block_k": 4096}
-    assert routed_config(4, 8) == {"block_n": 64, "block_k": 16}
+    assert routed_config(4, 8) == {"block_n": 128, "block_k": 16}
 
 
 def test_validation():
