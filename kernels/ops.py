@@ -26,6 +26,10 @@ every op returns ``None`` (a custom op may not return an alias of its input)::
                                           swap=False, epilogue=None)
     torch.ops.graphrt.expert_gemv_rows(a, b, masked_m, out, block_n=None, block_k=None,
                                        num_warps=4, act=None)
+    torch.ops.graphrt.routed_w13(x, topk_ids, n, w13, out, block_n=None, block_k=None,
+                                 num_warps=8)
+    torch.ops.graphrt.routed_w2_combine(act, topk_ids, topk_weights, n, w2, out, block_n=None,
+                                        block_k=None, num_warps=4)
     torch.ops.graphrt.kv_append(k, v, slot_mapping, n, k_cache, v_cache)
     torch.ops.graphrt.decode_attention(q, k_cache, v_cache, block_table, seq_lens, n, out,
                                        workspace_o, workspace_lse, sm_scale=None,
@@ -179,6 +183,25 @@ def expert_gemv_rows(a: Tensor, b: Tensor, masked_m: Tensor, out: Tensor,
         act=act)
 
 
+@_op("routed_w13", ("out",))
+def routed_w13(x: Tensor, topk_ids: Tensor, n: Tensor, w13: Tensor, out: Tensor,
+               block_n: Optional[int] = None, block_k: Optional[int] = None,
+               num_warps: int = 8) -> None:
+    """``graphrt.kernels.routed_gemv.routed_w13``. Graph safety: capturable."""
+    _launcher(f"{_KERNELS}.routed_gemv", "routed_w13")(
+        x, topk_ids, n, w13, out=out, block_n=block_n, block_k=block_k, num_warps=num_warps)
+
+
+@_op("routed_w2_combine", ("out",))
+def routed_w2_combine(act: Tensor, topk_ids: Tensor, topk_weights: Tensor, n: Tensor,
+                      w2: Tensor, out: Tensor, block_n: Optional[int] = None,
+                      block_k: Optional[int] = None, num_warps: int = 4) -> None:
+    """``graphrt.kernels.routed_gemv.routed_w2_combine``. Graph safety: capturable."""
+    _launcher(f"{_KERNELS}.routed_gemv", "routed_w2_combine")(
+        act, topk_ids, topk_weights, n, w2, out=out, block_n=block_n, block_k=block_k,
+        num_warps=num_warps)
+
+
 @_op("deepgemm_masked_bf16", ("d",))
 def deepgemm_masked_bf16(a: Tensor, b: Tensor, d: Tensor, masked_m: Tensor, expected_m: int) -> None:
     """``deep_gemm.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m)``: a bf16
@@ -320,7 +343,7 @@ def greedy_sample(logits: Tensor, out_ids: Tensor, out_sampled: Optional[Tensor]
 
 OPS = (topk_softmax, grouped_topk_sigmoid, dispatch_masked, combine_masked, silu_and_mul_masked,
        silu_and_mul_masked_fp8, masked_grouped_gemm, decode_grouped_gemm, expert_gemv_rows,
-       deepgemm_masked_bf16, deepgemm_masked_fp8, kv_append, decode_attention, add_rmsnorm,
+       routed_w13, routed_w2_combine, deepgemm_masked_bf16, deepgemm_masked_fp8, kv_append, decode_attention, add_rmsnorm,
        silu_and_mul, unpack_rows, greedy_sample, dense_gemv, dense_gemv_rows, norm_gemv_rows)
 
 

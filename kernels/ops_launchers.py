@@ -77,6 +77,16 @@ def _wrappers() -> dict[tuple[str, str], object]:
         ops.expert_gemv_rows(a, b, masked_m, out, block_n, block_k, num_warps, act)
         return out
 
+    def routed_w13_(x, topk_ids, n, w13, *, out, block_n=None, block_k=None, num_warps=8):
+        ops.routed_w13(x, topk_ids, n, w13, out, block_n, block_k, num_warps)
+        return out
+
+    def routed_w2_combine_(act, topk_ids, topk_weights, n, w2, *, out, block_n=None,
+                           block_k=None, num_warps=4):
+        ops.routed_w2_combine(act, topk_ids, topk_weights, n, w2, out, block_n, block_k,
+                              num_warps)
+        return out
+
     def kv_append_(k, v, slot_mapping, n, *, k_cache, v_cache):
         ops.kv_append(k, v, slot_mapping, n, k_cache, v_cache)
 
@@ -160,6 +170,8 @@ def _wrappers() -> dict[tuple[str, str], object]:
             (f"{k}.grouped_gemm", "masked_grouped_gemm"): masked_grouped_gemm_,
             (f"{k}.grouped_gemm_decode", "decode_grouped_gemm"): decode_grouped_gemm_,
             (f"{k}.grouped_gemv_rows", "expert_gemv_rows"): expert_gemv_rows_,
+            (f"{k}.routed_gemv", "routed_w13"): routed_w13_,
+            (f"{k}.routed_gemv", "routed_w2_combine"): routed_w2_combine_,
             (f"{k}.attention", "kv_append"): kv_append_,
             (f"{k}.attention", "decode_attention"): decode_attention_,
             (f"{k}.norm", "add_rmsnorm"): add_rmsnorm_,

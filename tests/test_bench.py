@@ -100,6 +100,19 @@ def test_floor_counts_experts_hit_per_layer(tiny):
     assert all(type(l.moe.experts).__name__ == "Experts" for l in model.layers)  # restored
 
 
+def test_floor_counts_the_routed_one_row_picks():
+    """A planned model's one-row step runs ``Experts.routed`` (no masked_m): the floor still
+    counts each layer's picks, exactly ``num_topk`` distinct experts a layer."""
+    spec, model = make_step(preset("tiny"), "cpu", max_batch_size=8)
+    cfg = model.cfg
+    inputs = spec.random_inputs(1, "cpu", torch.Generator().manual_seed(4))
+    per_expert = model.layers[0].moe.experts.weight_bytes // cfg.num_experts
+    kv = int((inputs["positions"].long() + 1).sum()) * cfg.kv_dim * 4 * cfg.num_layers
+    routed = floor_bytes(model, spec, inputs) - model.weight_bytes()["dense"] - kv
+    assert routed == cfg.num_layers * cfg.num_topk * per_expert
+    assert all(l.moe.last_masked_m is None for l in model.layers)  # the routed path ran
+
+
 # -- the CLI --------------------------------------------------------------------------------------
 def test_bench_cpu_smoke(tmp_path, capsys):
     pytest.importorskip("matplotlib")  # the smoke run checks the plot it writes

@@ -53,6 +53,13 @@ def _cases():
         ("masked_grouped_gemm", "grouped_gemm",
          (_rand(E, cap, H, gen=g), _rand(E, 32, H, gen=g), masked_m),
          dict(out=torch.zeros(E, cap, 32, dtype=bf16), expected_m=4)),
+        ("routed_w13", "routed_gemv",
+         (_rand(1, H, gen=g), ids[:1].clone(), n[:1].clone(), _rand(E, 2 * inter, H, gen=g)),
+         dict(out=torch.zeros(k, inter, dtype=bf16))),
+        ("routed_w2_combine", "routed_gemv",
+         (_rand(k, inter, gen=g), ids[:1].clone(), torch.rand(1, k, generator=g), n[:1].clone(),
+          _rand(E, H, inter, gen=g)),
+         dict(out=torch.zeros(1, H, dtype=bf16))),
         ("kv_append", "attention",
          (_rand(bs, 2, 32, gen=g), _rand(bs, 2, 32, gen=g), slot_mapping, n),
          dict(k_cache=cache(), v_cache=cache())),
@@ -202,6 +209,27 @@ def test_reference_step_traces_through_ops_without_graph_breaks(tiny):
     model.overlap = False
     try:
         ref = model.step(**inputs, n=n)["logits"]
+        torch._dynamo.reset()
+        with gops.launchers_as_ops():
+            step = torch.compile(model.step, backend="aot_eager", fullgraph=True, dynamic=False)
+            out = step(**inputs, n=n)
+        assert torch.equal(out["logits"], ref)
+    finally:
+        model.overlap = True
+        torch._dynamo.reset()
+
+
+def test_one_row_routed_step_traces_through_ops_without_graph_breaks():
+    """The planned tiny model at one row runs the routed experts (``Experts.routed``): under
+    ``launchers_as_ops`` it compiles fullgraph through ``graphrt::routed_w13`` and
+    ``graphrt::routed_w2_combine`` and gives the eager logits bitwise."""
+    spec, model = make_step(preset("tiny"), "cpu", max_batch_size=8)
+    inputs = spec.random_inputs(1, "cpu", torch.Generator().manual_seed(5))
+    n = torch.tensor([1], dtype=torch.int32)
+    model.overlap = False
+    try:
+        ref = model.step(**inputs, n=n)["logits"]
+        assert all(l.moe.last_masked_m is None for l in model.layers)  # the routed path ran
         torch._dynamo.reset()
         with gops.launchers_as_ops():
             step = torch.compile(model.step, backend="aot_eager", fullgraph=True, dynamic=False)

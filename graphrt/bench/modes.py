@@ -80,6 +80,13 @@ class CountHits:
         self.hits.append(int((masked_m > 0).sum()))
         return self.inner(recv_x, masked_m, *args, **kwargs)
 
+    def routed(self, x, topk_ids, topk_weights, n, **kwargs):
+        """A one-row step's routed experts (``Experts.routed``): the distinct valid picks of
+        its live row."""
+        ids = topk_ids[: int(n[0])]
+        self.hits.append(int(ids[(ids >= 0) & (ids < self.inner.E)].unique().numel()))
+        return self.inner.routed(x, topk_ids, topk_weights, n, **kwargs)
+
     def __getattr__(self, name):
         return getattr(self.inner, name)
 

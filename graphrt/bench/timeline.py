@@ -25,7 +25,8 @@ kernel name; memcpy and memset are ``other``):
 ``comm``         DeepEP (``deep_ep``) and NCCL (``nccl``) kernels
 ``expert_gemm``  DeepGEMM (``deep_gemm``: the reference model calls it for the routed
                  experts only), our masked Triton GEMM (``_masked_grouped_gemm``) and the
-                 decode grouped GEMM (``_decode_gemm``, ``_decode_reduce``)
+                 decode grouped GEMM (``_decode_gemm``, ``_decode_reduce``), the one-row
+                 routed experts (``_routed_w13``, ``_routed_w2_combine``: W2 with the combine)
 ``attention``    ``attn_`` (our split, merge and fused decode attention), ``kv_append``,
                  ``flash``, ``attention``
 ``norm``         ``rmsnorm`` (our fused add+RMSNorm), ``layer_norm``
@@ -51,7 +52,8 @@ LABELS = {"expert_gemm": "expert GEMM", "dense_gemm": "dense GEMM", "attention":
           "other": "elementwise/other"}
 _PATTERNS = (  # first match wins: DeepEP's dispatch is comm, not routing; our GEMMs before cuBLAS
     ("comm", ("deep_ep", "deepep", "nccl")),
-    ("expert_gemm", ("deep_gemm", "_masked_grouped_gemm", "_decode_gemm", "_decode_reduce")),
+    ("expert_gemm", ("deep_gemm", "_masked_grouped_gemm", "_decode_gemm", "_decode_reduce",
+                     "_routed_w")),
     ("attention", ("attn_", "kv_append", "flash", "attention")),
     ("norm", ("rmsnorm", "layer_norm")),
     ("routing", ("topk", "dispatch", "combine", "map_and_count")),
@@ -195,7 +197,8 @@ def dense_parts(model) -> dict:
 
 def experts_hit(model, spec, inputs: dict) -> int:
     """(layer, local expert) pairs that get rows when ``inputs`` run as one eager step,
-    counted per layer from the dispatch's ``masked_m`` (``graphrt.bench.modes.floor_bytes``
+    counted per layer from the dispatch's ``masked_m`` (or, on a one-row step's routed
+    path, from the picks ``Experts.routed`` is handed) (``graphrt.bench.modes.floor_bytes``
     uses it; ``last_masked_m`` would not do: layers share the dispatch's buffers).
     Host-only (runs the step, writes the KV cache, syncs)."""
     from graphrt.bench.modes import CountHits

@@ -87,7 +87,8 @@ class MoEBlock:
     # One-row steps skip the masked layout: the experts read the top-k's ids and weights
     # themselves (Experts.routed, kernels.routed_gemv: W13 with SiLU-and-mul, then W2 with
     # the combine), so the dispatch and the combine launches are gone. EP=1 (LocalComm),
-    # planned bf16 experts (backend "auto"), no EPLB map, outside torch.compile.
+    # planned bf16 experts (backend "auto"), no EPLB map (torch.compile traces the two
+    # launches as graphrt::routed_w13 / routed_w2_combine under launchers_as_ops).
     # GRAPHRT_ROUTED_GEMV=0 at import turns it off (A/B: the routed-gemv switch).
     routed_gemv = env_flag("GRAPHRT_ROUTED_GEMV", True)
 
@@ -97,8 +98,7 @@ class MoEBlock:
         ex = self.experts
         return (self.routed_gemv and h.shape[0] == 1 and isinstance(self.comm, LocalComm)
                 and self.expert_map is None and ex.planned and not ex.fp8
-                and h.dtype == torch.bfloat16 and h.is_contiguous()
-                and not torch.compiler.is_compiling())
+                and h.dtype == torch.bfloat16 and h.is_contiguous())
 
     def __call__(self, h: torch.Tensor, n: torch.Tensor, logits: torch.Tensor | None = None,
                  defer_combine: bool | str = False) -> tuple:
