@@ -51,6 +51,9 @@ def test_padded_rows_create_no_expert_work(built):
         size = rt.table.pick(n)
         spec.call(rt.stager.views(size), rt.stager.n_dev)
         for layer in model.layers:
+            if size == 1:  # one row runs the routed experts (MoEBlock.routed_gemv): no layout
+                assert layer.moe.last_masked_m is None
+                continue
             assert int(layer.moe.last_masked_m.sum()) == n * model.cfg.num_topk
 
 
