@@ -49,13 +49,12 @@ MAX_K_ROUND = 4096  # K columns a round loads at most (K loops past it)
 @triton.jit
 def _routed_w13_kernel(
     x_ptr,  # bf16 [1, hidden] contiguous: the normed row
-    ids_ptr,  # int64/int32 [1, NUM_TOPK] contiguous: the picks, -1 = none
+    ids_ptr,  # int64/int32 [1, K] contiguous: the picks (program k reads the k-th), -1 = none
     n_ptr,  # int32 [1]: live rows (0 or 1)
     w_ptr,  # bf16 [E, 2 * inter, hidden], last dim contiguous: gate rows, then up rows
-    act_ptr,  # bf16 [NUM_TOPK, inter] contiguous out: silu(gate) * up of each pick
+    act_ptr,  # bf16 [K, inter] contiguous out: silu(gate) * up of each pick
     num_experts, inter, hidden,  # ints
     stride_we, stride_wn,  # w's expert and row strides (elements)
-    NUM_TOPK: tl.constexpr,
     BLOCK_N: tl.constexpr,  # gate (and up) rows a program
     BLOCK_K: tl.constexpr,  # K columns a round (the whole K when it fits)
     ROUNDS: tl.constexpr,  # cdiv(hidden, BLOCK_K)
@@ -97,7 +96,7 @@ def _routed_w13_kernel(
 
 @triton.jit
 def _routed_w2_combine_kernel(
-    act_ptr,  # bf16 [NUM_TOPK, inter] contiguous: routed_w13's output
+    act_ptr,  # bf16 [NUM_TOPK, inter] contiguous: routed_w13's output (its dtype rounds y)
     ids_ptr,  # int64/int32 [1, NUM_TOPK] contiguous
     tw_ptr,  # fp32 [1, NUM_TOPK] contiguous: the routing weights
     n_ptr,  # int32 [1]: live rows (0 or 1)
@@ -137,7 +136,7 @@ def _routed_w2_combine_kernel(
         wt = tl.load(w_ptrs + k0, mask=rows[:, :, None] & km[None, None, :], other=0.0)
         av = tl.load(a_ptrs + k0, mask=ok[:, None] & km[None, :], other=0.0).to(tl.float32)
         y += tl.sum(wt.to(tl.float32) * av[:, None, :], axis=2)
-    y = y.to(out_ptr.dtype.element_ty).to(tl.float32)  # each pick's row as the masked y holds it
+    y = y.to(act_ptr.dtype.element_ty).to(tl.float32)  # each pick's row as the masked y holds it
     tw = tl.load(tw_ptr + offs_t, mask=offs_t < NUM_TOPK, other=0.0)
     # the picks summed with their weights in fp32: one reduction (a fixed order for a config;
     # the combine's k-order loop measured 1.002x the qwen3-like bs-1 step)
@@ -205,7 +204,7 @@ def routed_w13(x: torch.Tensor, topk_ids: torch.Tensor, n: torch.Tensor, w13: to
         return out
     _routed_w13_kernel[(num_topk, triton.cdiv(inter, block_n))](
         x, topk_ids, n, w13, out, w13.shape[0], inter, hidden, w13.stride(0), w13.stride(1),
-        NUM_TOPK=num_topk, BLOCK_N=block_n, BLOCK_K=block_k, ROUNDS=triton.cdiv(hidden, block_k),
+        BLOCK_N=block_n, BLOCK_K=block_k, ROUNDS=triton.cdiv(hidden, block_k),
         EVEN_K=hidden % block_k == 0,
         num_warps=num_warps,
         **pdl_args())

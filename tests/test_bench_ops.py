@@ -200,23 +200,29 @@ def tiny():
     return make_step(preset("tiny"), "cpu", max_batch_size=8, backend="triton")
 
 
-def test_reference_step_traces_through_ops_without_graph_breaks(tiny):
-    """fullgraph=True raises on any graph break; aot_eager also runs functionalization over
-    the ops' mutations (auto_functionalized), so the fake impls and schemas are exercised."""
-    spec, model = tiny
-    inputs = spec.random_inputs(4, "cpu", torch.Generator().manual_seed(3))
-    n = torch.tensor([3], dtype=torch.int32)
+def _compiled_through_ops(spec, model, rows: int, live: int, seed: int):
+    """The eager logits of one step of ``rows`` (``live`` of them live) and those of the step
+    compiled fullgraph under ``launchers_as_ops`` (aot_eager); the overlap off for both."""
+    inputs = spec.random_inputs(rows, "cpu", torch.Generator().manual_seed(seed))
+    n = torch.tensor([live], dtype=torch.int32)
     model.overlap = False
     try:
         ref = model.step(**inputs, n=n)["logits"]
         torch._dynamo.reset()
         with gops.launchers_as_ops():
             step = torch.compile(model.step, backend="aot_eager", fullgraph=True, dynamic=False)
-            out = step(**inputs, n=n)
-        assert torch.equal(out["logits"], ref)
+            return ref, step(**inputs, n=n)["logits"]
     finally:
         model.overlap = True
         torch._dynamo.reset()
+
+
+def test_reference_step_traces_through_ops_without_graph_breaks(tiny):
+    """fullgraph=True raises on any graph break; aot_eager also runs functionalization over
+    the ops' mutations (auto_functionalized), so the fake impls and schemas are exercised."""
+    spec, model = tiny
+    ref, out = _compiled_through_ops(spec, model, 4, 3, seed=3)
+    assert torch.equal(out, ref)
 
 
 def test_one_row_routed_step_traces_through_ops_without_graph_breaks():
@@ -224,17 +230,6 @@ def test_one_row_routed_step_traces_through_ops_without_graph_breaks():
     ``launchers_as_ops`` it compiles fullgraph through ``graphrt::routed_w13`` and
     ``graphrt::routed_w2_combine`` and gives the eager logits bitwise."""
     spec, model = make_step(preset("tiny"), "cpu", max_batch_size=8)
-    inputs = spec.random_inputs(1, "cpu", torch.Generator().manual_seed(5))
-    n = torch.tensor([1], dtype=torch.int32)
-    model.overlap = False
-    try:
-        ref = model.step(**inputs, n=n)["logits"]
-        assert all(l.moe.last_masked_m is None for l in model.layers)  # the routed path ran
-        torch._dynamo.reset()
-        with gops.launchers_as_ops():
-            step = torch.compile(model.step, backend="aot_eager", fullgraph=True, dynamic=False)
-            out = step(**inputs, n=n)
-        assert torch.equal(out["logits"], ref)
-    finally:
-        model.overlap = True
-        torch._dynamo.reset()
+    ref, out = _compiled_through_ops(spec, model, 1, 1, seed=5)
+    assert all(l.moe.last_masked_m is None for l in model.layers)  # the routed path ran
+    assert torch.equal(out, ref)
