@@ -8,11 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from graphrt.kernels._util import interpreting
 from graphrt.kernels.routed_gemv import (routed_config, routed_mlp_ref, routed_w13,
                                          routed_w2_combine)
 
 BF16_RTOL = 2 ** -7  # one bf16 ulp: fp32 sums in another order round to a neighbour
-ACT_RTOL = 2 ** -6  # act rounds three times (gate, up, the product): up to ~3 ulps apart
+# act rounds three times (gate, up, the product), each maybe to the other neighbour of the
+# fp64 value, and silu's slope amplifies gate's: a few ulps apart (atol covers small values).
+# Triton's CPU interpreter rounds fp32 to bf16 by truncation, not to nearest: one ulp each,
+# the same way, so its errors add up rather than cancel.
+ACT_RTOL = 2 ** -5
+OUT_NORM_RTOL = 2 ** -5 if interpreting() else 2 ** -6
 
 
 def _weights(E, hidden, inter, device="cpu", seed=0):
@@ -68,7 +74,7 @@ def _close_within(got, ref, bound, rounding):
 def _check(act, out, ref_act, ref_out, ids, w, n, w2):
     """act within the activation's roundings of the fp64 reference (dead picks' rows
     untouched); out within one rounding of the W2 + combine reference on the kernel's act, and
-    close to the whole fp64 reference."""
+    normwise close to the whole fp64 reference."""
     live = [int(n[0]) > 0 and 0 <= e < w2.shape[0] for e in ids[0].tolist()]
     for k, ok in enumerate(live):
         if ok:
@@ -77,7 +83,10 @@ def _check(act, out, ref_act, ref_out, ids, w, n, w2):
             assert torch.isnan(act[k].float()).all(), f"act row {k} of a dead pick was written"
     assert not torch.isnan(out.float()).any(), "out left unwritten"
     _close_within(out, *_w2_ref(torch.nan_to_num(act.float()), ids, w, n, w2), BF16_RTOL)
-    torch.testing.assert_close(out.double(), ref_out, rtol=ACT_RTOL, atol=1e-2)
+    # against the whole fp64 reference: act's ulps spread over a sum that may cancel, so
+    # normwise (elementwise, a cancelled column could be any few ulps of its terms)
+    err = float((out.double() - ref_out).norm())
+    assert err <= OUT_NORM_RTOL * float(ref_out.norm()) + 1e-6, (err, float(ref_out.norm()))
 
 
 # ------------------------------------------------------------------------ CPU (interpreter)
@@ -89,7 +98,7 @@ def _check(act, out, ref_act, ref_out, ids, w, n, w2):
 ])
 def test_matches_ref(E, K, hidden, inter, blocks, dead):
     w13, w2 = _weights(E, hidden, inter, seed=E + hidden)
-    x = torch.randn(1, hidden).to(torch.bfloat16)
+    x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(hidden)).to(torch.bfloat16)
     ids, w = _picks(E, K, seed=inter, dead=dead)
     n = torch.ones(1, dtype=torch.int32)
     act, out = _run(x, ids, w, n, w13, w2, **blocks)
@@ -104,7 +113,7 @@ def test_matches_the_masked_path():
     from graphrt.kernels.dispatch import dispatch_masked_ref
     E, K, hidden, inter = 16, 4, 64, 32
     w13, w2 = _weights(E, hidden, inter, seed=5)
-    x = torch.randn(1, hidden).to(torch.bfloat16)
+    x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(hidden)).to(torch.bfloat16)
     ids, w = _picks(E, K, seed=9)
     n = torch.ones(1, dtype=torch.int32)
     act, out = _run(x, ids, w, n, w13, w2)
@@ -115,13 +124,14 @@ def test_matches_the_masked_path():
     ref = torch.empty(1, hidden, dtype=torch.bfloat16)
     combine_masked(y, ids, w, pos, n, out=ref)
     torch.testing.assert_close(act.float(), a[ids[0], 0].float(), rtol=ACT_RTOL, atol=1e-2)
-    torch.testing.assert_close(out.float(), ref.float(), rtol=ACT_RTOL, atol=1e-2)
+    err = float((out.double() - ref.double()).norm())
+    assert err <= OUT_NORM_RTOL * float(ref.double().norm()), err
 
 
 def test_no_live_row_and_bad_ids():
     E, K, hidden, inter = 8, 4, 32, 16
     w13, w2 = _weights(E, hidden, inter)
-    x = torch.randn(1, hidden).to(torch.bfloat16)
+    x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(hidden)).to(torch.bfloat16)
     ids, w = _picks(E, K)
     act, out = _run(x, ids, w, torch.zeros(1, dtype=torch.int32), w13, w2)
     assert torch.isnan(act.float()).all(), "n = 0 wrote activations"
@@ -136,7 +146,7 @@ def test_no_live_row_and_bad_ids():
 def test_int32_ids_and_fp32_out():
     E, K, hidden, inter = 8, 2, 32, 16
     w13, w2 = _weights(E, hidden, inter, seed=3)
-    x = torch.randn(1, hidden).to(torch.bfloat16)
+    x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(hidden)).to(torch.bfloat16)
     ids, w = _picks(E, K, seed=3)
     n = torch.ones(1, dtype=torch.int32)
     act, out = _run(x, ids.int(), w, n, w13, w2, out_dtype=torch.float32)
@@ -157,7 +167,7 @@ def test_config():
 def test_validation():
     E, K, hidden, inter = 4, 2, 32, 16
     w13, w2 = _weights(E, hidden, inter)
-    x = torch.randn(1, hidden).to(torch.bfloat16)
+    x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(hidden)).to(torch.bfloat16)
     ids, w = _picks(E, K)
     n = torch.ones(1, dtype=torch.int32)
     act = torch.empty(K, inter, dtype=torch.bfloat16)
@@ -221,7 +231,7 @@ def test_experts_routed_matches_the_masked_experts():
     E, K, hidden, inter = 8, 2, 64, 32
     ex = Experts(hidden, inter, E, "cpu", seed=4, backend="triton", max_cap=16)
     comm = LocalComm(E, hidden, K, "cpu", max_tokens=4, cap_align=16)
-    x = torch.randn(1, hidden).to(torch.bfloat16)
+    x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(hidden)).to(torch.bfloat16)
     ids, w = _picks(E, K, seed=6)
     n = torch.ones(1, dtype=torch.int32)
     d = comm.dispatch(x, ids, n, topk_weights=w)
