@@ -426,6 +426,8 @@ def _replay_events():
 @pytest.mark.parametrize("name,cls", [
     (_DG, "expert_gemm"), ("_masked_grouped_gemm_kernel", "expert_gemm"),
     ("_decode_gemm_kernel", "expert_gemm"), ("_decode_reduce_kernel", "expert_gemm"),
+    ("_expert_rows_kernel", "expert_gemm"), ("_routed_w13_kernel", "expert_gemm"),
+    ("_routed_w2_combine_kernel", "expert_gemm"),  # W2 with the combine in it: a GEMM first
     ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "dense_gemm"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64_execute_kernel__5x_cublas", "dense_gemm"),
     ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_bf16_64x64_64x4_tn_align8>(Params)",

@@ -24,9 +24,10 @@ kernel name; memcpy and memset are ``other``):
 ===============  =========================================================================
 ``comm``         DeepEP (``deep_ep``) and NCCL (``nccl``) kernels
 ``expert_gemm``  DeepGEMM (``deep_gemm``: the reference model calls it for the routed
-                 experts only), our masked Triton GEMM (``_masked_grouped_gemm``) and the
-                 decode grouped GEMM (``_decode_gemm``, ``_decode_reduce``), the one-row
-                 routed experts (``_routed_w13``, ``_routed_w2_combine``: W2 with the combine)
+                 experts only), our masked Triton GEMM (``_masked_grouped_gemm``), the
+                 decode grouped GEMM (``_decode_gemm``, ``_decode_reduce``), its 1-4-row
+                 sibling on the CUDA cores (``_expert_rows``) and the one-row routed
+                 experts (``_routed_w13``, ``_routed_w2_combine``: W2 with the combine)
 ``attention``    ``attn_`` (our split, merge and fused decode attention), ``kv_append``,
                  ``flash``, ``attention``
 ``norm``         ``rmsnorm`` (our fused add+RMSNorm), ``layer_norm``
@@ -53,7 +54,7 @@ LABELS = {"expert_gemm": "expert GEMM", "dense_gemm": "dense GEMM", "attention":
 _PATTERNS = (  # first match wins: DeepEP's dispatch is comm, not routing; our GEMMs before cuBLAS
     ("comm", ("deep_ep", "deepep", "nccl")),
     ("expert_gemm", ("deep_gemm", "_masked_grouped_gemm", "_decode_gemm", "_decode_reduce",
-                     "_routed_w")),
+                     "_expert_rows", "_routed_w")),
     ("attention", ("attn_", "kv_append", "flash", "attention")),
     ("norm", ("rmsnorm", "layer_norm")),
     ("routing", ("topk", "dispatch", "combine", "map_and_count")),
