@@ -24,6 +24,11 @@ def check(cond: bool, what: str, expected: object, got: object) -> None:
         raise ValueError(f"{what}: expected {expected}, got {got}")
 
 
+def is_pow2(v) -> bool:
+    """True for an int (not a bool) that is a power of two: a launcher's block size."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1 and v & (v - 1) == 0
+
+
 def check_tensor(t: torch.Tensor, name: str, *, shape=None, dtype=None, device=None,
                  contiguous: bool = False) -> None:
     """Validate a launcher argument; ``shape`` entries may be ``None`` (any size)."""

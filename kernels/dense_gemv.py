@@ -210,12 +210,19 @@ def _check_xw_out(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, max_rows:
     return m, n, k
 
 
+def rows_block_k(k: int) -> int:
+    """The K columns a CUDA-core GEMV program loads in one round: the whole K up to 4096 (a
+    power of two, at least 16). Shared by ``dense_gemv_rows_config`` and
+    ``kernels.routed_gemv.routed_config``. Host-only."""
+    return max(16, min(4096, triton.next_power_of_2(max(k, 1))))
+
+
 def dense_gemv_rows_config(n: int, k: int) -> dict:
     """``{"block_n", "block_k"}`` of :func:`dense_gemv_rows`: ``block_k`` = the whole K up to
     4096 (a power of two), ``block_n`` = ``_ROWS_TILE // block_k`` (2-64 W rows), never more
     than ``next_power_of_2(n)``. qwen3-like qkv [5120, 2048] -> (4, 2048): 1280 programs.
     Host-only."""
-    block_k = max(16, min(4096, triton.next_power_of_2(max(k, 1))))
+    block_k = rows_block_k(k)
     block_n = max(1, min(64, _ROWS_TILE // block_k, triton.next_power_of_2(max(n, 1))))
     return {"block_n": block_n, "block_k": block_k}
 

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ._pdl import pdl_prologue
-from ._util import check, check_tensor, pdl_args
+from ._util import check, check_tensor, is_pow2, pdl_args
 from .dense_gemv import dense_gemv_rows_config
 from ._masked import _live_prologue, _pick_expert, _silu_mul
 from .grouped_gemm_decode import decode_grouped_gemm_ref, num_programs
@@ -110,10 +110,6 @@ def expert_gemv_rows_config(n: int, k: int) -> dict:
     return dense_gemv_rows_config(n, k)
 
 
-def _pow2(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1 and v & (v - 1) == 0
-
-
 def expert_gemv_rows(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *,
                      out: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
                      num_warps: int = 4, act: str | None = None) -> torch.Tensor:
@@ -162,13 +158,13 @@ def expert_gemv_rows(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *
     cfg = expert_gemv_rows_config(2 * n if act else n, k)  # with act: W13's, per half
     block_n = cfg["block_n"] if block_n is None else block_n
     block_k = cfg["block_k"] if block_k is None else block_k
-    check(_pow2(block_n) and block_n <= 128, "block_n", "a power of two <= 128 (or None)",
+    check(is_pow2(block_n) and block_n <= 128, "block_n", "a power of two <= 128 (or None)",
           repr(block_n))
-    check(_pow2(block_k) and 16 <= block_k <= 8192, "block_k",
+    check(is_pow2(block_k) and 16 <= block_k <= 8192, "block_k",
           "a power of two in [16, 8192] (or None)", repr(block_k))
     check(block_n * block_k <= _MAX_TILE, "block_n * block_k", f"<= {_MAX_TILE}",
           block_n * block_k)
-    check(isinstance(num_warps, int) and _pow2(num_warps) and num_warps <= 32, "num_warps",
+    check(isinstance(num_warps, int) and is_pow2(num_warps) and num_warps <= 32, "num_warps",
           "a power of two <= 32", repr(num_warps))
     if E == 0 or cap == 0 or n == 0:
         return out

@@ -39,11 +39,10 @@ import triton.language as tl
 
 from ._masked import _silu_mul
 from ._pdl import pdl_prologue
-from ._util import check, check_tensor, pdl_args
+from ._util import check, check_tensor, is_pow2, pdl_args
+from .dense_gemv import _ROWS_TILE, rows_block_k
 
-_TILE = 8192  # W13: weight elements a program loads in one round, per matrix (16 KB bf16)
 _W2_TILE = 16384  # W2: weight elements a program loads in one round, every pick's (32 KB)
-MAX_K_ROUND = 4096  # K columns a round loads at most (K loops past it)
 
 
 @triton.jit
@@ -146,12 +145,13 @@ def _routed_w2_combine_kernel(
 
 def routed_config(rows_k: int, picks: int = 1, tile: int | None = None) -> dict:
     """``{"block_n", "block_k"}`` for a routed kernel reducing over ``rows_k`` columns with
-    ``picks`` weight tiles in one round: ``block_k`` = the whole K up to ``MAX_K_ROUND`` (a
-    power of two), ``block_n`` = ``tile // (block_k * picks)`` rows (``tile``: ``_TILE`` for
+    ``picks`` weight tiles in one round: ``block_k`` = the one-row GEMV's round
+    (``kernels.dense_gemv.rows_block_k``: the whole K up to 4096), ``block_n`` =
+    ``tile // (block_k * picks)`` rows (``tile``: the one-row GEMV's 8192 weights a matrix for
     one pick, ``_W2_TILE`` for more), at least 1. qwen3-like W13 (K 2048, one pick a program)
     -> (4, 2048); W2 (K 768 -> 1024, 8 picks) -> (2, 1024). Host-only."""
-    block_k = max(16, min(MAX_K_ROUND, triton.next_power_of_2(max(rows_k, 1))))
-    tile = tile or (_TILE if picks == 1 else _W2_TILE)
+    block_k = rows_block_k(rows_k)
+    tile = tile or (_ROWS_TILE if picks == 1 else _W2_TILE)
     block_n = max(1, tile // (block_k * triton.next_power_of_2(max(picks, 1))))
     return {"block_n": block_n, "block_k": block_k}
 
@@ -160,7 +160,7 @@ def _blocks(cfg: dict, block_n: int | None, block_k: int | None) -> tuple[int, i
     """The launch's ``(block_n, block_k)``: the given ones (powers of two) or the config's."""
     block_n, block_k = block_n or cfg["block_n"], block_k or cfg["block_k"]
     for name, v in (("block_n", block_n), ("block_k", block_k)):
-        check(isinstance(v, int) and v >= 1 and v & (v - 1) == 0, name, "a power of two", v)
+        check(is_pow2(v), name, "a power of two", v)
     return block_n, block_k
 
 

@@ -198,9 +198,9 @@ def dense_parts(model) -> dict:
 
 def experts_hit(model, spec, inputs: dict) -> int:
     """(layer, local expert) pairs that get rows when ``inputs`` run as one eager step,
-    counted per layer from the dispatch's ``masked_m`` (or, on a one-row step's routed
-    path, from the picks ``Experts.routed`` is handed) (``graphrt.bench.modes.floor_bytes``
-    uses it; ``last_masked_m`` would not do: layers share the dispatch's buffers).
+    counted per layer from the dispatch's ``masked_m``, or from the picks ``Experts.routed``
+    is handed on a one-row step's routed path. ``graphrt.bench.modes.floor_bytes`` uses it;
+    ``last_masked_m`` would not do: layers share the dispatch's buffers.
     Host-only (runs the step, writes the KV cache, syncs)."""
     from graphrt.bench.modes import CountHits
     hits: list[int] = []
