@@ -190,6 +190,144 @@ def test_validation():
         routed_w2_combine(act, ids, w, n, w2[:, :, :8], out=out)
 
 
+def _ranked(x, logits, n, w13, w2, K, preload=False):
+    """Both launches ranking ``logits`` themselves, into NaN-poisoned outputs: (act, out, ids,
+    w)."""
+    inter = w13.shape[1] // 2
+    act = torch.full((K, inter), float("nan"), dtype=torch.bfloat16, device=x.device)
+    out = torch.full((1, w2.shape[1]), float("nan"), dtype=torch.bfloat16, device=x.device)
+    ids = torch.full((1, K), -7, dtype=torch.int64, device=x.device)
+    w = torch.full((1, K), float("nan"), dtype=torch.float32, device=x.device)
+    routed_w13(x, None, n, w13, out=act, logits=logits, wait_first=preload)
+    routed_w2_combine(act, ids, w, n, w2, out=out, logits=logits, preload=preload)
+    return act, out, ids, w
+
+
+def _logits(E, seed, dtype=torch.bfloat16, masked=(), tie=None):
+    """Seeded router logits ``[1, E]``; ``masked`` experts at -inf (an engine's logit mask);
+    ``tie``: experts given the largest logit (a tie the lower id must win)."""
+    g = torch.Generator().manual_seed(seed)
+    lg = torch.randn(1, E, generator=g) * 2
+    for e in masked:
+        lg[0, e] = float("-inf")
+    if tie is not None:
+        lg[0, list(tie)] = lg.max() + 1
+    return lg.to(dtype)
+
+
+@pytest.mark.parametrize("E, K, dtype, masked, tie", [
+    (16, 4, torch.bfloat16, (), None),
+    (12, 6, torch.float32, (), None),          # experts not a power of two, fp32 logits
+    (16, 4, torch.bfloat16, (0, 3, 9), (5, 2)),  # -inf masks; a tie: the lower id first
+    (10, 8, torch.float16, tuple(range(4)), None),  # fewer finite experts than picks
+    (200, 8, torch.bfloat16, (), None),        # many experts (<= MAX_RANK_EXPERTS)
+])
+def test_ranked_picks_are_the_top_k(E, K, dtype, masked, tie):
+    """Ranking the logits in the two launches picks what the router's top-k kernel picks
+    (ids equal, weights within fp32 roundings), and the MLP is then bitwise the launches
+    given those ids; the picks and weights are written once."""
+    from graphrt.kernels.routing import topk_softmax
+    hidden, inter = 32, 16
+    w13, w2 = _weights(E, hidden, inter, seed=E)
+    x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    logits = _logits(E, seed=E + K, dtype=dtype, masked=masked, tie=tie)
+    n = torch.ones(1, dtype=torch.int32)
+    act, out, ids, w = _ranked(x, logits, n, w13, w2, K)
+    ref_w = torch.empty(1, K)
+    ref_ids = torch.empty(1, K, dtype=torch.int64)
+    topk_softmax(logits, n, K, out_weights=ref_w, out_ids=ref_ids)
+    assert torch.equal(ids, ref_ids), (ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, rtol=4e-7, atol=1e-7)
+    if tie is not None:
+        assert ids[0, :2].tolist() == sorted(tie)
+    act2, out2 = _run(x, ids, w, n, w13, w2)
+    assert torch.equal(act, act2)
+    assert torch.equal(out, out2)
+
+
+@pytest.mark.parametrize("ranked", [False, True])
+def test_preload_changes_nothing(ranked):
+    """``wait_first`` / ``preload`` move when loads are issued, not what is computed."""
+    E, K, hidden, inter = 16, 4, 64, 40  # inter 40: a ragged first round
+    w13, w2 = _weights(E, hidden, inter, seed=2)
+    x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    n = torch.ones(1, dtype=torch.int32)
+    if ranked:
+        logits = _logits(E, seed=4)
+        a, b = _ranked(x, logits, n, w13, w2, K), _ranked(x, logits, n, w13, w2, K, preload=True)
+        for u, v in zip(a, b):
+            assert torch.equal(u, v)
+        return
+    ids, w = _picks(E, K, seed=5, dead=(1,))
+    act, out = _run(x, ids, w, n, w13, w2)
+    act2 = torch.full_like(act, float("nan"))
+    out2 = torch.full_like(out, float("nan"))
+    routed_w13(x, ids, n, w13, out=act2, wait_first=True)
+    routed_w2_combine(act2, ids, w, n, w2, out=out2, preload=True, block_k=16)  # 3 rounds
+    assert torch.equal(act.isnan(), act2.isnan())
+    assert torch.equal(torch.nan_to_num(act), torch.nan_to_num(act2))
+    torch.testing.assert_close(out.float(), out2.float(), rtol=2 ** -7, atol=1e-3)
+
+
+def test_ranked_no_live_row():
+    """n = 0: no activation written, a zero row out, the picks -1 with weight 0."""
+    E, K, hidden, inter = 8, 2, 32, 16
+    w13, w2 = _weights(E, hidden, inter)
+    x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    act, out, ids, w = _ranked(x, _logits(E, seed=1), torch.zeros(1, dtype=torch.int32), w13,
+                               w2, K)
+    assert torch.isnan(act.float()).all()
+    assert (out == 0).all() and (ids == -1).all() and (w == 0).all()
+
+
+def test_ranked_validation():
+    E, K, hidden, inter = 8, 2, 32, 16
+    w13, w2 = _weights(E, hidden, inter)
+    x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    n = torch.ones(1, dtype=torch.int32)
+    act = torch.empty(K, inter, dtype=torch.bfloat16)
+    out = torch.empty(1, hidden, dtype=torch.bfloat16)
+    logits = _logits(E, seed=1)
+    ids, w = torch.empty(1, K, dtype=torch.int64), torch.empty(1, K)
+    with pytest.raises(ValueError, match="topk_ids: expected None with logits"):
+        routed_w13(x, ids, n, w13, out=act, logits=logits)
+    with pytest.raises(ValueError, match=r"logits.shape: expected \(1, 8\)"):
+        routed_w13(x, None, n, w13, out=act, logits=logits[:, :4])
+    with pytest.raises(ValueError, match="num_topk: expected 1..8"):
+        routed_w13(x, None, n, w13, out=torch.empty(9, inter, dtype=torch.bfloat16),
+                   logits=logits)
+    big13, big2 = _weights(300, 4, 2)
+    with pytest.raises(ValueError, match=r"num_experts \(ranked picks\): expected <= 256"):
+        routed_w13(x[:, :4].contiguous(), None, n, big13, out=torch.empty(K, 2, dtype=torch.bfloat16),
+                   logits=torch.zeros(1, 300))
+    with pytest.raises(ValueError, match="topk_ids.dtype: expected torch.int64"):
+        routed_w2_combine(act, ids.int(), w, n, w2, out=out, logits=logits)
+
+
+def test_model_one_row_step_ranks_without_a_topk_launch(monkeypatch):
+    """With ``MoEBlock.routed_rank`` (the default) the planned tiny model's one-row step
+    (softmax routing) launches no top-k (the router's kernel is made to fail) and gives the
+    logits of the step with the top-k launch (the same picks; the weights within fp32
+    roundings)."""
+    from graphrt.kernels import routing
+    from graphrt.moe import make_step, preset
+    from graphrt.moe.model import MoEBlock
+    spec, model = make_step(preset("tiny", routing="softmax"), "cpu", max_batch_size=8)
+    assert model.layers[0].moe._ranks()
+    inputs = spec.random_inputs(1, "cpu", torch.Generator().manual_seed(2))
+    monkeypatch.setattr(MoEBlock, "routed_rank", False)
+    ref = spec.call(inputs)["logits"].clone()
+    monkeypatch.setattr(MoEBlock, "routed_rank", True)
+
+    def no_topk(*a, **k):
+        raise AssertionError("a top-k launch in a ranked one-row step")
+    monkeypatch.setattr(routing, "topk_softmax", no_topk)
+    out = spec.call(inputs)["logits"]
+    assert all(l.moe.last_masked_m is None for l in model.layers)
+    rel = (out.float() - ref.float()).norm() / ref.float().norm()
+    assert rel < 1e-2, rel
+
+
 # ------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, E, K, hidden, inter", [
@@ -260,3 +398,48 @@ def test_model_one_row_step_takes_the_routed_path(monkeypatch):
     assert rel < 2e-2, rel
     spec.call(spec.random_inputs(2, "cpu", torch.Generator().manual_seed(1)))
     assert all(l.moe.last_masked_m is not None for l in model.layers)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preload", [False, True])
+def test_gpu_ranked_picks_replay(cuda_device, preload):
+    """qwen3-like shapes, PDL as the model launches it: a graph of the two ranked launches
+    (with and without the preload) replayed with new logits, rows and ``n``; each replay's
+    picks equal ``topk_softmax``'s and its output bitwise the launches given those picks."""
+    from graphrt.kernels.routing import topk_softmax
+    dev, E, K, hidden, inter = cuda_device, 64, 8, 2048, 768
+    w13, w2 = _weights(E, hidden, inter, device=dev, seed=1)
+    x = torch.randn(1, hidden, device=dev).to(torch.bfloat16)
+    logits = _logits(E, seed=0).to(dev)
+    n = torch.ones(1, dtype=torch.int32, device=dev)
+    act = torch.empty(K, inter, dtype=torch.bfloat16, device=dev)
+    out = torch.empty(1, hidden, dtype=torch.bfloat16, device=dev)
+    ids = torch.empty(1, K, dtype=torch.int64, device=dev)
+    w = torch.empty(1, K, dtype=torch.float32, device=dev)
+
+    def launches():
+        routed_w13(x, None, n, w13, out=act, logits=logits, wait_first=preload)
+        routed_w2_combine(act, ids, w, n, w2, out=out, logits=logits, preload=preload)
+
+    launches()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launches()
+    for trial in range(6):
+        x.copy_(torch.randn(1, hidden, device=dev).to(torch.bfloat16))
+        logits.copy_(_logits(E, seed=10 + trial, masked=(3, 7) if trial % 2 else ()).to(dev))
+        n.fill_(0 if trial == 5 else 1)
+        for t in (act, out, w):
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_w, ref_ids = torch.empty_like(w), torch.empty_like(ids)
+        topk_softmax(logits, n, K, out_weights=ref_w, out_ids=ref_ids)
+        assert torch.equal(ids, ref_ids), trial
+        torch.testing.assert_close(w, ref_w, rtol=4e-7, atol=1e-7)
+        if trial == 5:
+            assert (out == 0).all()
+            continue
+        act2, out2 = _run(x, ids, w, n, w13, w2)
+        assert torch.equal(act, act2) and torch.equal(out, out2), trial
