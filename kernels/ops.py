@@ -26,10 +26,9 @@ every op returns ``None`` (a custom op may not return an alias of its input)::
                                           swap=False, epilogue=None)
     torch.ops.graphrt.expert_gemv_rows(a, b, masked_m, out, block_n=None, block_k=None,
                                        num_warps=4, act=None)
-    torch.ops.graphrt.routed_w13(x, topk_ids, n, w13, out, logits=None, wait_first=False,
-                                 block_n=None, block_k=None, num_warps=8)
-    torch.ops.graphrt.routed_w2_combine(act, topk_ids, topk_weights, n, w2, out, logits=None,
-                                        renormalize=True, preload=False, block_n=None,
+    torch.ops.graphrt.routed_w13(x, topk_ids, n, w13, out, block_n=None, block_k=None,
+                                 num_warps=8)
+    torch.ops.graphrt.routed_w2_combine(act, topk_ids, topk_weights, n, w2, out, block_n=None,
                                         block_k=None, num_warps=4)
     torch.ops.graphrt.kv_append(k, v, slot_mapping, n, k_cache, v_cache)
     torch.ops.graphrt.decode_attention(q, k_cache, v_cache, block_table, seq_lens, n, out,
@@ -185,27 +184,22 @@ def expert_gemv_rows(a: Tensor, b: Tensor, masked_m: Tensor, out: Tensor,
 
 
 @_op("routed_w13", ("out",))
-def routed_w13(x: Tensor, topk_ids: Optional[Tensor], n: Tensor, w13: Tensor, out: Tensor,
-               logits: Optional[Tensor] = None, wait_first: bool = False,
+def routed_w13(x: Tensor, topk_ids: Tensor, n: Tensor, w13: Tensor, out: Tensor,
                block_n: Optional[int] = None, block_k: Optional[int] = None,
                num_warps: int = 8) -> None:
     """``graphrt.kernels.routed_gemv.routed_w13``. Graph safety: capturable."""
     _launcher(f"{_KERNELS}.routed_gemv", "routed_w13")(
-        x, topk_ids, n, w13, out=out, logits=logits, wait_first=wait_first, block_n=block_n,
-        block_k=block_k, num_warps=num_warps)
+        x, topk_ids, n, w13, out=out, block_n=block_n, block_k=block_k, num_warps=num_warps)
 
 
-@_op("routed_w2_combine", ("out", "topk_ids", "topk_weights"))
+@_op("routed_w2_combine", ("out",))
 def routed_w2_combine(act: Tensor, topk_ids: Tensor, topk_weights: Tensor, n: Tensor,
-                      w2: Tensor, out: Tensor, logits: Optional[Tensor] = None,
-                      renormalize: bool = True, preload: bool = False,
-                      block_n: Optional[int] = None, block_k: Optional[int] = None,
-                      num_warps: int = 4) -> None:
-    """``graphrt.kernels.routed_gemv.routed_w2_combine`` (with ``logits`` it writes
-    ``topk_ids`` and ``topk_weights``: declared mutated). Graph safety: capturable."""
+                      w2: Tensor, out: Tensor, block_n: Optional[int] = None,
+                      block_k: Optional[int] = None, num_warps: int = 4) -> None:
+    """``graphrt.kernels.routed_gemv.routed_w2_combine``. Graph safety: capturable."""
     _launcher(f"{_KERNELS}.routed_gemv", "routed_w2_combine")(
-        act, topk_ids, topk_weights, n, w2, out=out, logits=logits, renormalize=renormalize,
-        preload=preload, block_n=block_n, block_k=block_k, num_warps=num_warps)
+        act, topk_ids, topk_weights, n, w2, out=out, block_n=block_n, block_k=block_k,
+        num_warps=num_warps)
 
 
 @_op("deepgemm_masked_bf16", ("d",))

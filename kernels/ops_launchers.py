@@ -77,17 +77,14 @@ def _wrappers() -> dict[tuple[str, str], object]:
         ops.expert_gemv_rows(a, b, masked_m, out, block_n, block_k, num_warps, act)
         return out
 
-    def routed_w13_(x, topk_ids, n, w13, *, out, logits=None, wait_first=False, block_n=None,
-                    block_k=None, num_warps=8):
-        ops.routed_w13(x, topk_ids, n, w13, out, logits, wait_first, block_n, block_k,
-                       num_warps)
+    def routed_w13_(x, topk_ids, n, w13, *, out, block_n=None, block_k=None, num_warps=8):
+        ops.routed_w13(x, topk_ids, n, w13, out, block_n, block_k, num_warps)
         return out
 
-    def routed_w2_combine_(act, topk_ids, topk_weights, n, w2, *, out, logits=None,
-                           renormalize=True, preload=False, block_n=None, block_k=None,
-                           num_warps=4):
-        ops.routed_w2_combine(act, topk_ids, topk_weights, n, w2, out, logits, renormalize,
-                              preload, block_n, block_k, num_warps)
+    def routed_w2_combine_(act, topk_ids, topk_weights, n, w2, *, out, block_n=None,
+                           block_k=None, num_warps=4):
+        ops.routed_w2_combine(act, topk_ids, topk_weights, n, w2, out, block_n, block_k,
+                              num_warps)
         return out
 
     def kv_append_(k, v, slot_mapping, n, *, k_cache, v_cache):

@@ -26,21 +26,6 @@ themselves, so the dispatch and the combine are gone::
 A pick with id -1 (a padded row's) or ids out of range add nothing; with no live row
 (``n == 0``) ``out`` is zeros, as the combine writes padded rows.
 
-**Ranked picks** (``logits=``): instead of the router's top-k launch, each launch ranks the
-row's logits itself (``kernels.routing_rows._softmax_ranks``: one comparison of every
-expert's packed key with every other's, no sum, so both launches agree on the picks whatever
-their warps). A W13 program needs only its own pick's id; W2 also makes the weights (softmax
-probabilities, renormalised over the picks) and its program 0 stores the picks and weights
-for the router's outputs. That takes the top-k's launch off the one-row chain. Softmax
-routing only (the grouped sigmoid keeps its launch).
-
-**Preload** (``routed_w13(wait_first=True)`` then ``routed_w2_combine(preload=True)``): W2's
-weights depend only on the picks, which come from a kernel before W13 (the top-k, or the
-router gate's logits). With W13 waiting before it lets W2 launch, every W13 program has
-seen those complete when W2 starts, so W2 reads the picks and loads its first weight round
-before its own PDL wait, during W13's last wave, as the dense GEMVs load theirs
-(``kernels._pdl``). Only the activations are read after the wait.
-
 Glossary: ``E`` experts (local = all: EP=1), ``K`` = num_topk, ``inter`` = moe_inter, ``hidden``.
 
 Graph safety: capturable (the launchers: no allocation, no host sync); the reference is
@@ -53,20 +38,17 @@ import triton
 import triton.language as tl
 
 from ._masked import _silu_mul
-from ._pdl import pdl_prologue, pdl_trigger, pdl_wait
+from ._pdl import pdl_prologue
 from ._util import check, check_tensor, is_pow2, pdl_args
 from .dense_gemv import _ROWS_TILE, rows_block_k
-from .routing_rows import _ranked_picks, _softmax_ranks
 
 _W2_TILE = 16384  # W2: weight elements a program loads in one round, every pick's (32 KB)
-MAX_RANK_EXPERTS = 256  # ranked picks compare every expert's key with every other's
 
 
 @triton.jit
 def _routed_w13_kernel(
     x_ptr,  # bf16 [1, hidden] contiguous: the normed row
     ids_ptr,  # int64/int32 [1, K] contiguous: the picks (program k reads the k-th), -1 = none
-    logits_ptr,  # [1, num_experts] contiguous, with RANK: the router's logits (ids_ptr unused)
     n_ptr,  # int32 [1]: live rows (0 or 1)
     w_ptr,  # bf16 [E, 2 * inter, hidden], last dim contiguous: gate rows, then up rows
     act_ptr,  # bf16 [K, inter] contiguous out: silu(gate) * up of each pick
@@ -76,18 +58,12 @@ def _routed_w13_kernel(
     BLOCK_K: tl.constexpr,  # K columns a round (the whole K when it fits)
     ROUNDS: tl.constexpr,  # cdiv(hidden, BLOCK_K)
     EVEN_K: tl.constexpr,  # hidden % BLOCK_K == 0
-    RANK: tl.constexpr,  # pick k is the k-th of the logits' softmax ranks (_softmax_ranks)
-    BLOCK_E: tl.constexpr,  # with RANK: next power of 2 >= num_experts
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
     k = tl.program_id(0)
     j = tl.program_id(1)
-    if RANK:
-        ex, rank = _softmax_ranks(logits_ptr, num_experts, BLOCK_E)
-        e = tl.sum(tl.where(rank == k, tl.arange(0, BLOCK_E), 0), axis=0).to(tl.int64)
-    else:
-        e = tl.load(ids_ptr + k).to(tl.int64)
+    e = tl.load(ids_ptr + k).to(tl.int64)
     ok = (tl.load(n_ptr) > 0) & (e >= 0) & (e < num_experts)
     if ok:
         offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -120,9 +96,8 @@ def _routed_w13_kernel(
 @triton.jit
 def _routed_w2_combine_kernel(
     act_ptr,  # bf16 [NUM_TOPK, inter] contiguous: routed_w13's output (its dtype rounds y)
-    ids_ptr,  # int64/int32 [1, NUM_TOPK] contiguous (with RANK: int64 out, program 0 writes)
-    tw_ptr,  # fp32 [1, NUM_TOPK] contiguous: the routing weights (with RANK: out, program 0)
-    logits_ptr,  # [1, num_experts] contiguous, with RANK: the router's logits
+    ids_ptr,  # int64/int32 [1, NUM_TOPK] contiguous
+    tw_ptr,  # fp32 [1, NUM_TOPK] contiguous: the routing weights
     n_ptr,  # int32 [1]: live rows (0 or 1)
     w_ptr,  # bf16 [E, hidden, inter], last dim contiguous
     out_ptr,  # [1, hidden] out (bf16/fp16/fp32)
@@ -134,42 +109,21 @@ def _routed_w2_combine_kernel(
     BLOCK_K: tl.constexpr,  # inter columns a round (the whole inter when it fits)
     ROUNDS: tl.constexpr,  # cdiv(inter, BLOCK_K)
     EVEN_K: tl.constexpr,  # inter % BLOCK_K == 0
-    RANK: tl.constexpr,  # the picks are the logits' softmax top-NUM_TOPK (_softmax_ranks)
-    BLOCK_E: tl.constexpr,  # with RANK: next power of 2 >= num_experts
-    RENORMALIZE: tl.constexpr,  # with RANK: the picks' weights rescaled to sum to 1
-    PRELOAD: tl.constexpr,  # the picks and the first weight round before the PDL wait
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
-    # PRELOAD: the picks come from a kernel before the previous one, which waits before it
-    # lets this one launch (routed_w13 with wait_first): they are complete when this starts
-    pdl_trigger(USE_GDC)
-    if not PRELOAD:
-        pdl_wait(USE_GDC)
+    pdl_prologue(USE_GDC)
     j = tl.program_id(0)
     offs_t = tl.arange(0, BLOCK_T)
     offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < hidden
+    e = tl.load(ids_ptr + offs_t, mask=offs_t < NUM_TOPK, other=-1).to(tl.int64)
     live = tl.load(n_ptr + offs_t * 0) > 0  # a vector (a scalar & a vector breaks the interpreter)
-    if RANK:
-        ex, rank = _softmax_ranks(logits_ptr, num_experts, BLOCK_E)
-        tw, e = _ranked_picks(ex, rank, live, NUM_TOPK, BLOCK_E, BLOCK_T, RENORMALIZE)
-        e = e.to(tl.int64)
-    else:
-        e = tl.load(ids_ptr + offs_t, mask=offs_t < NUM_TOPK, other=-1).to(tl.int64)
-        tw = tl.load(tw_ptr + offs_t, mask=offs_t < NUM_TOPK, other=0.0)
     ok = live & (e >= 0) & (e < num_experts)  # [BLOCK_T]
     base = w_ptr + tl.where(ok, e, 0) * stride_we  # [BLOCK_T]
     rows = ok[:, None] & mask_n[None, :]  # [BLOCK_T, BLOCK_N]
     w_ptrs = (base[:, None, None] + offs_n.to(tl.int64)[None, :, None] * stride_wn
               + offs_k[None, None, :])
-    if EVEN_K:
-        km0 = offs_k < BLOCK_K
-    else:
-        km0 = offs_k < inter
-    wt0 = tl.load(w_ptrs, mask=rows[:, :, None] & km0[None, None, :], other=0.0)
-    if PRELOAD:
-        pdl_wait(USE_GDC)
     a_ptrs = act_ptr + offs_t[:, None] * inter + offs_k[None, :]
     y = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     for r in tl.static_range(ROUNDS):  # every pick's tile a round; unrolled, as in W13
@@ -178,17 +132,11 @@ def _routed_w2_combine_kernel(
             km = offs_k < BLOCK_K
         else:
             km = offs_k < inter - k0
-        if r == 0:
-            wt = wt0
-        else:
-            wt = tl.load(w_ptrs + k0, mask=rows[:, :, None] & km[None, None, :], other=0.0)
+        wt = tl.load(w_ptrs + k0, mask=rows[:, :, None] & km[None, None, :], other=0.0)
         av = tl.load(a_ptrs + k0, mask=ok[:, None] & km[None, :], other=0.0).to(tl.float32)
         y += tl.sum(wt.to(tl.float32) * av[:, None, :], axis=2)
     y = y.to(act_ptr.dtype.element_ty).to(tl.float32)  # each pick's row as the masked y holds it
-    if RANK:
-        if j == 0:  # the picks this launch used, for the router's outputs
-            tl.store(tw_ptr + offs_t, tw, mask=offs_t < NUM_TOPK)
-            tl.store(ids_ptr + offs_t, e, mask=offs_t < NUM_TOPK)
+    tw = tl.load(tw_ptr + offs_t, mask=offs_t < NUM_TOPK, other=0.0)
     # the picks summed with their weights in fp32: one reduction (a fixed order for a config;
     # the combine's k-order loop measured 1.002x the qwen3-like bs-1 step)
     acc = tl.sum(tl.where(ok, tw, 0.0)[:, None] * y, axis=0)
@@ -216,54 +164,27 @@ def _blocks(cfg: dict, block_n: int | None, block_k: int | None) -> tuple[int, i
     return block_n, block_k
 
 
-def _check_picks(ids: torch.Tensor, n: torch.Tensor, device, *, out: bool = False) -> int:
-    check_tensor(ids, "topk_ids", shape=(1, None),
-                 dtype=torch.int64 if out else (torch.int64, torch.int32), device=device,
-                 contiguous=True)
+def _check_picks(ids: torch.Tensor, n: torch.Tensor, device) -> int:
+    check_tensor(ids, "topk_ids", shape=(1, None), dtype=(torch.int64, torch.int32),
+                 device=device, contiguous=True)
     check(ids.shape[1] >= 1, "num_topk (topk_ids.shape[1])", ">= 1", ids.shape[1])
     check_tensor(n, "n", shape=(1,), dtype=torch.int32, device=device)
     return ids.shape[1]
 
 
-def _check_logits(logits: torch.Tensor, num_experts: int, num_topk: int, device) -> int:
-    """The ranked picks' logits ``[1, num_experts]`` -> BLOCK_E."""
-    check_tensor(logits, "logits", shape=(1, num_experts),
-                 dtype=(torch.bfloat16, torch.float16, torch.float32), device=device,
-                 contiguous=True)
-    check(num_experts <= MAX_RANK_EXPERTS, "num_experts (ranked picks)",
-          f"<= {MAX_RANK_EXPERTS}", num_experts)
-    check(1 <= num_topk <= num_experts, "num_topk", f"1..{num_experts} (the experts)", num_topk)
-    return triton.next_power_of_2(num_experts)
-
-
-def _pdl(wait_first: bool) -> dict:
-    """``pdl_args()``, waiting before triggering (``USE_GDC=1``) when ``wait_first``."""
-    args = pdl_args()
-    if wait_first and args:
-        args["USE_GDC"] = 1
-    return args
-
-
-def routed_w13(x: torch.Tensor, topk_ids: torch.Tensor | None, n: torch.Tensor,
-               w13: torch.Tensor, *, out: torch.Tensor, logits: torch.Tensor | None = None,
-               wait_first: bool = False, block_n: int | None = None,
-               block_k: int | None = None, num_warps: int = 8) -> torch.Tensor:
+def routed_w13(x: torch.Tensor, topk_ids: torch.Tensor, n: torch.Tensor, w13: torch.Tensor, *,
+               out: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
+               num_warps: int = 8) -> torch.Tensor:
     """SiLU-and-mul of one row's W13 for each of its picks: ``out[k] = silu(x @ gate.T) *
     (x @ up.T)`` with ``[gate | up] = w13[topk_ids[0, k]]``.
 
     Args:
         x: bf16 ``[1, hidden]``, contiguous (the normed row).
         topk_ids: int64/int32 ``[1, K]``, contiguous; -1 (or any id outside ``[0, E)``) = no
-            expert: that row of ``out`` is not written. None with ``logits``.
+            expert: that row of ``out`` is not written.
         n: int32 ``[1]``: live rows; 0 writes nothing.
         w13: bf16 ``[E, 2 * inter, hidden]``, last dim contiguous (gate rows, then up rows).
         out: bf16 ``[K, inter]``, contiguous.
-        logits: the router's ``[1, E]`` (bf16/fp16/fp32, contiguous, E <= 256) instead of
-            ``topk_ids``: the picks are their softmax top-K (``K = out.shape[0]``), every
-            program ranking the row itself (module docstring, "Ranked picks").
-        wait_first: with PDL, wait for the previous kernel before letting the next one
-            launch, so a ``routed_w2_combine(preload=True)`` after it may read the picks (or
-            the logits) before its own wait (module docstring).
         block_n, block_k: gate rows a program and K columns a round (powers of two; default
             ``routed_config``).
 
@@ -271,64 +192,45 @@ def routed_w13(x: torch.Tensor, topk_ids: torch.Tensor | None, n: torch.Tensor,
     """
     check_tensor(x, "x", shape=(1, None), dtype=torch.bfloat16, contiguous=True)
     hidden = x.shape[1]
+    num_topk = _check_picks(topk_ids, n, x.device)
     check_tensor(w13, "w13", shape=(None, None, hidden), dtype=torch.bfloat16, device=x.device)
     check(w13.shape[1] % 2 == 0, "w13.shape[1] (2 * inter)", "an even number", w13.shape[1])
     check(w13.stride(2) == 1, "w13.stride(2)", 1, w13.stride(2))
-    inter, num_experts = w13.shape[1] // 2, w13.shape[0]
-    block_e = 1
-    if logits is None:
-        num_topk = _check_picks(topk_ids, n, x.device)
-    else:
-        check(topk_ids is None, "topk_ids", "None with logits (the launch picks)",
-              type(topk_ids).__name__)
-        check_tensor(n, "n", shape=(1,), dtype=torch.int32, device=x.device)
-        num_topk = out.shape[0] if out.dim() == 2 else 0
-        block_e = _check_logits(logits, num_experts, num_topk, x.device)
+    inter = w13.shape[1] // 2
     check_tensor(out, "out", shape=(num_topk, inter), dtype=torch.bfloat16, device=x.device,
                  contiguous=True)
     block_n, block_k = _blocks(routed_config(hidden), block_n, block_k)
     if inter == 0 or hidden == 0:
         return out
     _routed_w13_kernel[(num_topk, triton.cdiv(inter, block_n))](
-        x, topk_ids if logits is None else logits, logits if logits is not None else x, n,
-        w13, out, num_experts, inter, hidden, w13.stride(0), w13.stride(1),
+        x, topk_ids, n, w13, out, w13.shape[0], inter, hidden, w13.stride(0), w13.stride(1),
         BLOCK_N=block_n, BLOCK_K=block_k, ROUNDS=triton.cdiv(hidden, block_k),
-        EVEN_K=hidden % block_k == 0, RANK=logits is not None, BLOCK_E=block_e,
+        EVEN_K=hidden % block_k == 0,
         num_warps=num_warps,
-        **_pdl(wait_first))
+        **pdl_args())
     return out
 
 
 def routed_w2_combine(act: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                       n: torch.Tensor, w2: torch.Tensor, *, out: torch.Tensor,
-                      logits: torch.Tensor | None = None, renormalize: bool = True,
-                      preload: bool = False, block_n: int | None = None,
-                      block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
+                      block_n: int | None = None, block_k: int | None = None,
+                      num_warps: int = 4) -> torch.Tensor:
     """One row's W2 for each of its picks, combined: ``out[0] = sum_k topk_weights[0, k] *
     bf16(act[k] @ w2[topk_ids[0, k]].T)`` summed in fp32 (one reduction over the picks).
 
     Args:
         act: bf16 ``[K, inter]``, contiguous (``routed_w13``'s output).
         topk_ids: int64/int32 ``[1, K]``, contiguous; picks outside ``[0, E)`` add nothing.
-            With ``logits``: int64, written (the picks this launch ranked).
-        topk_weights: fp32 ``[1, K]``, contiguous. With ``logits``: written (their weights).
-        n: int32 ``[1]``: live rows; 0 writes a zero row (and, with ``logits``, ids -1,
-            weights 0).
+        topk_weights: fp32 ``[1, K]``, contiguous.
+        n: int32 ``[1]``: live rows; 0 writes a zero row.
         w2: bf16 ``[E, hidden, inter]``, last dim contiguous.
         out: ``[1, hidden]`` bf16 (fp16/fp32 accepted), contiguous.
-        logits: the router's ``[1, E]`` as ``routed_w13`` took them: the picks are their
-            softmax top-K, ranked as that launch ranks them, and the weights their
-            probabilities, rescaled to sum to 1 over the picks with ``renormalize``
-            (``topk_softmax``'s).
-        preload: load the picks and the first weight round before the PDL wait. Only right
-            after ``routed_w13(..., wait_first=True)`` with the same picks or logits: they
-            are then complete before this launch starts (module docstring).
         block_n, block_k: output columns a program and inter columns a round (powers of two;
             default ``routed_config``).
 
     Returns ``out``. One launch, no allocation, every column written. Graph safety: capturable
     """
-    num_topk = _check_picks(topk_ids, n, act.device, out=logits is not None)
+    num_topk = _check_picks(topk_ids, n, act.device)
     check_tensor(act, "act", shape=(num_topk, None), dtype=torch.bfloat16, contiguous=True)
     inter = act.shape[1]
     check_tensor(topk_weights, "topk_weights", shape=(1, num_topk), dtype=torch.float32,
@@ -339,23 +241,17 @@ def routed_w2_combine(act: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     check_tensor(out, "out", shape=(1, hidden), dtype=(torch.bfloat16, torch.float16,
                                                         torch.float32),
                  device=act.device, contiguous=True)
-    block_e = 1
-    if logits is not None:
-        block_e = _check_logits(logits, w2.shape[0], num_topk, act.device)
-        check(inter >= 1 and hidden >= 1, "w2.shape[1:] (hidden, inter) with logits",
-              "both >= 1", tuple(w2.shape[1:]))
     block_n, block_k = _blocks(routed_config(inter, num_topk), block_n, block_k)
     if hidden == 0:
         return out
     if inter == 0:
         return out.zero_()
     _routed_w2_combine_kernel[(triton.cdiv(hidden, block_n),)](
-        act, topk_ids, topk_weights, logits if logits is not None else act, n, w2, out,
-        w2.shape[0], hidden, inter, w2.stride(0), w2.stride(1), NUM_TOPK=num_topk,
-        BLOCK_T=triton.next_power_of_2(num_topk), BLOCK_N=block_n, BLOCK_K=block_k,
-        ROUNDS=triton.cdiv(inter, block_k), EVEN_K=inter % block_k == 0,
-        RANK=logits is not None, BLOCK_E=block_e, RENORMALIZE=bool(renormalize),
-        PRELOAD=bool(preload), num_warps=num_warps, **pdl_args())
+        act, topk_ids, topk_weights, n, w2, out, w2.shape[0], hidden, inter, w2.stride(0),
+        w2.stride(1), NUM_TOPK=num_topk, BLOCK_T=triton.next_power_of_2(num_topk),
+        BLOCK_N=block_n, BLOCK_K=block_k, ROUNDS=triton.cdiv(inter, block_k),
+        EVEN_K=inter % block_k == 0,
+        num_warps=num_warps, **pdl_args())
     return out
 
 

@@ -4,8 +4,6 @@ module docstring describes the keys and the two routings).
 - ``_softmax_pick`` / ``_grouped_sigmoid_pick``: one row's picks in registers,
   ``(w fp32 [BLOCK_K], ids int32 [BLOCK_K])``, padded rows already ids -1 and weights 0;
 - ``_pick``: either one, by a constexpr;
-- ``_softmax_ranks`` / ``_ranked_picks``: the softmax picks by rank, layout-independent, for
-  ``kernels.routed_gemv``'s launches that rank one row each;
 - ``_store_picks``: a row's picks to the ``[padded_bs, NUM_TOPK]`` outputs.
 
 ``kernels.routing``'s two kernels, the fused router (``kernels.router_topk``) and the
@@ -128,49 +126,6 @@ def _softmax_pick(
         w = w / tl.sum(w, axis=0)
     w = tl.where(live, w, 0.0)
     ids = tl.where(live, ids, -1)
-    return w, ids
-
-
-@triton.jit
-def _softmax_ranks(logits_ptr, num_experts, BLOCK_E: tl.constexpr):
-    """One row's softmax numerators ``ex = exp(x - max(x))`` (fp32 [BLOCK_E], 0 on padding
-    lanes) and each expert's rank among them (int32 [BLOCK_E]: 0 = the largest; ties: the
-    lower id first, padding lanes last), from one ``[BLOCK_E, BLOCK_E]`` comparison of packed
-    keys instead of ``_top_keys``' NUM_TOPK dependent reductions.
-
-    Nothing here sums, so every kernel that calls it gets the same ranks whatever its
-    ``num_warps``: ``kernels.routed_gemv``'s two launches each rank the row themselves and
-    agree on the picks. They are ``_softmax_pick``'s (which ranks ``ex / sum(ex)``) except
-    where two probabilities round to one fp32 value while their numerators differ (logits a
-    few fp32 ulps apart; bf16 logits never are): there this takes the larger logit, that the
-    lower id."""
-    offs_e = tl.arange(0, BLOCK_E)
-    emask = offs_e < num_experts
-    x = tl.load(logits_ptr + offs_e, mask=emask, other=0.0)
-    x = tl.where(emask, x.to(tl.float32), float("-inf"))
-    ex = tl.where(emask, tl.exp(x - tl.max(x, axis=0)), 0.0)
-    key = _pack(tl.where(emask, ex, -1.0), BLOCK_E - 1 - offs_e)  # unique: the id breaks ties
-    rank = tl.sum((key[None, :] > key[:, None]).to(tl.int32), axis=1)
-    return ex, rank
-
-
-@triton.jit
-def _ranked_picks(ex, rank, live, NUM_TOPK: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr):
-    """The NUM_TOPK best of ``_softmax_ranks``' row: ``(w fp32 [BLOCK_K], ids int32
-    [BLOCK_K])`` in decreasing order, as ``_softmax_pick`` returns them (weights
-    ``ex / sum(ex)``, renormalised over the picks; a dead row: ids -1, weights 0; lanes past
-    NUM_TOPK: ids -1, weights 0)."""
-    offs_e = tl.arange(0, BLOCK_E)
-    offs_k = tl.arange(0, BLOCK_K)
-    hit = (rank[None, :] == offs_k[:, None]) & (offs_k[:, None] < NUM_TOPK)  # one per live lane
-    ids = tl.sum(tl.where(hit, offs_e[None, :], 0), axis=1)
-    got = tl.sum(hit.to(tl.int32), axis=1) > 0
-    w = tl.sum(tl.where(hit, ex[None, :], 0.0), axis=1) / tl.sum(ex, axis=0)  # one term: exact
-    if RENORMALIZE:
-        w = w / tl.sum(w, axis=0)
-    w = tl.where(live & got, w, 0.0)
-    ids = tl.where(live & got, ids, -1)
     return w, ids
 
 

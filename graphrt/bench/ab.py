@@ -38,11 +38,7 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   ``masked_grouped_gemm(epilogue="silu_and_mul")``; the plan times W13 with it);
 - ``routed-gemv``: one-row steps' routed experts addressed by the top-k's ids and weights,
   W13 with SiLU-and-mul and W2 with the combine, no dispatch and no combine launch
-  (``MoEBlock.routed_gemv``, ``Experts.routed``, ``kernels.routed_gemv``); ``routed-rank``:
-  there, no top-k launch, the two routed launches rank the gate's logits themselves
-  (``MoEBlock.routed_rank``); ``routed-preload``: there, W2 loads its picks and first
-  weight round before its PDL wait, W13 waiting before it triggers
-  (``Experts.routed_preload``);
+  (``MoEBlock.routed_gemv``, ``Experts.routed``, ``kernels.routed_gemv``);
 - ``fuse-act``: the experts' SiLU-and-mul computed by the W2 decode GEMM as it loads its
   operand (``Experts.fuse_act``, ``decode_grouped_gemm(act="silu_and_mul")``);
 - ``act-compact``: the experts' SiLU-and-mul (and, with ``--fp8``, its quantisation and the
@@ -163,10 +159,6 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
                                                       "triton_epilogue", on),
             "routed-gemv": lambda on: _class_attr("graphrt.moe.model", "MoEBlock", "routed_gemv",
                                                   on),
-            "routed-rank": lambda on: _class_attr("graphrt.moe.model", "MoEBlock", "routed_rank",
-                                                  on),
-            "routed-preload": lambda on: _class_attr("graphrt.moe.experts", "Experts",
-                                                     "routed_preload", on),
             "router-fused": lambda on: _class_attr("graphrt.moe.layers", "Router", "fused", on),
             "act-epilogue": lambda on: _class_attr("graphrt.moe.experts", "Experts",
                                                    "act_epilogue", on),

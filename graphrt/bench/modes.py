@@ -82,11 +82,10 @@ class CountHits:
 
     def routed(self, x, topk_ids, topk_weights, n, **kwargs):
         """A one-row step's routed experts (``Experts.routed``): the distinct valid picks of
-        its live row, read after the call (with ``logits=`` the launches write them)."""
-        out = self.inner.routed(x, topk_ids, topk_weights, n, **kwargs)
+        its live row."""
         ids = topk_ids[: int(n[0])]
         self.hits.append(int(ids[(ids >= 0) & (ids < self.inner.E)].unique().numel()))
-        return out
+        return self.inner.routed(x, topk_ids, topk_weights, n, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

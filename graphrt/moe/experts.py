@@ -128,11 +128,6 @@ class Experts:
     # (BENCHMARKS.md §35). GRAPHRT_TRITON_EPILOGUE=0 at import turns it off (A/B: the
     # triton-epilogue switch).
     triton_epilogue = env_flag("GRAPHRT_TRITON_EPILOGUE", True)
-    # The one-row routed W2 (``routed``) reads its picks and its first weight round before its
-    # PDL wait, with W13 waiting before it lets W2 launch (kernels.routed_gemv, "Preload").
-    # Measured in BENCHMARKS.md §37. GRAPHRT_ROUTED_PRELOAD=0 at import turns it off (A/B:
-    # the routed-preload switch).
-    routed_preload = env_flag("GRAPHRT_ROUTED_PRELOAD", True)
 
     def __init__(self, hidden: int, inter: int, num_local_experts: int, device, *, seed: int = 0,
                  first_expert: int = 0, backend: str = "auto", fp8: bool = False,
@@ -308,27 +303,20 @@ class Experts:
         return a, s.fill_(1e-2), out
 
     def routed(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-               n: torch.Tensor, *, out: torch.Tensor,
-               logits: torch.Tensor | None = None) -> torch.Tensor:
+               n: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
         """One row's routed experts addressed by its picks, combined: ``out`` ``[1, hidden]``
         = ``sum_k topk_weights[0, k] * expert_{topk_ids[0, k]}(x)``, in two launches
         (``kernels.routed_gemv``: W13 with SiLU-and-mul, then W2 with the combine) and no
         masked layout. ``x`` bf16 ``[1, hidden]``; ``topk_ids`` int64 ``[1, K]`` (-1: none);
-        ``topk_weights`` fp32 ``[1, K]``; ``n`` int32 ``[1]``. ``logits``: the router's
-        ``[1, E]``: the launches pick their softmax top-K themselves (renormalised, as
-        ``Router`` does) and write the picks into ``topk_ids`` / ``topk_weights``.
-        ``routed_preload``: W2 loads its picks and weights before its PDL wait. bf16 experts
-        only (ValueError with fp8). Graph safety: capturable."""
+        ``topk_weights`` fp32 ``[1, K]``; ``n`` int32 ``[1]``. bf16 experts only
+        (ValueError with fp8). Graph safety: capturable."""
         if self.fp8:
             raise ValueError("Experts.routed: expected bf16 experts (the routed one-row kernels "
                              "have no fp8 path), got fp8; use the masked path (__call__)")
         from graphrt.kernels.routed_gemv import routed_w13, routed_w2_combine
         act = self.ws.view("a", (topk_ids.shape[1], self.inter))
-        pre = self.routed_preload
-        routed_w13(x, topk_ids if logits is None else None, n, self.w13, out=act, logits=logits,
-                   wait_first=pre)
-        return routed_w2_combine(act, topk_ids, topk_weights, n, self.w2, out=out,
-                                 logits=logits, preload=pre)
+        routed_w13(x, topk_ids, n, self.w13, out=act)
+        return routed_w2_combine(act, topk_ids, topk_weights, n, self.w2, out=out)
 
     def __call__(self, recv_x: torch.Tensor, masked_m: torch.Tensor, expected_m: int,
                  recv_scale: torch.Tensor | None = None, bs: int | None = None) -> torch.Tensor:

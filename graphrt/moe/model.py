@@ -91,11 +91,6 @@ class MoEBlock:
     # launches as graphrt::routed_w13 / routed_w2_combine under launchers_as_ops).
     # GRAPHRT_ROUTED_GEMV=0 at import turns it off (A/B: the routed-gemv switch).
     routed_gemv = env_flag("GRAPHRT_ROUTED_GEMV", True)
-    # With routed_gemv and softmax routing on the gate's logits: no top-k launch either; the
-    # two routed launches rank the logits themselves and write the router's picks
-    # (kernels.routed_gemv, "Ranked picks"). Measured in BENCHMARKS.md §37.
-    # GRAPHRT_ROUTED_RANK=0 at import turns it off (A/B: the routed-rank switch).
-    routed_rank = env_flag("GRAPHRT_ROUTED_RANK", True)
 
     def _routed(self, h: torch.Tensor) -> bool:
         """Whether this step's routed experts run ``Experts.routed`` (``routed_gemv``).
@@ -104,14 +99,6 @@ class MoEBlock:
         return (self.routed_gemv and h.shape[0] == 1 and isinstance(self.comm, LocalComm)
                 and self.expert_map is None and ex.planned and not ex.fp8
                 and h.dtype == torch.bfloat16 and h.is_contiguous())
-
-    def _ranks(self) -> bool:
-        """Whether a routed step's launches rank the logits themselves (``routed_rank``):
-        softmax routing on the gate's plain logits, at most ``MAX_RANK_EXPERTS`` experts.
-        Host-only."""
-        from graphrt.kernels.routed_gemv import MAX_RANK_EXPERTS
-        return (self.routed_rank and self.cfg.routing == "softmax"
-                and self.router.takes_logits() and self.cfg.num_experts <= MAX_RANK_EXPERTS)
 
     def __call__(self, h: torch.Tensor, n: torch.Tensor, logits: torch.Tensor | None = None,
                  defer_combine: bool | str = False) -> tuple:
@@ -124,16 +111,9 @@ class MoEBlock:
         ``PendingNorm``) instead of a tensor: ``"auto"`` where that norm is ``add_rmsnorm``
         (the one-row norm GEMV launches the combine first), ``True`` in the GEMV too."""
         if self._routed(h):  # no masked layout: the experts read the picks themselves
+            w, ids = self.router(h, n, logits)                             # [1, k] fp32, int64
             self.last_masked_m = None  # no dispatch ran: no counts to show
-            if self._ranks():  # no top-k launch: the experts rank the logits and write w, ids
-                logits = self.router.gate(h) if logits is None else logits
-                k = self.cfg.num_topk
-                w = torch.empty(1, k, dtype=torch.float32, device=h.device)
-                ids = torch.empty(1, k, dtype=torch.int64, device=h.device)
-                out = self.experts.routed(h, ids, w, n, out=torch.empty_like(h), logits=logits)
-            else:
-                w, ids = self.router(h, n, logits)                         # [1, k] fp32, int64
-                out = self.experts.routed(h, ids, w, n, out=torch.empty_like(h))
+            out = self.experts.routed(h, ids, w, n, out=torch.empty_like(h))
             return (out,) if self.shared is None else (out, self.shared(h))
         if self._routes_in_dispatch(h):  # top-k and dispatch in one launch
             logits = self.router.gate(h) if logits is None else logits

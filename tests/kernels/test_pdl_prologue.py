@@ -4,10 +4,7 @@ starts with ``pdl_trigger(USE_GDC)`` and reaches ``pdl_wait(USE_GDC)`` before an
 return or load other than of its weights (a pointer named ``w_ptr``/``nw_ptr``, or built
 from one: ``w_ptrs``): the weight preload of the decode GEMVs and ``dense_mma``
 (kernels._pdl). Inside a constexpr branch that waits (``if PRELOAD: ... pdl_wait(USE_GDC)``)
-the statements before its wait are held to the same rule. One kernel may also read its
-routing inputs early (``_EARLY_INPUTS``): its launcher's ``preload`` is only for a launch
-right after a kernel that waits before it triggers, so inputs made two kernels back are
-complete when it starts (kernels.routed_gemv, "Preload").
+the statements before its wait are held to the same rule.
 
 Correctness under programmatic dependent launch rests on it: a kernel may start while the one
 before it still runs, and with ``GRAPHRT_PDL_EARLY=1`` it lets the next kernel start before it
@@ -36,11 +33,6 @@ def _takes_gdc(fn: ast.FunctionDef) -> bool:
 
 GDC_KERNELS = [(f, fn) for f, fn in _jit_functions() if _takes_gdc(fn) and f != "_pdl.py"]
 _WEIGHTS = ("w_ptr", "w_ptrs", "nw_ptr")
-# kernel -> (pointers, helpers) it may read or call before its wait besides its weights
-_EARLY_INPUTS = {
-    "_routed_w2_combine_kernel": ({"ids_ptr", "tw_ptr", "logits_ptr", "n_ptr"},
-                                  {"_softmax_ranks", "_ranked_picks"}),
-}
 
 
 def test_the_kernels_are_found():
@@ -73,7 +65,6 @@ def _check_preload(where, fn, body):
     if isinstance(last, ast.If):  # `if PRELOAD: <loads> pdl_wait(USE_GDC) ...`: up to its wait
         inner = [i for i, stmt in enumerate(last.body) if "pdl_wait(USE_GDC)" in ast.unparse(stmt)]
         before += last.body[:inner[-1]] if inner else []
-    ptrs, helpers = _EARLY_INPUTS.get(fn.name, (set(), set()))
     for stmt in before:
         for node in ast.walk(stmt):
             assert not isinstance(node, ast.Return), f"{where}:{node.lineno} returns before the wait"
@@ -83,10 +74,10 @@ def _check_preload(where, fn, body):
                     f"{where}:{node.lineno} {name} before the wait"
                 if name in ("tl.load", "_k_tile"):  # _k_tile(ptrs, ...): a masked load
                     roots = {n.id for n in ast.walk(node.args[0]) if isinstance(n, ast.Name)}
-                    assert roots & (set(_WEIGHTS) | ptrs), \
+                    assert roots & set(_WEIGHTS), \
                         f"{where}:{node.lineno} loads {ast.unparse(node.args[0])} before the wait"
                 else:  # a helper could hide a load or a store
-                    assert not name.startswith("_") or name in helpers, \
+                    assert not name.startswith("_"), \
                         f"{where}:{node.lineno} calls {name} before the wait"
 
 
