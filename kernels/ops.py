@@ -343,8 +343,9 @@ def greedy_sample(logits: Tensor, out_ids: Tensor, out_sampled: Optional[Tensor]
 
 OPS = (topk_softmax, grouped_topk_sigmoid, dispatch_masked, combine_masked, silu_and_mul_masked,
        silu_and_mul_masked_fp8, masked_grouped_gemm, decode_grouped_gemm, expert_gemv_rows,
-       routed_w13, routed_w2_combine, deepgemm_masked_bf16, deepgemm_masked_fp8, kv_append, decode_attention, add_rmsnorm,
-       silu_and_mul, unpack_rows, greedy_sample, dense_gemv, dense_gemv_rows, norm_gemv_rows)
+       routed_w13, routed_w2_combine, deepgemm_masked_bf16, deepgemm_masked_fp8, kv_append,
+       decode_attention, add_rmsnorm, silu_and_mul, unpack_rows, greedy_sample, dense_gemv,
+       dense_gemv_rows, norm_gemv_rows)
 
 
 def _no_outputs(*args, **kwargs) -> None:

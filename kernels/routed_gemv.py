@@ -156,6 +156,11 @@ def routed_config(rows_k: int, picks: int = 1, tile: int | None = None) -> dict:
     return {"block_n": block_n, "block_k": block_k}
 
 
+def _rounds(k: int, block_k: int) -> dict:
+    """A launch's ``ROUNDS`` / ``EVEN_K`` constexprs for a reduction over ``k`` columns."""
+    return {"ROUNDS": triton.cdiv(k, block_k), "EVEN_K": k % block_k == 0}
+
+
 def _blocks(cfg: dict, block_n: int | None, block_k: int | None) -> tuple[int, int]:
     """The launch's ``(block_n, block_k)``: the given ones (powers of two) or the config's."""
     block_n, block_k = block_n or cfg["block_n"], block_k or cfg["block_k"]
@@ -204,9 +209,7 @@ def routed_w13(x: torch.Tensor, topk_ids: torch.Tensor, n: torch.Tensor, w13: to
         return out
     _routed_w13_kernel[(num_topk, triton.cdiv(inter, block_n))](
         x, topk_ids, n, w13, out, w13.shape[0], inter, hidden, w13.stride(0), w13.stride(1),
-        BLOCK_N=block_n, BLOCK_K=block_k, ROUNDS=triton.cdiv(hidden, block_k),
-        EVEN_K=hidden % block_k == 0,
-        num_warps=num_warps,
+        BLOCK_N=block_n, BLOCK_K=block_k, **_rounds(hidden, block_k), num_warps=num_warps,
         **pdl_args())
     return out
 
@@ -249,9 +252,8 @@ def routed_w2_combine(act: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     _routed_w2_combine_kernel[(triton.cdiv(hidden, block_n),)](
         act, topk_ids, topk_weights, n, w2, out, w2.shape[0], hidden, inter, w2.stride(0),
         w2.stride(1), NUM_TOPK=num_topk, BLOCK_T=triton.next_power_of_2(num_topk),
-        BLOCK_N=block_n, BLOCK_K=block_k, ROUNDS=triton.cdiv(inter, block_k),
-        EVEN_K=inter % block_k == 0,
-        num_warps=num_warps, **pdl_args())
+        BLOCK_N=block_n, BLOCK_K=block_k, **_rounds(inter, block_k), num_warps=num_warps,
+        **pdl_args())
     return out
 
 

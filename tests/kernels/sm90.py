@@ -7,7 +7,9 @@ the interpreter off, since the test process has it on.
 A test hands ``compile_results`` a script body that may call ``ptx(fn, sig, const, attrs=None,
 **options)`` (the PTX of ``fn``: ``sig`` the runtime arguments' Triton types, ``const`` the
 constexprs, ``attrs`` e.g. divisibility hints, ``options`` compile options over
-``num_warps=4``) and prints one JSON line last."""
+``num_warps=4``) and ``aligned(fn, names)`` (the ``attrs`` of a launch whose arguments
+``names`` are 16-divisible: pointers, sizes and strides at the real shapes), and prints one
+JSON line last."""
 from __future__ import annotations
 
 import json
@@ -28,6 +30,9 @@ HEADER = textwrap.dedent('''
                         constexprs=const, attrs=attrs)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4, **options}).asm["ptx"]
+
+    def aligned(fn, names):
+        return {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in names}
 ''')
 
 

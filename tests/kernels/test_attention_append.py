@@ -332,8 +332,8 @@ SM90 = textwrap.dedent(r'''
         names = [p.name for p in fn.params if not p.is_constexpr]
         sig = {a: "*" + slot if a == "slot_mapping_ptr" else
                TYPES.get(a, "*i32" if a.endswith("_ptr") else "i32") for a in names}
-        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in names
-                 if a.endswith("_ptr") or a.startswith("stride_") or a in ALIGNED}
+        attrs = aligned(fn, [a for a in names if a.endswith("_ptr") or a.startswith("stride_")
+                             or a in ALIGNED])
         p = ptx(fn, sig, const, attrs=attrs, **options)
         at = lambda pat: (m.start() if (m := re.search(pat, p)) else len(p))  # noqa: E731
         return {"wait": at(r"griddepcontrol\.wait"), "load": at(r"ld\.global|cp\.async"),

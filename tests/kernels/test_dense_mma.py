@@ -112,7 +112,7 @@ SM90 = textwrap.dedent('''
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
            "sem_ptr": "*i32", "m": "i32", "n": "i32", "k": "i32", "k_step": "i32"}
     names = ["x_ptr", "w_ptr", "out_ptr", "ws_ptr", "sem_ptr", "n", "k", "k_step"]
-    attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in names}
+    attrs = aligned(kernel, names)
     out = {}
     for bn, bk, pre in ((64, 128, False), (64, 256, False), (128, 64, False), (64, 256, True)):
         for split in (False, True):

@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent('''
     # strides, the unit strides as constants
     ALIGNED = ("a_ptr b_ptr out_ptr masked_m_ptr n k stride_ag stride_am stride_bg stride_bn "
                "stride_og stride_om").split()
-    ATTRS = {(K.arg_names.index(name),): [["tt.divisibility", 16]] for name in ALIGNED}
+    ATTRS = aligned(K, ALIGNED)
 
     out = {}
     for epi in (False, True):

@@ -20,8 +20,7 @@ SCRIPT = textwrap.dedent('''
     # what a launch at the real shapes specializes: 16-aligned pointers, n, k and row strides
     ALIGNED = ("a_ptr b_ptr out_ptr masked_m_ptr n k stride_ae stride_am stride_be stride_bn "
                "stride_oe stride_om").split()
-    ATTRS = {(_expert_rows_kernel.arg_names.index(name),): [["tt.divisibility", 16]]
-             for name in ALIGNED}
+    ATTRS = aligned(_expert_rows_kernel, ALIGNED)
 
     def rows_ptx(const):
         return ptx(_expert_rows_kernel, SIG, const, attrs=ATTRS)

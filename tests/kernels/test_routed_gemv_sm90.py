@@ -11,19 +11,16 @@ from tests.kernels.sm90 import compile_results
 SCRIPT = textwrap.dedent('''
     from graphrt.kernels.routed_gemv import _routed_w13_kernel, _routed_w2_combine_kernel
 
-    def attrs(fn, names):
-        return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
-
     W13_SIG = {"x_ptr": "*bf16", "ids_ptr": "*i64", "n_ptr": "*i32", "w_ptr": "*bf16",
                "act_ptr": "*bf16", "num_experts": "i32", "inter": "i32", "hidden": "i32",
                "stride_we": "i32", "stride_wn": "i32"}
     W2_SIG = {"act_ptr": "*bf16", "ids_ptr": "*i64", "tw_ptr": "*fp32", "n_ptr": "*i32",
               "w_ptr": "*bf16", "out_ptr": "*bf16", "num_experts": "i32", "hidden": "i32",
               "inter": "i32", "stride_we": "i32", "stride_wn": "i32"}
-    A13 = attrs(_routed_w13_kernel, "x_ptr ids_ptr n_ptr w_ptr act_ptr inter hidden stride_we "
-                                     "stride_wn".split())
-    A2 = attrs(_routed_w2_combine_kernel, "act_ptr ids_ptr tw_ptr n_ptr w_ptr out_ptr hidden "
-                                          "inter stride_we stride_wn".split())
+    A13 = aligned(_routed_w13_kernel, "x_ptr ids_ptr n_ptr w_ptr act_ptr inter hidden "
+                                       "stride_we stride_wn".split())
+    A2 = aligned(_routed_w2_combine_kernel, "act_ptr ids_ptr tw_ptr n_ptr w_ptr out_ptr "
+                                            "hidden inter stride_we stride_wn".split())
 
     def facts(p):
         return {"wait": "griddepcontrol.wait" in p, "v4": "ld.global.v4" in p,

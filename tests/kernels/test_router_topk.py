@@ -292,11 +292,12 @@ SM90 = textwrap.dedent('''
            "scaling": "fp32"}
     BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
-    def build(const, aligned):
+    def build(const, ints_aligned):
         """(PTX, SASS or None) at a launch's specialization: 16-aligned pointers and ints
         (hidden and k_step only when hidden % 16 == 0)."""
-        names = [k for k in SIG if k != "scaling" and (aligned or k not in ("hidden", "k_step"))]
-        attrs = {(kernel.arg_names.index(k),): [["tt.divisibility", 16]] for k in names}
+        names = [k for k in SIG
+                 if k != "scaling" and (ints_aligned or k not in ("hidden", "k_step"))]
+        attrs = aligned(kernel, names)
         src = ASTSource(fn=kernel, signature={**SIG, **{k: "constexpr" for k in const}},
                         constexprs=const, attrs=attrs)
         c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
@@ -314,20 +315,21 @@ SM90 = textwrap.dedent('''
                     BLOCK_S=e // 8)
 
     SOFTMAX = dict(GROUPED=False, N_GROUP=1, GROUP_SIZE=1, TOPK_GROUP=1, BLOCK_G=1, BLOCK_S=1)
-    CASES = {  # name: (BLOCK_E, BLOCK_K, NUM_SPLITS, routing, aligned), as the launcher picks
+    # name: (BLOCK_E, BLOCK_K, NUM_SPLITS, routing, ints_aligned), as the launcher picks
+    CASES = {
         "qwen3": (64, 128, 16, SOFTMAX, True), "dsv3": (256, 64, 56, grouped(256), True),
         "softmax128-1split": (128, 128, 1, SOFTMAX, True),
         "e512": (512, 32, 16, grouped(512), True),
         "dsv3-unaligned": (256, 16, 8, grouped(256), False),
     }
     out = {}
-    for name, (block_e, block_k, splits, routing, aligned) in CASES.items():
+    for name, (block_e, block_k, splits, routing, ints_aligned) in CASES.items():
         for gdc in ((0, 1, 2) if name in ("qwen3", "dsv3") else (2,)):
-            for even in ((True, False) if name == "qwen3" else (aligned,)):
+            for even in ((True, False) if name == "qwen3" else (ints_aligned,)):
                 const = dict(NUM_SPLITS=splits, BLOCK_E=block_e, BLOCK_K=block_k, EVEN_K=even,
                              NUM_TOPK=8, BLOCK_TOPK=8, RENORMALIZE=True, PACKED=True,
                              USE_GDC=gdc, **routing)
-                p, sass = build(const, aligned)
+                p, sass = build(const, ints_aligned)
                 wait = p.find("griddepcontrol.wait")
                 out[f"{name}-{gdc}-{even}"] = {
                     "wait": wait >= 0, "wait_first": 0 <= wait < p.find("ld.global"),
