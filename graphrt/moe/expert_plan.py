@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 PLAN_VERSION = 1
-KERNELS = ("decode", "swap", "rows", "triton", "deepgemm")
+KERNELS = ("decode", "swap", "rows", "triton", "persist", "deepgemm")
 SWAP_BLOCK_NS = (64, 128)  # the swapped decode kernel's block_n: the MMA's M side
 ROWS_MAX = 4  # the rows kernel is a candidate while no live expert has more rows than this
 ROWS_BLOCK_NS = (0, 1, 2, 4, 8, 16, 32, 64)  # the rows kernel's block_n (0: its config's pick)
@@ -52,8 +52,9 @@ MAX_SPLIT = 4
 
 @dataclass(frozen=True)
 class Choice:
-    """One expert-GEMM implementation: ``kernel`` (``decode`` | ``rows`` | ``triton`` |
-    ``deepgemm``); the decode kernel's ``block_n``, ``split_k`` and ``num_warps``, or the rows
+    """One expert-GEMM implementation: ``kernel`` (``decode`` | ``swap`` | ``rows`` |
+    ``triton`` | ``persist`` (the Triton masked GEMM's persistent grid) | ``deepgemm``); the
+    decode kernel's ``block_n``, ``split_k`` and ``num_warps``, or the rows
     kernel's ``block_n`` (0: ``expert_gemv_rows_config``'s pick; no split-K) and
     ``num_warps``; ``us`` as measured (None: not timed)."""
 
@@ -82,7 +83,8 @@ class Choice:
     @property
     def name(self) -> str:
         """``decode/bn32`` (``/sk2`` when split, ``/w8`` at other than 4 warps), ``rows/bn4``
-        (``rows`` with the config's block_n; ``/w8`` likewise), ``triton`` or ``deepgemm``."""
+        (``rows`` with the config's block_n; ``/w8`` likewise), ``triton``, ``persist`` or
+        ``deepgemm``."""
         warps = f"/w{self.num_warps}" if self.num_warps != 4 else ""
         if self.kernel == "rows":
             return "rows" + (f"/bn{self.block_n}" if self.block_n else "") + warps
@@ -164,19 +166,22 @@ def rows_eligible(kernels, rows: list[int], fp8: bool) -> bool:
 
 
 def plan_candidates(kernels, n: int, k: int, rows: list[int], num_sms: int,
-                    fp8: bool = False) -> list[Choice]:
+                    fp8: bool = False, cap: int | None = None) -> list[Choice]:
     """Every configuration ``plan_size`` times for one GEMM shape: with ``"decode"`` in
     ``kernels`` the decode kernel's (``decode_candidates``, ``swap_candidates``) and, when
     ``rows_eligible``,
     the rows kernel's (``rows_candidates``); then each other kernel of ``kernels``
-    (``triton``, ``deepgemm``) once. Pure Python."""
+    (``triton``, ``persist``, ``deepgemm``) once, ``persist`` only with a ``cap`` (rows an
+    expert) of at most ``kernels.grouped_gemm.PERSISTENT_MAX_CAP`` (64). Pure Python."""
     out = []
     if "decode" in kernels:
         out += decode_candidates(n, k, len(rows), num_sms, fp8)
         out += swap_candidates(n, k, len(rows), num_sms, fp8)
         if rows_eligible(kernels, rows, fp8):
             out += rows_candidates(n, k)
-    return out + [Choice(kname) for kname in kernels if kname not in ("decode", "swap", "rows")]
+    persist_ok = cap is not None and 1 <= cap <= 64  # kernels.grouped_gemm.PERSISTENT_MAX_CAP
+    return out + [Choice(kname) for kname in kernels if kname not in ("decode", "swap", "rows")
+                  and (kname != "persist" or persist_ok)]
 
 
 def default_choice(n: int, live: int, num_sms: int = 132) -> Choice:
@@ -383,7 +388,7 @@ def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: 
     torch.cuda.synchronize(device)
     for which, (key, n, k) in todo.items():
         a, a_scale, out = experts.synthetic_io(which, cap)
-        cands = plan_candidates(experts.kernels, n, k, rows, num_sms(device), experts.fp8)
+        cands = plan_candidates(experts.kernels, n, k, rows, num_sms(device), experts.fp8, cap)
         # Where W13 may carry the activation as its epilogue (Experts.act_in_w13), every W13
         # candidate is timed with the activation, as the step runs it (Experts.w13_act): fused
         # for the kernels that take it (Experts.takes_epilogue), a launch after the others.
