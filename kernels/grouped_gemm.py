@@ -30,11 +30,10 @@ deep software pipeline. ``expected_m`` (a host int, like DeepGEMM's) only picks 
 from the fixed table ``_CONFIGS``; nothing is autotuned (autotuning benchmarks with syncs).
 
 ``persistent=True`` launches ``PERSISTENT_PER_SM`` programs an SM instead of one a tile. Each
-program reads ``masked_m`` once, ranks the live groups, and strides over the live (group,
-column block) items; the item loop and the K loop are pipelined as one (``tl.range(...,
-flatten=True)``). Programs never start on dead capacity, and the last waves' ramps overlap.
-For ``cap <= PERSISTENT_MAX_CAP`` rows a group (decode at EP=1: the padded batch); the expert
-plan times it beside the other kernels.
+program reads ``masked_m`` once, numbers the live row tiles of every group, and strides over
+the live (row tile, column block) items; the item loop and the K loop are pipelined as one
+(``tl.range(..., flatten=True)``). Programs never start on dead capacity, and one item's ramp
+overlaps the last one's tail. The expert plan times it beside the other kernels.
 
 Graph safety: capturable
 """
@@ -75,21 +74,19 @@ def gemm_config(expected_m: int) -> dict:
     raise AssertionError("unreachable: the last config row has no bound")
 
 
-PERSISTENT_MAX_CAP = 64  # the persistent kernel holds a group's rows in one tile
-PERSISTENT_PER_SM = 2  # its programs an SM (shared memory: 2 x <= 98 KB)
+PERSISTENT_PER_SM = 2  # the persistent kernel's programs an SM (shared memory: 2 x <= 98 KB)
 
 
-def persistent_config(cap: int, epilogue: bool) -> dict:
-    """Tile config of the persistent kernel for ``cap`` rows a group (``<=
-    PERSISTENT_MAX_CAP``): one row tile (``BLOCK_M`` the next power of two >= cap, at least
-    16), 64 weight rows a program, K tiles of 64 in 6 stages with the SiLU-and-mul epilogue
-    (two weight streams a program) and 128 in 3 without, 4 warps. From a sweep at qwen3-like
+def persistent_config(expected_m: int, epilogue: bool) -> dict:
+    """Tile config of the persistent kernel: ``gemm_config(expected_m)``'s row tile, at most
+    64; 64 weight rows a program; K tiles of 64 in 6 stages with the SiLU-and-mul epilogue
+    (two weight streams a program), of 128 in 3 without; 4 warps. From a sweep at qwen3-like
     bs 8 and 16 (BENCHMARKS.md §38). Host-only."""
-    check(isinstance(cap, int) and 1 <= cap <= PERSISTENT_MAX_CAP, "cap",
-          f"a host int in [1, {PERSISTENT_MAX_CAP}]", cap)
+    check(isinstance(expected_m, int) and expected_m >= 0, "expected_m", "a non-negative host int",
+          repr(expected_m))
     block_k, stages = (64, 6) if epilogue else (128, 3)
-    return dict(BLOCK_M=max(16, triton.next_power_of_2(cap)), BLOCK_N=64, BLOCK_K=block_k,
-                num_stages=stages, num_warps=4)
+    return dict(BLOCK_M=min(64, gemm_config(expected_m)["BLOCK_M"]), BLOCK_N=64,
+                BLOCK_K=block_k, num_stages=stages, num_warps=4)
 
 
 @triton.jit
@@ -185,7 +182,7 @@ def _masked_grouped_gemm_kernel(
 def _masked_grouped_gemm_persistent_kernel(
     a_ptr, b_ptr, out_ptr, masked_m_ptr,  # as _masked_grouped_gemm_kernel's
     num_groups,  # int: groups (experts)
-    m_max,  # rows of each group's a/out (capacity), <= BLOCK_M
+    m_max,  # rows of each group's a/out (capacity)
     n, k,  # ints: output columns, reduction length
     stride_ag, stride_am, stride_ak, stride_bg, stride_bn, stride_bk,
     stride_og, stride_om, stride_on,
@@ -197,19 +194,23 @@ def _masked_grouped_gemm_persistent_kernel(
 ):
     pdl_prologue(USE_GDC)
     offs_g = tl.arange(0, GROUPS)
-    rows = tl.minimum(tl.load(masked_m_ptr + offs_g, mask=offs_g < num_groups, other=0), m_max)
-    live = (rows > 0).to(tl.int32)
-    live_through = tl.cumsum(live, 0)  # live groups up to and including each group
+    rows = tl.load(masked_m_ptr + offs_g, mask=offs_g < num_groups, other=0)
+    rows = tl.maximum(tl.minimum(rows, m_max), 0)  # live rows of each group
+    blocks = (rows + BLOCK_M - 1) // BLOCK_M  # its live row tiles
+    through = tl.cumsum(blocks, 0)  # live row tiles up to and including each group
     COLS: tl.constexpr = BLOCK_N // 2 if EPI else BLOCK_N
     col_blocks = tl.cdiv(n, COLS)
-    # Items t = (j-th live group, column block), the programs striding over them. flatten:
-    # the compiler pipelines the item loop and the K loop as one, so the next item's first
-    # tiles load while this one's last tiles reduce (no ramp per item).
-    for t in tl.range(tl.program_id(0), tl.sum(live) * col_blocks, num_programs, flatten=True):
+    # Items t = (j-th live row tile, column block), the programs striding over them.
+    # flatten: the compiler pipelines the item loop and the K loop as one, so the next item's
+    # first tiles load while this one's last tiles reduce (no ramp per item).
+    for t in tl.range(tl.program_id(0), tl.sum(blocks) * col_blocks, num_programs,
+                      flatten=True):
         j = t // col_blocks
-        g = tl.sum((live_through <= j).to(tl.int32))  # the group holding the j-th live one
-        m = tl.sum(tl.where(offs_g == g, rows, 0))
-        _masked_tile(a_ptr, b_ptr, out_ptr, g, 0, m, t % col_blocks, n, k,
+        g = tl.sum((through <= j).to(tl.int32))  # the group holding the j-th live row tile
+        mine = offs_g == g
+        row0 = (j - tl.sum(tl.where(mine, through - blocks, 0))) * BLOCK_M
+        m = tl.sum(tl.where(mine, rows, 0))
+        _masked_tile(a_ptr, b_ptr, out_ptr, g, row0, m, t % col_blocks, n, k,
                      stride_ag, stride_am, stride_ak, stride_bg, stride_bn, stride_bk,
                      stride_og, stride_om, stride_on, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, EPI)
 
@@ -233,10 +234,9 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
         epilogue: None, or ``"silu_and_mul"``: ``b`` is W13 ``[num_local_experts, 2 * n, k]``
             (gate rows, then up rows) and ``out`` ``[num_local_experts, cap, n]`` gets the
             activation, bitwise this GEMM into ``u`` and ``silu_and_mul_masked(u, ...)``.
-        persistent: one program per ``PERSISTENT_PER_SM`` slot of each SM, looping over the
-            live (group, column block) items (``persistent_config``): no empty programs, no
-            ramp per item. Needs ``cap <= PERSISTENT_MAX_CAP`` (one row tile a group).
-            The same sums as the default grid with that tile config.
+        persistent: ``PERSISTENT_PER_SM`` programs an SM, looping over the live (row tile,
+            column block) items (``persistent_config``): no empty programs, no ramp per
+            item. The same sums as the default grid with that tile config.
         programs: the persistent grid (default ``PERSISTENT_PER_SM`` x the device's SMs);
             ignored otherwise.
 
@@ -261,16 +261,16 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
         return out
 
     if persistent:
-        check(m_max <= PERSISTENT_MAX_CAP, "a.shape[1] (cap) with persistent=True",
-              f"<= {PERSISTENT_MAX_CAP} (one row tile a group)", m_max)
         check(programs is None or (isinstance(programs, int) and programs >= 1), "programs",
               "None or a positive host int", repr(programs))
-        cfg = persistent_config(m_max, epilogue is not None)
+        cfg = persistent_config(m_max if expected_m is None else expected_m,
+                                epilogue is not None)
         cols = cfg["BLOCK_N"] if epilogue is None else cfg["BLOCK_N"] // 2
         if programs is None:
             from .dense_gemv import num_sms
             programs = PERSISTENT_PER_SM * num_sms(a.device)
-        programs = min(programs, num_groups * triton.cdiv(n, cols))
+        programs = min(programs, num_groups * triton.cdiv(m_max, cfg["BLOCK_M"])
+                       * triton.cdiv(n, cols))
         _masked_grouped_gemm_persistent_kernel[(programs,)](
             a, b, out, masked_m, num_groups, m_max, n, k,
             a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),

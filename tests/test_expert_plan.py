@@ -147,14 +147,8 @@ def test_rows_candidates_only_for_bf16_decode_and_few_rows():
     with pytest.raises(ValueError, match="Choice.block_n with kernel 'swap'"):
         Choice("swap", block_n=32)
     assert [c.name for c in plan_candidates(("triton",), 1536, 2048, one_row, 132)] == ["triton"]
-    # the persistent grid: timed only at a capacity it holds in one row tile (<= 64 rows)
-    both = ("triton", "persist", "deepgemm")
-    assert [c.name for c in plan_candidates(both, 1536, 2048, [2] * 56, 132, cap=16)] == \
-        ["triton", "persist", "deepgemm"]
-    assert [c.name for c in plan_candidates(both, 1536, 2048, [2] * 56, 132, cap=65)] == \
-        ["triton", "deepgemm"]
-    assert [c.name for c in plan_candidates(both, 1536, 2048, [2] * 56, 132)] == \
-        ["triton", "deepgemm"]                       # no cap given: not timed
+    both = ("triton", "persist", "deepgemm")        # the Triton GEMM on either grid
+    assert [c.name for c in plan_candidates(both, 1536, 2048, [2] * 56, 132)] == list(both)
     assert Choice("persist").name == "persist"
     assert [c.name for c in plan_candidates(("rows", "triton"), 64, 64, one_row, 132)] == \
         ["triton"]                                   # rows rides on the decode kernel

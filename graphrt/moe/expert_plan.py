@@ -166,22 +166,19 @@ def rows_eligible(kernels, rows: list[int], fp8: bool) -> bool:
 
 
 def plan_candidates(kernels, n: int, k: int, rows: list[int], num_sms: int,
-                    fp8: bool = False, cap: int | None = None) -> list[Choice]:
+                    fp8: bool = False) -> list[Choice]:
     """Every configuration ``plan_size`` times for one GEMM shape: with ``"decode"`` in
     ``kernels`` the decode kernel's (``decode_candidates``, ``swap_candidates``) and, when
     ``rows_eligible``,
     the rows kernel's (``rows_candidates``); then each other kernel of ``kernels``
-    (``triton``, ``persist``, ``deepgemm``) once, ``persist`` only with a ``cap`` (rows an
-    expert) of at most ``kernels.grouped_gemm.PERSISTENT_MAX_CAP`` (64). Pure Python."""
+    (``triton``, ``persist``, ``deepgemm``) once. Pure Python."""
     out = []
     if "decode" in kernels:
         out += decode_candidates(n, k, len(rows), num_sms, fp8)
         out += swap_candidates(n, k, len(rows), num_sms, fp8)
         if rows_eligible(kernels, rows, fp8):
             out += rows_candidates(n, k)
-    persist_ok = cap is not None and 1 <= cap <= 64  # kernels.grouped_gemm.PERSISTENT_MAX_CAP
-    return out + [Choice(kname) for kname in kernels if kname not in ("decode", "swap", "rows")
-                  and (kname != "persist" or persist_ok)]
+    return out + [Choice(kname) for kname in kernels if kname not in ("decode", "swap", "rows")]
 
 
 def default_choice(n: int, live: int, num_sms: int = 132) -> Choice:
@@ -388,7 +385,7 @@ def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: 
     torch.cuda.synchronize(device)
     for which, (key, n, k) in todo.items():
         a, a_scale, out = experts.synthetic_io(which, cap)
-        cands = plan_candidates(experts.kernels, n, k, rows, num_sms(device), experts.fp8, cap)
+        cands = plan_candidates(experts.kernels, n, k, rows, num_sms(device), experts.fp8)
         # Where W13 may carry the activation as its epilogue (Experts.act_in_w13), every W13
         # candidate is timed with the activation, as the step runs it (Experts.w13_act): fused
         # for the kernels that take it (Experts.takes_epilogue), a launch after the others.

@@ -148,29 +148,31 @@ def _persist_case(num_groups, cap, n, k, seed, epilogue):
     return a, b, m
 
 
-@pytest.mark.parametrize("num_groups, cap, n, k, programs", [
-    (5, 4, 200, 128, 3),     # 4 column blocks, fewer programs than items
-    (9, 16, 130, 384, 4),    # ragged columns, 3 K tiles
-    (3, 40, 64, 100, 64),    # 64-row tile (cap 40), ragged K, more programs than items
-    (16, 1, 64, 128, 1),     # one program walks every item
+@pytest.mark.parametrize("num_groups, cap, n, k, expected_m, programs", [
+    (5, 4, 200, 128, 2, 3),     # 4 column blocks, fewer programs than items
+    (9, 64, 130, 384, 2, 4),    # cap 64 in row tiles of 16 (as the step's LocalComm pads)
+    (3, 40, 64, 100, 40, 64),   # one 64-row tile a group, ragged K, more programs than items
+    (6, 100, 64, 128, 20, 5),   # row tiles of 32, up to 4 a group
+    (16, 1, 64, 128, 1, 1),     # one program walks every item
 ])
-def test_persistent_is_bitwise_the_default_grid(num_groups, cap, n, k, programs):
-    """Without the epilogue the persistent kernel's tiles are the default's at these
-    capacities (64 columns, K tiles of 128): the same sums in the same order, bitwise, and
-    rows past masked_m untouched; NaN poison elsewhere."""
+def test_persistent_is_bitwise_the_default_grid(num_groups, cap, n, k, expected_m, programs):
+    """Without the epilogue the persistent kernel's tiles are the default's (the row tile of
+    ``expected_m``, 64 columns, K tiles of 128): the same sums in the same order, bitwise,
+    over several row tiles a group; rows past masked_m keep their NaN poison."""
     a, b, m = _persist_case(num_groups, cap, n, k, 1, False)
     want = torch.full((num_groups, cap, n), float("nan"), dtype=torch.bfloat16)
-    masked_grouped_gemm(a, b, m, out=want, expected_m=cap if cap <= 16 else 16)
+    masked_grouped_gemm(a, b, m, out=want, expected_m=expected_m)
     got = torch.full_like(want, float("nan"))
-    assert masked_grouped_gemm(a, b, m, out=got, persistent=True, programs=programs) is got
+    assert masked_grouped_gemm(a, b, m, out=got, expected_m=expected_m, persistent=True,
+                               programs=programs) is got
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     _check_against_ref(a, b, m, got)
 
 
-@pytest.mark.parametrize("num_groups, cap, n, k, programs", [(5, 4, 48, 200, 2),
-                                                             (9, 16, 100, 130, 5)])
+@pytest.mark.parametrize("num_groups, cap, n, k, expected_m, programs", [
+    (5, 4, 48, 200, 2, 2), (9, 16, 100, 130, 2, 5), (4, 48, 40, 64, 8, 3)])
 def test_persistent_epilogue_matches_the_activation_of_the_reference(num_groups, cap, n, k,
-                                                                     programs):
+                                                                     expected_m, programs):
     """With SiLU-and-mul (K tiles of 64, another order than the default's 128): within bf16
     rounding of the fp32 reference's activation; dead and padded rows untouched."""
     from graphrt.kernels.activation import silu_and_mul_masked
@@ -179,8 +181,8 @@ def test_persistent_epilogue_matches_the_activation_of_the_reference(num_groups,
     ref = torch.full((num_groups, cap, n), float("nan"), dtype=torch.bfloat16)
     silu_and_mul_masked(u, m, out=ref)
     got = torch.full_like(ref, float("nan"))
-    masked_grouped_gemm(a, b, m, out=got, epilogue="silu_and_mul", persistent=True,
-                        programs=programs)
+    masked_grouped_gemm(a, b, m, out=got, expected_m=expected_m, epilogue="silu_and_mul",
+                        persistent=True, programs=programs)
     live = torch.arange(cap)[None, :] < m.long().clamp(max=cap)[:, None]
     assert torch.isnan(got[~live].float()).all() and not torch.isnan(got[live].float()).any()
     assert _rel_err(got[live], ref[live]) < 1e-2
@@ -189,25 +191,24 @@ def test_persistent_epilogue_matches_the_activation_of_the_reference(num_groups,
 def test_persistent_with_no_live_group_writes_nothing():
     a, b, _ = _persist_case(4, 8, 64, 64, 3, False)
     out = torch.full((4, 8, 64), float("nan"), dtype=torch.bfloat16)
-    masked_grouped_gemm(a, b, torch.zeros(4, dtype=torch.int32), out=out, persistent=True,
-                        programs=3)
+    masked_grouped_gemm(a, b, torch.zeros(4, dtype=torch.int32), out=out, expected_m=2,
+                        persistent=True, programs=3)
     assert torch.isnan(out.float()).all()
 
 
 def test_persistent_config_and_validation():
-    from graphrt.kernels.grouped_gemm import PERSISTENT_MAX_CAP, persistent_config
-    assert persistent_config(16, True) == dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64,
-                                               num_stages=6, num_warps=4)
-    assert persistent_config(3, False)["BLOCK_K"] == 128 and persistent_config(33, False)[
-        "BLOCK_M"] == 64
-    a, b, m = _persist_case(2, PERSISTENT_MAX_CAP + 1, 64, 64, 4, False)
-    out = torch.zeros(2, PERSISTENT_MAX_CAP + 1, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"cap\) with persistent=True: expected <= 64"):
-        masked_grouped_gemm(a, b, m, out=out, persistent=True)
+    from graphrt.kernels.grouped_gemm import persistent_config
+    assert persistent_config(2, True) == dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_stages=6,
+                                              num_warps=4)
+    assert persistent_config(2, False)["BLOCK_K"] == 128
+    assert persistent_config(33, False)["BLOCK_M"] == 64
+    assert persistent_config(500, False)["BLOCK_M"] == 64  # at most 64: two programs an SM
+    a, b, m = _persist_case(2, 8, 64, 64, 4, False)
     with pytest.raises(ValueError, match="programs: expected None or a positive host int"):
-        masked_grouped_gemm(a[:, :4], b, m, out=out[:, :4], persistent=True, programs=0)
-    with pytest.raises(ValueError, match="cap: expected a host int in"):
-        persistent_config(0, False)
+        masked_grouped_gemm(a, b, m, out=torch.zeros(2, 8, 64, dtype=torch.bfloat16),
+                            persistent=True, programs=0)
+    with pytest.raises(ValueError, match="expected_m: expected a non-negative host int"):
+        persistent_config(-1, False)
 
 
 NUM_GROUPS, M_MAX = 32, 256
@@ -298,11 +299,13 @@ def test_gpu_epilogue_bitwise_the_two_launches_under_replay(cuda_device, n, k, c
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n, k, cap, epilogue", [(2048, 768, 16, None), (768, 2048, 16, "silu_and_mul"),
-                                                 (768, 2048, 64, "silu_and_mul")])
+@pytest.mark.parametrize("n, k, cap, epilogue", [(2048, 768, 64, None),
+                                                 (768, 2048, 64, "silu_and_mul"),
+                                                 (768, 2048, 16, "silu_and_mul")])
 def test_gpu_persistent_grid_under_replay(cuda_device, n, k, cap, epilogue):
-    """The persistent grid at the qwen3-like expert shapes (W2; W13 with its activation),
-    with PDL as the step launches it: bitwise the default grid without the epilogue, within
+    """The persistent grid at the qwen3-like expert shapes (W2; W13 with its activation) and
+    capacities (64: LocalComm's padding; 16), with PDL as the step launches it: row tiles of
+    16 (expected_m 2), bitwise the default grid without the epilogue, within
     bf16 rounding of it with (its K tiles are 64, the default's 128), over graph replays with
     new inputs and masked_m, none live included; rows past masked_m untouched."""
     E = 64
@@ -315,7 +318,8 @@ def test_gpu_persistent_grid_under_replay(cuda_device, n, k, cap, epilogue):
 
     def both():
         masked_grouped_gemm(a, w, masked_m, out=want, expected_m=2, epilogue=epilogue)
-        masked_grouped_gemm(a, w, masked_m, out=got, epilogue=epilogue, persistent=True)
+        masked_grouped_gemm(a, w, masked_m, out=got, expected_m=2, epilogue=epilogue,
+                            persistent=True)
 
     both()  # compile before capture
     torch.cuda.synchronize()
