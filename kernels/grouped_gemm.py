@@ -29,12 +29,6 @@ below keep ``BLOCK_M`` as small as ``tl.dot`` allows and stream ``b`` in wide K 
 deep software pipeline. ``expected_m`` (a host int, like DeepGEMM's) only picks the row tile
 from the fixed table ``_CONFIGS``; nothing is autotuned (autotuning benchmarks with syncs).
 
-``persistent=True`` launches ``PERSISTENT_PER_SM`` programs an SM instead of one a tile. Each
-program reads ``masked_m`` once, numbers the live row tiles of every group, and strides over
-the live (row tile, column block) items; the item loop and the K loop are pipelined as one
-(``tl.range(..., flatten=True)``). Programs never start on dead capacity, and one item's ramp
-overlaps the last one's tail. The expert plan times it beside the other kernels.
-
 Graph safety: capturable
 """
 from __future__ import annotations
@@ -74,38 +68,35 @@ def gemm_config(expected_m: int) -> dict:
     raise AssertionError("unreachable: the last config row has no bound")
 
 
-PERSISTENT_PER_SM = 2  # the persistent kernel's programs an SM (shared memory: 2 x <= 98 KB)
-
-
-def persistent_config(expected_m: int, epilogue: bool) -> dict:
-    """Tile config of the persistent kernel: ``gemm_config(expected_m)``'s row tile, at most
-    64; 64 weight rows a program; K tiles of 64 in 6 stages with the SiLU-and-mul epilogue
-    (two weight streams a program), of 128 in 3 without; 4 warps. From a sweep at qwen3-like
-    bs 8 and 16 (BENCHMARKS.md §38). Host-only."""
-    check(isinstance(expected_m, int) and expected_m >= 0, "expected_m", "a non-negative host int",
-          repr(expected_m))
-    block_k, stages = (64, 6) if epilogue else (128, 3)
-    return dict(BLOCK_M=min(64, gemm_config(expected_m)["BLOCK_M"]), BLOCK_N=64,
-                BLOCK_K=block_k, num_stages=stages, num_warps=4)
-
-
 @triton.jit
-def _masked_tile(
-    a_ptr, b_ptr, out_ptr,  # as _masked_grouped_gemm_kernel's
-    g,  # int: the group (expert)
-    row0,  # int: the tile's first row
-    m,  # int: live rows of the group (rows >= m are neither read nor written)
-    pid_n,  # int: the column block
-    n, k,  # ints: output columns, reduction length
-    stride_ag, stride_am, stride_ak, stride_bg, stride_bn, stride_bk,
-    stride_og, stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, EPI: tl.constexpr,
+def _masked_grouped_gemm_kernel(
+    a_ptr,  # bf16 [num_groups, m_max, k]
+    b_ptr,  # bf16 [num_groups, n, k]; EPI: W13 [num_groups, 2 * n, k] (gate rows, up rows)
+    out_ptr,  # bf16 [num_groups, m_max, n]
+    masked_m_ptr,  # int32 [num_groups]: live rows of each group
+    m_max,  # rows of each group's a/out (capacity)
+    n,  # output columns (rows of b)
+    k,  # reduction length
+    stride_ag, stride_am, stride_ak,  # strides of a (elements)
+    stride_bg, stride_bn, stride_bk,  # strides of b (elements)
+    stride_og, stride_om, stride_on,  # strides of out (elements)
+    BLOCK_M: tl.constexpr,  # rows per program (>= 16 for tl.dot)
+    BLOCK_N: tl.constexpr,  # output columns per program
+    BLOCK_K: tl.constexpr,  # reduction tile
+    UPCAST: tl.constexpr,  # True under the interpreter: dot in fp32 (bf16 math gives NaN there)
+    EPI: tl.constexpr = False,  # out = silu(a @ gate.T) * (a @ up.T), BLOCK_N // 2 columns
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
-    """One work item: ``out[g, row0:row0 + BLOCK_M, cols]`` of column block ``pid_n`` (with
-    ``EPI``, ``BLOCK_N // 2`` columns from as many gate and up rows of ``b``), over the whole
-    K in ``BLOCK_K`` tiles. The body of both masked kernels, so their sums are bitwise equal
-    for a tile config."""
+    pdl_prologue(USE_GDC)
+    pid_gm = tl.program_id(0)  # group * num_m_blocks + row block
+    pid_n = tl.program_id(1)  # column block
+    num_m_blocks = tl.cdiv(m_max, BLOCK_M)
+    g = pid_gm // num_m_blocks
+    row0 = (pid_gm % num_m_blocks) * BLOCK_M
+    m = tl.minimum(tl.load(masked_m_ptr + g), m_max)  # live rows of this group
+    if row0 >= m:
+        return  # unused capacity: nothing to read or write
+
     g64 = g.to(tl.int64)
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -145,80 +136,9 @@ def _masked_tile(
              mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.jit
-def _masked_grouped_gemm_kernel(
-    a_ptr,  # bf16 [num_groups, m_max, k]
-    b_ptr,  # bf16 [num_groups, n, k]; EPI: W13 [num_groups, 2 * n, k] (gate rows, up rows)
-    out_ptr,  # bf16 [num_groups, m_max, n]
-    masked_m_ptr,  # int32 [num_groups]: live rows of each group
-    m_max,  # rows of each group's a/out (capacity)
-    n,  # output columns (rows of b)
-    k,  # reduction length
-    stride_ag, stride_am, stride_ak,  # strides of a (elements)
-    stride_bg, stride_bn, stride_bk,  # strides of b (elements)
-    stride_og, stride_om, stride_on,  # strides of out (elements)
-    BLOCK_M: tl.constexpr,  # rows per program (>= 16 for tl.dot)
-    BLOCK_N: tl.constexpr,  # output columns per program
-    BLOCK_K: tl.constexpr,  # reduction tile
-    UPCAST: tl.constexpr,  # True under the interpreter: dot in fp32 (bf16 math gives NaN there)
-    EPI: tl.constexpr = False,  # out = silu(a @ gate.T) * (a @ up.T), BLOCK_N // 2 columns
-    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
-):
-    pdl_prologue(USE_GDC)
-    pid_gm = tl.program_id(0)  # group * num_m_blocks + row block
-    pid_n = tl.program_id(1)  # column block
-    num_m_blocks = tl.cdiv(m_max, BLOCK_M)
-    g = pid_gm // num_m_blocks
-    row0 = (pid_gm % num_m_blocks) * BLOCK_M
-    m = tl.minimum(tl.load(masked_m_ptr + g), m_max)  # live rows of this group
-    if row0 >= m:
-        return  # unused capacity: nothing to read or write
-    _masked_tile(a_ptr, b_ptr, out_ptr, g, row0, m, pid_n, n, k,
-                 stride_ag, stride_am, stride_ak, stride_bg, stride_bn, stride_bk,
-                 stride_og, stride_om, stride_on, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, EPI)
-
-
-@triton.jit
-def _masked_grouped_gemm_persistent_kernel(
-    a_ptr, b_ptr, out_ptr, masked_m_ptr,  # as _masked_grouped_gemm_kernel's
-    num_groups,  # int: groups (experts)
-    m_max,  # rows of each group's a/out (capacity)
-    n, k,  # ints: output columns, reduction length
-    stride_ag, stride_am, stride_ak, stride_bg, stride_bn, stride_bk,
-    stride_og, stride_om, stride_on,
-    num_programs,  # int: the grid, each program takes every num_programs-th live item
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUPS: tl.constexpr,  # next power of two >= num_groups
-    UPCAST: tl.constexpr, EPI: tl.constexpr = False,
-    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
-):
-    pdl_prologue(USE_GDC)
-    offs_g = tl.arange(0, GROUPS)
-    rows = tl.load(masked_m_ptr + offs_g, mask=offs_g < num_groups, other=0)
-    rows = tl.maximum(tl.minimum(rows, m_max), 0)  # live rows of each group
-    blocks = (rows + BLOCK_M - 1) // BLOCK_M  # its live row tiles
-    through = tl.cumsum(blocks, 0)  # live row tiles up to and including each group
-    COLS: tl.constexpr = BLOCK_N // 2 if EPI else BLOCK_N
-    col_blocks = tl.cdiv(n, COLS)
-    # Items t = (j-th live row tile, column block), the programs striding over them.
-    # flatten: the compiler pipelines the item loop and the K loop as one, so the next item's
-    # first tiles load while this one's last tiles reduce (no ramp per item).
-    for t in tl.range(tl.program_id(0), tl.sum(blocks) * col_blocks, num_programs,
-                      flatten=True):
-        j = t // col_blocks
-        g = tl.sum((through <= j).to(tl.int32))  # the group holding the j-th live row tile
-        mine = offs_g == g
-        row0 = (j - tl.sum(tl.where(mine, through - blocks, 0))) * BLOCK_M
-        m = tl.sum(tl.where(mine, rows, 0))
-        _masked_tile(a_ptr, b_ptr, out_ptr, g, row0, m, t % col_blocks, n, k,
-                     stride_ag, stride_am, stride_ak, stride_bg, stride_bn, stride_bk,
-                     stride_og, stride_om, stride_on, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, EPI)
-
-
 def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *,
                         out: torch.Tensor, expected_m: int | None = None,
-                        epilogue: str | None = None, persistent: bool = False,
-                        programs: int | None = None) -> torch.Tensor:
+                        epilogue: str | None = None) -> torch.Tensor:
     """``out[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g].T`` for every group ``g`` (with
     ``epilogue="silu_and_mul"``: ``silu(a @ gate.T) * (a @ up.T)`` on those rows).
 
@@ -234,11 +154,6 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
         epilogue: None, or ``"silu_and_mul"``: ``b`` is W13 ``[num_local_experts, 2 * n, k]``
             (gate rows, then up rows) and ``out`` ``[num_local_experts, cap, n]`` gets the
             activation, bitwise this GEMM into ``u`` and ``silu_and_mul_masked(u, ...)``.
-        persistent: ``PERSISTENT_PER_SM`` programs an SM, looping over the live (row tile,
-            column block) items (``persistent_config``): no empty programs, no ramp per
-            item. The same sums as the default grid with that tile config.
-        programs: the persistent grid (default ``PERSISTENT_PER_SM`` x the device's SMs);
-            ignored otherwise.
 
     Returns ``out``. Launches one kernel, allocates nothing.
 
@@ -260,26 +175,6 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
     if num_groups == 0 or m_max == 0 or n == 0:
         return out
 
-    if persistent:
-        check(programs is None or (isinstance(programs, int) and programs >= 1), "programs",
-              "None or a positive host int", repr(programs))
-        cfg = persistent_config(m_max if expected_m is None else expected_m,
-                                epilogue is not None)
-        cols = cfg["BLOCK_N"] if epilogue is None else cfg["BLOCK_N"] // 2
-        if programs is None:
-            from .dense_gemv import num_sms
-            programs = PERSISTENT_PER_SM * num_sms(a.device)
-        programs = min(programs, num_groups * triton.cdiv(m_max, cfg["BLOCK_M"])
-                       * triton.cdiv(n, cols))
-        _masked_grouped_gemm_persistent_kernel[(programs,)](
-            a, b, out, masked_m, num_groups, m_max, n, k,
-            a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
-            out.stride(0), out.stride(1), out.stride(2), programs,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-            GROUPS=triton.next_power_of_2(num_groups), UPCAST=interpreting(),
-            EPI=epilogue is not None, num_stages=cfg["num_stages"],
-            num_warps=cfg["num_warps"], **pdl_args())
-        return out
     cfg = gemm_config(m_max if expected_m is None else expected_m)
     cols = cfg["BLOCK_N"] if epilogue is None else cfg["BLOCK_N"] // 2  # out columns a program
     grid = (num_groups * triton.cdiv(m_max, cfg["BLOCK_M"]), triton.cdiv(n, cols))

@@ -53,10 +53,6 @@ def _cases():
         ("masked_grouped_gemm", "grouped_gemm",
          (_rand(E, cap, H, gen=g), _rand(E, 32, H, gen=g), masked_m),
          dict(out=torch.zeros(E, cap, 32, dtype=bf16), expected_m=4)),
-        ("masked_grouped_gemm", "grouped_gemm",  # the persistent grid, 3 programs
-         (_rand(E, cap, H, gen=g), _rand(E, 32, H, gen=g), masked_m),
-         dict(out=torch.zeros(E, cap, 32, dtype=bf16), expected_m=None, epilogue=None,
-              persistent=True, programs=3)),
         ("routed_w13", "routed_gemv",
          (_rand(1, H, gen=g), ids[:1].clone(), n[:1].clone(), _rand(E, 2 * inter, H, gen=g)),
          dict(out=torch.zeros(k, inter, dtype=bf16))),

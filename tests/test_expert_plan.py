@@ -147,9 +147,6 @@ def test_rows_candidates_only_for_bf16_decode_and_few_rows():
     with pytest.raises(ValueError, match="Choice.block_n with kernel 'swap'"):
         Choice("swap", block_n=32)
     assert [c.name for c in plan_candidates(("triton",), 1536, 2048, one_row, 132)] == ["triton"]
-    both = ("triton", "persist", "deepgemm")        # the Triton GEMM on either grid
-    assert [c.name for c in plan_candidates(both, 1536, 2048, [2] * 56, 132)] == list(both)
-    assert Choice("persist").name == "persist"
     assert [c.name for c in plan_candidates(("rows", "triton"), 64, 64, one_row, 132)] == \
         ["triton"]                                   # rows rides on the decode kernel
     # the decode kernel's split-K candidates are unchanged by the swap and rows ones
@@ -217,33 +214,10 @@ def test_experts_offer_and_run_the_rows_kernel():
     assert torch.equal(fixed(a, masked_m, 2)[live].view(torch.int16), y[live].view(torch.int16))
 
 
-def test_persist_choice_runs_the_persistent_grid():
-    """``Choice("persist")`` is the Triton masked GEMM on its persistent grid: the same bits
-    as ``Choice("triton")`` on W2 at these tiles (64 columns, K tiles of 128), and W13 with
-    its activation within bf16 rounding of it (K tiles of 64); bf16 experts offer it."""
-    from graphrt.moe.experts import Experts
-    ex = Experts(64, 48, 3, "cpu", seed=3, max_cap=8, backend="triton")
-    assert "persist" in ex.kernels and ex.takes_epilogue(Choice("persist"), 8)
-    g = torch.Generator().manual_seed(5)
-    masked_m = torch.tensor([2, 0, 8], dtype=torch.int32)
-    live = torch.arange(8)[None, :] < masked_m[:, None]
-    x2 = torch.randn(3, 8, 48, generator=g).to(torch.bfloat16)
-    y = [ex.gemm("w2", x2, masked_m, 2, torch.zeros(3, 8, 64, dtype=torch.bfloat16), Choice(c))
-         for c in ("triton", "persist")]
-    assert torch.equal(y[0][live], y[1][live])
-    x = torch.randn(3, 8, 64, generator=g).to(torch.bfloat16)
-    a = [ex.w13_act(x, masked_m, 2, torch.zeros(3, 8, 96, dtype=torch.bfloat16),
-                    torch.zeros(3, 8, 48, dtype=torch.bfloat16), Choice(c), 8)
-         for c in ("triton", "persist")]
-    err = (a[0][live].float() - a[1][live].float()).norm() / a[0][live].float().norm()
-    assert 0 < a[0][live].float().norm() and err < 1e-2
-
-
 def test_fp8_experts_refuse_the_rows_kernel():
     from graphrt.moe.experts import Experts
     ex = Experts(128, 128, 2, "cpu", backend="decode", fp8=True, max_cap=4)
     assert "rows" not in ex.kernels and "triton" not in ex.kernels
-    assert "persist" not in ex.kernels
     a = torch.zeros(2, 4, 128, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="choice.kernel 'rows': expected bf16 experts"):
         ex.gemm("w13", a, torch.ones(2, dtype=torch.int32), 1,

@@ -74,8 +74,7 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   one pass);
 - ``expert-rows``: the expert plan's choices as measured, the CUDA-core rows kernel included
   (``kernels.grouped_gemv_rows``), against the fastest other kernel of each entry
-  (``ExpertPlan.exclude``); ``expert-persist``: likewise with the Triton masked GEMM's
-  persistent grid (``masked_grouped_gemm(persistent=True)``).
+  (``ExpertPlan.exclude``).
 
 A variant joins switches with ``+`` (``pdl-early+dense-gemv``: both on); ``--switch`` may be
 given several times, and every variant is then measured against the one baseline, their
@@ -204,10 +203,7 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
                                                   frozenset({"swap"})),
             "expert-rows": lambda on: _class_attr("graphrt.moe.expert_plan", "ExpertPlan",
                                                   "exclude", frozenset() if on else
-                                                  frozenset({"rows"})),
-            "expert-persist": lambda on: _class_attr("graphrt.moe.expert_plan", "ExpertPlan",
-                                                     "exclude", frozenset() if on else
-                                                     frozenset({"persist"}))}
+                                                  frozenset({"rows"}))}
 
 
 def parse_variant(variant: str) -> list[str]:

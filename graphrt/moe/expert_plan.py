@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 PLAN_VERSION = 1
-KERNELS = ("decode", "swap", "rows", "triton", "persist", "deepgemm")
+KERNELS = ("decode", "swap", "rows", "triton", "deepgemm")
 SWAP_BLOCK_NS = (64, 128)  # the swapped decode kernel's block_n: the MMA's M side
 ROWS_MAX = 4  # the rows kernel is a candidate while no live expert has more rows than this
 ROWS_BLOCK_NS = (0, 1, 2, 4, 8, 16, 32, 64)  # the rows kernel's block_n (0: its config's pick)
@@ -52,9 +52,8 @@ MAX_SPLIT = 4
 
 @dataclass(frozen=True)
 class Choice:
-    """One expert-GEMM implementation: ``kernel`` (``decode`` | ``swap`` | ``rows`` |
-    ``triton`` | ``persist`` (the Triton masked GEMM's persistent grid) | ``deepgemm``); the
-    decode kernel's ``block_n``, ``split_k`` and ``num_warps``, or the rows
+    """One expert-GEMM implementation: ``kernel`` (``decode`` | ``rows`` | ``triton`` |
+    ``deepgemm``); the decode kernel's ``block_n``, ``split_k`` and ``num_warps``, or the rows
     kernel's ``block_n`` (0: ``expert_gemv_rows_config``'s pick; no split-K) and
     ``num_warps``; ``us`` as measured (None: not timed)."""
 
@@ -83,8 +82,7 @@ class Choice:
     @property
     def name(self) -> str:
         """``decode/bn32`` (``/sk2`` when split, ``/w8`` at other than 4 warps), ``rows/bn4``
-        (``rows`` with the config's block_n; ``/w8`` likewise), ``triton``, ``persist`` or
-        ``deepgemm``."""
+        (``rows`` with the config's block_n; ``/w8`` likewise), ``triton`` or ``deepgemm``."""
         warps = f"/w{self.num_warps}" if self.num_warps != 4 else ""
         if self.kernel == "rows":
             return "rows" + (f"/bn{self.block_n}" if self.block_n else "") + warps
@@ -171,7 +169,7 @@ def plan_candidates(kernels, n: int, k: int, rows: list[int], num_sms: int,
     ``kernels`` the decode kernel's (``decode_candidates``, ``swap_candidates``) and, when
     ``rows_eligible``,
     the rows kernel's (``rows_candidates``); then each other kernel of ``kernels``
-    (``triton``, ``persist``, ``deepgemm``) once. Pure Python."""
+    (``triton``, ``deepgemm``) once. Pure Python."""
     out = []
     if "decode" in kernels:
         out += decode_candidates(n, k, len(rows), num_sms, fp8)

@@ -155,9 +155,9 @@ class Experts:
         self._keys = (shape_key(num_local_experts, 2 * inter, hidden, fp8),
                       shape_key(num_local_experts, hidden, inter, fp8))
         # Kernels a plan may pick from: the decode kernel always; the rows kernel (the decode
-        # family's 1-4-row member) and the row-tiled one, on either grid, for bf16.
-        self.kernels = tuple(k for k in ("decode", "rows", "triton", "persist", "deepgemm")
-                             if not (k in ("rows", "triton", "persist") and fp8)
+        # family's 1-4-row member) and the row-tiled one for bf16.
+        self.kernels = tuple(k for k in ("decode", "rows", "triton", "deepgemm")
+                             if not (k in ("rows", "triton") and fp8)
                              and not (k == "deepgemm" and not (deep_gemm_available() and on_cuda)))
         # Each expert's weights come from its own seed (layer seed, global expert id), so a
         # rank holding experts [first_expert, first_expert + E) has exactly EP=1's weights.
@@ -245,7 +245,7 @@ class Experts:
         ``epilogue="silu_and_mul"`` and the decode kernel (``decode`` or ``swap``, unsplit) or
         the Triton masked GEMM on W13. Graph safety: capturable."""
         if epilogue is not None and (which != "w13" or choice.split_k != 1 or choice.kernel
-                                     not in ("decode", "swap", "triton", "persist")):
+                                     not in ("decode", "swap", "triton")):
             raise ValueError(f"epilogue={epilogue!r} on {which}: expected the unsplit decode "
                              f"kernel or the Triton kernel on w13, got {choice.name}")
         if act is not None and (choice.kernel, which) not in (("decode", "w2"), ("rows", "w13")):
@@ -267,10 +267,10 @@ class Experts:
             from graphrt.kernels.grouped_gemv_rows import expert_gemv_rows
             expert_gemv_rows(a, w, masked_m, out=out, block_n=choice.block_n or None,
                              num_warps=choice.num_warps, act=act)
-        elif choice.kernel in ("triton", "persist"):
+        elif choice.kernel == "triton":
             from graphrt.kernels.grouped_gemm import masked_grouped_gemm
             masked_grouped_gemm(a, w, masked_m, out=out, expected_m=expected_m,
-                                epilogue=epilogue, persistent=choice.kernel == "persist")
+                                epilogue=epilogue)
         else:  # "decode", or "swap": the decode kernel with the weights as the MMA's M side
             from graphrt.kernels.grouped_gemm_decode import decode_grouped_gemm
             n = out.shape[2]
@@ -370,7 +370,7 @@ class Experts:
             return False
         if choice.kernel in ("decode", "swap"):
             return self.epilogue_for(bs)
-        return choice.kernel in ("triton", "persist") and self.triton_epilogue
+        return choice.kernel == "triton" and self.triton_epilogue
 
     def w13_act(self, x, masked_m, expected_m: int, u, a, choice: Choice, bs: int | None):
         """``a = silu_and_mul(x @ W13.T)`` on live rows (bf16), as a step at padded batch

@@ -134,83 +134,6 @@ def test_validation(bad, match):
 
 
 # ----------------------------------------------------------------------------- GPU (H200)
-# ------------------------------------------------ the persistent grid (CPU interpreter)
-def _persist_case(num_groups, cap, n, k, seed, epilogue):
-    """Inputs, a masked_m with dead groups (0 and -1) and one above cap, both outputs."""
-    g = torch.Generator().manual_seed(seed)
-    a = torch.randn(num_groups, cap, k, generator=g).to(torch.bfloat16)
-    b = (torch.randn(num_groups, 2 * n if epilogue else n, k, generator=g) * 2 / k ** 0.5
-         ).to(torch.bfloat16)
-    m = torch.randint(1, cap + 1, (num_groups,), generator=g, dtype=torch.int32)
-    m[0], m[-1] = 0, cap + 3
-    if num_groups > 3:
-        m[2] = -1
-    return a, b, m
-
-
-@pytest.mark.parametrize("num_groups, cap, n, k, expected_m, programs", [
-    (5, 4, 200, 128, 2, 3),     # 4 column blocks, fewer programs than items
-    (9, 64, 130, 384, 2, 4),    # cap 64 in row tiles of 16 (as the step's LocalComm pads)
-    (3, 40, 64, 100, 40, 64),   # one 64-row tile a group, ragged K, more programs than items
-    (6, 100, 64, 128, 20, 5),   # row tiles of 32, up to 4 a group
-    (16, 1, 64, 128, 1, 1),     # one program walks every item
-])
-def test_persistent_is_bitwise_the_default_grid(num_groups, cap, n, k, expected_m, programs):
-    """Without the epilogue the persistent kernel's tiles are the default's (the row tile of
-    ``expected_m``, 64 columns, K tiles of 128): the same sums in the same order, bitwise,
-    over several row tiles a group; rows past masked_m keep their NaN poison."""
-    a, b, m = _persist_case(num_groups, cap, n, k, 1, False)
-    want = torch.full((num_groups, cap, n), float("nan"), dtype=torch.bfloat16)
-    masked_grouped_gemm(a, b, m, out=want, expected_m=expected_m)
-    got = torch.full_like(want, float("nan"))
-    assert masked_grouped_gemm(a, b, m, out=got, expected_m=expected_m, persistent=True,
-                               programs=programs) is got
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-    _check_against_ref(a, b, m, got)
-
-
-@pytest.mark.parametrize("num_groups, cap, n, k, expected_m, programs", [
-    (5, 4, 48, 200, 2, 2), (9, 16, 100, 130, 2, 5), (4, 48, 40, 64, 8, 3)])
-def test_persistent_epilogue_matches_the_activation_of_the_reference(num_groups, cap, n, k,
-                                                                     expected_m, programs):
-    """With SiLU-and-mul (K tiles of 64, another order than the default's 128): within bf16
-    rounding of the fp32 reference's activation; dead and padded rows untouched."""
-    from graphrt.kernels.activation import silu_and_mul_masked
-    a, b, m = _persist_case(num_groups, cap, n, k, 2, True)
-    u = masked_grouped_gemm_ref(a, b, m)
-    ref = torch.full((num_groups, cap, n), float("nan"), dtype=torch.bfloat16)
-    silu_and_mul_masked(u, m, out=ref)
-    got = torch.full_like(ref, float("nan"))
-    masked_grouped_gemm(a, b, m, out=got, expected_m=expected_m, epilogue="silu_and_mul",
-                        persistent=True, programs=programs)
-    live = torch.arange(cap)[None, :] < m.long().clamp(max=cap)[:, None]
-    assert torch.isnan(got[~live].float()).all() and not torch.isnan(got[live].float()).any()
-    assert _rel_err(got[live], ref[live]) < 1e-2
-
-
-def test_persistent_with_no_live_group_writes_nothing():
-    a, b, _ = _persist_case(4, 8, 64, 64, 3, False)
-    out = torch.full((4, 8, 64), float("nan"), dtype=torch.bfloat16)
-    masked_grouped_gemm(a, b, torch.zeros(4, dtype=torch.int32), out=out, expected_m=2,
-                        persistent=True, programs=3)
-    assert torch.isnan(out.float()).all()
-
-
-def test_persistent_config_and_validation():
-    from graphrt.kernels.grouped_gemm import persistent_config
-    assert persistent_config(2, True) == dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_stages=6,
-                                              num_warps=4)
-    assert persistent_config(2, False)["BLOCK_K"] == 128
-    assert persistent_config(33, False)["BLOCK_M"] == 64
-    assert persistent_config(500, False)["BLOCK_M"] == 64  # at most 64: two programs an SM
-    a, b, m = _persist_case(2, 8, 64, 64, 4, False)
-    with pytest.raises(ValueError, match="programs: expected None or a positive host int"):
-        masked_grouped_gemm(a, b, m, out=torch.zeros(2, 8, 64, dtype=torch.bfloat16),
-                            persistent=True, programs=0)
-    with pytest.raises(ValueError, match="expected_m: expected a non-negative host int"):
-        persistent_config(-1, False)
-
-
 NUM_GROUPS, M_MAX = 32, 256
 
 
@@ -296,53 +219,6 @@ def test_gpu_epilogue_bitwise_the_two_launches_under_replay(cuda_device, n, k, c
         assert torch.equal(one.view(torch.int16), two.view(torch.int16)), f"step {step}"
         live = torch.arange(cap, device=cuda_device)[None, :] < masked_m[:, None]
         assert not torch.isnan(one[live].float()).any() and torch.isnan(one[~live].float()).all()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n, k, cap, epilogue", [(2048, 768, 64, None),
-                                                 (768, 2048, 64, "silu_and_mul"),
-                                                 (768, 2048, 16, "silu_and_mul")])
-def test_gpu_persistent_grid_under_replay(cuda_device, n, k, cap, epilogue):
-    """The persistent grid at the qwen3-like expert shapes (W2; W13 with its activation) and
-    capacities (64: LocalComm's padding; 16), with PDL as the step launches it: row tiles of
-    16 (expected_m 2), bitwise the default grid without the epilogue, within
-    bf16 rounding of it with (its K tiles are 64, the default's 128), over graph replays with
-    new inputs and masked_m, none live included; rows past masked_m untouched."""
-    E = 64
-    g = torch.Generator(device=cuda_device).manual_seed(70)
-    a = torch.randn(E, cap, k, generator=g, device=cuda_device).to(torch.bfloat16)
-    w = (torch.randn(E, 2 * n if epilogue else n, k, generator=g, device=cuda_device) * 2
-         / k ** 0.5).to(torch.bfloat16)
-    masked_m = torch.zeros(E, dtype=torch.int32, device=cuda_device)
-    want, got = (torch.empty(E, cap, n, dtype=torch.bfloat16, device=cuda_device) for _ in "12")
-
-    def both():
-        masked_grouped_gemm(a, w, masked_m, out=want, expected_m=2, epilogue=epilogue)
-        masked_grouped_gemm(a, w, masked_m, out=got, expected_m=2, epilogue=epilogue,
-                            persistent=True)
-
-    both()  # compile before capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        both()
-    gen = torch.Generator().manual_seed(71)
-    for step in range(5):
-        m = torch.randint(0, cap + 1, (E,), generator=gen, dtype=torch.int32)
-        m[torch.randperm(E, generator=gen)[: E // 8]] = 0
-        masked_m.copy_(m if step != 3 else torch.zeros_like(m))  # step 3: nothing live
-        a.copy_(torch.randn(E, cap, k, generator=g, device=cuda_device).to(torch.bfloat16))
-        want.fill_(float("nan"))
-        got.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        live = torch.arange(cap, device=cuda_device)[None, :] < masked_m[:, None]
-        assert torch.isnan(got[~live].float()).all(), f"step {step}: dead rows written"
-        assert not torch.isnan(got[live].float()).any(), f"step {step}: live rows unwritten"
-        if epilogue is None:
-            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"step {step}"
-        elif live.any():
-            assert _rel_err(got[live], want[live]) < 1e-2, f"step {step}"
 
 
 @pytest.mark.gpu

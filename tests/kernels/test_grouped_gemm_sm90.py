@@ -49,38 +49,3 @@ def test_the_masked_grouped_gemm_compiles_for_sm90_with_and_without_its_epilogue
         assert found["wait"] == (gdc != "0"), key
         assert found["cp.async"] >= plain["cp.async"] and found["mma"] == plain["mma"], key
         assert found["ex2"] == (epi == "True") and not found["spill"], key
-
-
-PERSISTENT = textwrap.dedent('''
-    from graphrt.kernels.grouped_gemm import _masked_grouped_gemm_persistent_kernel as K
-    from graphrt.kernels.grouped_gemm import persistent_config
-
-    INTS = ("num_groups m_max n k stride_ag stride_am stride_bg stride_bn stride_og stride_om "
-            "num_programs").split()
-    SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "masked_m_ptr": "*i32",
-           **{name: "i32" for name in INTS}}
-    ATTRS = aligned(K, ("a_ptr b_ptr out_ptr masked_m_ptr num_groups m_max n k stride_ag "
-                        "stride_am stride_bg stride_bn stride_og stride_om").split())
-    out = {}
-    for epi in (False, True):
-        cfg = persistent_config(2, epi)
-        stages, warps = cfg.pop("num_stages"), cfg.pop("num_warps")
-        const = dict(stride_ak=1, stride_bk=1, stride_on=1, GROUPS=64, UPCAST=False, EPI=epi,
-                     USE_GDC=2, **cfg)
-        p = ptx(K, SIG, const, attrs=ATTRS, num_stages=stages, num_warps=warps)
-        out[str(epi)] = {"wait": "griddepcontrol.wait" in p,
-                         "cp.async": p.count("cp.async.cg") + p.count("cp.async.ca"),
-                         "mma": p.count("mma.sync"), "ex2": "ex2.approx" in p,
-                         "spill": "ld.local" in p}
-    print(json.dumps(out))
-''')
-
-
-def test_the_persistent_grid_compiles_for_sm90():
-    """The persistent kernel at its configs (``persistent_config``, qwen3-like bs 16: expected_m 2) compiles
-    with its flattened item and K loops software-pipelined (``cp.async``), tensor-core dots,
-    the epilogue's exponential only with it, the PDL wait, and no spills."""
-    res = compile_results(PERSISTENT)
-    for epi, found in res.items():
-        assert found["wait"] and found["cp.async"] > 0 and found["mma"] > 0, epi
-        assert found["ex2"] == (epi == "True") and not found["spill"], epi
