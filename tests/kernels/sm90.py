@@ -4,12 +4,13 @@ the compiler checks (a loop-carried variable changing type once broke a kernel o
 alone). Compiling needs no GPU (the Triton wheel carries ptxas); it runs in a subprocess with
 the interpreter off, since the test process has it on.
 
-A test hands ``compile_results`` a script body that may call ``ptx(fn, sig, const, attrs=None,
-**options)`` (the PTX of ``fn``: ``sig`` the runtime arguments' Triton types, ``const`` the
-constexprs, ``attrs`` e.g. divisibility hints, ``options`` compile options over
-``num_warps=4``) and ``aligned(fn, names)`` (the ``attrs`` of a launch whose arguments
-``names`` are 16-divisible: pointers, sizes and strides at the real shapes), and prints one
-JSON line last."""
+A test hands ``compile_results`` a script body that may call ``compiled(fn, sig, const,
+attrs=None, **options)`` (Triton's compiled kernel, its ``.asm`` holding PTX and cubin),
+``ptx(...)`` with the same arguments (the PTX of ``fn``: ``sig`` the runtime arguments'
+Triton types, ``const`` the constexprs, ``attrs`` e.g. divisibility hints, ``options``
+compile options over ``num_warps=4``) and ``aligned(fn, names)`` (the ``attrs`` of a launch
+whose arguments ``names`` are 16-divisible: pointers, sizes and strides at the real shapes),
+and prints one JSON line last."""
 from __future__ import annotations
 
 import json
@@ -25,11 +26,14 @@ HEADER = textwrap.dedent('''
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    def ptx(fn, sig, const, attrs=None, **options):
+    def compiled(fn, sig, const, attrs=None, **options):
         src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in const}},
                         constexprs=const, attrs=attrs)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4, **options}).asm["ptx"]
+                              options={"num_warps": 4, **options})
+
+    def ptx(fn, sig, const, attrs=None, **options):
+        return compiled(fn, sig, const, attrs, **options).asm["ptx"]
 
     def aligned(fn, names):
         return {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in names}

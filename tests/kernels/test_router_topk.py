@@ -297,10 +297,7 @@ SM90 = textwrap.dedent('''
         (hidden and k_step only when hidden % 16 == 0)."""
         names = [k for k in SIG
                  if k != "scaling" and (ints_aligned or k not in ("hidden", "k_step"))]
-        attrs = aligned(kernel, names)
-        src = ASTSource(fn=kernel, signature={**SIG, **{k: "constexpr" for k in const}},
-                        constexprs=const, attrs=attrs)
-        c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        c = compiled(kernel, SIG, const, attrs=aligned(kernel, names))
         tool = os.path.join(BIN, "cuobjdump")
         if not os.path.exists(tool):
             return c.asm["ptx"], None
