@@ -39,6 +39,9 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
 - ``routed-gemv``: one-row steps' routed experts addressed by the top-k's ids and weights,
   W13 with SiLU-and-mul and W2 with the combine, no dispatch and no combine launch
   (``MoEBlock.routed_gemv``, ``Experts.routed``, ``kernels.routed_gemv``);
+- ``layer-kernel``: one-row steps' decoder layers each in one persistent launch (grid
+  barriers between the phases, each phase's first weight tile loaded before its barrier;
+  ``DecoderLayer.layer_kernel``, ``kernels.decode_layer``);
 - ``fuse-act``: the experts' SiLU-and-mul computed by the W2 decode GEMM as it loads its
   operand (``Experts.fuse_act``, ``decode_grouped_gemm(act="silu_and_mul")``);
 - ``act-compact``: the experts' SiLU-and-mul (and, with ``--fp8``, its quantisation and the
@@ -159,6 +162,8 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
                                                       "triton_epilogue", on),
             "routed-gemv": lambda on: _class_attr("graphrt.moe.model", "MoEBlock", "routed_gemv",
                                                   on),
+            "layer-kernel": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
+                                                   "layer_kernel", on),
             "router-fused": lambda on: _class_attr("graphrt.moe.layers", "Router", "fused", on),
             "act-epilogue": lambda on: _class_attr("graphrt.moe.experts", "Experts",
                                                    "act_epilogue", on),

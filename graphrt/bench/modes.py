@@ -83,9 +83,14 @@ class CountHits:
     def routed(self, x, topk_ids, topk_weights, n, **kwargs):
         """A one-row step's routed experts (``Experts.routed``): the distinct valid picks of
         its live row."""
+        self.picked(topk_ids, n)
+        return self.inner.routed(x, topk_ids, topk_weights, n, **kwargs)
+
+    def picked(self, topk_ids, n):
+        """A one-launch layer's picks (``kernels.decode_layer``, which reads the experts'
+        weights itself: ``DecoderLayer`` hands over the launch's ``topk_ids``)."""
         ids = topk_ids[: int(n[0])]
         self.hits.append(int(ids[(ids >= 0) & (ids < self.inner.E)].unique().numel()))
-        return self.inner.routed(x, topk_ids, topk_weights, n, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

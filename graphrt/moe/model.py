@@ -171,6 +171,12 @@ class DecoderLayer:
     # GRAPHRT_FUSE_COMBINE=0 / 1 at import forces it off / everywhere (A/B: the fuse-combine
     # and fuse-combine-all switches).
     fuse_combine: bool | str = env_auto("GRAPHRT_FUSE_COMBINE")
+    # A one-row step runs the whole layer in one persistent launch (kernels.decode_layer:
+    # grid barriers between its phases, each phase's first weight tile loaded before its
+    # barrier) where the layer fits it (layer_kernel_fits: EP=1 bf16 experts, softmax
+    # routing without a logit bias, no shared expert, no EPLB map, dimensions <= 4096; not
+    # inside torch.compile). GRAPHRT_LAYER_KERNEL=1 at import (A/B: the layer-kernel switch).
+    layer_kernel = env_flag("GRAPHRT_LAYER_KERNEL", False)
 
     def __init__(self, cfg, comm, device, gen, seed, **kw):
         self.cfg = cfg
@@ -178,6 +184,55 @@ class DecoderLayer:
         self.moe_norm = torch.ones(cfg.hidden, device=device, dtype=cfg.dtype)
         self.attn = Attention(cfg, device, gen)
         self.moe = MoEBlock(cfg, comm, device, gen, seed, **kw)
+        self.layer_ws = None  # the one-launch layer's workspace (MoEModel sets it where it fits)
+
+    def layer_kernel_fits(self) -> bool:
+        """Whether this layer's weights and settings fit ``kernels.decode_layer`` (the
+        ``layer_kernel`` comment). Host-only."""
+        from graphrt.kernels.decode_layer import layer_fits
+        cfg, moe = self.cfg, self.moe
+        ex = moe.experts
+        return (cfg.routing == "softmax" and cfg.dtype == torch.bfloat16 and moe.shared is None
+                and isinstance(moe.comm, LocalComm) and moe.expert_map is None and not ex.fp8
+                and ex.E == cfg.num_experts and ex.expert_ids == list(range(cfg.num_experts))
+                and layer_fits(hidden=cfg.hidden, q_dim=cfg.q_dim, inter=cfg.moe_inter,
+                               head_dim=cfg.head_dim, num_heads=cfg.num_heads,
+                               num_kv_heads=cfg.num_kv_heads))
+
+    def _one_launch(self, x: torch.Tensor) -> bool:
+        """Whether this step's layer runs ``kernels.decode_layer`` (``layer_kernel``).
+        Host-only (shapes and settings)."""
+        router = self.moe.router
+        return (self.layer_kernel and self.layer_ws is not None and x.shape[0] == 1
+                and x.dtype == torch.bfloat16 and x.is_contiguous() and router.takes_logits()
+                and router.logit_bias is None and not torch.compiler.is_compiling())
+
+    def _layer_in_one_launch(self, x, h, slot_mapping, block_table, seq_lens, n, next_norm,
+                             next_attn):
+        """``__call__`` as one ``kernels.decode_layer`` launch: the residual stream in (a
+        pending norm's deltas added first), the new stream out, and the next norm pending or
+        made as ``__call__`` leaves it."""
+        from graphrt.kernels.decode_layer import LayerWeights, decode_layer
+        if isinstance(h, PendingNorm):
+            if h.deltas:
+                x, _ = h.materialize()
+            else:
+                x = h.x
+        cfg, attn, moe = self.cfg, self.attn, self.moe
+        w = LayerWeights(attn_norm=self.attn_norm, wqkv=attn.wqkv, wo=attn.wo,
+                         moe_norm=self.moe_norm, gate=moe.router.w, w13=moe.experts.w13,
+                         w2=moe.experts.w2)
+        out = decode_layer(x, w, k_cache=attn.k_cache, v_cache=attn.v_cache,
+                           block_table=block_table, seq_lens=seq_lens, slot_mapping=slot_mapping,
+                           n=n, num_topk=cfg.num_topk, eps=cfg.rms_eps,
+                           out=torch.empty_like(x), workspace=self.layer_ws)
+        moe.last_masked_m = None  # no dispatch ran: no counts to show
+        picked = getattr(moe.experts, "picked", None)  # the bench's hit counter (CountHits)
+        if picked is not None:
+            picked(self.layer_ws.topk_ids, n)
+        if self.fuse_norm and (next_attn is not None or self.fuse_final_norm):
+            return out, PendingNorm(out, (), next_norm, cfg.rms_eps)
+        return add_rmsnorm(out, weight=next_norm, eps=cfg.rms_eps)
 
     def __call__(self, x, h, slot_mapping, block_table, seq_lens, n, next_norm, next_attn=None):
         """x: the residual stream ``[bs, hidden]``; h: ``rmsnorm(x) * attn_norm``; the paged
@@ -187,6 +242,9 @@ class DecoderLayer:
         it): the QKV projection computes it (``dense_normed``: fused where ``norm_fusable``,
         else the norm alone first); with ``fuse_norm`` on, this layer returns one for the
         next (the last layer too with ``fuse_final_norm``: the LM head computes it)."""
+        if self._one_launch(x):
+            return self._layer_in_one_launch(x, h, slot_mapping, block_table, seq_lens, n,
+                                             next_norm, next_attn)
         eps = self.cfg.rms_eps
         if isinstance(h, PendingNorm):
             qkv, x = dense_normed(h, self.attn.wqkv)
@@ -276,6 +334,26 @@ class MoEModel:
         self._norms = [l.attn_norm for l in self.layers] + [self.final_norm]
         for layer in self.layers:  # one plan for every layer: their GEMM shapes are the same
             layer.moe.experts.plan = self._plan
+        self._share_layer_workspace()
+
+    def _share_layer_workspace(self) -> None:
+        """One ``kernels.decode_layer.LayerWorkspace`` for every layer that fits the one-launch
+        layer (their launches run one after another on one stream). Allocates (construction
+        only); layers that do not fit keep None."""
+        fit = [l for l in self.layers if l.layer_kernel_fits()]
+        if not fit:
+            return
+        from graphrt.kernels.decode_layer import LayerWorkspace, num_programs, num_splits_for
+        cfg = self.cfg
+        max_ctx = cfg.max_blocks_per_seq * cfg.block_size
+        ws = LayerWorkspace(hidden=cfg.hidden, num_heads=cfg.num_heads,
+                            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                            num_experts=cfg.num_experts, num_topk=cfg.num_topk,
+                            inter=cfg.moe_inter, device=self.device,
+                            num_splits=num_splits_for(max_ctx, cfg.num_kv_heads,
+                                                      num_programs(self.device)))
+        for layer in fit:
+            layer.layer_ws = ws
 
     def prepare(self, padded_bs: int, n: int | None = None) -> None:
         """The step's ``before_replay`` hook: the expert kernels for ``padded_bs``.

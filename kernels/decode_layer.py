@@ -1,0 +1,603 @@
+"""A one-row decoder layer in one persistent launch: every phase of the layer, grid barriers
+between them, and each phase's first weight tile loaded before its barrier.
+
+A one-row decode step is a chain of launches, each reading one weight (BENCHMARKS.md §31):
+each pays a launch's ramp (a stream read of 16-24 MiB reaches 66-72% of HBM bandwidth), and
+the latency-bound ones between them (attention, the gate, the top-k) read almost nothing.
+Here one launch of ``G`` programs (one an SM, all resident at once) runs the whole layer::
+
+    A  h   = rmsnorm(x) * attn_norm                     (each program, from L2)
+       qkv = h @ wqkv.T                                  rows split over the programs;
+                                                         the new K/V rows go to the cache
+    B  partials of attention over the paged cache        (kv head, split) items
+    C  merge of the partials                             one q head an item
+    D  x_mid = x + o @ wo.T                              rows split over the programs
+    E  h2 = rmsnorm(x_mid) * moe_norm; logits = h2 @ gate.T
+    F  top-k softmax (every program, of the logits);
+       act[k] = silu(h2 @ W13g[id_k].T) * (h2 @ W13u[id_k].T)
+    G  out = x_mid + sum_k w_k * bf16(act[k] @ W2[id_k].T)   column tiles over the programs
+
+with a grid barrier after each of A-F. A program walks its items of a phase with the next
+item's weight tile in flight while it reduces the current one, and loads its first tile of
+the next phase *before* it waits at the barrier: weights (no kernel writes them; for W2 the
+picks are known one phase earlier) are on their way while the slowest program finishes. So
+HBM sees one long stream per layer instead of seven ramps.
+
+Arithmetic (the rounding points of the launches it replaces, so results match within bf16
+summation-order differences): the norms as ``kernels.norm_gemv`` (sum in fp32, the residual
+rounded to bf16 before its mean square, the normed row rounded to bf16), every GEMV in fp32
+rounded to bf16 on store, attention as ``kernels.attention_kernels`` (``_attend``, the same
+split partials and log-sum-exp merge), the top-k as ``kernels.routing``'s packed softmax
+picks, the experts as ``kernels.routed_gemv``.
+
+The grid barrier (``_grid_sync``): one int32 counter per launch, counting up. Barrier ``b``
+(1-based) is a CTA barrier (every thread's stores issued), one thread's ``atom.add.release.gpu``
+of 1, a spin of volatile loads until the counter reaches ``b * G``, one thread's
+``atom.acquire.gpu`` and a CTA barrier: the pattern of CUDA's cooperative grid sync.
+Values written before a barrier are read after it with ``.cg`` loads (L2, never a stale L1
+line). At exit each program adds 1 more; the one that sees the last count sets the counter
+back to 0, so the next launch (the next layer, the next replay) starts from 0 with no
+memset. Every program must be resident at once: ``G`` is at most the SM count, one program
+an SM (``num_warps`` 8, at most 255 registers a thread: always fits), and the launch is the
+only kernel of its stream that spins.
+
+Under the CPU interpreter the programs run one after another, so the launcher runs one
+program (``G = 1``): it walks every item of every phase and each barrier returns at once.
+
+Limits (``layer_fits``): one row, bf16, ``hidden``, ``q_dim`` and ``moe_inter`` at most
+4096 (each phase reduces its K in one round), ``head_dim`` a power of two, softmax routing,
+EP=1 (all experts local), no shared expert.
+
+Glossary: ``H`` q heads, ``KVH`` kv heads, ``D`` head_dim, ``E`` experts, ``K`` num_topk,
+``I`` moe_inter, ``S`` positions per attention split, ``NS`` splits.
+
+Graph safety: capturable (the launcher: no allocation, no host read; the counter starts and
+ends at 0 in every launch); the reference is host-only.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._masked import _silu_mul
+from ._pdl import pdl_trigger, pdl_wait
+from ._util import check, check_tensor, interpreting, pdl_args
+from .attention_kernels import _LN2, _attend, _merge_group
+from .routing_rows import _key_low, _key_score, _pack, _top_keys
+
+_TILE = 16384  # weight elements a program loads in one round (32 KB of bf16)
+_LOG2E = 1.4426950408889634
+MAX_K = 4096  # hidden, q_dim and moe_inter: each phase reduces its K in one round
+NUM_WARPS = 8
+
+
+@triton.jit
+def _grid_sync(count_ptr, target):
+    """Grid barrier: returns once every program has arrived ``target // G`` times (module
+    docstring: release add, volatile spin, acquire)."""
+    tl.debug_barrier()  # every thread's stores before the release below
+    tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
+    cur = tl.load(count_ptr, volatile=True)
+    while cur < target:
+        cur = tl.load(count_ptr, volatile=True)
+    tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _rows_tile(w_ptr, it, n_items, n_rows, stride_w, offs_r, offs_k, k,
+               R: tl.constexpr):
+    """Item ``it``'s weight tile: rows ``[it * R, it * R + R)`` of ``w`` over the K columns,
+    bf16 ``[R, BK]``; all masked (no load) when ``it >= n_items``."""
+    rows = it * R + offs_r
+    # scalar conditions as vectors: the interpreter takes no scalar & tensor mask
+    m = ((rows < n_rows) & (offs_r * 0 + it < n_items))[:, None] & (offs_k < k)[None, :]
+    return tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_w + offs_k[None, :], mask=m,
+                   other=0.0)
+
+
+@triton.jit
+def _normed(x_ptr, nw_ptr, offs_k, k, eps, CG: tl.constexpr):
+    """``bf16(rmsnorm(x) * nw)`` as fp32 ``[BK]`` of the bf16 row ``x`` (0 past ``k``);
+    ``CG``: read ``x`` from L2 (written in this launch)."""
+    mk = offs_k < k
+    if CG:
+        x = tl.load(x_ptr + offs_k, mask=mk, other=0.0, cache_modifier=".cg").to(tl.float32)
+    else:
+        x = tl.load(x_ptr + offs_k, mask=mk, other=0.0).to(tl.float32)
+    nw = tl.load(nw_ptr + offs_k, mask=mk, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / k + eps)
+    return (x * rstd * nw).to(x_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _pick_at(v, offs, k):
+    """``v[k]`` of a 1-d tensor (a scalar)."""
+    return tl.sum(tl.where(offs == k, v, 0), axis=0)
+
+
+@triton.jit
+def _w13_tile(w13_ptr, it, n_items, ids, offs_t, num_experts, inter, hidden, stride_we,
+              stride_wn, offs_r, offs_k, NJ, R: tl.constexpr):
+    """W13 item ``it`` = (pick ``it // NJ``, gate rows ``[j * R, j * R + R)``, ``j = it % NJ``):
+    the gate and up tiles bf16 ``[R, BK]``; masked when ``it >= n_items`` or the pick is dead."""
+    kk = it // NJ
+    j = it - kk * NJ
+    e = _pick_at(ids, offs_t, kk).to(tl.int64)
+    ok = (it < n_items) & (e >= 0) & (e < num_experts)
+    rows = j * R + offs_r
+    okv = (offs_r * 0 + ok.to(tl.int32)) > 0  # a vector, as in _rows_tile
+    m = ((rows < inter) & okv)[:, None] & (offs_k < hidden)[None, :]
+    g_ptrs = (w13_ptr + tl.where(ok, e, 0) * stride_we + rows.to(tl.int64)[:, None] * stride_wn
+              + offs_k[None, :])
+    g = tl.load(g_ptrs, mask=m, other=0.0)
+    u = tl.load(g_ptrs + inter * stride_wn, mask=m, other=0.0)
+    return g, u
+
+
+@triton.jit
+def _w2_tile(w2_ptr, it, n_items, ok_t, e_t, hidden, inter, stride_we, stride_wn, offs_c,
+             offs_i, R: tl.constexpr):
+    """W2 item ``it`` = output columns ``[it * R, it * R + R)`` of every live pick: bf16
+    ``[BLOCK_T, R, BI]``; masked when ``it >= n_items``."""
+    cols = it * R + offs_c
+    m = (ok_t[:, None, None] & ((cols < hidden) & (offs_c * 0 + it < n_items))[None, :, None]
+         & (offs_i < inter)[None, None, :])
+    ptrs = (w2_ptr + e_t[:, None, None] * stride_we + cols.to(tl.int64)[None, :, None] * stride_wn
+            + offs_i[None, None, :])
+    return tl.load(ptrs, mask=m, other=0.0)
+
+
+@triton.jit
+def _decode_layer_kernel(
+    x_ptr,  # bf16 [hidden]: the residual stream in
+    out_ptr,  # bf16 [hidden] out: x + attention + experts
+    n_ptr,  # int32 [1]: live rows (0 or 1); 0: no K/V written, no expert (out = x_mid)
+    attn_norm_ptr, moe_norm_ptr,  # [hidden] norm weights
+    wqkv_ptr,  # bf16 [H * D + 2 * KVH * D, hidden]
+    wo_ptr,  # bf16 [hidden, H * D]
+    gate_ptr,  # bf16 [E, hidden]
+    w13_ptr,  # bf16 [E, 2 * I, hidden], last dim contiguous
+    w2_ptr,  # bf16 [E, hidden, I], last dim contiguous
+    k_cache_ptr, v_cache_ptr,  # bf16 [num_blocks, PAGE, KVH, D]
+    table_ptr,  # int32 [max_blocks_per_seq]: the row's block table
+    seq_len_ptr,  # int32 [1]: positions of the row, the new one included
+    slot_ptr,  # int64/int32 [1]: the new token's flat slot
+    qkv_ptr,  # bf16 [H * D + 2 * KVH * D] scratch
+    ws_o_ptr,  # fp32 [H, NS, D] scratch: partial outputs
+    ws_lse_ptr,  # fp32 [H, NS] scratch: partial log-sum-exp (natural log)
+    o_ptr,  # bf16 [H * D] scratch: attention's output
+    xmid_ptr,  # bf16 [hidden] scratch: x + attention
+    logits_ptr,  # bf16 [E] out: the gate's logits
+    act_ptr,  # bf16 [K, I] scratch: SiLU-and-mul of each pick
+    topk_w_ptr,  # fp32 [K] out: the routing weights (program 0 writes them)
+    topk_ids_ptr,  # int64 [K] out: the picks (-1 with no live row)
+    count_ptr,  # int32 [1]: the grid barrier's counter, 0 on entry and on exit
+    hidden, num_experts, inter, eps, qk_scale,
+    num_blocks, max_ctx, split_size, num_splits,
+    stride_cb, stride_ct, stride_ch,  # the caches' strides (block, offset, head)
+    stride_13e, stride_13n, stride_2e, stride_2n,  # W13 and W2 (expert, row) strides
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP_PAD: tl.constexpr,  # q heads a kv head, padded to a power of two >= 16 (tl.dot)
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, TABLE_PAGES: tl.constexpr,
+    NS_PAD: tl.constexpr,  # num_splits rounded up to a power of two
+    NUM_TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    BK: tl.constexpr,  # next power of two >= hidden
+    BKO: tl.constexpr,  # next power of two >= H * D
+    BI: tl.constexpr,  # next power of two >= I
+    R_QKV: tl.constexpr, R_O: tl.constexpr, R_G: tl.constexpr, R_13: tl.constexpr,
+    R_2: tl.constexpr,  # rows (columns for W2) an item, per phase
+    UPCAST: tl.constexpr,  # the interpreter: attention's dots in fp32
+    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): the first QKV tile before the wait
+):
+    pdl_trigger(USE_GDC)  # then only wqkv's first tile before the wait (kernels._pdl)
+    G = tl.num_programs(0)
+    pid = tl.program_id(0)
+    q_dim = NUM_HEADS * HEAD_DIM
+    kv_dim = NUM_KV_HEADS * HEAD_DIM
+    n_qkv = q_dim + 2 * kv_dim
+    offs_k = tl.arange(0, BK)
+
+    # ---- A: norm + QKV; the new K/V rows into the cache ---------------------------------
+    offs_ra = tl.arange(0, R_QKV)
+    items_a = tl.cdiv(n_qkv, R_QKV)
+    rows0 = pid * R_QKV + offs_ra
+    w_ptrs = wqkv_ptr + rows0.to(tl.int64)[:, None] * hidden + offs_k[None, :]
+    w = tl.load(w_ptrs, mask=(rows0 < n_qkv)[:, None] & (offs_k < hidden)[None, :], other=0.0)
+    pdl_wait(USE_GDC)
+    live = tl.load(n_ptr) > 0
+    slot = tl.load(slot_ptr).to(tl.int64)
+    slot_ok = live & (slot >= 0) & (slot < num_blocks * PAGE)
+    slot_base = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct
+    h = _normed(x_ptr, attn_norm_ptr, offs_k, hidden, eps, False)
+    for it in range(pid, items_a, G):
+        w_nx = _rows_tile(wqkv_ptr, it + G, items_a, n_qkv, hidden, offs_ra, offs_k, hidden,
+                          R_QKV)
+        rows = it * R_QKV + offs_ra
+        y = tl.sum(w.to(tl.float32) * h[None, :], axis=1).to(qkv_ptr.dtype.element_ty)
+        tl.store(qkv_ptr + rows, y, mask=rows < n_qkv)
+        kv = rows - q_dim  # K rows, then V rows: [KVH * D] each
+        is_v = kv >= kv_dim
+        kvo = tl.where(is_v, kv - kv_dim, kv)
+        dst = slot_base + (kvo // HEAD_DIM) * stride_ch + kvo % HEAD_DIM
+        mk = ((offs_ra * 0 + slot_ok.to(tl.int32)) > 0) & (kv >= 0) & (rows < n_qkv)
+        tl.store(k_cache_ptr + dst, y, mask=mk & ~is_v)
+        tl.store(v_cache_ptr + dst, y, mask=mk & is_v)
+        w = w_nx
+    _grid_sync(count_ptr, G)
+
+    # ---- B: attention partials, one (kv head, split) an item ------------------------------
+    ctx = tl.minimum(tl.load(seq_len_ptr), max_ctx)
+    ctx = tl.where(live, ctx, 0)
+    num_live = tl.cdiv(tl.maximum(ctx, 0), split_size)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    group = NUM_HEADS // NUM_KV_HEADS
+    for it in range(pid, NUM_KV_HEADS * num_splits, G):
+        kvh = it // num_splits
+        split = it - kvh * num_splits
+        start = split * split_size
+        if split < num_live:
+            end = tl.minimum(start + split_size, ctx)
+            heads = kvh * group + offs_g
+            mg = offs_g < group
+            q = tl.load(qkv_ptr + heads[:, None] * HEAD_DIM + offs_d[None, :], mask=mg[:, None],
+                        other=0.0, cache_modifier=".cg")
+            if UPCAST:
+                q = q.to(tl.float32)
+            acc, m_i, l_i = _attend(q, k_cache_ptr, v_cache_ptr, table_ptr, kvh, start, end,
+                                    qk_scale, num_blocks, max_ctx, stride_cb, stride_ct,
+                                    stride_ch, GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N, UPCAST,
+                                    False, TABLE_PAGES)
+            o = acc / l_i[:, None]
+            lse = (m_i + tl.log2(l_i)) * _LN2  # natural log, as attn_split_kernel stores it
+            tl.store(ws_o_ptr + heads[:, None] * (num_splits * HEAD_DIM) + split * HEAD_DIM
+                     + offs_d[None, :], o, mask=mg[:, None])
+            tl.store(ws_lse_ptr + heads * num_splits + split, lse, mask=mg)
+    _grid_sync(count_ptr, 2 * G)
+
+    # ---- C: merge, one q head an item; then wo's first tile ---------------------------------
+    for hh in range(pid, NUM_HEADS, G):
+        if num_live > 0:
+            _merge_group(o_ptr, ws_o_ptr, ws_lse_ptr, hh, num_live, HEAD_DIM,
+                         num_splits * HEAD_DIM, HEAD_DIM, num_splits, 1, 2, HEAD_DIM, NS_PAD)
+        else:
+            tl.store(o_ptr + hh * HEAD_DIM + offs_d,
+                     tl.zeros((HEAD_DIM,), dtype=tl.float32).to(o_ptr.dtype.element_ty))
+    offs_ko = tl.arange(0, BKO)
+    offs_ro = tl.arange(0, R_O)
+    items_d = tl.cdiv(hidden, R_O)
+    w = _rows_tile(wo_ptr, pid, items_d, hidden, q_dim, offs_ro, offs_ko, q_dim, R_O)
+    _grid_sync(count_ptr, 3 * G)
+
+    # ---- D: x_mid = x + o @ wo.T; then the gate's first tile -------------------------------
+    ov = tl.load(o_ptr + offs_ko, mask=offs_ko < q_dim, other=0.0,
+                 cache_modifier=".cg").to(tl.float32)
+    for it in range(pid, items_d, G):
+        w_nx = _rows_tile(wo_ptr, it + G, items_d, hidden, q_dim, offs_ro, offs_ko, q_dim, R_O)
+        rows = it * R_O + offs_ro
+        mr = rows < hidden
+        y = tl.sum(w.to(tl.float32) * ov[None, :], axis=1).to(xmid_ptr.dtype.element_ty)
+        xr = tl.load(x_ptr + rows, mask=mr, other=0.0).to(tl.float32)
+        tl.store(xmid_ptr + rows, (xr + y.to(tl.float32)).to(xmid_ptr.dtype.element_ty), mask=mr)
+        w = w_nx
+    offs_rg = tl.arange(0, R_G)
+    items_e = tl.cdiv(num_experts, R_G)
+    w = _rows_tile(gate_ptr, pid, items_e, num_experts, hidden, offs_rg, offs_k, hidden, R_G)
+    _grid_sync(count_ptr, 4 * G)
+
+    # ---- E: the MoE norm (every program keeps h2) and the gate's logits --------------------
+    h2 = _normed(xmid_ptr, moe_norm_ptr, offs_k, hidden, eps, True)
+    for it in range(pid, items_e, G):
+        w_nx = _rows_tile(gate_ptr, it + G, items_e, num_experts, hidden, offs_rg, offs_k,
+                          hidden, R_G)
+        rows = it * R_G + offs_rg
+        y = tl.sum(w.to(tl.float32) * h2[None, :], axis=1)
+        tl.store(logits_ptr + rows, y.to(logits_ptr.dtype.element_ty), mask=rows < num_experts)
+        w = w_nx
+    _grid_sync(count_ptr, 5 * G)
+
+    # ---- F: top-k (every program, the same picks) and W13 with SiLU-and-mul ----------------
+    offs_e = tl.arange(0, BLOCK_E)
+    emask = offs_e < num_experts
+    lg = tl.load(logits_ptr + offs_e, mask=emask, other=0.0, cache_modifier=".cg")
+    lg = tl.where(emask, lg.to(tl.float32), float("-inf"))
+    ex = tl.where(emask, tl.exp(lg - tl.max(lg, axis=0)), 0.0)
+    p = tl.where(emask, ex / tl.sum(ex, axis=0), -1.0)
+    offs_t = tl.arange(0, BLOCK_T)
+    keys = _top_keys(_pack(p, BLOCK_E - 1 - offs_e), NUM_TOPK, BLOCK_T)
+    tw = _key_score(keys)
+    tw = tw / tl.sum(tw, axis=0)
+    ids = BLOCK_E - 1 - _key_low(keys)
+    tmask = offs_t < NUM_TOPK
+    tlive = tmask & ((offs_t * 0 + live.to(tl.int32)) > 0)
+    tw = tl.where(tlive, tw, 0.0)
+    ids = tl.where(tlive, ids, -1)
+    if pid == 0:
+        tl.store(topk_w_ptr + offs_t, tw, mask=tmask)
+        tl.store(topk_ids_ptr + offs_t, ids.to(tl.int64), mask=tmask)
+    offs_r13 = tl.arange(0, R_13)
+    nj = tl.cdiv(inter, R_13)
+    items_f = NUM_TOPK * nj
+    g, u = _w13_tile(w13_ptr, pid, items_f, ids, offs_t, num_experts, inter, hidden, stride_13e,
+                     stride_13n, offs_r13, offs_k, nj, R_13)
+    for it in range(pid, items_f, G):
+        g_nx, u_nx = _w13_tile(w13_ptr, it + G, items_f, ids, offs_t, num_experts, inter, hidden,
+                               stride_13e, stride_13n, offs_r13, offs_k, nj, R_13)
+        kk = it // nj
+        rows = (it - kk * nj) * R_13 + offs_r13
+        gs = tl.sum(g.to(tl.float32) * h2[None, :], axis=1)
+        us = tl.sum(u.to(tl.float32) * h2[None, :], axis=1)
+        gb = gs.to(act_ptr.dtype.element_ty).to(tl.float32)
+        ub = us.to(act_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(act_ptr + kk * inter + rows, _silu_mul(gb, ub).to(act_ptr.dtype.element_ty),
+                 mask=rows < inter)
+        g, u = g_nx, u_nx
+    ok_t = (ids >= 0) & (ids < num_experts)
+    e_t = tl.where(ok_t, ids, 0).to(tl.int64)
+    offs_c = tl.arange(0, R_2)
+    offs_i = tl.arange(0, BI)
+    items_g = tl.cdiv(hidden, R_2)
+    w2 = _w2_tile(w2_ptr, pid, items_g, ok_t, e_t, hidden, inter, stride_2e, stride_2n, offs_c,
+                  offs_i, R_2)
+    _grid_sync(count_ptr, 6 * G)
+
+    # ---- G: W2 of every pick, combined, plus the residual ----------------------------------
+    av = tl.load(act_ptr + offs_t[:, None] * inter + offs_i[None, :],
+                 mask=ok_t[:, None] & (offs_i < inter)[None, :], other=0.0,
+                 cache_modifier=".cg").to(tl.float32)
+    for it in range(pid, items_g, G):
+        w2_nx = _w2_tile(w2_ptr, it + G, items_g, ok_t, e_t, hidden, inter, stride_2e, stride_2n,
+                         offs_c, offs_i, R_2)
+        cols = it * R_2 + offs_c
+        mc = cols < hidden
+        y = tl.sum(w2.to(tl.float32) * av[:, None, :], axis=2)  # [BLOCK_T, R_2]
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)  # each pick's row as bf16
+        moe = tl.sum(tw[:, None] * y, axis=0).to(out_ptr.dtype.element_ty).to(tl.float32)
+        xm = tl.load(xmid_ptr + cols, mask=mc, other=0.0, cache_modifier=".cg").to(tl.float32)
+        tl.store(out_ptr + cols, (xm + moe).to(out_ptr.dtype.element_ty), mask=mc)
+        w2 = w2_nx
+    # exit: the last program out sets the counter back to 0 for the next launch
+    old = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if old == 7 * G - 1:
+        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer's weights as the launch reads them (see ``decode_layer``)."""
+    attn_norm: torch.Tensor  # [hidden]
+    wqkv: torch.Tensor  # bf16 [H * D + 2 * KVH * D, hidden], contiguous
+    wo: torch.Tensor  # bf16 [hidden, H * D], contiguous
+    moe_norm: torch.Tensor  # [hidden]
+    gate: torch.Tensor  # bf16 [E, hidden], contiguous
+    w13: torch.Tensor  # bf16 [E, 2 * I, hidden], last dim contiguous
+    w2: torch.Tensor  # bf16 [E, hidden, I], last dim contiguous
+
+
+class LayerWorkspace:
+    """The launch's scratch and small outputs, for one layer shape on one device; reuse it
+    across layers (the launches run one after another on one stream). ``logits`` bf16 [E],
+    ``topk_weights`` fp32 [1, K], ``topk_ids`` int64 [1, K] hold the last launch's router
+    results. The barrier counter (int32, 0 between launches) lives here. Allocates at
+    construction only."""
+
+    def __init__(self, *, hidden, num_heads, num_kv_heads, head_dim, num_experts, num_topk,
+                 inter, num_splits, device, dtype=torch.bfloat16):
+        f32 = torch.float32
+        self.num_splits = num_splits
+        self.qkv = torch.empty((num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype,
+                               device=device)
+        self.ws_o = torch.empty(num_heads, num_splits, head_dim, dtype=f32, device=device)
+        self.ws_lse = torch.empty(num_heads, num_splits, dtype=f32, device=device)
+        self.o = torch.empty(num_heads * head_dim, dtype=dtype, device=device)
+        self.x_mid = torch.empty(hidden, dtype=dtype, device=device)
+        self.logits = torch.empty(num_experts, dtype=dtype, device=device)
+        self.act = torch.empty(num_topk, inter, dtype=dtype, device=device)
+        self.topk_weights = torch.empty(1, num_topk, dtype=f32, device=device)
+        self.topk_ids = torch.empty(1, num_topk, dtype=torch.int64, device=device)
+        self.count = torch.zeros(32, dtype=torch.int32, device=device)  # [0]: the counter
+
+
+def rows_per_item(rows: int, k_pad: int, programs: int, *, tile: int = _TILE,
+                  per_row: int = 1, groups: int = 1, slack: float = 1.05) -> int:
+    """Rows an item of a GEMV phase takes: the largest power of two ``r`` (``r * per_row *
+    k_pad <= tile``: one round of loads) whose busiest program's rows, ``ceil(groups *
+    ceil(rows / r) / programs) * r``, are within ``slack`` of the fewest any ``r`` gives
+    (fuller loads keep more bytes in flight; balance keeps the barrier's wait short).
+    ``groups``: matrices of ``rows`` rows walked as one list (W13: the picks). qwen3-like at
+    132 programs: QKV (5120 rows of 2048) 8, wo (2048 of 4096) 4, gate (64 of 2048) 1, W13 (8
+    picks of 768 gate/up pairs) 4, W2 (2048 columns of 8 x 1024) 2. Host-only."""
+    costs = {}
+    r = 1
+    while r == 1 or (r * per_row * k_pad <= tile and r <= rows):
+        costs[r] = -(-(groups * -(-rows // r)) // programs) * r
+        r *= 2
+    least = min(costs.values())
+    return max(r for r, c in costs.items() if c <= slack * least)
+
+
+def split_for(max_ctx: int, num_kv_heads: int, programs: int, block_n: int) -> int:
+    """Positions per attention split: the smallest multiple of ``block_n`` whose splits give
+    every program at most one (kv head, split) item, ``num_kv_heads * ceil(max_ctx / S) <=
+    programs``. Host-only."""
+    splits = max(1, programs // num_kv_heads)
+    size = -(-max_ctx // splits)
+    return max(block_n, -(-size // block_n) * block_n)
+
+
+def num_programs(device: torch.device) -> int:
+    """The launch's grid: one program an SM; 1 under the CPU interpreter (module docstring)."""
+    if interpreting() or device.type != "cuda":
+        return 1
+    from .dense_gemv import num_sms
+    return num_sms(device)
+
+
+def layer_fits(*, hidden, q_dim, inter, head_dim, num_heads, num_kv_heads) -> bool:
+    """Whether ``decode_layer`` serves these dimensions (module docstring, Limits)."""
+    return (max(hidden, q_dim, inter) <= MAX_K and head_dim >= 16
+            and head_dim & (head_dim - 1) == 0 and num_heads % num_kv_heads == 0)
+
+
+def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, block_table,
+                 seq_lens, slot_mapping, n, num_topk: int, eps: float, out: torch.Tensor,
+                 workspace: LayerWorkspace, programs: int | None = None,
+                 sm_scale: float | None = None) -> torch.Tensor:
+    """One decoder layer of a one-row step in one launch (module docstring).
+
+    Args:
+        x: bf16 ``[1, hidden]``, contiguous: the residual stream.
+        weights: ``LayerWeights``.
+        k_cache, v_cache: bf16 ``[num_blocks, block_size, KVH, D]``; the new K/V row is
+            written at ``slot_mapping[0]`` when the row is live and the slot in range.
+        block_table: int32 ``[1, max_blocks_per_seq]``; seq_lens int32 ``[1]`` (the new token
+            included); slot_mapping int64/int32 ``[1]``; n int32 ``[1]`` (0 or 1).
+        num_topk: experts a row picks (softmax top-k, renormalized).
+        out: bf16 ``[1, hidden]``, contiguous, not ``x``: ``x + attention + experts``.
+        workspace: a ``LayerWorkspace`` of this shape.
+        programs: the grid (default ``num_programs``: one an SM); at most the SM count.
+
+    Returns ``out``. One launch, no allocation. Graph safety: capturable
+    """
+    dev = x.device
+    check_tensor(x, "x", shape=(1, None), dtype=torch.bfloat16, contiguous=True)
+    hidden = x.shape[1]
+    check_tensor(out, "out", shape=(1, hidden), dtype=torch.bfloat16, device=dev, contiguous=True)
+    check(out.data_ptr() != x.data_ptr(), "out", "a tensor other than x", "x itself")
+    nb, page, kvh, d = k_cache.shape
+    check_tensor(v_cache, "v_cache", shape=(nb, page, kvh, d), dtype=k_cache.dtype, device=dev)
+    check(k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "k/v cache strides",
+          "equal, head_dim contiguous", (k_cache.stride(), v_cache.stride()))
+    wq = weights.wqkv
+    q_dim = wq.shape[0] - 2 * kvh * d
+    heads = q_dim // d
+    check(q_dim > 0 and q_dim % d == 0, "wqkv.shape[0]", f"H * {d} + 2 * {kvh} * {d}",
+          wq.shape[0])
+    check_tensor(wq, "wqkv", shape=(None, hidden), dtype=torch.bfloat16, device=dev,
+                 contiguous=True)
+    check_tensor(weights.wo, "wo", shape=(hidden, q_dim), dtype=torch.bfloat16, device=dev,
+                 contiguous=True)
+    check_tensor(weights.gate, "gate", shape=(None, hidden), dtype=torch.bfloat16, device=dev,
+                 contiguous=True)
+    experts = weights.gate.shape[0]
+    w13, w2 = weights.w13, weights.w2
+    check_tensor(w13, "w13", shape=(experts, None, hidden), dtype=torch.bfloat16, device=dev)
+    inter = w13.shape[1] // 2
+    check_tensor(w2, "w2", shape=(experts, hidden, inter), dtype=torch.bfloat16, device=dev)
+    check(w13.stride(2) == 1 and w2.stride(2) == 1, "w13/w2 last-dim stride", 1,
+          (w13.stride(2), w2.stride(2)))
+    check(layer_fits(hidden=hidden, q_dim=q_dim, inter=inter, head_dim=d, num_heads=heads,
+                     num_kv_heads=kvh), "layer dimensions",
+          f"hidden, q_dim, inter <= {MAX_K}, head_dim a power of two >= 16",
+          dict(hidden=hidden, q_dim=q_dim, inter=inter, head_dim=d))
+    check(1 <= num_topk <= experts, "num_topk", f"in [1, {experts}]", num_topk)
+    for name, t in (("attn_norm", weights.attn_norm), ("moe_norm", weights.moe_norm)):
+        check_tensor(t, name, shape=(hidden,), device=dev, contiguous=True)
+    check_tensor(block_table, "block_table", shape=(1, None), dtype=torch.int32, device=dev)
+    check(block_table.stride(1) == 1, "block_table.stride(1)", 1, block_table.stride(1))
+    check_tensor(seq_lens, "seq_lens", shape=(1,), dtype=torch.int32, device=dev)
+    check_tensor(slot_mapping, "slot_mapping", shape=(1,), dtype=(torch.int64, torch.int32),
+                 device=dev)
+    check_tensor(n, "n", shape=(1,), dtype=torch.int32, device=dev)
+    ws = workspace
+    check(ws.act.shape == (num_topk, inter) and ws.qkv.numel() == wq.shape[0]
+          and ws.ws_o.shape[0] == heads and ws.logits.numel() == experts,
+          "workspace", "a LayerWorkspace of this layer's shape",
+          dict(act=tuple(ws.act.shape), qkv=ws.qkv.numel(), heads=ws.ws_o.shape[0]))
+    G = programs or num_programs(dev)
+    check(G >= 1, "programs", ">= 1", G)
+    max_ctx = block_table.shape[1] * page
+    from .attention import BLOCK_N, table_pages
+    split = -(-max_ctx // ws.num_splits)
+    split = -(-split // BLOCK_N) * BLOCK_N
+    scale = (1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)) * _LOG2E
+    bk, bko, bi = (triton.next_power_of_2(v) for v in (hidden, q_dim, inter))
+    _decode_layer_kernel[(G,)](
+        x, out, n, weights.attn_norm, weights.moe_norm, wq, weights.wo, weights.gate, w13, w2,
+        k_cache, v_cache, block_table, seq_lens, slot_mapping,
+        ws.qkv, ws.ws_o, ws.ws_lse, ws.o, ws.x_mid, ws.logits, ws.act, ws.topk_weights,
+        ws.topk_ids, ws.count,
+        hidden, experts, inter, eps, scale, nb, max_ctx, split, ws.num_splits,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
+        NUM_HEADS=heads, NUM_KV_HEADS=kvh, HEAD_DIM=d,
+        GROUP_PAD=max(16, triton.next_power_of_2(heads // kvh)), PAGE=page, BLOCK_N=BLOCK_N,
+        TABLE_PAGES=table_pages(split, page),
+        NS_PAD=triton.next_power_of_2(ws.num_splits), NUM_TOPK=num_topk,
+        BLOCK_T=triton.next_power_of_2(num_topk), BLOCK_E=triton.next_power_of_2(experts),
+        BK=bk, BKO=bko, BI=bi,
+        R_QKV=rows_per_item(wq.shape[0], bk, G), R_O=rows_per_item(hidden, bko, G),
+        R_G=rows_per_item(experts, bk, G),
+        R_13=rows_per_item(inter, bk, G, per_row=2, groups=num_topk),
+        R_2=rows_per_item(hidden, bi * triton.next_power_of_2(num_topk), G),
+        UPCAST=interpreting(), num_warps=NUM_WARPS, **pdl_args())
+    return out
+
+
+def num_splits_for(max_ctx: int, num_kv_heads: int, programs: int) -> int:
+    """The attention splits of a ``LayerWorkspace``: ``ceil(max_ctx / split_for(...))`` with
+    the attention kernels' ``BLOCK_N``. qwen3-like (2048 positions, 4 kv heads, 132
+    programs): 32 splits of 64. Host-only."""
+    from .attention import BLOCK_N
+    return -(-max_ctx // split_for(max_ctx, num_kv_heads, programs, BLOCK_N))
+
+
+def decode_layer_ref(x, weights: LayerWeights, *, k_cache, v_cache, block_table, seq_lens,
+                     slot_mapping, n, num_topk: int, eps: float, logits=None,
+                     sm_scale: float | None = None) -> dict:
+    """fp64 reference of ``decode_layer`` with its bf16 roundings (the normed rows, every
+    GEMV's output, attention's output, the residual sums, the experts' as
+    ``routed_gemv.routed_mlp_ref``). Writes the new K/V into ``k_cache``/``v_cache`` (pass
+    copies). ``logits``: pick the experts from these (the kernel's, so a last-ulp difference
+    cannot flip a near-tie) instead of the reference's own. Returns ``{"out" fp64 [1, hidden],
+    "logits" fp64 [E], "topk_ids" int64 [1, K], "topk_weights" fp64 [1, K]}``. Host-only
+    (allocates, syncs)."""
+    from .routed_gemv import routed_mlp_ref
+    from .routing import topk_softmax_ref
+
+    def bf(t):
+        return t.to(torch.bfloat16).double()
+
+    def normed(v, nw):
+        return bf(v * torch.rsqrt((v * v).mean() + eps) * nw.double())
+
+    nb, page, kvh, d = k_cache.shape
+    xd = x[0].double()
+    qkv = bf(weights.wqkv.double() @ normed(xd, weights.attn_norm))
+    q_dim = qkv.numel() - 2 * kvh * d
+    heads = q_dim // d
+    live = int(n[0]) > 0
+    slot = int(slot_mapping[0])
+    if live and 0 <= slot < nb * page:
+        k_new = qkv[q_dim:q_dim + kvh * d].view(kvh, d)
+        v_new = qkv[q_dim + kvh * d:].view(kvh, d)
+        k_cache[slot // page, slot % page] = k_new.to(k_cache.dtype)
+        v_cache[slot // page, slot % page] = v_new.to(v_cache.dtype)
+    max_ctx = block_table.shape[1] * page
+    ctx = min(int(seq_lens[0]), max_ctx) if live else 0
+    o = torch.zeros(heads, d, dtype=torch.float64, device=x.device)
+    if ctx > 0:
+        pos = torch.arange(ctx, device=x.device)
+        blk = block_table[0, pos // page].long().clamp(0, nb - 1)
+        keys = k_cache[blk, pos % page].double()  # [ctx, kvh, d]
+        vals = v_cache[blk, pos % page].double()
+        q = qkv[:q_dim].view(heads, d)
+        scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+        g = heads // kvh
+        for hh in range(heads):
+            p = torch.softmax(keys[:, hh // g] @ q[hh] * scale, dim=0)
+            o[hh] = p @ vals[:, hh // g]
+    x_mid = bf(xd + bf(weights.wo.double() @ bf(o).flatten()))
+    h2 = normed(x_mid, weights.moe_norm)
+    ref_logits = bf(weights.gate.double() @ h2)
+    pick_from = ref_logits if logits is None else logits.double().flatten()
+    tw, ids = topk_softmax_ref(pick_from[None].float(), int(n[0]), num_topk)
+    _, moe = routed_mlp_ref(h2[None].to(torch.bfloat16), ids, tw, n, weights.w13, weights.w2)
+    out = bf(x_mid + bf(moe[0]))
+    return {"out": out[None], "x_mid": x_mid[None], "logits": ref_logits, "topk_ids": ids,
+            "topk_weights": tw.double()}
