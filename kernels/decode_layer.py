@@ -76,16 +76,43 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _grid_sync(count_ptr, target):
+def _poll(count_ptr, target, SPIN: tl.constexpr):
+    """The counter as a spinning thread sees it. ``SPIN == 1``: thread 0 loads it (volatile)
+    and every other thread returns ``target`` at once (it waits at the CTA barrier after the
+    spin), so one load a program is in flight instead of one a warp. ``SPIN == 0`` (and the
+    interpreter, which has no inline PTX): every thread loads it."""
+    if SPIN == 1:
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "mov.b32 $0, $2; @p ld.volatile.global.b32 $0, [$1]; }",
+            "=r,l,r", [count_ptr, target], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        return tl.load(count_ptr, volatile=True)
+
+
+@triton.jit
+def _stamp(stamps_ptr, idx, STAMPS: tl.constexpr):
+    """``STAMPS`` (diagnostics): this SM's cycle counter into ``stamps[program, idx]``."""
+    if STAMPS:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64,
+                                      is_pure=False, pack=1)
+        tl.store(stamps_ptr + tl.program_id(0) * 16 + idx, t)
+
+
+@triton.jit
+def _grid_sync(count_ptr, target, stamps_ptr, idx, SPIN: tl.constexpr, STAMPS: tl.constexpr):
     """Grid barrier: returns once every program has arrived ``target // G`` times (module
-    docstring: release add, volatile spin, acquire)."""
+    docstring: release add, volatile spin, acquire). ``STAMPS``: the cycle counter on arrival
+    (``2 * idx``) and on leaving (``2 * idx + 1``)."""
     tl.debug_barrier()  # every thread's stores before the release below
+    _stamp(stamps_ptr, 2 * idx, STAMPS)
     tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
-    cur = tl.load(count_ptr, volatile=True)
+    cur = _poll(count_ptr, target, SPIN)
     while cur < target:
-        cur = tl.load(count_ptr, volatile=True)
+        cur = _poll(count_ptr, target, SPIN)
     tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
+    _stamp(stamps_ptr, 2 * idx + 1, STAMPS)
 
 
 @triton.jit
@@ -177,6 +204,7 @@ def _decode_layer_kernel(
     topk_w_ptr,  # fp32 [K] out: the routing weights (program 0 writes them)
     topk_ids_ptr,  # int64 [K] out: the picks (-1 with no live row)
     count_ptr,  # int32 [1]: the grid barrier's counter, 0 on entry and on exit
+    stamps_ptr,  # int64 [G, 16] out, STAMPS only: cycle counters (diagnostics)
     hidden, num_experts, inter, eps, qk_scale,
     num_blocks, max_ctx, split_size, num_splits,
     stride_cb, stride_ct, stride_ch,  # the caches' strides (block, offset, head)
@@ -192,6 +220,8 @@ def _decode_layer_kernel(
     R_QKV: tl.constexpr, R_O: tl.constexpr, R_G: tl.constexpr, R_13: tl.constexpr,
     R_2: tl.constexpr,  # rows (columns for W2) an item, per phase
     UPCAST: tl.constexpr,  # the interpreter: attention's dots in fp32
+    SPIN: tl.constexpr = 1,  # _poll: one thread a program spins (0: every thread)
+    STAMPS: tl.constexpr = False,  # diagnostics: cycle counters at each barrier
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): the first QKV tile before the wait
 ):
     pdl_trigger(USE_GDC)  # then only wqkv's first tile before the wait (kernels._pdl)
@@ -209,6 +239,7 @@ def _decode_layer_kernel(
     w_ptrs = wqkv_ptr + rows0.to(tl.int64)[:, None] * hidden + offs_k[None, :]
     w = tl.load(w_ptrs, mask=(rows0 < n_qkv)[:, None] & (offs_k < hidden)[None, :], other=0.0)
     pdl_wait(USE_GDC)
+    _stamp(stamps_ptr, 0, STAMPS)
     live = tl.load(n_ptr) > 0
     slot = tl.load(slot_ptr).to(tl.int64)
     slot_ok = live & (slot >= 0) & (slot < num_blocks * PAGE)
@@ -228,7 +259,7 @@ def _decode_layer_kernel(
         tl.store(k_cache_ptr + dst, y, mask=mk & ~is_v)
         tl.store(v_cache_ptr + dst, y, mask=mk & is_v)
         w = w_nx
-    _grid_sync(count_ptr, G)
+    _grid_sync(count_ptr, 1 * G, stamps_ptr, 1, SPIN, STAMPS)
 
     # ---- B: attention partials, one (kv head, split) an item ------------------------------
     ctx = tl.minimum(tl.load(seq_len_ptr), max_ctx)
@@ -258,7 +289,7 @@ def _decode_layer_kernel(
             tl.store(ws_o_ptr + heads[:, None] * (num_splits * HEAD_DIM) + split * HEAD_DIM
                      + offs_d[None, :], o, mask=mg[:, None])
             tl.store(ws_lse_ptr + heads * num_splits + split, lse, mask=mg)
-    _grid_sync(count_ptr, 2 * G)
+    _grid_sync(count_ptr, 2 * G, stamps_ptr, 2, SPIN, STAMPS)
 
     # ---- C: merge, one q head an item; then wo's first tile ---------------------------------
     for hh in range(pid, NUM_HEADS, G):
@@ -272,7 +303,7 @@ def _decode_layer_kernel(
     offs_ro = tl.arange(0, R_O)
     items_d = tl.cdiv(hidden, R_O)
     w = _rows_tile(wo_ptr, pid, items_d, hidden, q_dim, offs_ro, offs_ko, q_dim, R_O)
-    _grid_sync(count_ptr, 3 * G)
+    _grid_sync(count_ptr, 3 * G, stamps_ptr, 3, SPIN, STAMPS)
 
     # ---- D: x_mid = x + o @ wo.T; then the gate's first tile -------------------------------
     ov = tl.load(o_ptr + offs_ko, mask=offs_ko < q_dim, other=0.0,
@@ -288,7 +319,7 @@ def _decode_layer_kernel(
     offs_rg = tl.arange(0, R_G)
     items_e = tl.cdiv(num_experts, R_G)
     w = _rows_tile(gate_ptr, pid, items_e, num_experts, hidden, offs_rg, offs_k, hidden, R_G)
-    _grid_sync(count_ptr, 4 * G)
+    _grid_sync(count_ptr, 4 * G, stamps_ptr, 4, SPIN, STAMPS)
 
     # ---- E: the MoE norm (every program keeps h2) and the gate's logits --------------------
     h2 = _normed(xmid_ptr, moe_norm_ptr, offs_k, hidden, eps, True)
@@ -299,7 +330,7 @@ def _decode_layer_kernel(
         y = tl.sum(w.to(tl.float32) * h2[None, :], axis=1)
         tl.store(logits_ptr + rows, y.to(logits_ptr.dtype.element_ty), mask=rows < num_experts)
         w = w_nx
-    _grid_sync(count_ptr, 5 * G)
+    _grid_sync(count_ptr, 5 * G, stamps_ptr, 5, SPIN, STAMPS)
 
     # ---- F: top-k (every program, the same picks) and W13 with SiLU-and-mul ----------------
     offs_e = tl.arange(0, BLOCK_E)
@@ -344,7 +375,7 @@ def _decode_layer_kernel(
     items_g = tl.cdiv(hidden, R_2)
     w2 = _w2_tile(w2_ptr, pid, items_g, ok_t, e_t, hidden, inter, stride_2e, stride_2n, offs_c,
                   offs_i, R_2)
-    _grid_sync(count_ptr, 6 * G)
+    _grid_sync(count_ptr, 6 * G, stamps_ptr, 6, SPIN, STAMPS)
 
     # ---- G: W2 of every pick, combined, plus the residual ----------------------------------
     av = tl.load(act_ptr + offs_t[:, None] * inter + offs_i[None, :],
@@ -361,6 +392,7 @@ def _decode_layer_kernel(
         xm = tl.load(xmid_ptr + cols, mask=mc, other=0.0, cache_modifier=".cg").to(tl.float32)
         tl.store(out_ptr + cols, (xm + moe).to(out_ptr.dtype.element_ty), mask=mc)
         w2 = w2_nx
+    _stamp(stamps_ptr, 14, STAMPS)
     # exit: the last program out sets the counter back to 0 for the next launch
     old = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if old == 7 * G - 1:
@@ -447,7 +479,8 @@ def layer_fits(*, hidden, q_dim, inter, head_dim, num_heads, num_kv_heads) -> bo
 def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, block_table,
                  seq_lens, slot_mapping, n, num_topk: int, eps: float, out: torch.Tensor,
                  workspace: LayerWorkspace, programs: int | None = None,
-                 sm_scale: float | None = None) -> torch.Tensor:
+                 sm_scale: float | None = None, spin: int | None = None,
+                 stamps: torch.Tensor | None = None) -> torch.Tensor:
     """One decoder layer of a one-row step in one launch (module docstring).
 
     Args:
@@ -461,6 +494,10 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
         out: bf16 ``[1, hidden]``, contiguous, not ``x``: ``x + attention + experts``.
         workspace: a ``LayerWorkspace`` of this shape.
         programs: the grid (default ``num_programs``: one an SM); at most the SM count.
+        spin: how the barrier spins (``_poll``; default 1 on a GPU, 0 in the interpreter).
+        stamps: int64 ``[programs, 16]``, diagnostics: each program's cycle counter after
+            its PDL wait (``[:, 0]``), on arriving at and leaving barrier ``b``
+            (``[:, 2b]``, ``[:, 2b + 1]``, b = 1..6) and at its end (``[:, 14]``).
 
     Returns ``out``. One launch, no allocation. Graph safety: capturable
     """
@@ -511,6 +548,9 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
           dict(act=tuple(ws.act.shape), qkv=ws.qkv.numel(), heads=ws.ws_o.shape[0]))
     G = programs or num_programs(dev)
     check(G >= 1, "programs", ">= 1", G)
+    if stamps is not None:
+        check_tensor(stamps, "stamps", shape=(G, 16), dtype=torch.int64, device=dev,
+                     contiguous=True)
     max_ctx = block_table.shape[1] * page
     from .attention import BLOCK_N, table_pages
     split = -(-max_ctx // ws.num_splits)
@@ -521,7 +561,7 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
         x, out, n, weights.attn_norm, weights.moe_norm, wq, weights.wo, weights.gate, w13, w2,
         k_cache, v_cache, block_table, seq_lens, slot_mapping,
         ws.qkv, ws.ws_o, ws.ws_lse, ws.o, ws.x_mid, ws.logits, ws.act, ws.topk_weights,
-        ws.topk_ids, ws.count,
+        ws.topk_ids, ws.count, ws.count if stamps is None else stamps,
         hidden, experts, inter, eps, scale, nb, max_ctx, split, ws.num_splits,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
@@ -535,7 +575,8 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
         R_G=rows_per_item(experts, bk, G),
         R_13=rows_per_item(inter, bk, G, per_row=2, groups=num_topk),
         R_2=rows_per_item(hidden, bi * triton.next_power_of_2(num_topk), G),
-        UPCAST=interpreting(), num_warps=NUM_WARPS, **pdl_args())
+        UPCAST=interpreting(), SPIN=(0 if interpreting() else 1) if spin is None else spin,
+        STAMPS=stamps is not None, num_warps=NUM_WARPS, **pdl_args())
     return out
 
 

@@ -37,7 +37,7 @@ SCRIPT = textwrap.dedent('''
     ints = ("hidden num_experts inter num_blocks max_ctx split_size num_splits stride_cb "
             "stride_ct stride_ch stride_13e stride_13n stride_2e stride_2n").split()
     sig.update({i: "i32" for i in ints})
-    sig.update({"eps": "fp32", "qk_scale": "fp32"})
+    sig.update({"eps": "fp32", "qk_scale": "fp32", "stamps_ptr": "*i64"})
     order = [a for a in K.arg_names if a in sig]
     sig = {a: sig[a] for a in order}
     attrs = aligned(K, ptrs + "hidden inter stride_cb stride_ct stride_ch stride_13e "
@@ -47,11 +47,12 @@ SCRIPT = textwrap.dedent('''
                  BK=2048, BKO=4096, BI=1024, R_QKV=8, R_O=4, R_G=1, R_13=4, R_2=2,
                  UPCAST=False)
     out = {}
-    for gdc in (0, 2):
-        k = compiled(K, sig, {**const, "USE_GDC": gdc}, attrs=attrs, num_warps=8)
+    for gdc, spin, stamps in ((0, 1, False), (2, 1, False), (2, 0, False), (2, 1, True)):
+        k = compiled(K, sig, {**const, "USE_GDC": gdc, "SPIN": spin, "STAMPS": stamps},
+                     attrs=attrs, num_warps=8)
         p = k.asm["ptx"]
         regs, stl = usage(k.asm["cubin"])
-        out[f"gdc{gdc}"] = {
+        out[f"gdc{gdc}-spin{spin}" + "-stamps" * stamps] = {
             "wait": "griddepcontrol.wait" in p,
             "v4": "ld.global.v4" in p,
             "spill": "ld.local" in p or "st.local" in p,
@@ -60,6 +61,7 @@ SCRIPT = textwrap.dedent('''
             "release": "red.global.gpu.release.add" in p,
             "acquire": "ld.global.gpu.acquire" in p,
             "volatile": "ld.volatile.global" in p,
+            "clock": "%clock64" in p,
             "regs": regs, "stl": stl}
     print(json.dumps(out))
 ''')
@@ -68,7 +70,8 @@ SCRIPT = textwrap.dedent('''
 def test_the_layer_kernel_compiles_for_sm90():
     res = compile_results(SCRIPT)
     for key, f in res.items():
-        assert f["wait"] == (key != "gdc0"), key
+        assert f["wait"] == (not key.startswith("gdc0")), key
+        assert f["clock"] == key.endswith("stamps"), key
         assert f["v4"] and f["release"] and f["acquire"] and f["volatile"], (key, f)
         assert not f["spill"] and f["stl"] in (0, None), (key, f)
         # 8 warps at most 255 registers a thread: one program always fits an SM, which the
