@@ -9,19 +9,20 @@ Here one launch of ``G`` programs (one an SM, all resident at once) runs the who
     A  h   = rmsnorm(x) * attn_norm                     (each program, from L2)
        qkv = h @ wqkv.T                                  rows split over the programs;
                                                          the new K/V rows go to the cache
-    B  partials of attention over the paged cache        (kv head, split) items
-    C  merge of the partials                             one q head an item
-    D  x_mid = x + o @ wo.T                              rows split over the programs
-    E  h2 = rmsnorm(x_mid) * moe_norm; logits = h2 @ gate.T
-    F  top-k softmax (every program, of the logits);
+    B  attention partials over the paged cache           (kv head, split) items; the last
+                                                         split of a kv head merges its group
+    C  x_mid = x + o @ wo.T                              rows split over the programs
+    D  h2 = rmsnorm(x_mid) * moe_norm; logits = h2 @ gate.T
+    E  top-k softmax (every program, of the logits);
        act[k] = silu(h2 @ W13g[id_k].T) * (h2 @ W13u[id_k].T)
-    G  out = x_mid + sum_k w_k * bf16(act[k] @ W2[id_k].T)   column tiles over the programs
+    F  out = x_mid + sum_k w_k * bf16(act[k] @ W2[id_k].T)   column tiles over the programs
 
-with a grid barrier after each of A-F. A program walks its items of a phase with the next
-item's weight tile in flight while it reduces the current one, and loads its first tile of
-the next phase *before* it waits at the barrier: weights (no kernel writes them; for W2 the
-picks are known one phase earlier) are on their way while the slowest program finishes. So
-HBM sees one long stream per layer instead of seven ramps.
+with a grid barrier after each of A-E. A program walks its items of a phase with the next
+two items' weight tiles in flight while it reduces the current one (64 KB a program), and
+loads its first two tiles of the next phase between arriving at the barrier and waiting
+there: weights (no kernel writes them; for W2 the picks are known one phase earlier) are on
+their way while the slowest program finishes. So HBM sees one long stream per layer
+instead of seven ramps.
 
 Arithmetic (the rounding points of the launches it replaces, so results match within bf16
 summation-order differences): the norms as ``kernels.norm_gemv`` (sum in fp32, the residual
@@ -30,10 +31,12 @@ rounded to bf16 on store, attention as ``kernels.attention_kernels`` (``_attend`
 split partials and log-sum-exp merge), the top-k as ``kernels.routing``'s packed softmax
 picks, the experts as ``kernels.routed_gemv``.
 
-The grid barrier (``_grid_sync``): one int32 counter per launch, counting up. Barrier ``b``
-(1-based) is a CTA barrier (every thread's stores issued), one thread's ``atom.add.release.gpu``
-of 1, a spin of volatile loads until the counter reaches ``b * G``, one thread's
-``atom.acquire.gpu`` and a CTA barrier: the pattern of CUDA's cooperative grid sync.
+The grid barrier (``_arrive`` then ``_wait``): one int32 counter per launch, counting up.
+Barrier ``b`` (1-based) is a CTA barrier (every thread's stores issued), one thread's release
+add of 1, a spin of one thread's volatile loads (``_poll``) until the counter reaches
+``b * G``, one thread's acquire load and a CTA barrier: the pattern of CUDA's cooperative
+grid sync. The merge of B uses a semaphore a kv head (release-acquire add, as
+``attention_kernels.attn_fused_kernel``), set back to 0 by the merging program.
 Values written before a barrier are read after it with ``.cg`` loads (L2, never a stale L1
 line). At exit each program adds 1 more; the one that sees the last count sets the counter
 back to 0, so the next launch (the next layer, the next replay) starts from 0 with no
@@ -70,6 +73,9 @@ from .attention_kernels import _LN2, _attend, _merge_group
 from .routing_rows import _key_low, _key_score, _pack, _top_keys
 
 _TILE = 16384  # weight elements a program loads in one round (32 KB of bf16)
+_MERGE_TILE = 8192  # fp32 partials a merge step holds (attention.py's _MERGE_TILE)
+_SEM_OFFSET = tl.constexpr(32)  # count[32 + kvh]: the merge's semaphore of kv head kvh
+MAX_KV_HEADS = 64
 _LOG2E = 1.4426950408889634
 MAX_K = 4096  # hidden, q_dim and moe_inter: each phase reduces its K in one round
 NUM_WARPS = 8
@@ -100,13 +106,21 @@ def _stamp(stamps_ptr, idx, STAMPS: tl.constexpr):
 
 
 @triton.jit
-def _grid_sync(count_ptr, target, stamps_ptr, idx, SPIN: tl.constexpr, STAMPS: tl.constexpr):
-    """Grid barrier: returns once every program has arrived ``target // G`` times (module
-    docstring: release add, volatile spin, acquire). ``STAMPS``: the cycle counter on arrival
-    (``2 * idx``) and on leaving (``2 * idx + 1``)."""
+def _arrive(count_ptr, stamps_ptr, idx, STAMPS: tl.constexpr):
+    """A grid barrier's first half: every thread's stores issued (CTA barrier), then one
+    thread's release add. Loads issued after it (the next phase's first weight tiles) do not
+    hold it back: a release waits for the program's earlier memory operations only.
+    ``STAMPS``: the cycle counter into ``stamps[program, 2 * idx]``."""
     tl.debug_barrier()  # every thread's stores before the release below
     _stamp(stamps_ptr, 2 * idx, STAMPS)
     tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _wait(count_ptr, target, stamps_ptr, idx, SPIN: tl.constexpr, STAMPS: tl.constexpr):
+    """A grid barrier's second half: spin until the counter reaches ``target`` (every
+    program arrived), then one thread's acquire and a CTA barrier. ``STAMPS``: the cycle
+    counter into ``stamps[program, 2 * idx + 1]``."""
     cur = _poll(count_ptr, target, SPIN)
     while cur < target:
         cur = _poll(count_ptr, target, SPIN)
@@ -212,7 +226,8 @@ def _decode_layer_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     GROUP_PAD: tl.constexpr,  # q heads a kv head, padded to a power of two >= 16 (tl.dot)
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, TABLE_PAGES: tl.constexpr,
-    NS_PAD: tl.constexpr,  # num_splits rounded up to a power of two
+    GROUP_P2: tl.constexpr,  # q heads a kv head, rounded up to a power of two (the merge)
+    MERGE_S: tl.constexpr,  # splits a merge step reads ([GROUP_P2, MERGE_S, D] fp32 tiles)
     NUM_TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
     BK: tl.constexpr,  # next power of two >= hidden
     BKO: tl.constexpr,  # next power of two >= H * D
@@ -235,9 +250,13 @@ def _decode_layer_kernel(
     # ---- A: norm + QKV; the new K/V rows into the cache ---------------------------------
     offs_ra = tl.arange(0, R_QKV)
     items_a = tl.cdiv(n_qkv, R_QKV)
+    mk_a = (offs_k < hidden)[None, :]
     rows0 = pid * R_QKV + offs_ra
     w_ptrs = wqkv_ptr + rows0.to(tl.int64)[:, None] * hidden + offs_k[None, :]
-    w = tl.load(w_ptrs, mask=(rows0 < n_qkv)[:, None] & (offs_k < hidden)[None, :], other=0.0)
+    w = tl.load(w_ptrs, mask=(rows0 < n_qkv)[:, None] & mk_a, other=0.0)
+    # item pid + G too: two tiles in flight from the start
+    w1 = tl.load(w_ptrs + G * R_QKV * hidden, mask=(rows0 + G * R_QKV < n_qkv)[:, None] & mk_a,
+                 other=0.0)
     pdl_wait(USE_GDC)
     _stamp(stamps_ptr, 0, STAMPS)
     live = tl.load(n_ptr) > 0
@@ -246,8 +265,8 @@ def _decode_layer_kernel(
     slot_base = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct
     h = _normed(x_ptr, attn_norm_ptr, offs_k, hidden, eps, False)
     for it in range(pid, items_a, G):
-        w_nx = _rows_tile(wqkv_ptr, it + G, items_a, n_qkv, hidden, offs_ra, offs_k, hidden,
-                          R_QKV)
+        w2_ = _rows_tile(wqkv_ptr, it + 2 * G, items_a, n_qkv, hidden, offs_ra, offs_k, hidden,
+                         R_QKV)
         rows = it * R_QKV + offs_ra
         y = tl.sum(w.to(tl.float32) * h[None, :], axis=1).to(qkv_ptr.dtype.element_ty)
         tl.store(qkv_ptr + rows, y, mask=rows < n_qkv)
@@ -258,10 +277,12 @@ def _decode_layer_kernel(
         mk = ((offs_ra * 0 + slot_ok.to(tl.int32)) > 0) & (kv >= 0) & (rows < n_qkv)
         tl.store(k_cache_ptr + dst, y, mask=mk & ~is_v)
         tl.store(v_cache_ptr + dst, y, mask=mk & is_v)
-        w = w_nx
-    _grid_sync(count_ptr, 1 * G, stamps_ptr, 1, SPIN, STAMPS)
+        w, w1 = w1, w2_
+    _arrive(count_ptr, stamps_ptr, 1, STAMPS)
+    _wait(count_ptr, G, stamps_ptr, 1, SPIN, STAMPS)
 
-    # ---- B: attention partials, one (kv head, split) an item ------------------------------
+    # ---- B: attention partials, one (kv head, split) an item; the last split of a kv head
+    # to finish merges its group (a semaphore a kv head, as attn_fused_kernel) -------------
     ctx = tl.minimum(tl.load(seq_len_ptr), max_ctx)
     ctx = tl.where(live, ctx, 0)
     num_live = tl.cdiv(tl.maximum(ctx, 0), split_size)
@@ -289,39 +310,45 @@ def _decode_layer_kernel(
             tl.store(ws_o_ptr + heads[:, None] * (num_splits * HEAD_DIM) + split * HEAD_DIM
                      + offs_d[None, :], o, mask=mg[:, None])
             tl.store(ws_lse_ptr + heads * num_splits + split, lse, mask=mg)
-    _grid_sync(count_ptr, 2 * G, stamps_ptr, 2, SPIN, STAMPS)
-
-    # ---- C: merge, one q head an item; then wo's first tile ---------------------------------
-    for hh in range(pid, NUM_HEADS, G):
-        if num_live > 0:
-            _merge_group(o_ptr, ws_o_ptr, ws_lse_ptr, hh, num_live, HEAD_DIM,
-                         num_splits * HEAD_DIM, HEAD_DIM, num_splits, 1, 2, HEAD_DIM, NS_PAD)
-        else:
+            tl.debug_barrier()  # every thread's partial stores before the release below
+            sem = count_ptr + _SEM_OFFSET + kvh
+            done = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")  # splits before this one
+            if done == num_live - 1:  # the last: merge the group (.cg loads) and reset
+                _merge_group(o_ptr, ws_o_ptr, ws_lse_ptr, kvh, num_live, HEAD_DIM,
+                             num_splits * HEAD_DIM, HEAD_DIM, num_splits,
+                             NUM_HEADS // NUM_KV_HEADS, GROUP_P2, HEAD_DIM, MERGE_S)
+                tl.atomic_xchg(sem, 0, sem="relaxed", scope="gpu")
+    if num_live == 0:  # no context (no live row): attention's output is zeros
+        for hh in range(pid, NUM_HEADS, G):
             tl.store(o_ptr + hh * HEAD_DIM + offs_d,
                      tl.zeros((HEAD_DIM,), dtype=tl.float32).to(o_ptr.dtype.element_ty))
+    _arrive(count_ptr, stamps_ptr, 2, STAMPS)
     offs_ko = tl.arange(0, BKO)
     offs_ro = tl.arange(0, R_O)
     items_d = tl.cdiv(hidden, R_O)
     w = _rows_tile(wo_ptr, pid, items_d, hidden, q_dim, offs_ro, offs_ko, q_dim, R_O)
-    _grid_sync(count_ptr, 3 * G, stamps_ptr, 3, SPIN, STAMPS)
+    w1 = _rows_tile(wo_ptr, pid + G, items_d, hidden, q_dim, offs_ro, offs_ko, q_dim, R_O)
+    _wait(count_ptr, 2 * G, stamps_ptr, 2, SPIN, STAMPS)
 
-    # ---- D: x_mid = x + o @ wo.T; then the gate's first tile -------------------------------
+    # ---- C: x_mid = x + o @ wo.T -------------------------------------------------------------
     ov = tl.load(o_ptr + offs_ko, mask=offs_ko < q_dim, other=0.0,
                  cache_modifier=".cg").to(tl.float32)
     for it in range(pid, items_d, G):
-        w_nx = _rows_tile(wo_ptr, it + G, items_d, hidden, q_dim, offs_ro, offs_ko, q_dim, R_O)
+        w2_ = _rows_tile(wo_ptr, it + 2 * G, items_d, hidden, q_dim, offs_ro, offs_ko, q_dim,
+                         R_O)
         rows = it * R_O + offs_ro
         mr = rows < hidden
         y = tl.sum(w.to(tl.float32) * ov[None, :], axis=1).to(xmid_ptr.dtype.element_ty)
         xr = tl.load(x_ptr + rows, mask=mr, other=0.0).to(tl.float32)
         tl.store(xmid_ptr + rows, (xr + y.to(tl.float32)).to(xmid_ptr.dtype.element_ty), mask=mr)
-        w = w_nx
+        w, w1 = w1, w2_
+    _arrive(count_ptr, stamps_ptr, 3, STAMPS)
     offs_rg = tl.arange(0, R_G)
     items_e = tl.cdiv(num_experts, R_G)
     w = _rows_tile(gate_ptr, pid, items_e, num_experts, hidden, offs_rg, offs_k, hidden, R_G)
-    _grid_sync(count_ptr, 4 * G, stamps_ptr, 4, SPIN, STAMPS)
+    _wait(count_ptr, 3 * G, stamps_ptr, 3, SPIN, STAMPS)
 
-    # ---- E: the MoE norm (every program keeps h2) and the gate's logits --------------------
+    # ---- D: the MoE norm (every program keeps h2) and the gate's logits --------------------
     h2 = _normed(xmid_ptr, moe_norm_ptr, offs_k, hidden, eps, True)
     for it in range(pid, items_e, G):
         w_nx = _rows_tile(gate_ptr, it + G, items_e, num_experts, hidden, offs_rg, offs_k,
@@ -330,9 +357,10 @@ def _decode_layer_kernel(
         y = tl.sum(w.to(tl.float32) * h2[None, :], axis=1)
         tl.store(logits_ptr + rows, y.to(logits_ptr.dtype.element_ty), mask=rows < num_experts)
         w = w_nx
-    _grid_sync(count_ptr, 5 * G, stamps_ptr, 5, SPIN, STAMPS)
+    _arrive(count_ptr, stamps_ptr, 4, STAMPS)
+    _wait(count_ptr, 4 * G, stamps_ptr, 4, SPIN, STAMPS)
 
-    # ---- F: top-k (every program, the same picks) and W13 with SiLU-and-mul ----------------
+    # ---- E: top-k (every program, the same picks) and W13 with SiLU-and-mul ----------------
     offs_e = tl.arange(0, BLOCK_E)
     emask = offs_e < num_experts
     lg = tl.load(logits_ptr + offs_e, mask=emask, other=0.0, cache_modifier=".cg")
@@ -356,9 +384,11 @@ def _decode_layer_kernel(
     items_f = NUM_TOPK * nj
     g, u = _w13_tile(w13_ptr, pid, items_f, ids, offs_t, num_experts, inter, hidden, stride_13e,
                      stride_13n, offs_r13, offs_k, nj, R_13)
+    g1, u1 = _w13_tile(w13_ptr, pid + G, items_f, ids, offs_t, num_experts, inter, hidden,
+                       stride_13e, stride_13n, offs_r13, offs_k, nj, R_13)
     for it in range(pid, items_f, G):
-        g_nx, u_nx = _w13_tile(w13_ptr, it + G, items_f, ids, offs_t, num_experts, inter, hidden,
-                               stride_13e, stride_13n, offs_r13, offs_k, nj, R_13)
+        g2, u2 = _w13_tile(w13_ptr, it + 2 * G, items_f, ids, offs_t, num_experts, inter, hidden,
+                           stride_13e, stride_13n, offs_r13, offs_k, nj, R_13)
         kk = it // nj
         rows = (it - kk * nj) * R_13 + offs_r13
         gs = tl.sum(g.to(tl.float32) * h2[None, :], axis=1)
@@ -367,35 +397,38 @@ def _decode_layer_kernel(
         ub = us.to(act_ptr.dtype.element_ty).to(tl.float32)
         tl.store(act_ptr + kk * inter + rows, _silu_mul(gb, ub).to(act_ptr.dtype.element_ty),
                  mask=rows < inter)
-        g, u = g_nx, u_nx
+        g, u, g1, u1 = g1, u1, g2, u2
+    _arrive(count_ptr, stamps_ptr, 5, STAMPS)
     ok_t = (ids >= 0) & (ids < num_experts)
     e_t = tl.where(ok_t, ids, 0).to(tl.int64)
     offs_c = tl.arange(0, R_2)
     offs_i = tl.arange(0, BI)
     items_g = tl.cdiv(hidden, R_2)
-    w2 = _w2_tile(w2_ptr, pid, items_g, ok_t, e_t, hidden, inter, stride_2e, stride_2n, offs_c,
-                  offs_i, R_2)
-    _grid_sync(count_ptr, 6 * G, stamps_ptr, 6, SPIN, STAMPS)
+    v = _w2_tile(w2_ptr, pid, items_g, ok_t, e_t, hidden, inter, stride_2e, stride_2n, offs_c,
+                 offs_i, R_2)
+    v1 = _w2_tile(w2_ptr, pid + G, items_g, ok_t, e_t, hidden, inter, stride_2e, stride_2n,
+                  offs_c, offs_i, R_2)
+    _wait(count_ptr, 5 * G, stamps_ptr, 5, SPIN, STAMPS)
 
-    # ---- G: W2 of every pick, combined, plus the residual ----------------------------------
+    # ---- F: W2 of every pick, combined, plus the residual ----------------------------------
     av = tl.load(act_ptr + offs_t[:, None] * inter + offs_i[None, :],
                  mask=ok_t[:, None] & (offs_i < inter)[None, :], other=0.0,
                  cache_modifier=".cg").to(tl.float32)
     for it in range(pid, items_g, G):
-        w2_nx = _w2_tile(w2_ptr, it + G, items_g, ok_t, e_t, hidden, inter, stride_2e, stride_2n,
-                         offs_c, offs_i, R_2)
+        v2 = _w2_tile(w2_ptr, it + 2 * G, items_g, ok_t, e_t, hidden, inter, stride_2e,
+                      stride_2n, offs_c, offs_i, R_2)
         cols = it * R_2 + offs_c
         mc = cols < hidden
-        y = tl.sum(w2.to(tl.float32) * av[:, None, :], axis=2)  # [BLOCK_T, R_2]
+        y = tl.sum(v.to(tl.float32) * av[:, None, :], axis=2)  # [BLOCK_T, R_2]
         y = y.to(out_ptr.dtype.element_ty).to(tl.float32)  # each pick's row as bf16
         moe = tl.sum(tw[:, None] * y, axis=0).to(out_ptr.dtype.element_ty).to(tl.float32)
         xm = tl.load(xmid_ptr + cols, mask=mc, other=0.0, cache_modifier=".cg").to(tl.float32)
         tl.store(out_ptr + cols, (xm + moe).to(out_ptr.dtype.element_ty), mask=mc)
-        w2 = w2_nx
+        v, v1 = v1, v2
     _stamp(stamps_ptr, 14, STAMPS)
     # exit: the last program out sets the counter back to 0 for the next launch
     old = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    if old == 7 * G - 1:
+    if old == 6 * G - 1:
         tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
 
 
@@ -432,7 +465,9 @@ class LayerWorkspace:
         self.act = torch.empty(num_topk, inter, dtype=dtype, device=device)
         self.topk_weights = torch.empty(1, num_topk, dtype=f32, device=device)
         self.topk_ids = torch.empty(1, num_topk, dtype=torch.int64, device=device)
-        self.count = torch.zeros(32, dtype=torch.int32, device=device)  # [0]: the counter
+        # [0]: the barrier's counter; [32 + kvh]: kv head kvh's merge semaphore; all 0
+        # between launches (each launch sets back what it counts)
+        self.count = torch.zeros(32 + MAX_KV_HEADS, dtype=torch.int32, device=device)
 
 
 def rows_per_item(rows: int, k_pad: int, programs: int, *, tile: int = _TILE,
@@ -473,7 +508,8 @@ def num_programs(device: torch.device) -> int:
 def layer_fits(*, hidden, q_dim, inter, head_dim, num_heads, num_kv_heads) -> bool:
     """Whether ``decode_layer`` serves these dimensions (module docstring, Limits)."""
     return (max(hidden, q_dim, inter) <= MAX_K and head_dim >= 16
-            and head_dim & (head_dim - 1) == 0 and num_heads % num_kv_heads == 0)
+            and head_dim & (head_dim - 1) == 0 and num_heads % num_kv_heads == 0
+            and num_kv_heads <= MAX_KV_HEADS)
 
 
 def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, block_table,
@@ -497,7 +533,7 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
         spin: how the barrier spins (``_poll``; default 1 on a GPU, 0 in the interpreter).
         stamps: int64 ``[programs, 16]``, diagnostics: each program's cycle counter after
             its PDL wait (``[:, 0]``), on arriving at and leaving barrier ``b``
-            (``[:, 2b]``, ``[:, 2b + 1]``, b = 1..6) and at its end (``[:, 14]``).
+            (``[:, 2b]``, ``[:, 2b + 1]``, b = 1..5) and at its end (``[:, 14]``).
 
     Returns ``out``. One launch, no allocation. Graph safety: capturable
     """
@@ -557,6 +593,7 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
     split = -(-split // BLOCK_N) * BLOCK_N
     scale = (1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)) * _LOG2E
     bk, bko, bi = (triton.next_power_of_2(v) for v in (hidden, q_dim, inter))
+    group_p2 = triton.next_power_of_2(heads // kvh)
     _decode_layer_kernel[(G,)](
         x, out, n, weights.attn_norm, weights.moe_norm, wq, weights.wo, weights.gate, w13, w2,
         k_cache, v_cache, block_table, seq_lens, slot_mapping,
@@ -568,7 +605,9 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
         NUM_HEADS=heads, NUM_KV_HEADS=kvh, HEAD_DIM=d,
         GROUP_PAD=max(16, triton.next_power_of_2(heads // kvh)), PAGE=page, BLOCK_N=BLOCK_N,
         TABLE_PAGES=table_pages(split, page),
-        NS_PAD=triton.next_power_of_2(ws.num_splits), NUM_TOPK=num_topk,
+        GROUP_P2=group_p2, MERGE_S=max(1, min(triton.next_power_of_2(ws.num_splits),
+                                              _MERGE_TILE // (group_p2 * d))),
+        NUM_TOPK=num_topk,
         BLOCK_T=triton.next_power_of_2(num_topk), BLOCK_E=triton.next_power_of_2(experts),
         BK=bk, BKO=bko, BI=bi,
         R_QKV=rows_per_item(wq.shape[0], bk, G), R_O=rows_per_item(hidden, bko, G),

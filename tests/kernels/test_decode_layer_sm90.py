@@ -43,7 +43,8 @@ SCRIPT = textwrap.dedent('''
     attrs = aligned(K, ptrs + "hidden inter stride_cb stride_ct stride_ch stride_13e "
                               "stride_13n stride_2e stride_2n".split())
     const = dict(NUM_HEADS=32, NUM_KV_HEADS=4, HEAD_DIM=128, GROUP_PAD=16, PAGE=16,
-                 BLOCK_N=64, TABLE_PAGES=4, NS_PAD=32, NUM_TOPK=8, BLOCK_T=8, BLOCK_E=64,
+                 BLOCK_N=64, TABLE_PAGES=4, GROUP_P2=8, MERGE_S=8, NUM_TOPK=8, BLOCK_T=8,
+                 BLOCK_E=64,
                  BK=2048, BKO=4096, BI=1024, R_QKV=8, R_O=4, R_G=1, R_13=4, R_2=2,
                  UPCAST=False)
     out = {}
