@@ -194,6 +194,59 @@ def _w2_tile(w2_ptr, it, n_items, ok_t, e_t, hidden, inter, stride_we, stride_wn
 
 
 @triton.jit
+def _qkv_item(w, it, h, qkv_ptr, k_cache_ptr, v_cache_ptr, offs_r, q_dim, kv_dim, n_qkv,
+              slot_base, slot_ok, stride_ch, HEAD_DIM: tl.constexpr, R: tl.constexpr):
+    """QKV rows ``[it * R, it * R + R)`` from their tile ``w``: to ``qkv``, and the K/V rows
+    into the caches at the new slot (``slot_ok``: a live row, the slot in range)."""
+    rows = it * R + offs_r
+    y = tl.sum(w.to(tl.float32) * h[None, :], axis=1).to(qkv_ptr.dtype.element_ty)
+    tl.store(qkv_ptr + rows, y, mask=rows < n_qkv)
+    kv = rows - q_dim  # K rows, then V rows: [KVH * D] each
+    is_v = kv >= kv_dim
+    kvo = tl.where(is_v, kv - kv_dim, kv)
+    dst = slot_base + (kvo // HEAD_DIM) * stride_ch + kvo % HEAD_DIM
+    mk = ((offs_r * 0 + slot_ok.to(tl.int32)) > 0) & (kv >= 0) & (rows < n_qkv)
+    tl.store(k_cache_ptr + dst, y, mask=mk & ~is_v)
+    tl.store(v_cache_ptr + dst, y, mask=mk & is_v)
+
+
+@triton.jit
+def _o_item(w, it, ov, x_ptr, xmid_ptr, offs_r, hidden, R: tl.constexpr):
+    """o-projection rows ``[it * R, it * R + R)``: ``x_mid = bf16(x + bf16(o @ wo.T))``."""
+    rows = it * R + offs_r
+    mr = rows < hidden
+    y = tl.sum(w.to(tl.float32) * ov[None, :], axis=1).to(xmid_ptr.dtype.element_ty)
+    xr = tl.load(x_ptr + rows, mask=mr, other=0.0).to(tl.float32)
+    tl.store(xmid_ptr + rows, (xr + y.to(tl.float32)).to(xmid_ptr.dtype.element_ty), mask=mr)
+
+
+@triton.jit
+def _w13_item(g, u, it, h2, act_ptr, offs_r, nj, inter, R: tl.constexpr):
+    """W13 item ``it`` (pick ``it // nj``, its gate rows ``j * R ..``): SiLU-and-mul of the
+    bf16-rounded sums into ``act`` (``routed_gemv``'s arithmetic)."""
+    kk = it // nj
+    rows = (it - kk * nj) * R + offs_r
+    gb = tl.sum(g.to(tl.float32) * h2[None, :], axis=1).to(act_ptr.dtype.element_ty)
+    ub = tl.sum(u.to(tl.float32) * h2[None, :], axis=1).to(act_ptr.dtype.element_ty)
+    tl.store(act_ptr + kk * inter + rows,
+             _silu_mul(gb.to(tl.float32), ub.to(tl.float32)).to(act_ptr.dtype.element_ty),
+             mask=rows < inter)
+
+
+@triton.jit
+def _w2_item(v, it, av, tw, xmid_ptr, out_ptr, offs_c, hidden, R: tl.constexpr):
+    """W2 columns ``[it * R, it * R + R)`` of every pick, combined, plus the residual:
+    ``out = bf16(x_mid + bf16(sum_k w_k * bf16(act[k] @ W2[id_k].T)))``."""
+    cols = it * R + offs_c
+    mc = cols < hidden
+    y = tl.sum(v.to(tl.float32) * av[:, None, :], axis=2)  # [BLOCK_T, R]
+    y = y.to(out_ptr.dtype.element_ty).to(tl.float32)  # each pick's row as bf16
+    moe = tl.sum(tw[:, None] * y, axis=0).to(out_ptr.dtype.element_ty).to(tl.float32)
+    xm = tl.load(xmid_ptr + cols, mask=mc, other=0.0, cache_modifier=".cg").to(tl.float32)
+    tl.store(out_ptr + cols, (xm + moe).to(out_ptr.dtype.element_ty), mask=mc)
+
+
+@triton.jit
 def _decode_layer_kernel(
     x_ptr,  # bf16 [hidden]: the residual stream in
     out_ptr,  # bf16 [hidden] out: x + attention + experts
@@ -235,6 +288,7 @@ def _decode_layer_kernel(
     R_QKV: tl.constexpr, R_O: tl.constexpr, R_G: tl.constexpr, R_13: tl.constexpr,
     R_2: tl.constexpr,  # rows (columns for W2) an item, per phase
     UPCAST: tl.constexpr,  # the interpreter: attention's dots in fp32
+    PIPE: tl.constexpr = 0,  # weight loops: 0 two tiles ahead in registers; N Triton's pipeline
     SPIN: tl.constexpr = 1,  # _poll: one thread a program spins (0: every thread)
     STAMPS: tl.constexpr = False,  # diagnostics: cycle counters at each barrier
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): the first QKV tile before the wait
@@ -254,9 +308,9 @@ def _decode_layer_kernel(
     rows0 = pid * R_QKV + offs_ra
     w_ptrs = wqkv_ptr + rows0.to(tl.int64)[:, None] * hidden + offs_k[None, :]
     w = tl.load(w_ptrs, mask=(rows0 < n_qkv)[:, None] & mk_a, other=0.0)
-    # item pid + G too: two tiles in flight from the start
-    w1 = tl.load(w_ptrs + G * R_QKV * hidden, mask=(rows0 + G * R_QKV < n_qkv)[:, None] & mk_a,
-                 other=0.0)
+    # item pid + G too (the register form): two tiles in flight from the start
+    w1 = tl.load(w_ptrs + G * R_QKV * hidden,
+                 mask=(rows0 + G * R_QKV < n_qkv)[:, None] & mk_a & (PIPE == 0), other=0.0)
     pdl_wait(USE_GDC)
     _stamp(stamps_ptr, 0, STAMPS)
     live = tl.load(n_ptr) > 0
@@ -264,20 +318,21 @@ def _decode_layer_kernel(
     slot_ok = live & (slot >= 0) & (slot < num_blocks * PAGE)
     slot_base = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct
     h = _normed(x_ptr, attn_norm_ptr, offs_k, hidden, eps, False)
-    for it in range(pid, items_a, G):
-        w2_ = _rows_tile(wqkv_ptr, it + 2 * G, items_a, n_qkv, hidden, offs_ra, offs_k, hidden,
-                         R_QKV)
-        rows = it * R_QKV + offs_ra
-        y = tl.sum(w.to(tl.float32) * h[None, :], axis=1).to(qkv_ptr.dtype.element_ty)
-        tl.store(qkv_ptr + rows, y, mask=rows < n_qkv)
-        kv = rows - q_dim  # K rows, then V rows: [KVH * D] each
-        is_v = kv >= kv_dim
-        kvo = tl.where(is_v, kv - kv_dim, kv)
-        dst = slot_base + (kvo // HEAD_DIM) * stride_ch + kvo % HEAD_DIM
-        mk = ((offs_ra * 0 + slot_ok.to(tl.int32)) > 0) & (kv >= 0) & (rows < n_qkv)
-        tl.store(k_cache_ptr + dst, y, mask=mk & ~is_v)
-        tl.store(v_cache_ptr + dst, y, mask=mk & is_v)
-        w, w1 = w1, w2_
+    if PIPE == 0:  # the next two items' tiles in registers while one reduces
+        for it in range(pid, items_a, G):
+            w2_ = _rows_tile(wqkv_ptr, it + 2 * G, items_a, n_qkv, hidden, offs_ra, offs_k,
+                             hidden, R_QKV)
+            _qkv_item(w, it, h, qkv_ptr, k_cache_ptr, v_cache_ptr, offs_ra, q_dim, kv_dim, n_qkv,
+                      slot_base, slot_ok, stride_ch, HEAD_DIM, R_QKV)
+            w, w1 = w1, w2_
+    else:  # the preloaded item, then Triton's pipeline (PIPE stages through shared memory)
+        if pid < items_a:
+            _qkv_item(w, pid, h, qkv_ptr, k_cache_ptr, v_cache_ptr, offs_ra, q_dim, kv_dim, n_qkv,
+                      slot_base, slot_ok, stride_ch, HEAD_DIM, R_QKV)
+        for it in tl.range(pid + G, items_a, G, num_stages=PIPE):
+            wt = _rows_tile(wqkv_ptr, it, items_a, n_qkv, hidden, offs_ra, offs_k, hidden, R_QKV)
+            _qkv_item(wt, it, h, qkv_ptr, k_cache_ptr, v_cache_ptr, offs_ra, q_dim, kv_dim,
+                      n_qkv, slot_base, slot_ok, stride_ch, HEAD_DIM, R_QKV)
     _arrive(count_ptr, stamps_ptr, 1, STAMPS)
     _wait(count_ptr, G, stamps_ptr, 1, SPIN, STAMPS)
 
@@ -327,21 +382,25 @@ def _decode_layer_kernel(
     offs_ro = tl.arange(0, R_O)
     items_d = tl.cdiv(hidden, R_O)
     w = _rows_tile(wo_ptr, pid, items_d, hidden, q_dim, offs_ro, offs_ko, q_dim, R_O)
-    w1 = _rows_tile(wo_ptr, pid + G, items_d, hidden, q_dim, offs_ro, offs_ko, q_dim, R_O)
+    w1 = _rows_tile(wo_ptr, pid + G, tl.where(PIPE == 0, items_d, 0), hidden, q_dim, offs_ro,
+                    offs_ko, q_dim, R_O)
     _wait(count_ptr, 2 * G, stamps_ptr, 2, SPIN, STAMPS)
 
     # ---- C: x_mid = x + o @ wo.T -------------------------------------------------------------
     ov = tl.load(o_ptr + offs_ko, mask=offs_ko < q_dim, other=0.0,
                  cache_modifier=".cg").to(tl.float32)
-    for it in range(pid, items_d, G):
-        w2_ = _rows_tile(wo_ptr, it + 2 * G, items_d, hidden, q_dim, offs_ro, offs_ko, q_dim,
-                         R_O)
-        rows = it * R_O + offs_ro
-        mr = rows < hidden
-        y = tl.sum(w.to(tl.float32) * ov[None, :], axis=1).to(xmid_ptr.dtype.element_ty)
-        xr = tl.load(x_ptr + rows, mask=mr, other=0.0).to(tl.float32)
-        tl.store(xmid_ptr + rows, (xr + y.to(tl.float32)).to(xmid_ptr.dtype.element_ty), mask=mr)
-        w, w1 = w1, w2_
+    if PIPE == 0:
+        for it in range(pid, items_d, G):
+            w2_ = _rows_tile(wo_ptr, it + 2 * G, items_d, hidden, q_dim, offs_ro, offs_ko, q_dim,
+                             R_O)
+            _o_item(w, it, ov, x_ptr, xmid_ptr, offs_ro, hidden, R_O)
+            w, w1 = w1, w2_
+    else:
+        if pid < items_d:
+            _o_item(w, pid, ov, x_ptr, xmid_ptr, offs_ro, hidden, R_O)
+        for it in tl.range(pid + G, items_d, G, num_stages=PIPE):
+            wt = _rows_tile(wo_ptr, it, items_d, hidden, q_dim, offs_ro, offs_ko, q_dim, R_O)
+            _o_item(wt, it, ov, x_ptr, xmid_ptr, offs_ro, hidden, R_O)
     _arrive(count_ptr, stamps_ptr, 3, STAMPS)
     offs_rg = tl.arange(0, R_G)
     items_e = tl.cdiv(num_experts, R_G)
@@ -384,20 +443,22 @@ def _decode_layer_kernel(
     items_f = NUM_TOPK * nj
     g, u = _w13_tile(w13_ptr, pid, items_f, ids, offs_t, num_experts, inter, hidden, stride_13e,
                      stride_13n, offs_r13, offs_k, nj, R_13)
-    g1, u1 = _w13_tile(w13_ptr, pid + G, items_f, ids, offs_t, num_experts, inter, hidden,
-                       stride_13e, stride_13n, offs_r13, offs_k, nj, R_13)
-    for it in range(pid, items_f, G):
-        g2, u2 = _w13_tile(w13_ptr, it + 2 * G, items_f, ids, offs_t, num_experts, inter, hidden,
-                           stride_13e, stride_13n, offs_r13, offs_k, nj, R_13)
-        kk = it // nj
-        rows = (it - kk * nj) * R_13 + offs_r13
-        gs = tl.sum(g.to(tl.float32) * h2[None, :], axis=1)
-        us = tl.sum(u.to(tl.float32) * h2[None, :], axis=1)
-        gb = gs.to(act_ptr.dtype.element_ty).to(tl.float32)
-        ub = us.to(act_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(act_ptr + kk * inter + rows, _silu_mul(gb, ub).to(act_ptr.dtype.element_ty),
-                 mask=rows < inter)
-        g, u, g1, u1 = g1, u1, g2, u2
+    g1, u1 = _w13_tile(w13_ptr, pid + G, tl.where(PIPE == 0, items_f, 0), ids, offs_t,
+                       num_experts, inter, hidden, stride_13e, stride_13n, offs_r13, offs_k, nj,
+                       R_13)
+    if PIPE == 0:
+        for it in range(pid, items_f, G):
+            g2, u2 = _w13_tile(w13_ptr, it + 2 * G, items_f, ids, offs_t, num_experts, inter,
+                               hidden, stride_13e, stride_13n, offs_r13, offs_k, nj, R_13)
+            _w13_item(g, u, it, h2, act_ptr, offs_r13, nj, inter, R_13)
+            g, u, g1, u1 = g1, u1, g2, u2
+    else:
+        if pid < items_f:
+            _w13_item(g, u, pid, h2, act_ptr, offs_r13, nj, inter, R_13)
+        for it in tl.range(pid + G, items_f, G, num_stages=PIPE):
+            gt, ut = _w13_tile(w13_ptr, it, items_f, ids, offs_t, num_experts, inter, hidden,
+                               stride_13e, stride_13n, offs_r13, offs_k, nj, R_13)
+            _w13_item(gt, ut, it, h2, act_ptr, offs_r13, nj, inter, R_13)
     _arrive(count_ptr, stamps_ptr, 5, STAMPS)
     ok_t = (ids >= 0) & (ids < num_experts)
     e_t = tl.where(ok_t, ids, 0).to(tl.int64)
@@ -406,25 +467,27 @@ def _decode_layer_kernel(
     items_g = tl.cdiv(hidden, R_2)
     v = _w2_tile(w2_ptr, pid, items_g, ok_t, e_t, hidden, inter, stride_2e, stride_2n, offs_c,
                  offs_i, R_2)
-    v1 = _w2_tile(w2_ptr, pid + G, items_g, ok_t, e_t, hidden, inter, stride_2e, stride_2n,
-                  offs_c, offs_i, R_2)
+    v1 = _w2_tile(w2_ptr, pid + G, tl.where(PIPE == 0, items_g, 0), ok_t, e_t, hidden, inter,
+                  stride_2e, stride_2n, offs_c, offs_i, R_2)
     _wait(count_ptr, 5 * G, stamps_ptr, 5, SPIN, STAMPS)
 
     # ---- F: W2 of every pick, combined, plus the residual ----------------------------------
     av = tl.load(act_ptr + offs_t[:, None] * inter + offs_i[None, :],
                  mask=ok_t[:, None] & (offs_i < inter)[None, :], other=0.0,
                  cache_modifier=".cg").to(tl.float32)
-    for it in range(pid, items_g, G):
-        v2 = _w2_tile(w2_ptr, it + 2 * G, items_g, ok_t, e_t, hidden, inter, stride_2e,
-                      stride_2n, offs_c, offs_i, R_2)
-        cols = it * R_2 + offs_c
-        mc = cols < hidden
-        y = tl.sum(v.to(tl.float32) * av[:, None, :], axis=2)  # [BLOCK_T, R_2]
-        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)  # each pick's row as bf16
-        moe = tl.sum(tw[:, None] * y, axis=0).to(out_ptr.dtype.element_ty).to(tl.float32)
-        xm = tl.load(xmid_ptr + cols, mask=mc, other=0.0, cache_modifier=".cg").to(tl.float32)
-        tl.store(out_ptr + cols, (xm + moe).to(out_ptr.dtype.element_ty), mask=mc)
-        v, v1 = v1, v2
+    if PIPE == 0:
+        for it in range(pid, items_g, G):
+            v2 = _w2_tile(w2_ptr, it + 2 * G, items_g, ok_t, e_t, hidden, inter, stride_2e,
+                          stride_2n, offs_c, offs_i, R_2)
+            _w2_item(v, it, av, tw, xmid_ptr, out_ptr, offs_c, hidden, R_2)
+            v, v1 = v1, v2
+    else:
+        if pid < items_g:
+            _w2_item(v, pid, av, tw, xmid_ptr, out_ptr, offs_c, hidden, R_2)
+        for it in tl.range(pid + G, items_g, G, num_stages=PIPE):
+            vt = _w2_tile(w2_ptr, it, items_g, ok_t, e_t, hidden, inter, stride_2e, stride_2n,
+                          offs_c, offs_i, R_2)
+            _w2_item(vt, it, av, tw, xmid_ptr, out_ptr, offs_c, hidden, R_2)
     _stamp(stamps_ptr, 14, STAMPS)
     # exit: the last program out sets the counter back to 0 for the next launch
     old = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
@@ -515,7 +578,7 @@ def layer_fits(*, hidden, q_dim, inter, head_dim, num_heads, num_kv_heads) -> bo
 def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, block_table,
                  seq_lens, slot_mapping, n, num_topk: int, eps: float, out: torch.Tensor,
                  workspace: LayerWorkspace, programs: int | None = None,
-                 sm_scale: float | None = None, spin: int | None = None,
+                 sm_scale: float | None = None, spin: int | None = None, pipe: int = 0,
                  stamps: torch.Tensor | None = None) -> torch.Tensor:
     """One decoder layer of a one-row step in one launch (module docstring).
 
@@ -531,6 +594,9 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
         workspace: a ``LayerWorkspace`` of this shape.
         programs: the grid (default ``num_programs``: one an SM); at most the SM count.
         spin: how the barrier spins (``_poll``; default 1 on a GPU, 0 in the interpreter).
+        pipe: how a phase keeps weights in flight: 0 the next two items' tiles in registers;
+            ``N >= 2`` Triton's software pipeline over the items, ``N`` stages through
+            shared memory (the first item's tile still loaded before the barrier).
         stamps: int64 ``[programs, 16]``, diagnostics: each program's cycle counter after
             its PDL wait (``[:, 0]``), on arriving at and leaving barrier ``b``
             (``[:, 2b]``, ``[:, 2b + 1]``, b = 1..5) and at its end (``[:, 14]``).
@@ -615,7 +681,7 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
         R_13=rows_per_item(inter, bk, G, per_row=2, groups=num_topk),
         R_2=rows_per_item(hidden, bi * triton.next_power_of_2(num_topk), G),
         UPCAST=interpreting(), SPIN=(0 if interpreting() else 1) if spin is None else spin,
-        STAMPS=stamps is not None, num_warps=NUM_WARPS, **pdl_args())
+        STAMPS=stamps is not None, PIPE=pipe, num_warps=NUM_WARPS, **pdl_args())
     return out
 
 

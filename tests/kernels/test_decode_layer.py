@@ -74,14 +74,14 @@ def _same_caches(got, want, meta):
         assert torch.equal(g[keep], r[keep]), "a slot other than the new one changed"
 
 
-def _check(w, caches, x, K, meta, *, num_splits, device, programs=None, eps=1e-6):
+def _check(w, caches, x, K, meta, *, num_splits, device, programs=None, eps=1e-6, pipe=0):
     """Run the launch on copies of the caches and compare with the reference's run on other
     copies: the output, the logits, the picks, the caches."""
     kc, vc = (c.clone() for c in caches)
     ws = _workspace(w, caches, K, num_splits, device)
     out = torch.full_like(x, float("nan"))
     assert decode_layer(x, w, k_cache=kc, v_cache=vc, num_topk=K, eps=eps, out=out,
-                        workspace=ws, programs=programs, **meta) is out
+                        workspace=ws, programs=programs, pipe=pipe, **meta) is out
     rk, rv = (c.clone() for c in caches)
     ref = decode_layer_ref(x, w, k_cache=rk, v_cache=rv, num_topk=K, eps=eps,
                            logits=ws.logits, **meta)
@@ -97,11 +97,12 @@ def _check(w, caches, x, K, meta, *, num_splits, device, programs=None, eps=1e-6
     return out, ws
 
 
-def test_layer_against_the_reference_with_several_splits():
+@pytest.mark.parametrize("pipe", [0, 3])
+def test_layer_against_the_reference_with_several_splits(pipe):
     w, caches, x, table, K = _layer("cpu")
     page = caches[0].shape[1]
     # 70 positions on 64-position splits: two live splits of the 2 workspace splits
-    _check(w, caches, x, K, _inputs(table, page, 70), num_splits=2, device="cpu")
+    _check(w, caches, x, K, _inputs(table, page, 70), num_splits=2, device="cpu", pipe=pipe)
 
 
 def test_context_on_one_page_and_the_whole_table():
@@ -172,8 +173,10 @@ def test_gpu_grid_against_reference_and_one_program(cuda_device, shape):
         meta = _inputs(table, page, seq_len, n=n, device=cuda_device)
         out, _ = _check(w, caches, x, K, meta, num_splits=splits, device=cuda_device)
         one, _ = _check(w, caches, x, K, meta, num_splits=splits, device=cuda_device, programs=1)
-        # the same items, the same arithmetic: the grid is bitwise the one program
-        assert torch.equal(out, one)
+        piped, _ = _check(w, caches, x, K, meta, num_splits=splits, device=cuda_device, pipe=3)
+        # the same items, the same arithmetic: the grid and the pipelined loops are bitwise
+        # the one program
+        assert torch.equal(out, one) and torch.equal(out, piped)
 
 
 @pytest.mark.gpu

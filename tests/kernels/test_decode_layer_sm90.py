@@ -48,12 +48,13 @@ SCRIPT = textwrap.dedent('''
                  BK=2048, BKO=4096, BI=1024, R_QKV=8, R_O=4, R_G=1, R_13=4, R_2=2,
                  UPCAST=False)
     out = {}
-    for gdc, spin, stamps in ((0, 1, False), (2, 1, False), (2, 0, False), (2, 1, True)):
-        k = compiled(K, sig, {**const, "USE_GDC": gdc, "SPIN": spin, "STAMPS": stamps},
-                     attrs=attrs, num_warps=8)
+    for gdc, spin, stamps, pipe in ((0, 1, False, 0), (2, 1, False, 0), (2, 0, False, 0),
+                                    (2, 1, True, 0), (2, 1, False, 3)):
+        k = compiled(K, sig, {**const, "USE_GDC": gdc, "SPIN": spin, "STAMPS": stamps,
+                              "PIPE": pipe}, attrs=attrs, num_warps=8)
         p = k.asm["ptx"]
         regs, stl = usage(k.asm["cubin"])
-        out[f"gdc{gdc}-spin{spin}" + "-stamps" * stamps] = {
+        out[f"gdc{gdc}-spin{spin}" + "-stamps" * stamps + f"-pipe{pipe}" * (pipe > 0)] = {
             "wait": "griddepcontrol.wait" in p,
             "v4": "ld.global.v4" in p,
             "spill": "ld.local" in p or "st.local" in p,
@@ -63,6 +64,7 @@ SCRIPT = textwrap.dedent('''
             "acquire": "ld.global.gpu.acquire" in p,
             "volatile": "ld.volatile.global" in p,
             "clock": "%clock64" in p,
+            "cp_async": p.count("cp.async.cg"), "smem": k.metadata.shared,
             "regs": regs, "stl": stl}
     print(json.dumps(out))
 ''')
@@ -72,9 +74,13 @@ def test_the_layer_kernel_compiles_for_sm90():
     res = compile_results(SCRIPT)
     for key, f in res.items():
         assert f["wait"] == (not key.startswith("gdc0")), key
-        assert f["clock"] == key.endswith("stamps"), key
+        assert f["clock"] == ("stamps" in key), key
+        assert f["smem"] <= 227 * 1024, (key, f)
         assert f["v4"] and f["release"] and f["acquire"] and f["volatile"], (key, f)
         assert not f["spill"] and f["stl"] in (0, None), (key, f)
         # 8 warps at most 255 registers a thread: one program always fits an SM, which the
         # grid barrier needs (every program resident at once)
         assert f["regs"] is None or f["regs"] <= 255, (key, f)
+    # the pipelined form streams its weights through shared memory (Triton's pipeline: async
+    # copies in the four weight loops; the others have them in attention's loop only)
+    assert res["gdc2-spin1-pipe3"]["cp_async"] > 2 * res["gdc2-spin1"]["cp_async"] > 0
