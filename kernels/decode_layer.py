@@ -60,6 +60,7 @@ ends at 0 in every launch); the reference is host-only.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +77,9 @@ _TILE = 16384  # weight elements a program loads in one round (32 KB of bf16)
 _MERGE_TILE = 8192  # fp32 partials a merge step holds (attention.py's _MERGE_TILE)
 _SEM_OFFSET = tl.constexpr(32)  # count[32 + kvh]: the merge's semaphore of kv head kvh
 MAX_KV_HEADS = 64
+# the launcher's pipe= default (0: two tiles ahead in registers; N: Triton's pipeline of N
+# stages); GRAPHRT_LAYER_PIPE at import (A/B benchmarks)
+PIPE = int(os.environ.get("GRAPHRT_LAYER_PIPE", "0"))
 _LOG2E = 1.4426950408889634
 MAX_K = 4096  # hidden, q_dim and moe_inter: each phase reduces its K in one round
 NUM_WARPS = 8
@@ -578,7 +582,8 @@ def layer_fits(*, hidden, q_dim, inter, head_dim, num_heads, num_kv_heads) -> bo
 def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, block_table,
                  seq_lens, slot_mapping, n, num_topk: int, eps: float, out: torch.Tensor,
                  workspace: LayerWorkspace, programs: int | None = None,
-                 sm_scale: float | None = None, spin: int | None = None, pipe: int = 0,
+                 sm_scale: float | None = None, spin: int | None = None,
+                 pipe: int | None = None,
                  stamps: torch.Tensor | None = None) -> torch.Tensor:
     """One decoder layer of a one-row step in one launch (module docstring).
 
@@ -596,7 +601,8 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
         spin: how the barrier spins (``_poll``; default 1 on a GPU, 0 in the interpreter).
         pipe: how a phase keeps weights in flight: 0 the next two items' tiles in registers;
             ``N >= 2`` Triton's software pipeline over the items, ``N`` stages through
-            shared memory (the first item's tile still loaded before the barrier).
+            shared memory (the first item's tile still loaded before the barrier). Default
+            ``PIPE``.
         stamps: int64 ``[programs, 16]``, diagnostics: each program's cycle counter after
             its PDL wait (``[:, 0]``), on arriving at and leaving barrier ``b``
             (``[:, 2b]``, ``[:, 2b + 1]``, b = 1..5) and at its end (``[:, 14]``).
@@ -681,7 +687,7 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
         R_13=rows_per_item(inter, bk, G, per_row=2, groups=num_topk),
         R_2=rows_per_item(hidden, bi * triton.next_power_of_2(num_topk), G),
         UPCAST=interpreting(), SPIN=(0 if interpreting() else 1) if spin is None else spin,
-        STAMPS=stamps is not None, PIPE=pipe, num_warps=NUM_WARPS, **pdl_args())
+        STAMPS=stamps is not None, PIPE=PIPE if pipe is None else pipe, num_warps=NUM_WARPS, **pdl_args())
     return out
 
 
