@@ -583,7 +583,7 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
                  seq_lens, slot_mapping, n, num_topk: int, eps: float, out: torch.Tensor,
                  workspace: LayerWorkspace, programs: int | None = None,
                  sm_scale: float | None = None, spin: int | None = None,
-                 pipe: int | None = None,
+                 pipe: int | None = None, num_warps: int = NUM_WARPS, tile: int = _TILE,
                  stamps: torch.Tensor | None = None) -> torch.Tensor:
     """One decoder layer of a one-row step in one launch (module docstring).
 
@@ -603,6 +603,9 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
             ``N >= 2`` Triton's software pipeline over the items, ``N`` stages through
             shared memory (the first item's tile still loaded before the barrier). Default
             ``PIPE``.
+        num_warps, tile: warps a program and weight elements an item loads (tuning; the
+            grid must stay resident: ``programs`` times the registers and shared memory of
+            one program must fit the GPU).
         stamps: int64 ``[programs, 16]``, diagnostics: each program's cycle counter after
             its PDL wait (``[:, 0]``), on arriving at and leaving barrier ``b``
             (``[:, 2b]``, ``[:, 2b + 1]``, b = 1..5) and at its end (``[:, 14]``).
@@ -682,12 +685,13 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
         NUM_TOPK=num_topk,
         BLOCK_T=triton.next_power_of_2(num_topk), BLOCK_E=triton.next_power_of_2(experts),
         BK=bk, BKO=bko, BI=bi,
-        R_QKV=rows_per_item(wq.shape[0], bk, G), R_O=rows_per_item(hidden, bko, G),
-        R_G=rows_per_item(experts, bk, G),
-        R_13=rows_per_item(inter, bk, G, per_row=2, groups=num_topk),
-        R_2=rows_per_item(hidden, bi * triton.next_power_of_2(num_topk), G),
+        R_QKV=rows_per_item(wq.shape[0], bk, G, tile=tile),
+        R_O=rows_per_item(hidden, bko, G, tile=tile),
+        R_G=rows_per_item(experts, bk, G, tile=tile),
+        R_13=rows_per_item(inter, bk, G, per_row=2, groups=num_topk, tile=tile),
+        R_2=rows_per_item(hidden, bi * triton.next_power_of_2(num_topk), G, tile=tile),
         UPCAST=interpreting(), SPIN=(0 if interpreting() else 1) if spin is None else spin,
-        STAMPS=stamps is not None, PIPE=PIPE if pipe is None else pipe, num_warps=NUM_WARPS, **pdl_args())
+        STAMPS=stamps is not None, PIPE=PIPE if pipe is None else pipe, num_warps=num_warps, **pdl_args())
     return out
 
 
