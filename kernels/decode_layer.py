@@ -21,8 +21,11 @@ with a grid barrier after each of A-E. A program walks its items of a phase with
 two items' weight tiles in flight while it reduces the current one (64 KB a program), and
 loads its first two tiles of the next phase between arriving at the barrier and waiting
 there: weights (no kernel writes them; for W2 the picks are known one phase earlier) are on
-their way while the slowest program finishes. So HBM sees one long stream per layer
-instead of seven ramps.
+their way while the slowest program finishes: the aim is one long stream of weights a
+layer instead of seven launch ramps. Measured on an H200 (BENCHMARKS.md §39) it is not there
+yet: the barriers cost 0.6-1 µs each, but one program an SM walking its items one after
+another reads QKV, W13 and W2 at 2.3-2.6 TB/s, and a layer takes 59-62 µs against about 50
+for the separate launches, so the model keeps it off (``DecoderLayer.layer_kernel``).
 
 Arithmetic (the rounding points of the launches it replaces, so results match within bf16
 summation-order differences): the norms as ``kernels.norm_gemv`` (sum in fp32, the residual
