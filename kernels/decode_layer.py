@@ -606,9 +606,9 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
             ``N >= 2`` Triton's software pipeline over the items, ``N`` stages through
             shared memory (the first item's tile still loaded before the barrier). Default
             ``PIPE``.
-        num_warps, tile: warps a program and weight elements an item loads (tuning; the
-            grid must stay resident: ``programs`` times the registers and shared memory of
-            one program must fit the GPU).
+        num_warps, tile: warps a program and weight elements an item loads (tuning). The
+            grid must stay resident: at most one program an SM, or two at ``num_warps <= 4``
+            with ``tile <= 16384`` (checked: more raises ``ValueError`` rather than hang).
         stamps: int64 ``[programs, 16]``, diagnostics: each program's cycle counter after
             its PDL wait (``[:, 0]``), on arriving at and leaving barrier ``b``
             (``[:, 2b]``, ``[:, 2b + 1]``, b = 1..5) and at its end (``[:, 14]``).
@@ -662,6 +662,15 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
           dict(act=tuple(ws.act.shape), qkv=ws.qkv.numel(), heads=ws.ws_o.shape[0]))
     G = programs or num_programs(dev)
     check(G >= 1, "programs", ">= 1", G)
+    if dev.type == "cuda" and not interpreting():
+        # every program must be resident at once (the grid barrier): one an SM always fits
+        # (8 warps, at most 255 registers a thread); two fit at 4 warps with the default tile
+        # (at most 255 registers, about 70 KB of shared memory each); more could deadlock
+        from .dense_gemv import num_sms
+        per_sm = 2 if num_warps <= 4 and tile <= _TILE else 1
+        check(G <= per_sm * num_sms(dev), "programs",
+              f"at most {per_sm} an SM ({per_sm * num_sms(dev)}) at num_warps={num_warps}, "
+              f"tile={tile}: the grid barrier needs every program resident", G)
     if stamps is not None:
         check_tensor(stamps, "stamps", shape=(G, 16), dtype=torch.int64, device=dev,
                      contiguous=True)
@@ -694,7 +703,8 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
         R_13=rows_per_item(inter, bk, G, per_row=2, groups=num_topk, tile=tile),
         R_2=rows_per_item(hidden, bi * triton.next_power_of_2(num_topk), G, tile=tile),
         UPCAST=interpreting(), SPIN=(0 if interpreting() else 1) if spin is None else spin,
-        STAMPS=stamps is not None, PIPE=PIPE if pipe is None else pipe, num_warps=num_warps, **pdl_args())
+        STAMPS=stamps is not None, PIPE=PIPE if pipe is None else pipe, num_warps=num_warps,
+        **pdl_args())
     return out
 
 

@@ -48,7 +48,8 @@ def _layer(device, *, hidden=256, heads=4, kvh=2, d=32, E=12, inter=64, K=6, pag
 def _inputs(table, page, seq_len, slot=None, n=1, device="cpu"):
     if slot is None:  # the new token's slot: position seq_len - 1 of the row
         slot = int(table[0, (seq_len - 1) // page]) * page + (seq_len - 1) % page
-    return dict(block_table=table, seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=device),
+    return dict(block_table=table,
+                seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=device),
                 slot_mapping=torch.tensor([slot], dtype=torch.int64, device=device),
                 n=torch.tensor([n], dtype=torch.int32, device=device))
 

@@ -1,7 +1,8 @@
 """The one-row layer launch (``kernels.decode_layer``) through Triton's real compiler for
 Hopper (sm_90, PTX and SASS), on the CPU, at the qwen3-like shapes: it compiles with and
 without PDL, its grid barrier is a release add, a volatile spin and an acquire (the module
-docstring; here a ``red.release``, ``ld.volatile`` and an ``ld.acquire``), its weights load as 16-byte vectors, and it does not spill. Same pattern as
+docstring; here a ``red.release``, ``ld.volatile`` and an ``ld.acquire``), its weights load
+as 16-byte vectors, and it does not spill. Same pattern as
 tests/kernels/test_routed_gemv_sm90.py."""
 from __future__ import annotations
 
