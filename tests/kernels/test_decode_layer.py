@@ -224,3 +224,17 @@ def test_gpu_graph_replays_with_new_rows(cuda_device):
         assert err <= OUT_NORM_RTOL, f"seq_len {seq_len}, second launch: {err:.2e}"
         _same_caches((kc, vc), (rk, rv), meta)
         assert not ws.count.any()
+
+
+@pytest.mark.gpu
+def test_gpu_grid_that_could_not_be_resident_is_refused(cuda_device):
+    """Two 8-warp programs an SM could not all be resident: the grid barrier would hang, so
+    the launcher refuses before launching."""
+    w, caches, x, table, K = _layer(cuda_device)
+    page = caches[0].shape[1]
+    programs = torch.cuda.get_device_properties(cuda_device).multi_processor_count
+    ws = _workspace(w, caches, K, 2, cuda_device)
+    with pytest.raises(ValueError, match="resident"):
+        decode_layer(x, w, k_cache=caches[0], v_cache=caches[1], num_topk=K, eps=1e-6,
+                     out=torch.empty_like(x), workspace=ws, programs=2 * programs,
+                     **_inputs(table, page, 20, device=cuda_device))
