@@ -73,6 +73,7 @@ import triton.language as tl
 from ._masked import _silu_mul
 from ._pdl import pdl_trigger, pdl_wait
 from ._util import check, check_tensor, interpreting, pdl_args
+from .attention import _LOG2E, BLOCK_N, table_pages
 from .attention_kernels import _LN2, _attend, _merge_group
 from .routing_rows import _key_low, _key_score, _pack, _top_keys
 
@@ -83,7 +84,6 @@ MAX_KV_HEADS = 64
 # the launcher's pipe= default (0: two tiles ahead in registers; N: Triton's pipeline of N
 # stages); GRAPHRT_LAYER_PIPE at import (A/B benchmarks)
 PIPE = int(os.environ.get("GRAPHRT_LAYER_PIPE", "0"))
-_LOG2E = 1.4426950408889634
 MAX_K = 4096  # hidden, q_dim and moe_inter: each phase reduces its K in one round
 NUM_WARPS = 8
 
@@ -675,9 +675,7 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
         check_tensor(stamps, "stamps", shape=(G, 16), dtype=torch.int64, device=dev,
                      contiguous=True)
     max_ctx = block_table.shape[1] * page
-    from .attention import BLOCK_N, table_pages
-    split = -(-max_ctx // ws.num_splits)
-    split = -(-split // BLOCK_N) * BLOCK_N
+    split = triton.cdiv(triton.cdiv(max_ctx, ws.num_splits), BLOCK_N) * BLOCK_N  # as attention
     scale = (1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)) * _LOG2E
     bk, bko, bi = (triton.next_power_of_2(v) for v in (hidden, q_dim, inter))
     group_p2 = triton.next_power_of_2(heads // kvh)
@@ -712,7 +710,6 @@ def num_splits_for(max_ctx: int, num_kv_heads: int, programs: int) -> int:
     """The attention splits of a ``LayerWorkspace``: ``ceil(max_ctx / split_for(...))`` with
     the attention kernels' ``BLOCK_N``. qwen3-like (2048 positions, 4 kv heads, 132
     programs): 32 splits of 64. Host-only."""
-    from .attention import BLOCK_N
     return -(-max_ctx // split_for(max_ctx, num_kv_heads, programs, BLOCK_N))
 
 

@@ -206,8 +206,9 @@ class DecoderLayer:
         Host-only (shapes and settings)."""
         router = self.moe.router
         return (self.layer_kernel and self.layer_ws is not None and x.shape[0] == 1
-                and x.dtype == torch.bfloat16 and x.is_contiguous() and router.takes_logits()
-                and router.logit_bias is None and not torch.compiler.is_compiling())
+                and x.dtype == torch.bfloat16 and x.is_contiguous()
+                and router.takes_logits()  # no logit bias, not the fused router
+                and not torch.compiler.is_compiling())
 
     def _layer_in_one_launch(self, x, h, slot_mapping, block_table, seq_lens, n, next_norm,
                              next_attn):
