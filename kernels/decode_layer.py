@@ -74,18 +74,21 @@ from ._masked import _silu_mul
 from ._pdl import pdl_trigger, pdl_wait
 from ._util import check, check_tensor, interpreting, pdl_args
 from .attention import _LOG2E, BLOCK_N, table_pages
-from .attention_kernels import _LN2, _attend, _merge_group
+from .attention_kernels import _LN2, _attend, _kv_offsets, _merge_group
 from .routing_rows import _key_low, _key_score, _pack, _top_keys
 
-_TILE = 16384  # weight elements a program loads in one round (32 KB of bf16)
+_TILE = 8192  # weight elements a program loads in one round (16 KB of bf16)
 _MERGE_TILE = 8192  # fp32 partials a merge step holds (attention.py's _MERGE_TILE)
 _SEM_OFFSET = tl.constexpr(32)  # count[32 + kvh]: the merge's semaphore of kv head kvh
 MAX_KV_HEADS = 64
 # the launcher's pipe= default (0: two tiles ahead in registers; N: Triton's pipeline of N
 # stages); GRAPHRT_LAYER_PIPE at import (A/B benchmarks)
-PIPE = int(os.environ.get("GRAPHRT_LAYER_PIPE", "0"))
+PIPE = int(os.environ.get("GRAPHRT_LAYER_PIPE", "3"))
+# the launcher's kv_early= default: phase B's first item's K/V asked into L2 before barrier 1
+KV_EARLY = os.environ.get("GRAPHRT_LAYER_KV_EARLY", "1") != "0"
 MAX_K = 4096  # hidden, q_dim and moe_inter: each phase reduces its K in one round
-NUM_WARPS = 8
+NUM_WARPS = 4
+PROGRAMS_PER_SM = 2  # the default grid where the compiled kernel fits that many an SM
 
 
 @triton.jit
@@ -201,6 +204,37 @@ def _w2_tile(w2_ptr, it, n_items, ok_t, e_t, hidden, inter, stride_we, stride_wn
 
 
 @triton.jit
+def _prefetch_kv(k_cache_ptr, v_cache_ptr, table_ptr, kvh, start, end, num_blocks, stride_cb,
+                 stride_ct, stride_ch, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, TABLE_PAGES: tl.constexpr):
+    """Ask L2 for the K and V rows of positions ``[start, end)`` (at most ``BLOCK_N``) of kv
+    head ``kvh``: one bulk prefetch (``cp.async.bulk.prefetch.L2``, sm_90) of a row's
+    ``HEAD_DIM`` values a position, from the block ids ``_attend`` will use. A hint: nothing
+    is held in registers, no value changes, and a row written after it (phase A's new token)
+    is read from L2 as usual."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_p = tl.arange(0, TABLE_PAGES)
+    first = start // PAGE
+    ids = tl.load(table_ptr + first + offs_p, mask=first + offs_p < tl.cdiv(end, PAGE), other=0)
+    pos = start + offs_n
+    blk = tl.sum(tl.where((pos // PAGE - first)[:, None] == offs_p[None, :], ids[None, :], 0), 1)
+    off = _kv_offsets(blk, pos, kvh, num_blocks, stride_cb, stride_ct, stride_ch, PAGE)
+    live = (pos < end).to(tl.int32)
+    size = offs_n * 0 + HEAD_DIM * 2  # bytes of a bf16 row (a multiple of 16)
+    _bulk_prefetch(k_cache_ptr + off, live, size)
+    _bulk_prefetch(v_cache_ptr + off, live, size)
+
+
+@triton.jit
+def _bulk_prefetch(ptrs, live, size):
+    """``cp.async.bulk.prefetch.L2`` of ``size`` bytes at each of ``ptrs`` where ``live``."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $3; mov.b32 $0, 0; }",
+        "=r,l,r,r", [ptrs, live, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _qkv_item(w, it, h, qkv_ptr, k_cache_ptr, v_cache_ptr, offs_r, q_dim, kv_dim, n_qkv,
               slot_base, slot_ok, stride_ch, HEAD_DIM: tl.constexpr, R: tl.constexpr):
     """QKV rows ``[it * R, it * R + R)`` from their tile ``w``: to ``qkv``, and the K/V rows
@@ -298,6 +332,7 @@ def _decode_layer_kernel(
     PIPE: tl.constexpr = 0,  # weight loops: 0 two tiles ahead in registers; N Triton's pipeline
     SPIN: tl.constexpr = 1,  # _poll: one thread a program spins (0: every thread)
     STAMPS: tl.constexpr = False,  # diagnostics: cycle counters at each barrier
+    KV_EARLY: tl.constexpr = False,  # B's first item's K/V asked into L2 before barrier 1
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): the first QKV tile before the wait
 ):
     pdl_trigger(USE_GDC)  # then only wqkv's first tile before the wait (kernels._pdl)
@@ -341,17 +376,26 @@ def _decode_layer_kernel(
             _qkv_item(wt, it, h, qkv_ptr, k_cache_ptr, v_cache_ptr, offs_ra, q_dim, kv_dim,
                       n_qkv, slot_base, slot_ok, stride_ch, HEAD_DIM, R_QKV)
     _arrive(count_ptr, stamps_ptr, 1, STAMPS)
+    # B's first item (this program's): with KV_EARLY its K/V rows are asked into L2 here,
+    # while the slowest program finishes A
+    ctx = tl.minimum(tl.load(seq_len_ptr), max_ctx)
+    ctx = tl.where(live, ctx, 0)
+    num_live = tl.cdiv(tl.maximum(ctx, 0), split_size)
+    n_items_b = NUM_KV_HEADS * num_splits
+    if KV_EARLY:
+        kvh0 = pid // num_splits
+        start0 = (pid - kvh0 * num_splits) * split_size
+        end0 = tl.where(pid < n_items_b, tl.minimum(start0 + split_size, ctx), 0)
+        _prefetch_kv(k_cache_ptr, v_cache_ptr, table_ptr, kvh0, start0, end0, num_blocks,
+                     stride_cb, stride_ct, stride_ch, PAGE, BLOCK_N, HEAD_DIM, TABLE_PAGES)
     _wait(count_ptr, G, stamps_ptr, 1, SPIN, STAMPS)
 
     # ---- B: attention partials, one (kv head, split) an item; the last split of a kv head
     # to finish merges its group (a semaphore a kv head, as attn_fused_kernel) -------------
-    ctx = tl.minimum(tl.load(seq_len_ptr), max_ctx)
-    ctx = tl.where(live, ctx, 0)
-    num_live = tl.cdiv(tl.maximum(ctx, 0), split_size)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     group = NUM_HEADS // NUM_KV_HEADS
-    for it in range(pid, NUM_KV_HEADS * num_splits, G):
+    for it in range(pid, n_items_b, G):
         kvh = it // num_splits
         split = it - kvh * num_splits
         start = split * split_size
@@ -372,6 +416,7 @@ def _decode_layer_kernel(
             tl.store(ws_o_ptr + heads[:, None] * (num_splits * HEAD_DIM) + split * HEAD_DIM
                      + offs_d[None, :], o, mask=mg[:, None])
             tl.store(ws_lse_ptr + heads * num_splits + split, lse, mask=mg)
+            _stamp(stamps_ptr, 12, STAMPS)
             tl.debug_barrier()  # every thread's partial stores before the release below
             sem = count_ptr + _SEM_OFFSET + kvh
             done = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")  # splits before this one
@@ -380,6 +425,7 @@ def _decode_layer_kernel(
                              num_splits * HEAD_DIM, HEAD_DIM, num_splits,
                              NUM_HEADS // NUM_KV_HEADS, GROUP_P2, HEAD_DIM, MERGE_S)
                 tl.atomic_xchg(sem, 0, sem="relaxed", scope="gpu")
+                _stamp(stamps_ptr, 13, STAMPS)
     if num_live == 0:  # no context (no live row): attention's output is zeros
         for hh in range(pid, NUM_HEADS, G):
             tl.store(o_ptr + hh * HEAD_DIM + offs_d,
@@ -568,11 +614,44 @@ def split_for(max_ctx: int, num_kv_heads: int, programs: int, block_n: int) -> i
 
 
 def num_programs(device: torch.device) -> int:
-    """The launch's grid: one program an SM; 1 under the CPU interpreter (module docstring)."""
+    """The programs the attention phase spreads its (kv head, split) items over
+    (``num_splits_for``): one an SM; 1 under the CPU interpreter (module docstring). The
+    launch's own grid is ``PROGRAMS_PER_SM`` an SM where they fit (``decode_layer``)."""
     if interpreting() or device.type != "cuda":
         return 1
     from .dense_gemv import num_sms
     return num_sms(device)
+
+
+_RESIDENT: dict = {}  # (device, launch constants, argument specialization) -> occupancy
+
+
+def _occupancy(args: tuple, const: dict, dev: torch.device) -> dict:
+    """``{"per_sm", "regs", "spills", "smem"}`` of this launch's compiled kernel: programs one
+    SM holds at once (the CUDA driver's occupancy calculator,
+    ``cuOccupancyMaxActiveBlocksPerMultiprocessor``, on its registers and shared memory),
+    registers a thread, spilled registers and shared bytes a program. Compiles (``warmup``,
+    no launch) on the first call for a configuration, then answers from ``_RESIDENT``: the key
+    holds every constant and what Triton specializes the arguments on (16-byte alignment of
+    pointers, ints divisible by 16 or equal to 1). Host-only: never in a step's hot path
+    after the first call."""
+    spec = tuple((a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
+                 else (a % 16 == 0, a == 1) if isinstance(a, int) else None for a in args)
+    key = (dev.index, tuple(sorted(const.items())), spec)
+    if key not in _RESIDENT:
+        import ctypes
+        with torch.cuda.device(dev):
+            kernel = _decode_layer_kernel.warmup(*args, grid=(1,), **const)
+            kernel._init_handles()
+            blocks = ctypes.c_int(0)
+            err = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                ctypes.byref(blocks), ctypes.c_void_p(kernel.function),
+                ctypes.c_int(const["num_warps"] * 32), ctypes.c_size_t(kernel.metadata.shared))
+        if err:
+            raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed ({err})")
+        _RESIDENT[key] = dict(per_sm=blocks.value, regs=kernel.n_regs, spills=kernel.n_spills,
+                              smem=kernel.metadata.shared)
+    return _RESIDENT[key]
 
 
 def layer_fits(*, hidden, q_dim, inter, head_dim, num_heads, num_kv_heads) -> bool:
@@ -587,7 +666,8 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
                  workspace: LayerWorkspace, programs: int | None = None,
                  sm_scale: float | None = None, spin: int | None = None,
                  pipe: int | None = None, num_warps: int = NUM_WARPS, tile: int = _TILE,
-                 stamps: torch.Tensor | None = None) -> torch.Tensor:
+                 kv_early: bool | None = None, stamps: torch.Tensor | None = None,
+                 info: dict | None = None) -> torch.Tensor:
     """One decoder layer of a one-row step in one launch (module docstring).
 
     Args:
@@ -600,18 +680,29 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
         num_topk: experts a row picks (softmax top-k, renormalized).
         out: bf16 ``[1, hidden]``, contiguous, not ``x``: ``x + attention + experts``.
         workspace: a ``LayerWorkspace`` of this shape.
-        programs: the grid (default ``num_programs``: one an SM); at most the SM count.
+        programs: the grid. Default: ``PROGRAMS_PER_SM`` programs an SM where the compiled
+            kernel fits that many (the driver's occupancy calculator), else one an SM.
+            Every program must be resident at once (the grid barrier): a grid larger than
+            the SMs hold at this configuration raises ``ValueError`` before it launches.
         spin: how the barrier spins (``_poll``; default 1 on a GPU, 0 in the interpreter).
         pipe: how a phase keeps weights in flight: 0 the next two items' tiles in registers;
             ``N >= 2`` Triton's software pipeline over the items, ``N`` stages through
             shared memory (the first item's tile still loaded before the barrier). Default
-            ``PIPE``.
-        num_warps, tile: warps a program and weight elements an item loads (tuning). The
-            grid must stay resident: at most one program an SM, or two at ``num_warps <= 4``
-            with ``tile <= 16384`` (checked: more raises ``ValueError`` rather than hang).
+            ``PIPE`` (3).
+        num_warps, tile: warps a program and weight elements an item loads (tuning;
+            defaults 4 and 8192, the fastest measured, BENCHMARKS.md §40).
+        kv_early: between arriving at barrier 1 and waiting there, ask L2 for the K/V rows of
+            phase B's first item (``_prefetch_kv``; one block a split, ``split_size ==
+            BLOCK_N``, on a GPU; else ignored). Default ``KV_EARLY`` (on). A hint: the
+            result is bitwise the same without it.
         stamps: int64 ``[programs, 16]``, diagnostics: each program's cycle counter after
             its PDL wait (``[:, 0]``), on arriving at and leaving barrier ``b``
-            (``[:, 2b]``, ``[:, 2b + 1]``, b = 1..5) and at its end (``[:, 14]``).
+            (``[:, 2b]``, ``[:, 2b + 1]``, b = 1..5), after its attention item's partial
+            stores (``[:, 12]``), after a merge (``[:, 13]``) and at its end (``[:, 14]``).
+            Pass ``programs`` with it (``info`` tells the default grid).
+        info: diagnostics: filled with the launch's grid and options (``programs``,
+            ``num_warps``, ``tile``, ``pipe``, ``kv_early``) and, on a GPU, its occupancy
+            (``per_sm``, ``regs``, ``spills``, ``smem``).
 
     Returns ``out``. One launch, no allocation. Graph safety: capturable
     """
@@ -660,33 +751,27 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
           and ws.ws_o.shape[0] == heads and ws.logits.numel() == experts,
           "workspace", "a LayerWorkspace of this layer's shape",
           dict(act=tuple(ws.act.shape), qkv=ws.qkv.numel(), heads=ws.ws_o.shape[0]))
-    G = programs or num_programs(dev)
-    check(G >= 1, "programs", ">= 1", G)
-    if dev.type == "cuda" and not interpreting():
-        # every program must be resident at once (the grid barrier): one an SM always fits
-        # (8 warps, at most 255 registers a thread); two fit at 4 warps with the default tile
-        # (at most 255 registers, about 70 KB of shared memory each); more could deadlock
+    check(programs is None or programs >= 1, "programs", ">= 1 (or None)", programs)
+    on_gpu = dev.type == "cuda" and not interpreting()
+    if on_gpu:
         from .dense_gemv import num_sms
-        per_sm = 2 if num_warps <= 4 and tile <= _TILE else 1
-        check(G <= per_sm * num_sms(dev), "programs",
-              f"at most {per_sm} an SM ({per_sm * num_sms(dev)}) at num_warps={num_warps}, "
-              f"tile={tile}: the grid barrier needs every program resident", G)
-    if stamps is not None:
-        check_tensor(stamps, "stamps", shape=(G, 16), dtype=torch.int64, device=dev,
-                     contiguous=True)
+        sms = num_sms(dev)
+        grids = [programs] if programs else [PROGRAMS_PER_SM * sms, sms]
+    else:
+        grids = [programs or 1]
     max_ctx = block_table.shape[1] * page
     split = triton.cdiv(triton.cdiv(max_ctx, ws.num_splits), BLOCK_N) * BLOCK_N  # as attention
     scale = (1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)) * _LOG2E
     bk, bko, bi = (triton.next_power_of_2(v) for v in (hidden, q_dim, inter))
     group_p2 = triton.next_power_of_2(heads // kvh)
-    _decode_layer_kernel[(G,)](
-        x, out, n, weights.attn_norm, weights.moe_norm, wq, weights.wo, weights.gate, w13, w2,
-        k_cache, v_cache, block_table, seq_lens, slot_mapping,
-        ws.qkv, ws.ws_o, ws.ws_lse, ws.o, ws.x_mid, ws.logits, ws.act, ws.topk_weights,
-        ws.topk_ids, ws.count, ws.count if stamps is None else stamps,
-        hidden, experts, inter, eps, scale, nb, max_ctx, split, ws.num_splits,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
+    args = (x, out, n, weights.attn_norm, weights.moe_norm, wq, weights.wo, weights.gate, w13,
+            w2, k_cache, v_cache, block_table, seq_lens, slot_mapping,
+            ws.qkv, ws.ws_o, ws.ws_lse, ws.o, ws.x_mid, ws.logits, ws.act, ws.topk_weights,
+            ws.topk_ids, ws.count, ws.count if stamps is None else stamps,
+            hidden, experts, inter, eps, scale, nb, max_ctx, split, ws.num_splits,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1))
+    const = dict(
         NUM_HEADS=heads, NUM_KV_HEADS=kvh, HEAD_DIM=d,
         GROUP_PAD=max(16, triton.next_power_of_2(heads // kvh)), PAGE=page, BLOCK_N=BLOCK_N,
         TABLE_PAGES=table_pages(split, page),
@@ -695,14 +780,37 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
         NUM_TOPK=num_topk,
         BLOCK_T=triton.next_power_of_2(num_topk), BLOCK_E=triton.next_power_of_2(experts),
         BK=bk, BKO=bko, BI=bi,
-        R_QKV=rows_per_item(wq.shape[0], bk, G, tile=tile),
-        R_O=rows_per_item(hidden, bko, G, tile=tile),
-        R_G=rows_per_item(experts, bk, G, tile=tile),
-        R_13=rows_per_item(inter, bk, G, per_row=2, groups=num_topk, tile=tile),
-        R_2=rows_per_item(hidden, bi * triton.next_power_of_2(num_topk), G, tile=tile),
         UPCAST=interpreting(), SPIN=(0 if interpreting() else 1) if spin is None else spin,
-        STAMPS=stamps is not None, PIPE=PIPE if pipe is None else pipe, num_warps=num_warps,
-        **pdl_args())
+        STAMPS=stamps is not None, PIPE=PIPE if pipe is None else pipe,
+        KV_EARLY=((KV_EARLY if kv_early is None else kv_early) and split == BLOCK_N
+                  and not interpreting()),
+        num_warps=num_warps, **pdl_args())
+    for G in grids:
+        const.update(
+            R_QKV=rows_per_item(wq.shape[0], bk, G, tile=tile),
+            R_O=rows_per_item(hidden, bko, G, tile=tile),
+            R_G=rows_per_item(experts, bk, G, tile=tile),
+            R_13=rows_per_item(inter, bk, G, per_row=2, groups=num_topk, tile=tile),
+            R_2=rows_per_item(hidden, bi * triton.next_power_of_2(num_topk), G, tile=tile))
+        if not on_gpu:
+            break
+        # every program must be resident at once (the grid barrier): a grid the SMs cannot
+        # hold would spin forever, so it is refused before it launches
+        occ = _occupancy(args, const, dev)
+        per_sm = occ["per_sm"]
+        if G <= per_sm * sms:
+            break
+        check(programs is None, "programs",
+              f"at most {per_sm * sms} ({per_sm} an SM of {sms}: this configuration's "
+              f"registers and shared memory at num_warps={num_warps}, tile={tile}, "
+              f"pipe={const['PIPE']}): the grid barrier needs every program resident", G)
+    if stamps is not None:
+        check_tensor(stamps, "stamps", shape=(G, 16), dtype=torch.int64, device=dev,
+                     contiguous=True)
+    if info is not None:
+        info.update(programs=G, num_warps=num_warps, tile=tile, pipe=const["PIPE"],
+                    kv_early=const["KV_EARLY"], **(occ if on_gpu else {}))
+    _decode_layer_kernel[(G,)](*args, **const)
     return out
 
 

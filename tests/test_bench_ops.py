@@ -233,3 +233,63 @@ def test_one_row_routed_step_traces_through_ops_without_graph_breaks():
     ref, out = _compiled_through_ops(spec, model, 1, 1, seed=5)
     assert all(l.moe.last_masked_m is None for l in model.layers)  # the routed path ran
     assert torch.equal(out, ref)
+
+
+# ---- graphrt.bench.layer (the one-row layer launch alone) --------------------------------
+
+def test_layer_bench_variants_parse_and_say_what_they_expect():
+    from graphrt.bench.layer import parse_variant
+    assert parse_variant("default") == {}
+    assert parse_variant("programs=132,warps=8,tile=16384,pipe=3,kv_early=0") == dict(
+        programs=132, warps=8, tile=16384, pipe=3, kv_early=0)
+    for bad, said in (("grid=2", "keys"), ("pipe", "keys"), ("pipe=x", "needs an int")):
+        with pytest.raises(ValueError, match=said):
+            parse_variant(bad)
+
+
+def test_layer_bench_phases_from_stamps():
+    """Two programs' cycle counters at 1000 MHz (1 cycle = 1 ns): each phase's median and
+    slowest time, the last arriver's wait, the attention item and merge."""
+    import torch
+    from graphrt.bench.layer import PHASES, _phases, markdown
+    st = torch.zeros(2, 16, dtype=torch.int64)
+    # program 0: phases of 1000 ns each, barrier waits of 500; program 1 arrives last at
+    # every barrier (phases 1500 ns) and waits 100
+    for p, (work, wait) in enumerate(((1000, 500), (1500, 100))):
+        t = 0
+        for b in range(1, 6):
+            t += work
+            st[p, 2 * b] = t
+            t += wait
+            st[p, 2 * b + 1] = t
+        st[p, 14] = t + work
+    st[1, 12] = st[1, 3] + 700  # program 1 holds an attention item and merges
+    st[1, 13] = st[1, 12] + 300
+    ph = _phases(st, 1000.0)
+    # torch.median: the lower of the two middle values
+    assert ph["norm + QKV"] == {"median_us": 1.0, "max_us": 1.5, "barrier_us": 0.1}
+    # phase 2 starts when each program leaves barrier 1: 1.5 (program 0) and 1.6 (program 1)
+    assert ph["attention"]["max_us"] == 1.5 and ph["attention"]["item_max_us"] == 0.7
+    assert ph["attention"]["merge_max_us"] == 0.3
+    assert "barrier_us" not in ph["W2 + combine"] and ph["W2 + combine"]["max_us"] == 1.5
+    assert ph["layer_us"] == 5 * 1.6 + 1.5
+    doc = {"device": "H200", "config": "qwen3-moe-like", "layers": 4, "ctx": 1024,
+           "clock_mhz": 1000.0, "results": [
+               {"variant": "default", "us": 200.0, "us_layer": 50.0, "rel_vs_first": 0.0,
+                "launch": {"programs": 264, "per_sm": 2, "num_warps": 4, "tile": 8192,
+                           "pipe": 3, "kv_early": True, "regs": 240, "spills": 0,
+                           "smem": 71680}, "phases": ph},
+               {"variant": "programs=999", "refused": "programs: expected at most 264"}]}
+    md = markdown(doc)
+    assert "| default | 200.0 | 50.0 | 0.0e+00 | 264 (2 an SM), 4 warps" in md
+    assert "| programs=999 | refused |" in md
+    assert all(f"| {name}" in md for name in PHASES)
+
+
+def test_layer_bench_refuses_what_it_cannot_run(capsys):
+    from graphrt.bench.layer import main
+    assert main(["--variant", "warps=four", "--out", "unused.json"]) == 2
+    assert "warps needs an int" in capsys.readouterr().err
+    assert main(["--config", "dsv3-like", "--out", "unused.json"]) == 2
+    err = capsys.readouterr().err
+    assert "CUDA" in err or "does not fit" in err

@@ -75,14 +75,15 @@ def _same_caches(got, want, meta):
         assert torch.equal(g[keep], r[keep]), "a slot other than the new one changed"
 
 
-def _check(w, caches, x, K, meta, *, num_splits, device, programs=None, eps=1e-6, pipe=0):
+def _check(w, caches, x, K, meta, *, num_splits, device, programs=None, eps=1e-6, pipe=0,
+           **launch):
     """Run the launch on copies of the caches and compare with the reference's run on other
     copies: the output, the logits, the picks, the caches."""
     kc, vc = (c.clone() for c in caches)
     ws = _workspace(w, caches, K, num_splits, device)
     out = torch.full_like(x, float("nan"))
     assert decode_layer(x, w, k_cache=kc, v_cache=vc, num_topk=K, eps=eps, out=out,
-                        workspace=ws, programs=programs, pipe=pipe, **meta) is out
+                        workspace=ws, programs=programs, pipe=pipe, **launch, **meta) is out
     rk, rv = (c.clone() for c in caches)
     ref = decode_layer_ref(x, w, k_cache=rk, v_cache=rv, num_topk=K, eps=eps,
                            logits=ws.logits, **meta)
@@ -130,12 +131,18 @@ def test_out_of_range_slot_writes_nothing():
 
 
 def test_item_sizes_and_limits():
-    assert rows_per_item(5120, 2048, 132) == 8
-    assert rows_per_item(2048, 4096, 132) == 4
-    assert rows_per_item(64, 2048, 132) == 1
-    assert rows_per_item(768, 2048, 132, per_row=2, groups=8) == 4
-    assert rows_per_item(2048, 8 * 1024, 132) == 2
-    assert rows_per_item(5120, 2048, 1) == 8  # one program: the fullest tile
+    # qwen3-like at the default grid (two programs an SM of 132) and tile (8192 elements)
+    assert rows_per_item(5120, 2048, 264) == 4
+    assert rows_per_item(2048, 4096, 264) == 2
+    assert rows_per_item(64, 2048, 264) == 1
+    assert rows_per_item(768, 2048, 264, per_row=2, groups=8) == 2
+    assert rows_per_item(2048, 8 * 1024, 264) == 1
+    assert rows_per_item(5120, 2048, 1) == 4  # one program: the fullest tile
+    # one program an SM, 16384-element tiles (BENCHMARKS.md §39's form)
+    assert rows_per_item(5120, 2048, 132, tile=16384) == 8
+    assert rows_per_item(2048, 4096, 132, tile=16384) == 4
+    assert rows_per_item(768, 2048, 132, per_row=2, groups=8, tile=16384) == 4
+    assert rows_per_item(2048, 8 * 1024, 132, tile=16384) == 2
     assert split_for(2048, 4, 132, 64) == 64 and num_splits_for(2048, 4, 132) == 32
     assert split_for(2048, 4, 1, 64) == 2048
     assert layer_fits(hidden=2048, q_dim=4096, inter=768, head_dim=128, num_heads=32,
@@ -172,12 +179,17 @@ def test_gpu_grid_against_reference_and_one_program(cuda_device, shape):
     splits = num_splits_for(max_ctx, caches[0].shape[2], programs)
     for seq_len, n in ((max_ctx // 2 + 3, 1), (1, 1), (max_ctx, 1), (17, 0)):
         meta = _inputs(table, page, seq_len, n=n, device=cuda_device)
-        out, _ = _check(w, caches, x, K, meta, num_splits=splits, device=cuda_device)
+        info = {}
+        out, _ = _check(w, caches, x, K, meta, num_splits=splits, device=cuda_device, pipe=None,
+                        info=info)
         one, _ = _check(w, caches, x, K, meta, num_splits=splits, device=cuda_device, programs=1)
-        piped, _ = _check(w, caches, x, K, meta, num_splits=splits, device=cuda_device, pipe=3)
-        # the same items, the same arithmetic: the grid and the pipelined loops are bitwise
-        # the one program
-        assert torch.equal(out, one) and torch.equal(out, piped)
+        regs, _ = _check(w, caches, x, K, meta, num_splits=splits, device=cuda_device, pipe=0,
+                         kv_early=False)
+        # the same items, the same arithmetic: the default grid (pipelined loops, early K/V)
+        # is bitwise one program and the register form without early K/V
+        assert torch.equal(out, one) and torch.equal(out, regs)
+        assert info["programs"] == 2 * programs and info["per_sm"] >= 2, info
+        assert info["spills"] == 0 and info["kv_early"], info  # one 64-position block a split
 
 
 @pytest.mark.gpu
@@ -228,13 +240,22 @@ def test_gpu_graph_replays_with_new_rows(cuda_device):
 
 @pytest.mark.gpu
 def test_gpu_grid_that_could_not_be_resident_is_refused(cuda_device):
-    """Two 8-warp programs an SM could not all be resident: the grid barrier would hang, so
-    the launcher refuses before launching."""
+    """A grid larger than the SMs hold at once (the driver's occupancy of the compiled
+    kernel) would hang at the grid barrier, so the launcher refuses before launching: one
+    4-warp program an SM more than the occupancy says, nine 8-warp ones (2304 threads, an SM
+    runs 2048)."""
     w, caches, x, table, K = _layer(cuda_device)
     page = caches[0].shape[1]
-    programs = torch.cuda.get_device_properties(cuda_device).multi_processor_count
+    sms = torch.cuda.get_device_properties(cuda_device).multi_processor_count
     ws = _workspace(w, caches, K, 2, cuda_device)
-    with pytest.raises(ValueError, match="resident"):
-        decode_layer(x, w, k_cache=caches[0], v_cache=caches[1], num_topk=K, eps=1e-6,
-                     out=torch.empty_like(x), workspace=ws, programs=2 * programs,
-                     **_inputs(table, page, 20, device=cuda_device))
+    meta = _inputs(table, page, 20, device=cuda_device)
+    info = {}
+    decode_layer(x, w, k_cache=caches[0].clone(), v_cache=caches[1].clone(), num_topk=K,
+                 eps=1e-6, out=torch.empty_like(x), workspace=ws, info=info, **meta)
+    assert info["programs"] == 2 * sms and info["per_sm"] >= 2, info
+    for programs, warps in (((info["per_sm"] + 1) * sms, 4), (9 * sms, 8)):
+        with pytest.raises(ValueError, match="resident"):
+            decode_layer(x, w, k_cache=caches[0], v_cache=caches[1], num_topk=K, eps=1e-6,
+                         out=torch.empty_like(x), workspace=ws, programs=programs,
+                         num_warps=warps, **meta)
+    assert not ws.count.any()
