@@ -87,7 +87,8 @@ def _layers(cfg, n_layers: int, ctx: int, dev, seed: int):
 
 def _phases(st: torch.Tensor, clock_mhz: float) -> dict:
     """Layer phases from one launch's stamps ``[G, 16]`` (``decode_layer``'s ``stamps``)."""
-    t = st.double().cpu() / clock_mhz  # µs
+    st = st.cpu()
+    t = st.double() / clock_mhz  # µs
     out, prev = {}, t[:, 0]
     for b, name in enumerate(PHASES, 1):
         arr = t[:, 2 * b] if b < 6 else t[:, 14]
