@@ -87,7 +87,7 @@ PIPE = int(os.environ.get("GRAPHRT_LAYER_PIPE", "3"))
 # the launcher's kv_early= default: phase B's first item's K/V asked into L2 before barrier 1
 KV_EARLY = os.environ.get("GRAPHRT_LAYER_KV_EARLY", "1") != "0"
 # the launcher's prefetch= default: each phase's weight items asked into L2 ahead
-PREFETCH = int(os.environ.get("GRAPHRT_LAYER_PREFETCH", "2"))
+PREFETCH = os.environ.get("GRAPHRT_LAYER_PREFETCH", "1") != "0"
 _WPF_MAX = 64  # items a program asks into L2 at once, per phase
 MAX_K = 4096  # hidden, q_dim and moe_inter: each phase reduces its K in one round
 NUM_WARPS = 4
@@ -381,8 +381,7 @@ def _decode_layer_kernel(
     SPIN: tl.constexpr = 1,  # _poll: one thread a program spins (0: every thread)
     STAMPS: tl.constexpr = False,  # diagnostics: cycle counters at each barrier
     KV_EARLY: tl.constexpr = False,  # B's first item's K/V asked into L2 before barrier 1
-    WPF: tl.constexpr = 1,  # items a program asks into L2 at once, per phase (a power of two)
-    WPF_MASK: tl.constexpr = 0,  # phases whose weights are asked into L2 ahead (prefetch=)
+    WPF: tl.constexpr = 0,  # > 0: each phase's weight items (the first WPF) asked into L2 ahead
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): the first QKV tile before the wait
 ):
     pdl_trigger(USE_GDC)  # then only wqkv's first tile before the wait (kernels._pdl)
@@ -405,7 +404,7 @@ def _decode_layer_kernel(
                  mask=(rows0 + G * R_QKV < n_qkv)[:, None] & mk_a & (PIPE == 0), other=0.0)
     pdl_wait(USE_GDC)
     _stamp(stamps_ptr, 0, STAMPS)
-    if (WPF_MASK & 1) != 0:  # every QKV item of this program asked into L2 at once
+    if WPF > 0:  # every QKV item of this program asked into L2 at once
         _prefetch_rows(wqkv_ptr, pid, G, items_a, n_qkv, hidden, R_QKV, WPF)
     live = tl.load(n_ptr) > 0
     slot = tl.load(slot_ptr).to(tl.int64)
@@ -441,14 +440,10 @@ def _decode_layer_kernel(
         _prefetch_kv(k_cache_ptr, v_cache_ptr, table_ptr, kvh0, start0, end0, num_blocks,
                      stride_cb, stride_ct, stride_ch, PAGE, BLOCK_N, HEAD_DIM, TABLE_PAGES)
     _wait(count_ptr, G, stamps_ptr, 1, SPIN, STAMPS)
-    # C's and D's weights into L2 while attention (latency-bound) runs: at once by a program
-    # without a live attention item, after its partials by one with
-    wo_early = (pid >= n_items_b) | (pid % num_splits >= num_live)
-    if (WPF_MASK & 2) != 0:
-        if wo_early:
-            _prefetch_rows(wo_ptr, pid, G, tl.cdiv(hidden, R_O), hidden, q_dim, R_O, WPF)
-            _prefetch_rows(gate_ptr, pid, G, tl.cdiv(num_experts, R_G), num_experts, hidden,
-                           R_G, WPF)
+    if WPF > 0:  # C's and D's weights into L2 while attention (latency-bound) runs
+        _prefetch_rows(wo_ptr, pid, G, tl.cdiv(hidden, R_O), hidden, q_dim, R_O, WPF)
+        _prefetch_rows(gate_ptr, pid, G, tl.cdiv(num_experts, R_G), num_experts, hidden, R_G,
+                       WPF)
 
     # ---- B: attention partials, one (kv head, split) an item; the last split of a kv head
     # to finish merges its group (a semaphore a kv head, as attn_fused_kernel) -------------
@@ -477,11 +472,6 @@ def _decode_layer_kernel(
                      + offs_d[None, :], o, mask=mg[:, None])
             tl.store(ws_lse_ptr + heads * num_splits + split, lse, mask=mg)
             _stamp(stamps_ptr, 12, STAMPS)
-            if (WPF_MASK & 2) != 0:
-                if (it == pid) & ~wo_early:
-                    _prefetch_rows(wo_ptr, pid, G, tl.cdiv(hidden, R_O), hidden, q_dim, R_O, WPF)
-                    _prefetch_rows(gate_ptr, pid, G, tl.cdiv(num_experts, R_G), num_experts,
-                                   hidden, R_G, WPF)
             tl.debug_barrier()  # every thread's partial stores before the release below
             sem = count_ptr + _SEM_OFFSET + kvh
             done = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")  # splits before this one
@@ -559,7 +549,7 @@ def _decode_layer_kernel(
     offs_r13 = tl.arange(0, R_13)
     nj = tl.cdiv(inter, R_13)
     items_f = NUM_TOPK * nj
-    if (WPF_MASK & 4) != 0:  # every W13 item of this program asked into L2 at once
+    if WPF > 0:  # every W13 item of this program asked into L2 at once
         _prefetch_w13(w13_ptr, pid, G, items_f, ids, offs_t, num_experts, inter, hidden,
                       stride_13e, nj, R_13, WPF)
     g, u = _w13_tile(w13_ptr, pid, items_f, ids, offs_t, num_experts, inter, hidden, stride_13e,
@@ -586,7 +576,7 @@ def _decode_layer_kernel(
     offs_c = tl.arange(0, R_2)
     offs_i = tl.arange(0, BI)
     items_g = tl.cdiv(hidden, R_2)
-    if (WPF_MASK & 8) != 0:  # every W2 item of this program, while the slowest program ends E
+    if WPF > 0:  # every W2 item of this program, while the slowest program ends E
         _prefetch_w2(w2_ptr, pid, G, items_g, ok_t, e_t, hidden, inter, stride_2e, R_2, WPF)
     v = _w2_tile(w2_ptr, pid, items_g, ok_t, e_t, hidden, inter, stride_2e, stride_2n, offs_c,
                  offs_i, R_2)
@@ -736,7 +726,7 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
                  workspace: LayerWorkspace, programs: int | None = None,
                  sm_scale: float | None = None, spin: int | None = None,
                  pipe: int | None = None, num_warps: int = NUM_WARPS, tile: int = _TILE,
-                 kv_early: bool | None = None, prefetch: int | None = None,
+                 kv_early: bool | None = None, prefetch: bool | None = None,
                  stamps: torch.Tensor | None = None,
                  info: dict | None = None) -> torch.Tensor:
     """One decoder layer of a one-row step in one launch (module docstring).
@@ -766,12 +756,11 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
             phase B's first item (``_prefetch_kv``; one block a split, ``split_size ==
             BLOCK_N``, on a GPU; else ignored). Default ``KV_EARLY`` (on). A hint: the
             result is bitwise the same without it.
-        prefetch: which phases' weights a program asks into L2 at once, ahead of its loads
-            (bulk prefetches, ``_prefetch_rows``/``_w13``/``_w2``), a mask: 1 QKV's after the
-            PDL wait; 2 the o-projection's and the gate's during attention (by a program with
-            an attention item once its partials are stored); 4 W13's once the picks are
-            known; 8 W2's on arriving at barrier 5. On a GPU with row-contiguous weights
-            whose rows are whole 16-byte units; else ignored. Default ``PREFETCH`` (2).
+        prefetch: ask L2 for each phase's weight items of a program at once, ahead of its
+            loads (bulk prefetches, ``_prefetch_rows``/``_w13``/``_w2``): QKV's after the PDL
+            wait, the o-projection's and the gate's when attention starts, W13's once the
+            picks are known, W2's on arriving at barrier 5. On a GPU with row-contiguous
+            weights whose rows are whole 16-byte units; else ignored. Default ``PREFETCH``.
             A hint: the result is bitwise the same without it.
         stamps: int64 ``[programs, 16]``, diagnostics: each program's cycle counter after
             its PDL wait (``[:, 0]``), on arriving at and leaving barrier ``b``
@@ -864,13 +853,10 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
                   and not interpreting()),
         num_warps=num_warps, **pdl_args())
     # bulk L2 prefetches need rows of whole 16-byte units at 16-byte aligned addresses
-    mask = PREFETCH if prefetch is None else int(prefetch)
-    check(0 <= mask <= 15, "prefetch", "a mask of 1 QKV, 2 wo + gate, 4 W13, 8 W2", prefetch)
-    prefetch_ok = (on_gpu
+    prefetch_ok = ((PREFETCH if prefetch is None else prefetch) and on_gpu
                    and w13.stride(1) == hidden and w2.stride(1) == inter
                    and all(v % 8 == 0 for v in (hidden, q_dim, inter))
                    and all(t.data_ptr() % 16 == 0 for t in (wq, weights.wo, weights.gate, w13, w2)))
-    const["WPF_MASK"] = mask if prefetch_ok else 0
     for G in grids:
         const.update(
             R_QKV=rows_per_item(wq.shape[0], bk, G, tile=tile),
@@ -881,7 +867,8 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
         items = (triton.cdiv(wq.shape[0], const["R_QKV"]), triton.cdiv(hidden, const["R_O"]),
                  triton.cdiv(experts, const["R_G"]), num_topk * triton.cdiv(inter, const["R_13"]),
                  triton.cdiv(hidden, const["R_2"]))
-        const["WPF"] = min(_WPF_MAX, triton.next_power_of_2(triton.cdiv(max(items), G)))
+        const["WPF"] = (min(_WPF_MAX, triton.next_power_of_2(triton.cdiv(max(items), G)))
+                        if prefetch_ok else 0)
         if not on_gpu:
             break
         # every program must be resident at once (the grid barrier): a grid the SMs cannot
@@ -899,8 +886,7 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
                      contiguous=True)
     if info is not None:
         info.update(programs=G, num_warps=num_warps, tile=tile, pipe=const["PIPE"],
-                    kv_early=const["KV_EARLY"], prefetch=const["WPF_MASK"],
-                    **(occ if on_gpu else {}))
+                    kv_early=const["KV_EARLY"], prefetch=const["WPF"] > 0, **(occ if on_gpu else {}))
     _decode_layer_kernel[(G,)](*args, **const)
     return out
 

@@ -138,7 +138,7 @@ def bench(cfg, variants: list[str], *, n_layers: int, ctx: int, iters: int, stam
         if "kv_early" in opt:
             kw["kv_early"] = bool(opt["kv_early"])
         if "prefetch" in opt:
-            kw["prefetch"] = opt["prefetch"]
+            kw["prefetch"] = bool(opt["prefetch"])
         info: dict = {}
 
         def run(st=None, kw=kw, info=info):
@@ -181,7 +181,7 @@ def _row(r: dict) -> str:
     ln = r["launch"]
     occ = (f"{ln['programs']} ({ln.get('per_sm', '?')} an SM), {ln['num_warps']} warps, tile "
            f"{ln['tile']}, pipe {ln['pipe']}, early K/V {int(ln['kv_early'])}, "
-           f"prefetch {ln.get('prefetch', 0)}; "
+           f"prefetch {int(ln.get('prefetch', 0))}; "
            f"{ln.get('regs', '?')} regs, {ln.get('spills', '?')} spills, "
            f"{ln.get('smem', 0) // 1024} KB")
     return f"| {r['variant']} | {r['us']} | {r['us_layer']} | {r['rel_vs_first']:.1e} | {occ} |"
