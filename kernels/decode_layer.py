@@ -86,9 +86,6 @@ MAX_KV_HEADS = 64
 PIPE = int(os.environ.get("GRAPHRT_LAYER_PIPE", "3"))
 # the launcher's kv_early= default: phase B's first item's K/V asked into L2 before barrier 1
 KV_EARLY = os.environ.get("GRAPHRT_LAYER_KV_EARLY", "1") != "0"
-# the launcher's prefetch= default: each phase's weight items asked into L2 ahead
-PREFETCH = os.environ.get("GRAPHRT_LAYER_PREFETCH", "1") != "0"
-_WPF_MAX = 64  # items a program asks into L2 at once, per phase
 MAX_K = 4096  # hidden, q_dim and moe_inter: each phase reduces its K in one round
 NUM_WARPS = 4
 PROGRAMS_PER_SM = 2  # the default grid where the compiled kernel fits that many an SM
@@ -238,51 +235,6 @@ def _bulk_prefetch(ptrs, live, size):
 
 
 @triton.jit
-def _prefetch_rows(w_ptr, first, step, n_items, n_rows, row_elems, R: tl.constexpr,
-                   PF: tl.constexpr):
-    """Ask L2 for a program's items of a row-split phase: item ``it`` = rows ``[it * R, it *
-    R + R)`` of a row-major ``w`` (``row_elems`` bf16 a row, contiguous), for ``it = first,
-    first + step, ...`` below ``n_items`` (the first ``PF``): one bulk prefetch of the
-    item's bytes, none past the last row."""
-    offs = tl.arange(0, PF)
-    it = first + offs * step
-    rows = tl.maximum(tl.minimum(n_rows - it * R, R), 0)
-    _bulk_prefetch(w_ptr + it.to(tl.int64) * (R * row_elems), (it < n_items).to(tl.int32),
-                   rows * row_elems * 2)
-
-
-@triton.jit
-def _prefetch_w13(w13_ptr, first, step, n_items, ids, offs_t, num_experts, inter, hidden,
-                  stride_we, nj, R: tl.constexpr, PF: tl.constexpr):
-    """Ask L2 for a program's W13 items (``_w13_tile``'s): the gate rows and the up rows of
-    each, two bulk prefetches an item (rows contiguous: ``stride_wn == hidden``)."""
-    offs = tl.arange(0, PF)
-    it = first + offs * step
-    kk = it // nj
-    j = it - kk * nj
-    e = tl.sum(tl.where(offs_t[None, :] == kk[:, None], ids[None, :], 0), 1).to(tl.int64)
-    live = ((it < n_items) & (e >= 0) & (e < num_experts)).to(tl.int32)
-    rows = tl.maximum(tl.minimum(inter - j * R, R), 0)
-    ptrs = w13_ptr + tl.where(live > 0, e, 0) * stride_we + (j * R).to(tl.int64) * hidden
-    _bulk_prefetch(ptrs, live, rows * hidden * 2)
-    _bulk_prefetch(ptrs + inter * hidden, live, rows * hidden * 2)
-
-
-@triton.jit
-def _prefetch_w2(w2_ptr, first, step, n_items, ok_t, e_t, hidden, inter, stride_we,
-                 R: tl.constexpr, PF: tl.constexpr):
-    """Ask L2 for a program's W2 items (``_w2_tile``'s): each live pick's rows ``[it * R,
-    it * R + R)`` of ``W2[e]``, one bulk prefetch a (item, pick) (rows contiguous:
-    ``stride_wn == inter``)."""
-    offs = tl.arange(0, PF)
-    it = first + offs * step
-    rows = tl.maximum(tl.minimum(hidden - it * R, R), 0)
-    live = ((it < n_items)[:, None] & ok_t[None, :]).to(tl.int32)
-    ptrs = w2_ptr + e_t[None, :] * stride_we + (it * R).to(tl.int64)[:, None] * inter
-    _bulk_prefetch(ptrs, live, (rows * inter * 2)[:, None] + live * 0)
-
-
-@triton.jit
 def _qkv_item(w, it, h, qkv_ptr, k_cache_ptr, v_cache_ptr, offs_r, q_dim, kv_dim, n_qkv,
               slot_base, slot_ok, stride_ch, HEAD_DIM: tl.constexpr, R: tl.constexpr):
     """QKV rows ``[it * R, it * R + R)`` from their tile ``w``: to ``qkv``, and the K/V rows
@@ -381,7 +333,6 @@ def _decode_layer_kernel(
     SPIN: tl.constexpr = 1,  # _poll: one thread a program spins (0: every thread)
     STAMPS: tl.constexpr = False,  # diagnostics: cycle counters at each barrier
     KV_EARLY: tl.constexpr = False,  # B's first item's K/V asked into L2 before barrier 1
-    WPF: tl.constexpr = 0,  # > 0: each phase's weight items (the first WPF) asked into L2 ahead
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): the first QKV tile before the wait
 ):
     pdl_trigger(USE_GDC)  # then only wqkv's first tile before the wait (kernels._pdl)
@@ -404,8 +355,6 @@ def _decode_layer_kernel(
                  mask=(rows0 + G * R_QKV < n_qkv)[:, None] & mk_a & (PIPE == 0), other=0.0)
     pdl_wait(USE_GDC)
     _stamp(stamps_ptr, 0, STAMPS)
-    if WPF > 0:  # every QKV item of this program asked into L2 at once
-        _prefetch_rows(wqkv_ptr, pid, G, items_a, n_qkv, hidden, R_QKV, WPF)
     live = tl.load(n_ptr) > 0
     slot = tl.load(slot_ptr).to(tl.int64)
     slot_ok = live & (slot >= 0) & (slot < num_blocks * PAGE)
@@ -440,10 +389,6 @@ def _decode_layer_kernel(
         _prefetch_kv(k_cache_ptr, v_cache_ptr, table_ptr, kvh0, start0, end0, num_blocks,
                      stride_cb, stride_ct, stride_ch, PAGE, BLOCK_N, HEAD_DIM, TABLE_PAGES)
     _wait(count_ptr, G, stamps_ptr, 1, SPIN, STAMPS)
-    if WPF > 0:  # C's and D's weights into L2 while attention (latency-bound) runs
-        _prefetch_rows(wo_ptr, pid, G, tl.cdiv(hidden, R_O), hidden, q_dim, R_O, WPF)
-        _prefetch_rows(gate_ptr, pid, G, tl.cdiv(num_experts, R_G), num_experts, hidden, R_G,
-                       WPF)
 
     # ---- B: attention partials, one (kv head, split) an item; the last split of a kv head
     # to finish merges its group (a semaphore a kv head, as attn_fused_kernel) -------------
@@ -549,9 +494,6 @@ def _decode_layer_kernel(
     offs_r13 = tl.arange(0, R_13)
     nj = tl.cdiv(inter, R_13)
     items_f = NUM_TOPK * nj
-    if WPF > 0:  # every W13 item of this program asked into L2 at once
-        _prefetch_w13(w13_ptr, pid, G, items_f, ids, offs_t, num_experts, inter, hidden,
-                      stride_13e, nj, R_13, WPF)
     g, u = _w13_tile(w13_ptr, pid, items_f, ids, offs_t, num_experts, inter, hidden, stride_13e,
                      stride_13n, offs_r13, offs_k, nj, R_13)
     g1, u1 = _w13_tile(w13_ptr, pid + G, tl.where(PIPE == 0, items_f, 0), ids, offs_t,
@@ -576,8 +518,6 @@ def _decode_layer_kernel(
     offs_c = tl.arange(0, R_2)
     offs_i = tl.arange(0, BI)
     items_g = tl.cdiv(hidden, R_2)
-    if WPF > 0:  # every W2 item of this program, while the slowest program ends E
-        _prefetch_w2(w2_ptr, pid, G, items_g, ok_t, e_t, hidden, inter, stride_2e, R_2, WPF)
     v = _w2_tile(w2_ptr, pid, items_g, ok_t, e_t, hidden, inter, stride_2e, stride_2n, offs_c,
                  offs_i, R_2)
     v1 = _w2_tile(w2_ptr, pid + G, tl.where(PIPE == 0, items_g, 0), ok_t, e_t, hidden, inter,
@@ -726,8 +666,7 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
                  workspace: LayerWorkspace, programs: int | None = None,
                  sm_scale: float | None = None, spin: int | None = None,
                  pipe: int | None = None, num_warps: int = NUM_WARPS, tile: int = _TILE,
-                 kv_early: bool | None = None, prefetch: bool | None = None,
-                 stamps: torch.Tensor | None = None,
+                 kv_early: bool | None = None, stamps: torch.Tensor | None = None,
                  info: dict | None = None) -> torch.Tensor:
     """One decoder layer of a one-row step in one launch (module docstring).
 
@@ -756,12 +695,6 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
             phase B's first item (``_prefetch_kv``; one block a split, ``split_size ==
             BLOCK_N``, on a GPU; else ignored). Default ``KV_EARLY`` (on). A hint: the
             result is bitwise the same without it.
-        prefetch: ask L2 for each phase's weight items of a program at once, ahead of its
-            loads (bulk prefetches, ``_prefetch_rows``/``_w13``/``_w2``): QKV's after the PDL
-            wait, the o-projection's and the gate's when attention starts, W13's once the
-            picks are known, W2's on arriving at barrier 5. On a GPU with row-contiguous
-            weights whose rows are whole 16-byte units; else ignored. Default ``PREFETCH``.
-            A hint: the result is bitwise the same without it.
         stamps: int64 ``[programs, 16]``, diagnostics: each program's cycle counter after
             its PDL wait (``[:, 0]``), on arriving at and leaving barrier ``b``
             (``[:, 2b]``, ``[:, 2b + 1]``, b = 1..5), after its attention item's partial
@@ -852,11 +785,6 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
         KV_EARLY=((KV_EARLY if kv_early is None else kv_early) and split == BLOCK_N
                   and not interpreting()),
         num_warps=num_warps, **pdl_args())
-    # bulk L2 prefetches need rows of whole 16-byte units at 16-byte aligned addresses
-    prefetch_ok = ((PREFETCH if prefetch is None else prefetch) and on_gpu
-                   and w13.stride(1) == hidden and w2.stride(1) == inter
-                   and all(v % 8 == 0 for v in (hidden, q_dim, inter))
-                   and all(t.data_ptr() % 16 == 0 for t in (wq, weights.wo, weights.gate, w13, w2)))
     for G in grids:
         const.update(
             R_QKV=rows_per_item(wq.shape[0], bk, G, tile=tile),
@@ -864,11 +792,6 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
             R_G=rows_per_item(experts, bk, G, tile=tile),
             R_13=rows_per_item(inter, bk, G, per_row=2, groups=num_topk, tile=tile),
             R_2=rows_per_item(hidden, bi * triton.next_power_of_2(num_topk), G, tile=tile))
-        items = (triton.cdiv(wq.shape[0], const["R_QKV"]), triton.cdiv(hidden, const["R_O"]),
-                 triton.cdiv(experts, const["R_G"]), num_topk * triton.cdiv(inter, const["R_13"]),
-                 triton.cdiv(hidden, const["R_2"]))
-        const["WPF"] = (min(_WPF_MAX, triton.next_power_of_2(triton.cdiv(max(items), G)))
-                        if prefetch_ok else 0)
         if not on_gpu:
             break
         # every program must be resident at once (the grid barrier): a grid the SMs cannot
@@ -886,7 +809,7 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
                      contiguous=True)
     if info is not None:
         info.update(programs=G, num_warps=num_warps, tile=tile, pipe=const["PIPE"],
-                    kv_early=const["KV_EARLY"], prefetch=const["WPF"] > 0, **(occ if on_gpu else {}))
+                    kv_early=const["KV_EARLY"], **(occ if on_gpu else {}))
     _decode_layer_kernel[(G,)](*args, **const)
     return out
 

@@ -276,7 +276,7 @@ def test_layer_bench_phases_from_stamps():
     doc = {"device": "H200", "config": "qwen3-moe-like", "layers": 4, "ctx": 1024,
            "clock_mhz": 1000.0, "results": [
                {"variant": "default", "us": 200.0, "us_layer": 50.0, "rel_vs_first": 0.0,
-                "launch": {"programs": 264, "per_sm": 2, "num_warps": 4, "tile": 8192, "prefetch": True,
+                "launch": {"programs": 264, "per_sm": 2, "num_warps": 4, "tile": 8192,
                            "pipe": 3, "kv_early": True, "regs": 240, "spills": 0,
                            "smem": 71680}, "phases": ph},
                {"variant": "programs=999", "refused": "programs: expected at most 264"}]}
