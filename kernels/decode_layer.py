@@ -4,7 +4,8 @@ between them, and each phase's first weight tile loaded before its barrier.
 A one-row decode step is a chain of launches, each reading one weight (BENCHMARKS.md §31):
 each pays a launch's ramp (a stream read of 16-24 MiB reaches 66-72% of HBM bandwidth), and
 the latency-bound ones between them (attention, the gate, the top-k) read almost nothing.
-Here one launch of ``G`` programs (one an SM, all resident at once) runs the whole layer::
+Here one launch of ``G`` programs (two 4-warp programs an SM, all resident at once) runs the
+whole layer::
 
     A  h   = rmsnorm(x) * attn_norm                     (each program, from L2)
        qkv = h @ wqkv.T                                  rows split over the programs;
@@ -17,15 +18,16 @@ Here one launch of ``G`` programs (one an SM, all resident at once) runs the who
        act[k] = silu(h2 @ W13g[id_k].T) * (h2 @ W13u[id_k].T)
     F  out = x_mid + sum_k w_k * bf16(act[k] @ W2[id_k].T)   column tiles over the programs
 
-with a grid barrier after each of A-E. A program walks its items of a phase with the next
-two items' weight tiles in flight while it reduces the current one (64 KB a program), and
-loads its first two tiles of the next phase between arriving at the barrier and waiting
-there: weights (no kernel writes them; for W2 the picks are known one phase earlier) are on
-their way while the slowest program finishes: the aim is one long stream of weights a
-layer instead of seven launch ramps. Measured on an H200 (BENCHMARKS.md §39) it is not there
-yet: the barriers cost 0.6-1 µs each, but one program an SM walking its items one after
-another reads QKV, W13 and W2 at 2.3-2.6 TB/s, and a layer takes 59-62 µs against about 50
-for the separate launches, so the model keeps it off (``DecoderLayer.layer_kernel``).
+with a grid barrier after each of A-E. A program walks its items of a phase through
+Triton's software pipeline (``PIPE`` stages of 16 KB tiles through shared memory; ``pipe=0``:
+the next two items' tiles in registers), and loads its first tile of the next phase between
+arriving at the barrier and waiting there: weights (no kernel writes them; for W2 the picks
+are known one phase earlier) are on their way while the slowest program finishes: the aim
+is one long stream of weights a layer instead of seven launch ramps. Measured on an H200
+(BENCHMARKS.md §39-§40) it is not there yet: the barriers cost 0.6-1 µs each, the weight
+phases read at 2.7-3.6 TB/s, attention and its merge take 5-6 µs, and a layer takes about
+55 µs against about 50 for the separate launches, so the model keeps it off
+(``DecoderLayer.layer_kernel``).
 
 Arithmetic (the rounding points of the launches it replaces, so results match within bf16
 summation-order differences): the norms as ``kernels.norm_gemv`` (sum in fp32, the residual
@@ -43,9 +45,9 @@ grid sync. The merge of B uses a semaphore a kv head (release-acquire add, as
 Values written before a barrier are read after it with ``.cg`` loads (L2, never a stale L1
 line). At exit each program adds 1 more; the one that sees the last count sets the counter
 back to 0, so the next launch (the next layer, the next replay) starts from 0 with no
-memset. Every program must be resident at once: ``G`` is at most the SM count, one program
-an SM (``num_warps`` 8, at most 255 registers a thread: always fits), and the launch is the
-only kernel of its stream that spins.
+memset. Every program must be resident at once: the launcher asks the CUDA driver's
+occupancy calculator how many programs of the compiled kernel an SM holds and refuses a
+larger grid (``_occupancy``); the launch is the only kernel of its stream that spins.
 
 Under the CPU interpreter the programs run one after another, so the launcher runs one
 program (``G = 1``): it walks every item of every phase and each barrier returns at once.
@@ -74,7 +76,7 @@ from ._masked import _silu_mul
 from ._pdl import pdl_trigger, pdl_wait
 from ._util import check, check_tensor, interpreting, pdl_args
 from .attention import _LOG2E, BLOCK_N, table_pages
-from .attention_kernels import _LN2, _attend, _kv_offsets, _merge_group
+from .attention_kernels import _LN2, _attend, _merge_group
 from .routing_rows import _key_low, _key_score, _pack, _top_keys
 
 _TILE = 8192  # weight elements a program loads in one round (16 KB of bf16)
@@ -84,8 +86,6 @@ MAX_KV_HEADS = 64
 # the launcher's pipe= default (0: two tiles ahead in registers; N: Triton's pipeline of N
 # stages); GRAPHRT_LAYER_PIPE at import (A/B benchmarks)
 PIPE = int(os.environ.get("GRAPHRT_LAYER_PIPE", "3"))
-# the launcher's kv_early= default: phase B's first item's K/V asked into L2 before barrier 1
-KV_EARLY = os.environ.get("GRAPHRT_LAYER_KV_EARLY", "1") != "0"
 MAX_K = 4096  # hidden, q_dim and moe_inter: each phase reduces its K in one round
 NUM_WARPS = 4
 PROGRAMS_PER_SM = 2  # the default grid where the compiled kernel fits that many an SM
@@ -204,37 +204,6 @@ def _w2_tile(w2_ptr, it, n_items, ok_t, e_t, hidden, inter, stride_we, stride_wn
 
 
 @triton.jit
-def _prefetch_kv(k_cache_ptr, v_cache_ptr, table_ptr, kvh, start, end, num_blocks, stride_cb,
-                 stride_ct, stride_ch, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, TABLE_PAGES: tl.constexpr):
-    """Ask L2 for the K and V rows of positions ``[start, end)`` (at most ``BLOCK_N``) of kv
-    head ``kvh``: one bulk prefetch (``cp.async.bulk.prefetch.L2``, sm_90) of a row's
-    ``HEAD_DIM`` values a position, from the block ids ``_attend`` will use. A hint: nothing
-    is held in registers, no value changes, and a row written after it (phase A's new token)
-    is read from L2 as usual."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_p = tl.arange(0, TABLE_PAGES)
-    first = start // PAGE
-    ids = tl.load(table_ptr + first + offs_p, mask=first + offs_p < tl.cdiv(end, PAGE), other=0)
-    pos = start + offs_n
-    blk = tl.sum(tl.where((pos // PAGE - first)[:, None] == offs_p[None, :], ids[None, :], 0), 1)
-    off = _kv_offsets(blk, pos, kvh, num_blocks, stride_cb, stride_ct, stride_ch, PAGE)
-    live = (pos < end).to(tl.int32)
-    size = offs_n * 0 + HEAD_DIM * 2  # bytes of a bf16 row (a multiple of 16)
-    _bulk_prefetch(k_cache_ptr + off, live, size)
-    _bulk_prefetch(v_cache_ptr + off, live, size)
-
-
-@triton.jit
-def _bulk_prefetch(ptrs, live, size):
-    """``cp.async.bulk.prefetch.L2`` of ``size`` bytes at each of ``ptrs`` where ``live``."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $3; mov.b32 $0, 0; }",
-        "=r,l,r,r", [ptrs, live, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _qkv_item(w, it, h, qkv_ptr, k_cache_ptr, v_cache_ptr, offs_r, q_dim, kv_dim, n_qkv,
               slot_base, slot_ok, stride_ch, HEAD_DIM: tl.constexpr, R: tl.constexpr):
     """QKV rows ``[it * R, it * R + R)`` from their tile ``w``: to ``qkv``, and the K/V rows
@@ -332,7 +301,6 @@ def _decode_layer_kernel(
     PIPE: tl.constexpr = 0,  # weight loops: 0 two tiles ahead in registers; N Triton's pipeline
     SPIN: tl.constexpr = 1,  # _poll: one thread a program spins (0: every thread)
     STAMPS: tl.constexpr = False,  # diagnostics: cycle counters at each barrier
-    KV_EARLY: tl.constexpr = False,  # B's first item's K/V asked into L2 before barrier 1
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): the first QKV tile before the wait
 ):
     pdl_trigger(USE_GDC)  # then only wqkv's first tile before the wait (kernels._pdl)
@@ -376,18 +344,10 @@ def _decode_layer_kernel(
             _qkv_item(wt, it, h, qkv_ptr, k_cache_ptr, v_cache_ptr, offs_ra, q_dim, kv_dim,
                       n_qkv, slot_base, slot_ok, stride_ch, HEAD_DIM, R_QKV)
     _arrive(count_ptr, stamps_ptr, 1, STAMPS)
-    # B's first item (this program's): with KV_EARLY its K/V rows are asked into L2 here,
-    # while the slowest program finishes A
     ctx = tl.minimum(tl.load(seq_len_ptr), max_ctx)
     ctx = tl.where(live, ctx, 0)
     num_live = tl.cdiv(tl.maximum(ctx, 0), split_size)
     n_items_b = NUM_KV_HEADS * num_splits
-    if KV_EARLY:
-        kvh0 = pid // num_splits
-        start0 = (pid - kvh0 * num_splits) * split_size
-        end0 = tl.where(pid < n_items_b, tl.minimum(start0 + split_size, ctx), 0)
-        _prefetch_kv(k_cache_ptr, v_cache_ptr, table_ptr, kvh0, start0, end0, num_blocks,
-                     stride_cb, stride_ct, stride_ch, PAGE, BLOCK_N, HEAD_DIM, TABLE_PAGES)
     _wait(count_ptr, G, stamps_ptr, 1, SPIN, STAMPS)
 
     # ---- B: attention partials, one (kv head, split) an item; the last split of a kv head
@@ -666,7 +626,7 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
                  workspace: LayerWorkspace, programs: int | None = None,
                  sm_scale: float | None = None, spin: int | None = None,
                  pipe: int | None = None, num_warps: int = NUM_WARPS, tile: int = _TILE,
-                 kv_early: bool | None = None, stamps: torch.Tensor | None = None,
+                 stamps: torch.Tensor | None = None,
                  info: dict | None = None) -> torch.Tensor:
     """One decoder layer of a one-row step in one launch (module docstring).
 
@@ -691,17 +651,13 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
             ``PIPE`` (3).
         num_warps, tile: warps a program and weight elements an item loads (tuning;
             defaults 4 and 8192, the fastest measured, BENCHMARKS.md §40).
-        kv_early: between arriving at barrier 1 and waiting there, ask L2 for the K/V rows of
-            phase B's first item (``_prefetch_kv``; one block a split, ``split_size ==
-            BLOCK_N``, on a GPU; else ignored). Default ``KV_EARLY`` (on). A hint: the
-            result is bitwise the same without it.
         stamps: int64 ``[programs, 16]``, diagnostics: each program's cycle counter after
             its PDL wait (``[:, 0]``), on arriving at and leaving barrier ``b``
             (``[:, 2b]``, ``[:, 2b + 1]``, b = 1..5), after its attention item's partial
             stores (``[:, 12]``), after a merge (``[:, 13]``) and at its end (``[:, 14]``).
             Pass ``programs`` with it (``info`` tells the default grid).
         info: diagnostics: filled with the launch's grid and options (``programs``,
-            ``num_warps``, ``tile``, ``pipe``, ``kv_early``) and, on a GPU, its occupancy
+            ``num_warps``, ``tile``, ``pipe``) and, on a GPU, its occupancy
             (``per_sm``, ``regs``, ``spills``, ``smem``).
 
     Returns ``out``. One launch, no allocation. Graph safety: capturable
@@ -782,8 +738,6 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
         BK=bk, BKO=bko, BI=bi,
         UPCAST=interpreting(), SPIN=(0 if interpreting() else 1) if spin is None else spin,
         STAMPS=stamps is not None, PIPE=PIPE if pipe is None else pipe,
-        KV_EARLY=((KV_EARLY if kv_early is None else kv_early) and split == BLOCK_N
-                  and not interpreting()),
         num_warps=num_warps, **pdl_args())
     for G in grids:
         const.update(
@@ -809,7 +763,7 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
                      contiguous=True)
     if info is not None:
         info.update(programs=G, num_warps=num_warps, tile=tile, pipe=const["PIPE"],
-                    kv_early=const["KV_EARLY"], **(occ if on_gpu else {}))
+                    **(occ if on_gpu else {}))
     _decode_layer_kernel[(G,)](*args, **const)
     return out
 

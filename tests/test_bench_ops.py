@@ -240,8 +240,8 @@ def test_one_row_routed_step_traces_through_ops_without_graph_breaks():
 def test_layer_bench_variants_parse_and_say_what_they_expect():
     from graphrt.bench.layer import parse_variant
     assert parse_variant("default") == {}
-    assert parse_variant("programs=132,warps=8,tile=16384,pipe=3,kv_early=0") == dict(
-        programs=132, warps=8, tile=16384, pipe=3, kv_early=0)
+    assert parse_variant("programs=132,warps=8,tile=16384,pipe=3") == dict(
+        programs=132, warps=8, tile=16384, pipe=3)
     for bad, said in (("grid=2", "keys"), ("pipe", "keys"), ("pipe=x", "needs an int")):
         with pytest.raises(ValueError, match=said):
             parse_variant(bad)
@@ -277,7 +277,7 @@ def test_layer_bench_phases_from_stamps():
            "clock_mhz": 1000.0, "results": [
                {"variant": "default", "us": 200.0, "us_layer": 50.0, "rel_vs_first": 0.0,
                 "launch": {"programs": 264, "per_sm": 2, "num_warps": 4, "tile": 8192,
-                           "pipe": 3, "kv_early": True, "regs": 240, "spills": 0,
+                           "pipe": 3, "regs": 240, "spills": 0,
                            "smem": 71680}, "phases": ph},
                {"variant": "programs=999", "refused": "programs: expected at most 264"}]}
     md = markdown(doc)

@@ -2,13 +2,12 @@
 side, and where a layer's time goes.
 
     python -m graphrt.bench.layer --out bench-out/layer.json
-    python -m graphrt.bench.layer --variant default --variant kv_early=0 \\
-        --variant programs=132,warps=8,tile=16384,pipe=3 --out layer.json
+    python -m graphrt.bench.layer --stamps --variant default --variant pipe=0 \\
+        --variant programs=132,warps=8,tile=16384 --out layer.json
 
 ``--layers`` layers of a preset's shapes (random weights, each its own, so every launch reads
 its weights from HBM) run chained in one CUDA graph, one row, context ``--ctx``; a variant is
-the launcher's defaults or some of its options (``programs``, ``warps``, ``tile``, ``pipe``,
-``kv_early``). Reported per variant: µs for the layers (median of 5 timings of ``--iters``
+the launcher's defaults or some of its options (``programs``, ``warps``, ``tile``, ``pipe``). Reported per variant: µs for the layers (median of 5 timings of ``--iters``
 replays), µs a layer, the grid and its occupancy (programs an SM, registers, spills, shared
 memory), and the last layer's output against the first variant's (relative norm: the
 options change only summation orders). With ``--stamps``, one more eager run with the
@@ -30,7 +29,7 @@ import torch
 from graphrt.bench.output import save_doc
 
 SCHEMA = "graphrt.bench.layer/1"
-OPTIONS = {"programs": int, "warps": int, "tile": int, "pipe": int, "kv_early": int}
+OPTIONS = {"programs": int, "warps": int, "tile": int, "pipe": int}
 PHASES = ("norm + QKV", "attention", "o-projection", "norm + gate", "top-k + W13",
           "W2 + combine")
 
@@ -134,8 +133,6 @@ def bench(cfg, variants: list[str], *, n_layers: int, ctx: int, iters: int, stam
             kw["num_warps"] = opt["warps"]
         if "tile" in opt:
             kw["tile"] = opt["tile"]
-        if "kv_early" in opt:
-            kw["kv_early"] = bool(opt["kv_early"])
         info: dict = {}
 
         def run(st=None, kw=kw, info=info):
@@ -177,7 +174,7 @@ def _row(r: dict) -> str:
         return f"| {r['variant']} | refused | | | |"
     ln = r["launch"]
     occ = (f"{ln['programs']} ({ln.get('per_sm', '?')} an SM), {ln['num_warps']} warps, tile "
-           f"{ln['tile']}, pipe {ln['pipe']}, early K/V {int(ln['kv_early'])}; "
+           f"{ln['tile']}, pipe {ln['pipe']}; "
            f"{ln.get('regs', '?')} regs, {ln.get('spills', '?')} spills, "
            f"{ln.get('smem', 0) // 1024} KB")
     return f"| {r['variant']} | {r['us']} | {r['us_layer']} | {r['rel_vs_first']:.1e} | {occ} |"
@@ -213,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--ctx", type=int, default=1024, help="positions of the row (the new one included)")
     p.add_argument("--variant", action="append",
-                   help="'default' or key=int,... of programs, warps, tile, pipe, kv_early "
+                   help="'default' or key=int,... of programs, warps, tile, pipe "
                         "(repeat; default: just 'default')")
     p.add_argument("--iters", type=int, default=50, help="replays per timing sample")
     p.add_argument("--stamps", action="store_true", help="also each variant's phases")

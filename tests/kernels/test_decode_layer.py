@@ -183,13 +183,12 @@ def test_gpu_grid_against_reference_and_one_program(cuda_device, shape):
         out, _ = _check(w, caches, x, K, meta, num_splits=splits, device=cuda_device, pipe=None,
                         info=info)
         one, _ = _check(w, caches, x, K, meta, num_splits=splits, device=cuda_device, programs=1)
-        regs, _ = _check(w, caches, x, K, meta, num_splits=splits, device=cuda_device, pipe=0,
-                         kv_early=False)
-        # the same items, the same arithmetic: the default grid (pipelined loops, early K/V)
-        # is bitwise one program and the register form without early K/V
+        regs, _ = _check(w, caches, x, K, meta, num_splits=splits, device=cuda_device, pipe=0)
+        # the same items, the same arithmetic: the default grid (pipelined loops) is bitwise
+        # one program and the register form
         assert torch.equal(out, one) and torch.equal(out, regs)
         assert info["programs"] == 2 * programs and info["per_sm"] >= 2, info
-        assert info["spills"] == 0 and info["kv_early"], info  # one 64-position block a split
+        assert info["spills"] == 0, info
 
 
 @pytest.mark.gpu

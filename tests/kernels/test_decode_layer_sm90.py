@@ -2,7 +2,7 @@
 Hopper (sm_90, PTX and SASS), on the CPU, at the qwen3-like shapes: it compiles with and
 without PDL, its grid barrier is a release add, a volatile spin and an acquire (the module
 docstring; here a ``red.release``, ``ld.volatile`` and an ``ld.acquire``), its weights load
-as 16-byte vectors, the early K/V is a bulk L2 prefetch, and it does not spill. Same pattern as
+as 16-byte vectors, and it does not spill. Same pattern as
 tests/kernels/test_routed_gemv_sm90.py."""
 from __future__ import annotations
 
@@ -49,17 +49,15 @@ SCRIPT = textwrap.dedent('''
                  BK=2048, BKO=4096, BI=1024, R_QKV=4, R_O=2, R_G=1, R_13=2, R_2=1,
                  UPCAST=False)
     out = {}
-    # the launcher's defaults (4 warps, two programs an SM: the item rows above, pipe 3,
-    # early K/V), then one option changed at a time
-    for gdc, spin, stamps, pipe, early in ((0, 1, False, 3, True), (2, 1, False, 3, True),
-                                           (2, 0, False, 3, True), (2, 1, True, 3, True),
-                                           (2, 1, False, 0, False)):
+    # the launcher's defaults (4 warps, two programs an SM: the item rows above, pipe 3),
+    # then one option changed at a time
+    for gdc, spin, stamps, pipe in ((0, 1, False, 3), (2, 1, False, 3), (2, 0, False, 3),
+                                    (2, 1, True, 3), (2, 1, False, 0)):
         k = compiled(K, sig, {**const, "USE_GDC": gdc, "SPIN": spin, "STAMPS": stamps,
-                              "PIPE": pipe, "KV_EARLY": early}, attrs=attrs, num_warps=4)
+                              "PIPE": pipe}, attrs=attrs, num_warps=4)
         p = k.asm["ptx"]
         regs, stl = usage(k.asm["cubin"])
-        out[f"gdc{gdc}-spin{spin}" + "-stamps" * stamps + f"-pipe{pipe}"
-            + "-early" * early] = {
+        out[f"gdc{gdc}-spin{spin}" + "-stamps" * stamps + f"-pipe{pipe}"] = {
             "wait": "griddepcontrol.wait" in p,
             "v4": "ld.global.v4" in p,
             "spill": "ld.local" in p or "st.local" in p,
@@ -69,7 +67,6 @@ SCRIPT = textwrap.dedent('''
             "acquire": "ld.global.gpu.acquire" in p,
             "volatile": "ld.volatile.global" in p,
             "clock": "%clock64" in p,
-            "prefetch": "cp.async.bulk.prefetch.L2.global" in p,
             "cp_async": p.count("cp.async.cg"), "smem": k.metadata.shared,
             "regs": regs, "stl": stl}
     print(json.dumps(out))
@@ -81,8 +78,6 @@ def test_the_layer_kernel_compiles_for_sm90():
     for key, f in res.items():
         assert f["wait"] == (not key.startswith("gdc0")), key
         assert f["clock"] == ("stamps" in key), key
-        # the early K/V of phase B: bulk L2 prefetches, nothing else changes
-        assert f["prefetch"] == key.endswith("-early"), key
         assert f["v4"] and f["release"] and f["acquire"] and f["volatile"], (key, f)
         assert not f["spill"] and f["stl"] in (0, None), (key, f)
         # 4 warps of at most 255 registers a thread and at most 113 KB of shared memory:
@@ -91,5 +86,5 @@ def test_the_layer_kernel_compiles_for_sm90():
         assert f["smem"] <= 113 * 1024, (key, f)
     # the pipelined form streams its weights through shared memory (Triton's pipeline: async
     # copies in the four weight loops; the register form has them in no weight loop)
-    assert (res["gdc2-spin1-pipe3-early"]["cp_async"]
+    assert (res["gdc2-spin1-pipe3"]["cp_async"]
             > 2 * max(res["gdc2-spin1-pipe0"]["cp_async"], 1))
