@@ -13,6 +13,10 @@ order the prologue's two instructions run:
   and a kernel completes only after its own wait, so a wait also covers every kernel before
   the previous one.
 
+- ``3`` (trigger late): wait first and let the next kernel launch only where the kernel
+  calls ``pdl_late_trigger(USE_GDC)``, part way through its work (the one-row layer launch,
+  ``kernels.decode_layer``, at its last phase: a long kernel that triggered first would have
+  the next kernels' programs resident, and loading their weights, for all of its run).
 Off (``False``/``0``), the constexpr branches compile away.
 
 **Weights before the wait** (``pdl_trigger``, then weight loads, then ``pdl_wait``): the
@@ -45,6 +49,14 @@ def pdl_wait(USE_GDC: tl.constexpr):
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
     if USE_GDC == 1:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_late_trigger(USE_GDC: tl.constexpr):
+    """With ``USE_GDC == 3``: let the next kernel launch now (every program must reach this
+    or exit). A no-op for the other values, which trigger in ``pdl_trigger``/``pdl_wait``."""
+    if USE_GDC == 3:
         tl.extra.cuda.gdc_launch_dependents()
 
 

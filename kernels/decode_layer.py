@@ -73,7 +73,7 @@ import triton
 import triton.language as tl
 
 from ._masked import _silu_mul
-from ._pdl import pdl_trigger, pdl_wait
+from ._pdl import pdl_late_trigger, pdl_trigger, pdl_wait
 from ._util import check, check_tensor, interpreting, pdl_args
 from .attention import _LOG2E, BLOCK_N, table_pages
 from .attention_kernels import _LN2, _attend, _merge_group
@@ -86,6 +86,9 @@ MAX_KV_HEADS = 64
 # the launcher's pipe= default (0: two tiles ahead in registers; N: Triton's pipeline of N
 # stages); GRAPHRT_LAYER_PIPE at import (A/B benchmarks)
 PIPE = int(os.environ.get("GRAPHRT_LAYER_PIPE", "3"))
+# with PDL on, let the next kernel launch at the start of phase F (USE_GDC 3) instead of at
+# the start (GRAPHRT_LAYER_LATE_TRIGGER at import, A/B benchmarks)
+LATE_TRIGGER = os.environ.get("GRAPHRT_LAYER_LATE_TRIGGER", "0") != "0"
 MAX_K = 4096  # hidden, q_dim and moe_inter: each phase reduces its K in one round
 NUM_WARPS = 4
 PROGRAMS_PER_SM = 2  # the default grid where the compiled kernel fits that many an SM
@@ -483,6 +486,7 @@ def _decode_layer_kernel(
     v1 = _w2_tile(w2_ptr, pid + G, tl.where(PIPE == 0, items_g, 0), ok_t, e_t, hidden, inter,
                   stride_2e, stride_2n, offs_c, offs_i, R_2)
     _wait(count_ptr, 5 * G, stamps_ptr, 5, SPIN, STAMPS)
+    pdl_late_trigger(USE_GDC)  # USE_GDC 3 (LATE_TRIGGER): the next kernel launches now
 
     # ---- F: W2 of every pick, combined, plus the residual ----------------------------------
     av = tl.load(act_ptr + offs_t[:, None] * inter + offs_i[None, :],
@@ -738,7 +742,7 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
         BK=bk, BKO=bko, BI=bi,
         UPCAST=interpreting(), SPIN=(0 if interpreting() else 1) if spin is None else spin,
         STAMPS=stamps is not None, PIPE=PIPE if pipe is None else pipe,
-        num_warps=num_warps, **pdl_args())
+        num_warps=num_warps, **_pdl_launch())
     for G in grids:
         const.update(
             R_QKV=rows_per_item(wq.shape[0], bk, G, tile=tile),
@@ -766,6 +770,15 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
                     **(occ if on_gpu else {}))
     _decode_layer_kernel[(G,)](*args, **const)
     return out
+
+
+def _pdl_launch() -> dict:
+    """``pdl_args()``, with ``USE_GDC`` 3 (trigger at phase F, ``kernels._pdl``) when PDL is
+    on and ``LATE_TRIGGER``."""
+    args = pdl_args()
+    if args.get("USE_GDC") and LATE_TRIGGER:
+        args = {**args, "USE_GDC": 3}
+    return args
 
 
 def num_splits_for(max_ctx: int, num_kv_heads: int, programs: int) -> int:

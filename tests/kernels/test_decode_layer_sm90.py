@@ -52,13 +52,14 @@ SCRIPT = textwrap.dedent('''
     # the launcher's defaults (4 warps, two programs an SM: the item rows above, pipe 3),
     # then one option changed at a time
     for gdc, spin, stamps, pipe in ((0, 1, False, 3), (2, 1, False, 3), (2, 0, False, 3),
-                                    (2, 1, True, 3), (2, 1, False, 0)):
+                                    (2, 1, True, 3), (2, 1, False, 0), (3, 1, False, 3)):
         k = compiled(K, sig, {**const, "USE_GDC": gdc, "SPIN": spin, "STAMPS": stamps,
                               "PIPE": pipe}, attrs=attrs, num_warps=4)
         p = k.asm["ptx"]
         regs, stl = usage(k.asm["cubin"])
         out[f"gdc{gdc}-spin{spin}" + "-stamps" * stamps + f"-pipe{pipe}"] = {
             "wait": "griddepcontrol.wait" in p,
+            "trigger": "griddepcontrol.launch_dependents" in p,
             "v4": "ld.global.v4" in p,
             "spill": "ld.local" in p or "st.local" in p,
             # the arrival (an add whose result is unused: a reduction) and the acquire (an
@@ -77,6 +78,8 @@ def test_the_layer_kernel_compiles_for_sm90():
     res = compile_results(SCRIPT)
     for key, f in res.items():
         assert f["wait"] == (not key.startswith("gdc0")), key
+        # PDL's trigger: at the start (2) or at phase F (3, the late trigger); none when off
+        assert f["trigger"] == (not key.startswith("gdc0")), key
         assert f["clock"] == ("stamps" in key), key
         assert f["v4"] and f["release"] and f["acquire"] and f["volatile"], (key, f)
         assert not f["spill"] and f["stl"] in (0, None), (key, f)
