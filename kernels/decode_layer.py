@@ -49,6 +49,11 @@ memset. Every program must be resident at once: the launcher asks the CUDA drive
 occupancy calculator how many programs of the compiled kernel an SM holds and refuses a
 larger grid (``_occupancy``); the launch is the only kernel of its stream that spins.
 
+With PDL on (``kernels._pdl``), the launch loads its first QKV tile, then waits for the
+kernel before it; it lets the next kernel launch at the start of phase F (``USE_GDC`` 3,
+``LATE_TRIGGER``), not at its own start, so the next kernels' programs are not resident,
+loading their weights, for the whole layer.
+
 Under the CPU interpreter the programs run one after another, so the launcher runs one
 program (``G = 1``): it walks every item of every phase and each barrier returns at once.
 
@@ -87,8 +92,9 @@ MAX_KV_HEADS = 64
 # stages); GRAPHRT_LAYER_PIPE at import (A/B benchmarks)
 PIPE = int(os.environ.get("GRAPHRT_LAYER_PIPE", "3"))
 # with PDL on, let the next kernel launch at the start of phase F (USE_GDC 3) instead of at
-# the start (GRAPHRT_LAYER_LATE_TRIGGER at import, A/B benchmarks)
-LATE_TRIGGER = os.environ.get("GRAPHRT_LAYER_LATE_TRIGGER", "0") != "0"
+# the start: the step with the layer launch 273.8 against 278.7 us (BENCHMARKS.md §40);
+# GRAPHRT_LAYER_LATE_TRIGGER=0 at import: at the start
+LATE_TRIGGER = os.environ.get("GRAPHRT_LAYER_LATE_TRIGGER", "1") != "0"
 MAX_K = 4096  # hidden, q_dim and moe_inter: each phase reduces its K in one round
 NUM_WARPS = 4
 PROGRAMS_PER_SM = 2  # the default grid where the compiled kernel fits that many an SM

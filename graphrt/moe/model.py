@@ -175,7 +175,7 @@ class DecoderLayer:
     # grid barriers between its phases, each phase's first weight tile loaded before its
     # barrier) where the layer fits it (layer_kernel_fits: EP=1 bf16 experts, softmax
     # routing without a logit bias, no shared expert, no EPLB map, dimensions <= 4096; not
-    # inside torch.compile). Off: 1.14x the qwen3-like step at bs 1, slower (its weight
+    # inside torch.compile). Off: 1.12x the qwen3-like step at bs 1, slower (its weight
     # phases read at 2.7-3.6 TB/s, a layer about 54 us against about 50 for the separate
     # launches; BENCHMARKS.md §39-§40). GRAPHRT_LAYER_KERNEL=1 at import (A/B: the
     # layer-kernel switch).

@@ -259,3 +259,19 @@ def test_gpu_grid_that_could_not_be_resident_is_refused(cuda_device):
                          out=torch.empty_like(x), workspace=ws, programs=programs,
                          num_warps=warps, **meta)
     assert not ws.count.any()
+
+
+def test_pdl_trigger_moves_to_phase_f_only_with_pdl_on(monkeypatch):
+    """The launch's PDL keywords: ``USE_GDC`` 3 (let the next kernel launch at phase F,
+    ``kernels._pdl.pdl_late_trigger``) when PDL is on and ``LATE_TRIGGER``; the plain
+    keywords with it off; none at all with PDL off."""
+    import graphrt.kernels.decode_layer as dl
+    on = {"launch_pdl": True, "USE_GDC": 2}
+    monkeypatch.setattr(dl, "pdl_args", lambda: dict(on))
+    monkeypatch.setattr(dl, "LATE_TRIGGER", True)
+    assert dl._pdl_launch() == {"launch_pdl": True, "USE_GDC": 3}
+    monkeypatch.setattr(dl, "LATE_TRIGGER", False)
+    assert dl._pdl_launch() == on
+    monkeypatch.setattr(dl, "pdl_args", lambda: {})
+    monkeypatch.setattr(dl, "LATE_TRIGGER", True)
+    assert dl._pdl_launch() == {}
