@@ -624,6 +624,25 @@ def _occupancy(args: tuple, const: dict, dev: torch.device) -> dict:
     return _RESIDENT[key]
 
 
+def choose_grid(programs: int | None, sms: int, per_sm_of, what: str) -> int:
+    """The launch's grid: ``programs`` when given, else ``PROGRAMS_PER_SM * sms``, else
+    ``sms`` (without programs: 1, the interpreter's). ``per_sm_of(G)`` says how many programs an
+    SM holds at grid ``G`` (``G`` sets the item rows, so the compiled kernel); a grid larger
+    than ``per_sm_of(G) * sms`` could not be resident at once and the grid barrier would spin
+    forever: the default moves to its next grid, a given grid (or the last) raises
+    ``ValueError`` naming the limit and ``what`` (the launch options). Host-only."""
+    grids = [programs] if programs else [PROGRAMS_PER_SM * sms, sms] if sms > 1 else [1]
+    for G in grids:
+        per_sm = per_sm_of(G)
+        if G <= per_sm * sms:
+            return G
+        check(programs is None and G != grids[-1], "programs",
+              f"at most {per_sm * sms} ({per_sm} an SM of {sms}: this configuration's "
+              f"registers and shared memory at {what}): the grid barrier needs every program "
+              f"resident", G)
+    raise AssertionError("unreachable: the last grid returns or raises")
+
+
 def layer_fits(*, hidden, q_dim, inter, head_dim, num_heads, num_kv_heads) -> bool:
     """Whether ``decode_layer`` serves these dimensions (module docstring, Limits)."""
     return (max(hidden, q_dim, inter) <= MAX_K and head_dim >= 16
@@ -650,10 +669,11 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
         num_topk: experts a row picks (softmax top-k, renormalized).
         out: bf16 ``[1, hidden]``, contiguous, not ``x``: ``x + attention + experts``.
         workspace: a ``LayerWorkspace`` of this shape.
-        programs: the grid. Default: ``PROGRAMS_PER_SM`` programs an SM where the compiled
-            kernel fits that many (the driver's occupancy calculator), else one an SM.
-            Every program must be resident at once (the grid barrier): a grid larger than
-            the SMs hold at this configuration raises ``ValueError`` before it launches.
+        programs: the grid (``choose_grid``). Default: ``PROGRAMS_PER_SM`` programs an SM
+            where the compiled kernel fits that many (the driver's occupancy calculator),
+            else one an SM; 1 under the CPU interpreter. Every program must be resident at
+            once (the grid barrier): a grid larger than the SMs hold at this configuration
+            (under the interpreter, more than one) raises ``ValueError`` before it launches.
         spin: how the barrier spins (``_poll``; default 1 on a GPU, 0 in the interpreter).
         pipe: how a phase keeps weights in flight: 0 the next two items' tiles in registers;
             ``N >= 2`` Triton's software pipeline over the items, ``N`` stages through
@@ -722,9 +742,6 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
     if on_gpu:
         from .dense_gemv import num_sms
         sms = num_sms(dev)
-        grids = [programs] if programs else [PROGRAMS_PER_SM * sms, sms]
-    else:
-        grids = [programs or 1]
     max_ctx = block_table.shape[1] * page
     split = triton.cdiv(triton.cdiv(max_ctx, ws.num_splits), BLOCK_N) * BLOCK_N  # as attention
     scale = (1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)) * _LOG2E
@@ -749,7 +766,10 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
         UPCAST=interpreting(), SPIN=(0 if interpreting() else 1) if spin is None else spin,
         STAMPS=stamps is not None, PIPE=PIPE if pipe is None else pipe,
         num_warps=num_warps, **_pdl_launch())
-    for G in grids:
+    occ: dict = {}
+
+    def fits(G: int) -> int:
+        """Programs an SM at grid ``G`` (its item rows set in ``const``)."""
         const.update(
             R_QKV=rows_per_item(wq.shape[0], bk, G, tile=tile),
             R_O=rows_per_item(hidden, bko, G, tile=tile),
@@ -757,23 +777,17 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
             R_13=rows_per_item(inter, bk, G, per_row=2, groups=num_topk, tile=tile),
             R_2=rows_per_item(hidden, bi * triton.next_power_of_2(num_topk), G, tile=tile))
         if not on_gpu:
-            break
-        # every program must be resident at once (the grid barrier): a grid the SMs cannot
-        # hold would spin forever, so it is refused before it launches
-        occ = _occupancy(args, const, dev)
-        per_sm = occ["per_sm"]
-        if G <= per_sm * sms:
-            break
-        check(programs is None, "programs",
-              f"at most {per_sm * sms} ({per_sm} an SM of {sms}: this configuration's "
-              f"registers and shared memory at num_warps={num_warps}, tile={tile}, "
-              f"pipe={const['PIPE']}): the grid barrier needs every program resident", G)
+            return 1  # the interpreter runs one program after another: a grid of one
+        occ.update(_occupancy(args, const, dev))
+        return occ["per_sm"]
+
+    G = choose_grid(programs, sms if on_gpu else 1, fits,
+                    f"num_warps={num_warps}, tile={tile}, pipe={const['PIPE']}")
     if stamps is not None:
         check_tensor(stamps, "stamps", shape=(G, 16), dtype=torch.int64, device=dev,
                      contiguous=True)
     if info is not None:
-        info.update(programs=G, num_warps=num_warps, tile=tile, pipe=const["PIPE"],
-                    **(occ if on_gpu else {}))
+        info.update(programs=G, num_warps=num_warps, tile=tile, pipe=const["PIPE"], **occ)
     _decode_layer_kernel[(G,)](*args, **const)
     return out
 

@@ -275,3 +275,40 @@ def test_pdl_trigger_moves_to_phase_f_only_with_pdl_on(monkeypatch):
     monkeypatch.setattr(dl, "pdl_args", lambda: {})
     monkeypatch.setattr(dl, "LATE_TRIGGER", True)
     assert dl._pdl_launch() == {}
+
+
+def test_grid_choice_follows_the_occupancy():
+    """``choose_grid``: two programs an SM where two fit, else one; a given grid as large as
+    the SMs hold; anything larger (a given grid, or one an SM that does not fit) refused
+    before a launch that would spin forever at its first barrier."""
+    from graphrt.kernels.decode_layer import choose_grid
+    asked = []
+
+    def occupancy(per_sm_at):
+        def per_sm_of(G):
+            asked.append(G)
+            return per_sm_at[G]
+        return per_sm_of
+
+    assert choose_grid(None, 132, occupancy({264: 2}), "opts") == 264
+    assert choose_grid(None, 132, occupancy({264: 1, 132: 1}), "opts") == 132
+    assert asked[-2:] == [264, 132]  # the item rows (so the kernel) change with the grid
+    assert choose_grid(200, 132, occupancy({200: 2}), "opts") == 200
+    with pytest.raises(ValueError, match=r"at most 264 \(2 an SM of 132.*opts.*resident"):
+        choose_grid(300, 132, occupancy({300: 2}), "opts")
+    with pytest.raises(ValueError, match="at most 0"):
+        choose_grid(None, 132, occupancy({264: 0, 132: 0}), "opts")
+    assert choose_grid(None, 1, occupancy({1: 1}), "opts") == 1  # the interpreter
+
+
+def test_interpreter_refuses_a_grid_it_would_run_one_program_at_a_time():
+    """Under the interpreter the programs run one after another: a grid of two would wait at
+    the first barrier forever, so it is refused."""
+    w, caches, x, table, K = _layer("cpu")
+    page = caches[0].shape[1]
+    ws = _workspace(w, caches, K, 2, "cpu")
+    with pytest.raises(ValueError, match="resident"):
+        decode_layer(x, w, k_cache=caches[0], v_cache=caches[1], num_topk=K, eps=1e-6,
+                     out=torch.empty_like(x), workspace=ws, programs=2,
+                     **_inputs(table, page, 20))
+    assert not ws.count.any()
