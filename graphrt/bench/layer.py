@@ -7,7 +7,8 @@ side, and where a layer's time goes.
 
 ``--layers`` layers of a preset's shapes (random weights, each its own, so every launch reads
 its weights from HBM) run chained in one CUDA graph, one row, context ``--ctx``; a variant is
-the launcher's defaults or some of its options (``programs``, ``warps``, ``tile``, ``pipe``). Reported per variant: µs for the layers (median of 5 timings of ``--iters``
+the launcher's defaults or some of its options (``programs``, ``warps``, ``tile``,
+``pipe``). Reported per variant: µs for the layers (median of 5 timings of ``--iters``
 replays), µs a layer, the grid and its occupancy (programs an SM, registers, spills, shared
 memory), and the last layer's output against the first variant's (relative norm: the
 options change only summation orders). With ``--stamps``, one more eager run with the
@@ -114,7 +115,8 @@ def bench(cfg, variants: list[str], *, n_layers: int, ctx: int, iters: int, stam
     """``{"schema", "device", "config", "layers", "ctx", "results": [per variant: {"variant",
     "us", "us_layer", "rel_vs_first", "launch": decode_layer's info, "phases"?}]}``."""
     from graphrt.bench.timing import cuda_time_us
-    from graphrt.kernels.decode_layer import LayerWorkspace, decode_layer, num_programs, num_splits_for
+    from graphrt.kernels.decode_layer import (LayerWorkspace, decode_layer, num_programs,
+                                              num_splits_for)
     dev = torch.device("cuda", torch.cuda.current_device())
     weights, caches, x, inputs = _layers(cfg, n_layers, ctx, dev, seed)
     ws = LayerWorkspace(hidden=cfg.hidden, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
@@ -184,7 +186,8 @@ def markdown(doc: dict) -> str:
     """The variants as a table, then each variant's phases (where stamped)."""
     lines = [f"Device {doc['device']}, {doc['config']}, {doc['layers']} layers chained in one "
              f"CUDA graph, one row, context {doc['ctx']}.", "",
-             "| variant | µs | µs a layer | output vs the first | launch |", "|---|---|---|---|---|"]
+             "| variant | µs | µs a layer | output vs the first | launch |",
+             "|---|---|---|---|---|"]
     lines += [_row(r) for r in doc["results"]]
     for r in doc["results"]:
         ph = r.get("phases")
@@ -208,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="qwen3-moe-like", choices=sorted(PRESETS))
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--ctx", type=int, default=1024, help="positions of the row (the new one included)")
+    p.add_argument("--ctx", type=int, default=1024,
+                   help="positions of the row (the new one included)")
     p.add_argument("--variant", action="append",
                    help="'default' or key=int,... of programs, warps, tile, pipe "
                         "(repeat; default: just 'default')")
@@ -216,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stamps", action="store_true", help="also each variant's phases")
     p.add_argument("--clock-mhz", type=float, default=1980.0,
                    help="SM clock the stamps' cycles divide by (an H200's boost clock)")
-    p.add_argument("--out", required=True, help="JSON results path (the table goes to .md beside it)")
+    p.add_argument("--out", required=True,
+                   help="JSON results path (the table goes to .md beside it)")
     a = p.parse_args(argv)
     variants = a.variant or ["default"]
     why = None
