@@ -265,9 +265,11 @@ def test_layer_bench_phases_from_stamps():
         st[p, 14] = t + work
     st[1, 12] = st[1, 3] + 700  # program 1 holds an attention item and merges
     st[1, 13] = st[1, 12] + 300
-    ph = _phases(st, 1000.0)
+    ph = _phases(st, 1000.0, {"norm + QKV": 3_000_000})
     # torch.median: the lower of the two middle values
-    assert ph["norm + QKV"] == {"median_us": 1.0, "max_us": 1.5, "barrier_us": 0.1}
+    assert ph["norm + QKV"] == {"median_us": 1.0, "max_us": 1.5, "barrier_us": 0.1,
+                                "gbs": 2000.0}  # 3 MB in the slowest program's 1.5 us
+    assert "gbs" not in ph["attention"]
     # phase 2 starts when each program leaves barrier 1: 1.5 (program 0) and 1.6 (program 1)
     assert ph["attention"]["max_us"] == 1.5 and ph["attention"]["item_max_us"] == 0.7
     assert ph["attention"]["merge_max_us"] == 0.3
@@ -284,6 +286,17 @@ def test_layer_bench_phases_from_stamps():
     assert "| default | 200.0 | 50.0 | 0.0e+00 | 264 (2 an SM), 4 warps" in md
     assert "| programs=999 | refused |" in md
     assert all(f"| {name}" in md for name in PHASES)
+    assert "| norm + QKV | 1.0 | 1.5 | 0.1 | 2000.0 |" in md
+
+
+def test_layer_bench_phase_bytes_are_the_weights_a_row_reads():
+    from graphrt.bench.layer import phase_bytes
+    from graphrt.moe import preset
+    b = phase_bytes(preset("qwen3-moe-like", layers=4, experts=64))
+    mib = {k: v / 2 ** 20 for k, v in b.items()}
+    # BENCHMARKS.md §39-§40's per-phase bytes: QKV 20, wo 16, W13 48, W2 24 MiB; gate 256 KB
+    assert mib == {"norm + QKV": 20.0, "o-projection": 16.0, "norm + gate": 0.25,
+                   "top-k + W13": 48.0, "W2 + combine": 24.0}
 
 
 def test_layer_bench_refuses_what_it_cannot_run(capsys):

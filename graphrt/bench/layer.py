@@ -15,7 +15,8 @@ options change only summation orders). With ``--stamps``, one more eager run wit
 launch's cycle counters gives layer 1's phases: for each phase the median and the slowest
 program's time from leaving the previous barrier to arriving at the next, and the shortest
 wait at the barrier (the last arriver's), in µs at ``--clock-mhz``; for attention also the
-slowest item's time to its partial stores and a merge's time after them.
+slowest item's time to its partial stores and a merge's time after them, and for the weight
+phases the rate of their bytes over the slowest program's time (``phase_bytes``).
 
 Tooling: synchronizes the device; nothing here runs inside a step.
 """
@@ -85,8 +86,21 @@ def _layers(cfg, n_layers: int, ctx: int, dev, seed: int):
     return weights, caches, x, inputs
 
 
-def _phases(st: torch.Tensor, clock_mhz: float) -> dict:
-    """Layer phases from one launch's stamps ``[G, 16]`` (``decode_layer``'s ``stamps``)."""
+def phase_bytes(cfg) -> dict:
+    """Weight bytes each phase of one layer reads at one row (bf16): QKV, the o-projection,
+    the gate, and the ``num_topk`` picked experts' W13 and W2 (one row's picks are distinct
+    experts)."""
+    h, d, inter, k = cfg.hidden, cfg.head_dim, cfg.moe_inter, cfg.num_topk
+    q_dim = cfg.num_heads * d
+    return {"norm + QKV": (q_dim + 2 * cfg.num_kv_heads * d) * h * 2,
+            "o-projection": h * q_dim * 2, "norm + gate": cfg.num_experts * h * 2,
+            "top-k + W13": k * 2 * inter * h * 2, "W2 + combine": k * h * inter * 2}
+
+
+def _phases(st: torch.Tensor, clock_mhz: float, nbytes: dict | None = None) -> dict:
+    """Layer phases from one launch's stamps ``[G, 16]`` (``decode_layer``'s ``stamps``);
+    with ``nbytes`` (``phase_bytes``), each weight phase's rate over its slowest program's
+    time (``gbs``)."""
     st = st.cpu()
     t = st.double() / clock_mhz  # µs
     out, prev = {}, t[:, 0]
@@ -98,6 +112,8 @@ def _phases(st: torch.Tensor, clock_mhz: float) -> dict:
             lv = t[:, 2 * b + 1]
             row["barrier_us"] = round(float((lv - arr).min()), 2)
             prev = lv
+        if nbytes and name in nbytes and work.max() > 0:
+            row["gbs"] = round(nbytes[name] / float(work.max()) / 1e3, 1)
         out[name] = row
     items = st[:, 12] > 0
     if items.any():
@@ -164,7 +180,7 @@ def bench(cfg, variants: list[str], *, n_layers: int, ctx: int, iters: int, stam
             for _ in range(2):
                 run(st, kw)
             torch.cuda.synchronize()
-            res["phases"] = _phases(st[min(1, n_layers - 1)], clock_mhz)
+            res["phases"] = _phases(st[min(1, n_layers - 1)], clock_mhz, phase_bytes(cfg))
         doc["results"].append(res)
         log(_row(res))
         del graph
@@ -195,12 +211,13 @@ def markdown(doc: dict) -> str:
             continue
         lines += ["", f"{r['variant']}: layer 1 {ph['layer_us']} µs (stamps at "
                       f"{doc['clock_mhz']:.0f} MHz)", "",
-                  "| phase | median µs | slowest µs | barrier µs |", "|---|---|---|---|"]
+                  "| phase | median µs | slowest µs | barrier µs | GB/s (slowest) |",
+                  "|---|---|---|---|---|"]
         for name in PHASES:
             p = ph[name]
             extra = "".join(f", {k} {p[k]}" for k in ("item_max_us", "merge_max_us") if k in p)
             lines.append(f"| {name}{extra} | {p['median_us']} | {p['max_us']} | "
-                         f"{p.get('barrier_us', '')} |")
+                         f"{p.get('barrier_us', '')} | {p.get('gbs', '')} |")
     return "\n".join(lines) + "\n"
 
 
