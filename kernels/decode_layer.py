@@ -353,6 +353,7 @@ def _decode_layer_kernel(
             _qkv_item(wt, it, h, qkv_ptr, k_cache_ptr, v_cache_ptr, offs_ra, q_dim, kv_dim,
                       n_qkv, slot_base, slot_ok, stride_ch, HEAD_DIM, R_QKV)
     _arrive(count_ptr, stamps_ptr, 1, STAMPS)
+    # B's item bounds (inputs only: read before the wait)
     ctx = tl.minimum(tl.load(seq_len_ptr), max_ctx)
     ctx = tl.where(live, ctx, 0)
     num_live = tl.cdiv(tl.maximum(ctx, 0), split_size)
@@ -631,16 +632,15 @@ def choose_grid(programs: int | None, sms: int, per_sm_of, what: str) -> int:
     than ``per_sm_of(G) * sms`` could not be resident at once and the grid barrier would spin
     forever: the default moves to its next grid, a given grid (or the last) raises
     ``ValueError`` naming the limit and ``what`` (the launch options). Host-only."""
-    grids = [programs] if programs else [PROGRAMS_PER_SM * sms, sms] if sms > 1 else [1]
-    for G in grids:
-        per_sm = per_sm_of(G)
-        if G <= per_sm * sms:
-            return G
-        check(programs is None and G != grids[-1], "programs",
-              f"at most {per_sm * sms} ({per_sm} an SM of {sms}: this configuration's "
-              f"registers and shared memory at {what}): the grid barrier needs every program "
-              f"resident", G)
-    raise AssertionError("unreachable: the last grid returns or raises")
+    *fallbacks, G = [programs] if programs else [PROGRAMS_PER_SM * sms, sms] if sms > 1 else [1]
+    for grid in fallbacks:
+        if grid <= per_sm_of(grid) * sms:
+            return grid
+    per_sm = per_sm_of(G)
+    check(G <= per_sm * sms, "programs",
+          f"at most {per_sm * sms} ({per_sm} an SM of {sms}: this configuration's registers and "
+          f"shared memory at {what}): the grid barrier needs every program resident", G)
+    return G
 
 
 def layer_fits(*, hidden, q_dim, inter, head_dim, num_heads, num_kv_heads) -> bool:

@@ -58,11 +58,13 @@ def _layers(cfg, n_layers: int, ctx: int, dev, seed: int):
     """``(weights per layer, caches per layer, x, inputs)``: random bf16 weights scaled by
     fan-in, random caches, one row at position ``ctx - 1`` of a shuffled block table."""
     from graphrt.kernels.decode_layer import LayerWeights
+    from graphrt.moe.layers import _randn
+    from graphrt.moe.paged_kv import slot_of
     g = torch.Generator(device=dev).manual_seed(seed)
     bf = torch.bfloat16
 
     def rnd(*shape, fan_in):
-        return (torch.randn(*shape, generator=g, device=dev) * fan_in ** -0.5).to(bf)
+        return _randn(g, dev, bf, *shape, fan_in=fan_in)
 
     h, d, kvh, E, inter = cfg.hidden, cfg.head_dim, cfg.num_kv_heads, cfg.num_experts, cfg.moe_inter
     q_dim, page, blocks = cfg.num_heads * d, cfg.block_size, cfg.max_blocks_per_seq
@@ -77,10 +79,10 @@ def _layers(cfg, n_layers: int, ctx: int, dev, seed: int):
         caches.append([torch.randn(blocks + 1, page, kvh, d, generator=g, device=dev).to(bf)
                        for _ in range(2)])
     table = torch.randperm(blocks + 1, generator=g, device=dev)[:blocks].to(torch.int32)[None]
-    slot = int(table[0, (ctx - 1) // page]) * page + (ctx - 1) % page
+    pos = torch.tensor([ctx - 1], device=dev)
     inputs = dict(block_table=table.contiguous(),
                   seq_lens=torch.tensor([ctx], dtype=torch.int32, device=dev),
-                  slot_mapping=torch.tensor([slot], dtype=torch.int64, device=dev),
+                  slot_mapping=slot_of(table, pos, page),
                   n=torch.ones(1, dtype=torch.int32, device=dev))
     x = torch.randn(1, h, generator=g, device=dev).to(bf)
     return weights, caches, x, inputs
@@ -131,15 +133,11 @@ def bench(cfg, variants: list[str], *, n_layers: int, ctx: int, iters: int, stam
     """``{"schema", "device", "config", "layers", "ctx", "results": [per variant: {"variant",
     "us", "us_layer", "rel_vs_first", "launch": decode_layer's info, "phases"?}]}``."""
     from graphrt.bench.timing import cuda_time_us
-    from graphrt.kernels.decode_layer import (LayerWorkspace, decode_layer, num_programs,
-                                              num_splits_for)
+    from graphrt.kernels.decode_layer import decode_layer
+    from graphrt.moe.model import layer_workspace
     dev = torch.device("cuda", torch.cuda.current_device())
     weights, caches, x, inputs = _layers(cfg, n_layers, ctx, dev, seed)
-    ws = LayerWorkspace(hidden=cfg.hidden, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                        head_dim=cfg.head_dim, num_experts=cfg.num_experts, num_topk=cfg.num_topk,
-                        inter=cfg.moe_inter, device=dev,
-                        num_splits=num_splits_for(cfg.max_blocks_per_seq * cfg.block_size,
-                                                  cfg.num_kv_heads, num_programs(dev)))
+    ws = layer_workspace(cfg, dev)
     xs = [x] + [torch.empty_like(x) for _ in range(n_layers)]
     doc = {"schema": SCHEMA, "device": torch.cuda.get_device_name(dev), "config": cfg.name,
            "layers": n_layers, "ctx": ctx, "clock_mhz": clock_mhz, "results": []}

@@ -347,15 +347,7 @@ class MoEModel:
         fit = [l for l in self.layers if l.layer_kernel_fits()]
         if not fit:
             return
-        from graphrt.kernels.decode_layer import LayerWorkspace, num_programs, num_splits_for
-        cfg = self.cfg
-        max_ctx = cfg.max_blocks_per_seq * cfg.block_size
-        ws = LayerWorkspace(hidden=cfg.hidden, num_heads=cfg.num_heads,
-                            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                            num_experts=cfg.num_experts, num_topk=cfg.num_topk,
-                            inter=cfg.moe_inter, device=self.device,
-                            num_splits=num_splits_for(max_ctx, cfg.num_kv_heads,
-                                                      num_programs(self.device)))
+        ws = layer_workspace(self.cfg, self.device)
         for layer in fit:
             layer.layer_ws = ws
 
@@ -470,6 +462,19 @@ class MoEModel:
         return StepSpec(self.step, inputs, max_batch_size, name=f"{cfg.name}-{cfg.num_layers}L",
                         live_count="n", example_inputs=self.example_inputs, state=state,
                         before_replay=self.prepare if self._plan is not None else None)
+
+
+def layer_workspace(cfg, device):
+    """A ``kernels.decode_layer.LayerWorkspace`` for ``cfg``'s layers on ``device``: its
+    attention splits for the block table's reach (``num_splits_for``). Allocates."""
+    from graphrt.kernels.decode_layer import LayerWorkspace, num_programs, num_splits_for
+    max_ctx = cfg.max_blocks_per_seq * cfg.block_size
+    return LayerWorkspace(hidden=cfg.hidden, num_heads=cfg.num_heads,
+                          num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                          num_experts=cfg.num_experts, num_topk=cfg.num_topk,
+                          inter=cfg.moe_inter, device=device,
+                          num_splits=num_splits_for(max_ctx, cfg.num_kv_heads,
+                                                    num_programs(device)))
 
 
 def _make_plan(expert_plan, backend: str):
