@@ -62,10 +62,33 @@ class CapturedGraph:
     pool_bytes: int
     keepalive: tuple = ()
     table: Any = None  # graphrt.staging_table.StagingTable its first kernel stages through
+    output_copies: int | None = None  # outputs the graph copies into ``outputs`` at its end
 
     @property
     def layout(self) -> OutputLayout:
         return self.signature.layout
+
+
+def write_outputs(dst: list[torch.Tensor], flat: list[torch.Tensor], names, where: str,
+                  size: int) -> int:
+    """Put a step's outputs ``flat`` into their static buffers ``dst`` (same order; ``names``
+    for errors): a copy each, except where the step already wrote its output into the buffer
+    and returned it (``StepSpec.out``: the same memory, shape, strides and dtype). Returns the
+    copies made. A shape other than the buffer's raises ``InputError``. Capturable: under
+    capture each copy is a node of the graph."""
+    copies = 0
+    for i, (d, s) in enumerate(zip(dst, flat)):
+        if s.shape != d.shape:
+            raise InputError(f"{where} output {names[i]!r}: shape {tuple(s.shape)} at batch "
+                             f"{size} under capture, {tuple(d.shape)} during warm-up")
+        if (s.data_ptr() == d.data_ptr() and s.stride() == d.stride() and s.dtype == d.dtype
+                and s.device == d.device):
+            continue  # written in place by the step
+        if s.untyped_storage().data_ptr() == d.untyped_storage().data_ptr():
+            s = s.clone()  # another view of the buffer itself: copy from a copy
+        d.copy_(s)
+        copies += 1
+    return copies
 
 
 class CaptureWarning(UserWarning):
@@ -191,7 +214,22 @@ class CaptureManager:
             raise GraphSafetyError(self.report.errors, self.spec.name)
         if outs:
             self._set_signature(outs, stream)
+            if self.spec.out is not None:  # the step's writes into the buffers, warmed once
+                ok = [size for size in ok if self._warm_into_buffers(size, stream)]
+                torch.cuda.synchronize(self.device)
         return ok
+
+    def _warm_into_buffers(self, size: int, stream) -> bool:
+        """One warm-up at ``size`` handing the static outputs as ``StepSpec.out``; whether the
+        size goes on (as a warm-up failure otherwise)."""
+        try:
+            self._warm(size, stream, into_buffers=True)
+            mine = True
+        except Exception as exc:  # noqa: BLE001 - recorded (strict: raised) by _fail
+            self._fail(size, f"warm-up into the output buffers raised {type(exc).__name__}: "
+                             f"{exc}", exc=exc)
+            mine = False
+        return self._agree(size, mine, "warm-up")
 
     def _agree(self, size: int, mine: bool, what: str) -> bool:
         """Whether ``size`` goes on: ``mine`` on this rank and, with a coordinator, on every
@@ -223,13 +261,18 @@ class CaptureManager:
             return False
         return True
 
-    def _warm(self, size: int, stream) -> Any:
+    def _warm(self, size: int, stream, into_buffers: bool = False) -> Any:
+        """Run the step ``warmup_iters`` times at ``size`` (once ``into_buffers``: with the
+        static outputs as ``StepSpec.out``, which exist only after the first warm-ups)."""
         views = self.stager.views(size)
+        buffers = None
+        if into_buffers:
+            buffers = self._out_buffers(self._static_views(size))
         with torch.cuda.stream(stream):
             self.stager.n_dev.fill_(size)
             self._before_replay(size, size)
-            for _ in range(self.warmup_iters):
-                out = self.spec.call(views, self.stager.n_dev)
+            for _ in range(1 if into_buffers else self.warmup_iters):
+                out = self.spec.call(views, self.stager.n_dev, buffers)
         return out
 
     def _before_replay(self, padded_bs: int, n: int) -> None:
@@ -260,7 +303,7 @@ class CaptureManager:
         before = torch.cuda.memory_reserved(self.device)
         t0 = time.perf_counter()
         graph, planned = _new_graph(planned)
-        outs = [o if r == "fixed" else o[:size] for o, r in zip(self.static_outputs, self.signature.rows)]
+        outs = self._static_views(size)
         self.stager.n_dev.fill_(size)
         self._before_replay(size, size)
         with ReceiverLedger() as ledger:
@@ -268,15 +311,14 @@ class CaptureManager:
                 if table is not None:
                     table.record(staging_table.graph_bytes(self.stager, table, size))
                 graph_staging.record(planned, torch.cuda.current_stream(self.device))
-                _, flat = OutputLayout.flatten(self.spec.call(views, self.stager.n_dev), self.spec.name)
+                _, flat = OutputLayout.flatten(
+                    self.spec.call(views, self.stager.n_dev, self._out_buffers(outs)),
+                    self.spec.name)
                 # Every graph writes the same static outputs: the step's own output tensors
-                # die with the capture and their pool memory serves the next (smaller) graph.
-                for i, (dst, src) in enumerate(zip(outs, flat)):
-                    if src.shape != dst.shape:
-                        raise InputError(f"{self.spec.name} output {self.signature.layout.names[i]!r}: "
-                                         f"shape {tuple(src.shape)} at batch {size} under capture, "
-                                         f"{tuple(dst.shape)} during warm-up")
-                    dst.copy_(src)
+                # die with the capture and their pool memory serves the next (smaller) graph
+                # (none where the step wrote into the buffers: StepSpec.out).
+                copies = write_outputs(outs, flat, self.signature.layout.names, self.spec.name,
+                                       size)
                 del flat
         torch.cuda.synchronize(self.device)
         capture_s = time.perf_counter() - t0
@@ -290,7 +332,17 @@ class CaptureManager:
         if table is not None:
             self.stager.graph_nodes[size] = staging_table.TableGraph(table)
             keep += table.keepalive()
-        return CapturedGraph(size, graph, self.signature, outs, capture_s, pool_bytes, keep, table)
+        return CapturedGraph(size, graph, self.signature, outs, capture_s, pool_bytes, keep, table,
+                             output_copies=copies)
+
+    def _static_views(self, size: int) -> list[torch.Tensor]:
+        """The static outputs as graph ``size`` writes them (batch-major ones ``[:size]``)."""
+        return [o if r == "fixed" else o[:size]
+                for o, r in zip(self.static_outputs, self.signature.rows)]
+
+    def _out_buffers(self, outs: list[torch.Tensor]) -> Any:
+        """The static outputs in the step's layout for ``StepSpec.out``, else None."""
+        return self.signature.layout.build(outs) if self.spec.out is not None else None
 
     def _fail(self, size: int, reason: str, findings: list[Finding] | None = None,
               exc: BaseException | None = None) -> None:

@@ -197,6 +197,14 @@ class StepSpec:
         outputs: optional ``{key: "batch" | "fixed"}`` (dict keys or tuple indices; ``0`` for
             a single tensor). Undeclared outputs are inferred by comparing two batch sizes;
             a declaration the step does not follow is an ``InputError`` naming the shapes.
+        out: when set (e.g. ``"out"``), ``fn`` also receives that keyword: ``None`` on eager
+            calls and the first warm-ups (``fn`` allocates its outputs as usual), and, when a
+            graph is captured (and in one warm-up before it), graphrt's static output
+            buffers in the step's own layout (a dict, tuple or tensor; batch-major ones
+            ``[padded_bs, ...]``). An output that ``fn`` writes into its buffer and returns
+            (the same memory, shape, strides and dtype) needs no copy in the graph; any other
+            is copied into the buffer at the graph's end, as without ``out``. ``fn`` must not
+            read a buffer before writing it (it holds the last replay's values).
         state: the persistent device tensors the step writes (KV caches, in-graph counters),
             a sequence or a callable returning one. ``capture()`` and ``check_replay()`` put
             them back as they found them, and the check compares graph and eager from the
@@ -217,6 +225,7 @@ class StepSpec:
     name: str | None = None
     live_count: str | None = None
     outputs: Mapping[Any, str] | None = None
+    out: str | None = None
     state: Any = None
     example_inputs: Callable[..., Mapping[str, torch.Tensor]] | None = None
     before_replay: Callable[[int, int], None] | None = None
@@ -250,6 +259,13 @@ class StepSpec:
                 raise InputError(f"StepSpec.live_count must be a keyword name like 'n'; got {self.live_count!r}")
             if self.live_count in self.inputs:
                 raise InputError(f"StepSpec.live_count {self.live_count!r} collides with an input name")
+        if self.out is not None:
+            if not isinstance(self.out, str) or not self.out.isidentifier() \
+                    or keyword.iskeyword(self.out):
+                raise InputError(f"StepSpec.out must be a keyword name like 'out'; got {self.out!r}")
+            if self.out in self.inputs or self.out == self.live_count:
+                raise InputError(f"StepSpec.out {self.out!r} collides with an input name or "
+                                 "live_count: fn receives each as its own keyword")
         if self.outputs is not None:
             bad = {k: v for k, v in dict(self.outputs).items() if v not in OUTPUT_ROWS}
             if bad:
@@ -341,12 +357,18 @@ class StepSpec:
         return layout.build([t[:n] if rows[key] == "batch" else t
                              for key, t in zip(layout.keys or (0,), flat)])
 
-    def call(self, inputs: Mapping[str, torch.Tensor], n: torch.Tensor | None = None) -> Any:
-        """Run ``fn`` eagerly on ``inputs`` (passing the live count when the spec wants it)."""
+    def call(self, inputs: Mapping[str, torch.Tensor], n: torch.Tensor | None = None,
+             out: Any = None) -> Any:
+        """Run ``fn`` eagerly on ``inputs`` (passing the live count when the spec wants it,
+        and ``out``, the output buffers or ``None``, when it takes ``out``)."""
         kwargs = dict(inputs)
         if self.live_count is not None:
             if n is None:
                 device = next(iter(inputs.values())).device
                 n = self.live_count_tensor(self.batch_of(inputs), device)
             kwargs[self.live_count] = n
+        if self.out is not None:
+            kwargs[self.out] = out
+        elif out is not None:
+            raise InputError(f"{self.name}: output buffers given but StepSpec.out is not set")
         return self.fn(**kwargs)

@@ -350,18 +350,20 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
     return out
 
 
-def dense_gemv_auto(x: torch.Tensor, w: torch.Tensor, *, preload: bool = False) -> torch.Tensor:
+def dense_gemv_auto(x: torch.Tensor, w: torch.Tensor, *, preload: bool = False,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T`` through :func:`dense_gemv_rows` where :func:`rows_path` says so
     (``preload`` passed on), else :func:`dense_gemv` with ``dense_gemv_config``'s pick,
-    allocating ``out`` (and the split-K workspace) with ``torch.empty``: for a step's
-    intermediates, which a captured graph allocates from its pool. Shapes as
-    :func:`dense_gemv`.
+    into ``out`` when given (bf16 ``[m, n]``, contiguous), else allocating it (and the
+    split-K workspace) with ``torch.empty``: for a step's intermediates, which a captured
+    graph allocates from its pool. Shapes as :func:`dense_gemv`.
 
     Graph safety: capturable
     """
     m, k = x.shape
     n = w.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if rows_path(m, n):
         return dense_gemv_rows(x, w, out=out, preload=preload)
     cfg = dense_gemv_config(m, n, k, num_sms(x.device))

@@ -224,11 +224,12 @@ def semaphore_for(w: torch.Tensor) -> torch.Tensor:
     return sem
 
 
-def dense_mma_auto(x: torch.Tensor, w: torch.Tensor, *, preload: bool = False) -> torch.Tensor:
+def dense_mma_auto(x: torch.Tensor, w: torch.Tensor, *, preload: bool = False,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T`` through :func:`dense_mma` with ``dense_mma_config``'s pick (and
-    ``preload``), allocating
-    ``out`` (and the split-K workspace) with ``torch.empty``, for a step's intermediates,
-    which a captured graph allocates from its pool; the semaphore from :func:`semaphore_for`.
+    ``preload``), into ``out`` when given (bf16 ``[m, n]``, contiguous), else allocating it
+    (and the split-K workspace) with ``torch.empty``, for a step's intermediates, which a
+    captured graph allocates from its pool; the semaphore from :func:`semaphore_for`.
     Shapes as :func:`dense_mma`.
 
     Graph safety: capturable
@@ -236,7 +237,8 @@ def dense_mma_auto(x: torch.Tensor, w: torch.Tensor, *, preload: bool = False) -
     from .dense_gemv import num_sms
     m, k = x.shape
     n = w.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     cfg = dense_mma_config(m, n, k, num_sms(x.device))
     ws = sem = None
     if cfg["split_k"] > 1:

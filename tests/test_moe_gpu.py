@@ -42,6 +42,14 @@ def test_replay_matches_eager_every_size(built):
     assert exact and all(c.max_abs_err == 0.0 for c in exact)
 
 
+def test_graphs_write_their_logits_in_place(built):
+    """StepSpec.out: the LM head writes graphrt's static output, so no graph copies an
+    output (the replay-vs-eager check above covers the values)."""
+    spec, _, rt = built
+    assert spec.out == "out"
+    assert {g.output_copies for g in rt.graphs.values()} == {0}
+
+
 def test_padded_rows_create_no_expert_work(built):
     spec, model, rt = built
     g = torch.Generator().manual_seed(3)

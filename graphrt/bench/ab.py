@@ -75,6 +75,9 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
 - ``attn-fused``: decode attention as one launch whose last program of each (row, kv
   head) merges (``Attention.variant = "fused"``) instead of ``"auto"`` (split + merge past
   one pass);
+- ``out-buffers``: the step writes its logits into graphrt's static outputs
+  (``MoEModel.out_buffers``, ``StepSpec.out``) instead of each graph copying them there at
+  its end;
 - ``expert-rows``: the expert plan's choices as measured, the CUDA-core rows kernel included
   (``kernels.grouped_gemv_rows``), against the fastest other kernel of each entry
   (``ExpertPlan.exclude``).
@@ -164,6 +167,8 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
                                                   on),
             "layer-kernel": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
                                                    "layer_kernel", on),
+            "out-buffers": lambda on: _class_attr("graphrt.moe.model", "MoEModel",
+                                                  "out_buffers", on),
             "router-fused": lambda on: _class_attr("graphrt.moe.layers", "Router", "fused", on),
             "act-epilogue": lambda on: _class_attr("graphrt.moe.experts", "Experts",
                                                    "act_epilogue", on),

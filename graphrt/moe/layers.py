@@ -118,8 +118,9 @@ def dense_path(x: torch.Tensor, w: torch.Tensor) -> str:
     return "gemv" if dense_gemv.rows_path(rows, w.shape[0]) else "torch"
 
 
-def dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.t()``: x ``[bs, in]``, w ``[out, in]`` (row-major weights) -> ``[bs, out]``.
+def dense(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.t()``: x ``[bs, in]``, w ``[out, in]`` (row-major weights) -> ``[bs, out]``,
+    into ``out`` when given (``[bs, out]`` of x's dtype, contiguous), else a new tensor.
     The path :func:`dense_path` picks (by default the rows GEMV for one row,
     ``graphrt.kernels.dense_mma`` for 2-16, cuBLAS beyond), each reading w once. A graph
     bakes the path: set ``GRAPHRT_DENSE`` / ``GRAPHRT_DENSE_MMA`` before import (or
@@ -129,11 +130,11 @@ def dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     path = dense_path(x, w)
     if path == "gemv":
         from graphrt.kernels.dense_gemv import dense_gemv_auto
-        return dense_gemv_auto(x, w, preload=PRELOAD)
+        return dense_gemv_auto(x, w, preload=PRELOAD, out=out)
     if path == "mma":
         from graphrt.kernels.dense_mma import dense_mma_auto
-        return dense_mma_auto(x, w, preload=MMA_PRELOAD)
-    return x @ w.t()
+        return dense_mma_auto(x, w, preload=MMA_PRELOAD, out=out)
+    return x @ w.t() if out is None else torch.mm(x, w.t(), out=out)
 
 
 class PendingNorm:
@@ -186,12 +187,14 @@ def gate_norm_fusable(x: torch.Tensor, w: torch.Tensor) -> bool:
             and w.shape[0] <= GATE_MAX_N and x.shape[1] <= norm_gemv.MAX_K)
 
 
-def dense_normed(p: PendingNorm, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def dense_normed(p: PendingNorm, w: torch.Tensor,
+                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(normed @ w.t(), residual)`` of a ``PendingNorm``: one launch
     (``graphrt.kernels.norm_gemv``) where ``norm_fusable``, else ``add_rmsnorm`` then
-    :func:`dense`. Graph safety: capturable"""
-    out, residual, _ = _dense_normed(p, w, keep_normed=False)
-    return out, residual
+    :func:`dense`; the product into ``out`` when given (as :func:`dense`).
+    Graph safety: capturable"""
+    y, residual, _ = _dense_normed(p, w, keep_normed=False, out=out)
+    return y, residual
 
 
 def dense_normed_keep(p: PendingNorm, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -201,12 +204,14 @@ def dense_normed_keep(p: PendingNorm, w: torch.Tensor) -> tuple[torch.Tensor, ..
     return _dense_normed(p, w, keep_normed=True, fusable=gate_norm_fusable)
 
 
-def _dense_normed(p: PendingNorm, w: torch.Tensor, *, keep_normed: bool, fusable=None):
+def _dense_normed(p: PendingNorm, w: torch.Tensor, *, keep_normed: bool, fusable=None,
+                  out: torch.Tensor | None = None):
     if not (fusable or norm_fusable)(p.x, w):
         residual, h = p.materialize()
-        return dense(h, w), residual, h
+        return dense(h, w, out=out), residual, h
     from graphrt.kernels.norm_gemv import norm_gemv_rows
-    out = torch.empty(p.x.shape[0], w.shape[0], dtype=p.x.dtype, device=p.x.device)
+    if out is None:
+        out = torch.empty(p.x.shape[0], w.shape[0], dtype=p.x.dtype, device=p.x.device)
     res = torch.empty_like(p.x) if p.deltas else None
     h = torch.empty_like(p.x) if keep_normed else None
     combine, tensors = _take_combine(p.deltas)

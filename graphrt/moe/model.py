@@ -299,6 +299,10 @@ class MoEModel:
     # bs 1 / 16 (BENCHMARKS.md §25). GRAPHRT_EMBED_KERNEL=0 at import turns it off (A/B: the
     # embed-kernel switch).
     embed_kernel = env_flag("GRAPHRT_EMBED_KERNEL", True)
+    # The spec hands the step graphrt's static outputs (StepSpec.out): the LM head writes the
+    # logits there and the graph copies no output. GRAPHRT_OUT_BUFFERS=0 at import: the step
+    # allocates its logits and each graph copies them at its end (A/B: the out-buffers switch).
+    out_buffers = env_flag("GRAPHRT_OUT_BUFFERS", True)
 
     def __init__(self, cfg: MoEConfig, device, *, comm: EPComm | None = None, overlap: bool = True,
                  backend: str = "auto", fp8: bool = False, seed: int = 0, expert_plan=None,
@@ -398,8 +402,10 @@ class MoEModel:
         for layer in self.layers:
             layer.moe.overlap = on
 
-    def step(self, tokens, positions, slot_mapping, block_table, seq_lens, n) -> dict:
-        """One decode token per row -> ``{"logits": [bs, vocab_size] bf16}``.
+    def step(self, tokens, positions, slot_mapping, block_table, seq_lens, n, out=None) -> dict:
+        """One decode token per row -> ``{"logits": [bs, vocab_size] bf16}``, the logits
+        written into ``out["logits"]`` when given (graphrt's static output under capture,
+        ``StepSpec.out``: the graph then copies no output).
 
         tokens int64 ``[bs]``; positions int32 ``[bs]`` (taken as engines pass it; this GQA
         stand-in has no RoPE, so the math does not read it); slot_mapping int64 ``[bs]``,
@@ -422,9 +428,10 @@ class MoEModel:
         self.comm.end_step()
         if self.expert_map is not None:
             self.expert_map.advance()
+        logits = None if out is None else out["logits"]
         if isinstance(h, PendingNorm):                                     # fuse_final_norm
-            return {"logits": dense_normed(h, self.lm_head)[0]}
-        return {"logits": dense(h, self.lm_head)}                          # h: final-normed x
+            return {"logits": dense_normed(h, self.lm_head, out=logits)[0]}
+        return {"logits": dense(h, self.lm_head, out=logits)}              # h: final-normed x
 
     def weight_bytes(self, bs: int | None = None) -> dict:
         """Bytes a step must read: expert weights (all local experts), dense weights."""
@@ -460,7 +467,9 @@ class MoEModel:
         # The EPLB counters and tick are state: checks compare graph and eager from the same.
         state = None if self.expert_map is None else self.expert_map.state()
         return StepSpec(self.step, inputs, max_batch_size, name=f"{cfg.name}-{cfg.num_layers}L",
-                        live_count="n", example_inputs=self.example_inputs, state=state,
+                        live_count="n", out="out" if self.out_buffers else None,
+                        example_inputs=self.example_inputs,
+                        state=state,
                         before_replay=self.prepare if self._plan is not None else None)
 
 

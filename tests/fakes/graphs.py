@@ -4,7 +4,8 @@ without a GPU (lifecycle, threads, staging, fixed-shape outputs, hooks, state).
 ``FakeCaptureManager`` has ``CaptureManager``'s interface. It warms every size on the
 static buffers (so output kinds are inferred by the real ``infer_signature``) and "captures"
 each size as a ``FakeGraph`` whose ``replay()`` runs the step again on the same static
-input views and copies its outputs into the static outputs: what a CUDA graph replay does
+input views and copies its outputs into the static outputs (but those the step wrote there,
+``StepSpec.out``): what a CUDA graph replay does
 to the buffers, minus the graph. It does not model what only a GPU shows (baked addresses,
 pools, streams); the GPU tests cover those.
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from graphrt.capture.manager import CapturedGraph, CaptureFailure
+from graphrt.capture.manager import CapturedGraph, CaptureFailure, write_outputs
 from graphrt.outputs import infer_signature
 
 
@@ -22,6 +23,7 @@ class FakeGraph:
     def __init__(self, run):
         self._run = run
         self.replays = 0
+        self.copies = None  # outputs the last replay copied into the static outputs
 
     def replay(self):
         self.replays += 1
@@ -66,12 +68,16 @@ class FakeCaptureManager:
             views = self.stager.views(size)
             dst = [o if r == "fixed" else o[:size] for o, r in zip(static, sig.rows)]
 
-            def run(views=views, dst=dst):
+            buffers = sig.layout.build(dst) if self.spec.out is not None else None
+            graph = FakeGraph(None)
+
+            def run(views=views, dst=dst, buffers=buffers, size=size, graph=graph):
                 with torch.no_grad():
-                    flat = _flat(self.spec.call(views, self.stager.n_dev))
-                    for d, s in zip(dst, flat):
-                        d.copy_(s)
-            self.graphs[size] = CapturedGraph(size, FakeGraph(run), sig, dst, 0.0, 0)
+                    flat = _flat(self.spec.call(views, self.stager.n_dev, buffers))
+                    graph.copies = write_outputs(dst, flat, sig.layout.names, self.spec.name,
+                                                 size)
+            graph._run = run
+            self.graphs[size] = CapturedGraph(size, graph, sig, dst, 0.0, 0)
         return self.graphs
 
 
