@@ -97,8 +97,6 @@ PIPE = int(os.environ.get("GRAPHRT_LAYER_PIPE", "3"))
 LATE_TRIGGER = os.environ.get("GRAPHRT_LAYER_LATE_TRIGGER", "1") != "0"
 MAX_K = 4096  # hidden, q_dim and moe_inter: each phase reduces its K in one round
 NUM_WARPS = 4
-# the barrier's spin on a GPU (_poll; GRAPHRT_LAYER_SPIN at import, A/B benchmarks)
-SPIN = int(os.environ.get("GRAPHRT_LAYER_SPIN", "1"))
 PROGRAMS_PER_SM = 2  # the default grid where the compiled kernel fits that many an SM
 
 
@@ -106,19 +104,12 @@ PROGRAMS_PER_SM = 2  # the default grid where the compiled kernel fits that many
 def _poll(count_ptr, target, SPIN: tl.constexpr):
     """The counter as a spinning thread sees it. ``SPIN == 1``: thread 0 loads it (volatile)
     and every other thread returns ``target`` at once (it waits at the CTA barrier after the
-    spin), so one load a program is in flight instead of one a warp. ``SPIN == 2``: the same
-    with acquire loads (``ld.acquire.gpu``), so the load that sees the target is the
-    barrier's acquire and ``_wait`` needs no acquire after it. ``SPIN == 0`` (and the
-    interpreter, which has no inline PTX): every thread loads it (volatile)."""
+    spin), so one load a program is in flight instead of one a warp. ``SPIN == 0`` (and the
+    interpreter, which has no inline PTX): every thread loads it."""
     if SPIN == 1:
         return tl.inline_asm_elementwise(
             "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
             "mov.b32 $0, $2; @p ld.volatile.global.b32 $0, [$1]; }",
-            "=r,l,r", [count_ptr, target], dtype=tl.int32, is_pure=False, pack=1)
-    elif SPIN == 2:
-        return tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-            "mov.b32 $0, $2; @p ld.acquire.gpu.global.b32 $0, [$1]; }",
             "=r,l,r", [count_ptr, target], dtype=tl.int32, is_pure=False, pack=1)
     else:
         return tl.load(count_ptr, volatile=True)
@@ -147,13 +138,12 @@ def _arrive(count_ptr, stamps_ptr, idx, STAMPS: tl.constexpr):
 @triton.jit
 def _wait(count_ptr, target, stamps_ptr, idx, SPIN: tl.constexpr, STAMPS: tl.constexpr):
     """A grid barrier's second half: spin until the counter reaches ``target`` (every
-    program arrived), then one thread's acquire (the spin's last load with ``SPIN == 2``)
-    and a CTA barrier. ``STAMPS``: the cycle counter into ``stamps[program, 2 * idx + 1]``."""
+    program arrived), then one thread's acquire and a CTA barrier. ``STAMPS``: the cycle
+    counter into ``stamps[program, 2 * idx + 1]``."""
     cur = _poll(count_ptr, target, SPIN)
     while cur < target:
         cur = _poll(count_ptr, target, SPIN)
-    if SPIN != 2:
-        tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+    tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
     _stamp(stamps_ptr, 2 * idx + 1, STAMPS)
 
@@ -684,9 +674,7 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
             else one an SM; 1 under the CPU interpreter. Every program must be resident at
             once (the grid barrier): a grid larger than the SMs hold at this configuration
             (under the interpreter, more than one) raises ``ValueError`` before it launches.
-        spin: how the barrier spins (``_poll``: 1 volatile loads of one thread then an
-            acquire, 2 acquire loads of one thread, 0 every thread; default ``SPIN`` on a
-            GPU, 0 in the interpreter).
+        spin: how the barrier spins (``_poll``; default 1 on a GPU, 0 in the interpreter).
         pipe: how a phase keeps weights in flight: 0 the next two items' tiles in registers;
             ``N >= 2`` Triton's software pipeline over the items, ``N`` stages through
             shared memory (the first item's tile still loaded before the barrier). Default
@@ -775,7 +763,7 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
         NUM_TOPK=num_topk,
         BLOCK_T=triton.next_power_of_2(num_topk), BLOCK_E=triton.next_power_of_2(experts),
         BK=bk, BKO=bko, BI=bi,
-        UPCAST=interpreting(), SPIN=(0 if interpreting() else SPIN) if spin is None else spin,
+        UPCAST=interpreting(), SPIN=(0 if interpreting() else 1) if spin is None else spin,
         STAMPS=stamps is not None, PIPE=PIPE if pipe is None else pipe,
         num_warps=num_warps, **_pdl_launch())
     occ: dict = {}

@@ -8,7 +8,7 @@ side, and where a layer's time goes.
 ``--layers`` layers of a preset's shapes (random weights, each its own, so every launch reads
 its weights from HBM) run chained in one CUDA graph, one row, context ``--ctx``; a variant is
 the launcher's defaults or some of its options (``programs``, ``warps``, ``tile``,
-``pipe``, ``spin``). Reported per variant: µs for the layers (median of 5 timings of ``--iters``
+``pipe``). Reported per variant: µs for the layers (median of 5 timings of ``--iters``
 replays), µs a layer, the grid and its occupancy (programs an SM, registers, spills, shared
 memory), and the last layer's output against the first variant's (relative norm: the
 options change only summation orders). With ``--stamps``, one more eager run with the
@@ -31,7 +31,7 @@ import torch
 from graphrt.bench.output import save_doc
 
 SCHEMA = "graphrt.bench.layer/1"
-OPTIONS = {"programs": int, "warps": int, "tile": int, "pipe": int, "spin": int}
+OPTIONS = {"programs": int, "warps": int, "tile": int, "pipe": int}
 PHASES = ("norm + QKV", "attention", "o-projection", "norm + gate", "top-k + W13",
           "W2 + combine")
 
@@ -144,7 +144,7 @@ def bench(cfg, variants: list[str], *, n_layers: int, ctx: int, iters: int, stam
     first = None
     for text in variants:
         opt = parse_variant(text)
-        kw = dict(programs=opt.get("programs"), pipe=opt.get("pipe"), spin=opt.get("spin"))
+        kw = dict(programs=opt.get("programs"), pipe=opt.get("pipe"))
         if "warps" in opt:
             kw["num_warps"] = opt["warps"]
         if "tile" in opt:
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ctx", type=int, default=1024,
                    help="positions of the row (the new one included)")
     p.add_argument("--variant", action="append",
-                   help="'default' or key=int,... of programs, warps, tile, pipe, spin "
+                   help="'default' or key=int,... of programs, warps, tile, pipe "
                         "(repeat; default: just 'default')")
     p.add_argument("--iters", type=int, default=50, help="replays per timing sample")
     p.add_argument("--stamps", action="store_true", help="also each variant's phases")
