@@ -55,10 +55,6 @@ def _norm_gemv_rows_kernel(
     m, n, k, eps,
     cy_ptr, cids_ptr, cw_ptr, cpos_ptr, cn_ptr,  # COMBINE: combine_masked's y, ids, w, pos, n
     cap, num_experts,  # COMBINE: y's rows per expert and experts
-    kc_ptr, vc_ptr,  # KV_OUT: bf16 [num_blocks, PAGE, KVH, HEAD_DIM] caches
-    slot_ptr, kvn_ptr,  # KV_OUT: int64/int32 [m] each row's new slot; int32 [1] live rows
-    kv_start, kv_dim, num_slots,  # KV_OUT: first K column of out; KVH * HEAD_DIM; cache slots
-    stride_cb, stride_ct, stride_ch,  # KV_OUT: the caches' (block, offset, head) strides
     NUM_ADD: tl.constexpr,  # 0, 1 or 2 deltas (the combine counts as d1)
     M_MAX: tl.constexpr,  # rows a program takes (static loop; rows >= m skipped)
     BLOCK_N: tl.constexpr,  # W rows per program
@@ -67,9 +63,6 @@ def _norm_gemv_rows_kernel(
     WRITE_H: tl.constexpr = False,  # program 0 also stores the normed rows
     COMBINE: tl.constexpr = False,  # d1 is kernels.combine's gather-sum, made here
     NUM_TOPK: tl.constexpr = 1,  # COMBINE: experts per token
-    KV_OUT: tl.constexpr = False,  # also store out's K and V columns into the caches
-    HEAD_DIM: tl.constexpr = 128,  # KV_OUT
-    PAGE: tl.constexpr = 16,  # KV_OUT: positions a cache block
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_trigger(USE_GDC)
@@ -91,9 +84,6 @@ def _norm_gemv_rows_kernel(
     for i in tl.static_range(M_MAX):
         r = row0 + i
         if r < m:
-            if KV_OUT:  # the row's slot, issued beside its x loads (stores masked below)
-                slot = tl.load(slot_ptr + r).to(tl.int64)
-                slot_ok = (r < tl.load(kvn_ptr)) & (slot >= 0) & (slot < num_slots)
             row = r * k + offs_k
             res = tl.load(x_ptr + row, mask=mask_k, other=0.0).to(tl.float32)
             if COMBINE:  # combine_masked's row, rounded as it stores it
@@ -115,24 +105,15 @@ def _norm_gemv_rows_kernel(
                 if pid == 0:
                     tl.store(h_ptr + row, h, mask=mask_k)
             h = h.to(tl.float32)
-            y = tl.sum(w * h[None, :], axis=1).to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + r * n + offs_n, y, mask=mask_n)
-            if KV_OUT:  # kv_append of this row's K/V columns (attention.kv_append's rules)
-                kv = offs_n - kv_start
-                is_v = kv >= kv_dim
-                kvo = tl.where(is_v, kv - kv_dim, kv)
-                dst = ((slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct
-                       + (kvo // HEAD_DIM) * stride_ch + kvo % HEAD_DIM)
-                mk = mask_n & (kv >= 0) & ((offs_n * 0 + slot_ok.to(tl.int32)) > 0)
-                tl.store(kc_ptr + dst, y, mask=mk & ~is_v)
-                tl.store(vc_ptr + dst, y, mask=mk & is_v)
+            tl.store(out_ptr + r * n + offs_n, tl.sum(w * h[None, :], axis=1)
+                     .to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
 def norm_gemv_rows(x: torch.Tensor, *deltas: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                    w: torch.Tensor, out: torch.Tensor,
                    out_residual: torch.Tensor | None = None, preload: bool = False,
                    out_normed: torch.Tensor | None = None,
-                   combine: tuple | None = None, kv_out: dict | None = None) -> torch.Tensor:
+                   combine: tuple | None = None) -> torch.Tensor:
     """``out = (rmsnorm(x + sum(deltas)) * norm_weight) @ w.T``, and ``out_residual = x +
     sum(deltas)`` when deltas are given. One launch.
 
@@ -156,14 +137,6 @@ def norm_gemv_rows(x: torch.Tensor, *deltas: torch.Tensor, norm_weight: torch.Te
             made by every program for its rows (8 expert rows of a few KB each from L2)
             instead of by its own launch: bitwise ``combine_masked(..., out=d)`` followed by
             this GEMV with ``d`` first among the deltas. At most one other delta.
-        kv_out: ``{"k_cache", "v_cache", "slot_mapping", "n", "kv_start"}`` or None: ``w`` is a
-            QKV projection whose output columns ``[kv_start, kv_start + KVH * D)`` are the new
-            token's K and the next ``KVH * D`` its V; the programs that make them also write
-            them into the caches (bf16 ``[num_blocks, block_size, KVH, D]``, head_dim
-            contiguous) at ``slot_mapping`` (int64/int32 ``[m]``), bitwise
-            ``attention.kv_append(k, v, slot_mapping, n, ...)`` of those columns: rows
-            ``>= n`` (int32 ``[1]``) and slots out of range write nothing. The attention
-            launch after it then appends nothing.
 
     Returns ``out``. No allocation, no host sync; bitwise reproducible.
 
@@ -205,36 +178,12 @@ def norm_gemv_rows(x: torch.Tensor, *deltas: torch.Tensor, norm_weight: torch.Te
     d2 = deltas[1] if len(deltas) > 1 else d1
     res = out_residual if deltas else x
     rows = 1 if n <= ONE_ROW_N else min(triton.next_power_of_2(m), ROWS_PER_PROGRAM)
-    kargs, kkw = _kv_out_args(kv_out, x, n)
     _norm_gemv_rows_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, rows))](
         x, d1, d2, norm_weight, res, out if out_normed is None else out_normed, w, out, m, n, k,
-        float(eps), *cargs, *kargs, NUM_ADD=len(deltas), M_MAX=rows, BLOCK_N=block_n,
+        float(eps), *cargs, NUM_ADD=len(deltas), M_MAX=rows, BLOCK_N=block_n,
         BLOCK_K=block_k, PRELOAD=bool(preload), WRITE_H=out_normed is not None, num_warps=4,
-        **ckw, **kkw, **pdl_args())
+        **ckw, **pdl_args())
     return out
-
-
-def _kv_out_args(kv_out: dict | None, x: torch.Tensor, n_out: int) -> tuple[tuple, dict]:
-    """The kernel's ``KV_OUT`` arguments (checked) for ``norm_gemv_rows(kv_out=)``; stand-ins
-    that the kernel never reads without it."""
-    if kv_out is None:
-        return (x, x, x, x, 0, 0, 0, 0, 0, 0), {}
-    from .attention import _check_cache
-    want = {"k_cache", "v_cache", "slot_mapping", "n", "kv_start"}
-    check(set(kv_out) == want, "kv_out keys", sorted(want), sorted(kv_out))
-    kc, vc = kv_out["k_cache"], kv_out["v_cache"]
-    num_blocks, page, kvh, d = _check_cache(kc, vc)
-    check(kc.device == x.device, "kv_out k_cache.device", x.device, kc.device)
-    kv_start, kv_dim = int(kv_out["kv_start"]), kvh * d
-    check(0 <= kv_start and kv_start + 2 * kv_dim == n_out, "kv_out kv_start",
-          f"the first K column: w's rows = kv_start + 2 * {kv_dim} (KVH * head_dim)",
-          (kv_start, n_out))
-    check_tensor(kv_out["slot_mapping"], "kv_out slot_mapping", shape=(x.shape[0],),
-                 dtype=(torch.int64, torch.int32), device=x.device)
-    check_tensor(kv_out["n"], "kv_out n", shape=(1,), dtype=torch.int32, device=x.device)
-    return ((kc, vc, kv_out["slot_mapping"], kv_out["n"], kv_start, kv_dim, num_blocks * page,
-             kc.stride(0), kc.stride(1), kc.stride(2)),
-            dict(KV_OUT=True, HEAD_DIM=d, PAGE=page))
 
 
 def norm_gemv_rows_ref(x, *deltas, norm_weight, eps, w) -> tuple[torch.Tensor, torch.Tensor]:

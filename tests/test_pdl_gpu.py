@@ -59,15 +59,14 @@ def test_pdl_is_on_by_default_on_hopper(monkeypatch, cuda_device):
                                     "decode-epilogue", "decode-epilogue-all",
                                     "fuse-moe-norm", "fuse-combine", "fuse-combine-all",
                                     "fuse-route", "fuse-route-all", "moe-norm-rows",
-                                    "attn-table", "routed-gemv", "layer-kernel",
-                                    "qkv-append", "out-buffers"])
+                                    "attn-table", "routed-gemv", "layer-kernel"])
 def test_switched_graph_matches_plain_graph(cuda_device, switch):
     if "pdl" in switch and torch.cuda.get_device_capability(cuda_device)[0] < 9:
         pytest.skip("PDL needs compute capability 9.0+")
     from graphrt.bench.ab import bench_ab
     from graphrt.moe import preset
     # attention's switches on a reach past one pass (SINGLE_PASS_MAX_CTX): the split path
-    max_ctx = 1024 if switch.startswith("attn-") or switch == "qkv-append" else 256
+    max_ctx = 1024 if switch.startswith("attn-") else 256
     cfg = preset("qwen3-moe-like", layers=2, experts=16, num_slots=64, max_ctx=max_ctx,
                  vocab_size=4096)
     res = bench_ab(cfg, cuda_device, [1, 8, 32], rounds=1, switch=switch)

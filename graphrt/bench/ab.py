@@ -75,9 +75,6 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
 - ``attn-fused``: decode attention as one launch whose last program of each (row, kv
   head) merges (``Attention.variant = "fused"``) instead of ``"auto"`` (split + merge past
   one pass);
-- ``qkv-append``: the one-row QKV launch with its norm also writes the new K/V into the
-  cache (``DecoderLayer.qkv_append``, ``norm_gemv_rows(kv_out=)``) instead of the attention
-  launch appending it;
 - ``out-buffers``: the step writes its logits into graphrt's static outputs
   (``MoEModel.out_buffers``, ``StepSpec.out``) instead of each graph copying them there at
   its end;
@@ -170,8 +167,6 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
                                                   on),
             "layer-kernel": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
                                                    "layer_kernel", on),
-            "qkv-append": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
-                                                 "qkv_append", on),
             "out-buffers": lambda on: _class_attr("graphrt.moe.model", "MoEModel",
                                                   "out_buffers", on),
             "router-fused": lambda on: _class_attr("graphrt.moe.layers", "Router", "fused", on),

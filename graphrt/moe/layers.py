@@ -193,33 +193,22 @@ def dense_normed(p: PendingNorm, w: torch.Tensor,
     (``graphrt.kernels.norm_gemv``) where ``norm_fusable``, else ``add_rmsnorm`` then
     :func:`dense`; the product into ``out`` when given (as :func:`dense`).
     Graph safety: capturable"""
-    y, residual, _, _ = _dense_normed(p, w, keep_normed=False, out=out)
+    y, residual, _ = _dense_normed(p, w, keep_normed=False, out=out)
     return y, residual
-
-
-def dense_normed_qkv(p: PendingNorm, w: torch.Tensor,
-                     kv_out: dict | None) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """:func:`dense_normed` of a QKV projection -> ``(qkv, residual, kv_written)``: with
-    ``kv_out`` (``graphrt.kernels.norm_gemv.norm_gemv_rows``'s) the fused launch also writes
-    the new K/V rows into the caches (``kv_written`` True: the attention launch appends
-    nothing); the unfused path writes none. Graph safety: capturable"""
-    y, residual, _, written = _dense_normed(p, w, keep_normed=False, kv_out=kv_out)
-    return y, residual, written
 
 
 def dense_normed_keep(p: PendingNorm, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``(normed @ w.t(), residual, normed)`` for the router gate ``w``: :func:`dense_normed`
     that also returns the normed rows, for their other readers (the fused launch stores them,
     bitwise ``add_rmsnorm``'s), fused where ``gate_norm_fusable``. Graph safety: capturable"""
-    return _dense_normed(p, w, keep_normed=True, fusable=gate_norm_fusable)[:3]
+    return _dense_normed(p, w, keep_normed=True, fusable=gate_norm_fusable)
 
 
 def _dense_normed(p: PendingNorm, w: torch.Tensor, *, keep_normed: bool, fusable=None,
-                  out: torch.Tensor | None = None, kv_out: dict | None = None):
-    """``(product, residual, normed or None, kv_written)``."""
+                  out: torch.Tensor | None = None):
     if not (fusable or norm_fusable)(p.x, w):
         residual, h = p.materialize()
-        return dense(h, w, out=out), residual, h, False
+        return dense(h, w, out=out), residual, h
     from graphrt.kernels.norm_gemv import norm_gemv_rows
     if out is None:
         out = torch.empty(p.x.shape[0], w.shape[0], dtype=p.x.dtype, device=p.x.device)
@@ -229,8 +218,8 @@ def _dense_normed(p: PendingNorm, w: torch.Tensor, *, keep_normed: bool, fusable
     if combine is not None and not p.deltas[0].in_gemv:  # the combine's own launch first
         combine, tensors = None, (p.deltas[0].materialize(p.x), *tensors)
     norm_gemv_rows(p.x, *tensors, norm_weight=p.weight, eps=p.eps, w=w, out=out, out_residual=res,
-                   preload=PRELOAD, out_normed=h, combine=combine, kv_out=kv_out)
-    return out, (res if p.deltas else p.x), h, kv_out is not None
+                   preload=PRELOAD, out_normed=h, combine=combine)
+    return out, (res if p.deltas else p.x), h
 
 
 class Router:
@@ -390,13 +379,11 @@ class Attention:
             size = max(sink_size(self.wo), sink_size(self.wqkv))   # wo here, wqkv from the layer before
             self.sink = torch.zeros(size, dtype=torch.int32, device=device)
 
-    def __call__(self, h, slot_mapping, block_table, seq_lens, n, qkv=None,
-                 kv_written: bool = False) -> torch.Tensor:
+    def __call__(self, h, slot_mapping, block_table, seq_lens, n, qkv=None) -> torch.Tensor:
         """h ``[bs, hidden]``; slot_mapping int64 ``[bs]``, block_table int32
         ``[bs, max_blocks_per_seq]``, seq_lens int32 ``[bs]`` (the new token included) ->
-        ``[bs, hidden]``. Writes the new K/V at ``slot_mapping`` (live rows only) unless
-        ``kv_written`` (the QKV launch wrote them: ``dense_normed_qkv``). ``qkv``: the QKV
-        projection already made (``dense_normed``); h is then not read."""
+        ``[bs, hidden]``. Writes the new K/V at ``slot_mapping`` (live rows only). ``qkv``:
+        the QKV projection already made (``dense_normed``); h is then not read."""
         from graphrt.kernels.attention import (attention_workspace_shape, decode_attention,
                                                kv_append, select_variant, split_size_for)
         from graphrt.moe.expert_plan import num_sms
@@ -407,9 +394,7 @@ class Attention:
         k = qkv[:, cfg.q_dim:cfg.q_dim + cfg.kv_dim].view(bs, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, cfg.q_dim + cfg.kv_dim:].view(bs, cfg.num_kv_heads, cfg.head_dim)
         recv = self.start_prefetch(self.wo) if self.prefetch else None  # joined before wo
-        if kv_written:                            # the QKV launch wrote the new K/V
-            new_kv = {}
-        elif self.fuse_append:                    # the attention launch writes the new K/V
+        if self.fuse_append:                      # the attention launch writes the new K/V
             new_kv = dict(k_new=k, v_new=v, slot_mapping=slot_mapping)
         else:
             new_kv = {}

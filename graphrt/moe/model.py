@@ -41,7 +41,6 @@ from graphrt.moe.experts import Experts
 from graphrt.moe import paged_kv
 from graphrt.moe.layers import (Attention, PendingCombine, PendingNorm, Router, SharedExpert,
                                 add_rmsnorm, dense, dense_normed, dense_normed_keep,
-                                dense_normed_qkv,
                                 gate_norm_fusable)
 from graphrt.moe.workspace import Workspace
 from graphrt.spec import Input, StepSpec
@@ -163,12 +162,6 @@ class DecoderLayer:
     # the dispatch and the shared expert): 0.987x the step at qwen3-like bs 1 (BENCHMARKS.md
     # §27). GRAPHRT_FUSE_MOE_NORM=0 at import turns it off (A/B: the fuse-moe-norm switch).
     fuse_moe_norm = env_flag("GRAPHRT_FUSE_MOE_NORM", True)
-    # Where the QKV projection runs with its norm in one launch (dense_normed_qkv: the
-    # one-row GEMV), that launch also writes the new token's K/V into the cache
-    # (norm_gemv_rows(kv_out=)), so the attention launch appends nothing: the append's chain
-    # of loads (slot, new K/V, store) leaves the attention split's critical program.
-    # GRAPHRT_QKV_APPEND=0 at import: the attention launch appends (A/B: the qkv-append switch).
-    qkv_append = env_flag("GRAPHRT_QKV_APPEND", True)
     # Hand the EP=1 combine to the norm after the MoE block (MoEBlock(defer_combine=):
     # add_rmsnorm, the next layer's or the final one, gathers the expert rows itself;
     # layers.PendingCombine), one launch fewer a layer. "auto" (default): not into the
@@ -258,14 +251,8 @@ class DecoderLayer:
                                              next_norm, next_attn)
         eps = self.cfg.rms_eps
         if isinstance(h, PendingNorm):
-            kv_out = None
-            if self.qkv_append:  # the fused one-row QKV launch writes the new K/V too
-                a = self.attn
-                kv_out = dict(k_cache=a.k_cache, v_cache=a.v_cache, slot_mapping=slot_mapping,
-                              n=n, kv_start=self.cfg.q_dim)
-            qkv, x, written = dense_normed_qkv(h, self.attn.wqkv, kv_out)
-            attn = self.attn(None, slot_mapping, block_table, seq_lens, n, qkv=qkv,
-                             kv_written=written)
+            qkv, x = dense_normed(h, self.attn.wqkv)
+            attn = self.attn(None, slot_mapping, block_table, seq_lens, n, qkv=qkv)
         else:
             attn = self.attn(h, slot_mapping, block_table, seq_lens, n)
         router, logits = self.moe.router, None
