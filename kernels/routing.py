@@ -60,13 +60,7 @@ def _topk_softmax_kernel(
     BLOCK_E: tl.constexpr,  # next power of 2 >= num_experts
     BLOCK_K: tl.constexpr,  # next power of 2 >= NUM_TOPK
     RENORMALIZE: tl.constexpr,  # rescale the k weights to sum to 1
-    pf_ptr=None,  # PF_CHUNKS > 0: bf16 [num_experts, 2 * inter, hidden] W13 (gate, then up rows)
-    pf_stride_e=0, pf_half=0,  # PF_CHUNKS > 0: elements from one expert / gate to up rows
-    pf_chunks=0,  # PF_CHUNKS > 0: chunks a part (<= PF_CHUNKS)
     PACKED: tl.constexpr = False,  # one int64 max per pick (module docstring)
-    PF_CHUNKS: tl.constexpr = 0,  # bulk prefetches of each picked expert's gate (and up) rows
-                                  # (a power of two >= pf_chunks)
-    PF_CHUNK: tl.constexpr = 65536,  # bytes a prefetch
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
@@ -74,32 +68,7 @@ def _topk_softmax_kernel(
     live = row < tl.load(n_ptr)
     w, ids = _softmax_pick(logits_ptr, row, live, num_experts, stride_l, NUM_TOPK, BLOCK_E,
                            BLOCK_K, RENORMALIZE, PACKED)
-    if PF_CHUNKS > 0:  # the picked experts' first W13 rows asked into L2 before the stores
-        _prefetch_picked(pf_ptr, ids, live, num_experts, pf_stride_e, pf_half, pf_chunks,
-                         NUM_TOPK, BLOCK_K, PF_CHUNKS, PF_CHUNK)
     _store_picks(weights_ptr, ids_ptr, row, w, ids, NUM_TOPK, BLOCK_K)
-
-
-@triton.jit
-def _prefetch_picked(w_ptr, ids, live, num_experts, stride_e, half, chunks,
-                     NUM_TOPK: tl.constexpr, BLOCK_K: tl.constexpr, PF_CHUNKS: tl.constexpr,
-                     PF_CHUNK: tl.constexpr):
-    """``cp.async.bulk.prefetch.L2`` (sm_90; no value changes) of ``chunks`` chunks of
-    ``PF_CHUNK`` bytes from the start of each live pick's gate rows and as many from its up
-    rows (``half`` elements on): up to ``[BLOCK_K, 2 * PF_CHUNKS]`` prefetches."""
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_c = tl.arange(0, 2 * PF_CHUNKS)
-    e = ids.to(tl.int64)
-    ok = (offs_k < NUM_TOPK) & (e >= 0) & (e < num_experts) & ((offs_k * 0 + live.to(tl.int32)) > 0)
-    part = (offs_c // PF_CHUNKS).to(tl.int64)  # 0: gate rows, 1: up rows
-    chunk = (offs_c % PF_CHUNKS).to(tl.int64)
-    ptrs = (w_ptr + tl.where(ok, e, 0)[:, None] * stride_e + part[None, :] * half
-            + chunk[None, :] * (PF_CHUNK // 2))
-    live2 = (ok[:, None] & (chunk < chunks)[None, :]).to(tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $3; mov.b32 $0, 0; }",
-        "=r,l,r,r", [ptrs, live2, live2 * 0 + PF_CHUNK], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -189,11 +158,8 @@ def grouped_config(num_experts: int, n_group: int, group_size: int, topk_group: 
                 BLOCK_S=block_s), warps
 
 
-PF_CHUNK = 65536  # bytes a W13 prefetch of topk_softmax(prefetch=) asks for
-
-
 def topk_softmax(logits, n, num_topk, *, out_weights, out_ids, renormalize=True,
-                 packed: bool | None = None, prefetch: tuple | None = None):
+                 packed: bool | None = None):
     """Softmax over experts (fp32), top-``num_topk``, optional renormalisation.
 
     logits: [padded_bs, num_experts] bf16/fp16/fp32 (num_experts <= 512, last dim contiguous).
@@ -202,11 +168,6 @@ def topk_softmax(logits, n, num_topk, *, out_weights, out_ids, renormalize=True,
     Rows >= n get ids -1 and weights 0. Returns ``(out_weights, out_ids)``.
     packed: one int64 max per pick (module docstring; bitwise equal outputs); None:
     ``PACKED`` (``GRAPHRT_ROUTING_PACKED``), read at each call (at capture, for a graph).
-    prefetch: ``(w13, rows)``, one row only: once the picks are known, ask the first ``rows``
-    gate rows and up rows of each picked expert of ``w13`` (bf16 ``[num_experts, 2 * inter,
-    hidden]``, contiguous) into L2 (bulk prefetches of ``PF_CHUNK`` bytes, sm_90), so the
-    expert GEMV that reads them next finds its first rows on their way; outputs unchanged.
-    Ignored on the CPU interpreter (no such instruction there).
 
     Graph safety: capturable
     """
@@ -219,31 +180,8 @@ def topk_softmax(logits, n, num_topk, *, out_weights, out_ids, renormalize=True,
         logits, n, out_weights, out_ids, num_experts, logits.stride(0),
         NUM_TOPK=num_topk, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(num_topk),
         RENORMALIZE=bool(renormalize), PACKED=packed, num_warps=softmax_warps(num_experts),
-        **_prefetch_args(prefetch, padded_bs, num_experts, logits.device), **pdl_args())
+        **pdl_args())
     return out_weights, out_ids
-
-
-def _prefetch_args(prefetch, padded_bs: int, num_experts: int, dev) -> dict:
-    """The kernel's ``pf_*`` / ``PF_*`` arguments of ``topk_softmax(prefetch=)`` (checked);
-    none without it or on the interpreter."""
-    from ._util import interpreting
-    if prefetch is None or interpreting():
-        return {}
-    w13, rows = prefetch
-    check(padded_bs == 1, "prefetch", "one row (padded_bs 1)", padded_bs)
-    check_tensor(w13, "prefetch w13", shape=(num_experts, None, None), dtype=torch.bfloat16,
-                 device=dev, contiguous=True)
-    inter2, hidden = w13.shape[1:]
-    inter = inter2 // 2
-    check(inter2 % 2 == 0 and 1 <= rows <= inter, "prefetch rows", f"1..{inter} (inter)", rows)
-    # 16-byte aligned prefetches: the base, an expert's and the up rows' offsets
-    check(w13.data_ptr() % 16 == 0 and (inter * hidden * 2) % 16 == 0, "prefetch w13",
-          "16-byte aligned, with gate rows of a multiple of 16 bytes", (w13.data_ptr(), hidden))
-    chunks = min(-(-rows * hidden * 2 // PF_CHUNK), inter * hidden * 2 // PF_CHUNK)
-    check(chunks >= 1, "prefetch rows", f"gate rows of at least {PF_CHUNK} bytes",
-          inter * hidden * 2)
-    return dict(pf_ptr=w13, pf_stride_e=w13.stride(0), pf_half=inter * hidden,
-                pf_chunks=chunks, PF_CHUNKS=triton.next_power_of_2(chunks), PF_CHUNK=PF_CHUNK)
 
 
 def grouped_topk_sigmoid(logits, bias, n, num_topk, n_group, topk_group, *, out_weights, out_ids,

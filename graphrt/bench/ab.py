@@ -75,9 +75,6 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
 - ``attn-fused``: decode attention as one launch whose last program of each (row, kv
   head) merges (``Attention.variant = "fused"``) instead of ``"auto"`` (split + merge past
   one pass);
-- ``w13-pf64`` / ``w13-pf192`` / ``w13-pfall``: one-row steps' top-k launch asks the first
-  64 / 192 / all gate and up rows of each picked expert's W13 into L2
-  (``MoEBlock.w13_prefetch_rows``, ``topk_softmax(prefetch=)``) instead of none;
 - ``out-buffers``: the step writes its logits into graphrt's static outputs
   (``MoEModel.out_buffers``, ``StepSpec.out``) instead of each graph copying them there at
   its end;
@@ -170,12 +167,6 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
                                                   on),
             "layer-kernel": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
                                                    "layer_kernel", on),
-            "w13-pf64": lambda on: _class_attr("graphrt.moe.model", "MoEBlock",
-                                               "w13_prefetch_rows", 64 if on else 0),
-            "w13-pf192": lambda on: _class_attr("graphrt.moe.model", "MoEBlock",
-                                                "w13_prefetch_rows", 192 if on else 0),
-            "w13-pfall": lambda on: _class_attr("graphrt.moe.model", "MoEBlock",
-                                                "w13_prefetch_rows", 1 << 30 if on else 0),
             "out-buffers": lambda on: _class_attr("graphrt.moe.model", "MoEModel",
                                                   "out_buffers", on),
             "router-fused": lambda on: _class_attr("graphrt.moe.layers", "Router", "fused", on),

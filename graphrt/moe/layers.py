@@ -251,12 +251,9 @@ class Router:
         ``logit_bias`` nor on the fused path, which make their own."""
         return self.logit_bias is None and not self.fused
 
-    def __call__(self, h: torch.Tensor, n: torch.Tensor, logits: torch.Tensor | None = None,
-                 prefetch: tuple | None = None):
+    def __call__(self, h: torch.Tensor, n: torch.Tensor, logits: torch.Tensor | None = None):
         """``h`` [bs, hidden] -> (weights, ids). ``logits``: ``h @ w.T`` [bs, num_experts]
-        made already (``takes_logits``; e.g. by the norm's fused GEMV), else computed here.
-        ``prefetch``: ``kernels.routing.topk_softmax``'s (softmax routing on its own top-k
-        launch only; ignored elsewhere)."""
+        made already (``takes_logits``; e.g. by the norm's fused GEMV), else computed here."""
         from graphrt.kernels import routing
         cfg, bs = self.cfg, h.shape[0]
         w = torch.empty(bs, cfg.num_topk, dtype=torch.float32, device=h.device)
@@ -279,8 +276,7 @@ class Router:
         else:
             logits = self.gate(h)
         if cfg.routing == "softmax":
-            return routing.topk_softmax(logits, n, cfg.num_topk, out_weights=w, out_ids=ids,
-                                        prefetch=prefetch)
+            return routing.topk_softmax(logits, n, cfg.num_topk, out_weights=w, out_ids=ids)
         return routing.grouped_topk_sigmoid(
             logits, self.bias, n, cfg.num_topk, cfg.n_group, cfg.topk_group, out_weights=w,
             out_ids=ids, routed_scaling_factor=cfg.routed_scaling_factor)

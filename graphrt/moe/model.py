@@ -31,8 +31,6 @@ Graph safety: capturable (``model.step``); everything is allocated at constructi
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from graphrt.comm.base import EPComm
@@ -93,11 +91,6 @@ class MoEBlock:
     # launches as graphrt::routed_w13 / routed_w2_combine under launchers_as_ops).
     # GRAPHRT_ROUTED_GEMV=0 at import turns it off (A/B: the routed-gemv switch).
     routed_gemv = env_flag("GRAPHRT_ROUTED_GEMV", True)
-    # On that one-row path, the top-k launch asks the first this-many gate and up rows of
-    # each picked expert's W13 into L2 once it knows the picks (topk_softmax(prefetch=)),
-    # so W13's first wave finds them on their way; 0: none. GRAPHRT_W13_PREFETCH at import
-    # (A/B: the w13-pf* switches).
-    w13_prefetch_rows = int(os.environ.get("GRAPHRT_W13_PREFETCH", "0"))
 
     def _routed(self, h: torch.Tensor) -> bool:
         """Whether this step's routed experts run ``Experts.routed`` (``routed_gemv``).
@@ -118,9 +111,7 @@ class MoEBlock:
         ``PendingNorm``) instead of a tensor: ``"auto"`` where that norm is ``add_rmsnorm``
         (the one-row norm GEMV launches the combine first), ``True`` in the GEMV too."""
         if self._routed(h):  # no masked layout: the experts read the picks themselves
-            rows = min(self.w13_prefetch_rows, self.cfg.moe_inter)
-            pf = (self.experts.w13, rows) if rows > 0 and h.device.type == "cuda" else None
-            w, ids = self.router(h, n, logits, prefetch=pf)                # [1, k] fp32, int64
+            w, ids = self.router(h, n, logits)                             # [1, k] fp32, int64
             self.last_masked_m = None  # no dispatch ran: no counts to show
             out = self.experts.routed(h, ids, w, n, out=torch.empty_like(h))
             return (out,) if self.shared is None else (out, self.shared(h))

@@ -247,8 +247,7 @@ SM90 = textwrap.dedent('''
                    "scaling": "fp32"}
         for e in (64, 128):
             p = ptx(_topk_softmax_kernel, softmax, dict(NUM_TOPK=8, BLOCK_E=e, BLOCK_K=8,
-                    RENORMALIZE=True, PACKED=True, USE_GDC=2, pf_ptr=None, pf_stride_e=0,
-                    pf_half=0, pf_chunks=0, PF_CHUNKS=0, PF_CHUNK=65536), num_warps=1)
+                    RENORMALIZE=True, PACKED=True, USE_GDC=2), num_warps=1)
             out[f"softmax-{e}-{dt}"] = found(p)
         p = ptx(_grouped_topk_sigmoid_kernel, grouped, dict(N_GROUP=8, GROUP_SIZE=32,
                 TOPK_GROUP=4, NUM_TOPK=8, BLOCK_G=8, BLOCK_S=32, BLOCK_K=8, RENORMALIZE=True,
