@@ -123,3 +123,21 @@ def test_the_reference_model_writes_its_logits_into_the_buffer():
         assert model.spec(4).out is None
     finally:
         MoEModel.out_buffers = monkey
+
+
+def test_check_replay_catches_a_step_that_leaves_part_of_its_buffer(monkeypatch):
+    """The buffers are NaN-poisoned before every checked replay: a step that returns its
+    buffer without writing every live row (here the last) fails graph-vs-eager."""
+    use_fake_capture(monkeypatch)
+
+    def step(x, n, out=None):
+        if out is None:
+            return {"y": x * 2}
+        out["y"][:-1].copy_(x[:-1] * 2)  # the last row is left as it was
+        return out
+    spec = graphrt.StepSpec(step, _inputs(), 8, live_count="n", out="out",
+                            outputs={"y": "batch"})
+    rt = graphrt.GraphRuntime(spec, sizes=[4], device="cpu", progress=False).capture()
+    checks = rt.check_replay(trials=1, raise_on_mismatch=False)
+    bad = {c.what for c in checks if not c.ok}
+    assert "graph-vs-eager" in bad, [str(c) for c in checks]
