@@ -342,8 +342,11 @@ class GraphRuntime:
                             seed=seed, raise_on_mismatch=raise_on_mismatch)
 
     def stats(self) -> dict:
-        """Per captured size: capture seconds and pool bytes; totals; replay/eager counts."""
-        per = {s: {"capture_s": g.capture_s, "pool_bytes": g.pool_bytes} for s, g in sorted(self.graphs.items())}
+        """Per captured size: capture seconds, pool bytes and the outputs its graph copies at
+        its end (``output_copies``: 0 where the step writes them in place, ``StepSpec.out``);
+        totals; replay/eager counts."""
+        per = {s: {"capture_s": g.capture_s, "pool_bytes": g.pool_bytes,
+                   "output_copies": g.output_copies} for s, g in sorted(self.graphs.items())}
         total_pool = sum(v["pool_bytes"] for v in per.values())
         largest = self.graphs[max(self.graphs)].pool_bytes if self.graphs else 0
         return {

@@ -76,6 +76,8 @@ class FakeCaptureManager:
                     flat = _flat(self.spec.call(views, self.stager.n_dev, buffers))
                     graph.copies = write_outputs(dst, flat, sig.layout.names, self.spec.name,
                                                  size)
+                    # what a capture would have recorded, known here after a first replay
+                    self.graphs[size].output_copies = graph.copies
             graph._run = run
             self.graphs[size] = CapturedGraph(size, graph, sig, dst, 0.0, 0)
         return self.graphs
