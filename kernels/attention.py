@@ -103,10 +103,6 @@ PREFETCH_LAUNCH = {"num_warps": 4, "num_stages": 1}
 # attn-table-s4 switches; graphrt.bench.attention --sweep varies TABLE_LAUNCH).
 TABLE_UPFRONT = env_flag("GRAPHRT_ATTN_TABLE", True)
 TABLE_LAUNCH = {"num_warps": 4, "num_stages": 3}
-# Splits of one inner step (bs 1-2 at the qwen3-like reach) on these stages instead of
-# TABLE_LAUNCH's: one step has nothing to overlap, so 1 stage loads K/V straight into
-# registers. None: TABLE_LAUNCH (A/B: the attn-one-s1 switch).
-ONE_STEP_STAGES: int | None = None
 # Default positions per split (rounded up to BLOCK_N). Measured on H200 (32 q / 8 kv heads,
 # head_dim 128, ctx 4096, unpaged): 256 is best at bs 1 (13 us); 512 is ~4% faster at bs >= 64
 # and costs less for short contexts at bs 256 (37 vs 46 us at ctx 64). 256 is the middle ground.
@@ -392,11 +388,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             launch, split_geometry = WIDE_LAUNCH, {**geometry, "BLOCK_N": WIDE_BLOCK_N,
                                                    "PREFETCH": False}
         elif TABLE_UPFRONT:
-            launch = TABLE_LAUNCH
-            if ONE_STEP_STAGES is not None and split_size == BLOCK_N:
-                launch = {**TABLE_LAUNCH, "num_stages": ONE_STEP_STAGES}
-            split_geometry = {**geometry, "PREFETCH": False,
-                              "TABLE_PAGES": table_pages(split_size, block_size)}
+            launch, split_geometry = TABLE_LAUNCH, {
+                **geometry, "PREFETCH": False, "TABLE_PAGES": table_pages(split_size, block_size)}
         else:
             launch = PREFETCH_LAUNCH if geometry["PREFETCH"] else SPLIT_LAUNCH
             split_geometry = geometry

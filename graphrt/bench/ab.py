@@ -72,8 +72,6 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   Triton's own pipeline (``kernels.attention.TABLE_UPFRONT``, the default, on 3 stages;
   ``attn-table-s4``: on 4, ``TABLE_LAUNCH``) instead of the hand-pipelined loop where it is
   on;
-- ``attn-one-s1`` / ``attn-one-s2``: the split kernel's one-step splits on 1 / 2 stages
-  instead of ``TABLE_LAUNCH``'s 3 (``kernels.attention.ONE_STEP_STAGES``);
 - ``attn-fused``: decode attention as one launch whose last program of each (row, kv
   head) merges (``Attention.variant = "fused"``) instead of ``"auto"`` (split + merge past
   one pass);
@@ -200,10 +198,6 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "attn-table-s4": lambda on: _class_attr("graphrt.kernels.attention", None,
                                                     "TABLE_LAUNCH", {"num_warps": 4,
                                                                      "num_stages": 4 if on else 3}),
-            "attn-one-s1": lambda on: _class_attr("graphrt.kernels.attention", None,
-                                                  "ONE_STEP_STAGES", 1 if on else None),
-            "attn-one-s2": lambda on: _class_attr("graphrt.kernels.attention", None,
-                                                  "ONE_STEP_STAGES", 2 if on else None),
             "attn-wide": lambda on: _class_attr("graphrt.kernels.attention", None, "WIDE", on),
             "attn-prefetch": lambda on: _class_attr("graphrt.kernels.attention", None, "PREFETCH",
                                                     "auto" if on else False),
