@@ -19,9 +19,9 @@ def test_fused_norm_step_matches_the_unfused_one(monkeypatch, bs, final):
     calls = []
     real = layers.dense_normed
 
-    def counted(p, w):
+    def counted(p, w, out=None):
         calls.append(len(p.deltas))
-        return real(p, w)
+        return real(p, w, out=out)
     logits = []
     for fuse in (False, True):
         monkeypatch.setattr(model_mod.DecoderLayer, "fuse_norm", fuse)
