@@ -81,8 +81,7 @@ def write_outputs(dst: list[torch.Tensor], flat: list[torch.Tensor], names, wher
         if s.shape != d.shape:
             raise InputError(f"{where} output {names[i]!r}: shape {tuple(s.shape)} at batch "
                              f"{size} under capture, {tuple(d.shape)} during warm-up")
-        if (s.data_ptr() == d.data_ptr() and s.stride() == d.stride() and s.dtype == d.dtype
-                and s.device == d.device):
+        if s.data_ptr() == d.data_ptr() and s.stride() == d.stride() and s.dtype == d.dtype:
             continue  # written in place by the step
         if s.untyped_storage().data_ptr() == d.untyped_storage().data_ptr():
             s = s.clone()  # another view of the buffer itself: copy from a copy
@@ -223,7 +222,8 @@ class CaptureManager:
         """One warm-up at ``size`` handing the static outputs as ``StepSpec.out``; whether the
         size goes on (as a warm-up failure otherwise)."""
         try:
-            self._warm(size, stream, into_buffers=True)
+            self._warm(size, stream,
+                       self._out_buffers(self.signature.live(self.static_outputs, size)))
             mine = True
         except Exception as exc:  # noqa: BLE001 - recorded (strict: raised) by _fail
             self._fail(size, f"warm-up into the output buffers raised {type(exc).__name__}: "
@@ -261,17 +261,14 @@ class CaptureManager:
             return False
         return True
 
-    def _warm(self, size: int, stream, into_buffers: bool = False) -> Any:
-        """Run the step ``warmup_iters`` times at ``size`` (once ``into_buffers``: with the
-        static outputs as ``StepSpec.out``, which exist only after the first warm-ups)."""
+    def _warm(self, size: int, stream, buffers: Any = None) -> Any:
+        """Run the step ``warmup_iters`` times at ``size`` (once with ``buffers``, the static
+        outputs as ``StepSpec.out``, which exist only after the first warm-ups)."""
         views = self.stager.views(size)
-        buffers = None
-        if into_buffers:
-            buffers = self._out_buffers(self._static_views(size))
         with torch.cuda.stream(stream):
             self.stager.n_dev.fill_(size)
             self._before_replay(size, size)
-            for _ in range(1 if into_buffers else self.warmup_iters):
+            for _ in range(self.warmup_iters if buffers is None else 1):
                 out = self.spec.call(views, self.stager.n_dev, buffers)
         return out
 
@@ -303,7 +300,7 @@ class CaptureManager:
         before = torch.cuda.memory_reserved(self.device)
         t0 = time.perf_counter()
         graph, planned = _new_graph(planned)
-        outs = self._static_views(size)
+        outs = self.signature.live(self.static_outputs, size)
         self.stager.n_dev.fill_(size)
         self._before_replay(size, size)
         with ReceiverLedger() as ledger:
@@ -334,11 +331,6 @@ class CaptureManager:
             keep += table.keepalive()
         return CapturedGraph(size, graph, self.signature, outs, capture_s, pool_bytes, keep, table,
                              output_copies=copies)
-
-    def _static_views(self, size: int) -> list[torch.Tensor]:
-        """The static outputs as graph ``size`` writes them (batch-major ones ``[:size]``)."""
-        return [o if r == "fixed" else o[:size]
-                for o, r in zip(self.static_outputs, self.signature.rows)]
 
     def _out_buffers(self, outs: list[torch.Tensor]) -> Any:
         """The static outputs in the step's layout for ``StepSpec.out``, else None."""

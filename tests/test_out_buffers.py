@@ -87,7 +87,7 @@ def test_a_step_that_writes_its_buffers_is_copied_nowhere(monkeypatch):
         torch.testing.assert_close(got["total"], want["total"], rtol=0, atol=0)
     rt.run(x=torch.randn(3, 4))
     assert calls[-1] is True  # the replays write into the static outputs
-    assert {g.graph.copies for g in rt.graphs.values()} == {0}
+    assert {g.output_copies for g in rt.graphs.values()} == {0}
     assert {v["output_copies"] for v in rt.stats()["sizes"].values()} == {0}
     # each size's graph writes the shared static outputs themselves
     ptrs = {g.outputs[0].data_ptr() for g in rt.graphs.values()}
@@ -103,7 +103,7 @@ def test_a_step_that_ignores_its_buffers_is_copied_as_before(monkeypatch):
     rt = graphrt.GraphRuntime(spec, sizes=[4], device="cpu", progress=False).capture()
     x = torch.randn(3, 4)
     torch.testing.assert_close(rt.run(x=x)["y"], x * 3, rtol=0, atol=0)
-    assert rt.graphs[4].graph.copies == 2 and rt.stats()["sizes"][4]["output_copies"] == 2
+    assert rt.graphs[4].output_copies == 2 and rt.stats()["sizes"][4]["output_copies"] == 2
 
 
 def test_the_reference_model_writes_its_logits_into_the_buffer():

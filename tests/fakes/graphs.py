@@ -23,7 +23,6 @@ class FakeGraph:
     def __init__(self, run):
         self._run = run
         self.replays = 0
-        self.copies = None  # outputs the last replay copied into the static outputs
 
     def replay(self):
         self.replays += 1
@@ -66,20 +65,17 @@ class FakeCaptureManager:
                 self.failures[size] = CaptureFailure(size, repr(self.fail_sizes[size]))
                 continue
             views = self.stager.views(size)
-            dst = [o if r == "fixed" else o[:size] for o, r in zip(static, sig.rows)]
+            dst = sig.live(static, size)
 
             buffers = sig.layout.build(dst) if self.spec.out is not None else None
-            graph = FakeGraph(None)
 
-            def run(views=views, dst=dst, buffers=buffers, size=size, graph=graph):
+            def run(views=views, dst=dst, buffers=buffers, size=size):
                 with torch.no_grad():
                     flat = _flat(self.spec.call(views, self.stager.n_dev, buffers))
-                    graph.copies = write_outputs(dst, flat, sig.layout.names, self.spec.name,
-                                                 size)
                     # what a capture would have recorded, known here after a first replay
-                    self.graphs[size].output_copies = graph.copies
-            graph._run = run
-            self.graphs[size] = CapturedGraph(size, graph, sig, dst, 0.0, 0)
+                    self.graphs[size].output_copies = write_outputs(
+                        dst, flat, sig.layout.names, self.spec.name, size)
+            self.graphs[size] = CapturedGraph(size, FakeGraph(run), sig, dst, 0.0, 0)
         return self.graphs
 
 
