@@ -3,6 +3,7 @@ module docstring describes the keys and the two routings).
 
 - ``_softmax_pick`` / ``_grouped_sigmoid_pick``: one row's picks in registers,
   ``(w fp32 [BLOCK_K], ids int32 [BLOCK_K])``, padded rows already ids -1 and weights 0;
+  ``_softmax_pick_values``: the softmax pick of logits already in registers;
 - ``_pick``: either one, by a constexpr;
 - ``_store_picks``: a row's picks to the ``[padded_bs, NUM_TOPK]`` outputs.
 
@@ -104,6 +105,20 @@ def _softmax_pick(
     offs_e = tl.arange(0, BLOCK_E)
     emask = offs_e < num_experts
     x = tl.load(logits_ptr + row.to(tl.int64) * stride_l + offs_e, mask=emask, other=0.0)
+    return _softmax_pick_values(x, offs_e, emask, live, NUM_TOPK, BLOCK_E, BLOCK_K,
+                                RENORMALIZE, PACKED)
+
+
+@triton.jit
+def _softmax_pick_values(
+    x,  # [BLOCK_E] one row's logits (any float dtype), in registers
+    offs_e,  # int32 [BLOCK_E]: tl.arange(0, BLOCK_E)
+    emask,  # bool [BLOCK_E]: offs_e < num_experts
+    live,  # bool: the row is live (else ids -1, weights 0)
+    NUM_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr, PACKED: tl.constexpr,
+):
+    """``_softmax_pick`` of logits already in registers (``kernels.gate_fold`` makes them)."""
     x = tl.where(emask, x.to(tl.float32), float("-inf"))
     ex = tl.where(emask, tl.exp(x - tl.max(x, axis=0)), 0.0)
     p = ex / tl.sum(ex, axis=0)

@@ -78,6 +78,9 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
 - ``out-buffers``: the step writes its logits into graphrt's static outputs
   (``MoEModel.out_buffers``, ``StepSpec.out``) instead of each graph copying them there at
   its end;
+- ``fold-gate``: a one-row step's router gate folded into the o-projection's launch, its
+  norm into the top-k's (``DecoderLayer.fold_gate``, ``kernels.gate_fold``) instead of the
+  gate's own norm GEMV;
 - ``expert-rows``: the expert plan's choices as measured, the CUDA-core rows kernel included
   (``kernels.grouped_gemv_rows``), against the fastest other kernel of each entry
   (``ExpertPlan.exclude``).
@@ -169,6 +172,8 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
                                                    "layer_kernel", on),
             "out-buffers": lambda on: _class_attr("graphrt.moe.model", "MoEModel",
                                                   "out_buffers", on),
+            "fold-gate": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
+                                                "fold_gate", on),
             "router-fused": lambda on: _class_attr("graphrt.moe.layers", "Router", "fused", on),
             "act-epilogue": lambda on: _class_attr("graphrt.moe.experts", "Experts",
                                                    "act_epilogue", on),

@@ -384,6 +384,12 @@ class Attention:
         ``[bs, max_blocks_per_seq]``, seq_lens int32 ``[bs]`` (the new token included) ->
         ``[bs, hidden]``. Writes the new K/V at ``slot_mapping`` (live rows only). ``qkv``:
         the QKV projection already made (``dense_normed``); h is then not read."""
+        o = self.attend(h, slot_mapping, block_table, seq_lens, n, qkv=qkv)
+        return dense(o, self.wo)
+
+    def attend(self, h, slot_mapping, block_table, seq_lens, n, qkv=None) -> torch.Tensor:
+        """``__call__`` without the o-projection: the heads' outputs ``[bs, q_dim]`` (x.dtype),
+        for a caller that projects them itself (``kernels.gate_fold``)."""
         from graphrt.kernels.attention import (attention_workspace_shape, decode_attention,
                                                kv_append, select_variant, split_size_for)
         from graphrt.moe.expert_plan import num_sms
@@ -415,7 +421,7 @@ class Attention:
                          **new_kv)
         if recv is not None:
             recv()
-        return dense(o.view(bs, cfg.q_dim), self.wo)
+        return o.view(bs, cfg.q_dim)
 
     def start_prefetch(self, w: torch.Tensor):
         """Fork the side stream from the current stream and ``l2_prefetch(w)`` there (``w``:

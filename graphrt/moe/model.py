@@ -101,7 +101,7 @@ class MoEBlock:
                 and h.dtype == torch.bfloat16 and h.is_contiguous())
 
     def __call__(self, h: torch.Tensor, n: torch.Tensor, logits: torch.Tensor | None = None,
-                 defer_combine: bool | str = False) -> tuple:
+                 defer_combine: bool | str = False, routes: tuple | None = None) -> tuple:
         """h ``[bs, hidden]`` -> the routed experts' output and the shared expert's (when the
         model has one), each ``[bs, hidden]``; the caller adds them into the residual.
         ``logits``: the router gate's ``h @ w.T``, when the caller made it (``Router``).
@@ -109,18 +109,20 @@ class MoEBlock:
         EP=1 ``LocalComm``) and it would not overlap the shared expert, the routed output is
         a ``layers.PendingCombine`` that the caller's norm makes (``layers.add_rmsnorm``,
         ``PendingNorm``) instead of a tensor: ``"auto"`` where that norm is ``add_rmsnorm``
-        (the one-row norm GEMV launches the combine first), ``True`` in the GEMV too."""
+        (the one-row norm GEMV launches the combine first), ``True`` in the GEMV too.
+        ``routes``: ``(weights, ids)`` picked already (``DecoderLayer.fold_gate``); the
+        router does not run."""
         if self._routed(h):  # no masked layout: the experts read the picks themselves
-            w, ids = self.router(h, n, logits)                             # [1, k] fp32, int64
+            w, ids = routes if routes is not None else self.router(h, n, logits)  # [1, k]
             self.last_masked_m = None  # no dispatch ran: no counts to show
             out = self.experts.routed(h, ids, w, n, out=torch.empty_like(h))
             return (out,) if self.shared is None else (out, self.shared(h))
-        if self._routes_in_dispatch(h):  # top-k and dispatch in one launch
+        if routes is None and self._routes_in_dispatch(h):  # top-k and dispatch in one launch
             logits = self.router.gate(h) if logits is None else logits
             w, ids, d = self.comm.route_dispatch(h, logits, n, self.cfg.num_topk,
                                                  self.router.topk_args())
         else:
-            w, ids = self.router(h, n, logits)                             # [bs, k] fp32, int64
+            w, ids = routes if routes is not None else self.router(h, n, logits)  # [bs, k]
             if self.expert_map is not None:  # logical -> physical slots (replica per token)
                 ids = self.expert_map.route(self.index, ids)
             d = self.comm.dispatch(h, ids, n, topk_weights=w)
@@ -142,6 +144,11 @@ class MoEBlock:
             return recv(), s
         self.comm.combine(y, ids, w, d, n, out=out)
         return (out,) if self.shared is None else (out, self.shared(h))
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is capturing a CUDA graph. Host-only."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class DecoderLayer:
@@ -180,6 +187,14 @@ class DecoderLayer:
     # launches; BENCHMARKS.md §39-§40). GRAPHRT_LAYER_KERNEL=1 at import (A/B: the
     # layer-kernel switch).
     layer_kernel = env_flag("GRAPHRT_LAYER_KERNEL", False)
+    # A one-row step folds the router gate into the o-projection (kernels.gate_fold: the
+    # o-projection's launch also makes the gate's numerators from weights folded once,
+    # G = gate * moe_norm and M = G @ wo; the top-k launch takes the norm's rstd from the
+    # residual and stores the normed rows): the gate's own launch is gone. Softmax routing
+    # without a logit bias, hidden and q_dim <= 4096, the dense path on graphrt's GEMVs, not
+    # inside torch.compile. The logits differ from the unfused gate's by bf16 rounding.
+    # GRAPHRT_FOLD_GATE=1 at import (A/B: the fold-gate switch).
+    fold_gate = env_flag("GRAPHRT_FOLD_GATE", False)
 
     def __init__(self, cfg, comm, device, gen, seed, **kw):
         self.cfg = cfg
@@ -188,6 +203,60 @@ class DecoderLayer:
         self.attn = Attention(cfg, device, gen)
         self.moe = MoEBlock(cfg, comm, device, gen, seed, **kw)
         self.layer_ws = None  # the one-launch layer's workspace (MoEModel sets it where it fits)
+        self._fold = None  # (the weights folded, their versions, (M, G)): _folded_gate
+
+    def _folds_gate(self, x: torch.Tensor) -> bool:
+        """Whether this step runs ``kernels.gate_fold`` (``fold_gate``). Host-only (shapes
+        and settings)."""
+        from graphrt.kernels.gate_fold import fits
+        from graphrt.moe import layers
+        cfg, router = self.cfg, self.moe.router
+        return (self.fold_gate and x.shape[0] == 1 and x.device.type == "cuda"
+                and x.dtype == torch.bfloat16 and x.is_contiguous() and cfg.routing == "softmax"
+                and router.takes_logits() and layers.DENSE in ("auto", "gemv")
+                and fits(cfg.hidden, cfg.q_dim, cfg.num_experts)
+                and not torch.compiler.is_compiling())
+
+    def _folded_gate(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(M, G)`` of ``kernels.gate_fold.fold_gate_weights`` for this layer's gate,
+        MoE norm and o-projection, folded again (into the same tensors, so captured graphs
+        read the new fold) whenever one of those weights was replaced or changed in place
+        since the last fold. Host-only: a stale fold inside a capture is an error."""
+        from graphrt.kernels.gate_fold import fold_gate_weights
+        ws = (self.moe.router.w, self.moe_norm, self.attn.wo)
+        versions = tuple(w._version for w in ws)
+        fold = self._fold
+        if fold is not None and all(a is b for a, b in zip(fold[0], ws)) and fold[1] == versions:
+            return fold[2]
+        if _capturing(ws[0].device):
+            raise RuntimeError("DecoderLayer.fold_gate: the router gate, the MoE norm or the "
+                               "o-projection changed since they were folded, and a stream is "
+                               "capturing; run one eager step (or capture again) after changing "
+                               "weights, so the fold is made outside the capture")
+        m, g = fold_gate_weights(*ws)
+        if fold is not None and fold[2][0].shape == m.shape and fold[2][1].shape == g.shape:
+            fold[2][0].copy_(m)
+            fold[2][1].copy_(g)
+            m, g = fold[2]
+        self._fold = (ws, tuple(w._version for w in ws), (m, g))
+        return m, g
+
+    def _fold_route(self, a: torch.Tensor, x: torch.Tensor, n: torch.Tensor):
+        """The o-projection of ``a`` with the residual add and the gate's numerators, then
+        the top-k with the MoE norm (``kernels.gate_fold``: two launches) ->
+        ``((weights, ids), residual, normed)``, one row."""
+        from graphrt.kernels.gate_fold import fold_topk, oproj_gate
+        cfg, dev = self.cfg, x.device
+        m, g = self._folded_gate()
+        res = torch.empty_like(x)
+        num = torch.empty(1, cfg.num_experts, dtype=torch.float32, device=dev)
+        oproj_gate(a, self.attn.wo, x, m, g, out_residual=res, out_num=num)
+        w = torch.empty(1, cfg.num_topk, dtype=torch.float32, device=dev)
+        ids = torch.empty(1, cfg.num_topk, dtype=torch.int64, device=dev)
+        h = torch.empty_like(x)
+        fold_topk(num, res, self.moe_norm, n, cfg.num_topk, cfg.rms_eps, out_weights=w,
+                  out_ids=ids, out_normed=h)
+        return (w, ids), res, h
 
     def layer_kernel_fits(self) -> bool:
         """Whether this layer's weights and settings fit ``kernels.decode_layer`` (the
@@ -250,19 +319,24 @@ class DecoderLayer:
             return self._layer_in_one_launch(x, h, slot_mapping, block_table, seq_lens, n,
                                              next_norm, next_attn)
         eps = self.cfg.rms_eps
+        qkv = None
         if isinstance(h, PendingNorm):
             qkv, x = dense_normed(h, self.attn.wqkv)
-            attn = self.attn(None, slot_mapping, block_table, seq_lens, n, qkv=qkv)
+            h = None
+        router, logits, routes = self.moe.router, None, None
+        if self._folds_gate(x):
+            a = self.attn.attend(h, slot_mapping, block_table, seq_lens, n, qkv=qkv)
+            routes, x, h = self._fold_route(a, x, n)
         else:
-            attn = self.attn(h, slot_mapping, block_table, seq_lens, n)
-        router, logits = self.moe.router, None
-        if self.fuse_moe_norm and router.takes_logits() and gate_norm_fusable(x, router.w):
-            logits, x, h = dense_normed_keep(PendingNorm(x, (attn,), self.moe_norm, eps), router.w)
-        else:
-            x, h = add_rmsnorm(x, attn, weight=self.moe_norm, eps=eps)
+            attn = self.attn(h, slot_mapping, block_table, seq_lens, n, qkv=qkv)
+            if self.fuse_moe_norm and router.takes_logits() and gate_norm_fusable(x, router.w):
+                logits, x, h = dense_normed_keep(PendingNorm(x, (attn,), self.moe_norm, eps),
+                                                 router.w)
+            else:
+                x, h = add_rmsnorm(x, attn, weight=self.moe_norm, eps=eps)
         recv = (next_attn.start_prefetch(next_attn.wqkv)
                 if next_attn is not None and self.prefetch_next_qkv else None)
-        deltas = self.moe(h, n, logits, defer_combine=self.fuse_combine)
+        deltas = self.moe(h, n, logits, defer_combine=self.fuse_combine, routes=routes)
         if self.fuse_norm and (next_attn is not None or self.fuse_final_norm):
             out = x, PendingNorm(x, deltas, next_norm, eps)
         else:
