@@ -89,10 +89,11 @@ def _oproj_gate_kernel(
                      mask=mask_e[:, None] & mask_ko[None, :], other=0.0)
         gw = tl.load(g_ptr + offs_e.to(tl.int64)[:, None] * n + offs_h[None, :],
                      mask=mask_e[:, None] & mask_h[None, :], other=0.0)
-        a = tl.load(a_ptr + offs_ko, mask=mask_ko, other=0.0).to(tl.float32)
-        xp = tl.load(xp_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
-        num = (tl.sum(mw.to(tl.float32) * a[None, :], axis=1)
-               + tl.sum(gw.to(tl.float32) * xp[None, :], axis=1))
+        # (names of their own: a name set in both branches must keep one type)
+        a_all = tl.load(a_ptr + offs_ko, mask=mask_ko, other=0.0).to(tl.float32)
+        xp_all = tl.load(xp_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+        num = (tl.sum(mw.to(tl.float32) * a_all[None, :], axis=1)
+               + tl.sum(gw.to(tl.float32) * xp_all[None, :], axis=1))
         tl.store(num_ptr + offs_e, num, mask=mask_e)
 
 
