@@ -43,10 +43,12 @@ import triton.language as tl
 
 from ._pdl import pdl_prologue
 from ._util import check, check_tensor, pdl_args
-from .routing import _MAX_EXPERTS, _MAX_TOPK, PACKED, softmax_warps
+from .routing import _MAX_EXPERTS, _MAX_TOPK, PACKED
 from .routing_rows import _softmax_pick_values, _store_picks
 
 MAX_K = 4096  # q_dim and hidden: one load round a program (the rows GEMV's widest round)
+# fold_topk's warps: the norm's 4 KB row in and out on 4 (a softmax top-k alone runs on 1)
+FOLD_TOPK_WARPS = 4
 _O_TILE = 8192  # o-projection weights a program loads (16 KB bf16), as dense_gemv_rows
 
 
@@ -59,7 +61,7 @@ def _oproj_gate_kernel(
     g_ptr,  # bf16 [E, n] contiguous: the folded gate on x_prev
     res_ptr,  # bf16 [n] out: x_prev + a @ wo.T
     num_ptr,  # fp32 [E] out: G @ x_prev + M @ a
-    n, k_o, num_experts, o_programs,  # ints; programs >= o_programs make the numerators
+    n, k_o, num_experts, e_programs,  # ints; programs < e_programs make the numerators
     BLOCK_N: tl.constexpr,  # o-projection columns a program
     BLOCK_KO: tl.constexpr,  # next power of two >= k_o
     BLOCK_H: tl.constexpr,  # next power of two >= n
@@ -70,8 +72,8 @@ def _oproj_gate_kernel(
     pid = tl.program_id(0)
     offs_ko = tl.arange(0, BLOCK_KO)
     mask_ko = offs_ko < k_o
-    if pid < o_programs:  # o-projection columns, then the residual add
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if pid >= e_programs:  # o-projection columns, then the residual add
+        offs_n = (pid - e_programs) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < n
         w = tl.load(wo_ptr + offs_n.to(tl.int64)[:, None] * k_o + offs_ko[None, :],
                     mask=mask_n[:, None] & mask_ko[None, :], other=0.0)
@@ -80,8 +82,8 @@ def _oproj_gate_kernel(
         xp = tl.load(xp_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         tl.store(res_ptr + offs_n, (xp + o.to(tl.float32)).to(res_ptr.dtype.element_ty),
                  mask=mask_n)
-    else:  # gate numerators: M @ a + G @ x_prev
-        offs_e = (pid - o_programs) * BLOCK_E + tl.arange(0, BLOCK_E)
+    else:  # gate numerators: M @ a + G @ x_prev (first in the grid: not in the last wave)
+        offs_e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
         mask_e = offs_e < num_experts
         offs_h = tl.arange(0, BLOCK_H)
         mask_h = offs_h < n
@@ -185,9 +187,8 @@ def oproj_gate(a: torch.Tensor, w_o: torch.Tensor, x_prev: torch.Tensor, m: torc
     check_tensor(out_num, "out_num", shape=(1, e), dtype=torch.float32, device=dev,
                  contiguous=True)
     block_n = _o_block_n(n, k_o)
-    o_programs = triton.cdiv(n, block_n)
-    _oproj_gate_kernel[(o_programs + e,)](
-        a, w_o, x_prev, m, g, out_residual, out_num, n, k_o, e, o_programs,
+    _oproj_gate_kernel[(e + triton.cdiv(n, block_n),)](
+        a, w_o, x_prev, m, g, out_residual, out_num, n, k_o, e, e,
         BLOCK_N=block_n, BLOCK_KO=triton.next_power_of_2(k_o),
         BLOCK_H=triton.next_power_of_2(n), BLOCK_E=1, num_warps=4, **pdl_args())
     return out_residual, out_num
@@ -230,7 +231,7 @@ def fold_topk(num: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tens
         num, residual, norm_weight, n, out_weights, out_ids, out_normed, hidden, e, float(eps),
         NUM_TOPK=num_topk, BLOCK_E=triton.next_power_of_2(e),
         BLOCK_K=triton.next_power_of_2(num_topk), BLOCK_H=triton.next_power_of_2(hidden),
-        RENORMALIZE=bool(renormalize), PACKED=packed, num_warps=softmax_warps(e), **pdl_args())
+        RENORMALIZE=bool(renormalize), PACKED=packed, num_warps=FOLD_TOPK_WARPS, **pdl_args())
     return out_weights, out_ids, out_normed
 
 

@@ -14,12 +14,12 @@ SCRIPT = textwrap.dedent('''
 
     O_SIG = {"a_ptr": "*bf16", "wo_ptr": "*bf16", "xp_ptr": "*bf16", "m_ptr": "*bf16",
              "g_ptr": "*bf16", "res_ptr": "*bf16", "num_ptr": "*fp32", "n": "i32", "k_o": "i32",
-             "num_experts": "i32", "o_programs": "i32"}
+             "num_experts": "i32", "e_programs": "i32"}
     T_SIG = {"num_ptr": "*fp32", "res_ptr": "*bf16", "gamma_ptr": "*bf16", "n_ptr": "*i32",
              "weights_ptr": "*fp32", "ids_ptr": "*i64", "normed_ptr": "*bf16", "hidden": "i32",
              "num_experts": "i32", "eps": "fp32"}
     AO = aligned(_oproj_gate_kernel, "a_ptr wo_ptr xp_ptr m_ptr g_ptr res_ptr num_ptr n k_o "
-                                      "num_experts o_programs".split())
+                                      "num_experts e_programs".split())
     AT = aligned(_fold_topk_kernel, "num_ptr res_ptr gamma_ptr n_ptr weights_ptr ids_ptr "
                                      "normed_ptr hidden num_experts".split())
 
@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent('''
         out[f"topk-{gdc}"] = facts(ptx(_fold_topk_kernel, T_SIG,
                                        dict(NUM_TOPK=8, BLOCK_E=64, BLOCK_K=8, BLOCK_H=2048,
                                             RENORMALIZE=True, PACKED=True, USE_GDC=gdc),
-                                       attrs=AT, num_warps=1))
+                                       attrs=AT))
     print(json.dumps(out))
 ''')
 
