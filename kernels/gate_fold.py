@@ -49,6 +49,9 @@ from .routing_rows import _softmax_pick_values, _store_picks
 MAX_K = 4096  # q_dim and hidden: one load round a program (the rows GEMV's widest round)
 # fold_topk's warps: the norm's 4 KB row in and out on 4 (a softmax top-k alone runs on 1)
 FOLD_TOPK_WARPS = 4
+# gate rows a numerator program of oproj_gate makes (its programs: experts / GATE_ROWS, before
+# the o-projection's hidden / 2 at the qwen3-like shapes)
+GATE_ROWS = 1
 _O_TILE = 8192  # o-projection weights a program loads (16 KB bf16), as dense_gemv_rows
 
 
@@ -187,10 +190,11 @@ def oproj_gate(a: torch.Tensor, w_o: torch.Tensor, x_prev: torch.Tensor, m: torc
     check_tensor(out_num, "out_num", shape=(1, e), dtype=torch.float32, device=dev,
                  contiguous=True)
     block_n = _o_block_n(n, k_o)
-    _oproj_gate_kernel[(e + triton.cdiv(n, block_n),)](
-        a, w_o, x_prev, m, g, out_residual, out_num, n, k_o, e, e,
+    e_programs = triton.cdiv(e, GATE_ROWS)
+    _oproj_gate_kernel[(e_programs + triton.cdiv(n, block_n),)](
+        a, w_o, x_prev, m, g, out_residual, out_num, n, k_o, e, e_programs,
         BLOCK_N=block_n, BLOCK_KO=triton.next_power_of_2(k_o),
-        BLOCK_H=triton.next_power_of_2(n), BLOCK_E=1, num_warps=4, **pdl_args())
+        BLOCK_H=triton.next_power_of_2(n), BLOCK_E=GATE_ROWS, num_warps=4, **pdl_args())
     return out_residual, out_num
 
 

@@ -80,7 +80,8 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   its end;
 - ``fold-gate``: a one-row step's router gate folded into the o-projection's launch, its
   norm into the top-k's (``DecoderLayer.fold_gate``, ``kernels.gate_fold``) instead of the
-  gate's own norm GEMV;
+  gate's own norm GEMV (``fold-e2`` / ``fold-e4``: 2 / 4 gate rows a numerator program,
+  ``kernels.gate_fold.GATE_ROWS``; ``fold-w1``: the top-k launch on 1 warp);
 - ``expert-rows``: the expert plan's choices as measured, the CUDA-core rows kernel included
   (``kernels.grouped_gemv_rows``), against the fastest other kernel of each entry
   (``ExpertPlan.exclude``).
@@ -174,6 +175,12 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
                                                   "out_buffers", on),
             "fold-gate": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
                                                 "fold_gate", on),
+            "fold-e2": lambda on: _class_attr("graphrt.kernels.gate_fold", None, "GATE_ROWS",
+                                              2 if on else 1),
+            "fold-e4": lambda on: _class_attr("graphrt.kernels.gate_fold", None, "GATE_ROWS",
+                                              4 if on else 1),
+            "fold-w1": lambda on: _class_attr("graphrt.kernels.gate_fold", None,
+                                              "FOLD_TOPK_WARPS", 1 if on else 4),
             "router-fused": lambda on: _class_attr("graphrt.moe.layers", "Router", "fused", on),
             "act-epilogue": lambda on: _class_attr("graphrt.moe.experts", "Experts",
                                                    "act_epilogue", on),

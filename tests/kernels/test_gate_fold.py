@@ -41,8 +41,11 @@ def test_fold_gate_weights_are_the_products():
 
 
 # (hidden, q_dim, experts): powers of two, odd sizes (masks), more experts than columns
+@pytest.mark.parametrize("gate_rows", [1, 4])
 @pytest.mark.parametrize("hidden, q_dim, e", [(64, 128, 16), (48, 80, 7), (32, 64, 128)])
-def test_oproj_gate_matches_its_reference(hidden, q_dim, e):
+def test_oproj_gate_matches_its_reference(hidden, q_dim, e, gate_rows, monkeypatch):
+    from graphrt.kernels import gate_fold
+    monkeypatch.setattr(gate_fold, "GATE_ROWS", gate_rows)
     a, w_o, x_prev, w_gate, gamma = _layer(hidden, q_dim, e)
     m, g = fold_gate_weights(w_gate, gamma, w_o)
     res = torch.full((1, hidden), float("nan"), dtype=torch.bfloat16)
