@@ -49,9 +49,12 @@ from .routing_rows import _softmax_pick_values, _store_picks
 MAX_K = 4096  # q_dim and hidden: one load round a program (the rows GEMV's widest round)
 # fold_topk's warps: the norm's 4 KB row in and out on 4 (a softmax top-k alone runs on 1)
 FOLD_TOPK_WARPS = 4
-# gate rows a numerator program of oproj_gate makes (its programs: experts / GATE_ROWS, before
-# the o-projection's hidden / 2 at the qwen3-like shapes)
-GATE_ROWS = 1
+# Gate rows a numerator program of oproj_gate makes (experts / GATE_ROWS programs, first in
+# the grid, before the o-projection's hidden / 2). At the qwen3-like bs-1 step (1024
+# o-projection programs, 8 an SM at this kernel's 60 registers) 4 rows (16 programs) was
+# 0.984x the unfolded step, 1 row 1.027x, 2 rows 1.032x, 8 rows 1.017x (BENCHMARKS.md §42):
+# more programs than the SMs hold at once take a second wave, fewer carry too many bytes.
+GATE_ROWS = 4
 _O_TILE = 8192  # o-projection weights a program loads (16 KB bf16), as dense_gemv_rows
 
 

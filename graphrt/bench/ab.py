@@ -80,8 +80,9 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   its end;
 - ``fold-gate``: a one-row step's router gate folded into the o-projection's launch, its
   norm into the top-k's (``DecoderLayer.fold_gate``, ``kernels.gate_fold``) instead of the
-  gate's own norm GEMV (``fold-e2`` / ``fold-e4`` / ``fold-e8``: 2 / 4 / 8 gate rows a numerator program,
-  ``kernels.gate_fold.GATE_ROWS``; ``fold-w1``: the top-k launch on 1 warp);
+  gate's own norm GEMV; ``fold-e1`` / ``fold-e2`` / ``fold-e8``: 1 / 2 / 8 gate rows a
+  numerator program instead of 4 (``kernels.gate_fold.GATE_ROWS``); ``fold-w1``: the top-k
+  launch on 1 warp instead of 4;
 - ``rows-reg64``: the rows GEMV's programs capped at 64 registers a thread
   (``kernels.dense_gemv.ROWS_MAXNREG``);
 - ``expert-rows``: the expert plan's choices as measured, the CUDA-core rows kernel included
@@ -178,11 +179,11 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "fold-gate": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
                                                 "fold_gate", on),
             "fold-e2": lambda on: _class_attr("graphrt.kernels.gate_fold", None, "GATE_ROWS",
-                                              2 if on else 1),
-            "fold-e4": lambda on: _class_attr("graphrt.kernels.gate_fold", None, "GATE_ROWS",
-                                              4 if on else 1),
+                                              2 if on else 4),
+            "fold-e1": lambda on: _class_attr("graphrt.kernels.gate_fold", None, "GATE_ROWS",
+                                              1 if on else 4),
             "fold-e8": lambda on: _class_attr("graphrt.kernels.gate_fold", None, "GATE_ROWS",
-                                              8 if on else 1),
+                                              8 if on else 4),
             "rows-reg64": lambda on: _class_attr("graphrt.kernels.dense_gemv", None,
                                                  "ROWS_MAXNREG", 64 if on else None),
             "fold-w1": lambda on: _class_attr("graphrt.kernels.gate_fold", None,

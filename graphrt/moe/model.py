@@ -193,8 +193,10 @@ class DecoderLayer:
     # residual and stores the normed rows): the gate's own launch is gone. Softmax routing
     # without a logit bias, hidden and q_dim <= 4096, the dense path on graphrt's GEMVs, not
     # inside torch.compile. The logits differ from the unfused gate's by bf16 rounding.
-    # GRAPHRT_FOLD_GATE=1 at import (A/B: the fold-gate switch).
-    fold_gate = env_flag("GRAPHRT_FOLD_GATE", False)
+    # 0.984x / 0.985x the qwen3-like step at bs 1 with 4 gate rows a numerator program
+    # (gate_fold.GATE_ROWS; 1 row: 1.027x, 8 rows: 1.017x; BENCHMARKS.md §42).
+    # GRAPHRT_FOLD_GATE=0 at import turns it off (A/B: the fold-gate switch).
+    fold_gate = env_flag("GRAPHRT_FOLD_GATE", True)
 
     def __init__(self, cfg, comm, device, gen, seed, **kw):
         self.cfg = cfg
