@@ -439,7 +439,13 @@ class MoEModel:
         and events, synchronizes; on a CPU device the decode kernel is recorded untimed);
         every call then selects that size's entries, which a step of that size reads (a dict
         lookup and an attribute store). ``n`` (live rows) is not used. No-op unless
-        ``backend="auto"``. Host-only: refuses to measure while a stream captures."""
+        ``backend="auto"``. Host-only: refuses to measure while a stream captures.
+
+        At one row it also folds again the gate of every layer that folded it
+        (``DecoderLayer.fold_gate``) whose gate, MoE norm or o-projection changed since,
+        into the tensors the graphs read (``refold_gate``): a replay never reads a stale fold."""
+        if padded_bs == 1:
+            self.refold_gate(only_folded=True)
         plan = self._plan
         if plan is None:
             return
@@ -450,6 +456,15 @@ class MoEModel:
                       num_experts=self.cfg.num_experts, num_ranks=self.comm.num_ranks)
             self._prepared.add(padded_bs)
         plan.select(padded_bs)
+
+    def refold_gate(self, only_folded: bool = False) -> None:
+        """Fold every layer's router gate again where its gate, MoE norm or o-projection
+        changed since the last fold (``DecoderLayer._folded_gate``; in place, so captured
+        graphs read the new fold). ``only_folded``: only layers that have folded already.
+        Host-only (a few attribute reads a layer when nothing changed)."""
+        for layer in self.layers:
+            if layer._fold is not None or not only_folded:
+                layer._folded_gate()
 
     def expert_plan(self) -> dict | None:
         """The per-size kernel table as JSON-ready data (``ExpertPlan.to_json``: kernel,
@@ -546,7 +561,16 @@ class MoEModel:
                         live_count="n", out="out" if self.out_buffers else None,
                         example_inputs=self.example_inputs,
                         state=state,
-                        before_replay=self.prepare if self._plan is not None else None)
+                        before_replay=self.prepare if self._plan is not None
+                        or self._may_fold() else None)
+
+    def _may_fold(self) -> bool:
+        """Whether a one-row step of this model may fold its router gate
+        (``DecoderLayer.fold_gate``): then ``prepare`` checks the folds. Host-only."""
+        from graphrt.kernels.gate_fold import fits
+        cfg = self.cfg
+        return (self.device.type == "cuda" and cfg.routing == "softmax"
+                and fits(cfg.hidden, cfg.q_dim, cfg.num_experts))
 
 
 def layer_workspace(cfg, device):
