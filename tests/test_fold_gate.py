@@ -100,3 +100,18 @@ def test_a_captured_graph_reads_the_new_fold(cuda_device):
     assert torch.equal(after, want)
     assert not torch.equal(after, before)
     assert all(c.ok for c in rt.check_replay(trials=1))
+
+
+def test_a_fold_made_in_inference_mode_refolds_outside_it(layer):
+    """graphrt warms up and captures in inference mode: a fold made there is refolded in
+    place after a weight change outside it (an inference tensor would refuse the write)."""
+    with torch.inference_mode():
+        m, _ = layer._folded_gate()
+    assert not m.is_inference()
+    layer.moe.router.w.mul_(-1.0)
+    m2, _ = layer._folded_gate()
+    assert m2 is m and torch.equal(m, _expected(layer)[0])
+    with torch.inference_mode():                   # and inside it again
+        layer.moe_norm.mul_(2.0)
+        assert layer._folded_gate()[0] is m
+    assert torch.equal(m, _expected(layer)[0])

@@ -235,7 +235,8 @@ class DecoderLayer:
                                "o-projection changed since they were folded, and a stream is "
                                "capturing; run one eager step (or capture again) after changing "
                                "weights, so the fold is made outside the capture")
-        m, g = fold_gate_weights(*ws)
+        with torch.inference_mode(False):  # normal tensors, so a later refold may write them
+            m, g = fold_gate_weights(*ws)     # outside inference mode (graphrt warms up in it)
         if fold is not None and fold[2][0].shape == m.shape and fold[2][1].shape == g.shape:
             fold[2][0].copy_(m)
             fold[2][1].copy_(g)
