@@ -196,10 +196,6 @@ ROWS_AUTO = 2
 # (A/B: the router-rows switch sets 256).
 ROWS_SMALL_N = int(os.environ.get("GRAPHRT_ROWS_SMALL_N", "0"))
 _ROWS_TILE = 8192  # weights a program loads per round (16 KB bf16)
-# A register cap for dense_gemv_rows' programs (Triton's maxnreg; None: the compiler's
-# choice, 70 a thread on an H200 for the one-row o-projection: 7 programs an SM, so its 1024
-# programs take two waves). A/B: the rows-reg64 switch.
-ROWS_MAXNREG: int | None = None
 
 
 def _check_xw_out(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, max_rows: int):
@@ -248,11 +244,9 @@ def dense_gemv_rows(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
         return out
     if k == 0:
         return out.zero_()
-    cap = {} if ROWS_MAXNREG is None or interpreting() else {"maxnreg": ROWS_MAXNREG}
     _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
         x, w, out, m, n, k, M_MAX=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, PRELOAD=bool(preload), num_warps=num_warps, **cap,
-        **pdl_args())
+        EVEN_K=k % block_k == 0, PRELOAD=bool(preload), num_warps=num_warps, **pdl_args())
     return out
 
 

@@ -83,8 +83,6 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   gate's own norm GEMV; ``fold-e1`` / ``fold-e2`` / ``fold-e8``: 1 / 2 / 8 gate rows a
   numerator program instead of 4 (``kernels.gate_fold.GATE_ROWS``); ``fold-w1``: the top-k
   launch on 1 warp instead of 4;
-- ``rows-reg64``: the rows GEMV's programs capped at 64 registers a thread
-  (``kernels.dense_gemv.ROWS_MAXNREG``);
 - ``expert-rows``: the expert plan's choices as measured, the CUDA-core rows kernel included
   (``kernels.grouped_gemv_rows``), against the fastest other kernel of each entry
   (``ExpertPlan.exclude``).
@@ -184,8 +182,6 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
                                               1 if on else 4),
             "fold-e8": lambda on: _class_attr("graphrt.kernels.gate_fold", None, "GATE_ROWS",
                                               8 if on else 4),
-            "rows-reg64": lambda on: _class_attr("graphrt.kernels.dense_gemv", None,
-                                                 "ROWS_MAXNREG", 64 if on else None),
             "fold-w1": lambda on: _class_attr("graphrt.kernels.gate_fold", None,
                                               "FOLD_TOPK_WARPS", 1 if on else 4),
             "router-fused": lambda on: _class_attr("graphrt.moe.layers", "Router", "fused", on),
