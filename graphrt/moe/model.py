@@ -224,13 +224,15 @@ class DecoderLayer:
         MoE norm and o-projection, folded again (into the same tensors, so captured graphs
         read the new fold) whenever one of those weights was replaced or changed in place
         since the last fold. Host-only: a stale fold inside a capture is an error."""
+        gate, norm, wo = ws = (self.moe.router.w, self.moe_norm, self.attn.wo)
+        fold = self._fold  # checked before every one-row replay (MoEModel.prepare): kept lean
+        if fold is not None:
+            (g0, n0, w0), versions, mg = fold
+            if (g0 is gate and n0 is norm and w0 is wo
+                    and versions == (gate._version, norm._version, wo._version)):
+                return mg
         from graphrt.kernels.gate_fold import fold_gate_weights
-        ws = (self.moe.router.w, self.moe_norm, self.attn.wo)
-        versions = tuple(w._version for w in ws)
-        fold = self._fold
-        if fold is not None and all(a is b for a, b in zip(fold[0], ws)) and fold[1] == versions:
-            return fold[2]
-        if _capturing(ws[0].device):
+        if _capturing(gate.device):
             raise RuntimeError("DecoderLayer.fold_gate: the router gate, the MoE norm or the "
                                "o-projection changed since they were folded, and a stream is "
                                "capturing; run one eager step (or capture again) after changing "
