@@ -13,21 +13,23 @@ The gate's logits are linear in x up to the norm's scalar ``rstd = rsqrt(mean(x*
 
 so the gate's GEMV needs neither x nor its norm: the o-projection's launch computes the E
 numerators ``G @ x_prev + M @ a`` beside its own columns (``oproj_gate``: extra programs of the
-same grid, one row of G and M each), and the top-k launch, which must wait for the whole x
+same grid, first in it, ``GATE_ROWS`` rows of G and M each), and the top-k launch, which must wait for the whole x
 anyway, takes ``rstd`` from x and ranks ``bf16(rstd * num)`` (``fold_topk``; it also stores the
 normed rows the experts read). The gate's own launch (a norm GEMV, BENCHMARKS.md §27) is gone.
 
 Numerics: x (the residual) and the normed rows are the unfused path's expressions (the
 o-projection's per-column sum as ``kernels.dense_gemv.dense_gemv_rows`` makes it for one row,
-the add and norm as ``kernels.norm.add_rmsnorm``). The logits are not bit for bit the
+the add and norm as ``kernels.norm.add_rmsnorm``; bitwise equal on an H200 at the qwen3-like
+shapes, tests/kernels/test_gate_fold_gpu.py). The logits are not bit for bit the
 unfused ones: M and G are bf16 roundings of the folded products, and the sum runs over
 ``x_prev`` and ``a`` instead of the bf16 normed rows. They differ by bf16 rounding, and a
 routing near-tie may pick another expert than the unfused path would; eager and graph
 replays run these same launches, so they agree bitwise with each other.
 
 The folded weights are a function of Wg, gamma and Wo: whoever changes one of them must fold
-again (``graphrt.moe.model.DecoderLayer`` checks the tensors' versions on every eager call and
-refuses a stale fold inside a capture).
+again (``graphrt.moe.model.DecoderLayer._folded_gate`` checks the tensors' identity and
+versions on every eager call and, through ``MoEModel.prepare``, before every one-row replay;
+it refuses a stale fold inside a capture).
 
 Glossary: one row (bs 1); ``hidden`` (n), ``q_dim`` (k_o, the o-projection's input), ``E``
 experts.
