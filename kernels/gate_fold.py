@@ -45,6 +45,7 @@ import triton.language as tl
 
 from ._pdl import pdl_prologue
 from ._util import check, check_tensor, pdl_args
+from .dense_gemv import dense_gemv_rows_config
 from .routing import _MAX_EXPERTS, _MAX_TOPK, PACKED
 from .routing_rows import _softmax_pick_values, _store_picks
 
@@ -57,7 +58,6 @@ FOLD_TOPK_WARPS = 4
 # 0.984x the unfolded step, 1 row 1.027x, 2 rows 1.032x, 8 rows 1.017x (BENCHMARKS.md §42):
 # more programs than the SMs hold at once take a second wave, fewer carry too many bytes.
 GATE_ROWS = 4
-_O_TILE = 8192  # o-projection weights a program loads (16 KB bf16), as dense_gemv_rows
 
 
 @triton.jit
@@ -70,7 +70,7 @@ def _oproj_gate_kernel(
     res_ptr,  # bf16 [n] out: x_prev + a @ wo.T
     num_ptr,  # fp32 [E] out: G @ x_prev + M @ a
     n, k_o, num_experts, e_programs,  # ints; programs < e_programs make the numerators
-    BLOCK_N: tl.constexpr,  # o-projection columns a program
+    BLOCK_N: tl.constexpr,  # o-projection columns a program (dense_gemv_rows_config's)
     BLOCK_KO: tl.constexpr,  # next power of two >= k_o
     BLOCK_H: tl.constexpr,  # next power of two >= n
     BLOCK_E: tl.constexpr,  # gate rows a numerator program
@@ -162,10 +162,6 @@ def fold_gate_weights(w_gate: torch.Tensor, norm_weight: torch.Tensor,
     return m.to(w_gate.dtype).contiguous(), g.to(w_gate.dtype).contiguous()
 
 
-def _o_block_n(n: int, k_o: int) -> int:
-    return max(1, min(64, _O_TILE // triton.next_power_of_2(k_o), triton.next_power_of_2(n)))
-
-
 def oproj_gate(a: torch.Tensor, w_o: torch.Tensor, x_prev: torch.Tensor, m: torch.Tensor,
                g: torch.Tensor, *, out_residual: torch.Tensor,
                out_num: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,7 +190,7 @@ def oproj_gate(a: torch.Tensor, w_o: torch.Tensor, x_prev: torch.Tensor, m: torc
                  contiguous=True)
     check_tensor(out_num, "out_num", shape=(1, e), dtype=torch.float32, device=dev,
                  contiguous=True)
-    block_n = _o_block_n(n, k_o)
+    block_n = dense_gemv_rows_config(n, k_o)["block_n"]  # the rows GEMV's columns, bitwise
     e_programs = triton.cdiv(e, GATE_ROWS)
     _oproj_gate_kernel[(e_programs + triton.cdiv(n, block_n),)](
         a, w_o, x_prev, m, g, out_residual, out_num, n, k_o, e, e_programs,

@@ -126,6 +126,12 @@ def _class_attr(module: str, cls: str | None, name: str, value):
         setattr(owner, name, before)
 
 
+def _gate_rows(rows: int):
+    """The ``fold-e<rows>`` switch: ``kernels.gate_fold.GATE_ROWS`` = rows (on) or 4."""
+    return lambda on: _class_attr("graphrt.kernels.gate_fold", None, "GATE_ROWS",
+                                  rows if on else 4)
+
+
 # switch -> (on) -> the context a capture runs in
 SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "prefetch": lambda on: _class_attr("graphrt.moe.layers", "Attention", "prefetch", on),
@@ -176,12 +182,7 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
                                                   "out_buffers", on),
             "fold-gate": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
                                                 "fold_gate", on),
-            "fold-e2": lambda on: _class_attr("graphrt.kernels.gate_fold", None, "GATE_ROWS",
-                                              2 if on else 4),
-            "fold-e1": lambda on: _class_attr("graphrt.kernels.gate_fold", None, "GATE_ROWS",
-                                              1 if on else 4),
-            "fold-e8": lambda on: _class_attr("graphrt.kernels.gate_fold", None, "GATE_ROWS",
-                                              8 if on else 4),
+            **{f"fold-e{rows}": _gate_rows(rows) for rows in (1, 2, 8)},
             "fold-w1": lambda on: _class_attr("graphrt.kernels.gate_fold", None,
                                               "FOLD_TOPK_WARPS", 1 if on else 4),
             "router-fused": lambda on: _class_attr("graphrt.moe.layers", "Router", "fused", on),

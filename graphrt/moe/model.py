@@ -448,7 +448,7 @@ class MoEModel:
         (``DecoderLayer.fold_gate``) whose gate, MoE norm or o-projection changed since,
         into the tensors the graphs read (``refold_gate``): a replay never reads a stale fold."""
         if padded_bs == 1:
-            self.refold_gate(only_folded=True)
+            self.refold_gate()
         plan = self._plan
         if plan is None:
             return
@@ -460,13 +460,13 @@ class MoEModel:
             self._prepared.add(padded_bs)
         plan.select(padded_bs)
 
-    def refold_gate(self, only_folded: bool = False) -> None:
-        """Fold every layer's router gate again where its gate, MoE norm or o-projection
-        changed since the last fold (``DecoderLayer._folded_gate``; in place, so captured
-        graphs read the new fold). ``only_folded``: only layers that have folded already.
-        Host-only (a few attribute reads a layer when nothing changed)."""
+    def refold_gate(self) -> None:
+        """Fold the router gate again in every layer that has folded it, where its gate, MoE
+        norm or o-projection changed since (``DecoderLayer._folded_gate``; in place, so
+        captured graphs read the new fold; a layer that has not folded yet folds at its
+        first one-row step). Host-only (a few attribute reads a layer when nothing changed)."""
         for layer in self.layers:
-            if layer._fold is not None or not only_folded:
+            if layer._fold is not None:
                 layer._folded_gate()
 
     def expert_plan(self) -> dict | None:
@@ -564,16 +564,9 @@ class MoEModel:
                         live_count="n", out="out" if self.out_buffers else None,
                         example_inputs=self.example_inputs,
                         state=state,
+                        # on CUDA a layer may fold its gate, which prepare keeps fresh
                         before_replay=self.prepare if self._plan is not None
-                        or self._may_fold() else None)
-
-    def _may_fold(self) -> bool:
-        """Whether a one-row step of this model may fold its router gate
-        (``DecoderLayer.fold_gate``): then ``prepare`` checks the folds. Host-only."""
-        from graphrt.kernels.gate_fold import fits
-        cfg = self.cfg
-        return (self.device.type == "cuda" and cfg.routing == "softmax"
-                and fits(cfg.hidden, cfg.q_dim, cfg.num_experts))
+                        or self.device.type == "cuda" else None)
 
 
 def layer_workspace(cfg, device):

@@ -10,14 +10,12 @@ from graphrt.kernels.gate_fold import (MAX_K, fits, fold_gate_weights, fold_topk
                                        oproj_gate, oproj_gate_ref)
 from graphrt.kernels.routing import topk_softmax_ref
 
+from dense_cases import rel_err as _rel_err
+
 
 def _t(*shape, seed, scale=1.0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
-
-
-def _rel_err(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
 def _layer(hidden, q_dim, e, seed=0):
