@@ -69,11 +69,18 @@ def _oproj_gate_kernel(
     g_ptr,  # bf16 [E, n] contiguous: the folded gate on x_prev
     res_ptr,  # bf16 [n] out: x_prev + a @ wo.T
     num_ptr,  # fp32 [E] out: G @ x_prev + M @ a
+    live_ptr,  # int32 [1]: live rows (RANK only; 0: the row is padding, ids -1)
+    ids_ptr,  # int64 [1, NUM_TOPK] out (RANK only): the experts of the NUM_TOPK largest num
+    cnt_ptr,  # int32 [1] (RANK only): numerator programs done; 0 between launches
     n, k_o, num_experts, e_programs,  # ints; programs < e_programs make the numerators
     BLOCK_N: tl.constexpr,  # o-projection columns a program (dense_gemv_rows_config's)
     BLOCK_KO: tl.constexpr,  # next power of two >= k_o
     BLOCK_H: tl.constexpr,  # next power of two >= n
     BLOCK_E: tl.constexpr,  # gate rows a numerator program
+    RANK: tl.constexpr = False,  # the last numerator program ranks all num (``fold_rank``)
+    NUM_TOPK: tl.constexpr = 1,
+    BLOCK_EA: tl.constexpr = 1,  # next power of two >= num_experts (RANK)
+    BLOCK_T: tl.constexpr = 1,  # next power of two >= NUM_TOPK (RANK)
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
@@ -105,6 +112,58 @@ def _oproj_gate_kernel(
         num = (tl.sum(mw.to(tl.float32) * a_all[None, :], axis=1)
                + tl.sum(gw.to(tl.float32) * xp_all[None, :], axis=1))
         tl.store(num_ptr + offs_e, num, mask=mask_e)
+        if RANK:  # the last numerator program to finish ranks them (dense_mma's semaphore)
+            tl.debug_barrier()  # every thread's numerators stored before the release below
+            done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+            if done == e_programs - 1:  # every numerator visible
+                offs_a = tl.arange(0, BLOCK_EA)
+                mask_a = offs_a < num_experts
+                every = tl.load(num_ptr + offs_a, mask=mask_a, other=0.0, cache_modifier=".cg")
+                live = tl.load(live_ptr + offs_a * 0, mask=offs_a < 1, other=0)  # a vector
+                ids = _rank(every, offs_a, mask_a, NUM_TOPK, BLOCK_EA, BLOCK_T)
+                ids = tl.where(tl.max(live, axis=0) > 0, ids, -1)
+                offs_t = tl.arange(0, BLOCK_T)
+                tl.store(ids_ptr + offs_t, ids.to(tl.int64), mask=offs_t < NUM_TOPK)
+                tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")  # clean for the next launch
+
+
+@triton.jit
+def _rank(num, offs_e, emask, NUM_TOPK: tl.constexpr, BLOCK_E: tl.constexpr,
+          BLOCK_T: tl.constexpr):
+    """int32 ``[BLOCK_T]``: the experts of the ``NUM_TOPK`` largest ``num`` (fp32, in
+    registers), largest first, the lowest id first among equal values; lanes past
+    ``NUM_TOPK`` -1. Ranking the numerators ranks the logits ``rstd * num`` (``rstd > 0``)."""
+    offs_t = tl.arange(0, BLOCK_T)
+    ids = tl.full([BLOCK_T], -1, dtype=tl.int32)
+    avail = emask
+    for k in tl.static_range(NUM_TOPK):
+        v = tl.where(avail, num, float("-inf"))
+        best = tl.max(v, axis=0)
+        idx = tl.min(tl.where(avail & (v == best), offs_e, BLOCK_E), axis=0)
+        ids = tl.where(offs_t == k, idx, ids)
+        avail = avail & (offs_e != idx)
+    return ids
+
+
+@triton.jit
+def fold_weights(num_ptr, ids, live, rstd, num_experts, out_ptr, NUM_TOPK: tl.constexpr,
+                 BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """The routing weights of the picks ``ids`` (int ``[BLOCK_T]``, -1 past ``NUM_TOPK``) for
+    the logits ``bf16(rstd * num)`` (``num_ptr`` fp32 ``[E]``) as ``fold_topk`` makes them (the
+    softmax over every expert, renormalized over the picks): stored fp32 to
+    ``out_ptr[:NUM_TOPK]``, zeros when not ``live``. ``kernels.routed_gemv``'s W13 calls it in
+    one program when the fold ranks (``fold_rank``)."""
+    offs_e = tl.arange(0, BLOCK_E)
+    emask = offs_e < num_experts
+    num = tl.load(num_ptr + offs_e, mask=emask, other=0.0)
+    x = tl.where(emask, (num * rstd).to(tl.bfloat16).to(tl.float32), float("-inf"))
+    ex = tl.where(emask, tl.exp(x - tl.max(x, axis=0)), 0.0)
+    p = ex / tl.sum(ex, axis=0)
+    w = tl.sum(tl.where(offs_e[None, :] == ids[:, None], p[None, :], 0.0), axis=1)  # [BLOCK_T]
+    if RENORMALIZE:
+        w = w / tl.sum(w, axis=0)
+    offs_t = tl.arange(0, BLOCK_T)
+    tl.store(out_ptr + offs_t, tl.where(live, w, 0.0), mask=offs_t < NUM_TOPK)
 
 
 @triton.jit
@@ -163,8 +222,8 @@ def fold_gate_weights(w_gate: torch.Tensor, norm_weight: torch.Tensor,
 
 
 def oproj_gate(a: torch.Tensor, w_o: torch.Tensor, x_prev: torch.Tensor, m: torch.Tensor,
-               g: torch.Tensor, *, out_residual: torch.Tensor,
-               out_num: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+               g: torch.Tensor, *, out_residual: torch.Tensor, out_num: torch.Tensor,
+               rank: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch: ``out_residual = x_prev + a @ w_o.T`` (the o-projection rounded to bf16,
     then the add rounded, as the unfused pair) and ``out_num = G @ x_prev + M @ a`` (fp32).
 
@@ -172,6 +231,12 @@ def oproj_gate(a: torch.Tensor, w_o: torch.Tensor, x_prev: torch.Tensor, m: torc
     m bf16 ``[E, q_dim]`` and g bf16 ``[E, hidden]`` from ``fold_gate_weights``;
     out_residual bf16 ``[1, hidden]``; out_num fp32 ``[1, E]``; all contiguous on one device,
     hidden and q_dim at most ``MAX_K``. Returns ``(out_residual, out_num)``.
+
+    ``rank=(n, out_ids, counter)``: the last numerator program to finish also ranks the
+    numerators (``fold_rank``): ``out_ids`` int64 ``[1, K]`` gets the experts of the K largest
+    (the lowest id among equals; -1 when ``n`` int32 ``[1]`` is 0), the picks
+    ``fold_topk`` makes up to ties of the bf16-rounded logits. ``counter`` int32 ``[1]`` must
+    be 0 before the launch (``torch.zeros``) and is 0 again after it.
 
     Graph safety: capturable (no allocation, no host sync)
     """
@@ -192,10 +257,23 @@ def oproj_gate(a: torch.Tensor, w_o: torch.Tensor, x_prev: torch.Tensor, m: torc
                  contiguous=True)
     block_n = dense_gemv_rows_config(n, k_o)["block_n"]  # the rows GEMV's columns, bitwise
     e_programs = triton.cdiv(e, GATE_ROWS)
+    live = ids = cnt = out_num  # unread without ranking (its RANK branch compiles away)
+    rk = {}
+    if rank is not None:
+        live, ids, cnt = rank
+        check_tensor(live, "rank n", shape=(1,), dtype=torch.int32, device=dev)
+        check_tensor(ids, "rank out_ids", shape=(1, None), dtype=torch.int64, device=dev,
+                     contiguous=True)
+        k = ids.shape[1]
+        check(1 <= k <= min(_MAX_TOPK, e), "rank out_ids.shape[1] (num_topk)",
+              f"1..{min(_MAX_TOPK, e)}", k)
+        check_tensor(cnt, "rank counter", shape=(1,), dtype=torch.int32, device=dev)
+        rk = dict(RANK=True, NUM_TOPK=k, BLOCK_EA=triton.next_power_of_2(e),
+                  BLOCK_T=triton.next_power_of_2(k))
     _oproj_gate_kernel[(e_programs + triton.cdiv(n, block_n),)](
-        a, w_o, x_prev, m, g, out_residual, out_num, n, k_o, e, e_programs,
+        a, w_o, x_prev, m, g, out_residual, out_num, live, ids, cnt, n, k_o, e, e_programs,
         BLOCK_N=block_n, BLOCK_KO=triton.next_power_of_2(k_o),
-        BLOCK_H=triton.next_power_of_2(n), BLOCK_E=GATE_ROWS, num_warps=4, **pdl_args())
+        BLOCK_H=triton.next_power_of_2(n), BLOCK_E=GATE_ROWS, num_warps=4, **rk, **pdl_args())
     return out_residual, out_num
 
 
