@@ -115,3 +115,60 @@ def test_a_fold_made_in_inference_mode_refolds_outside_it(layer):
         layer.moe_norm.mul_(2.0)
         assert layer._folded_gate()[0] is m
     assert torch.equal(m, _expected(layer)[0])
+
+
+def _cpu_fold(monkeypatch):
+    """Let a CPU model fold (the kernels run on the interpreter): ``_folds_gate`` without its
+    device condition."""
+    from graphrt.kernels.gate_fold import fits
+    from graphrt.moe import layers
+    from graphrt.moe.model import DecoderLayer
+
+    def folds(self, x):
+        return (self.fold_gate and x.shape[0] == 1 and x.dtype == torch.bfloat16
+                and self.cfg.routing == "softmax" and self.moe.router.takes_logits()
+                and layers.DENSE in ("auto", "gemv")
+                and fits(self.cfg.hidden, self.cfg.q_dim, self.cfg.num_experts))
+    monkeypatch.setattr(DecoderLayer, "_folds_gate", folds)
+
+
+@pytest.mark.parametrize("shared", [0, 1])
+def test_the_ranking_fold_runs_no_top_k_launch_and_gives_the_same_logits(monkeypatch, shared):
+    """``fold_rank``: the o-projection ranks and W13 norms the row and makes the weights, so
+    ``fold_topk`` does not run; the logits equal the top-k launch's path bitwise here (the
+    CPU interpreter; on the GPU the normed row's rstd may differ in its last bit). With a
+    shared expert (it reads the normed rows) the top-k launch runs."""
+    from graphrt.kernels import gate_fold
+    from graphrt.moe import make_step
+    from graphrt.moe.model import DecoderLayer
+    _cpu_fold(monkeypatch)
+    cfg = preset("tiny", routing="softmax", num_shared_experts=shared, num_topk=4,
+                 num_experts=16)
+    spec, model = make_step(cfg, "cpu", max_batch_size=8)
+    inputs = spec.random_inputs(1, "cpu", torch.Generator().manual_seed(0))
+    topk_calls = []
+    real_topk = gate_fold.fold_topk
+    monkeypatch.setattr(gate_fold, "fold_topk",
+                        lambda *a, **k: topk_calls.append(1) or real_topk(*a, **k))
+    logits = {}
+    for rank in (False, True):
+        monkeypatch.setattr(DecoderLayer, "fold_rank", rank)
+        topk_calls.clear()
+        logits[rank] = model.step(**{k: v.clone() for k, v in inputs.items()},
+                                  n=torch.ones(1, dtype=torch.int32))["logits"]
+        assert all(layer._fold is not None for layer in model.layers)   # the fold ran
+        ranked = rank and not shared
+        assert len(topk_calls) == (0 if ranked else cfg.num_layers)
+        assert all(int(layer._rank_count) == 0 for layer in model.layers)
+    assert torch.equal(logits[True], logits[False])
+
+
+def test_fold_norm_without_the_routed_experts_is_an_error():
+    model = MoEModel(preset("tiny", routing="softmax", num_shared_experts=0, num_topk=4,
+                            num_experts=16), "cpu", backend="triton")
+    moe = model.layers[0].moe
+    h = torch.zeros(2, model.cfg.hidden, dtype=torch.bfloat16)
+    routes = (torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="fold_norm needs the routed one-row experts"):
+        moe(h, torch.ones(1, dtype=torch.int32), routes=routes,
+            fold_norm=(model.layers[0].moe_norm, 1e-6, torch.zeros(1, 16), True))

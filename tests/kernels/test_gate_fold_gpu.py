@@ -102,3 +102,100 @@ def test_graph_replays_are_eager_bitwise(cuda_device):
         torch.cuda.synchronize(dev)
         for x, y in zip(got, eager):
             assert torch.equal(x, y)
+
+
+INTER = 768
+
+
+def _experts(dev, seed=7):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    w13 = (torch.randn(E, 2 * INTER, HIDDEN, generator=g, device=dev) * HIDDEN ** -0.5).bfloat16()
+    w2 = (torch.randn(E, HIDDEN, INTER, generator=g, device=dev) * INTER ** -0.5).bfloat16()
+    return w13, w2
+
+
+def _chains(a, x_prev, w_o, m, g, gamma, w13, w2, n, cnt, bufs):
+    """The top-k launch's chain and the ranking fold's, each to the experts' combined output:
+    ``bufs`` = (res, num, w, ids, normed, act, out) for each."""
+    from graphrt.kernels.routed_gemv import routed_w13, routed_w2_combine
+    (res, num, w, ids, normed, act, out), (rres, rnum, rw, rids, _, ract, rout) = bufs
+    _folded(a, x_prev, w_o, m, g, gamma, n, (res, num, w, ids, normed))
+    routed_w13(normed, ids, n, w13, out=act)
+    routed_w2_combine(act, ids, w, n, w2, out=out)
+    oproj_gate(a, w_o, x_prev, m, g, out_residual=rres, out_num=rnum, rank=(n, rids, cnt))
+    routed_w13(rres, rids, n, w13, out=ract, norm=(gamma, 1e-6, rnum, rw, True))
+    routed_w2_combine(ract, rids, rw, n, w2, out=rout)
+
+
+def _chain_bufs(dev):
+    return [(*_outs(dev), torch.empty(K, INTER, dtype=torch.bfloat16, device=dev),
+             torch.empty(1, HIDDEN, dtype=torch.bfloat16, device=dev)) for _ in range(2)]
+
+
+def _same(bufs):
+    (res, num, w, ids, _, act, out), (rres, rnum, rw, rids, _, ract, rout) = bufs
+    assert torch.equal(res, rres) and torch.equal(num, rnum)
+    assert torch.equal(ids, rids)                  # no near-tie at these seeds
+    torch.testing.assert_close(rw, w, rtol=1e-6, atol=1e-7)
+    # the normed row's rstd is summed in another order: an ulp of a few elements at most
+    assert (ract.float() - act.float()).abs().max() <= 2e-2 * act.float().abs().max()
+    assert (rout.float() - out.float()).norm() <= 1e-2 * out.float().norm()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_ranking_fold_matches_the_top_k_launch(cuda_device, seed):
+    dev = cuda_device
+    w_o, w_gate, gamma = _weights(dev)
+    m, g = fold_gate_weights(w_gate, gamma, w_o)
+    w13, w2 = _experts(dev)
+    a, x_prev = _inputs(dev, 300 + seed)
+    n = torch.ones(1, dtype=torch.int32, device=dev)
+    cnt = torch.zeros(1, dtype=torch.int32, device=dev)
+    bufs = _chain_bufs(dev)
+    _chains(a, x_prev, w_o, m, g, gamma, w13, w2, n, cnt, bufs)
+    torch.cuda.synchronize(dev)
+    _same(bufs)
+    assert int(cnt) == 0
+
+
+def test_the_ranking_fold_replays_are_eager_bitwise(cuda_device):
+    """Replays of a captured ranking chain with new inputs and a padded step (n = 0) equal
+    eager calls bitwise, and the counter is 0 after each."""
+    dev = cuda_device
+    w_o, w_gate, gamma = _weights(dev)
+    m, g = fold_gate_weights(w_gate, gamma, w_o)
+    w13, w2 = _experts(dev)
+    a, x_prev = _inputs(dev, 400)
+    n = torch.ones(1, dtype=torch.int32, device=dev)
+    cnt = torch.zeros(1, dtype=torch.int32, device=dev)
+    bufs = _chain_bufs(dev)
+    _chains(a, x_prev, w_o, m, g, gamma, w13, w2, n, cnt, bufs)     # compile first
+    graph, s = torch.cuda.CUDAGraph(), torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        _chains(a, x_prev, w_o, m, g, gamma, w13, w2, n, cnt, bufs)
+    torch.cuda.current_stream(dev).wait_stream(s)
+    for seed in range(6):
+        na, nx = _inputs(dev, 500 + seed)
+        a.copy_(na)
+        x_prev.copy_(nx)
+        n.fill_(0 if seed == 3 else 1)
+        for b in bufs:
+            for o in b:
+                o.fill_(-1)
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        got = [o.clone() for o in bufs[1]]
+        assert int(cnt) == 0
+        if seed == 3:                                # padding: no picks, zero weights and output
+            assert (got[3] == -1).all() and (got[2] == 0).all() and (got[6] == 0).all()
+        else:
+            _same(bufs)
+        eager = _chain_bufs(dev)
+        for b in eager:
+            for o in b:
+                o.fill_(-1)                          # as the replay's (normed, and act at n = 0,
+        _chains(a, x_prev, w_o, m, g, gamma, w13, w2, n, cnt, eager)   # stay unwritten)
+        torch.cuda.synchronize(dev)
+        for i, (x, y) in enumerate(zip(got, eager[1])):
+            assert torch.equal(x, y), i
