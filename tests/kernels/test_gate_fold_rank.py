@@ -131,3 +131,23 @@ def test_the_launchers_say_what_they_expect():
     with pytest.raises(ValueError, match="num"):
         routed_w13(res, ids, n, w13, out=act, norm=(gamma, 1e-6, num[:, :3].contiguous(),
                                                    torch.empty(1, k), True))
+
+
+def test_the_routed_w13_op_takes_the_norm_and_passes_opcheck():
+    """``graphrt::routed_w13`` with ``norm_weight``..``renormalize`` is the launcher's
+    ``norm=`` bitwise, and declares ``out_weights`` mutated."""
+    import graphrt.kernels.ops  # noqa: F401 - registers the ops
+    e, k, inter = 16, 4, 32
+    layer = _layer(e=e, inter=inter)
+    gamma, w13 = layer[5], layer[6]
+    res, num, ids, _, n = _ranked(layer, k)
+    want_w, want_act = torch.zeros(1, k), torch.zeros(k, inter, dtype=torch.bfloat16)
+    routed_w13(res, ids, n, w13, out=want_act, norm=(gamma, 1e-6, num, want_w, True))
+    got_w, got_act = torch.zeros(1, k), torch.zeros(k, inter, dtype=torch.bfloat16)
+    op = torch.ops.graphrt.routed_w13
+    op(res, ids, n, w13, got_act, None, None, 8, gamma, 1e-6, num, got_w, True)
+    assert torch.equal(got_w, want_w) and torch.equal(got_act, want_act)
+    torch.library.opcheck(op.default, (res, ids, n, w13, torch.zeros_like(got_act)),
+                          dict(norm_weight=gamma, eps=1e-6, num=num,
+                               out_weights=torch.zeros(1, k), renormalize=True),
+                          test_utils=("test_schema", "test_faketensor"))
