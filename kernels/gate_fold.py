@@ -69,14 +69,20 @@ def _oproj_gate_kernel(
     g_ptr,  # bf16 [E, n] contiguous: the folded gate on x_prev
     res_ptr,  # bf16 [n] out: x_prev + a @ wo.T
     num_ptr,  # fp32 [E] out: G @ x_prev + M @ a
-    live_ptr,  # int32 [1]: live rows (RANK only; 0: the row is padding, ids -1)
-    ids_ptr,  # int64 [1, NUM_TOPK] out (RANK only): the experts of the NUM_TOPK largest num
-    cnt_ptr,  # int32 [1] (RANK only): numerator programs done; 0 between launches
+    live_ptr,  # int32 [1] (RANK, TOPK; else unread): live rows (0: padding, ids -1)
+    ids_ptr,  # int64 [1, NUM_TOPK] out (RANK, TOPK; else unread): the picks
+    cnt_ptr,  # int32 [1] (RANK, TOPK; else unread): programs done; 0 between launches
     n, k_o, num_experts, e_programs,  # ints; programs < e_programs make the numerators
     BLOCK_N: tl.constexpr,  # o-projection columns a program (dense_gemv_rows_config's)
     BLOCK_KO: tl.constexpr,  # next power of two >= k_o
     BLOCK_H: tl.constexpr,  # next power of two >= n
     BLOCK_E: tl.constexpr,  # gate rows a numerator program
+    gamma_ptr,  # [hidden] (TOPK; else unread): the MoE norm's weight
+    tw_ptr,  # fp32 [1, NUM_TOPK] out (TOPK; else unread): the routing weights
+    normed_ptr,  # bf16 [hidden] out (TOPK; else unread): rmsnorm(x) * gamma
+    eps,  # fp32 (TOPK)
+    TOPK: tl.constexpr = False,  # the launch's last program runs fold_topk (``fold_last``)
+    PACKED: tl.constexpr = True,  # (TOPK) kernels.routing's packed keys
     RANK: tl.constexpr = False,  # the last numerator program ranks all num (``fold_rank``)
     NUM_TOPK: tl.constexpr = 1,
     BLOCK_EA: tl.constexpr = 1,  # next power of two >= num_experts (RANK)
@@ -125,6 +131,13 @@ def _oproj_gate_kernel(
                 offs_t = tl.arange(0, BLOCK_T)
                 tl.store(ids_ptr + offs_t, ids.to(tl.int64), mask=offs_t < NUM_TOPK)
                 tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")  # clean for the next launch
+    if TOPK:  # the last program of the launch: every residual column and numerator visible
+        tl.debug_barrier()  # every thread's stores before the release below
+        done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(0) - 1:
+            _topk_row(num_ptr, res_ptr, gamma_ptr, live_ptr, tw_ptr, ids_ptr, normed_ptr, n,
+                      num_experts, eps, NUM_TOPK, BLOCK_EA, BLOCK_T, BLOCK_H, True, PACKED)
+            tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")  # clean for the next launch
 
 
 @triton.jit
@@ -167,6 +180,30 @@ def fold_weights(num_ptr, ids, live, rstd, num_experts, out_ptr, NUM_TOPK: tl.co
 
 
 @triton.jit
+def _topk_row(num_ptr, res_ptr, gamma_ptr, n_ptr, weights_ptr, ids_ptr, normed_ptr, hidden,
+              num_experts, eps, NUM_TOPK: tl.constexpr, BLOCK_E: tl.constexpr,
+              BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, RENORMALIZE: tl.constexpr,
+              PACKED: tl.constexpr):
+    """``fold_topk``'s work for its one row: ``rstd`` from the residual, the softmax top-k of
+    ``bf16(rstd * num)``, the normed rows. Loads bypass L1 (``.cg``): the o-projection's last
+    program (``oproj_gate(topk=)``) reads what other programs of its launch wrote."""
+    live = 0 < tl.load(n_ptr)
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < hidden
+    gam = tl.load(gamma_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+    r = tl.load(res_ptr + offs_h, mask=mask_h, other=0.0, cache_modifier=".cg").to(tl.float32)
+    offs_e = tl.arange(0, BLOCK_E)
+    emask = offs_e < num_experts
+    num = tl.load(num_ptr + offs_e, mask=emask, other=0.0, cache_modifier=".cg")
+    rstd = 1.0 / tl.sqrt(tl.sum(r * r, axis=0) / hidden + eps)  # kernels.norm's expression
+    logits = (num * rstd).to(normed_ptr.dtype.element_ty).to(tl.float32)  # bf16, as a gate's
+    w, ids = _softmax_pick_values(logits, offs_e, emask, live, NUM_TOPK, BLOCK_E, BLOCK_K,
+                                  RENORMALIZE, PACKED)
+    _store_picks(weights_ptr, ids_ptr, 0, w, ids, NUM_TOPK, BLOCK_K)
+    tl.store(normed_ptr + offs_h, (r * rstd * gam).to(normed_ptr.dtype.element_ty), mask=mask_h)
+
+
+@triton.jit
 def _fold_topk_kernel(
     num_ptr,  # fp32 [E]: the gate numerators (oproj_gate)
     res_ptr,  # bf16 [hidden]: the residual x (oproj_gate)
@@ -181,20 +218,8 @@ def _fold_topk_kernel(
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
-    live = 0 < tl.load(n_ptr)
-    offs_h = tl.arange(0, BLOCK_H)
-    mask_h = offs_h < hidden
-    gam = tl.load(gamma_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
-    r = tl.load(res_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
-    offs_e = tl.arange(0, BLOCK_E)
-    emask = offs_e < num_experts
-    num = tl.load(num_ptr + offs_e, mask=emask, other=0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(r * r, axis=0) / hidden + eps)  # kernels.norm's expression
-    logits = (num * rstd).to(normed_ptr.dtype.element_ty).to(tl.float32)  # bf16, as a gate's
-    w, ids = _softmax_pick_values(logits, offs_e, emask, live, NUM_TOPK, BLOCK_E, BLOCK_K,
-                                  RENORMALIZE, PACKED)
-    _store_picks(weights_ptr, ids_ptr, 0, w, ids, NUM_TOPK, BLOCK_K)
-    tl.store(normed_ptr + offs_h, (r * rstd * gam).to(normed_ptr.dtype.element_ty), mask=mask_h)
+    _topk_row(num_ptr, res_ptr, gamma_ptr, n_ptr, weights_ptr, ids_ptr, normed_ptr, hidden,
+              num_experts, eps, NUM_TOPK, BLOCK_E, BLOCK_K, BLOCK_H, RENORMALIZE, PACKED)
 
 
 def fits(hidden: int, q_dim: int, num_experts: int) -> bool:
@@ -223,7 +248,8 @@ def fold_gate_weights(w_gate: torch.Tensor, norm_weight: torch.Tensor,
 
 def oproj_gate(a: torch.Tensor, w_o: torch.Tensor, x_prev: torch.Tensor, m: torch.Tensor,
                g: torch.Tensor, *, out_residual: torch.Tensor, out_num: torch.Tensor,
-               rank: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               rank: tuple | None = None,
+               topk: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch: ``out_residual = x_prev + a @ w_o.T`` (the o-projection rounded to bf16,
     then the add rounded, as the unfused pair) and ``out_num = G @ x_prev + M @ a`` (fp32).
 
@@ -237,6 +263,10 @@ def oproj_gate(a: torch.Tensor, w_o: torch.Tensor, x_prev: torch.Tensor, m: torc
     (the lowest id among equals; -1 when ``n`` int32 ``[1]`` is 0), the picks
     ``fold_topk`` makes up to ties of the bf16-rounded logits. ``counter`` int32 ``[1]`` must
     be 0 before the launch (``torch.zeros``) and is 0 again after it.
+
+    ``topk=(n, norm_weight, eps, out_weights, out_ids, out_normed, counter)``: the launch's
+    last program to finish runs ``fold_topk``'s work (renormalized, packed keys) on the row
+    it completed, so no top-k launch follows (``fold_last``); ``counter`` as with ``rank``.
 
     Graph safety: capturable (no allocation, no host sync)
     """
@@ -270,6 +300,26 @@ def oproj_gate(a: torch.Tensor, w_o: torch.Tensor, x_prev: torch.Tensor, m: torc
         check_tensor(cnt, "rank counter", shape=(1,), dtype=torch.int32, device=dev)
         rk = dict(RANK=True, NUM_TOPK=k, BLOCK_EA=triton.next_power_of_2(e),
                   BLOCK_T=triton.next_power_of_2(k))
+    if topk is not None:
+        check(rank is None, "oproj_gate rank and topk", "one of them", "both")
+        live, gamma, eps, tw, ids, normed, cnt = topk
+        check_tensor(live, "topk n", shape=(1,), dtype=torch.int32, device=dev)
+        check_tensor(ids, "topk out_ids", shape=(1, None), dtype=torch.int64, device=dev,
+                     contiguous=True)
+        k = ids.shape[1]
+        check(1 <= k <= min(_MAX_TOPK, e), "topk out_ids.shape[1] (num_topk)",
+              f"1..{min(_MAX_TOPK, e)}", k)
+        check_tensor(tw, "topk out_weights", shape=(1, k), dtype=torch.float32, device=dev,
+                     contiguous=True)
+        check_tensor(gamma, "topk norm_weight", shape=(n,), device=dev, contiguous=True)
+        check_tensor(normed, "topk out_normed", shape=(1, n), dtype=torch.bfloat16, device=dev,
+                     contiguous=True)
+        check_tensor(cnt, "topk counter", shape=(1,), dtype=torch.int32, device=dev)
+        rk = dict(gamma_ptr=gamma, tw_ptr=tw, normed_ptr=normed, eps=float(eps), TOPK=True,
+                  PACKED=PACKED, NUM_TOPK=k, BLOCK_EA=triton.next_power_of_2(e),
+                  BLOCK_T=triton.next_power_of_2(k))
+    else:
+        rk = dict(gamma_ptr=x_prev, tw_ptr=out_num, normed_ptr=x_prev, eps=0.0, **rk)
     _oproj_gate_kernel[(e_programs + triton.cdiv(n, block_n),)](
         a, w_o, x_prev, m, g, out_residual, out_num, live, ids, cnt, n, k_o, e, e_programs,
         BLOCK_N=block_n, BLOCK_KO=triton.next_power_of_2(k_o),

@@ -132,6 +132,30 @@ def _cpu_fold(monkeypatch):
     monkeypatch.setattr(DecoderLayer, "_folds_gate", folds)
 
 
+def test_the_last_program_fold_runs_no_top_k_launch_and_gives_the_same_logits(monkeypatch):
+    """``fold_last``: the o-projection's last program runs the top-k's work; the logits equal
+    the top-k launch's path bitwise (the CPU interpreter)."""
+    from graphrt.kernels import gate_fold
+    from graphrt.moe import make_step
+    from graphrt.moe.model import DecoderLayer
+    _cpu_fold(monkeypatch)
+    cfg = preset("tiny", routing="softmax", num_shared_experts=1, num_topk=4, num_experts=16)
+    spec, model = make_step(cfg, "cpu", max_batch_size=8)
+    inputs = spec.random_inputs(1, "cpu", torch.Generator().manual_seed(1))
+    calls = []
+    real_topk = gate_fold.fold_topk
+    monkeypatch.setattr(gate_fold, "fold_topk", lambda *a, **k: calls.append(1) or real_topk(*a, **k))
+    logits = {}
+    for last in (False, True):
+        monkeypatch.setattr(DecoderLayer, "fold_last", last)
+        calls.clear()
+        logits[last] = model.step(**{k: v.clone() for k, v in inputs.items()},
+                                  n=torch.ones(1, dtype=torch.int32))["logits"]
+        assert len(calls) == (0 if last else cfg.num_layers)
+        assert all(int(layer._rank_count) == 0 for layer in model.layers)
+    assert torch.equal(logits[True], logits[False])
+
+
 @pytest.mark.parametrize("shared", [0, 1])
 def test_the_ranking_fold_runs_no_top_k_launch_and_gives_the_same_logits(monkeypatch, shared):
     """``fold_rank``: the o-projection ranks and W13 norms the row and makes the weights, so

@@ -60,7 +60,7 @@ def test_pdl_is_on_by_default_on_hopper(monkeypatch, cuda_device):
                                     "fuse-moe-norm", "fuse-combine", "fuse-combine-all",
                                     "fuse-route", "fuse-route-all", "moe-norm-rows",
                                     "attn-table", "routed-gemv", "layer-kernel", "fold-gate",
-                                    "fold-rank"])
+                                    "fold-rank", "fold-last"])
 def test_switched_graph_matches_plain_graph(cuda_device, switch):
     if "pdl" in switch and torch.cuda.get_device_capability(cuda_device)[0] < 9:
         pytest.skip("PDL needs compute capability 9.0+")
@@ -78,7 +78,8 @@ def test_switched_graph_matches_plain_graph(cuda_device, switch):
                                             "moe-norm-rows",
                                             "fuse-final-norm", "dense-mma",
                                             "router-fused", "routed-gemv",
-                                            "layer-kernel", "fold-gate", "fold-rank")) \
+                                            "layer-kernel", "fold-gate", "fold-rank",
+                                            "fold-last")) \
         else 1e-3
     for row in res["rows"]:
         assert row["max_row_rel_diff"] < tol, row

@@ -210,6 +210,10 @@ class DecoderLayer:
     # row and makes the routing weights itself (oproj_gate(rank=), routed_w13(norm=)), so no
     # top-k launch runs. GRAPHRT_FOLD_RANK=1 at import turns it on (A/B: the fold-rank switch).
     fold_rank = env_flag("GRAPHRT_FOLD_RANK", False)
+    # With the fold: the o-projection's last program to finish runs the top-k's work (rstd,
+    # the picks, the normed rows: oproj_gate(topk=)), so no top-k launch follows.
+    # GRAPHRT_FOLD_LAST=1 at import turns it on (A/B: the fold-last switch).
+    fold_last = env_flag("GRAPHRT_FOLD_LAST", False)
 
     def __init__(self, cfg, comm, device, gen, seed, **kw):
         self.cfg = cfg
@@ -286,8 +290,12 @@ class DecoderLayer:
             oproj_gate(a, self.attn.wo, x, m, g, out_residual=res, out_num=num,
                        rank=(n, ids, self._rank_count))
             return (w, ids), res, res, (self.moe_norm, cfg.rms_eps, num, True)
-        oproj_gate(a, self.attn.wo, x, m, g, out_residual=res, out_num=num)
         h = torch.empty_like(x)
+        if self.fold_last:
+            oproj_gate(a, self.attn.wo, x, m, g, out_residual=res, out_num=num,
+                       topk=(n, self.moe_norm, cfg.rms_eps, w, ids, h, self._rank_count))
+            return (w, ids), res, h, None
+        oproj_gate(a, self.attn.wo, x, m, g, out_residual=res, out_num=num)
         fold_topk(num, res, self.moe_norm, n, cfg.num_topk, cfg.rms_eps, out_weights=w,
                   out_ids=ids, out_normed=h)
         return (w, ids), res, h, None

@@ -199,3 +199,43 @@ def test_the_ranking_fold_replays_are_eager_bitwise(cuda_device):
         torch.cuda.synchronize(dev)
         for i, (x, y) in enumerate(zip(got, eager[1])):
             assert torch.equal(x, y), i
+
+
+def _last(a, x_prev, w_o, m, g, gamma, n, outs, cnt):
+    res, num, w, ids, normed = outs
+    oproj_gate(a, w_o, x_prev, m, g, out_residual=res, out_num=num,
+               topk=(n, gamma, 1e-6, w, ids, normed, cnt))
+
+
+def test_the_last_program_top_k_is_the_launch_s_bitwise(cuda_device):
+    """``oproj_gate(topk=)`` against ``oproj_gate`` + ``fold_topk``: every output bitwise,
+    eagerly at 4 seeds and over replays with new inputs and a padded step; the counter 0."""
+    dev = cuda_device
+    w_o, w_gate, gamma = _weights(dev)
+    m, g = fold_gate_weights(w_gate, gamma, w_o)
+    a, x_prev = _inputs(dev, 600)
+    n = torch.ones(1, dtype=torch.int32, device=dev)
+    cnt = torch.zeros(1, dtype=torch.int32, device=dev)
+    outs, ref = _outs(dev), _outs(dev)
+    _last(a, x_prev, w_o, m, g, gamma, n, outs, cnt)               # compile first
+    graph, s = torch.cuda.CUDAGraph(), torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        _last(a, x_prev, w_o, m, g, gamma, n, outs, cnt)
+    torch.cuda.current_stream(dev).wait_stream(s)
+    for seed in range(8):
+        na, nx = _inputs(dev, 700 + seed)
+        a.copy_(na)
+        x_prev.copy_(nx)
+        n.fill_(0 if seed == 5 else 1)
+        for o in outs + ref:
+            o.fill_(-1)
+        if seed < 4:
+            _last(a, x_prev, w_o, m, g, gamma, n, outs, cnt)
+        else:
+            graph.replay()
+        _folded(a, x_prev, w_o, m, g, gamma, n, ref)
+        torch.cuda.synchronize(dev)
+        assert int(cnt) == 0
+        for i, (x, y) in enumerate(zip(outs, ref)):
+            assert torch.equal(x, y), (seed, i)

@@ -151,3 +151,28 @@ def test_the_routed_w13_op_takes_the_norm_and_passes_opcheck():
                           dict(norm_weight=gamma, eps=1e-6, num=num,
                                out_weights=torch.zeros(1, k), renormalize=True),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("e, k, live", [(16, 4, 1), (64, 8, 1), (7, 2, 1), (16, 4, 0)])
+def test_the_last_program_runs_the_top_k(e, k, live):
+    """``oproj_gate(topk=)``: the launch's last program makes ``fold_topk``'s picks, weights
+    and normed rows, bitwise the top-k launch's, and leaves the counter at 0."""
+    layer = _layer(e=e)
+    a, w_o, x_prev, m, g, gamma, *_ = layer
+    hidden = w_o.shape[0]
+    n = torch.tensor([live], dtype=torch.int32)
+    res, num = torch.empty(1, hidden, dtype=torch.bfloat16), torch.empty(1, e)
+    w, ids = torch.full((1, k), float("nan")), torch.full((1, k), 99, dtype=torch.int64)
+    normed, cnt = torch.empty(1, hidden, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int32)
+    oproj_gate(a, w_o, x_prev, m, g, out_residual=res, out_num=num,
+               topk=(n, gamma, 1e-6, w, ids, normed, cnt))
+    rres, rnum = torch.empty_like(res), torch.empty_like(num)
+    oproj_gate(a, w_o, x_prev, m, g, out_residual=rres, out_num=rnum)
+    rw, rids, rnormed = torch.empty_like(w), torch.empty_like(ids), torch.empty_like(normed)
+    fold_topk(rnum, rres, gamma, n, k, 1e-6, out_weights=rw, out_ids=rids, out_normed=rnormed)
+    for got, want in ((res, rres), (num, rnum), (w, rw), (ids, rids), (normed, rnormed)):
+        assert torch.equal(got, want)
+    assert int(cnt) == 0
+    with pytest.raises(ValueError, match="one of them"):
+        oproj_gate(a, w_o, x_prev, m, g, out_residual=res, out_num=num,
+                   topk=(n, gamma, 1e-6, w, ids, normed, cnt), rank=(n, ids, cnt))
