@@ -69,24 +69,11 @@ def _oproj_gate_kernel(
     g_ptr,  # bf16 [E, n] contiguous: the folded gate on x_prev
     res_ptr,  # bf16 [n] out: x_prev + a @ wo.T
     num_ptr,  # fp32 [E] out: G @ x_prev + M @ a
-    live_ptr,  # int32 [1] (RANK, TOPK; else unread): live rows (0: padding, ids -1)
-    ids_ptr,  # int64 [1, NUM_TOPK] out (RANK, TOPK; else unread): the picks
-    cnt_ptr,  # int32 [1] (RANK, TOPK; else unread): programs done; 0 between launches
     n, k_o, num_experts, e_programs,  # ints; programs < e_programs make the numerators
     BLOCK_N: tl.constexpr,  # o-projection columns a program (dense_gemv_rows_config's)
     BLOCK_KO: tl.constexpr,  # next power of two >= k_o
     BLOCK_H: tl.constexpr,  # next power of two >= n
     BLOCK_E: tl.constexpr,  # gate rows a numerator program
-    gamma_ptr,  # [hidden] (TOPK; else unread): the MoE norm's weight
-    tw_ptr,  # fp32 [1, NUM_TOPK] out (TOPK; else unread): the routing weights
-    normed_ptr,  # bf16 [hidden] out (TOPK; else unread): rmsnorm(x) * gamma
-    eps,  # fp32 (TOPK)
-    TOPK: tl.constexpr = False,  # the launch's last program runs fold_topk (``fold_last``)
-    PACKED: tl.constexpr = True,  # (TOPK) kernels.routing's packed keys
-    RANK: tl.constexpr = False,  # the last numerator program ranks all num (``fold_rank``)
-    NUM_TOPK: tl.constexpr = 1,
-    BLOCK_EA: tl.constexpr = 1,  # next power of two >= num_experts (RANK)
-    BLOCK_T: tl.constexpr = 1,  # next power of two >= NUM_TOPK (RANK)
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
@@ -118,89 +105,6 @@ def _oproj_gate_kernel(
         num = (tl.sum(mw.to(tl.float32) * a_all[None, :], axis=1)
                + tl.sum(gw.to(tl.float32) * xp_all[None, :], axis=1))
         tl.store(num_ptr + offs_e, num, mask=mask_e)
-        if RANK:  # the last numerator program to finish ranks them (dense_mma's semaphore)
-            tl.debug_barrier()  # every thread's numerators stored before the release below
-            done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-            if done == e_programs - 1:  # every numerator visible
-                offs_a = tl.arange(0, BLOCK_EA)
-                mask_a = offs_a < num_experts
-                every = tl.load(num_ptr + offs_a, mask=mask_a, other=0.0, cache_modifier=".cg")
-                live = tl.load(live_ptr + offs_a * 0, mask=offs_a < 1, other=0)  # a vector
-                ids = _rank(every, offs_a, mask_a, NUM_TOPK, BLOCK_EA, BLOCK_T)
-                ids = tl.where(tl.max(live, axis=0) > 0, ids, -1)
-                offs_t = tl.arange(0, BLOCK_T)
-                tl.store(ids_ptr + offs_t, ids.to(tl.int64), mask=offs_t < NUM_TOPK)
-                tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")  # clean for the next launch
-    if TOPK:  # the last program of the launch: every residual column and numerator visible
-        tl.debug_barrier()  # every thread's stores before the release below
-        done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-        if done == tl.num_programs(0) - 1:
-            _topk_row(num_ptr, res_ptr, gamma_ptr, live_ptr, tw_ptr, ids_ptr, normed_ptr, n,
-                      num_experts, eps, NUM_TOPK, BLOCK_EA, BLOCK_T, BLOCK_H, True, PACKED)
-            tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")  # clean for the next launch
-
-
-@triton.jit
-def _rank(num, offs_e, emask, NUM_TOPK: tl.constexpr, BLOCK_E: tl.constexpr,
-          BLOCK_T: tl.constexpr):
-    """int32 ``[BLOCK_T]``: the experts of the ``NUM_TOPK`` largest ``num`` (fp32, in
-    registers), largest first, the lowest id first among equal values; lanes past
-    ``NUM_TOPK`` -1. Ranking the numerators ranks the logits ``rstd * num`` (``rstd > 0``)."""
-    offs_t = tl.arange(0, BLOCK_T)
-    ids = tl.full([BLOCK_T], -1, dtype=tl.int32)
-    avail = emask
-    for k in tl.static_range(NUM_TOPK):
-        v = tl.where(avail, num, float("-inf"))
-        best = tl.max(v, axis=0)
-        idx = tl.min(tl.where(avail & (v == best), offs_e, BLOCK_E), axis=0)
-        ids = tl.where(offs_t == k, idx, ids)
-        avail = avail & (offs_e != idx)
-    return ids
-
-
-@triton.jit
-def fold_weights(num_ptr, ids, live, rstd, num_experts, out_ptr, NUM_TOPK: tl.constexpr,
-                 BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, RENORMALIZE: tl.constexpr):
-    """The routing weights of the picks ``ids`` (int ``[BLOCK_T]``, -1 past ``NUM_TOPK``) for
-    the logits ``bf16(rstd * num)`` (``num_ptr`` fp32 ``[E]``) as ``fold_topk`` makes them (the
-    softmax over every expert, renormalized over the picks): stored fp32 to
-    ``out_ptr[:NUM_TOPK]``, zeros when not ``live``. ``kernels.routed_gemv``'s W13 calls it in
-    one program when the fold ranks (``fold_rank``)."""
-    offs_e = tl.arange(0, BLOCK_E)
-    emask = offs_e < num_experts
-    num = tl.load(num_ptr + offs_e, mask=emask, other=0.0)
-    x = tl.where(emask, (num * rstd).to(tl.bfloat16).to(tl.float32), float("-inf"))
-    ex = tl.where(emask, tl.exp(x - tl.max(x, axis=0)), 0.0)
-    p = ex / tl.sum(ex, axis=0)
-    w = tl.sum(tl.where(offs_e[None, :] == ids[:, None], p[None, :], 0.0), axis=1)  # [BLOCK_T]
-    if RENORMALIZE:
-        w = w / tl.sum(w, axis=0)
-    offs_t = tl.arange(0, BLOCK_T)
-    tl.store(out_ptr + offs_t, tl.where(live, w, 0.0), mask=offs_t < NUM_TOPK)
-
-
-@triton.jit
-def _topk_row(num_ptr, res_ptr, gamma_ptr, n_ptr, weights_ptr, ids_ptr, normed_ptr, hidden,
-              num_experts, eps, NUM_TOPK: tl.constexpr, BLOCK_E: tl.constexpr,
-              BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, RENORMALIZE: tl.constexpr,
-              PACKED: tl.constexpr):
-    """``fold_topk``'s work for its one row: ``rstd`` from the residual, the softmax top-k of
-    ``bf16(rstd * num)``, the normed rows. Loads bypass L1 (``.cg``): the o-projection's last
-    program (``oproj_gate(topk=)``) reads what other programs of its launch wrote."""
-    live = 0 < tl.load(n_ptr)
-    offs_h = tl.arange(0, BLOCK_H)
-    mask_h = offs_h < hidden
-    gam = tl.load(gamma_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
-    r = tl.load(res_ptr + offs_h, mask=mask_h, other=0.0, cache_modifier=".cg").to(tl.float32)
-    offs_e = tl.arange(0, BLOCK_E)
-    emask = offs_e < num_experts
-    num = tl.load(num_ptr + offs_e, mask=emask, other=0.0, cache_modifier=".cg")
-    rstd = 1.0 / tl.sqrt(tl.sum(r * r, axis=0) / hidden + eps)  # kernels.norm's expression
-    logits = (num * rstd).to(normed_ptr.dtype.element_ty).to(tl.float32)  # bf16, as a gate's
-    w, ids = _softmax_pick_values(logits, offs_e, emask, live, NUM_TOPK, BLOCK_E, BLOCK_K,
-                                  RENORMALIZE, PACKED)
-    _store_picks(weights_ptr, ids_ptr, 0, w, ids, NUM_TOPK, BLOCK_K)
-    tl.store(normed_ptr + offs_h, (r * rstd * gam).to(normed_ptr.dtype.element_ty), mask=mask_h)
 
 
 @triton.jit
@@ -218,8 +122,20 @@ def _fold_topk_kernel(
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
-    _topk_row(num_ptr, res_ptr, gamma_ptr, n_ptr, weights_ptr, ids_ptr, normed_ptr, hidden,
-              num_experts, eps, NUM_TOPK, BLOCK_E, BLOCK_K, BLOCK_H, RENORMALIZE, PACKED)
+    live = 0 < tl.load(n_ptr)
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < hidden
+    gam = tl.load(gamma_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+    r = tl.load(res_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+    offs_e = tl.arange(0, BLOCK_E)
+    emask = offs_e < num_experts
+    num = tl.load(num_ptr + offs_e, mask=emask, other=0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(r * r, axis=0) / hidden + eps)  # kernels.norm's expression
+    logits = (num * rstd).to(normed_ptr.dtype.element_ty).to(tl.float32)  # bf16, as a gate's
+    w, ids = _softmax_pick_values(logits, offs_e, emask, live, NUM_TOPK, BLOCK_E, BLOCK_K,
+                                  RENORMALIZE, PACKED)
+    _store_picks(weights_ptr, ids_ptr, 0, w, ids, NUM_TOPK, BLOCK_K)
+    tl.store(normed_ptr + offs_h, (r * rstd * gam).to(normed_ptr.dtype.element_ty), mask=mask_h)
 
 
 def fits(hidden: int, q_dim: int, num_experts: int) -> bool:
@@ -247,9 +163,8 @@ def fold_gate_weights(w_gate: torch.Tensor, norm_weight: torch.Tensor,
 
 
 def oproj_gate(a: torch.Tensor, w_o: torch.Tensor, x_prev: torch.Tensor, m: torch.Tensor,
-               g: torch.Tensor, *, out_residual: torch.Tensor, out_num: torch.Tensor,
-               rank: tuple | None = None,
-               topk: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               g: torch.Tensor, *, out_residual: torch.Tensor,
+               out_num: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch: ``out_residual = x_prev + a @ w_o.T`` (the o-projection rounded to bf16,
     then the add rounded, as the unfused pair) and ``out_num = G @ x_prev + M @ a`` (fp32).
 
@@ -257,16 +172,6 @@ def oproj_gate(a: torch.Tensor, w_o: torch.Tensor, x_prev: torch.Tensor, m: torc
     m bf16 ``[E, q_dim]`` and g bf16 ``[E, hidden]`` from ``fold_gate_weights``;
     out_residual bf16 ``[1, hidden]``; out_num fp32 ``[1, E]``; all contiguous on one device,
     hidden and q_dim at most ``MAX_K``. Returns ``(out_residual, out_num)``.
-
-    ``rank=(n, out_ids, counter)``: the last numerator program to finish also ranks the
-    numerators (``fold_rank``): ``out_ids`` int64 ``[1, K]`` gets the experts of the K largest
-    (the lowest id among equals; -1 when ``n`` int32 ``[1]`` is 0), the picks
-    ``fold_topk`` makes up to ties of the bf16-rounded logits. ``counter`` int32 ``[1]`` must
-    be 0 before the launch (``torch.zeros``) and is 0 again after it.
-
-    ``topk=(n, norm_weight, eps, out_weights, out_ids, out_normed, counter)``: the launch's
-    last program to finish runs ``fold_topk``'s work (renormalized, packed keys) on the row
-    it completed, so no top-k launch follows (``fold_last``); ``counter`` as with ``rank``.
 
     Graph safety: capturable (no allocation, no host sync)
     """
@@ -287,43 +192,10 @@ def oproj_gate(a: torch.Tensor, w_o: torch.Tensor, x_prev: torch.Tensor, m: torc
                  contiguous=True)
     block_n = dense_gemv_rows_config(n, k_o)["block_n"]  # the rows GEMV's columns, bitwise
     e_programs = triton.cdiv(e, GATE_ROWS)
-    live = ids = cnt = out_num  # unread without ranking (its RANK branch compiles away)
-    rk = {}
-    if rank is not None:
-        live, ids, cnt = rank
-        check_tensor(live, "rank n", shape=(1,), dtype=torch.int32, device=dev)
-        check_tensor(ids, "rank out_ids", shape=(1, None), dtype=torch.int64, device=dev,
-                     contiguous=True)
-        k = ids.shape[1]
-        check(1 <= k <= min(_MAX_TOPK, e), "rank out_ids.shape[1] (num_topk)",
-              f"1..{min(_MAX_TOPK, e)}", k)
-        check_tensor(cnt, "rank counter", shape=(1,), dtype=torch.int32, device=dev)
-        rk = dict(RANK=True, NUM_TOPK=k, BLOCK_EA=triton.next_power_of_2(e),
-                  BLOCK_T=triton.next_power_of_2(k))
-    if topk is not None:
-        check(rank is None, "oproj_gate rank and topk", "one of them", "both")
-        live, gamma, eps, tw, ids, normed, cnt = topk
-        check_tensor(live, "topk n", shape=(1,), dtype=torch.int32, device=dev)
-        check_tensor(ids, "topk out_ids", shape=(1, None), dtype=torch.int64, device=dev,
-                     contiguous=True)
-        k = ids.shape[1]
-        check(1 <= k <= min(_MAX_TOPK, e), "topk out_ids.shape[1] (num_topk)",
-              f"1..{min(_MAX_TOPK, e)}", k)
-        check_tensor(tw, "topk out_weights", shape=(1, k), dtype=torch.float32, device=dev,
-                     contiguous=True)
-        check_tensor(gamma, "topk norm_weight", shape=(n,), device=dev, contiguous=True)
-        check_tensor(normed, "topk out_normed", shape=(1, n), dtype=torch.bfloat16, device=dev,
-                     contiguous=True)
-        check_tensor(cnt, "topk counter", shape=(1,), dtype=torch.int32, device=dev)
-        rk = dict(gamma_ptr=gamma, tw_ptr=tw, normed_ptr=normed, eps=float(eps), TOPK=True,
-                  PACKED=PACKED, NUM_TOPK=k, BLOCK_EA=triton.next_power_of_2(e),
-                  BLOCK_T=triton.next_power_of_2(k))
-    else:
-        rk = dict(gamma_ptr=x_prev, tw_ptr=out_num, normed_ptr=x_prev, eps=0.0, **rk)
     _oproj_gate_kernel[(e_programs + triton.cdiv(n, block_n),)](
-        a, w_o, x_prev, m, g, out_residual, out_num, live, ids, cnt, n, k_o, e, e_programs,
+        a, w_o, x_prev, m, g, out_residual, out_num, n, k_o, e, e_programs,
         BLOCK_N=block_n, BLOCK_KO=triton.next_power_of_2(k_o),
-        BLOCK_H=triton.next_power_of_2(n), BLOCK_E=GATE_ROWS, num_warps=4, **rk, **pdl_args())
+        BLOCK_H=triton.next_power_of_2(n), BLOCK_E=GATE_ROWS, num_warps=4, **pdl_args())
     return out_residual, out_num
 
 

@@ -27,8 +27,7 @@ every op returns ``None`` (a custom op may not return an alias of its input)::
     torch.ops.graphrt.expert_gemv_rows(a, b, masked_m, out, block_n=None, block_k=None,
                                        num_warps=4, act=None)
     torch.ops.graphrt.routed_w13(x, topk_ids, n, w13, out, block_n=None, block_k=None,
-                                 num_warps=8, norm_weight=None, eps=0.0, num=None,
-                                 out_weights=None, renormalize=True)
+                                 num_warps=8)
     torch.ops.graphrt.routed_w2_combine(act, topk_ids, topk_weights, n, w2, out, block_n=None,
                                         block_k=None, num_warps=4)
     torch.ops.graphrt.kv_append(k, v, slot_mapping, n, k_cache, v_cache)
@@ -184,19 +183,13 @@ def expert_gemv_rows(a: Tensor, b: Tensor, masked_m: Tensor, out: Tensor,
         act=act)
 
 
-@_op("routed_w13", ("out", "out_weights"))
+@_op("routed_w13", ("out",))
 def routed_w13(x: Tensor, topk_ids: Tensor, n: Tensor, w13: Tensor, out: Tensor,
                block_n: Optional[int] = None, block_k: Optional[int] = None,
-               num_warps: int = 8, norm_weight: Optional[Tensor] = None, eps: float = 0.0,
-               num: Optional[Tensor] = None, out_weights: Optional[Tensor] = None,
-               renormalize: bool = True) -> None:
-    """``graphrt.kernels.routed_gemv.routed_w13`` (``norm=(norm_weight, eps, num,
-    out_weights, renormalize)`` when ``norm_weight`` is given; else a 1-D empty
-    ``out_weights`` stands for none). Graph safety: capturable."""
-    norm = None if norm_weight is None else (norm_weight, eps, num, out_weights, renormalize)
+               num_warps: int = 8) -> None:
+    """``graphrt.kernels.routed_gemv.routed_w13``. Graph safety: capturable."""
     _launcher(f"{_KERNELS}.routed_gemv", "routed_w13")(
-        x, topk_ids, n, w13, out=out, block_n=block_n, block_k=block_k, num_warps=num_warps,
-        norm=norm)
+        x, topk_ids, n, w13, out=out, block_n=block_n, block_k=block_k, num_warps=num_warps)
 
 
 @_op("routed_w2_combine", ("out",))

@@ -77,15 +77,8 @@ def _wrappers() -> dict[tuple[str, str], object]:
         ops.expert_gemv_rows(a, b, masked_m, out, block_n, block_k, num_warps, act)
         return out
 
-    def routed_w13_(x, topk_ids, n, w13, *, out, block_n=None, block_k=None, num_warps=8,
-                    norm=None):
-        if norm is None:  # a None mutated argument breaks fake-tensor tracing: an empty one
-            ops.routed_w13(x, topk_ids, n, w13, out, block_n, block_k, num_warps, None, 0.0,
-                           None, out.new_empty((0,), dtype=torch.float32))
-        else:
-            gamma, eps, num, tw, renormalize = norm
-            ops.routed_w13(x, topk_ids, n, w13, out, block_n, block_k, num_warps, gamma,
-                           float(eps), num, tw, renormalize)
+    def routed_w13_(x, topk_ids, n, w13, *, out, block_n=None, block_k=None, num_warps=8):
+        ops.routed_w13(x, topk_ids, n, w13, out, block_n, block_k, num_warps)
         return out
 
     def routed_w2_combine_(act, topk_ids, topk_weights, n, w2, *, out, block_n=None,

@@ -41,7 +41,6 @@ from ._masked import _silu_mul
 from ._pdl import pdl_prologue
 from ._util import check, check_tensor, is_pow2, pdl_args
 from .dense_gemv import _ROWS_TILE, rows_block_k
-from .gate_fold import fold_weights
 
 _W2_TILE = 16384  # W2: weight elements a program loads in one round, every pick's (32 KB)
 
@@ -59,30 +58,11 @@ def _routed_w13_kernel(
     BLOCK_K: tl.constexpr,  # K columns a round (the whole K when it fits)
     ROUNDS: tl.constexpr,  # cdiv(hidden, BLOCK_K)
     EVEN_K: tl.constexpr,  # hidden % BLOCK_K == 0
-    gamma_ptr,  # [hidden] (NORM; else unread): the MoE norm's weight
-    num_ptr,  # fp32 [E] (NORM; else unread): the gate numerators (gate_fold.oproj_gate)
-    tw_ptr,  # fp32 [1, K] out (NORM; else unread): the routing weights, program (0, 0)'s
-    eps,  # fp32 (NORM): the norm's epsilon
-    NORM: tl.constexpr = False,  # x_ptr is the residual: every program norms it (one round)
-    NUM_TOPK: tl.constexpr = 1,  # (NORM) the picks
-    BLOCK_E: tl.constexpr = 1,  # (NORM) next power of two >= num_experts
-    BLOCK_T: tl.constexpr = 1,  # (NORM) next power of two >= NUM_TOPK
-    RENORMALIZE: tl.constexpr = True,  # (NORM) the weights renormalized over the picks
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
     k = tl.program_id(0)
     j = tl.program_id(1)
-    if NORM:
-        if (k == 0) & (j == 0):  # the routing weights, from the row's rstd (fold_topk's)
-            offs_x = tl.arange(0, BLOCK_K)
-            r0 = tl.load(x_ptr + offs_x, mask=offs_x < hidden, other=0.0).to(tl.float32)
-            rstd0 = 1.0 / tl.sqrt(tl.sum(r0 * r0, axis=0) / hidden + eps)
-            offs_t = tl.arange(0, BLOCK_T)
-            picks = tl.load(ids_ptr + offs_t, mask=offs_t < NUM_TOPK, other=-1)
-            live0 = tl.load(n_ptr) > 0
-            fold_weights(num_ptr, picks, live0, rstd0, num_experts, tw_ptr, NUM_TOPK,
-                         BLOCK_E, BLOCK_T, RENORMALIZE)
     e = tl.load(ids_ptr + k).to(tl.int64)
     ok = (tl.load(n_ptr) > 0) & (e >= 0) & (e < num_experts)
     if ok:
@@ -104,10 +84,6 @@ def _routed_w13_kernel(
             wg = tl.load(g_ptrs + k0, mask=wm, other=0.0)  # the weights first: they come from HBM
             wu = tl.load(u_ptrs + k0, mask=wm, other=0.0)
             xv = tl.load(x_ptr + k0 + offs_k, mask=xm, other=0.0).to(tl.float32)
-            if NORM:  # rmsnorm(x) * gamma, kernels.norm's expression (ROUNDS == 1)
-                gam = tl.load(gamma_ptr + offs_k, mask=xm, other=0.0).to(tl.float32)
-                rstd = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=0) / hidden + eps)
-                xv = (xv * rstd * gam).to(act_ptr.dtype.element_ty).to(tl.float32)
             g += tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)
             u += tl.sum(wu.to(tl.float32) * xv[None, :], axis=1)
         # the sums as the masked path stores u (bf16), then the activation's arithmetic
@@ -203,7 +179,7 @@ def _check_picks(ids: torch.Tensor, n: torch.Tensor, device) -> int:
 
 def routed_w13(x: torch.Tensor, topk_ids: torch.Tensor, n: torch.Tensor, w13: torch.Tensor, *,
                out: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
-               num_warps: int = 8, norm: tuple | None = None) -> torch.Tensor:
+               num_warps: int = 8) -> torch.Tensor:
     """SiLU-and-mul of one row's W13 for each of its picks: ``out[k] = silu(x @ gate.T) *
     (x @ up.T)`` with ``[gate | up] = w13[topk_ids[0, k]]``.
 
@@ -216,13 +192,6 @@ def routed_w13(x: torch.Tensor, topk_ids: torch.Tensor, n: torch.Tensor, w13: to
         out: bf16 ``[K, inter]``, contiguous.
         block_n, block_k: gate rows a program and K columns a round (powers of two; default
             ``routed_config``).
-        norm: ``(norm_weight, eps, num, out_weights, renormalize)`` when ``x`` is the
-            residual row, not yet normed (``kernels.gate_fold``'s ranking fold,
-            ``oproj_gate(rank=...)``): every program norms it itself
-            (``rmsnorm(x) * norm_weight``, ``norm_weight`` ``[hidden]``, in one load round:
-            hidden at most 4096), and program (0, 0) stores the picks' routing weights to
-            ``out_weights`` fp32 ``[1, K]`` from ``num`` fp32 ``[1, E]`` (the gate numerators) as
-            ``gate_fold.fold_topk`` makes them (``gate_fold.fold_weights``).
 
     Returns ``out``. One launch, no allocation. Graph safety: capturable
     """
@@ -236,26 +205,12 @@ def routed_w13(x: torch.Tensor, topk_ids: torch.Tensor, n: torch.Tensor, w13: to
     check_tensor(out, "out", shape=(num_topk, inter), dtype=torch.bfloat16, device=x.device,
                  contiguous=True)
     block_n, block_k = _blocks(routed_config(hidden), block_n, block_k)
-    nk = dict(gamma_ptr=x, num_ptr=x, tw_ptr=x, eps=0.0)  # unread without norm
-    if norm is not None:
-        gamma, eps, num, tw, renormalize = norm
-        e = w13.shape[0]
-        check(0 < hidden <= block_k and inter > 0, "(hidden, inter) with norm",
-              f"hidden in 1..{block_k} (one load round), inter >= 1", (hidden, inter))
-        check_tensor(gamma, "norm_weight", shape=(hidden,), device=x.device, contiguous=True)
-        check_tensor(num, "num", shape=(1, e), dtype=torch.float32, device=x.device,
-                     contiguous=True)
-        check_tensor(tw, "out_weights", shape=(1, num_topk), dtype=torch.float32,
-                     device=x.device, contiguous=True)
-        nk = dict(gamma_ptr=gamma, num_ptr=num, tw_ptr=tw, eps=float(eps), NORM=True,
-                  NUM_TOPK=num_topk, BLOCK_E=triton.next_power_of_2(e),
-                  BLOCK_T=triton.next_power_of_2(num_topk), RENORMALIZE=bool(renormalize))
     if inter == 0 or hidden == 0:
         return out
     _routed_w13_kernel[(num_topk, triton.cdiv(inter, block_n))](
         x, topk_ids, n, w13, out, w13.shape[0], inter, hidden, w13.stride(0), w13.stride(1),
-        BLOCK_N=block_n, BLOCK_K=block_k, **_rounds(hidden, block_k), **nk,
-        num_warps=num_warps, **pdl_args())
+        BLOCK_N=block_n, BLOCK_K=block_k, **_rounds(hidden, block_k), num_warps=num_warps,
+        **pdl_args())
     return out
 
 

@@ -82,10 +82,7 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   norm into the top-k's (``DecoderLayer.fold_gate``, ``kernels.gate_fold``) instead of the
   gate's own norm GEMV; ``fold-e1`` / ``fold-e2`` / ``fold-e8``: 1 / 2 / 8 gate rows a
   numerator program instead of 4 (``kernels.gate_fold.GATE_ROWS``); ``fold-w1``: the top-k
-  launch on 1 warp instead of 4; ``fold-rank``: with the fold, the o-projection's last
-  numerator program ranks the numerators and W13 norms the row and makes the routing weights
-  (``DecoderLayer.fold_rank``), so no top-k launch runs; ``fold-last``: with the fold, the
-  o-projection's last program to finish runs the top-k's work (``DecoderLayer.fold_last``);
+  launch on 1 warp instead of 4;
 - ``expert-rows``: the expert plan's choices as measured, the CUDA-core rows kernel included
   (``kernels.grouped_gemv_rows``), against the fastest other kernel of each entry
   (``ExpertPlan.exclude``).
@@ -186,10 +183,6 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "fold-gate": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
                                                 "fold_gate", on),
             **{f"fold-e{rows}": _gate_rows(rows) for rows in (1, 2, 8)},
-            "fold-rank": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
-                                                "fold_rank", on),
-            "fold-last": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
-                                                "fold_last", on),
             "fold-w1": lambda on: _class_attr("graphrt.kernels.gate_fold", None,
                                               "FOLD_TOPK_WARPS", 1 if on else 4),
             "router-fused": lambda on: _class_attr("graphrt.moe.layers", "Router", "fused", on),

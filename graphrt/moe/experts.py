@@ -303,25 +303,19 @@ class Experts:
         return a, s.fill_(1e-2), out
 
     def routed(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-               n: torch.Tensor, *, out: torch.Tensor, norm: tuple | None = None) -> torch.Tensor:
+               n: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
         """One row's routed experts addressed by its picks, combined: ``out`` ``[1, hidden]``
         = ``sum_k topk_weights[0, k] * expert_{topk_ids[0, k]}(x)``, in two launches
         (``kernels.routed_gemv``: W13 with SiLU-and-mul, then W2 with the combine) and no
         masked layout. ``x`` bf16 ``[1, hidden]``; ``topk_ids`` int64 ``[1, K]`` (-1: none);
         ``topk_weights`` fp32 ``[1, K]``; ``n`` int32 ``[1]``. bf16 experts only
-        (ValueError with fp8). ``norm=(norm_weight, eps, num, renormalize)``: ``x`` is the
-        residual row, which W13 norms itself, and W13 writes ``topk_weights`` from the gate
-        numerators ``num`` (``kernels.gate_fold``'s ranking fold; ``routed_w13(norm=)``).
-        Graph safety: capturable."""
+        (ValueError with fp8). Graph safety: capturable."""
         if self.fp8:
             raise ValueError("Experts.routed: expected bf16 experts (the routed one-row kernels "
                              "have no fp8 path), got fp8; use the masked path (__call__)")
         from graphrt.kernels.routed_gemv import routed_w13, routed_w2_combine
         act = self.ws.view("a", (topk_ids.shape[1], self.inter))
-        if norm is not None:
-            gamma, eps, num, renormalize = norm
-            norm = (gamma, eps, num, topk_weights, renormalize)
-        routed_w13(x, topk_ids, n, self.w13, out=act, norm=norm)
+        routed_w13(x, topk_ids, n, self.w13, out=act)
         return routed_w2_combine(act, topk_ids, topk_weights, n, self.w2, out=out)
 
     def __call__(self, recv_x: torch.Tensor, masked_m: torch.Tensor, expected_m: int,

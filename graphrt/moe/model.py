@@ -101,8 +101,7 @@ class MoEBlock:
                 and h.dtype == torch.bfloat16 and h.is_contiguous())
 
     def __call__(self, h: torch.Tensor, n: torch.Tensor, logits: torch.Tensor | None = None,
-                 defer_combine: bool | str = False, routes: tuple | None = None,
-                 fold_norm: tuple | None = None) -> tuple:
+                 defer_combine: bool | str = False, routes: tuple | None = None) -> tuple:
         """h ``[bs, hidden]`` -> the routed experts' output and the shared expert's (when the
         model has one), each ``[bs, hidden]``; the caller adds them into the residual.
         ``logits``: the router gate's ``h @ w.T``, when the caller made it (``Router``).
@@ -112,18 +111,11 @@ class MoEBlock:
         ``PendingNorm``) instead of a tensor: ``"auto"`` where that norm is ``add_rmsnorm``
         (the one-row norm GEMV launches the combine first), ``True`` in the GEMV too.
         ``routes``: ``(weights, ids)`` picked already (``DecoderLayer.fold_gate``); the
-        router does not run. ``fold_norm``: ``(norm_weight, eps, num, renormalize)`` when
-        ``h`` is the residual row, not normed, and the weights are still to be made from the
-        gate numerators ``num`` (``DecoderLayer.fold_rank``): the routed one-row experts do
-        both (``Experts.routed(norm=)``); only there, and with no shared expert."""
-        if fold_norm is not None and not (self._routed(h) and self.shared is None
-                                          and routes is not None):
-            raise ValueError("MoEBlock: fold_norm needs the routed one-row experts, no shared "
-                             "expert and routes; DecoderLayer._ranks_gate checks this first")
+        router does not run."""
         if self._routed(h):  # no masked layout: the experts read the picks themselves
             w, ids = routes if routes is not None else self.router(h, n, logits)  # [1, k]
             self.last_masked_m = None  # no dispatch ran: no counts to show
-            out = self.experts.routed(h, ids, w, n, out=torch.empty_like(h), norm=fold_norm)
+            out = self.experts.routed(h, ids, w, n, out=torch.empty_like(h))
             return (out,) if self.shared is None else (out, self.shared(h))
         if routes is None and self._routes_in_dispatch(h):  # top-k and dispatch in one launch
             logits = self.router.gate(h) if logits is None else logits
@@ -205,15 +197,6 @@ class DecoderLayer:
     # (gate_fold.GATE_ROWS; 1 row: 1.027x, 8 rows: 1.017x; BENCHMARKS.md §42).
     # GRAPHRT_FOLD_GATE=0 at import turns it off (A/B: the fold-gate switch).
     fold_gate = env_flag("GRAPHRT_FOLD_GATE", True)
-    # With the fold, and where the routed one-row experts run with no shared expert: the
-    # o-projection's last numerator program ranks the numerators and W13 norms the residual
-    # row and makes the routing weights itself (oproj_gate(rank=), routed_w13(norm=)), so no
-    # top-k launch runs. GRAPHRT_FOLD_RANK=1 at import turns it on (A/B: the fold-rank switch).
-    fold_rank = env_flag("GRAPHRT_FOLD_RANK", False)
-    # With the fold: the o-projection's last program to finish runs the top-k's work (rstd,
-    # the picks, the normed rows: oproj_gate(topk=)), so no top-k launch follows.
-    # GRAPHRT_FOLD_LAST=1 at import turns it on (A/B: the fold-last switch).
-    fold_last = env_flag("GRAPHRT_FOLD_LAST", False)
 
     def __init__(self, cfg, comm, device, gen, seed, **kw):
         self.cfg = cfg
@@ -223,7 +206,6 @@ class DecoderLayer:
         self.moe = MoEBlock(cfg, comm, device, gen, seed, **kw)
         self.layer_ws = None  # the one-launch layer's workspace (MoEModel sets it where it fits)
         self._fold = None  # (the weights folded, their versions, (M, G)): _folded_gate
-        self._rank_count = None  # int32 [1], 0 between launches: oproj_gate(rank=)'s counter
 
     def _folds_gate(self, x: torch.Tensor) -> bool:
         """Whether this step runs ``kernels.gate_fold`` (``fold_gate``). Host-only (shapes
@@ -257,8 +239,6 @@ class DecoderLayer:
                                "weights, so the fold is made outside the capture")
         with torch.inference_mode(False):  # normal tensors, so a later refold may write them
             m, g = fold_gate_weights(*ws)     # outside inference mode (graphrt warms up in it)
-            if self._rank_count is None:
-                self._rank_count = torch.zeros(1, dtype=torch.int32, device=gate.device)
         if fold is not None and fold[2][0].shape == m.shape and fold[2][1].shape == g.shape:
             fold[2][0].copy_(m)
             fold[2][1].copy_(g)
@@ -266,39 +246,22 @@ class DecoderLayer:
         self._fold = (ws, tuple(w._version for w in ws), (m, g))
         return m, g
 
-    def _ranks_gate(self, x: torch.Tensor) -> bool:
-        """Whether this folded step also ranks in the o-projection (``fold_rank``): the routed
-        one-row experts run (``MoEBlock._routed``) and there is no shared expert (it would
-        need the normed rows). Host-only."""
-        return self.fold_rank and self.moe.shared is None and self.moe._routed(x)
-
     def _fold_route(self, a: torch.Tensor, x: torch.Tensor, n: torch.Tensor):
         """The o-projection of ``a`` with the residual add and the gate's numerators, then
         the top-k with the MoE norm (``kernels.gate_fold``: two launches) ->
-        ``((weights, ids), residual, normed, None)``, one row. With ``_ranks_gate``: the
-        o-projection also ranks, and no top-k launch runs -> ``((weights, ids), residual,
-        residual, fold_norm)``, the weights still to be made by the experts' W13
-        (``MoEBlock(fold_norm=)``)."""
+        ``((weights, ids), residual, normed)``, one row."""
         from graphrt.kernels.gate_fold import fold_topk, oproj_gate
         cfg, dev = self.cfg, x.device
         m, g = self._folded_gate()
         res = torch.empty_like(x)
         num = torch.empty(1, cfg.num_experts, dtype=torch.float32, device=dev)
+        oproj_gate(a, self.attn.wo, x, m, g, out_residual=res, out_num=num)
         w = torch.empty(1, cfg.num_topk, dtype=torch.float32, device=dev)
         ids = torch.empty(1, cfg.num_topk, dtype=torch.int64, device=dev)
-        if self._ranks_gate(x):
-            oproj_gate(a, self.attn.wo, x, m, g, out_residual=res, out_num=num,
-                       rank=(n, ids, self._rank_count))
-            return (w, ids), res, res, (self.moe_norm, cfg.rms_eps, num, True)
         h = torch.empty_like(x)
-        if self.fold_last:
-            oproj_gate(a, self.attn.wo, x, m, g, out_residual=res, out_num=num,
-                       topk=(n, self.moe_norm, cfg.rms_eps, w, ids, h, self._rank_count))
-            return (w, ids), res, h, None
-        oproj_gate(a, self.attn.wo, x, m, g, out_residual=res, out_num=num)
         fold_topk(num, res, self.moe_norm, n, cfg.num_topk, cfg.rms_eps, out_weights=w,
                   out_ids=ids, out_normed=h)
-        return (w, ids), res, h, None
+        return (w, ids), res, h
 
     def layer_kernel_fits(self) -> bool:
         """Whether this layer's weights and settings fit ``kernels.decode_layer`` (the
@@ -365,10 +328,10 @@ class DecoderLayer:
         if isinstance(h, PendingNorm):
             qkv, x = dense_normed(h, self.attn.wqkv)
             h = None
-        router, logits, routes, fold_norm = self.moe.router, None, None, None
+        router, logits, routes = self.moe.router, None, None
         if self._folds_gate(x):
             a = self.attn.attend(h, slot_mapping, block_table, seq_lens, n, qkv=qkv)
-            routes, x, h, fold_norm = self._fold_route(a, x, n)
+            routes, x, h = self._fold_route(a, x, n)
         else:
             attn = self.attn(h, slot_mapping, block_table, seq_lens, n, qkv=qkv)
             if self.fuse_moe_norm and router.takes_logits() and gate_norm_fusable(x, router.w):
@@ -378,8 +341,7 @@ class DecoderLayer:
                 x, h = add_rmsnorm(x, attn, weight=self.moe_norm, eps=eps)
         recv = (next_attn.start_prefetch(next_attn.wqkv)
                 if next_attn is not None and self.prefetch_next_qkv else None)
-        deltas = self.moe(h, n, logits, defer_combine=self.fuse_combine, routes=routes,
-                          fold_norm=fold_norm)
+        deltas = self.moe(h, n, logits, defer_combine=self.fuse_combine, routes=routes)
         if self.fuse_norm and (next_attn is not None or self.fuse_final_norm):
             out = x, PendingNorm(x, deltas, next_norm, eps)
         else:

@@ -15,8 +15,6 @@ SCRIPT = textwrap.dedent('''
     O_SIG = {"a_ptr": "*bf16", "wo_ptr": "*bf16", "xp_ptr": "*bf16", "m_ptr": "*bf16",
              "g_ptr": "*bf16", "res_ptr": "*bf16", "num_ptr": "*fp32", "n": "i32", "k_o": "i32",
              "num_experts": "i32", "e_programs": "i32"}
-    RANK_SIG = {**O_SIG, "live_ptr": "*i32", "ids_ptr": "*i64", "cnt_ptr": "*i32",
-                "gamma_ptr": "*bf16", "tw_ptr": "*fp32", "normed_ptr": "*bf16", "eps": "fp32"}
     T_SIG = {"num_ptr": "*fp32", "res_ptr": "*bf16", "gamma_ptr": "*bf16", "n_ptr": "*i32",
              "weights_ptr": "*fp32", "ids_ptr": "*i64", "normed_ptr": "*bf16", "hidden": "i32",
              "num_experts": "i32", "eps": "fp32"}
@@ -26,24 +24,13 @@ SCRIPT = textwrap.dedent('''
                                      "normed_ptr hidden num_experts".split())
 
     def facts(p):
-        return {"wait": "griddepcontrol.wait" in p, "spill": "ld.local" in p or "st.local" in p,
-                "atom": "atom.global.gpu.acq_rel.add" in p}
+        return {"wait": "griddepcontrol.wait" in p, "spill": "ld.local" in p or "st.local" in p}
 
     out = {}
     for gdc in (0, 2):
-        out[f"oproj-{gdc}"] = facts(ptx(_oproj_gate_kernel, RANK_SIG,
-                                        dict(BLOCK_N=2, BLOCK_KO=4096, BLOCK_H=2048, BLOCK_E=4,
-                                             RANK=False, TOPK=False, PACKED=True, NUM_TOPK=1,
-                                             BLOCK_EA=1, BLOCK_T=1,
+        out[f"oproj-{gdc}"] = facts(ptx(_oproj_gate_kernel, O_SIG,
+                                        dict(BLOCK_N=2, BLOCK_KO=4096, BLOCK_H=2048, BLOCK_E=1,
                                              USE_GDC=gdc), attrs=AO))
-        out[f"rank-{gdc}"] = facts(ptx(_oproj_gate_kernel, RANK_SIG,
-                                       dict(BLOCK_N=2, BLOCK_KO=4096, BLOCK_H=2048, BLOCK_E=4,
-                                            RANK=True, TOPK=False, PACKED=True, NUM_TOPK=8,
-                                            BLOCK_EA=64, BLOCK_T=8, USE_GDC=gdc), attrs=AO))
-        out[f"last-{gdc}"] = facts(ptx(_oproj_gate_kernel, RANK_SIG,
-                                       dict(BLOCK_N=2, BLOCK_KO=4096, BLOCK_H=2048, BLOCK_E=4,
-                                            TOPK=True, PACKED=True, RANK=False, NUM_TOPK=8, BLOCK_EA=64,
-                                            BLOCK_T=8, USE_GDC=gdc), attrs=AO))
         out[f"topk-{gdc}"] = facts(ptx(_fold_topk_kernel, T_SIG,
                                        dict(NUM_TOPK=8, BLOCK_E=64, BLOCK_K=8, BLOCK_H=2048,
                                             RENORMALIZE=True, PACKED=True, USE_GDC=gdc),
@@ -53,11 +40,9 @@ SCRIPT = textwrap.dedent('''
 
 
 def test_the_gate_fold_kernels_compile_for_sm90():
-    """Both kernels, and the o-projection's with the ranking, compile with and without PDL
-    (``griddepcontrol.wait`` exactly when ``USE_GDC != 0``) and do not spill; only the ranking
-    one has the semaphore's acq_rel atomic."""
+    """Both kernels compile with and without PDL (``griddepcontrol.wait`` exactly when
+    ``USE_GDC != 0``) and do not spill."""
     res = compile_results(SCRIPT)
-    assert len(res) == 8
+    assert len(res) == 4
     for key, found in res.items():
-        assert found == {"wait": not key.endswith("-0"), "spill": False,
-                         "atom": key.startswith(("rank", "last"))}, key
+        assert found == {"wait": not key.endswith("-0"), "spill": False}, key
