@@ -94,51 +94,6 @@ def _routed_w13_kernel(
 
 
 @triton.jit
-def _routed_w13_persist_kernel(
-    x_ptr, ids_ptr, n_ptr, w_ptr, act_ptr,  # as _routed_w13_kernel
-    num_experts, inter, hidden, stride_we, stride_wn,
-    items, blocks,  # ints: items = NUM_TOPK * blocks, blocks = cdiv(inter, BLOCK_N)
-    BLOCK_N: tl.constexpr,  # gate (and up) rows an item
-    BLOCK_K: tl.constexpr,  # >= hidden: the whole K in one round
-    STAGES: tl.constexpr,  # the item loop's software pipeline (tl.range num_stages)
-    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
-):
-    """``_routed_w13_kernel`` on a persistent grid: program ``p`` takes items ``p, p + P, ...``
-    (item ``i``: pick ``i // blocks``, rows block ``i % blocks``), its loop pipelined over
-    items, x loaded once. One load round only (hidden <= BLOCK_K)."""
-    pdl_prologue(USE_GDC)
-    rows = tl.arange(0, BLOCK_N)
-    live = tl.load(n_ptr + rows * 0) > 0  # vectors (a scalar & a vector breaks the interpreter)
-    offs_k = tl.arange(0, BLOCK_K)
-    xm = offs_k < hidden
-    xv = tl.load(x_ptr + offs_k, mask=xm, other=0.0).to(tl.float32)
-    for it in tl.range(tl.program_id(0), items, tl.num_programs(0), num_stages=STAGES):
-        k = it // blocks
-        j = it - k * blocks
-        e = tl.load(ids_ptr + k + rows * 0).to(tl.int64)  # the pick's id in every lane
-        ok = live & (e >= 0) & (e < num_experts)
-        offs_n = j * BLOCK_N + rows
-        mask_n = (offs_n < inter) & ok
-        wm = mask_n[:, None] & xm[None, :]
-        g_ptrs = (w_ptr + (tl.where(ok, e, 0) * stride_we + offs_n.to(tl.int64) * stride_wn)[:, None]
-                  + offs_k[None, :])
-        wg = tl.load(g_ptrs, mask=wm, other=0.0)
-        wu = tl.load(g_ptrs + inter * stride_wn, mask=wm, other=0.0)
-        g = tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)
-        u = tl.sum(wu.to(tl.float32) * xv[None, :], axis=1)
-        gb = g.to(act_ptr.dtype.element_ty).to(tl.float32)
-        ub = u.to(act_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(act_ptr + k * inter + offs_n, _silu_mul(gb, ub).to(act_ptr.dtype.element_ty),
-                 mask=mask_n)
-
-
-# routed_w13's persistent grid (the w13-persist switch; off: measured in BENCHMARKS.md §43):
-# programs an SM, and the item loop's stages
-W13_PERSIST = 0
-W13_PERSIST_STAGES = 3
-
-
-@triton.jit
 def _routed_w2_combine_kernel(
     act_ptr,  # bf16 [NUM_TOPK, inter] contiguous: routed_w13's output (its dtype rounds y)
     ids_ptr,  # int64/int32 [1, NUM_TOPK] contiguous
@@ -252,16 +207,7 @@ def routed_w13(x: torch.Tensor, topk_ids: torch.Tensor, n: torch.Tensor, w13: to
     block_n, block_k = _blocks(routed_config(hidden), block_n, block_k)
     if inter == 0 or hidden == 0:
         return out
-    blocks = triton.cdiv(inter, block_n)
-    if W13_PERSIST and hidden <= block_k:
-        from .dense_gemv import num_sms
-        items = num_topk * blocks
-        _routed_w13_persist_kernel[(min(items, W13_PERSIST * num_sms(x.device)),)](
-            x, topk_ids, n, w13, out, w13.shape[0], inter, hidden, w13.stride(0),
-            w13.stride(1), items, blocks, BLOCK_N=block_n, BLOCK_K=block_k,
-            STAGES=W13_PERSIST_STAGES, num_warps=num_warps, **pdl_args())
-        return out
-    _routed_w13_kernel[(num_topk, blocks)](
+    _routed_w13_kernel[(num_topk, triton.cdiv(inter, block_n))](
         x, topk_ids, n, w13, out, w13.shape[0], inter, hidden, w13.stride(0), w13.stride(1),
         BLOCK_N=block_n, BLOCK_K=block_k, **_rounds(hidden, block_k), num_warps=num_warps,
         **pdl_args())

@@ -83,9 +83,6 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   gate's own norm GEMV; ``fold-e1`` / ``fold-e2`` / ``fold-e8``: 1 / 2 / 8 gate rows a
   numerator program instead of 4 (``kernels.gate_fold.GATE_ROWS``); ``fold-w1``: the top-k
   launch on 1 warp instead of 4;
-- ``w13-p2`` / ``w13-p3`` / ``w13-p4``: the one-row routed W13 on a persistent grid of 2 / 3
-  / 4 programs an SM, its item loop pipelined over 3 stages (``kernels.routed_gemv``'s
-  ``W13_PERSIST``); ``w13-s2`` / ``w13-s4``: 2 / 4 stages;
 - ``expert-rows``: the expert plan's choices as measured, the CUDA-core rows kernel included
   (``kernels.grouped_gemv_rows``), against the fastest other kernel of each entry
   (``ExpertPlan.exclude``).
@@ -133,20 +130,6 @@ def _gate_rows(rows: int):
     """The ``fold-e<rows>`` switch: ``kernels.gate_fold.GATE_ROWS`` = rows (on) or 4."""
     return lambda on: _class_attr("graphrt.kernels.gate_fold", None, "GATE_ROWS",
                                   rows if on else 4)
-
-
-def _w13_persist(programs: int):
-    """The ``w13-p<programs>`` switch: ``kernels.routed_gemv.W13_PERSIST`` = programs an SM
-    (on) or 0 (the default grid)."""
-    return lambda on: _class_attr("graphrt.kernels.routed_gemv", None, "W13_PERSIST",
-                                  programs if on else 0)
-
-
-def _w13_stages(stages: int):
-    """The ``w13-s<stages>`` switch: ``kernels.routed_gemv.W13_PERSIST_STAGES`` = stages (on)
-    or 3."""
-    return lambda on: _class_attr("graphrt.kernels.routed_gemv", None, "W13_PERSIST_STAGES",
-                                  stages if on else 3)
 
 
 # switch -> (on) -> the context a capture runs in
@@ -200,8 +183,6 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "fold-gate": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
                                                 "fold_gate", on),
             **{f"fold-e{rows}": _gate_rows(rows) for rows in (1, 2, 8)},
-            **{f"w13-p{p}": _w13_persist(p) for p in (2, 3, 4)},
-            **{f"w13-s{st}": _w13_stages(st) for st in (2, 4)},
             "fold-w1": lambda on: _class_attr("graphrt.kernels.gate_fold", None,
                                               "FOLD_TOPK_WARPS", 1 if on else 4),
             "router-fused": lambda on: _class_attr("graphrt.moe.layers", "Router", "fused", on),

@@ -191,41 +191,14 @@ def test_validation():
 
 
 # ------------------------------------------------------------------------ GPU
-@pytest.mark.parametrize("E, K, hidden, inter, programs, blocks", [
-    (16, 4, 64, 48, 1, {}), (12, 6, 100, 40, 2, dict(bn13=4)), (8, 8, 96, 24, 3, dict(bn13=16))])
-def test_the_persistent_w13_is_the_default_grid_bitwise(E, K, hidden, inter, programs, blocks,
-                                                        monkeypatch):
-    """``W13_PERSIST``: the same items on a persistent grid (fewer programs than items, so
-    each loops), dead picks and a padded step write nothing, the sums bitwise the default's."""
-    from graphrt.kernels import routed_gemv
-    w13, _ = _weights(E, hidden, inter, seed=3)
-    x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-    ids, _ = _picks(E, K, seed=5, dead=(1,))
-    bn = blocks.get("bn13")
-    for live in (1, 0):
-        n = torch.full((1,), live, dtype=torch.int32)
-        got = {}
-        for p in (0, programs):
-            monkeypatch.setattr(routed_gemv, "W13_PERSIST", p)
-            got[p] = routed_w13(x, ids, n, w13, block_n=bn,
-                                out=torch.full((K, inter), 7.0, dtype=torch.bfloat16))
-        assert torch.equal(got[0], got[programs])
-        assert bool((got[programs][1] == 7).all())             # the dead pick: untouched
-        assert bool((got[programs] == 7).all()) == (live == 0)
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("persist", [0, 2])
 @pytest.mark.parametrize("name, E, K, hidden, inter", [
     ("qwen3-like", 64, 8, 2048, 768),
     ("dsv3-like", 256, 8, 7168, 2048),
 ])
-def test_gpu_shapes_and_replay(cuda_device, name, E, K, hidden, inter, persist, monkeypatch):
+def test_gpu_shapes_and_replay(cuda_device, name, E, K, hidden, inter):
     """At the presets' expert shapes: eager against the fp64 reference, then a CUDA graph
-    captured once and replayed with new rows, picks and weights staged into its inputs
-    (``persist``: W13 on its persistent grid where it applies, hidden <= 4096)."""
-    from graphrt.kernels import routed_gemv
-    monkeypatch.setattr(routed_gemv, "W13_PERSIST", persist)
+    captured once and replayed with new rows, picks and weights staged into its inputs."""
     dev = cuda_device
     w13, w2 = _weights(E, hidden, inter, device=dev, seed=1)
     x = torch.randn(1, hidden, device=dev).to(torch.bfloat16)
