@@ -105,6 +105,15 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def smem_limits(device_index: int) -> tuple[int, int]:
+    """``(per_program, per_sm)``: the shared memory bytes one program may opt in to and one SM
+    holds, of CUDA device ``device_index`` (227 KB and 228 KB on an H200; 163 / 164 KB on an
+    A100). Host-only."""
+    p = torch.cuda.get_device_properties(device_index)
+    per_program = getattr(p, "shared_memory_per_block_optin", p.shared_memory_per_block)
+    return int(per_program), int(p.shared_memory_per_multiprocessor)
+
+
 def cuda_index(device: torch.device) -> int:
     """``device``'s CUDA index, the current device's when it names none. Host-only."""
     return device.index if device.index is not None else torch.cuda.current_device()

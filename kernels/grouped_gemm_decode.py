@@ -61,7 +61,8 @@ from graphrt.env import env_flag
 from ._pdl import pdl_prologue
 from ._masked import _live_prologue, _pick_expert, _silu_mul, _silu_mul_tile
 from .activation import _round_to_e4m3
-from ._util import check, check_tensor, cuda_index, interpreting, pdl_args, sm_count
+from ._util import (check, check_tensor, cuda_index, interpreting, pdl_args, sm_count,
+                    smem_limits)
 
 _FP8 = torch.float8_e4m3fn
 _SCALE_BLOCK = 128  # DeepGEMM's fp8 scale granularity (weights 128x128, activations 1x128)
@@ -70,7 +71,28 @@ ACTS = (None, "silu_and_mul")  # the fused A-operand activations; ACT constexpr 
 # swap=True, bf16 without act, block_n 64: K tiles of this many (3 stages), as the dense
 # swapped GEMM's sweep found best (kernels.dense_mma); 128 otherwise. A/B: the swap-bk256 switch.
 SWAP_BLOCK_K = 128
-_SMEM_BUDGET = 200 << 10  # shared memory for the pipeline's stages (sm_90: 227 KB a block)
+# Shared memory the launches leave to Triton's own scratch (reductions, the epilogue): 27 KB
+# beside a program's pipeline stages and 8 KB beside the programs an SM. On an H200 (227 KB a
+# program, 228 an SM) that is 200 KB of stages and 220 KB of programs, the figures this file
+# was tuned at; smaller GPUs get fewer stages instead of a launch out of shared memory.
+_SCRATCH_PROGRAM = 27 << 10
+_SCRATCH_SM = 8 << 10
+_INTERPRETER_SMEM = (227 << 10, 228 << 10)  # off CUDA (the CPU interpreter): an H200's
+
+
+def smem_budget(device: torch.device) -> tuple[int, int]:
+    """``(stages, per_sm)``: shared bytes a program's pipeline stages may take and the
+    programs of one SM together (``_util.smem_limits`` less the scratch above; an H200's off
+    CUDA). Host-only."""
+    per_program, per_sm = (_INTERPRETER_SMEM if device.type != "cuda"
+                           else smem_limits(cuda_index(device)))
+    return per_program - _SCRATCH_PROGRAM, per_sm - _SCRATCH_SM
+
+
+def pipeline_stages(num_stages: int, stage_bytes: int, device: torch.device) -> int:
+    """``num_stages`` capped so that the stages of ``stage_bytes`` each fit
+    ``smem_budget(device)[0]`` (at least 1). Host-only."""
+    return max(1, min(num_stages, smem_budget(device)[0] // max(stage_bytes, 1)))
 # fp8 operands go to the tensor cores as e4m3 (Hopper's fp8 MMA), each 128-wide K block's
 # product scaled and summed in fp32 as DeepGEMM promotes, instead of being widened to bf16
 # first. Read at each launch (GRAPHRT_FP8_MMA=0 at import widens; A/B: the fp8-mma switch).
@@ -252,7 +274,7 @@ def num_programs(device: torch.device, work_items: int, smem_bytes: int) -> int:
     balances the SMs; beyond it programs loop. 4 on the CPU interpreter. Host-only."""
     if device.type != "cuda":
         return max(1, min(work_items, 4))
-    per_sm = max(1, min(8, (220 << 10) // max(smem_bytes, 1)))
+    per_sm = max(1, min(8, smem_budget(device)[1] // max(smem_bytes, 1)))
     return max(1, min(work_items, 2 * per_sm * sm_count(cuda_index(device))))
 
 
@@ -386,7 +408,7 @@ def decode_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
     a_rows = block_m if act is None else 2 * block_m  # gate and up tiles with act
     b_rows = block_n if epilogue is None else 2 * block_n  # gate and up tiles with epilogue
     stage = (a_rows * a.element_size() + b_rows * b.element_size()) * block_k
-    num_stages = max(1, min(num_stages, _SMEM_BUDGET // stage))  # e.g. epilogue at block_n 128
+    num_stages = pipeline_stages(num_stages, stage, a.device)  # e.g. epilogue at block_n 128
     smem = num_stages * stage
     grid = (num_programs(a.device, E * tiles_n * split_k, smem),)
     _decode_gemm_kernel[grid](
