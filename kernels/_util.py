@@ -110,8 +110,9 @@ def smem_limits(device_index: int) -> tuple[int, int]:
     holds, of CUDA device ``device_index`` (227 KB and 228 KB on an H200; 163 / 164 KB on an
     A100). Host-only."""
     p = torch.cuda.get_device_properties(device_index)
-    per_program = getattr(p, "shared_memory_per_block_optin", p.shared_memory_per_block)
-    return int(per_program), int(p.shared_memory_per_multiprocessor)
+    per_sm = int(p.shared_memory_per_multiprocessor)
+    # a torch without the opt-in figure: an SM's less the 1 KB CUDA keeps a block (sm_80-90)
+    return int(getattr(p, "shared_memory_per_block_optin", per_sm - 1024)), per_sm
 
 
 def cuda_index(device: torch.device) -> int:
