@@ -435,6 +435,8 @@ def _replay_events():
     ("void gemv2T_kernel_val<int, int, __nv_bfloat16, 128, 16, 4, 4, false>(float)", "dense_gemm"),
     ("void cublasLt::splitKreduce_kernel<32, 16, int, float>(float)", "dense_gemm"),
     ("_dense_mma_gemm_kernel", "dense_gemm"), ("_gemv_rows_kernel", "dense_gemm"),
+    ("_norm_gemv_rows_kernel", "dense_gemm"), ("_oproj_gate_kernel", "dense_gemm"),
+    ("_fold_topk_kernel", "routing"),
     ("_attn_split_kernel", "attention"), ("_attn_merge_kernel", "attention"),
     ("_kv_append_kernel", "attention"), ("attn_split_kernel", "attention"),
     ("attn_fused_kernel", "attention"), ("_add_rmsnorm_kernel", "norm"),
@@ -473,10 +475,13 @@ def test_timeline_gaps_union_latency_and_floors():
     assert [k["start_us"] for k in ks] == [0.0, 25.0, 32.0, 50.0, 60.0]  # from the first kernel
     assert [k["gap_stream_us"] for k in ks] == [None, None, 2.0, 10.0, 25.0]
     assert [k["gap_union_us"] for k in ks] == [0.0, 0.0, 0.0, 10.0, 8.0]
+    # stages: 100..130; 130..135 (ends after it); 135..140; 140..152; 152..161: the span
+    assert [k["stage_us"] for k in ks] == [30.0, 5.0, 5.0, 12.0, 9.0]
     assert ks[0]["short"] == "deep_gemm::sm90_bf16_gemm_impl" and ks[0]["name"] == _DG
     assert tl["launch_latency_us"] == 10.0 and tl["launch_call_us"] == 4.0  # 100 - 90
     assert tl["span_us"] == 61.0 and tl["busy_us"] == 43.0                  # 100..140, 150..152, 160..161
     assert tl["gaps_in_span_us"] == 18.0 == sum(k["gap_union_us"] for k in ks)
+    assert sum(k["stage_us"] for k in ks) == tl["span_us"]
     assert tl["gap_frac_in_span"] == pytest.approx(18 / 61)
     assert tl["wall_us"] == 80.0 and tl["outside_span_us"] == 19.0
     assert tl["activities"] == 5 and tl["streams"] == 2                     # zero-length dropped
@@ -513,7 +518,10 @@ def test_timeline_union_counts_a_class_on_two_streams_once():
     kept = summarize(tl, keep_kernels=True)["kernels"]
     assert [k["name"] for k in kept] == ["_decode_gemm_kernel"] * 2 + ["_decode_reduce_kernel"]
     assert set(kept[0]) == {"name", "class", "stream", "start_us", "dur_us", "gap_stream_us",
-                            "gap_union_us"}
+                            "gap_union_us", "stage_us"}
+    # the second ends after the first (15 > 10): its stage is 5; a kernel inside another's
+    # interval would add 0
+    assert [k["stage_us"] for k in kept] == [10.0, 5.0, 7.0]
     json.dumps(s)  # results.json takes it as is
 
 
@@ -609,6 +617,9 @@ def test_timeline_markdown():
     assert "Top kernels, bs 1 graph-overlap" in md and "Top kernels, bs 64 graph-overlap" in md
     assert "Top kernels, bs 8" not in md and "Top kernels, bs 1 graph " not in md
     assert "| `deep_gemm::sm90_bf16_gemm_impl` | expert GEMM | 1 | 30.0 | 30.0 | 69.8% |" in md
+    assert "Stages, bs 1 graph-overlap" in md and "Stages, bs 8" not in md
+    assert "| 1 | `nvjet_tst_64x8_64x16_4x1_v_bz_TNT` | dense GEMM | 25.00 | 10.00 | 5.00 |" in md
+    assert "| 3 | `_add_rmsnorm_kernel` | norm | 50.00 | 2.00 | 12.00 |" in md
     full = md_modes(res)
     assert full.startswith("## modes: dsv3-like") and full.endswith(md) and "×floor" in full
     assert md_timelines(_gpu_result()) == "" and md_modes(_gpu_result()) == md_modes(_gpu_result())

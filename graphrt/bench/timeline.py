@@ -16,7 +16,12 @@ rest (CPU ops, ``cuda_sync`` waits, annotations) is ignored. From one replay::
                                                  event records and profiler overhead at the ends)
 
 Per activity: ``gap_stream_us`` (since the previous activity on its stream ended; None for a
-stream's first) and ``gap_union_us`` (how long no stream was busy just before it started).
+stream's first), ``gap_union_us`` (how long no stream was busy just before it started) and
+``stage_us`` (from the latest end of the activities before it, in start order, to its own
+end; 0 when it ends before one of them; the first's is its duration). The stages sum to the
+span. Under programmatic dependent launch a kernel starts while the one before it still runs
+and waits for it on the device: its duration includes that wait, its stage does not, so the
+stages say what each link of a dependent chain adds.
 
 Kernel classes (``classify``; the first matching row wins, case-insensitive substrings of the
 kernel name; memcpy and memset are ``other``):
@@ -35,7 +40,8 @@ kernel name; memcpy and memset are ``other``):
                  ``gatherTopK``), ``dispatch``, ``combine``, ``map_and_count`` (EPLB)
 ``dense_gemm``   cuBLAS / cuBLASLt / CUTLASS: ``nvjet``, ``xmma``, ``cutlass``, ``gemm``,
                  ``gemv``, ``cublas``, ``splitkreduce`` (attention projections, router,
-                 shared expert, LM head)
+                 shared expert, LM head), and our one-row o-projection with the folded
+                 gate (``_oproj_gate``, ``kernels.gate_fold``)
 ``other``        everything else: elementwise (``silu_and_mul``), copies, fills, gathers
 ===============  =========================================================================
 
@@ -58,7 +64,8 @@ _PATTERNS = (  # first match wins: DeepEP's dispatch is comm, not routing; our G
     ("attention", ("attn_", "kv_append", "flash", "attention")),
     ("norm", ("rmsnorm", "layer_norm")),
     ("routing", ("topk", "dispatch", "combine", "map_and_count")),
-    ("dense_gemm", ("nvjet", "xmma", "cutlass", "gemm", "gemv", "cublas", "splitkreduce")),
+    ("dense_gemm", ("nvjet", "xmma", "cutlass", "gemm", "gemv", "cublas", "splitkreduce",
+                    "_oproj_gate")),
 )
 WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 _LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")
@@ -102,7 +109,7 @@ def build_timeline(events, *, floor_bytes: dict | None = None, hbm_gbs: float | 
     """The timeline of one replay from its events (see the module doc).
 
     Returns ``{"kernels": [{name, short, class, stream, start_us, dur_us, gap_stream_us,
-    gap_union_us}] (by start, times relative to the first device activity), "launch_latency_us",
+    gap_union_us, stage_us}] (by start, times relative to the first device activity), "launch_latency_us",
     "launch_call_us", "span_us", "busy_us", "gaps_in_span_us", "gap_frac_in_span", "wall_us",
     "outside_span_us", "activities", "streams", "floor_us", "classes": {class: {count, busy_us,
     floor_bytes, floor_us, busy_over_floor}}}``; launch figures are None without a launch record,
@@ -121,7 +128,8 @@ def build_timeline(events, *, floor_bytes: dict | None = None, hbm_gbs: float | 
                         "class": classify(e["name"], e["kind"]), "stream": stream,
                         "start_us": start - t0, "dur_us": e["dur_us"],
                         "gap_stream_us": None if prev is None else max(0.0, start - prev),
-                        "gap_union_us": 0.0 if last_end is None else max(0.0, start - last_end)})
+                        "gap_union_us": 0.0 if last_end is None else max(0.0, start - last_end),
+                        "stage_us": e["dur_us"] if last_end is None else max(0.0, end - last_end)})
         stream_end[stream] = end if prev is None else max(prev, end)
         last_end = end if last_end is None else max(last_end, end)
     span = (last_end - t0) if work else 0.0
@@ -176,7 +184,8 @@ def summarize(tl: dict, *, top: int = 15, keep_kernels: bool = False) -> dict:
     if keep_kernels:
         out["kernels"] = [{"name": k["short"], "class": k["class"], "stream": k["stream"],
                            "start_us": k["start_us"], "dur_us": k["dur_us"],
-                           "gap_stream_us": k["gap_stream_us"], "gap_union_us": k["gap_union_us"]}
+                           "gap_stream_us": k["gap_stream_us"], "gap_union_us": k["gap_union_us"],
+                           "stage_us": k["stage_us"]}
                           for k in tl["kernels"]]
     return out
 
@@ -312,6 +321,14 @@ def md_timelines(res: dict, *, top: int = 15) -> str:
     for bs, m, t in ok:
         if "kernels" not in t:
             continue
+        out += ["", f"Stages, bs {bs} {m} (in start order; a stage runs from the latest end "
+                "before it to its own end, so the stages sum to the span and, under PDL, leave "
+                "out a kernel's wait for the one before it):", "",
+                "| # | kernel | class | start µs | duration µs | stage µs |",
+                "|---|---|---|---|---|---|"]
+        out += [f"| {i} | `{k['name']}` | {LABELS[k['class']]} | {k['start_us']:.2f} | "
+                f"{k['dur_us']:.2f} | {_f(k.get('stage_us'), '.2f')} |"
+                for i, k in enumerate(t["kernels"])]
         out += ["", f"Top kernels, bs {bs} {m} (calls of one name summed):", "",
                 "| kernel | class | calls | total µs | mean µs | % of busy |", "|---|---|---|---|---|---|"]
         out += [f"| `{k['name']}` | {LABELS[k['class']]} | {k['calls']} | {k['total_us']:.1f} | "
