@@ -93,6 +93,8 @@ def pipeline_stages(num_stages: int, stage_bytes: int, device: torch.device) -> 
     """``num_stages`` capped so that the stages of ``stage_bytes`` each fit
     ``smem_budget(device)[0]`` (at least 1). Host-only."""
     return max(1, min(num_stages, smem_budget(device)[0] // max(stage_bytes, 1)))
+
+
 # fp8 operands go to the tensor cores as e4m3 (Hopper's fp8 MMA), each 128-wide K block's
 # product scaled and summed in fp32 as DeepGEMM promotes, instead of being widened to bf16
 # first. Read at each launch (GRAPHRT_FP8_MMA=0 at import widens; A/B: the fp8-mma switch).
