@@ -382,6 +382,10 @@ class MoEModel:
     # logits there and the graph copies no output. GRAPHRT_OUT_BUFFERS=0 at import: the step
     # allocates its logits and each graph copies them at its end (A/B: the out-buffers switch).
     out_buffers = env_flag("GRAPHRT_OUT_BUFFERS", True)
+    # Pull the first layer's QKV weight into L2 on a side stream at the step's start, while the
+    # graph's head (input staging, the embedding) leaves HBM idle; joined at the step's end.
+    # GRAPHRT_HEAD_PREFETCH=1 at import (A/B: the head-prefetch switch).
+    head_prefetch = env_flag("GRAPHRT_HEAD_PREFETCH", False)
 
     def __init__(self, cfg: MoEConfig, device, *, comm: EPComm | None = None, overlap: bool = True,
                  backend: str = "auto", fp8: bool = False, seed: int = 0, expert_plan=None,
@@ -506,6 +510,8 @@ class MoEModel:
         block_table int32 ``[bs, max_blocks_per_seq]``, seq_lens int32 ``[bs]``: the paged KV
         metadata (``graphrt.moe.paged_kv``); n int32 ``[1]`` live rows. Writes each live
         row's K/V at its slot in every layer. Graph safety: capturable."""
+        recv = (self.layers[0].attn.start_prefetch(self.layers[0].attn.wqkv)
+                if self.head_prefetch else None)                           # joined at the end
         if self.embed_kernel:                                              # [bs, hidden]
             from graphrt.kernels.embedding import embedding_rows
             x = embedding_rows(self.embed, tokens,
@@ -524,8 +530,12 @@ class MoEModel:
             self.expert_map.advance()
         logits = None if out is None else out["logits"]
         if isinstance(h, PendingNorm):                                     # fuse_final_norm
-            return {"logits": dense_normed(h, self.lm_head, out=logits)[0]}
-        return {"logits": dense(h, self.lm_head, out=logits)}              # h: final-normed x
+            logits = dense_normed(h, self.lm_head, out=logits)[0]
+        else:
+            logits = dense(h, self.lm_head, out=logits)                    # h: final-normed x
+        if recv is not None:
+            recv()
+        return {"logits": logits}
 
     def weight_bytes(self, bs: int | None = None) -> dict:
         """Bytes a step must read: expert weights (all local experts), dense weights."""
