@@ -41,7 +41,7 @@ from graphrt.moe.experts import Experts
 from graphrt.moe import paged_kv
 from graphrt.moe.layers import (Attention, PendingCombine, PendingNorm, Router, SharedExpert,
                                 add_rmsnorm, dense, dense_normed, dense_normed_keep,
-                                gate_norm_fusable)
+                                gate_norm_fusable, norm_fusable)
 from graphrt.moe.workspace import Workspace
 from graphrt.spec import Input, StepSpec
 
@@ -320,7 +320,7 @@ class DecoderLayer:
         it): the QKV projection computes it (``dense_normed``: fused where ``norm_fusable``,
         else the norm alone first); with ``fuse_norm`` on, this layer returns one for the
         next (the last layer too with ``fuse_final_norm``: the LM head computes it)."""
-        if self._one_launch(x):
+        if x is not None and self._one_launch(x):  # (x None: the embedding is pending in h)
             return self._layer_in_one_launch(x, h, slot_mapping, block_table, seq_lens, n,
                                              next_norm, next_attn)
         eps = self.cfg.rms_eps
@@ -388,6 +388,10 @@ class MoEModel:
     # at the step's end. CUDA only, not under torch.compile. GRAPHRT_HEAD_PREFETCH=1 at import
     # (A/B: the head-prefetch and head-prefetch-wo switches).
     head_prefetch: bool | str = env_flag("GRAPHRT_HEAD_PREFETCH", False)
+    # The embedding lookup made by layer 0's one-row QKV norm GEMV (kernels.norm_gemv's ids:
+    # each program gathers the token's row, program 0 stores it as the residual), one launch
+    # fewer. GRAPHRT_EMBED_IN_QKV=1 at import (A/B: the embed-qkv switch).
+    embed_in_qkv = env_flag("GRAPHRT_EMBED_IN_QKV", False)
 
     def __init__(self, cfg: MoEConfig, device, *, comm: EPComm | None = None, overlap: bool = True,
                  backend: str = "auto", fp8: bool = False, seed: int = 0, expert_plan=None,
@@ -519,13 +523,18 @@ class MoEModel:
         metadata (``graphrt.moe.paged_kv``); n int32 ``[1]`` live rows. Writes each live
         row's K/V at its slot in every layer. Graph safety: capturable."""
         recv = self._start_head_prefetch() if self.head_prefetch else None  # joined at the end
-        if self.embed_kernel:                                              # [bs, hidden]
+        if self._embeds_in_qkv(tokens):   # layer 0's QKV launch makes the lookup and its norm
+            x = None
+            h = PendingNorm(self.embed, (), self._norms[0], self.cfg.rms_eps, ids=tokens)
+        elif self.embed_kernel:                                            # [bs, hidden]
             from graphrt.kernels.embedding import embedding_rows
             x = embedding_rows(self.embed, tokens,
                                out=self.embed.new_empty(tokens.shape[0], self.cfg.hidden))
         else:
             x = self.embed.index_select(0, tokens)
-        if self.layers[0].fuse_norm:
+        if x is None:
+            pass
+        elif self.layers[0].fuse_norm:
             h = PendingNorm(x, (), self._norms[0], self.cfg.rms_eps)      # its QKV norms it
         else:
             x, h = add_rmsnorm(x, weight=self._norms[0], eps=self.cfg.rms_eps)
@@ -543,6 +552,18 @@ class MoEModel:
         if recv is not None:
             recv()
         return {"logits": logits}
+
+    def _embeds_in_qkv(self, tokens: torch.Tensor) -> bool:
+        """Whether this step's embedding lookup runs inside layer 0's QKV launch
+        (``embed_in_qkv``): where that layer takes the norm into its one-row GEMV
+        (``layers.norm_fusable``), not the one-launch layer, bf16, not under torch.compile
+        (whose op for the launch takes no ids). Host-only."""
+        layer, bs = self.layers[0], tokens.shape[0]
+        if not (self.embed_in_qkv and layer.fuse_norm and 0 < bs <= self.embed.shape[0]
+                and self.embed.dtype == torch.bfloat16 and not torch.compiler.is_compiling()):
+            return False
+        rows = self.embed[:bs]
+        return not layer._one_launch(rows) and norm_fusable(rows, layer.attn.wqkv)
 
     def _start_head_prefetch(self):
         """Fork the first layer's side stream and bulk-prefetch its QKV weight (and ``wo``

@@ -82,6 +82,37 @@ def test_out_normed_is_add_rmsnorm_bitwise(m, num_deltas):
                        out_normed=torch.empty(m, k + 1, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
+def test_gathered_rows_are_the_embedding_then_the_norm_gemv_bitwise(m, ids_dtype):
+    """``ids``: row r is ``table[ids[r]]`` (zeros for an id out of range), the gathered rows
+    land in ``out_residual`` bitwise ``embedding_rows``', and ``out`` is bitwise the plain
+    launch on those rows (the same arithmetic after the load)."""
+    from graphrt.kernels.embedding import embedding_rows_ref
+    vocab, k, n = 50, 128, 36
+    table = _t(vocab, k, seed=21)
+    ids = torch.randint(0, vocab, (m,), generator=torch.Generator().manual_seed(m)).to(ids_dtype)
+    if m > 1:
+        ids[1] = vocab      # out of range: a zero row
+    if m > 2:
+        ids[2] = -1
+    nw = (1 + 0.1 * torch.randn(k, generator=torch.Generator().manual_seed(4))).to(torch.bfloat16)
+    w = _t(n, k, seed=22, scale=k ** -0.5)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    res = torch.full((m, k), float("nan"), dtype=torch.bfloat16)
+    norm_gemv_rows(table, norm_weight=nw, eps=1e-6, w=w, out=out, out_residual=res, ids=ids)
+    rows = embedding_rows_ref(table, ids)
+    assert torch.equal(res, rows)
+    plain = torch.empty_like(out)
+    norm_gemv_rows(rows, norm_weight=nw, eps=1e-6, w=w, out=plain)
+    assert torch.equal(out, plain)
+    with pytest.raises(ValueError, match="out_residual"):
+        norm_gemv_rows(table, norm_weight=nw, eps=1e-6, w=w, out=out, ids=ids)
+    with pytest.raises(ValueError, match="deltas and combine with ids"):
+        norm_gemv_rows(table, rows, norm_weight=nw, eps=1e-6, w=w, out=out, out_residual=res,
+                       ids=ids)
+
+
 def test_errors_say_what_to_do():
     x, w = _t(1, 64, seed=1), _t(8, 64, seed=2)
     nw = torch.ones(64, dtype=torch.bfloat16)
