@@ -382,12 +382,6 @@ class MoEModel:
     # logits there and the graph copies no output. GRAPHRT_OUT_BUFFERS=0 at import: the step
     # allocates its logits and each graph copies them at its end (A/B: the out-buffers switch).
     out_buffers = env_flag("GRAPHRT_OUT_BUFFERS", True)
-    # Ask the L2 for the first layer's QKV weight (True; "wo": its o-projection too) at the
-    # step's start, while the graph's head (input staging, the embedding) leaves HBM idle:
-    # Hopper's bulk prefetch from a side stream (kernels.prefetch.l2_prefetch_bulk), joined
-    # at the step's end. CUDA only, not under torch.compile. GRAPHRT_HEAD_PREFETCH=1 at import
-    # (A/B: the head-prefetch and head-prefetch-wo switches).
-    head_prefetch: bool | str = env_flag("GRAPHRT_HEAD_PREFETCH", False)
     # The embedding lookup made by layer 0's one-row QKV norm GEMV (kernels.norm_gemv's ids:
     # each program gathers the token's row, program 0 stores it as the residual), one launch
     # fewer. GRAPHRT_EMBED_IN_QKV=1 at import (A/B: the embed-qkv switch).
@@ -399,7 +393,6 @@ class MoEModel:
         self.cfg, self.device = cfg, torch.device(device)
         self._plan = _make_plan(expert_plan, backend)
         self._prepared: set[int] = set()
-        self._head_sink = None  # head_prefetch's sink (CUDA: made below, once the layers exist)
         ranks = comm.num_ranks if comm is not None else 1
         physical = cfg.num_experts if eplb is None else eplb.physical_experts(cfg.num_experts, ranks)
         self.comm = comm or LocalComm(physical, cfg.hidden, cfg.num_topk, self.device,
@@ -433,11 +426,6 @@ class MoEModel:
         for layer in self.layers:  # one plan for every layer: their GEMM shapes are the same
             layer.moe.experts.plan = self._plan
         self._share_layer_workspace()
-        if self.device.type == "cuda":
-            from graphrt.kernels.prefetch import bulk_chunks
-            attn = self.layers[0].attn
-            self._head_sink = torch.zeros(max(bulk_chunks(attn.wqkv), bulk_chunks(attn.wo)),
-                                          dtype=torch.int32, device=self.device)
 
     def _share_layer_workspace(self) -> None:
         """One ``kernels.decode_layer.LayerWorkspace`` for every layer that fits the one-launch
@@ -522,7 +510,6 @@ class MoEModel:
         block_table int32 ``[bs, max_blocks_per_seq]``, seq_lens int32 ``[bs]``: the paged KV
         metadata (``graphrt.moe.paged_kv``); n int32 ``[1]`` live rows. Writes each live
         row's K/V at its slot in every layer. Graph safety: capturable."""
-        recv = self._start_head_prefetch() if self.head_prefetch else None  # joined at the end
         if self._embeds_in_qkv(tokens):   # layer 0's QKV launch makes the lookup and its norm
             x = None
             h = PendingNorm(self.embed, (), self._norms[0], self.cfg.rms_eps, ids=tokens)
@@ -546,45 +533,20 @@ class MoEModel:
             self.expert_map.advance()
         logits = None if out is None else out["logits"]
         if isinstance(h, PendingNorm):                                     # fuse_final_norm
-            logits = dense_normed(h, self.lm_head, out=logits)[0]
-        else:
-            logits = dense(h, self.lm_head, out=logits)                    # h: final-normed x
-        if recv is not None:
-            recv()
-        return {"logits": logits}
+            return {"logits": dense_normed(h, self.lm_head, out=logits)[0]}
+        return {"logits": dense(h, self.lm_head, out=logits)}              # h: final-normed x
 
     def _embeds_in_qkv(self, tokens: torch.Tensor) -> bool:
         """Whether this step's embedding lookup runs inside layer 0's QKV launch
         (``embed_in_qkv``): where that layer takes the norm into its one-row GEMV
         (``layers.norm_fusable``), not the one-launch layer, bf16, not under torch.compile
-        (whose op for the launch takes no ids). Host-only."""
+        (untested there). Host-only."""
         layer, bs = self.layers[0], tokens.shape[0]
         if not (self.embed_in_qkv and layer.fuse_norm and 0 < bs <= self.embed.shape[0]
                 and self.embed.dtype == torch.bfloat16 and not torch.compiler.is_compiling()):
             return False
         rows = self.embed[:bs]
         return not layer._one_launch(rows) and norm_fusable(rows, layer.attn.wqkv)
-
-    def _start_head_prefetch(self):
-        """Fork the first layer's side stream and bulk-prefetch its QKV weight (and ``wo``
-        with ``head_prefetch == "wo"``) into L2 there -> the ``Receiver`` that joins it, or
-        None (no CUDA, or under torch.compile). Graph safety: capturable (a captured
-        fork/join)."""
-        attn = self.layers[0].attn
-        if attn.side is None or torch.compiler.is_compiling():
-            return None
-        from graphrt.comm.base import on_side_stream
-        from graphrt.kernels.prefetch import bulk_chunks, l2_prefetch_bulk
-        ws = [attn.wqkv] + ([attn.wo] if self.head_prefetch == "wo" else [])
-        sink = self._head_sink
-        if sink is None or sink.numel() < max(bulk_chunks(w) for w in ws):
-            raise RuntimeError("MoEModel.head_prefetch: the sink made at construction is too "
-                               "small for the first layer's weights")
-
-        def issue():
-            for w in ws:
-                l2_prefetch_bulk(w, sink=sink)
-        return on_side_stream(attn.side, issue, sink, keep=tuple(ws))
 
     def weight_bytes(self, bs: int | None = None) -> dict:
         """Bytes a step must read: expert weights (all local experts), dense weights."""

@@ -179,3 +179,41 @@ def test_gpu_router_gate_rows_normed_bitwise(cuda_device, m):
     assert torch.equal(h, want_h) and torch.equal(res, want_res)
     assert _rel_err(out, norm_gemv_rows_ref(x, d, norm_weight=nw, eps=1e-6, w=w)[0]) < 4e-3
     _assert_replay_equals_eager(launch, out, dev)
+
+
+@pytest.mark.gpu
+def test_gpu_gathered_qkv_row_and_a_graph_replay(cuda_device):
+    """qwen3-like layer 0 (a 32000 x 2048 table, QKV 5120 x 2048): the gathered launch is
+    bitwise the lookup then the plain launch, and a replay reads the new token id."""
+    from graphrt.kernels.embedding import embedding_rows_ref
+    dev = cuda_device
+    table = _t(32000, 2048, seed=31).to(dev)
+    w = _t(5120, 2048, seed=32, scale=2048 ** -0.5).to(dev)
+    nw = torch.ones(2048, dtype=torch.bfloat16, device=dev)
+    ids = torch.tensor([12345], dtype=torch.int64, device=dev)
+    out = torch.full((1, 5120), float("nan"), dtype=torch.bfloat16, device=dev)
+    res = torch.full((1, 2048), float("nan"), dtype=torch.bfloat16, device=dev)
+
+    def launch():
+        norm_gemv_rows(table, norm_weight=nw, eps=1e-6, w=w, out=out, out_residual=res, ids=ids)
+
+    def want():
+        rows = embedding_rows_ref(table, ids)
+        plain = torch.empty_like(out)
+        norm_gemv_rows(rows, norm_weight=nw, eps=1e-6, w=w, out=plain)
+        return rows, plain
+    launch()
+    rows, plain = want()
+    assert torch.equal(res, rows) and torch.equal(out, plain)
+    _assert_replay_equals_eager(launch, out, dev)
+    ids.fill_(7)                                    # a new token: the replay gathers its row
+    g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        launch()
+    torch.cuda.current_stream(dev).wait_stream(s)
+    ids.fill_(31999)
+    g.replay()
+    torch.cuda.synchronize(dev)
+    rows, plain = want()
+    assert torch.equal(res, rows) and torch.equal(out, plain)
