@@ -55,7 +55,6 @@ def _norm_gemv_rows_kernel(
     m, n, k, eps,
     cy_ptr, cids_ptr, cw_ptr, cpos_ptr, cn_ptr,  # COMBINE: combine_masked's y, ids, w, pos, n
     cap, num_experts,  # COMBINE: y's rows per expert and experts
-    ids_ptr, vocab,  # GATHER: int64/int32 [m] row ids into x, a [vocab, k] table
     NUM_ADD: tl.constexpr,  # 0, 1 or 2 deltas (the combine counts as d1)
     M_MAX: tl.constexpr,  # rows a program takes (static loop; rows >= m skipped)
     BLOCK_N: tl.constexpr,  # W rows per program
@@ -64,7 +63,6 @@ def _norm_gemv_rows_kernel(
     WRITE_H: tl.constexpr = False,  # program 0 also stores the normed rows
     COMBINE: tl.constexpr = False,  # d1 is kernels.combine's gather-sum, made here
     NUM_TOPK: tl.constexpr = 1,  # COMBINE: experts per token
-    GATHER: tl.constexpr = False,  # row r of x is x[ids[r]] (zeros out of range); NUM_ADD 0
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_trigger(USE_GDC)
@@ -87,16 +85,7 @@ def _norm_gemv_rows_kernel(
         r = row0 + i
         if r < m:
             row = r * k + offs_k
-            if GATHER:  # the embedding lookup: x[ids[r]], a zero row for an id out of range
-                tok = tl.load(ids_ptr + r).to(tl.int64)
-                ok = (tok >= 0) & (tok < vocab)
-                m_read = offs_k < tl.where(ok, k, 0)  # (a scalar & vector mask breaks the interp.)
-                xg = tl.load(x_ptr + tl.where(ok, tok, 0) * k + offs_k, mask=m_read, other=0.0)
-                if pid == 0:
-                    tl.store(res_ptr + row, xg, mask=mask_k)
-                res = xg.to(tl.float32)
-            else:
-                res = tl.load(x_ptr + row, mask=mask_k, other=0.0).to(tl.float32)
+            res = tl.load(x_ptr + row, mask=mask_k, other=0.0).to(tl.float32)
             if COMBINE:  # combine_masked's row, rounded as it stores it
                 c = _combine_row(cy_ptr, cids_ptr, cw_ptr, cpos_ptr, r, r < tl.load(cn_ptr),
                                  offs_k, k, cap, num_experts, NUM_TOPK)
@@ -124,7 +113,7 @@ def norm_gemv_rows(x: torch.Tensor, *deltas: torch.Tensor, norm_weight: torch.Te
                    w: torch.Tensor, out: torch.Tensor,
                    out_residual: torch.Tensor | None = None, preload: bool = False,
                    out_normed: torch.Tensor | None = None,
-                   combine: tuple | None = None, ids: torch.Tensor | None = None) -> torch.Tensor:
+                   combine: tuple | None = None) -> torch.Tensor:
     """``out = (rmsnorm(x + sum(deltas)) * norm_weight) @ w.T``, and ``out_residual = x +
     sum(deltas)`` when deltas are given. One launch.
 
@@ -148,11 +137,6 @@ def norm_gemv_rows(x: torch.Tensor, *deltas: torch.Tensor, norm_weight: torch.Te
             made by every program for its rows (8 expert rows of a few KB each from L2)
             instead of by its own launch: bitwise ``combine_masked(..., out=d)`` followed by
             this GEMV with ``d`` first among the deltas. At most one other delta.
-        ids: int64 or int32 ``[m]`` contiguous, or None: ``x`` is then a ``[vocab, k]`` table
-            (the embedding) and row ``r`` is ``x[ids[r]]`` (zeros for an id outside
-            ``[0, vocab)``, as ``kernels.embedding.embedding_rows``), which program 0 stores
-            in ``out_residual`` (required): the embedding lookup in this launch. No deltas
-            nor combine with it.
 
     Returns ``out``. No allocation, no host sync; bitwise reproducible.
 
@@ -162,14 +146,6 @@ def norm_gemv_rows(x: torch.Tensor, *deltas: torch.Tensor, norm_weight: torch.Te
           "0, 1 or 2", len(deltas) + (combine is not None))
     check_tensor(x, "x", shape=(None, None), dtype=torch.bfloat16, contiguous=True)
     m, k = x.shape
-    vocab = m
-    if ids is not None:
-        check(not deltas and combine is None, "deltas and combine with ids", "none (the "
-              "gathered rows are the residual)", f"{len(deltas)} deltas, combine "
-              f"{'given' if combine is not None else 'None'}")
-        check_tensor(ids, "ids", shape=(None,), dtype=(torch.int64, torch.int32),
-                     device=x.device, contiguous=True)
-        m = ids.shape[0]
     check(m <= ROWS_MAX, "x.shape[0] (rows)", f"<= {ROWS_MAX}", m)
     check(1 <= k <= MAX_K, "x.shape[1] (hidden)",
           f"1..{MAX_K} (one load round; else add_rmsnorm, then dense_gemv_rows)", k)
@@ -192,10 +168,6 @@ def norm_gemv_rows(x: torch.Tensor, *deltas: torch.Tensor, norm_weight: torch.Te
         check(all(out_residual.data_ptr() != t.data_ptr() for t in read), "out_residual",
               "a tensor other than x, the deltas and the combine's y (programs read them after "
               "program 0 writes)", "one of them")
-    if ids is not None:
-        check(out_residual is not None, "out_residual", "a bf16 [m, k] tensor with ids (the "
-              "gathered rows are stored there)", None)
-        check_tensor(out_residual, "out_residual", **like)
     if out_normed is not None:
         check_tensor(out_normed, "out_normed", **like)
     if m == 0 or n == 0:
@@ -204,14 +176,13 @@ def norm_gemv_rows(x: torch.Tensor, *deltas: torch.Tensor, norm_weight: torch.Te
     block_n = dense_gemv_rows_config(n, k)["block_n"]
     d1 = deltas[0] if deltas else x
     d2 = deltas[1] if len(deltas) > 1 else d1
-    res = out_residual if deltas or ids is not None else x
+    res = out_residual if deltas else x
     rows = 1 if n <= ONE_ROW_N else min(triton.next_power_of_2(m), ROWS_PER_PROGRAM)
     _norm_gemv_rows_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, rows))](
         x, d1, d2, norm_weight, res, out if out_normed is None else out_normed, w, out, m, n, k,
-        float(eps), *cargs, ids if ids is not None else x, vocab, NUM_ADD=len(deltas),
-        M_MAX=rows, BLOCK_N=block_n, BLOCK_K=block_k, PRELOAD=bool(preload),
-        WRITE_H=out_normed is not None, GATHER=ids is not None, num_warps=4, **ckw,
-        **pdl_args())
+        float(eps), *cargs, NUM_ADD=len(deltas), M_MAX=rows, BLOCK_N=block_n,
+        BLOCK_K=block_k, PRELOAD=bool(preload), WRITE_H=out_normed is not None, num_warps=4,
+        **ckw, **pdl_args())
     return out
 
 

@@ -48,7 +48,7 @@ every op returns ``None`` (a custom op may not return an alias of its input)::
                                       preload=False)
     torch.ops.graphrt.norm_gemv_rows(x, d1, d2, norm_weight, eps, w, out, out_residual=None,
                                      preload=False, out_normed=None, cy=None, cids=None,
-                                     cw=None, cpos=None, cn=None, ids=None)
+                                     cw=None, cpos=None, cn=None)
     torch.ops.graphrt.deepgemm_masked_bf16(a, b, d, masked_m, expected_m)
     torch.ops.graphrt.deepgemm_masked_fp8(a, a_scale, b, b_scale, d, masked_m, expected_m)
 
@@ -301,16 +301,16 @@ def norm_gemv_rows(x: Tensor, d1: Optional[Tensor], d2: Optional[Tensor], norm_w
                    preload: bool = False, out_normed: Optional[Tensor] = None,
                    cy: Optional[Tensor] = None, cids: Optional[Tensor] = None,
                    cw: Optional[Tensor] = None, cpos: Optional[Tensor] = None,
-                   cn: Optional[Tensor] = None, ids: Optional[Tensor] = None) -> None:
+                   cn: Optional[Tensor] = None) -> None:
     """``graphrt.kernels.norm_gemv.norm_gemv_rows`` (a 1-D empty ``out_residual`` or
     ``out_normed`` stands for None; ``combine=(cy, cids, cw, cpos, cn)``, none when ``cy`` is
-    None; ``ids``: x is a table whose rows ``ids`` are gathered). Graph safety: capturable."""
+    None). Graph safety: capturable."""
     given = None if out_residual is None or out_residual.numel() == 0 else out_residual
     normed = None if out_normed is None or out_normed.numel() == 0 else out_normed
     _launcher(f"{_KERNELS}.norm_gemv", "norm_gemv_rows")(
         x, *[d for d in (d1, d2) if d is not None], norm_weight=norm_weight, eps=eps, w=w,
         out=out, out_residual=given, preload=preload, out_normed=normed,
-        combine=_combine(cy, cids, cw, cpos, cn), ids=ids)
+        combine=_combine(cy, cids, cw, cpos, cn))
 
 
 @_op("embedding_rows", ("out",))

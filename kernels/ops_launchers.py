@@ -141,7 +141,7 @@ def _wrappers() -> dict[tuple[str, str], object]:
         return out
 
     def norm_gemv_rows_(x, *deltas, norm_weight, eps, w, out, out_residual=None, preload=False,
-                        out_normed=None, combine=None, ids=None):
+                        out_normed=None, combine=None):
         if len(deltas) + (combine is not None) > 2:
             raise ValueError(f"number of deltas (the combine included): expected 0, 1 or 2, "
                              f"got {len(deltas) + (combine is not None)}")
@@ -151,7 +151,7 @@ def _wrappers() -> dict[tuple[str, str], object]:
         if out_normed is None:
             out_normed = out.new_empty((0,))
         ops.norm_gemv_rows(x, d1, d2, norm_weight, float(eps), w, out, out_residual, bool(preload),
-                           out_normed, *_flat(combine), ids)
+                           out_normed, *_flat(combine))
         return out
 
     def m_grouped_bf16_gemm_nt_masked_(a, b, d, masked_m, expected_m):

@@ -150,30 +150,3 @@ def test_gate_norm_fusable_rows(monkeypatch):
     assert not layers.gate_norm_fusable(x, w)
     monkeypatch.setattr(layers, "norm_fusable", lambda x, w: x.shape[0] == 1)
     assert layers.gate_norm_fusable(x[:1], w)
-
-
-@pytest.mark.parametrize("bs", [1, 3])
-def test_embedding_in_the_first_qkv_launch_matches_the_lookup_first(monkeypatch, bs):
-    """``MoEModel.embed_in_qkv``: layer 0's QKV norm GEMV gathers the token rows itself
-    (``norm_gemv_rows(ids=...)``) instead of after the embedding launch: bitwise the same
-    logits (the same rows, the same arithmetic after the load), and the lookup launch is gone.
-    Off the fusable path (here: the unfused norm) the flag changes nothing."""
-    from graphrt.kernels import embedding
-    monkeypatch.setattr(layers, "norm_fusable", lambda x, w: True)
-    monkeypatch.setattr(model_mod, "norm_fusable", lambda x, w: True)
-    lookups = []
-    real = embedding.embedding_rows
-    monkeypatch.setattr(embedding, "embedding_rows",
-                        lambda *a, **k: (lookups.append(1), real(*a, **k))[1])
-    logits, counts = [], []
-    for on in (False, True):
-        monkeypatch.setattr(model_mod.MoEModel, "embed_in_qkv", on)
-        spec, model = make_step(preset("tiny"), "cpu", max_batch_size=8, backend="triton")
-        x = model.example_inputs(bs, "cpu", torch.Generator().manual_seed(bs))
-        lookups.clear()
-        logits.append(spec.call(x)["logits"])
-        counts.append(len(lookups))
-    assert counts == [1, 0]
-    assert torch.equal(logits[0], logits[1])
-    monkeypatch.setattr(model_mod.DecoderLayer, "fuse_norm", False)
-    assert not model._embeds_in_qkv(x["tokens"])

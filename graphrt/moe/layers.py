@@ -141,27 +141,15 @@ class PendingNorm:
     """``add_rmsnorm(x, *deltas, weight=weight, eps=eps)`` not launched yet: the next dense
     projection of the normed rows computes it in its prologue (``dense_normed``). x and
     deltas ``[bs, hidden]`` (the first may be a ``PendingCombine``); ``materialize()`` ->
-    ``(residual, normed)`` launches it alone. ``ids`` (int ``[bs]``, no deltas): x is the
-    embedding table ``[vocab, hidden]`` and the rows are ``x[ids]`` (the lookup made by the
-    projection too: ``kernels.norm_gemv``'s ``ids``)."""
+    ``(residual, normed)`` launches it alone."""
 
-    __slots__ = ("x", "deltas", "weight", "eps", "ids")
+    __slots__ = ("x", "deltas", "weight", "eps")
 
-    def __init__(self, x: torch.Tensor, deltas: tuple, weight: torch.Tensor, eps: float,
-                 ids: torch.Tensor | None = None):
-        self.x, self.deltas, self.weight, self.eps, self.ids = x, tuple(deltas), weight, eps, ids
-
-    def rows(self) -> torch.Tensor:
-        """A tensor shaped like the rows (``[bs, hidden]``: x, or the table's first rows when
-        gathering) for shape and path checks; not the rows' values when gathering."""
-        return self.x if self.ids is None else self.x[:self.ids.shape[0]]
+    def __init__(self, x: torch.Tensor, deltas: tuple, weight: torch.Tensor, eps: float):
+        self.x, self.deltas, self.weight, self.eps = x, tuple(deltas), weight, eps
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.x
-        if self.ids is not None:
-            from graphrt.kernels.embedding import embedding_rows
-            x = embedding_rows(x, self.ids, out=x.new_empty(self.ids.shape[0], x.shape[1]))
-        return add_rmsnorm(x, *self.deltas, weight=self.weight, eps=self.eps)
+        return add_rmsnorm(self.x, *self.deltas, weight=self.weight, eps=self.eps)
 
 
 def norm_fusable(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -218,22 +206,20 @@ def dense_normed_keep(p: PendingNorm, w: torch.Tensor) -> tuple[torch.Tensor, ..
 
 def _dense_normed(p: PendingNorm, w: torch.Tensor, *, keep_normed: bool, fusable=None,
                   out: torch.Tensor | None = None):
-    rows = p.rows()
-    if not (fusable or norm_fusable)(rows, w) or (p.ids is not None
-                                                  and rows.shape[0] < p.ids.shape[0]):
+    if not (fusable or norm_fusable)(p.x, w):
         residual, h = p.materialize()
         return dense(h, w, out=out), residual, h
     from graphrt.kernels.norm_gemv import norm_gemv_rows
     if out is None:
-        out = torch.empty(rows.shape[0], w.shape[0], dtype=p.x.dtype, device=p.x.device)
-    res = torch.empty_like(rows) if p.deltas or p.ids is not None else None
-    h = torch.empty_like(rows) if keep_normed else None
+        out = torch.empty(p.x.shape[0], w.shape[0], dtype=p.x.dtype, device=p.x.device)
+    res = torch.empty_like(p.x) if p.deltas else None
+    h = torch.empty_like(p.x) if keep_normed else None
     combine, tensors = _take_combine(p.deltas)
     if combine is not None and not p.deltas[0].in_gemv:  # the combine's own launch first
         combine, tensors = None, (p.deltas[0].materialize(p.x), *tensors)
     norm_gemv_rows(p.x, *tensors, norm_weight=p.weight, eps=p.eps, w=w, out=out, out_residual=res,
-                   preload=PRELOAD, out_normed=h, combine=combine, ids=p.ids)
-    return out, (res if res is not None else p.x), h
+                   preload=PRELOAD, out_normed=h, combine=combine)
+    return out, (res if p.deltas else p.x), h
 
 
 class Router:

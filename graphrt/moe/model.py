@@ -41,7 +41,7 @@ from graphrt.moe.experts import Experts
 from graphrt.moe import paged_kv
 from graphrt.moe.layers import (Attention, PendingCombine, PendingNorm, Router, SharedExpert,
                                 add_rmsnorm, dense, dense_normed, dense_normed_keep,
-                                gate_norm_fusable, norm_fusable)
+                                gate_norm_fusable)
 from graphrt.moe.workspace import Workspace
 from graphrt.spec import Input, StepSpec
 
@@ -320,7 +320,7 @@ class DecoderLayer:
         it): the QKV projection computes it (``dense_normed``: fused where ``norm_fusable``,
         else the norm alone first); with ``fuse_norm`` on, this layer returns one for the
         next (the last layer too with ``fuse_final_norm``: the LM head computes it)."""
-        if x is not None and self._one_launch(x):  # (x None: the embedding is pending in h)
+        if self._one_launch(x):
             return self._layer_in_one_launch(x, h, slot_mapping, block_table, seq_lens, n,
                                              next_norm, next_attn)
         eps = self.cfg.rms_eps
@@ -382,10 +382,6 @@ class MoEModel:
     # logits there and the graph copies no output. GRAPHRT_OUT_BUFFERS=0 at import: the step
     # allocates its logits and each graph copies them at its end (A/B: the out-buffers switch).
     out_buffers = env_flag("GRAPHRT_OUT_BUFFERS", True)
-    # The embedding lookup made by layer 0's one-row QKV norm GEMV (kernels.norm_gemv's ids:
-    # each program gathers the token's row, program 0 stores it as the residual), one launch
-    # fewer. GRAPHRT_EMBED_IN_QKV=1 at import (A/B: the embed-qkv switch).
-    embed_in_qkv = env_flag("GRAPHRT_EMBED_IN_QKV", False)
 
     def __init__(self, cfg: MoEConfig, device, *, comm: EPComm | None = None, overlap: bool = True,
                  backend: str = "auto", fp8: bool = False, seed: int = 0, expert_plan=None,
@@ -510,18 +506,13 @@ class MoEModel:
         block_table int32 ``[bs, max_blocks_per_seq]``, seq_lens int32 ``[bs]``: the paged KV
         metadata (``graphrt.moe.paged_kv``); n int32 ``[1]`` live rows. Writes each live
         row's K/V at its slot in every layer. Graph safety: capturable."""
-        if self._embeds_in_qkv(tokens):   # layer 0's QKV launch makes the lookup and its norm
-            x = None
-            h = PendingNorm(self.embed, (), self._norms[0], self.cfg.rms_eps, ids=tokens)
-        elif self.embed_kernel:                                            # [bs, hidden]
+        if self.embed_kernel:                                              # [bs, hidden]
             from graphrt.kernels.embedding import embedding_rows
             x = embedding_rows(self.embed, tokens,
                                out=self.embed.new_empty(tokens.shape[0], self.cfg.hidden))
         else:
             x = self.embed.index_select(0, tokens)
-        if x is None:
-            pass
-        elif self.layers[0].fuse_norm:
+        if self.layers[0].fuse_norm:
             h = PendingNorm(x, (), self._norms[0], self.cfg.rms_eps)      # its QKV norms it
         else:
             x, h = add_rmsnorm(x, weight=self._norms[0], eps=self.cfg.rms_eps)
@@ -535,18 +526,6 @@ class MoEModel:
         if isinstance(h, PendingNorm):                                     # fuse_final_norm
             return {"logits": dense_normed(h, self.lm_head, out=logits)[0]}
         return {"logits": dense(h, self.lm_head, out=logits)}              # h: final-normed x
-
-    def _embeds_in_qkv(self, tokens: torch.Tensor) -> bool:
-        """Whether this step's embedding lookup runs inside layer 0's QKV launch
-        (``embed_in_qkv``): where that layer takes the norm into its one-row GEMV
-        (``layers.norm_fusable``), not the one-launch layer, bf16, not under torch.compile
-        (untested there). Host-only."""
-        layer, bs = self.layers[0], tokens.shape[0]
-        if not (self.embed_in_qkv and layer.fuse_norm and 0 < bs <= self.embed.shape[0]
-                and self.embed.dtype == torch.bfloat16 and not torch.compiler.is_compiling()):
-            return False
-        rows = self.embed[:bs]
-        return not layer._one_launch(rows) and norm_fusable(rows, layer.attn.wqkv)
 
     def weight_bytes(self, bs: int | None = None) -> dict:
         """Bytes a step must read: expert weights (all local experts), dense weights."""

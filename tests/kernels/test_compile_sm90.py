@@ -31,16 +31,13 @@ SCRIPT = textwrap.dedent('''
                 out[f"rows-{pre}-{even}-{gdc}"] = order(p)
     norm = dict(rows, d1_ptr="*bf16", d2_ptr="*bf16", nw_ptr="*bf16", res_ptr="*bf16",
                 h_ptr="*bf16", eps="fp32", cy_ptr="*bf16", cids_ptr="*i64", cw_ptr="*fp32",
-                cpos_ptr="*i32", cn_ptr="*i32", cap="i32", num_experts="i32",
-                ids_ptr="*i64", vocab="i32")
+                cpos_ptr="*i32", cn_ptr="*i32", cap="i32", num_experts="i32")
     for pre in (True, False):
-        for na in (0, 1, 2, "c", "g"):  # WRITE_H (the normed rows stored too) with one delta;
+        for na in (0, 1, 2, "c"):  # WRITE_H (the normed rows stored too) with one delta;
             combine = na == "c"    # "c": the combine made here as the one delta
-            p = ptx(_norm_gemv_rows_kernel, norm, {"NUM_ADD": 1 if combine else
-                    0 if na == "g" else na, "M_MAX": 1,   # "g": the embedding gathered here
+            p = ptx(_norm_gemv_rows_kernel, norm, {"NUM_ADD": 1 if combine else na, "M_MAX": 1,
                     "BLOCK_N": 4, "BLOCK_K": 2048, "PRELOAD": pre, "WRITE_H": na == 1,
-                    "COMBINE": combine, "NUM_TOPK": 8 if combine else 1, "GATHER": na == "g",
-                    "USE_GDC": 2})
+                    "COMBINE": combine, "NUM_TOPK": 8 if combine else 1, "USE_GDC": 2})
             out[f"norm-{pre}-{na}"] = order(p)
     print(json.dumps(out))
 ''')
@@ -50,7 +47,7 @@ def test_the_decode_gemv_kernels_compile_for_sm90():
     """The PDL wait is there exactly when asked for; with ``PRELOAD`` the weight loads are
     issued before it (the point of preloading), without it every load follows it."""
     res = compile_results(SCRIPT)
-    assert len(res) == 22
+    assert len(res) == 20
     for key, (waits, load_first) in res.items():
         pre = key.split("-")[1] == "True"
         assert waits == (not key.endswith("-0") or key.startswith("norm")), key

@@ -82,37 +82,6 @@ def test_out_normed_is_add_rmsnorm_bitwise(m, num_deltas):
                        out_normed=torch.empty(m, k + 1, dtype=torch.bfloat16))
 
 
-@pytest.mark.parametrize("m", [1, 3, 16])
-@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
-def test_gathered_rows_are_the_embedding_then_the_norm_gemv_bitwise(m, ids_dtype):
-    """``ids``: row r is ``table[ids[r]]`` (zeros for an id out of range), the gathered rows
-    land in ``out_residual`` bitwise ``embedding_rows``', and ``out`` is bitwise the plain
-    launch on those rows (the same arithmetic after the load)."""
-    from graphrt.kernels.embedding import embedding_rows_ref
-    vocab, k, n = 50, 128, 36
-    table = _t(vocab, k, seed=21)
-    ids = torch.randint(0, vocab, (m,), generator=torch.Generator().manual_seed(m)).to(ids_dtype)
-    if m > 1:
-        ids[1] = vocab      # out of range: a zero row
-    if m > 2:
-        ids[2] = -1
-    nw = (1 + 0.1 * torch.randn(k, generator=torch.Generator().manual_seed(4))).to(torch.bfloat16)
-    w = _t(n, k, seed=22, scale=k ** -0.5)
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
-    res = torch.full((m, k), float("nan"), dtype=torch.bfloat16)
-    norm_gemv_rows(table, norm_weight=nw, eps=1e-6, w=w, out=out, out_residual=res, ids=ids)
-    rows = embedding_rows_ref(table, ids)
-    assert torch.equal(res, rows)
-    plain = torch.empty_like(out)
-    norm_gemv_rows(rows, norm_weight=nw, eps=1e-6, w=w, out=plain)
-    assert torch.equal(out, plain)
-    with pytest.raises(ValueError, match="out_residual"):
-        norm_gemv_rows(table, norm_weight=nw, eps=1e-6, w=w, out=out, ids=ids)
-    with pytest.raises(ValueError, match="deltas and combine with ids"):
-        norm_gemv_rows(table, rows, norm_weight=nw, eps=1e-6, w=w, out=out, out_residual=res,
-                       ids=ids)
-
-
 def test_errors_say_what_to_do():
     x, w = _t(1, 64, seed=1), _t(8, 64, seed=2)
     nw = torch.ones(64, dtype=torch.bfloat16)
@@ -179,41 +148,3 @@ def test_gpu_router_gate_rows_normed_bitwise(cuda_device, m):
     assert torch.equal(h, want_h) and torch.equal(res, want_res)
     assert _rel_err(out, norm_gemv_rows_ref(x, d, norm_weight=nw, eps=1e-6, w=w)[0]) < 4e-3
     _assert_replay_equals_eager(launch, out, dev)
-
-
-@pytest.mark.gpu
-def test_gpu_gathered_qkv_row_and_a_graph_replay(cuda_device):
-    """qwen3-like layer 0 (a 32000 x 2048 table, QKV 5120 x 2048): the gathered launch is
-    bitwise the lookup then the plain launch, and a replay reads the new token id."""
-    from graphrt.kernels.embedding import embedding_rows_ref
-    dev = cuda_device
-    table = _t(32000, 2048, seed=31).to(dev)
-    w = _t(5120, 2048, seed=32, scale=2048 ** -0.5).to(dev)
-    nw = torch.ones(2048, dtype=torch.bfloat16, device=dev)
-    ids = torch.tensor([12345], dtype=torch.int64, device=dev)
-    out = torch.full((1, 5120), float("nan"), dtype=torch.bfloat16, device=dev)
-    res = torch.full((1, 2048), float("nan"), dtype=torch.bfloat16, device=dev)
-
-    def launch():
-        norm_gemv_rows(table, norm_weight=nw, eps=1e-6, w=w, out=out, out_residual=res, ids=ids)
-
-    def want():
-        rows = embedding_rows_ref(table, ids)
-        plain = torch.empty_like(out)
-        norm_gemv_rows(rows, norm_weight=nw, eps=1e-6, w=w, out=plain)
-        return rows, plain
-    launch()
-    rows, plain = want()
-    assert torch.equal(res, rows) and torch.equal(out, plain)
-    _assert_replay_equals_eager(launch, out, dev)
-    ids.fill_(7)                                    # a new token: the replay gathers its row
-    g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream(dev)
-    s.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
-        launch()
-    torch.cuda.current_stream(dev).wait_stream(s)
-    ids.fill_(31999)
-    g.replay()
-    torch.cuda.synchronize(dev)
-    rows, plain = want()
-    assert torch.equal(res, rows) and torch.equal(out, plain)
