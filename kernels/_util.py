@@ -105,10 +105,11 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
 def smem_limits(device_index: int) -> tuple[int, int]:
     """``(per_program, per_sm)``: the shared memory bytes one program may opt in to and one SM
-    holds, of CUDA device ``device_index`` (227 KB and 228 KB on an H200; 163 / 164 KB on an
-    A100). Host-only."""
+    holds, of CUDA device ``device_index`` (cached, as ``sm_count``; 227 KB and 228 KB on an
+    H200; 163 / 164 KB on an A100). Host-only."""
     p = torch.cuda.get_device_properties(device_index)
     per_sm = int(p.shared_memory_per_multiprocessor)
     # a torch without the opt-in figure: an SM's less the 1 KB CUDA keeps a block (sm_80-90)

@@ -13,9 +13,10 @@ The gate's logits are linear in x up to the norm's scalar ``rstd = rsqrt(mean(x*
 
 so the gate's GEMV needs neither x nor its norm: the o-projection's launch computes the E
 numerators ``G @ x_prev + M @ a`` beside its own columns (``oproj_gate``: extra programs of the
-same grid, first in it, ``GATE_ROWS`` rows of G and M each), and the top-k launch, which must wait for the whole x
-anyway, takes ``rstd`` from x and ranks ``bf16(rstd * num)`` (``fold_topk``; it also stores the
-normed rows the experts read). The gate's own launch (a norm GEMV, BENCHMARKS.md §27) is gone.
+same grid, first in it, ``GATE_ROWS`` rows of G and M each), and the top-k launch, which must
+wait for the whole x anyway, takes ``rstd`` from x and ranks ``bf16(rstd * num)``
+(``fold_topk``; it also stores the normed rows the experts read). The gate's own launch (a
+norm GEMV, BENCHMARKS.md §27) is gone.
 
 Numerics: x (the residual) and the normed rows are the unfused path's expressions (the
 o-projection's per-column sum as ``kernels.dense_gemv.dense_gemv_rows`` makes it for one row,

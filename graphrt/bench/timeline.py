@@ -109,11 +109,12 @@ def build_timeline(events, *, floor_bytes: dict | None = None, hbm_gbs: float | 
     """The timeline of one replay from its events (see the module doc).
 
     Returns ``{"kernels": [{name, short, class, stream, start_us, dur_us, gap_stream_us,
-    gap_union_us, stage_us}] (by start, times relative to the first device activity), "launch_latency_us",
-    "launch_call_us", "span_us", "busy_us", "gaps_in_span_us", "gap_frac_in_span", "wall_us",
-    "outside_span_us", "activities", "streams", "floor_us", "classes": {class: {count, busy_us,
-    floor_bytes, floor_us, busy_over_floor}}}``; launch figures are None without a launch record,
-    floors None without ``floor_bytes``/``hbm_gbs``. Host-only."""
+    gap_union_us, stage_us}] (by start, times relative to the first device activity),
+    "launch_latency_us", "launch_call_us", "span_us", "busy_us", "gaps_in_span_us",
+    "gap_frac_in_span", "wall_us", "outside_span_us", "activities", "streams", "floor_us",
+    "classes": {class: {count, busy_us, floor_bytes, floor_us, busy_over_floor}}}``; launch
+    figures are None without a launch record, floors None without ``floor_bytes``/``hbm_gbs``.
+    Host-only."""
     evs = [_event(e) for e in events]
     work = sorted((e for e in evs if e.get("kind") in WORK and e["dur_us"] > 0),
                   key=lambda e: (e["start_us"], str(e.get("stream"))))
