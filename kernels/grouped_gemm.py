@@ -24,14 +24,6 @@ Rows ``>= masked_m[g]`` are neither read nor written: a program whose row block 
 ``masked_m[g]`` exits at once, so unused capacity costs only an empty program. The live row
 counts are read on the device, so one captured graph serves any ``masked_m``.
 
-``max_rows`` (a host int) bounds the grid where the caller knows that no group can hold more
-rows than that, e.g. a decode step's token count (a token picks an expert at most once): the
-grid then has ``cdiv(max_rows, BLOCK_M)`` row blocks a group instead of ``cdiv(cap, BLOCK_M)``.
-At 16 tokens in a capacity of 64 rows that is one program a (group, column block) where there
-were four, three of them empty. The bound is a hint, never a truncation: a program walks the
-group's row blocks with the grid's stride, so a group holding more rows than the bound is
-still computed in full, by the same programs one row block after another.
-
 Decode is weight-bandwidth bound (a few live rows a group, n and k ~ 2048-7168): the tiles
 below keep ``BLOCK_M`` as small as ``tl.dot`` allows and stream ``b`` in wide K tiles with a
 deep software pipeline. ``expected_m`` (a host int, like DeepGEMM's) only picks the row tile
@@ -83,7 +75,6 @@ def _masked_grouped_gemm_kernel(
     out_ptr,  # bf16 [num_groups, m_max, n]
     masked_m_ptr,  # int32 [num_groups]: live rows of each group
     m_max,  # rows of each group's a/out (capacity)
-    m_blocks,  # row blocks of each group in the grid (a group's later row blocks: strided)
     n,  # output columns (rows of b)
     k,  # reduction length
     stride_ag, stride_am, stride_ak,  # strides of a (elements)
@@ -97,57 +88,57 @@ def _masked_grouped_gemm_kernel(
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
-    pid_gm = tl.program_id(0)  # group * m_blocks + row block
+    pid_gm = tl.program_id(0)  # group * num_m_blocks + row block
     pid_n = tl.program_id(1)  # column block
-    g = pid_gm // m_blocks
+    num_m_blocks = tl.cdiv(m_max, BLOCK_M)
+    g = pid_gm // num_m_blocks
+    row0 = (pid_gm % num_m_blocks) * BLOCK_M
     m = tl.minimum(tl.load(masked_m_ptr + g), m_max)  # live rows of this group
+    if row0 >= m:
+        return  # unused capacity: nothing to read or write
+
     g64 = g.to(tl.int64)
+    offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < m
+    a_ptrs = a_ptr + g64 * stride_ag + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    out_row = out_ptr + g64 * stride_og + offs_m[:, None] * stride_om
     # output columns a program: with EPI, BLOCK_N // 2 gate rows of b and the same up rows,
     # n rows further down (the same weight bytes a program)
     COLS: tl.constexpr = BLOCK_N // 2 if EPI else BLOCK_N
     offs_n = pid_n * COLS + tl.arange(0, COLS)
     mask_n = offs_n < n
-    # this program's row blocks: its own, then every m_blocks-th after it (none past the
-    # group's live rows: a program whose row block starts past them exits at once)
-    for row0 in range((pid_gm % m_blocks) * BLOCK_M, m, m_blocks * BLOCK_M):
-        offs_m = row0 + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < m
-        a_ptrs = (a_ptr + g64 * stride_ag + offs_m[:, None] * stride_am
-                  + offs_k[None, :] * stride_ak)
-        b_ptrs = (b_ptr + g64 * stride_bg + offs_k[:, None] * stride_bk
-                  + offs_n[None, :] * stride_bn)
-        acc = tl.zeros((BLOCK_M, COLS), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, COLS), dtype=tl.float32)  # EPI only
-        for k0 in range(0, k, BLOCK_K):
-            mask_k = offs_k < k - k0
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK]
-            mask_b = mask_k[:, None] & mask_n[None, :]
-            b = tl.load(b_ptrs, mask=mask_b, other=0.0)  # [BK, COLS]
-            if EPI:
-                b_up = tl.load(b_ptrs + n * stride_bn, mask=mask_b, other=0.0)
+    b_ptrs = b_ptr + g64 * stride_bg + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, COLS), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, COLS), dtype=tl.float32)  # EPI only
+    for k0 in range(0, k, BLOCK_K):
+        mask_k = offs_k < k - k0
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK]
+        mask_b = mask_k[:, None] & mask_n[None, :]
+        b = tl.load(b_ptrs, mask=mask_b, other=0.0)  # [BK, COLS]
+        if EPI:
+            b_up = tl.load(b_ptrs + n * stride_bn, mask=mask_b, other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc += tl.dot(a, b)  # bf16 operands, fp32 accumulation on the GPU
+        if EPI:
             if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc += tl.dot(a, b)  # bf16 operands, fp32 accumulation on the GPU
-            if EPI:
-                if UPCAST:
-                    b_up = b_up.to(tl.float32)
-                acc_up += tl.dot(a, b_up)
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
-        if EPI:  # silu_and_mul_masked's arithmetic on the bf16 u this GEMM would have stored
-            ty = out_ptr.dtype.element_ty
-            acc = _silu_mul(acc.to(ty).to(tl.float32), acc_up.to(ty).to(tl.float32))
-        out_row = out_ptr + g64 * stride_og + offs_m[:, None] * stride_om
-        tl.store(out_row + offs_n[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
-                 mask=mask_m[:, None] & mask_n[None, :])
+                b_up = b_up.to(tl.float32)
+            acc_up += tl.dot(a, b_up)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if EPI:  # silu_and_mul_masked's arithmetic on the bf16 u this GEMM would have stored
+        ty = out_ptr.dtype.element_ty
+        acc = _silu_mul(acc.to(ty).to(tl.float32), acc_up.to(ty).to(tl.float32))
+
+    tl.store(out_row + offs_n[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
 
 
 def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *,
                         out: torch.Tensor, expected_m: int | None = None,
-                        epilogue: str | None = None,
-                        max_rows: int | None = None) -> torch.Tensor:
+                        epilogue: str | None = None) -> torch.Tensor:
     """``out[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g].T`` for every group ``g`` (with
     ``epilogue="silu_and_mul"``: ``silu(a @ gate.T) * (a @ up.T)`` on those rows).
 
@@ -163,8 +154,6 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
         epilogue: None, or ``"silu_and_mul"``: ``b`` is W13 ``[num_local_experts, 2 * n, k]``
             (gate rows, then up rows) and ``out`` ``[num_local_experts, cap, n]`` gets the
             activation, bitwise this GEMM into ``u`` and ``silu_and_mul_masked(u, ...)``.
-        max_rows: host int >= 1, the most live rows a group can hold (None: ``cap``); sizes
-            the grid only (module docstring): a group past it is still computed in full.
 
     Returns ``out``. Launches one kernel, allocates nothing.
 
@@ -183,18 +172,14 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
     check(k >= 1, "a.shape[2] (k)", ">= 1", k)
     check(expected_m is None or (isinstance(expected_m, int) and expected_m >= 0),
           "expected_m", "None or a non-negative host int", repr(expected_m))
-    check(max_rows is None or (isinstance(max_rows, int) and not isinstance(max_rows, bool)
-                               and max_rows >= 1),
-          "max_rows", "None or a positive host int", repr(max_rows))
     if num_groups == 0 or m_max == 0 or n == 0:
         return out
 
     cfg = gemm_config(m_max if expected_m is None else expected_m)
     cols = cfg["BLOCK_N"] if epilogue is None else cfg["BLOCK_N"] // 2  # out columns a program
-    m_blocks = triton.cdiv(m_max if max_rows is None else min(m_max, max_rows), cfg["BLOCK_M"])
-    grid = (num_groups * m_blocks, triton.cdiv(n, cols))
+    grid = (num_groups * triton.cdiv(m_max, cfg["BLOCK_M"]), triton.cdiv(n, cols))
     _masked_grouped_gemm_kernel[grid](
-        a, b, out, masked_m, m_max, m_blocks, n, k,
+        a, b, out, masked_m, m_max, n, k,
         a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
         out.stride(0), out.stride(1), out.stride(2),

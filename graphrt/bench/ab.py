@@ -83,9 +83,6 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   gate's own norm GEMV; ``fold-e1`` / ``fold-e2`` / ``fold-e8``: 1 / 2 / 8 gate rows a
   numerator program instead of 4 (``kernels.gate_fold.GATE_ROWS``); ``fold-w1``: the top-k
   launch on 1 warp instead of 4;
-- ``expert-bound-rows``: the Triton masked GEMM's grid sized by the step's tokens (``bs``
-  rows an expert at most) instead of by the masked layout's capacity
-  (``Experts.bound_rows``, ``masked_grouped_gemm(max_rows=)``);
 - ``expert-rows``: the expert plan's choices as measured, the CUDA-core rows kernel included
   (``kernels.grouped_gemv_rows``), against the fastest other kernel of each entry
   (``ExpertPlan.exclude``).
@@ -230,8 +227,6 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "expert-swap": lambda on: _class_attr("graphrt.moe.expert_plan", "ExpertPlan",
                                                   "exclude", frozenset() if on else
                                                   frozenset({"swap"})),
-            "expert-bound-rows": lambda on: _class_attr("graphrt.moe.experts", "Experts",
-                                                        "bound_rows", on),
             "expert-rows": lambda on: _class_attr("graphrt.moe.expert_plan", "ExpertPlan",
                                                   "exclude", frozenset() if on else
                                                   frozenset({"rows"}))}

@@ -394,8 +394,7 @@ def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: 
             return _graph_us([functools.partial(experts.w13_act, a, m, em, out, act_out, c,
                                                 padded_bs)
                               if with_act else
-                              functools.partial(experts.gemm, which, a, m, em, out, c, a_scale,
-                                                bs=padded_bs)
+                              functools.partial(experts.gemm, which, a, m, em, out, c, a_scale)
                               for m in masked])
         timed, timings = choose_timed(cands, time_one,
                                       on_error=lambda: torch.cuda.synchronize(device))

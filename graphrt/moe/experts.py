@@ -98,8 +98,6 @@ class Experts:
             included); default ``first_expert, first_expert + 1, ...``.
         plan: an ``ExpertPlan`` shared by the model's layers (``graphrt.moe.expert_plan``);
             ``None``: always ``backend``.
-        num_ranks: the expert-parallel ranks whose tokens reach these experts (a padded
-            batch of ``bs`` puts at most ``bs * num_ranks`` rows on one expert).
     """
 
     # Fuse SiLU-and-mul (and, with fp8, its quantization) into the W2 GEMM's A load when the
@@ -130,19 +128,11 @@ class Experts:
     # (BENCHMARKS.md §35). GRAPHRT_TRITON_EPILOGUE=0 at import turns it off (A/B: the
     # triton-epilogue switch).
     triton_epilogue = env_flag("GRAPHRT_TRITON_EPILOGUE", True)
-    # The Triton masked GEMM's grid sized by the tokens that can reach an expert
-    # (``max_rows``: a token picks an expert at most once, so a local expert holds at most
-    # ``bs * num_ranks`` rows) instead of by the masked layout's capacity, which LocalComm
-    # pads to 64 rows: at 16 tokens one program a (expert, column block) where there were
-    # four, three of them empty. A grid hint only: an expert holding more rows is still
-    # computed in full (kernels.grouped_gemm). GRAPHRT_EXPERT_BOUND_ROWS=0 at import turns it
-    # off (A/B: the expert-bound-rows switch).
-    bound_rows = env_flag("GRAPHRT_EXPERT_BOUND_ROWS", True)
 
     def __init__(self, hidden: int, inter: int, num_local_experts: int, device, *, seed: int = 0,
                  first_expert: int = 0, backend: str = "auto", fp8: bool = False,
                  dtype=torch.bfloat16, max_cap: int = 256, workspace=None,
-                 quantize_input: bool = True, plan=None, expert_ids=None, num_ranks: int = 1):
+                 quantize_input: bool = True, plan=None, expert_ids=None):
         on_cuda = torch.device(device).type == "cuda"
         self.planned = backend == "auto"
         if backend == "auto":
@@ -160,7 +150,6 @@ class Experts:
         self.hidden, self.inter, self.E = hidden, inter, num_local_experts
         self.backend, self.fp8, self.dtype = backend, fp8, dtype
         self.device = torch.device(device)
-        self.num_ranks = num_ranks
         self.plan = plan if self.planned else None
         self._fixed = Choice(backend, block_n=0) if backend == "rows" else Choice(backend)
         self._keys = (shape_key(num_local_experts, 2 * inter, hidden, fp8),
@@ -244,14 +233,8 @@ class Experts:
             return self.decode_epilogue
         return bs is not None and bs <= self.EPILOGUE_MAX_BS
 
-    def max_rows(self, bs: int | None) -> int | None:
-        """The most rows one local expert can hold at padded batch ``bs`` (``bs *
-        num_ranks``: a token picks an expert at most once), or None where ``bound_rows`` is
-        off or ``bs`` is unknown. Host-only."""
-        return bs * self.num_ranks if self.bound_rows and bs is not None else None
-
     def gemm(self, which: str, a, masked_m, expected_m: int, out, choice: Choice, a_scale=None,
-             act: str | None = None, epilogue: str | None = None, bs: int | None = None):
+             act: str | None = None, epilogue: str | None = None):
         """``out = a @ W.T`` on live rows with ``choice``'s kernel; ``which`` is ``"w13"`` or
         ``"w2"``; ``a`` [E, cap, k] bf16 (or fp8 with ``a_scale`` [E, cap, k // 128]),
         ``out`` [E, cap, n] bf16 (the ``rows`` kernel: bf16 only, ValueError with fp8
@@ -260,8 +243,7 @@ class Experts:
         and the activation quantization) as it loads A, no ``a_scale``; with the rows kernel
         on W13, ``out`` is [E, cap, inter] and SiLU-and-mul is the GEMM's epilogue; so with
         ``epilogue="silu_and_mul"`` and the decode kernel (``decode`` or ``swap``, unsplit) or
-        the Triton masked GEMM on W13. ``bs``: the padded batch, which sizes the Triton
-        masked GEMM's grid (``max_rows``). Graph safety: capturable."""
+        the Triton masked GEMM on W13. Graph safety: capturable."""
         if epilogue is not None and (which != "w13" or choice.split_k != 1 or choice.kernel
                                      not in ("decode", "swap", "triton")):
             raise ValueError(f"epilogue={epilogue!r} on {which}: expected the unsplit decode "
@@ -288,7 +270,7 @@ class Experts:
         elif choice.kernel == "triton":
             from graphrt.kernels.grouped_gemm import masked_grouped_gemm
             masked_grouped_gemm(a, w, masked_m, out=out, expected_m=expected_m,
-                                epilogue=epilogue, max_rows=self.max_rows(bs))
+                                epilogue=epilogue)
         else:  # "decode", or "swap": the decode kernel with the weights as the MMA's M side
             from graphrt.kernels.grouped_gemm_decode import decode_grouped_gemm
             n = out.shape[2]
@@ -356,22 +338,22 @@ class Experts:
                 x_q = self.ws.view("x_q", (E, cap, self.hidden))
                 x_s = self.ws.view("x_s", (E, cap, self.hidden // 128))
                 recv_x, recv_scale = quantize_fp8_masked(recv_x, masked_m, out_q=x_q, out_scale=x_s)
-            self.gemm("w13", recv_x, masked_m, expected_m, u, c13, recv_scale, bs=bs)
+            self.gemm("w13", recv_x, masked_m, expected_m, u, c13, recv_scale)
             if fused:  # W2 quantizes silu(gate) * up itself
-                return self.gemm("w2", u, masked_m, expected_m, y, c2, act="silu_and_mul", bs=bs)
+                return self.gemm("w2", u, masked_m, expected_m, y, c2, act="silu_and_mul")
             a_q = self.ws.view("a_q", (E, cap, self.inter))
             a_s = self.ws.view("a_s", (E, cap, self.inter // 128))
             silu_and_mul_masked_fp8(u, masked_m, out_q=a_q, out_scale=a_s)
-            return self.gemm("w2", a_q, masked_m, expected_m, y, c2, a_s, bs=bs)
+            return self.gemm("w2", a_q, masked_m, expected_m, y, c2, a_s)
         a = self.ws.view("a", (E, cap, self.inter))
         if self.act_epilogue and c13.kernel == "rows" and not fused:  # W13 writes a itself
-            self.gemm("w13", recv_x, masked_m, expected_m, a, c13, act="silu_and_mul", bs=bs)
-            return self.gemm("w2", a, masked_m, expected_m, y, c2, bs=bs)
+            self.gemm("w13", recv_x, masked_m, expected_m, a, c13, act="silu_and_mul")
+            return self.gemm("w2", a, masked_m, expected_m, y, c2)
         if fused:
-            self.gemm("w13", recv_x, masked_m, expected_m, u, c13, bs=bs)
-            return self.gemm("w2", u, masked_m, expected_m, y, c2, act="silu_and_mul", bs=bs)
+            self.gemm("w13", recv_x, masked_m, expected_m, u, c13)
+            return self.gemm("w2", u, masked_m, expected_m, y, c2, act="silu_and_mul")
         self.w13_act(recv_x, masked_m, expected_m, u, a, c13, bs)
-        return self.gemm("w2", a, masked_m, expected_m, y, c2, bs=bs)
+        return self.gemm("w2", a, masked_m, expected_m, y, c2)
 
     def act_in_w13(self, bs: int | None) -> bool:
         """Whether some W13 kernel at padded batch ``bs`` applies SiLU-and-mul itself (bf16;
@@ -397,7 +379,6 @@ class Experts:
         epilogue applies. Graph safety: capturable."""
         from graphrt.kernels.activation import silu_and_mul_masked
         if self.takes_epilogue(choice, bs):
-            return self.gemm("w13", x, masked_m, expected_m, a, choice, epilogue="silu_and_mul",
-                             bs=bs)
-        self.gemm("w13", x, masked_m, expected_m, u, choice, bs=bs)
+            return self.gemm("w13", x, masked_m, expected_m, a, choice, epilogue="silu_and_mul")
+        self.gemm("w13", x, masked_m, expected_m, u, choice)
         return silu_and_mul_masked(u, masked_m, out=a)

@@ -60,8 +60,7 @@ class MoEBlock:
                                max_cap=comm.cap_for(cfg.num_slots), workspace=workspace,
                                quantize_input=not getattr(comm, "fp8", False),
                                expert_ids=None if expert_map is None else
-                               expert_map.local_experts(index),
-                               num_ranks=getattr(comm, "num_ranks", 1))
+                               expert_map.local_experts(index))
         self.shared = SharedExpert(cfg, device, gen) if cfg.num_shared_experts else None
 
     # The router's top-k and the EP=1 dispatch in one launch (kernels.route_dispatch, the

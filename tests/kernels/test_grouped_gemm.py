@@ -69,34 +69,6 @@ def test_strided_views():
     assert torch.isnan(out_big[:, 24:].float()).all()
 
 
-@pytest.mark.parametrize("epilogue", [None, "silu_and_mul"])
-@pytest.mark.parametrize("max_rows", [1, 16, 17, 40, 500])
-def test_max_rows_sizes_the_grid_and_never_truncates(max_rows, epilogue):
-    # A bound below some group's rows (1, 16, 17 against 40 and 33 > cap) must still compute
-    # every live row: the programs walk the later row blocks. Bitwise the unbounded launch,
-    # NaN poison past masked_m included.
-    E, cap, n, k = 4, 40, 48, 96
-    a, b = _inputs(E, cap, 2 * n if epilogue else n, k, seed=5)
-    masked_m = torch.tensor([40, 0, 17, 33], dtype=torch.int32)
-    cols = n
-    full = torch.full((E, cap, cols), float("nan"), dtype=torch.bfloat16)
-    masked_grouped_gemm(a, b, masked_m, out=full, expected_m=16, epilogue=epilogue)
-    bounded = torch.full_like(full, float("nan"))
-    masked_grouped_gemm(a, b, masked_m, out=bounded, expected_m=16, epilogue=epilogue,
-                        max_rows=max_rows)
-    assert torch.equal(bounded.view(torch.int16), full.view(torch.int16))
-    if epilogue is None:
-        _check_against_ref(a, b, masked_m, bounded)
-
-
-@pytest.mark.parametrize("max_rows", [0, -3, 2.0, "16"])
-def test_max_rows_validation(max_rows):
-    a, b = _inputs(2, 8, 16, 32, seed=6)
-    out = torch.empty(2, 8, 16, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"max_rows: expected None or a positive host int"):
-        masked_grouped_gemm(a, b, torch.ones(2, dtype=torch.int32), out=out, max_rows=max_rows)
-
-
 @pytest.mark.parametrize("expected_m", [1, 32, 64])
 def test_epilogue_is_bitwise_the_gemm_then_the_activation(expected_m):
     # W13 = [gate; up] with n not a multiple of the half tile and k a ragged last K tile;
@@ -394,49 +366,3 @@ def test_decode_op_matches_launcher():
     torch.library.opcheck(torch.ops.graphrt.decode_grouped_gemm.default,
                           (a, b, masked_m, torch.zeros_like(want)), dict(block_n=16),
                           test_utils=("test_schema", "test_faketensor"))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("epilogue", [None, "silu_and_mul"])
-def test_gpu_max_rows_bitwise_the_full_grid_under_replay(cuda_device, epilogue):
-    """The grid bounded by ``max_rows`` (qwen3-like W13 / W2 shapes, the experts' capacity of
-    64 rows and a bound of 16 tokens) against the full grid, over graph replays with new
-    inputs and masked_m: bitwise, also where a group holds more rows than the bound (the
-    programs walk its later row blocks) and where every group is empty."""
-    E, cap, k = 64, 64, 2048
-    n = 768 if epilogue else 2048
-    g = torch.Generator(device=cuda_device).manual_seed(70)
-    a = torch.randn(E, cap, k, generator=g, device=cuda_device).to(torch.bfloat16)
-    w = (torch.randn(E, 2 * n if epilogue else n, k, generator=g, device=cuda_device)
-         * 3 / k ** 0.5).to(torch.bfloat16)
-    masked_m = torch.zeros(E, dtype=torch.int32, device=cuda_device)
-    full, bounded = (torch.empty(E, cap, n, dtype=torch.bfloat16, device=cuda_device)
-                     for _ in "12")
-
-    def both():
-        masked_grouped_gemm(a, w, masked_m, out=full, expected_m=2, epilogue=epilogue)
-        masked_grouped_gemm(a, w, masked_m, out=bounded, expected_m=2, epilogue=epilogue,
-                            max_rows=16)
-
-    both()  # compile before capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        both()
-    gen = torch.Generator().manual_seed(71)
-    for step in range(4):
-        m = torch.randint(0, 17, (E,), generator=gen, dtype=torch.int32)  # within the bound
-        if step == 1:
-            m[3], m[40] = 64, 33  # past the bound: still computed in full
-        if step == 3:
-            m.zero_()
-        masked_m.copy_(m)
-        a.copy_(torch.randn(E, cap, k, generator=g, device=cuda_device).to(torch.bfloat16))
-        full.fill_(float("nan"))
-        bounded.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(bounded.view(torch.int16), full.view(torch.int16)), step
-        live = torch.arange(cap, device=cuda_device)[None, :] < masked_m[:, None]
-        assert not torch.isnan(bounded[live].float()).any(), step
-        assert torch.isnan(bounded[~live].float()).all(), step

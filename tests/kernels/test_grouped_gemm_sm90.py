@@ -12,7 +12,7 @@ from tests.kernels.sm90 import compile_results
 SCRIPT = textwrap.dedent('''
     from graphrt.kernels.grouped_gemm import _masked_grouped_gemm_kernel as K
 
-    INTS = "m_max m_blocks n k stride_ag stride_am stride_bg stride_bn stride_og stride_om".split()
+    INTS = "m_max n k stride_ag stride_am stride_bg stride_bn stride_og stride_om".split()
     SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "masked_m_ptr": "*i32",
            **{name: "i32" for name in INTS}}
     # what a launch at the experts' shapes specializes: 16-aligned pointers, sizes and
@@ -24,17 +24,13 @@ SCRIPT = textwrap.dedent('''
     out = {}
     for epi in (False, True):
         for gdc in (0, 2):
-            for one in (False, True):  # a grid of one row block a group (max_rows <= BLOCK_M)
-                sig = {k: v for k, v in SIG.items() if not (one and k == "m_blocks")}
-                const = dict(stride_ak=1, stride_bk=1, stride_on=1, BLOCK_M=16, BLOCK_N=64,
-                             BLOCK_K=128, UPCAST=False, EPI=epi, USE_GDC=gdc,
-                             **({"m_blocks": 1} if one else {}))
-                p = ptx(K, sig, const, attrs=ATTRS, num_stages=4)
-                out[f"{epi}-{gdc}-{one}"] = {
-                    "wait": "griddepcontrol.wait" in p,
-                    "cp.async": p.count("cp.async.cg") + p.count("cp.async.ca"),
-                    "mma": p.count("mma.sync"), "ex2": "ex2.approx" in p,
-                    "spill": "ld.local" in p}
+            const = dict(stride_ak=1, stride_bk=1, stride_on=1, BLOCK_M=16, BLOCK_N=64,
+                         BLOCK_K=128, UPCAST=False, EPI=epi, USE_GDC=gdc)
+            p = ptx(K, SIG, const, attrs=ATTRS, num_stages=4)
+            out[f"{epi}-{gdc}"] = {"wait": "griddepcontrol.wait" in p,
+                                   "cp.async": p.count("cp.async.cg") + p.count("cp.async.ca"),
+                                   "mma": p.count("mma.sync"), "ex2": "ex2.approx" in p,
+                                   "spill": "ld.local" in p}
     print(json.dumps(out))
 ''')
 
@@ -43,14 +39,13 @@ def test_the_masked_grouped_gemm_compiles_for_sm90_with_and_without_its_epilogue
     """Both variants compile with the K loop software-pipelined (``cp.async``) and the same
     tensor-core work a K tile (two dots of half the columns with the epilogue); only the
     epilogue's PTX has the exponential of its SiLU; ``griddepcontrol.wait`` exactly with
-    ``USE_GDC``; no spills. The same with a grid of one row block a group (``m_blocks`` 1, a
-    constant where ``max_rows`` bounds the grid to one tile), whose row-block walk runs once."""
+    ``USE_GDC``; no spills."""
     res = compile_results(SCRIPT)
-    assert len(res) == 8
-    plain = res["False-0-False"]
+    assert len(res) == 4
+    plain = res["False-0"]
     assert plain["cp.async"] > 0 and plain["mma"] > 0
     for key, found in res.items():
-        epi, gdc, _ = key.split("-")
+        epi, gdc = key.split("-")
         assert found["wait"] == (gdc != "0"), key
         assert found["cp.async"] >= plain["cp.async"] and found["mma"] == plain["mma"], key
         assert found["ex2"] == (epi == "True") and not found["spill"], key
