@@ -366,3 +366,45 @@ def test_decode_op_matches_launcher():
     torch.library.opcheck(torch.ops.graphrt.decode_grouped_gemm.default,
                           (a, b, masked_m, torch.zeros_like(want)), dict(block_n=16),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("epilogue", [None, "silu_and_mul"])
+def test_gpu_prefetch_bitwise_the_plain_launch_under_replay(cuda_device, epilogue):
+    """``prefetch=True`` (the weight rows asked of L2 before the PDL wait) at the qwen3-like
+    W13 / W2 shapes: bitwise the plain launch over graph replays with new inputs and
+    masked_m written by a kernel just before it (the prefetch must not move the wait)."""
+    E, cap = 64, 64
+    n, k = (768, 2048) if epilogue else (2048, 768)
+    g = torch.Generator(device=cuda_device).manual_seed(80)
+    a = torch.randn(E, cap, k, generator=g, device=cuda_device).to(torch.bfloat16)
+    w = (torch.randn(E, 2 * n if epilogue else n, k, generator=g, device=cuda_device)
+         * 3 / k ** 0.5).to(torch.bfloat16)
+    masked_m = torch.zeros(E, dtype=torch.int32, device=cuda_device)
+    src = torch.zeros_like(masked_m)
+    plain, fetched = (torch.empty(E, cap, n, dtype=torch.bfloat16, device=cuda_device)
+                      for _ in "12")
+
+    def both():
+        masked_m.copy_(src)  # the kernel before: writes what the GEMMs read after their wait
+        masked_grouped_gemm(a, w, masked_m, out=plain, expected_m=2, epilogue=epilogue)
+        masked_m.copy_(src)
+        masked_grouped_gemm(a, w, masked_m, out=fetched, expected_m=2, epilogue=epilogue,
+                            prefetch=True)
+
+    both()  # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        both()
+    gen = torch.Generator().manual_seed(81)
+    for step in range(3):
+        src.copy_(torch.randint(0, 17, (E,), generator=gen, dtype=torch.int32))
+        a.copy_(torch.randn(E, cap, k, generator=g, device=cuda_device).to(torch.bfloat16))
+        plain.fill_(float("nan"))
+        fetched.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(fetched.view(torch.int16), plain.view(torch.int16)), step
+        live = torch.arange(cap, device=cuda_device)[None, :] < src[:, None]
+        assert not torch.isnan(fetched[live].float()).any(), step
