@@ -29,7 +29,6 @@ import triton.language as tl
 
 from ._pdl import pdl_trigger, pdl_wait
 from ._util import check, check_tensor, interpreting, pdl_args
-from .prefetch import bulk_prefetchable, l2_prefetch_rows
 from .dense_gemv import _check_xw_out, _k_tile, _xw_tiles
 
 MAX_ROWS = 16  # the MMA's N side
@@ -55,7 +54,6 @@ def _dense_mma_gemm_kernel(
     UPCAST: tl.constexpr,  # interpreter: dot in fp32 (bf16 math gives NaN there)
     PRELOAD: tl.constexpr = False,  # the first W tile loaded before the PDL wait (kernels._pdl)
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
-    PREFETCH: tl.constexpr = False,  # the program's W slice asked of L2 before the PDL wait
 ):
     pdl_trigger(USE_GDC)
     pid_n = tl.program_id(0)
@@ -67,9 +65,6 @@ def _dense_mma_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < m
     mask_n = offs_n < n
-    if PREFETCH:  # weights: written by no kernel of the stream, so asked for before the wait
-        l2_prefetch_rows(w_ptr + offs_n.to(tl.int64) * k + k_lo,
-                         tl.where(mask_n, (k_hi - k_lo) * 2, 0).to(tl.int32))
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * k + (k_lo + offs_k)[None, :]  # [BN, BK]
     x_ptrs = x_ptr + offs_m[:, None] * k + (k_lo + offs_k)[None, :]  # [BM, BK]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -148,7 +143,7 @@ def dense_mma_semaphore_shape(n: int, block_n: int = min(BLOCK_NS)) -> tuple[int
 def dense_mma(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
               workspace: torch.Tensor | None = None, semaphore: torch.Tensor | None = None,
               block_n: int = 64, block_k: int = 128, split_k: int = 1, num_warps: int = 4,
-              num_stages: int = 4, preload: bool = False, prefetch: bool = False) -> torch.Tensor:
+              num_stages: int = 4, preload: bool = False) -> torch.Tensor:
     """``out = x @ w.T`` with fp32 accumulation, reading ``w`` once, in one launch.
 
     Args:
@@ -168,12 +163,6 @@ def dense_mma(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
         preload: each program loads its first W tile before it waits for the kernel before it
             (PDL, ``kernels._pdl``; only for weights no kernel of the stream writes). The
             same result bitwise.
-        prefetch: each program asks the L2 for its whole W slice (``kernels.prefetch.
-            l2_prefetch_rows``) before it waits for the kernel before it, so a launch whose
-            programs are resident early (one wave behind latency-bound kernels) finds its
-            weight in L2. The same result bitwise. Only on a CUDA device and where the
-            slices' rows start 16-byte aligned (``k`` a multiple of 8, ``w`` aligned);
-            elsewhere it is ignored.
 
     Returns ``out``. Allocates nothing, no host sync; bitwise reproducible for a config.
 
@@ -209,7 +198,6 @@ def dense_mma(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
         x, w, out, workspace if split else out, semaphore if split else out, m, n, k, k_step,
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
         EVEN_K=k % block_k == 0, UPCAST=interpreting(), PRELOAD=bool(preload),
-        PREFETCH=bool(prefetch) and bulk_prefetchable(w, k),
         num_warps=num_warps, num_stages=num_stages, **pdl_args())
     return out
 
@@ -237,7 +225,6 @@ def semaphore_for(w: torch.Tensor) -> torch.Tensor:
 
 
 def dense_mma_auto(x: torch.Tensor, w: torch.Tensor, *, preload: bool = False,
-                   prefetch: bool = False,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T`` through :func:`dense_mma` with ``dense_mma_config``'s pick (and
     ``preload``), into ``out`` when given (bf16 ``[m, n]``, contiguous), else allocating it
@@ -258,8 +245,7 @@ def dense_mma_auto(x: torch.Tensor, w: torch.Tensor, *, preload: bool = False,
         ws = torch.empty(dense_mma_workspace_shape(m, n, cfg["split_k"]), dtype=torch.float32,
                          device=x.device)
         sem = semaphore_for(w)
-    return dense_mma(x, w, out=out, workspace=ws, semaphore=sem, preload=preload,
-                     prefetch=prefetch, **cfg)
+    return dense_mma(x, w, out=out, workspace=ws, semaphore=sem, preload=preload, **cfg)
 
 
 def dense_mma_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

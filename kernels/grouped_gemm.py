@@ -38,9 +38,8 @@ import triton
 import triton.language as tl
 
 from ._masked import _silu_mul
-from ._pdl import pdl_trigger, pdl_wait
+from ._pdl import pdl_prologue
 from ._util import check, check_tensor, interpreting, pdl_args
-from .prefetch import bulk_prefetchable, l2_prefetch_rows
 
 EPILOGUES = (None, "silu_and_mul")  # masked_grouped_gemm's epilogue= values
 
@@ -87,19 +86,13 @@ def _masked_grouped_gemm_kernel(
     UPCAST: tl.constexpr,  # True under the interpreter: dot in fp32 (bf16 math gives NaN there)
     EPI: tl.constexpr = False,  # out = silu(a @ gate.T) * (a @ up.T), BLOCK_N // 2 columns
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
-    PREFETCH: tl.constexpr = False,  # the program's weight rows asked of L2 before the wait
 ):
-    pdl_trigger(USE_GDC)
+    pdl_prologue(USE_GDC)
     pid_gm = tl.program_id(0)  # group * num_m_blocks + row block
     pid_n = tl.program_id(1)  # column block
     num_m_blocks = tl.cdiv(m_max, BLOCK_M)
     g = pid_gm // num_m_blocks
     row0 = (pid_gm % num_m_blocks) * BLOCK_M
-    if PREFETCH:  # weights (b): written by no kernel of the stream, so asked for before the
-        # wait; by the group's first row block only (masked_m is not known yet), all of K
-        prefetch_b_rows(b_ptr, g, pid_n, row0, n, k, stride_bg, stride_bn,
-                         BLOCK_N // 2 if EPI else BLOCK_N, EPI)
-    pdl_wait(USE_GDC)
     m = tl.minimum(tl.load(masked_m_ptr + g), m_max)  # live rows of this group
     if row0 >= m:
         return  # unused capacity: nothing to read or write
@@ -143,22 +136,9 @@ def _masked_grouped_gemm_kernel(
              mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.jit
-def prefetch_b_rows(b_ptr, g, pid_n, row0, n, k, stride_bg, stride_bn, COLS: tl.constexpr,
-                    EPI: tl.constexpr):
-    """The L2 prefetch of a program's weight rows (its ``COLS`` rows of ``b``, with ``EPI``
-    the up rows ``n`` further too; ``k`` contiguous bf16 each), asked by row block 0 only."""
-    offs_n = pid_n * COLS + tl.arange(0, COLS)
-    size = tl.where((offs_n < n) & (row0 == 0), k * 2, 0).to(tl.int32)
-    rows = b_ptr + g.to(tl.int64) * stride_bg + offs_n.to(tl.int64) * stride_bn
-    l2_prefetch_rows(rows, size)
-    if EPI:
-        l2_prefetch_rows(rows + n * stride_bn, size)
-
-
 def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *,
                         out: torch.Tensor, expected_m: int | None = None,
-                        epilogue: str | None = None, prefetch: bool = False) -> torch.Tensor:
+                        epilogue: str | None = None) -> torch.Tensor:
     """``out[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g].T`` for every group ``g`` (with
     ``epilogue="silu_and_mul"``: ``silu(a @ gate.T) * (a @ up.T)`` on those rows).
 
@@ -174,11 +154,6 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
         epilogue: None, or ``"silu_and_mul"``: ``b`` is W13 ``[num_local_experts, 2 * n, k]``
             (gate rows, then up rows) and ``out`` ``[num_local_experts, cap, n]`` gets the
             activation, bitwise this GEMM into ``u`` and ``silu_and_mul_masked(u, ...)``.
-        prefetch: each group's first row-block programs ask the L2 for their weight rows
-            (``kernels.prefetch.l2_prefetch_rows``) before they wait for the kernel before
-            them (PDL), whether the group is live or not (``masked_m`` is not known yet). The
-            same result bitwise. Only on a CUDA device with ``b`` K-contiguous and its rows
-            16-byte aligned; elsewhere it is ignored.
 
     Returns ``out``. Launches one kernel, allocates nothing.
 
@@ -210,8 +185,6 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         UPCAST=interpreting(), EPI=epilogue is not None, num_stages=cfg["num_stages"], num_warps=cfg["num_warps"],
-        PREFETCH=(bool(prefetch) and b.stride(2) == 1 and k % 8 == 0 and b.stride(0) % 8 == 0
-                  and bulk_prefetchable(b, b.stride(1))),
         **pdl_args(),
     )
     return out

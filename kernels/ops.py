@@ -19,8 +19,7 @@ every op returns ``None`` (a custom op may not return an alias of its input)::
     torch.ops.graphrt.silu_and_mul_masked(u, masked_m, out, compact=None)
     torch.ops.graphrt.silu_and_mul_masked_fp8(u, masked_m, out_q, out_scale, group_size=128,
                                               compact=None)
-    torch.ops.graphrt.masked_grouped_gemm(a, b, masked_m, out, expected_m=None, epilogue=None,
-                                          prefetch=False)
+    torch.ops.graphrt.masked_grouped_gemm(a, b, masked_m, out, expected_m=None, epilogue=None)
     torch.ops.graphrt.decode_grouped_gemm(a, b, masked_m, out, expected_m=None, block_n=32,
                                           split_k=1, workspace=None, a_scale=None,
                                           b_scale=None, num_warps=4, num_stages=4, act=None,
@@ -154,11 +153,10 @@ def silu_and_mul_masked_fp8(u: Tensor, masked_m: Tensor, out_q: Tensor, out_scal
 
 @_op("masked_grouped_gemm", ("out",))
 def masked_grouped_gemm(a: Tensor, b: Tensor, masked_m: Tensor, out: Tensor,
-                        expected_m: Optional[int] = None, epilogue: Optional[str] = None,
-                        prefetch: bool = False) -> None:
+                        expected_m: Optional[int] = None, epilogue: Optional[str] = None) -> None:
     """``graphrt.kernels.grouped_gemm.masked_grouped_gemm``. Graph safety: capturable."""
     _launcher(f"{_KERNELS}.grouped_gemm", "masked_grouped_gemm")(
-        a, b, masked_m, out=out, expected_m=expected_m, epilogue=epilogue, prefetch=prefetch)
+        a, b, masked_m, out=out, expected_m=expected_m, epilogue=epilogue)
 
 
 @_op("decode_grouped_gemm", ("out", "workspace"))

@@ -58,9 +58,8 @@ def _wrappers() -> dict[tuple[str, str], object]:
         ops.silu_and_mul_masked_fp8(u, masked_m, out_q, out_scale, group_size, compact)
         return out_q, out_scale
 
-    def masked_grouped_gemm_(a, b, masked_m, *, out, expected_m=None, epilogue=None,
-                             prefetch=False):
-        ops.masked_grouped_gemm(a, b, masked_m, out, expected_m, epilogue, prefetch)
+    def masked_grouped_gemm_(a, b, masked_m, *, out, expected_m=None, epilogue=None):
+        ops.masked_grouped_gemm(a, b, masked_m, out, expected_m, epilogue)
         return out
 
     def decode_grouped_gemm_(a, b, masked_m, *, out, expected_m=None, block_n=32, split_k=1,

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import check, check_tensor, interpreting
+from ._util import check, check_tensor
 
 BLOCK = 4096        # words per program per iteration (16 KB as int32)
 
@@ -99,27 +99,3 @@ def l2_prefetch_ref(w: torch.Tensor, programs: int) -> torch.Tensor:
         if per_chunk[p::programs].size:
             out[p] = np.bitwise_xor.reduce(per_chunk[p::programs])
     return torch.from_numpy(out.astype(np.int32))
-
-
-@triton.jit
-def l2_prefetch_rows(row_ptrs, nbytes):
-    """Ask the L2 for ``nbytes`` bytes from each of ``row_ptrs`` with Hopper's bulk prefetch
-    (``cp.async.bulk.prefetch.L2``, sm_90+), a device helper for a kernel's weights before its
-    PDL wait (``kernels._pdl``): nothing is read into registers and nothing is held, so the
-    program goes on to its wait at once while the copy engine fills L2 beside the kernel
-    before it. ``row_ptrs``: a tensor of 16-byte-aligned addresses (the rows of a weight
-    tile); ``nbytes``: int32 of the same shape, multiples of 16, 0 where a row is asked for
-    nothing. Inline PTX: no interpreter (launchers pass ``PREFETCH`` only on a CUDA device).
-    """
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $2, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [row_ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-def bulk_prefetchable(w: torch.Tensor, row_elems: int) -> bool:
-    """Whether ``kernels.prefetch.l2_prefetch_rows`` can ask for rows of ``w`` that start
-    every ``row_elems`` elements: a CUDA tensor (inline PTX; not the interpreter) whose
-    storage and rows start 16-byte aligned. Host-only."""
-    return (w.device.type == "cuda" and not interpreting() and w.data_ptr() % 16 == 0
-            and (row_elems * w.element_size()) % 16 == 0)

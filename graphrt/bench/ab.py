@@ -83,9 +83,6 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   gate's own norm GEMV; ``fold-e1`` / ``fold-e2`` / ``fold-e8``: 1 / 2 / 8 gate rows a
   numerator program instead of 4 (``kernels.gate_fold.GATE_ROWS``); ``fold-w1``: the top-k
   launch on 1 warp instead of 4;
-- ``mma-prefetch`` / ``expert-prefetch``: ``dense_mma``'s / the Triton masked GEMM's
-  programs ask the L2 for their weight rows before their PDL wait (Hopper's bulk prefetch;
-  ``layers.MMA_PREFETCH``, ``Experts.triton_prefetch``);
 - ``expert-rows``: the expert plan's choices as measured, the CUDA-core rows kernel included
   (``kernels.grouped_gemv_rows``), against the fastest other kernel of each entry
   (``ExpertPlan.exclude``).
@@ -230,10 +227,6 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "expert-swap": lambda on: _class_attr("graphrt.moe.expert_plan", "ExpertPlan",
                                                   "exclude", frozenset() if on else
                                                   frozenset({"swap"})),
-            "expert-prefetch": lambda on: _class_attr("graphrt.moe.experts", "Experts",
-                                                      "triton_prefetch", on),
-            "mma-prefetch": lambda on: _class_attr("graphrt.moe.layers", None, "MMA_PREFETCH",
-                                                   on),
             "expert-rows": lambda on: _class_attr("graphrt.moe.expert_plan", "ExpertPlan",
                                                   "exclude", frozenset() if on else
                                                   frozenset({"rows"}))}

@@ -128,11 +128,6 @@ class Experts:
     # (BENCHMARKS.md §35). GRAPHRT_TRITON_EPILOGUE=0 at import turns it off (A/B: the
     # triton-epilogue switch).
     triton_epilogue = env_flag("GRAPHRT_TRITON_EPILOGUE", True)
-    # The Triton masked GEMM's programs ask the L2 for their weight rows before their PDL
-    # wait (masked_grouped_gemm(prefetch=)): the first wave's bytes arrive while the router's
-    # latency-bound launches (gate, top-k, dispatch) run. GRAPHRT_EXPERT_PREFETCH=1 at import
-    # (A/B: the expert-prefetch switch).
-    triton_prefetch = env_flag("GRAPHRT_EXPERT_PREFETCH", False)
 
     def __init__(self, hidden: int, inter: int, num_local_experts: int, device, *, seed: int = 0,
                  first_expert: int = 0, backend: str = "auto", fp8: bool = False,
@@ -275,7 +270,7 @@ class Experts:
         elif choice.kernel == "triton":
             from graphrt.kernels.grouped_gemm import masked_grouped_gemm
             masked_grouped_gemm(a, w, masked_m, out=out, expected_m=expected_m,
-                                epilogue=epilogue, prefetch=self.triton_prefetch)
+                                epilogue=epilogue)
         else:  # "decode", or "swap": the decode kernel with the weights as the MMA's M side
             from graphrt.kernels.grouped_gemm_decode import decode_grouped_gemm
             n = out.shape[2]

@@ -83,12 +83,6 @@ MMA_MIN_ROWS = 2  # rows from which DENSE_MMA takes the dense projections (1: th
 # Off: 0.993x-1.006x the qwen3-like step at bs 2-16, 0.998x / 1.002x dsv3-like bs 1 / 8
 # (BENCHMARKS.md §27); GRAPHRT_MMA_PRELOAD=1 at import (A/B: the mma-preload switch).
 MMA_PRELOAD = env_flag("GRAPHRT_MMA_PRELOAD", False)
-# dense_mma asks the L2 for each program's whole weight slice before its PDL wait
-# (dense_mma(prefetch=), Hopper's bulk prefetch) for weights of at most MMA_PREFETCH_MAX_BYTES
-# (what L2 holds beside the step's traffic: the QKV and o-projections, not an LM head).
-# GRAPHRT_MMA_PREFETCH=1 at import (A/B: the mma-prefetch switch).
-MMA_PREFETCH = env_flag("GRAPHRT_MMA_PREFETCH", False)
-MMA_PREFETCH_MAX_BYTES = 24 << 20
 
 
 def dense_path(x: torch.Tensor, w: torch.Tensor) -> str:
@@ -139,8 +133,7 @@ def dense(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> 
         return dense_gemv_auto(x, w, preload=PRELOAD, out=out)
     if path == "mma":
         from graphrt.kernels.dense_mma import dense_mma_auto
-        prefetch = MMA_PREFETCH and w.numel() * w.element_size() <= MMA_PREFETCH_MAX_BYTES
-        return dense_mma_auto(x, w, preload=MMA_PRELOAD, prefetch=prefetch, out=out)
+        return dense_mma_auto(x, w, preload=MMA_PRELOAD, out=out)
     return x @ w.t() if out is None else torch.mm(x, w.t(), out=out)
 
 

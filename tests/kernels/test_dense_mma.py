@@ -114,21 +114,15 @@ SM90 = textwrap.dedent('''
     names = ["x_ptr", "w_ptr", "out_ptr", "ws_ptr", "sem_ptr", "n", "k", "k_step"]
     attrs = aligned(kernel, names)
     out = {}
-    for bn, bk, pre, pf in ((64, 128, False, False), (64, 256, False, False),
-                            (128, 64, False, False), (64, 256, True, False),
-                            (64, 256, False, True)):
+    for bn, bk, pre in ((64, 128, False), (64, 256, False), (128, 64, False), (64, 256, True)):
         for split in (False, True):
             for gdc in (0, 2):
                 p = ptx(kernel, sig, dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split,
-                                          EVEN_K=True, UPCAST=False, PRELOAD=pre, USE_GDC=gdc,
-                                          PREFETCH=pf),
+                                          EVEN_K=True, UPCAST=False, PRELOAD=pre, USE_GDC=gdc),
                         attrs=attrs, num_stages=3 if pre else 4)
-                copy = p.find("cp.async.c")
+                copy = p.find("cp.async")
                 wait = p.find("griddepcontrol.wait")
-                bulk = p.find("cp.async.bulk.prefetch.L2")
-                out[f"{bn}-{bk}-{split}-{gdc}-{pre}-{pf}"] = {
-                    "prefetch_first": 0 <= bulk < wait if gdc else bulk >= 0,
-                    "prefetches": p.count("cp.async.bulk.prefetch.L2"),
+                out[f"{bn}-{bk}-{split}-{gdc}-{pre}"] = {
                     "wgmma": "wgmma.mma_async" in p, "cp_async": copy >= 0,
                     "wait_first": 0 <= wait < copy,
                     "load_first": 0 <= p.find("ld.global") < wait,
@@ -140,17 +134,13 @@ SM90 = textwrap.dedent('''
 
 def test_mma_compiles_for_sm90():
     """wgmma and async copies, no spills; the PDL wait before the pipeline's copies; with
-    ``PRELOAD`` the first weight tile's global load before the wait, without it none; with
-    ``PREFETCH`` the slice's bulk L2 prefetches (before the wait), without it none."""
+    ``PRELOAD`` the first weight tile's global load before the wait, without it none."""
     res = compile_results(SM90)
-    assert len(res) == 20
+    assert len(res) == 16
     for key, r in res.items():
-        split, gdc, pre, pf = key.split("-")[2:]
+        split, gdc, pre = key.split("-")[2:]
         assert r["wgmma"] and r["cp_async"] and not r["spill"], (key, r)
         assert r["atomic"] == (split == "True"), (key, r)
-        assert (r["prefetches"] > 0) == (pf == "True"), (key, r)
-        if pf == "True":  # the bulk prefetches, and before the wait where there is one
-            assert r["prefetch_first"], (key, r)
         if gdc == "2":
             assert r["wait_first"], (key, r)
             assert r["load_first"] == (pre == "True"), (key, r)
