@@ -57,13 +57,23 @@ _CONFIGS = (
 )
 
 
-def gemm_config(expected_m: int) -> dict:
-    """Tile config for a given ``expected_m`` (host int): dict of block sizes, stages, warps.
+# With the SiLU-and-mul epilogue (W13) and up to 16 rows a group: K tiles of 256 on 3 stages
+# instead of the first row's 128 on 4 (the same shared memory). Alone at the qwen3-like W13
+# it measured 0.984 (bs 16) and 0.993 (bs 8) of the first row's time, and W2 (no epilogue)
+# 1.03-1.06, so only the epilogue takes it (BENCHMARKS.md §45). None: the table's row.
+EPILOGUE_SMALL = None  # e.g. (256, 3): (BLOCK_K, num_stages); the w13-bk256 A/B switch
+
+
+def gemm_config(expected_m: int, epilogue: bool = False) -> dict:
+    """Tile config for a given ``expected_m`` (host int): dict of block sizes, stages, warps;
+    ``epilogue``: for the SiLU-and-mul epilogue (``EPILOGUE_SMALL``).
 
     Graph safety: host-only (pure Python, no tensors)
     """
     for max_m, bm, bn, bk, stages, warps in _CONFIGS:
         if max_m is None or expected_m <= max_m:
+            if epilogue and EPILOGUE_SMALL is not None and bm == 16:
+                bk, stages = EPILOGUE_SMALL
             return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=stages, num_warps=warps)
     raise AssertionError("unreachable: the last config row has no bound")
 
@@ -175,7 +185,7 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
     if num_groups == 0 or m_max == 0 or n == 0:
         return out
 
-    cfg = gemm_config(m_max if expected_m is None else expected_m)
+    cfg = gemm_config(m_max if expected_m is None else expected_m, epilogue is not None)
     cols = cfg["BLOCK_N"] if epilogue is None else cfg["BLOCK_N"] // 2  # out columns a program
     grid = (num_groups * triton.cdiv(m_max, cfg["BLOCK_M"]), triton.cdiv(n, cols))
     _masked_grouped_gemm_kernel[grid](
