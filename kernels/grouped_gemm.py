@@ -39,7 +39,7 @@ import triton.language as tl
 
 from ._masked import _silu_mul
 from ._pdl import pdl_prologue
-from ._util import check, check_tensor, interpreting, pdl_args
+from ._util import check, check_tensor, env_flag, interpreting, pdl_args
 
 EPILOGUES = (None, "silu_and_mul")  # masked_grouped_gemm's epilogue= values
 
@@ -61,7 +61,8 @@ _CONFIGS = (
 # instead of the first row's 128 on 4 (the same shared memory). Alone at the qwen3-like W13
 # it measured 0.984 (bs 16) and 0.993 (bs 8) of the first row's time, and W2 (no epilogue)
 # 1.03-1.06, so only the epilogue takes it (BENCHMARKS.md §45). None: the table's row.
-EPILOGUE_SMALL = None  # e.g. (256, 3): (BLOCK_K, num_stages); the w13-bk256 A/B switch
+# GRAPHRT_W13_BK256=1 at import sets (256, 3) (A/B: the w13-bk256 switch).
+EPILOGUE_SMALL = (256, 3) if env_flag("GRAPHRT_W13_BK256", False) else None
 
 
 def gemm_config(expected_m: int, epilogue: bool = False) -> dict:

@@ -74,6 +74,7 @@ def test_epilogue_small_config_takes_only_the_epilogue_s_small_rows(monkeypatch)
     the result stays within bf16 rounding of the reference (CPU interpreter)."""
     from graphrt.kernels import grouped_gemm as gg
     from graphrt.kernels.activation import silu_and_mul_masked
+    monkeypatch.setattr(gg, "EPILOGUE_SMALL", None)
     plain = gemm_config(4, epilogue=True)
     assert plain == gemm_config(4)  # None: the table's row
     monkeypatch.setattr(gg, "EPILOGUE_SMALL", (256, 3))
