@@ -59,9 +59,9 @@ _CONFIGS = (
 
 # With the SiLU-and-mul epilogue (W13) and up to 16 rows a group: K tiles of 256 on 3 stages
 # instead of the first row's 128 on 4 (120 KB of shared memory a program against 80 KB: one
-# program an SM where two fit). Alone at the qwen3-like W13
-# it measured 0.984 (bs 16) and 0.993 (bs 8) of the first row's time, and W2 (no epilogue)
-# 1.03-1.06, so only the epilogue takes it (BENCHMARKS.md §45). None: the table's row.
+# program an SM where two fit). Alone at the qwen3-like W13 it measured 0.984 (bs 16) and
+# 0.993 (bs 8) of the first row's time, and W2 (no epilogue) 1.03-1.06, so only the epilogue
+# takes it; not yet measured in the step, so off (BENCHMARKS.md §45). None: the table's row.
 # GRAPHRT_W13_BK256=1 at import sets (256, 3) (A/B: the w13-bk256 switch).
 EPILOGUE_SMALL = (256, 3) if env_flag("GRAPHRT_W13_BK256", False) else None
 
