@@ -39,7 +39,7 @@ import triton.language as tl
 
 from ._masked import _silu_mul
 from ._pdl import pdl_prologue
-from ._util import check, check_tensor, env_flag, interpreting, pdl_args
+from ._util import check, check_tensor, interpreting, pdl_args
 
 EPILOGUES = (None, "silu_and_mul")  # masked_grouped_gemm's epilogue= values
 
@@ -57,25 +57,13 @@ _CONFIGS = (
 )
 
 
-# With the SiLU-and-mul epilogue (W13) and up to 16 rows a group: K tiles of 256 on 3 stages
-# instead of the first row's 128 on 4 (120 KB of shared memory a program against 80 KB: one
-# program an SM where two fit). Alone at the qwen3-like W13 it measured 0.984 (bs 16) and
-# 0.993 (bs 8) of the first row's time, and W2 (no epilogue) 1.03-1.06, so only the epilogue
-# takes it; not yet measured in the step, so off (BENCHMARKS.md §45). None: the table's row.
-# GRAPHRT_W13_BK256=1 at import sets (256, 3) (A/B: the w13-bk256 switch).
-EPILOGUE_SMALL = (256, 3) if env_flag("GRAPHRT_W13_BK256", False) else None
-
-
-def gemm_config(expected_m: int, epilogue: bool = False) -> dict:
-    """Tile config for a given ``expected_m`` (host int): dict of block sizes, stages, warps;
-    ``epilogue``: for the SiLU-and-mul epilogue (``EPILOGUE_SMALL``).
+def gemm_config(expected_m: int) -> dict:
+    """Tile config for a given ``expected_m`` (host int): dict of block sizes, stages, warps.
 
     Graph safety: host-only (pure Python, no tensors)
     """
     for max_m, bm, bn, bk, stages, warps in _CONFIGS:
         if max_m is None or expected_m <= max_m:
-            if epilogue and EPILOGUE_SMALL is not None and bm == 16:
-                bk, stages = EPILOGUE_SMALL
             return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=stages, num_warps=warps)
     raise AssertionError("unreachable: the last config row has no bound")
 
@@ -187,7 +175,7 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
     if num_groups == 0 or m_max == 0 or n == 0:
         return out
 
-    cfg = gemm_config(m_max if expected_m is None else expected_m, epilogue is not None)
+    cfg = gemm_config(m_max if expected_m is None else expected_m)
     cols = cfg["BLOCK_N"] if epilogue is None else cfg["BLOCK_N"] // 2  # out columns a program
     grid = (num_groups * triton.cdiv(m_max, cfg["BLOCK_M"]), triton.cdiv(n, cols))
     _masked_grouped_gemm_kernel[grid](

@@ -59,8 +59,7 @@ def test_pdl_is_on_by_default_on_hopper(monkeypatch, cuda_device):
                                     "decode-epilogue", "decode-epilogue-all",
                                     "fuse-moe-norm", "fuse-combine", "fuse-combine-all",
                                     "fuse-route", "fuse-route-all", "moe-norm-rows",
-                                    "attn-table", "routed-gemv", "layer-kernel", "fold-gate",
-                                    "w13-bk256"])
+                                    "attn-table", "routed-gemv", "layer-kernel", "fold-gate"])
 def test_switched_graph_matches_plain_graph(cuda_device, switch, monkeypatch):
     if "pdl" in switch and torch.cuda.get_device_capability(cuda_device)[0] < 9:
         pytest.skip("PDL needs compute capability 9.0+")
@@ -83,7 +82,7 @@ def test_switched_graph_matches_plain_graph(cuda_device, switch, monkeypatch):
                                             "moe-norm-rows",
                                             "fuse-final-norm", "dense-mma",
                                             "router-fused", "routed-gemv",
-                                            "layer-kernel", "fold-gate", "w13-bk256")) \
+                                            "layer-kernel", "fold-gate")) \
         else 1e-3
     for row in res["rows"]:
         assert row["max_row_rel_diff"] < tol, row

@@ -83,8 +83,6 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   gate's own norm GEMV; ``fold-e1`` / ``fold-e2`` / ``fold-e8``: 1 / 2 / 8 gate rows a
   numerator program instead of 4 (``kernels.gate_fold.GATE_ROWS``); ``fold-w1``: the top-k
   launch on 1 warp instead of 4;
-- ``w13-bk256``: the Triton masked GEMM with its SiLU epilogue (W13) at up to 16 rows a
-  group on K tiles of 256 and 3 stages (``grouped_gemm.EPILOGUE_SMALL``);
 - ``expert-rows``: the expert plan's choices as measured, the CUDA-core rows kernel included
   (``kernels.grouped_gemv_rows``), against the fastest other kernel of each entry
   (``ExpertPlan.exclude``).
@@ -229,8 +227,6 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "expert-swap": lambda on: _class_attr("graphrt.moe.expert_plan", "ExpertPlan",
                                                   "exclude", frozenset() if on else
                                                   frozenset({"swap"})),
-            "w13-bk256": lambda on: _class_attr("graphrt.kernels.grouped_gemm", None,
-                                                "EPILOGUE_SMALL", (256, 3) if on else None),
             "expert-rows": lambda on: _class_attr("graphrt.moe.expert_plan", "ExpertPlan",
                                                   "exclude", frozenset() if on else
                                                   frozenset({"rows"}))}

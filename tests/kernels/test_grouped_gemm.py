@@ -69,32 +69,6 @@ def test_strided_views():
     assert torch.isnan(out_big[:, 24:].float()).all()
 
 
-def test_epilogue_small_config_takes_only_the_epilogue_s_small_rows(monkeypatch):
-    """``EPILOGUE_SMALL`` changes the K tile and stages of the 16-row epilogue config only;
-    the result stays within bf16 rounding of the reference (CPU interpreter)."""
-    from graphrt.kernels import grouped_gemm as gg
-    from graphrt.kernels.activation import silu_and_mul_masked
-    monkeypatch.setattr(gg, "EPILOGUE_SMALL", None)
-    plain = gemm_config(4, epilogue=True)
-    assert plain == gemm_config(4)  # None: the table's row
-    monkeypatch.setattr(gg, "EPILOGUE_SMALL", (256, 3))
-    assert gemm_config(4, epilogue=True) == {**plain, "BLOCK_K": 256, "num_stages": 3}
-    assert gemm_config(4) == plain and gemm_config(64, epilogue=True) == gemm_config(64)
-    E, cap, n, k = 3, 16, 40, 600
-    g = torch.Generator().manual_seed(12)
-    a = torch.randn(E, cap, k, generator=g).to(torch.bfloat16)
-    w13 = (torch.randn(E, 2 * n, k, generator=g) / k ** 0.5).to(torch.bfloat16)
-    masked_m = torch.tensor([0, 5, 16], dtype=torch.int32)
-    out = torch.full((E, cap, n), float("nan"), dtype=torch.bfloat16)
-    masked_grouped_gemm(a, w13, masked_m, out=out, expected_m=4, epilogue="silu_and_mul")
-    u = masked_grouped_gemm_ref(a, w13, masked_m)
-    ref = torch.full((E, cap, n), float("nan"), dtype=torch.bfloat16)
-    silu_and_mul_masked(u, masked_m, out=ref)
-    live = torch.arange(cap)[None, :] < masked_m[:, None]
-    assert torch.isnan(out[~live].float()).all()
-    assert _rel_err(out[live], ref[live]) < 2e-2
-
-
 @pytest.mark.parametrize("expected_m", [1, 32, 64])
 def test_epilogue_is_bitwise_the_gemm_then_the_activation(expected_m):
     # W13 = [gate; up] with n not a multiple of the half tile and k a ragged last K tile;
