@@ -39,7 +39,7 @@ import triton.language as tl
 
 from ._masked import _silu_mul
 from ._pdl import pdl_prologue
-from ._util import check, check_tensor, interpreting, pdl_args
+from ._util import _hopper_or_newer, check, check_tensor, env_flag, interpreting, pdl_args
 
 EPILOGUES = (None, "silu_and_mul")  # masked_grouped_gemm's epilogue= values
 
@@ -55,6 +55,15 @@ _CONFIGS = (
     (64, 64, 128, 64, 4, 4),
     (None, 128, 128, 64, 3, 8),
 )
+
+# The 16-row config's weights read by the Tensor Memory Accelerator (sm_90's TMA: a host
+# ``TensorDescriptor`` over b's ``[num_groups * rows, k]`` view, one bulk copy a K tile) in
+# place of per-thread ``cp.async`` loads, on 3 stages instead of 4. Alone at the qwen3-like
+# shapes (64 experts, cap 64): W13 0.979 / 0.994 and W2 0.983 / 0.979 of the pointer loads'
+# time at bs 16 / 8, outputs bitwise equal (BENCHMARKS.md §46). GRAPHRT_EXPERT_TMA=0/1 at
+# import (A/B: the expert-tma switch sets it before capture).
+TMA = env_flag("GRAPHRT_EXPERT_TMA", False)
+TMA_STAGES = 3
 
 
 def gemm_config(expected_m: int) -> dict:
@@ -85,6 +94,7 @@ def _masked_grouped_gemm_kernel(
     BLOCK_K: tl.constexpr,  # reduction tile
     UPCAST: tl.constexpr,  # True under the interpreter: dot in fp32 (bf16 math gives NaN there)
     EPI: tl.constexpr = False,  # out = silu(a @ gate.T) * (a @ up.T), BLOCK_N // 2 columns
+    B_TMA: tl.constexpr = False,  # b_ptr is a TensorDescriptor over b's [groups * rows, k]
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
@@ -108,16 +118,26 @@ def _masked_grouped_gemm_kernel(
     COLS: tl.constexpr = BLOCK_N // 2 if EPI else BLOCK_N
     offs_n = pid_n * COLS + tl.arange(0, COLS)
     mask_n = offs_n < n
-    b_ptrs = b_ptr + g64 * stride_bg + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    if B_TMA:  # this program's first gate row in the 2-D view (b contiguous: rows = bg / bn)
+        b_row = g * (stride_bg // stride_bn) + pid_n * COLS
+    else:
+        b_ptrs = (b_ptr + g64 * stride_bg + offs_k[:, None] * stride_bk
+                  + offs_n[None, :] * stride_bn)
     acc = tl.zeros((BLOCK_M, COLS), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, COLS), dtype=tl.float32)  # EPI only
     for k0 in range(0, k, BLOCK_K):
         mask_k = offs_k < k - k0
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK]
-        mask_b = mask_k[:, None] & mask_n[None, :]
-        b = tl.load(b_ptrs, mask=mask_b, other=0.0)  # [BK, COLS]
-        if EPI:
-            b_up = tl.load(b_ptrs + n * stride_bn, mask=mask_b, other=0.0)
+        if B_TMA:  # [COLS, BK] boxes; past k zero-filled. Rows past n (the up rows or the
+            # next group's) feed only the columns the store masks off.
+            b = b_ptr.load([b_row, k0]).T  # [BK, COLS]
+            if EPI:
+                b_up = b_ptr.load([b_row + n, k0]).T
+        else:
+            mask_b = mask_k[:, None] & mask_n[None, :]
+            b = tl.load(b_ptrs, mask=mask_b, other=0.0)  # [BK, COLS]
+            if EPI:
+                b_up = tl.load(b_ptrs + n * stride_bn, mask=mask_b, other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -127,13 +147,27 @@ def _masked_grouped_gemm_kernel(
                 b_up = b_up.to(tl.float32)
             acc_up += tl.dot(a, b_up)
         a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+        if not B_TMA:
+            b_ptrs += BLOCK_K * stride_bk
     if EPI:  # silu_and_mul_masked's arithmetic on the bf16 u this GEMM would have stored
         ty = out_ptr.dtype.element_ty
         acc = _silu_mul(acc.to(ty).to(tl.float32), acc_up.to(ty).to(tl.float32))
 
     tl.store(out_row + offs_n[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
+
+
+def tma_path(b: torch.Tensor) -> bool:
+    """Whether :func:`masked_grouped_gemm` reads weights ``b`` [num_groups, rows, k] by TMA
+    at its 16-row config: ``TMA`` on, ``b`` contiguous and 16-byte aligned (rows of
+    ``k * 2`` bytes, a multiple of 16), on a CUDA GPU of compute capability >= 9.0 or the
+    CPU interpreter (which runs the descriptor loads as gathers). Host-only."""
+    if not (TMA and b.is_contiguous() and b.shape[-1] % 8 == 0 and b.data_ptr() % 16 == 0):
+        return False
+    if interpreting():
+        return True
+    return b.is_cuda and _hopper_or_newer(b.device.index if b.device.index is not None
+                                          else torch.cuda.current_device())
 
 
 def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *,
@@ -178,14 +212,19 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
     cfg = gemm_config(m_max if expected_m is None else expected_m)
     cols = cfg["BLOCK_N"] if epilogue is None else cfg["BLOCK_N"] // 2  # out columns a program
     grid = (num_groups * triton.cdiv(m_max, cfg["BLOCK_M"]), triton.cdiv(n, cols))
+    b_arg = b
+    if cfg["BLOCK_M"] == 16 and tma_path(b):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        b_arg = TensorDescriptor.from_tensor(b.view(-1, k), [cols, cfg["BLOCK_K"]])
+        cfg = {**cfg, "num_stages": TMA_STAGES}
     _masked_grouped_gemm_kernel[grid](
-        a, b, out, masked_m, m_max, n, k,
+        a, b_arg, out, masked_m, m_max, n, k,
         a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        UPCAST=interpreting(), EPI=epilogue is not None, num_stages=cfg["num_stages"], num_warps=cfg["num_warps"],
-        **pdl_args(),
+        UPCAST=interpreting(), EPI=epilogue is not None, B_TMA=b_arg is not b,
+        num_stages=cfg["num_stages"], num_warps=cfg["num_warps"], **pdl_args(),
     )
     return out
 

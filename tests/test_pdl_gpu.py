@@ -59,7 +59,8 @@ def test_pdl_is_on_by_default_on_hopper(monkeypatch, cuda_device):
                                     "decode-epilogue", "decode-epilogue-all",
                                     "fuse-moe-norm", "fuse-combine", "fuse-combine-all",
                                     "fuse-route", "fuse-route-all", "moe-norm-rows",
-                                    "attn-table", "routed-gemv", "layer-kernel", "fold-gate"])
+                                    "attn-table", "routed-gemv", "layer-kernel", "fold-gate",
+                                    "expert-tma"])
 def test_switched_graph_matches_plain_graph(cuda_device, switch, monkeypatch):
     if "pdl" in switch and torch.cuda.get_device_capability(cuda_device)[0] < 9:
         pytest.skip("PDL needs compute capability 9.0+")
@@ -82,7 +83,7 @@ def test_switched_graph_matches_plain_graph(cuda_device, switch, monkeypatch):
                                             "moe-norm-rows",
                                             "fuse-final-norm", "dense-mma",
                                             "router-fused", "routed-gemv",
-                                            "layer-kernel", "fold-gate")) \
+                                            "layer-kernel", "fold-gate", "expert-tma")) \
         else 1e-3
     for row in res["rows"]:
         assert row["max_row_rel_diff"] < tol, row

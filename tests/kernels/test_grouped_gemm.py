@@ -69,6 +69,32 @@ def test_strided_views():
     assert torch.isnan(out_big[:, 24:].float()).all()
 
 
+@pytest.mark.parametrize("epilogue", [None, "silu_and_mul"])
+def test_tma_weights_are_bitwise_the_pointer_loads(monkeypatch, epilogue):
+    """``TMA``: the 16-row config reads b through a ``TensorDescriptor`` (the interpreter
+    runs its loads as gathers), bitwise the pointer loads: n not a multiple of the column
+    tile (a box's rows past n are the next rows or, past the tensor, zeros, and feed only
+    masked-off columns), a ragged last K tile (zero-filled past k), rows past masked_m left
+    untouched. Other configs and weights TMA cannot describe keep the pointer loads."""
+    from graphrt.kernels import grouped_gemm as gg
+    E, cap, n, k = 3, 16, 40, 600
+    a, b = _inputs(E, cap, 2 * n if epilogue else n, k, seed=70)
+    masked_m = torch.tensor([5, 0, 16], dtype=torch.int32)
+    outs = []
+    for tma in (False, True):
+        monkeypatch.setattr(gg, "TMA", tma)
+        assert gg.tma_path(b) == tma
+        out = torch.full((E, cap, n), float("nan"), dtype=torch.bfloat16)
+        masked_grouped_gemm(a, b, masked_m, out=out, expected_m=2, epilogue=epilogue)
+        outs.append(out)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    if epilogue is None:
+        _check_against_ref(a, b, masked_m, outs[1])
+    assert not gg.tma_path(b.transpose(0, 1).contiguous().transpose(0, 1))  # not contiguous
+    assert not gg.tma_path(b[..., :k - 4].contiguous())  # rows of 1192 bytes: not 16-aligned
+    assert gemm_config(64)["BLOCK_M"] != 16  # larger configs: the pointer loads
+
+
 @pytest.mark.parametrize("expected_m", [1, 32, 64])
 def test_epilogue_is_bitwise_the_gemm_then_the_activation(expected_m):
     # W13 = [gate; up] with n not a multiple of the half tile and k a ragged last K tile;
@@ -219,6 +245,52 @@ def test_gpu_epilogue_bitwise_the_two_launches_under_replay(cuda_device, n, k, c
         assert torch.equal(one.view(torch.int16), two.view(torch.int16)), f"step {step}"
         live = torch.arange(cap, device=cuda_device)[None, :] < masked_m[:, None]
         assert not torch.isnan(one[live].float()).any() and torch.isnan(one[~live].float()).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, k, epilogue", [(1536, 2048, "silu_and_mul"), (2048, 768, None),
+                                               (4096, 7168, "silu_and_mul")])
+def test_gpu_tma_weights_bitwise_the_pointer_loads_under_replay(cuda_device, monkeypatch, rows,
+                                                                k, epilogue):
+    """``TMA`` on the experts' shapes (qwen3-like W13 / W2, dsv3-like W13): the TMA launch
+    and the pointer-load launch in one graph, bitwise equal eagerly and over replays with new
+    inputs and masked_m (idle experts, full ones); rows past masked_m untouched."""
+    from graphrt.kernels import grouped_gemm as gg
+    E, cap = 64, 16
+    n = rows // 2 if epilogue else rows
+    a, b = _inputs(E, cap, rows, k, device=cuda_device, seed=80)
+    masked_m = torch.zeros(E, dtype=torch.int32, device=cuda_device)
+    outs = [torch.empty(E, cap, n, dtype=torch.bfloat16, device=cuda_device) for _ in "pt"]
+
+    def both():
+        for tma, out in zip((False, True), outs):
+            monkeypatch.setattr(gg, "TMA", tma)
+            masked_grouped_gemm(a, b, masked_m, out=out, expected_m=2, epilogue=epilogue)
+
+    monkeypatch.setattr(gg, "TMA", True)
+    assert gg.tma_path(b)
+    both()  # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        both()
+    gen = torch.Generator().manual_seed(81)
+    for step in range(4):
+        m = torch.randint(0, cap + 1, (E,), generator=gen, dtype=torch.int32)
+        m[torch.randperm(E, generator=gen)[: E // 4]] = 0
+        m[0] = cap
+        masked_m.copy_(m)
+        a.copy_(_inputs(E, cap, rows, k, device=cuda_device, seed=90 + step)[0])
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay() if step else both()
+        torch.cuda.synchronize()
+        assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), f"step {step}"
+        live = torch.arange(cap, device=cuda_device)[None, :] < masked_m[:, None]
+        assert not torch.isnan(outs[1][live].float()).any()
+        assert torch.isnan(outs[1][~live].float()).all()
+        if epilogue is None:
+            _check_against_ref(a, b, masked_m, outs[1])
 
 
 @pytest.mark.gpu

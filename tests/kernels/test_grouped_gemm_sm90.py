@@ -22,30 +22,44 @@ SCRIPT = textwrap.dedent('''
     ATTRS = aligned(K, ALIGNED)
 
     out = {}
-    for epi in (False, True):
-        for gdc in (0, 2):
-            const = dict(stride_ak=1, stride_bk=1, stride_on=1, BLOCK_M=16, BLOCK_N=64,
-                         BLOCK_K=128, UPCAST=False, EPI=epi, USE_GDC=gdc)
-            p = ptx(K, SIG, const, attrs=ATTRS, num_stages=4)
-            out[f"{epi}-{gdc}"] = {"wait": "griddepcontrol.wait" in p,
-                                   "cp.async": p.count("cp.async.cg") + p.count("cp.async.ca"),
-                                   "mma": p.count("mma.sync"), "ex2": "ex2.approx" in p,
-                                   "spill": "ld.local" in p}
+    for tma in (False, True):
+        for epi in (False, True):
+            for gdc in (0, 2):
+                const = dict(stride_ak=1, stride_bk=1, stride_on=1, BLOCK_M=16, BLOCK_N=64,
+                             BLOCK_K=128, UPCAST=False, EPI=epi, B_TMA=tma, USE_GDC=gdc)
+                sig = dict(SIG)
+                if tma:  # the launcher's TensorDescriptor over b's [groups * rows, k] view
+                    cols = 32 if epi else 64
+                    sig["b_ptr"] = f"tensordesc<bf16[{cols}, 128]>"
+                    attrs = aligned(K, [n for n in ALIGNED if n != "b_ptr"])
+                else:
+                    attrs = ATTRS
+                p = ptx(K, sig, const, attrs=attrs, num_stages=3 if tma else 4)
+                out[f"{tma}-{epi}-{gdc}"] = {
+                    "wait": "griddepcontrol.wait" in p,
+                    "cp.async": p.count("cp.async.cg") + p.count("cp.async.ca"),
+                    "tma": p.count("cp.async.bulk.tensor"),
+                    "mma": p.count("mma.sync") + p.count("wgmma.mma_async"),
+                    "ex2": "ex2.approx" in p, "spill": "ld.local" in p}
     print(json.dumps(out))
 ''')
 
 
 def test_the_masked_grouped_gemm_compiles_for_sm90_with_and_without_its_epilogue():
-    """Both variants compile with the K loop software-pipelined (``cp.async``) and the same
-    tensor-core work a K tile (two dots of half the columns with the epilogue); only the
-    epilogue's PTX has the exponential of its SiLU; ``griddepcontrol.wait`` exactly with
-    ``USE_GDC``; no spills."""
+    """Every variant compiles with the K loop software-pipelined and tensor-core dots; with
+    pointer loads the weights come by ``cp.async`` and the same tensor-core work a K tile
+    (two dots of half the columns with the epilogue); with ``B_TMA`` they come by TMA
+    (``cp.async.bulk.tensor``), and only then; only the epilogue's PTX has the exponential of
+    its SiLU; ``griddepcontrol.wait`` exactly with ``USE_GDC``; no spills."""
     res = compile_results(SCRIPT)
-    assert len(res) == 4
-    plain = res["False-0"]
+    assert len(res) == 8
+    plain = res["False-False-0"]
     assert plain["cp.async"] > 0 and plain["mma"] > 0
     for key, found in res.items():
-        epi, gdc = key.split("-")
+        tma, epi, gdc = key.split("-")
         assert found["wait"] == (gdc != "0"), key
-        assert found["cp.async"] >= plain["cp.async"] and found["mma"] == plain["mma"], key
+        assert (found["tma"] > 0) == (tma == "True"), key
+        assert found["mma"] > 0, key
+        if tma == "False":
+            assert found["cp.async"] >= plain["cp.async"] and found["mma"] == plain["mma"], key
         assert found["ex2"] == (epi == "True") and not found["spill"], key
