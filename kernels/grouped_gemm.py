@@ -28,6 +28,9 @@ Decode is weight-bandwidth bound (a few live rows a group, n and k ~ 2048-7168):
 below keep ``BLOCK_M`` as small as ``tl.dot`` allows and stream ``b`` in wide K tiles with a
 deep software pipeline. ``expected_m`` (a host int, like DeepGEMM's) only picks the row tile
 from the fixed table ``_CONFIGS``; nothing is autotuned (autotuning benchmarks with syncs).
+At the 16-row config on Hopper the weights come by TMA (``TMA``, ``tma_path``): a host
+``TensorDescriptor`` over b's ``[num_groups * rows, k]`` view that a captured graph bakes
+into its launch (the weights' addresses must stay put, as every captured pointer's must).
 
 Graph safety: capturable
 """
@@ -57,13 +60,15 @@ _CONFIGS = (
 )
 
 # The 16-row config's weights read by the Tensor Memory Accelerator (sm_90's TMA: a host
-# ``TensorDescriptor`` over b's ``[num_groups * rows, k]`` view, one bulk copy a K tile) in
-# place of per-thread ``cp.async`` loads, on 3 stages instead of 4. Alone at the qwen3-like
-# shapes (64 experts, cap 64): W13 0.979 / 0.994 and W2 0.983 / 0.979 of the pointer loads'
-# time at bs 16 / 8, outputs bitwise equal (BENCHMARKS.md §46). GRAPHRT_EXPERT_TMA=0/1 at
-# import (A/B: the expert-tma switch sets it before capture).
-TMA = env_flag("GRAPHRT_EXPERT_TMA", False)
-TMA_STAGES = 3
+# ``TensorDescriptor`` over b's ``[num_groups * rows, k]`` view, one bulk copy a K tile)
+# instead of per-thread ``cp.async`` loads, on ``TMA_TILE`` = (BLOCK_K, num_stages): K tiles
+# of 256 on 2 stages (the same 80 KB of shared memory a program). Alone at the qwen3-like
+# shapes (64 experts, cap 64): W13 0.976 / 0.980 and W2 0.978 / 0.973 of the pointer loads'
+# time at bs 16 / 8; outputs bitwise equal. With (128, 3) the step took 0.999 / 0.987 /
+# 0.992 / 0.988 at bs 2 / 4 / 8 / 16, logits bitwise (BENCHMARKS.md §46).
+# GRAPHRT_EXPERT_TMA=0 at import turns it off (A/B: the expert-tma switch, before capture).
+TMA = env_flag("GRAPHRT_EXPERT_TMA", True)
+TMA_TILE = (256, 2)
 
 
 def gemm_config(expected_m: int) -> dict:
@@ -160,9 +165,10 @@ def _masked_grouped_gemm_kernel(
 def tma_path(b: torch.Tensor) -> bool:
     """Whether :func:`masked_grouped_gemm` reads weights ``b`` [num_groups, rows, k] by TMA
     at its 16-row config: ``TMA`` on, ``b`` contiguous and 16-byte aligned (rows of
-    ``k * 2`` bytes, a multiple of 16), on a CUDA GPU of compute capability >= 9.0 or the
+    ``k * 2`` bytes, a multiple of 16), ``k`` at least ``TMA_TILE``'s K tile, on a CUDA GPU of compute capability >= 9.0 or the
     CPU interpreter (which runs the descriptor loads as gathers). Host-only."""
-    if not (TMA and b.is_contiguous() and b.shape[-1] % 8 == 0 and b.data_ptr() % 16 == 0):
+    if not (TMA and b.is_contiguous() and b.shape[-1] % 8 == 0 and b.data_ptr() % 16 == 0
+            and b.shape[-1] >= TMA_TILE[0]):
         return False
     if interpreting():
         return True
@@ -215,8 +221,8 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
     b_arg = b
     if cfg["BLOCK_M"] == 16 and tma_path(b):
         from triton.tools.tensor_descriptor import TensorDescriptor
+        cfg = {**cfg, "BLOCK_K": TMA_TILE[0], "num_stages": TMA_TILE[1]}
         b_arg = TensorDescriptor.from_tensor(b.view(-1, k), [cols, cfg["BLOCK_K"]])
-        cfg = {**cfg, "num_stages": TMA_STAGES}
     _masked_grouped_gemm_kernel[grid](
         a, b_arg, out, masked_m, m_max, n, k,
         a.stride(0), a.stride(1), a.stride(2),

@@ -92,6 +92,7 @@ def test_tma_weights_are_bitwise_the_pointer_loads(monkeypatch, epilogue):
         _check_against_ref(a, b, masked_m, outs[1])
     assert not gg.tma_path(b.transpose(0, 1).contiguous().transpose(0, 1))  # not contiguous
     assert not gg.tma_path(b[..., :k - 4].contiguous())  # rows of 1192 bytes: not 16-aligned
+    assert not gg.tma_path(b[..., :gg.TMA_TILE[0] - 8].contiguous())  # k under one K tile
     assert gemm_config(64)["BLOCK_M"] != 16  # larger configs: the pointer loads
 
 

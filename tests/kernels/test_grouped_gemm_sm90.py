@@ -10,7 +10,7 @@ import textwrap
 from tests.kernels.sm90 import compile_results
 
 SCRIPT = textwrap.dedent('''
-    from graphrt.kernels.grouped_gemm import _masked_grouped_gemm_kernel as K
+    from graphrt.kernels.grouped_gemm import TMA_TILE, _masked_grouped_gemm_kernel as K
 
     INTS = "m_max n k stride_ag stride_am stride_bg stride_bn stride_og stride_om".split()
     SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "masked_m_ptr": "*i32",
@@ -25,16 +25,17 @@ SCRIPT = textwrap.dedent('''
     for tma in (False, True):
         for epi in (False, True):
             for gdc in (0, 2):
+                bk, stages = TMA_TILE if tma else (128, 4)  # the launcher's configs
                 const = dict(stride_ak=1, stride_bk=1, stride_on=1, BLOCK_M=16, BLOCK_N=64,
-                             BLOCK_K=128, UPCAST=False, EPI=epi, B_TMA=tma, USE_GDC=gdc)
+                             BLOCK_K=bk, UPCAST=False, EPI=epi, B_TMA=tma, USE_GDC=gdc)
                 sig = dict(SIG)
                 if tma:  # the launcher's TensorDescriptor over b's [groups * rows, k] view
                     cols = 32 if epi else 64
-                    sig["b_ptr"] = f"tensordesc<bf16[{cols}, 128]>"
+                    sig["b_ptr"] = f"tensordesc<bf16[{cols}, {bk}]>"
                     attrs = aligned(K, [n for n in ALIGNED if n != "b_ptr"])
                 else:
                     attrs = ATTRS
-                p = ptx(K, sig, const, attrs=attrs, num_stages=3 if tma else 4)
+                p = ptx(K, sig, const, attrs=attrs, num_stages=stages)
                 out[f"{tma}-{epi}-{gdc}"] = {
                     "wait": "griddepcontrol.wait" in p,
                     "cp.async": p.count("cp.async.cg") + p.count("cp.async.ca"),
