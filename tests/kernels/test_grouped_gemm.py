@@ -205,6 +205,23 @@ def test_gpu_graph_replay_honors_new_data_and_masked_m(cuda_device, n, k):
         _check_against_ref(a, b, masked_m, out)
 
 
+def _captured(fn) -> torch.cuda.CUDAGraph:
+    """``fn`` run once eagerly (compiles its kernels), then captured; returns the graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def _decode_masked_m(gen, num_groups, cap):
+    """int32 [num_groups] (CPU): 0..cap rows a group, a quarter of the groups idle."""
+    m = torch.randint(0, cap + 1, (num_groups,), generator=gen, dtype=torch.int32)
+    m[torch.randperm(num_groups, generator=gen)[: num_groups // 4]] = 0
+    return m
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, k, cap, expected_m", [(768, 2048, 16, 2), (768, 2048, 64, 40),
                                                    (2048, 7168, 8, 1)])
@@ -228,16 +245,10 @@ def test_gpu_epilogue_bitwise_the_two_launches_under_replay(cuda_device, n, k, c
         masked_grouped_gemm(a, w13, masked_m, out=one, expected_m=expected_m,
                             epilogue="silu_and_mul")
 
-    both()  # compile before capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        both()
+    graph = _captured(both)
     gen = torch.Generator().manual_seed(61)
     for step in range(4):
-        m = torch.randint(0, cap + 1, (E,), generator=gen, dtype=torch.int32)
-        m[torch.randperm(E, generator=gen)[: E // 4]] = 0
-        masked_m.copy_(m)
+        masked_m.copy_(_decode_masked_m(gen, E, cap))
         a.copy_(torch.randn(E, cap, k, generator=g, device=cuda_device).to(torch.bfloat16))
         one.fill_(float("nan"))
         two.fill_(float("nan"))
@@ -270,15 +281,10 @@ def test_gpu_tma_weights_bitwise_the_pointer_loads_under_replay(cuda_device, mon
 
     monkeypatch.setattr(gg, "TMA", True)
     assert gg.tma_path(b)
-    both()  # compile before capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        both()
+    graph = _captured(both)
     gen = torch.Generator().manual_seed(81)
     for step in range(4):
-        m = torch.randint(0, cap + 1, (E,), generator=gen, dtype=torch.int32)
-        m[torch.randperm(E, generator=gen)[: E // 4]] = 0
+        m = _decode_masked_m(gen, E, cap)
         m[0] = cap
         masked_m.copy_(m)
         a.copy_(_inputs(E, cap, rows, k, device=cuda_device, seed=90 + step)[0])
