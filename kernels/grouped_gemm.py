@@ -64,8 +64,9 @@ _CONFIGS = (
 # instead of per-thread ``cp.async`` loads, on ``TMA_TILE`` = (BLOCK_K, num_stages): K tiles
 # of 256 on 2 stages (the same 80 KB of shared memory a program). Alone at the qwen3-like
 # shapes (64 experts, cap 64): W13 0.976 / 0.980 and W2 0.978 / 0.973 of the pointer loads'
-# time at bs 16 / 8; outputs bitwise equal. With (128, 3) the step took 0.999 / 0.987 /
-# 0.992 / 0.988 at bs 2 / 4 / 8 / 16, logits bitwise (BENCHMARKS.md §46).
+# time at bs 16 / 8; outputs bitwise equal. The step: 0.995 / 0.992 / 0.993 / 0.993 at
+# qwen3-like bs 2 / 4 / 8 / 16 (K tiles of 128 on 3 stages: 0.999 / 0.987 / 0.992 / 0.988),
+# logits bitwise equal (BENCHMARKS.md §46).
 # GRAPHRT_EXPERT_TMA=0 at import turns it off (A/B: the expert-tma switch, before capture).
 TMA = env_flag("GRAPHRT_EXPERT_TMA", True)
 TMA_TILE = (256, 2)
@@ -165,8 +166,9 @@ def _masked_grouped_gemm_kernel(
 def tma_path(b: torch.Tensor) -> bool:
     """Whether :func:`masked_grouped_gemm` reads weights ``b`` [num_groups, rows, k] by TMA
     at its 16-row config: ``TMA`` on, ``b`` contiguous and 16-byte aligned (rows of
-    ``k * 2`` bytes, a multiple of 16), ``k`` at least ``TMA_TILE``'s K tile, on a CUDA GPU of compute capability >= 9.0 or the
-    CPU interpreter (which runs the descriptor loads as gathers). Host-only."""
+    ``k * 2`` bytes, a multiple of 16), ``k`` at least ``TMA_TILE``'s K tile, on a CUDA GPU
+    of compute capability >= 9.0 or the CPU interpreter (which runs the descriptor loads as
+    gathers). Host-only."""
     if not (TMA and b.is_contiguous() and b.shape[-1] % 8 == 0 and b.data_ptr() % 16 == 0
             and b.shape[-1] >= TMA_TILE[0]):
         return False
