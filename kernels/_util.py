@@ -47,7 +47,8 @@ def check_tensor(t: torch.Tensor, name: str, *, shape=None, dtype=None, device=N
 
 
 @functools.lru_cache(maxsize=None)
-def _hopper_or_newer(index: int) -> bool:
+def hopper_or_newer(index: int) -> bool:
+    """Whether CUDA device ``index`` has compute capability >= 9.0 (cached). Host-only."""
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
@@ -71,7 +72,7 @@ def _pdl_enabled(pdl_env: str | None, interpret_env: str) -> bool:
     the CUDA queries behind it) is computed once per setting."""
     if not flag_value(pdl_env, True) or interpret_env not in ("", "0"):
         return False
-    return torch.cuda.is_available() and _hopper_or_newer(torch.cuda.current_device())
+    return torch.cuda.is_available() and hopper_or_newer(torch.cuda.current_device())
 
 
 def pdl_args() -> dict:

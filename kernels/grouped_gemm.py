@@ -42,7 +42,7 @@ import triton.language as tl
 
 from ._masked import _silu_mul
 from ._pdl import pdl_prologue
-from ._util import _hopper_or_newer, check, check_tensor, env_flag, interpreting, pdl_args
+from ._util import check, check_tensor, env_flag, hopper_or_newer, interpreting, pdl_args
 
 EPILOGUES = (None, "silu_and_mul")  # masked_grouped_gemm's epilogue= values
 
@@ -174,8 +174,7 @@ def tma_path(b: torch.Tensor) -> bool:
         return False
     if interpreting():
         return True
-    return b.is_cuda and _hopper_or_newer(b.device.index if b.device.index is not None
-                                          else torch.cuda.current_device())
+    return b.is_cuda and hopper_or_newer(b.device.index)
 
 
 def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *,

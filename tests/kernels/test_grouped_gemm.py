@@ -306,26 +306,15 @@ def test_gpu_weight_stream_rate_is_physical(cuda_device):
     rate (printed next to DeepGEMM's ~3.9 TB/s) above zero and at most 1.25x the copy
     bandwidth measured in the same process (a stream read reaches about 1.05x it,
     BENCHMARKS.md §38), so a timing that skipped work would fail. Not a speed target."""
-    from graphrt.bench.timing import hbm_bandwidth_gbs
+    from graphrt.bench.timing import graph_time_us, hbm_bandwidth_gbs
     copy_gbs = hbm_bandwidth_gbs(torch.device(cuda_device))
     for n, k in ((4096, 7168), (7168, 2048)):
         a, b = _inputs(NUM_GROUPS, M_MAX, n, k, device=cuda_device, seed=50)
         masked_m = torch.full((NUM_GROUPS,), 8, dtype=torch.int32, device=cuda_device)
         out = torch.full((NUM_GROUPS, M_MAX, n), float("nan"), dtype=torch.bfloat16,
                          device=cuda_device)
-        masked_grouped_gemm(a, b, masked_m, out=out, expected_m=8)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            masked_grouped_gemm(a, b, masked_m, out=out, expected_m=8)
-        for _ in range(5):
-            graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            graph.replay()
-        end.record()
+        us = graph_time_us(lambda: masked_grouped_gemm(a, b, masked_m, out=out, expected_m=8))
         torch.cuda.synchronize()
-        us = start.elapsed_time(end) * 1e3 / 20
         gbs = b.numel() * 2 / us / 1e3
         print(f"\nmasked_grouped_gemm n={n} k={k} m=8/group: {us:.1f} us, {gbs / 1e3:.2f} TB/s "
               f"of weights ({gbs / copy_gbs:.2f}x the copy bandwidth, {copy_gbs:.0f} GB/s)")
