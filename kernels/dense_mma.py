@@ -18,11 +18,6 @@ are the N side, the narrowest N the MMA takes. The tile is stored transposed int
   :mod:`graphrt.kernels.attention_kernels`' fused merge) sums the partials in the fixed order
   ``s = 0, 1, ...`` with L2 (``.cg``) loads, writes bf16 and sets the semaphore back to 0. No
   second launch, no float atomics: bitwise reproducible for a config, in graph replays too.
-- **Weights by TMA** (``TMA``, ``tma_path``): on Hopper the launcher can pass a host
-  ``TensorDescriptor`` over ``W [n, k]`` instead of its pointer, and each K tile
-  ``[BLOCK_N, BLOCK_K]`` then comes with one bulk copy (zero-filled past n and k) instead
-  of per-thread ``cp.async``; x keeps its pointer loads. A captured graph bakes the
-  descriptor in, as it bakes every pointer. Same tiles, same sums: bitwise the pointer loads.
 
 Glossary: ``m`` rows (bs, at most 16), ``n`` output features, ``k`` input features.
 """
@@ -32,22 +27,14 @@ import torch
 import triton
 import triton.language as tl
 
-from graphrt.env import env_flag
-
 from ._pdl import pdl_trigger, pdl_wait
-from ._util import check, check_tensor, hopper_or_newer, interpreting, pdl_args
+from ._util import check, check_tensor, interpreting, pdl_args
 from .dense_gemv import _check_xw_out, _k_tile, _xw_tiles
 
 MAX_ROWS = 16  # the MMA's N side
 BLOCK_NS = (64, 128)
 MAX_SPLIT_K = 16
 _MIN_K_PER_SPLIT = 256
-# The weights read by the Tensor Memory Accelerator (sm_90's TMA: a host ``TensorDescriptor``
-# over W [n, k], one bulk copy a [BLOCK_N, BLOCK_K] tile) instead of per-thread ``cp.async``,
-# the masked GEMM's ``grouped_gemm.TMA`` for the dense projections (QKV, o-projection, LM head,
-# at 2-16 rows). Same configs. GRAPHRT_DENSE_TMA=1 at import turns it on (A/B: the dense-tma
-# switch, before capture).
-TMA = env_flag("GRAPHRT_DENSE_TMA", False)
 
 
 @triton.jit
@@ -66,7 +53,6 @@ def _dense_mma_gemm_kernel(
     EVEN_K: tl.constexpr,  # k % BLOCK_K == 0: no K masks
     UPCAST: tl.constexpr,  # interpreter: dot in fp32 (bf16 math gives NaN there)
     PRELOAD: tl.constexpr = False,  # the first W tile loaded before the PDL wait (kernels._pdl)
-    W_TMA: tl.constexpr = False,  # w_ptr is a TensorDescriptor over W [n, k], [BN, BK] boxes
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_trigger(USE_GDC)
@@ -79,33 +65,24 @@ def _dense_mma_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < m
     mask_n = offs_n < n
-    n0 = pid_n * BLOCK_N  # W_TMA: this program's first W row
-    if not W_TMA:
-        w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * k + (k_lo + offs_k)[None, :]  # [BN, BK]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * k + (k_lo + offs_k)[None, :]  # [BN, BK]
     x_ptrs = x_ptr + offs_m[:, None] * k + (k_lo + offs_k)[None, :]  # [BM, BK]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_first = k_lo
     if PRELOAD:  # weights: written by no kernel of the stream, so loaded before the wait
-        if W_TMA:
-            b0 = _w_box(w_ptr, n0, k_lo, UPCAST)
-        else:
-            b0 = _k_tile(w_ptrs, mask_n, k - k_lo, offs_k, EVEN_K, UPCAST)
-            w_ptrs += BLOCK_K
+        b0 = _k_tile(w_ptrs, mask_n, k - k_lo, offs_k, EVEN_K, UPCAST)
         pdl_wait(USE_GDC)
         a0 = _k_tile(x_ptrs, mask_m, k - k_lo, offs_k, EVEN_K, UPCAST)
         acc += tl.dot(b0, tl.trans(a0))  # the first K tile: every split has one
+        w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         k_first += BLOCK_K
     else:
         pdl_wait(USE_GDC)
     for k0 in range(k_first, k_hi, BLOCK_K):
-        if W_TMA:  # the weight box first, as _xw_tiles orders them (it comes from HBM)
-            b = _w_box(w_ptr, n0, k0, UPCAST)
-            a = _k_tile(x_ptrs, mask_m, k - k0, offs_k, EVEN_K, UPCAST)
-        else:
-            a, b = _xw_tiles(x_ptrs, w_ptrs, mask_m, mask_n, k - k0, offs_k, EVEN_K, UPCAST)
-            w_ptrs += BLOCK_K
+        a, b = _xw_tiles(x_ptrs, w_ptrs, mask_m, mask_n, k - k0, offs_k, EVEN_K, UPCAST)
         acc += tl.dot(b, tl.trans(a))  # [BN, BK] @ [BK, BM]
+        w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     offs = offs_m[None, :] * n + offs_n[:, None]  # y.T's tile [BN, BM] in y [m, n]
     mask = mask_n[:, None] & mask_m[None, :]
@@ -124,31 +101,6 @@ def _dense_mma_gemm_kernel(
             tl.atomic_xchg(sem, 0, sem="relaxed", scope="gpu")  # clean for the next launch
     else:
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _w_box(desc, n0, k0, UPCAST: tl.constexpr):
-    """The ``[BLOCK_N, BLOCK_K]`` weight tile at row ``n0``, column ``k0`` through the
-    TensorDescriptor ``desc`` (rows past n and columns past k zero-filled); fp32 with
-    ``UPCAST``."""
-    t = desc.load([n0, k0])
-    if UPCAST:
-        t = t.to(tl.float32)
-    return t
-
-
-def tma_path(w: torch.Tensor, block_n: int, block_k: int) -> bool:
-    """Whether :func:`dense_mma` reads ``w`` [n, k] by TMA in ``[block_n, block_k]`` boxes:
-    ``TMA`` on, ``w`` contiguous and 16-byte aligned (rows of ``k * 2`` bytes, a multiple of
-    16), ``k >= block_k`` and boxes of at most 256 a side (TMA's limit), on a CUDA GPU of
-    compute capability >= 9.0 or the CPU interpreter (which runs the descriptor loads as
-    gathers). Host-only."""
-    if not (TMA and w.is_contiguous() and w.shape[1] % 8 == 0 and w.data_ptr() % 16 == 0
-            and w.shape[1] >= block_k and max(block_n, block_k) <= 256):
-        return False
-    if interpreting():
-        return True
-    return w.is_cuda and hopper_or_newer(w.device.index)
 
 
 def dense_mma_config(m: int, n: int, k: int, num_sms: int) -> dict:
@@ -242,15 +194,11 @@ def dense_mma(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
                      contiguous=True)
         check(semaphore.shape[0] >= triton.cdiv(n, block_n), "semaphore.shape[0]",
               f">= cdiv(n, block_n) = {triton.cdiv(n, block_n)}", semaphore.shape[0])
-    w_arg = w
-    if tma_path(w, block_n, block_k):
-        from triton.tools.tensor_descriptor import TensorDescriptor
-        w_arg = TensorDescriptor.from_tensor(w, [block_n, block_k])
     _dense_mma_gemm_kernel[(triton.cdiv(n, block_n), split_k)](
-        x, w_arg, out, workspace if split else out, semaphore if split else out, m, n, k, k_step,
+        x, w, out, workspace if split else out, semaphore if split else out, m, n, k, k_step,
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
         EVEN_K=k % block_k == 0, UPCAST=interpreting(), PRELOAD=bool(preload),
-        W_TMA=w_arg is not w, num_warps=num_warps, num_stages=num_stages, **pdl_args())
+        num_warps=num_warps, num_stages=num_stages, **pdl_args())
     return out
 
 

@@ -85,8 +85,6 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   launch on 1 warp instead of 4;
 - ``expert-tma``: the Triton masked GEMM's 16-row config with its weights read by TMA
   (``grouped_gemm.TMA``);
-- ``dense-tma``: the dense projections' tensor-core GEMM (``kernels.dense_mma``: QKV, the
-  o-projection, the LM head at 2-16 rows) with its weights read by TMA (``dense_mma.TMA``);
 - ``expert-rows``: the expert plan's choices as measured, the CUDA-core rows kernel included
   (``kernels.grouped_gemv_rows``), against the fastest other kernel of each entry
   (``ExpertPlan.exclude``).
@@ -232,7 +230,6 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
                                                   "exclude", frozenset() if on else
                                                   frozenset({"swap"})),
             "expert-tma": lambda on: _class_attr("graphrt.kernels.grouped_gemm", None, "TMA", on),
-            "dense-tma": lambda on: _class_attr("graphrt.kernels.dense_mma", None, "TMA", on),
             "expert-rows": lambda on: _class_attr("graphrt.moe.expert_plan", "ExpertPlan",
                                                   "exclude", frozenset() if on else
                                                   frozenset({"rows"}))}

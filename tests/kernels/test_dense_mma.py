@@ -63,36 +63,6 @@ def test_mma_exact_cpu(m, n, k, block_n, block_k, split_k):
 
 
 @cpu_interpreter
-@pytest.mark.parametrize("m,n,k,block_n,block_k,split_k", [
-    (3, 200, 296, 64, 128, 1),      # ragged n and k: the boxes zero-fill past both
-    (16, 256, 1024, 64, 256, 3),    # k_step 512 (two splits own K), split-K in the launch
-    (5, 130, 512, 128, 64, 4),      # a ragged slice of 128
-])
-def test_tma_weights_are_bitwise_the_pointer_loads_cpu(monkeypatch, m, n, k, block_n, block_k,
-                                                       split_k):
-    """``TMA``: the weights through a ``TensorDescriptor`` (the interpreter runs its loads
-    as gathers), with and without ``preload``, bitwise the pointer loads and the exact
-    reference; weights TMA cannot describe keep the pointer loads."""
-    x, w = _exact(m, n, k, seed=m * n + k)
-    ref = dense_mma_ref(x, w)
-    ws = torch.full(dense_mma_workspace_shape(m, n, split_k), float("nan"))
-    sem = torch.zeros(dense_mma_semaphore_shape(n), dtype=torch.int32)
-    for tma in (False, True):
-        monkeypatch.setattr(mod, "TMA", tma)
-        assert mod.tma_path(w, block_n, block_k) == tma
-        for preload in (False, True):
-            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
-            dense_mma(x, w, out=out, workspace=ws, semaphore=sem, block_n=block_n,
-                      block_k=block_k, split_k=split_k, preload=preload)
-            assert torch.equal(out.view(torch.int16), ref.view(torch.int16)), (tma, preload)
-            assert not sem.any()
-    assert not mod.tma_path(w.t().contiguous().t(), block_n, block_k)  # not contiguous
-    assert not mod.tma_path(w[:, :k - 4].contiguous(), block_n, 64)  # rows not 16-aligned
-    assert not mod.tma_path(w, block_n, 2 * k)  # k under one K tile
-    assert not mod.tma_path(w, 512, block_k)  # a box side over TMA's 256
-
-
-@cpu_interpreter
 def test_mma_auto_keeps_one_semaphore_per_weight_cpu():
     x, w = _exact(4, 128, 4096, seed=3)
     cfg = dense_mma_config(4, 128, 4096, 4)  # the interpreter counts 4 SMs
@@ -143,28 +113,19 @@ SM90 = textwrap.dedent('''
            "sem_ptr": "*i32", "m": "i32", "n": "i32", "k": "i32", "k_step": "i32"}
     names = ["x_ptr", "w_ptr", "out_ptr", "ws_ptr", "sem_ptr", "n", "k", "k_step"]
     attrs = aligned(kernel, names)
-    tma_attrs = aligned(kernel, [name for name in names if name != "w_ptr"])
     out = {}
-    for bn, bk, pre, tma in ((64, 128, False, False), (64, 256, False, False),
-                             (128, 64, False, False), (64, 256, True, False),
-                             (64, 256, False, True), (128, 128, False, True),
-                             (64, 256, True, True)):
+    for bn, bk, pre in ((64, 128, False), (64, 256, False), (128, 64, False), (64, 256, True)):
         for split in (False, True):
             for gdc in (0, 2):
-                # with TMA: the launcher's TensorDescriptor over W [n, k], [bn, bk] boxes
-                s = {**sig, "w_ptr": f"tensordesc<bf16[{bn}, {bk}]>"} if tma else sig
-                p = ptx(kernel, s, dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split,
-                                        EVEN_K=True, UPCAST=False, PRELOAD=pre, W_TMA=tma,
-                                        USE_GDC=gdc),
-                        attrs=tma_attrs if tma else attrs, num_stages=3 if pre or tma else 4)
+                p = ptx(kernel, sig, dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split,
+                                          EVEN_K=True, UPCAST=False, PRELOAD=pre, USE_GDC=gdc),
+                        attrs=attrs, num_stages=3 if pre else 4)
                 copy = p.find("cp.async")
                 wait = p.find("griddepcontrol.wait")
-                out[f"{bn}-{bk}-{split}-{gdc}-{pre}-{tma}"] = {
+                out[f"{bn}-{bk}-{split}-{gdc}-{pre}"] = {
                     "wgmma": "wgmma.mma_async" in p, "cp_async": copy >= 0,
-                    "tma": p.count("cp.async.bulk.tensor"),
                     "wait_first": 0 <= wait < copy,
                     "load_first": 0 <= p.find("ld.global") < wait,
-                    "tma_first": 0 <= p.find("cp.async.bulk.tensor") < wait,
                     "atomic": "atom.global" in p or "atom.acq_rel" in p,
                     "spill": "ld.local" in p}
     print(json.dumps(out))
@@ -173,21 +134,16 @@ SM90 = textwrap.dedent('''
 
 def test_mma_compiles_for_sm90():
     """wgmma and async copies, no spills; the PDL wait before the pipeline's copies; with
-    ``PRELOAD`` the first weight tile's load (a global load, or with ``W_TMA`` a bulk tensor
-    copy) before the wait, without it none; bulk tensor copies exactly with ``W_TMA``."""
+    ``PRELOAD`` the first weight tile's global load before the wait, without it none."""
     res = compile_results(SM90)
-    assert len(res) == 28
+    assert len(res) == 16
     for key, r in res.items():
-        split, gdc, pre, tma = key.split("-")[2:]
+        split, gdc, pre = key.split("-")[2:]
         assert r["wgmma"] and r["cp_async"] and not r["spill"], (key, r)
-        assert (r["tma"] > 0) == (tma == "True"), (key, r)
         assert r["atomic"] == (split == "True"), (key, r)
         if gdc == "2":
-            assert r["wait_first"] == (tma == "False" or pre == "False"), (key, r)
-            if tma == "True":
-                assert r["tma_first"] == (pre == "True"), (key, r)
-            else:
-                assert r["load_first"] == (pre == "True"), (key, r)
+            assert r["wait_first"], (key, r)
+            assert r["load_first"] == (pre == "True"), (key, r)
 
 
 def test_semaphore_is_not_made_inside_a_capture(monkeypatch):

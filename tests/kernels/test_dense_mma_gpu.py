@@ -112,39 +112,3 @@ def test_gpu_many_launches_share_one_semaphore():
         for x, w, out in zip(xs, ws_, outs):
             assert _rel_err(out, dense_mma_ref(x, w)) < TOL
         assert not sem.any()
-
-
-@pytest.mark.parametrize("m", (2, 16))
-def test_gpu_tma_weights_bitwise_the_pointer_loads(weights, m, monkeypatch):
-    """``TMA`` (the weights by bulk tensor copies): both launches in one graph at every
-    config of ``_configs``, bitwise equal eagerly and over replays with new rows, the
-    semaphore zero after each."""
-    from graphrt.kernels import dense_mma as mod
-    n, k = weights.shape
-    sem = torch.zeros(dense_mma_semaphore_shape(n), dtype=torch.int32, device="cuda")
-    x = _x(m, k, seed=m + 11)
-    for cfg in _configs(m, n, k):
-        monkeypatch.setattr(mod, "TMA", True)
-        assert mod.tma_path(weights, cfg["block_n"], cfg["block_k"]), cfg
-        ws = torch.empty(dense_mma_workspace_shape(m, n, cfg["split_k"]), device="cuda")
-        outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in "pt"]
-
-        def both():
-            for tma, out in zip((False, True), outs):
-                monkeypatch.setattr(mod, "TMA", tma)
-                dense_mma(x, weights, out=out, workspace=ws, semaphore=sem, **cfg)
-
-        both()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            both()
-        for step in range(3):
-            if step:
-                x.copy_(_x(m, k, seed=m + 11 + step))
-                for out in outs:
-                    out.fill_(float("nan"))
-                graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), (cfg, step)
-            assert not sem.any(), cfg
-        assert _rel_err(outs[1], dense_mma_ref(x, weights)) < TOL, cfg
