@@ -70,11 +70,6 @@ _CONFIGS = (
 # GRAPHRT_EXPERT_TMA=0 at import turns it off (A/B: the expert-tma switch, before capture).
 TMA = env_flag("GRAPHRT_EXPERT_TMA", True)
 TMA_TILE = (256, 2)
-# With the weights by TMA, the a rows too (``tma_path(a)``: a descriptor over a's
-# ``[num_groups * cap, k]`` view, ``[BLOCK_M, BLOCK_K]`` boxes): rows past ``masked_m`` (the
-# group's unused capacity, the next group's rows, or zeros past the tensor) feed only rows
-# the store masks off. GRAPHRT_EXPERT_TMA_A=1 at import turns it on (A/B: expert-tma-a).
-TMA_A = env_flag("GRAPHRT_EXPERT_TMA_A", False)
 
 
 def gemm_config(expected_m: int) -> dict:
@@ -106,7 +101,6 @@ def _masked_grouped_gemm_kernel(
     UPCAST: tl.constexpr,  # True under the interpreter: dot in fp32 (bf16 math gives NaN there)
     EPI: tl.constexpr = False,  # out = silu(a @ gate.T) * (a @ up.T), BLOCK_N // 2 columns
     B_TMA: tl.constexpr = False,  # b_ptr is a TensorDescriptor over b's [groups * rows, k]
-    A_TMA: tl.constexpr = False,  # a_ptr is a TensorDescriptor over a's [groups * m_max, k]
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
@@ -123,11 +117,7 @@ def _masked_grouped_gemm_kernel(
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < m
-    if A_TMA:  # this program's first row in the 2-D view (a contiguous: rows = ag / am)
-        a_row = g * (stride_ag // stride_am) + row0
-    else:
-        a_ptrs = (a_ptr + g64 * stride_ag + offs_m[:, None] * stride_am
-                  + offs_k[None, :] * stride_ak)
+    a_ptrs = a_ptr + g64 * stride_ag + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
     out_row = out_ptr + g64 * stride_og + offs_m[:, None] * stride_om
     # output columns a program: with EPI, BLOCK_N // 2 gate rows of b and the same up rows,
     # n rows further down (the same weight bytes a program)
@@ -143,10 +133,7 @@ def _masked_grouped_gemm_kernel(
     acc_up = tl.zeros((BLOCK_M, COLS), dtype=tl.float32)  # EPI only
     for k0 in range(0, k, BLOCK_K):
         mask_k = offs_k < k - k0
-        if A_TMA:  # [BM, BK], past k zero-filled; rows past m feed only masked-off rows
-            a = a_ptr.load([a_row, k0])
-        else:
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK]
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK]
         if B_TMA:  # [COLS, BK] boxes; past k zero-filled. Rows past n (the up rows or the
             # next group's) feed only the columns the store masks off.
             b = b_ptr.load([b_row, k0]).T  # [BK, COLS]
@@ -165,8 +152,7 @@ def _masked_grouped_gemm_kernel(
             if UPCAST:
                 b_up = b_up.to(tl.float32)
             acc_up += tl.dot(a, b_up)
-        if not A_TMA:
-            a_ptrs += BLOCK_K * stride_ak
+        a_ptrs += BLOCK_K * stride_ak
         if not B_TMA:
             b_ptrs += BLOCK_K * stride_bk
     if EPI:  # silu_and_mul_masked's arithmetic on the bf16 u this GEMM would have stored
@@ -178,10 +164,9 @@ def _masked_grouped_gemm_kernel(
 
 
 def tma_path(b: torch.Tensor) -> bool:
-    """Whether :func:`masked_grouped_gemm` reads weights ``b`` [num_groups, rows, k] (and,
-    with ``TMA_A``, the a rows [num_groups, cap, k]) by TMA at its 16-row config: ``TMA``
-    on, ``b`` contiguous and 16-byte aligned (rows of ``k * 2`` bytes, a multiple of 16),
-    ``k`` at least ``TMA_TILE``'s K tile, on a CUDA GPU
+    """Whether :func:`masked_grouped_gemm` reads weights ``b`` [num_groups, rows, k] by TMA
+    at its 16-row config: ``TMA`` on, ``b`` contiguous and 16-byte aligned (rows of
+    ``k * 2`` bytes, a multiple of 16), ``k`` at least ``TMA_TILE``'s K tile, on a CUDA GPU
     of compute capability >= 9.0 or the CPU interpreter (which runs the descriptor loads as
     gathers). Host-only."""
     if not (TMA and b.is_contiguous() and b.shape[-1] % 8 == 0 and b.data_ptr() % 16 == 0
@@ -234,21 +219,18 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
     cfg = gemm_config(m_max if expected_m is None else expected_m)
     cols = cfg["BLOCK_N"] if epilogue is None else cfg["BLOCK_N"] // 2  # out columns a program
     grid = (num_groups * triton.cdiv(m_max, cfg["BLOCK_M"]), triton.cdiv(n, cols))
-    a_arg, b_arg = a, b
+    b_arg = b
     if cfg["BLOCK_M"] == 16 and tma_path(b):
         from triton.tools.tensor_descriptor import TensorDescriptor
         cfg = {**cfg, "BLOCK_K": TMA_TILE[0], "num_stages": TMA_TILE[1]}
         b_arg = TensorDescriptor.from_tensor(b.view(-1, k), [cols, cfg["BLOCK_K"]])
-        if TMA_A and tma_path(a):
-            a_arg = TensorDescriptor.from_tensor(a.view(-1, k), [16, cfg["BLOCK_K"]])
     _masked_grouped_gemm_kernel[grid](
-        a_arg, b_arg, out, masked_m, m_max, n, k,
+        a, b_arg, out, masked_m, m_max, n, k,
         a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         UPCAST=interpreting(), EPI=epilogue is not None, B_TMA=b_arg is not b,
-        A_TMA=a_arg is not a,
         num_stages=cfg["num_stages"], num_warps=cfg["num_warps"], **pdl_args(),
     )
     return out

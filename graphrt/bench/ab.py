@@ -84,7 +84,7 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   numerator program instead of 4 (``kernels.gate_fold.GATE_ROWS``); ``fold-w1``: the top-k
   launch on 1 warp instead of 4;
 - ``expert-tma``: the Triton masked GEMM's 16-row config with its weights read by TMA
-  (``grouped_gemm.TMA``); ``expert-tma-a``: its a rows by TMA too (``grouped_gemm.TMA_A``);
+  (``grouped_gemm.TMA``);
 - ``expert-rows``: the expert plan's choices as measured, the CUDA-core rows kernel included
   (``kernels.grouped_gemv_rows``), against the fastest other kernel of each entry
   (``ExpertPlan.exclude``).
@@ -230,8 +230,6 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
                                                   "exclude", frozenset() if on else
                                                   frozenset({"swap"})),
             "expert-tma": lambda on: _class_attr("graphrt.kernels.grouped_gemm", None, "TMA", on),
-            "expert-tma-a": lambda on: _class_attr("graphrt.kernels.grouped_gemm", None, "TMA_A",
-                                                   on),
             "expert-rows": lambda on: _class_attr("graphrt.moe.expert_plan", "ExpertPlan",
                                                   "exclude", frozenset() if on else
                                                   frozenset({"rows"}))}

@@ -75,9 +75,8 @@ def test_tma_weights_are_bitwise_the_pointer_loads(monkeypatch, epilogue):
     runs its loads as gathers), bitwise the pointer loads: n not a multiple of the column
     tile (a box's rows past n are the next rows or, past the tensor, zeros, and feed only
     masked-off columns), a ragged last K tile (zero-filled past k), rows past masked_m left
-    untouched. With ``TMA_A`` the a rows too: a capacity of 20 puts a group's second row
-    block over the next group's rows, and the last group's past the tensor. Other configs and
-    weights TMA cannot describe keep the pointer loads."""
+    untouched (a capacity of 20: a full group's second row block). Other configs and weights
+    TMA cannot describe keep the pointer loads."""
     from graphrt.kernels import grouped_gemm as gg
     E, cap, n, k = 3, 20, 40, 600
     a, b = _inputs(E, cap, 2 * n if epilogue else n, k, seed=70)
@@ -86,24 +85,21 @@ def test_tma_weights_are_bitwise_the_pointer_loads(monkeypatch, epilogue):
     # apart from two of [16, 128] (the GPU's MMA sums K in order either way)
     monkeypatch.setattr(gg, "TMA_TILE", (gemm_config(2)["BLOCK_K"], gg.TMA_TILE[1]))
     outs = []
-    for tma, tma_a in ((False, False), (True, False), (True, True)):
+    for tma in (False, True):
         monkeypatch.setattr(gg, "TMA", tma)
-        monkeypatch.setattr(gg, "TMA_A", tma_a)
-        assert gg.tma_path(b) == tma and gg.tma_path(a) == tma
+        assert gg.tma_path(b) == tma
         out = torch.full((E, cap, n), float("nan"), dtype=torch.bfloat16)
         masked_grouped_gemm(a, b, masked_m, out=out, expected_m=2, epilogue=epilogue)
         outs.append(out)
-    for out in outs[1:]:
-        assert torch.equal(outs[0].view(torch.int16), out.view(torch.int16))
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
     if epilogue is None:
-        _check_against_ref(a, b, masked_m, outs[2])
+        _check_against_ref(a, b, masked_m, outs[1])
     assert not gg.tma_path(b.transpose(0, 1).contiguous().transpose(0, 1))  # not contiguous
     assert not gg.tma_path(b[..., :k - 4].contiguous())  # rows of 1192 bytes: not 16-aligned
     assert not gg.tma_path(b[..., :gg.TMA_TILE[0] - 8].contiguous())  # k under one K tile
     assert gemm_config(64)["BLOCK_M"] != 16  # larger configs: the pointer loads
     if epilogue is None:  # the default TMA tile, within rounding of the reference
         monkeypatch.undo()
-        monkeypatch.setattr(gg, "TMA_A", True)
         out = torch.full((E, cap, n), float("nan"), dtype=torch.bfloat16)
         masked_grouped_gemm(a, b, masked_m, out=out, expected_m=2)
         _check_against_ref(a, b, masked_m, out)
@@ -277,23 +273,20 @@ def test_gpu_epilogue_bitwise_the_two_launches_under_replay(cuda_device, n, k, c
                                                (4096, 7168, "silu_and_mul")])
 def test_gpu_tma_weights_bitwise_the_pointer_loads_under_replay(cuda_device, monkeypatch, rows,
                                                                 k, epilogue):
-    """``TMA`` on the experts' shapes (qwen3-like W13 / W2, dsv3-like W13): the pointer-load
-    launch, the TMA launch and the one with the a rows by TMA too (``TMA_A``) in one graph,
-    bitwise equal eagerly and over replays with new inputs and masked_m (idle experts, full
-    ones: a capacity of 20 puts a full group's second row block over the next group's rows);
-    rows past masked_m untouched."""
+    """``TMA`` on the experts' shapes (qwen3-like W13 / W2, dsv3-like W13): the TMA launch
+    and the pointer-load launch in one graph, bitwise equal eagerly and over replays with new
+    inputs and masked_m (idle experts, full ones: a capacity of 20 gives a full group a
+    second row block); rows past masked_m untouched."""
     from graphrt.kernels import grouped_gemm as gg
     E, cap = 64, 20
     n = rows // 2 if epilogue else rows
     a, b = _inputs(E, cap, rows, k, device=cuda_device, seed=80)
     masked_m = torch.zeros(E, dtype=torch.int32, device=cuda_device)
-    variants = ((False, False), (True, False), (True, True))  # (TMA, TMA_A)
-    outs = [torch.empty(E, cap, n, dtype=torch.bfloat16, device=cuda_device) for _ in variants]
+    outs = [torch.empty(E, cap, n, dtype=torch.bfloat16, device=cuda_device) for _ in "pt"]
 
     def both():
-        for (tma, tma_a), out in zip(variants, outs):
+        for tma, out in zip((False, True), outs):
             monkeypatch.setattr(gg, "TMA", tma)
-            monkeypatch.setattr(gg, "TMA_A", tma_a)
             masked_grouped_gemm(a, b, masked_m, out=out, expected_m=2, epilogue=epilogue)
 
     monkeypatch.setattr(gg, "TMA", True)
@@ -309,13 +302,12 @@ def test_gpu_tma_weights_bitwise_the_pointer_loads_under_replay(cuda_device, mon
             out.fill_(float("nan"))
         graph.replay() if step else both()
         torch.cuda.synchronize()
-        for out in outs[1:]:
-            assert torch.equal(outs[0].view(torch.int16), out.view(torch.int16)), f"step {step}"
+        assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), f"step {step}"
         live = torch.arange(cap, device=cuda_device)[None, :] < masked_m[:, None]
-        assert not torch.isnan(outs[2][live].float()).any()
-        assert torch.isnan(outs[2][~live].float()).all()
+        assert not torch.isnan(outs[1][live].float()).any()
+        assert torch.isnan(outs[1][~live].float()).all()
         if epilogue is None:
-            _check_against_ref(a, b, masked_m, outs[2])
+            _check_against_ref(a, b, masked_m, outs[1])
 
 
 @pytest.mark.gpu
