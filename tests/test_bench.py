@@ -350,7 +350,7 @@ def test_markdown_and_plots_of_a_gpu_result(tmp_path):
     assert "| bs | compile call µs | compile busy µs | compile span µs | graph call µs | " \
            "graph busy µs | graph span µs | graph / compile, calls | graph / compile, busy |" in md
     assert "| 8 | 2000 | 2000 | 3000 | 1800 | 1600 | 1620 | 0.900 | 0.800 |" in md
-    assert "expert GEMMs from the plan" not in md  # a fixed backend: no per-size table
+    assert "expert GEMMs (W13 / W2)" not in md  # a fixed backend: no per-size table
     res["expert_backend"] = "the per-size plan"
     res["rows"][0]["expert_kernels"] = "swap/bn64 / swap/bn64"
     md = markdown(res)

@@ -144,3 +144,20 @@ def test_reference_step_is_graph_safe_on_cpu(tiny):
     spec, _ = tiny
     rep = analyze_step(spec, [1, 3, 8], "cpu")
     assert rep.findings == [], rep.table()
+
+
+def test_routes_rows_names_the_one_row_routed_path(monkeypatch):
+    """``MoEBlock.routes_rows`` (what the modes report names per size): one bf16 row with
+    planned experts at EP=1 takes the routed pair; more rows, another dtype, a fixed backend
+    or the switch off take the masked layout."""
+    from graphrt.moe.model import MoEBlock
+    _, planned = make_step(preset("tiny"), "cpu", max_batch_size=4, backend="auto")
+    _, fixed = make_step(preset("tiny"), "cpu", max_batch_size=4, backend="triton")
+    moe = planned.layers[0].moe
+    assert moe.routes_rows(1) and not moe.routes_rows(2)
+    assert not moe.routes_rows(1, torch.float32)
+    assert not fixed.layers[0].moe.routes_rows(1)
+    h = torch.zeros(2, planned.cfg.hidden, dtype=torch.bfloat16)
+    assert moe._routed(h[:1]) and not moe._routed(h) and not moe._routed(h[:1, ::2])
+    monkeypatch.setattr(MoEBlock, "routed_gemv", False)
+    assert not moe.routes_rows(1)

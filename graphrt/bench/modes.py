@@ -248,6 +248,9 @@ class ModesBench:
 
 
 # -- runners --------------------------------------------------------------------------------
+ROUTED_KERNELS = "routed_w13 / routed_w2_combine (one row)"  # MoEBlock.routes_rows
+
+
 def _backend(experts) -> str:
     """The experts' GEMM backend as the header names it: ``"the per-size plan"`` when a plan
     picks the kernels per captured size (``expert_kernels`` in each row), else the backend."""
@@ -273,10 +276,12 @@ def _graph(b: ModesBench, mode: str) -> None:
         "pool_bytes_total": st["pool_bytes"],
         "per_graph": {bs: {"capture_s": v["capture_s"], "pool_bytes": v["pool_bytes"]}
                       for bs, v in st["sizes"].items()}}
-    experts = b.model.layers[0].moe.experts
+    moe = b.model.layers[0].moe
     for bs in b.sizes:
-        if experts.planned:  # the kernels this size's graph baked
-            b.rows[bs]["expert_kernels"] = " / ".join(c.name for c in experts.choices(bs))
+        if moe.routes_rows(bs, b.model.cfg.dtype):  # one row: no layout, not the plan's GEMMs
+            b.rows[bs]["expert_kernels"] = ROUTED_KERNELS
+        elif moe.experts.planned:  # the kernels this size's graph baked
+            b.rows[bs]["expert_kernels"] = " / ".join(c.name for c in moe.experts.choices(bs))
         run = lambda: rt.run(**b.inputs[bs])  # noqa: E731 - the mode's call
         b.check(mode, bs, lambda: run()["logits"])
         hits = experts_hit(b.model, b.spec, b.inputs[bs])  # one eager step of these inputs

@@ -215,7 +215,8 @@ def markdown(r: dict) -> str:
                           fmt((g.get("pool_bytes") or 0) / 2**20, ".1f")]
             out.append(f"| {row['bs']} | " + " | ".join(cells) + " |")
     if any(row.get("expert_kernels") for row in rows):
-        out += ["", "| bs | expert GEMMs from the plan (W13 / W2) |", "|---|---|"]
+        out += ["", "| bs | expert GEMMs (W13 / W2): the plan's, or the one-row routed pair |",
+                "|---|---|"]
         out += [f"| {row['bs']} | {row.get('expert_kernels') or '-'} |" for row in rows]
     out += _calls_md(r, rows, fmt)
     out.append("")

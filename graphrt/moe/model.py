@@ -92,13 +92,19 @@ class MoEBlock:
     # GRAPHRT_ROUTED_GEMV=0 at import turns it off (A/B: the routed-gemv switch).
     routed_gemv = env_flag("GRAPHRT_ROUTED_GEMV", True)
 
-    def _routed(self, h: torch.Tensor) -> bool:
-        """Whether this step's routed experts run ``Experts.routed`` (``routed_gemv``).
-        Host-only (shapes and settings)."""
+    def routes_rows(self, rows: int, dtype: torch.dtype = torch.bfloat16) -> bool:
+        """Whether a step of ``rows`` contiguous ``dtype`` rows runs ``Experts.routed``
+        (``routed_gemv``: one bf16 row, EP=1, planned bf16 experts, no EPLB map) instead of
+        the masked layout and the plan's GEMMs. Host-only (settings)."""
         ex = self.experts
-        return (self.routed_gemv and h.shape[0] == 1 and isinstance(self.comm, LocalComm)
+        return (self.routed_gemv and rows == 1 and isinstance(self.comm, LocalComm)
                 and self.expert_map is None and ex.planned and not ex.fp8
-                and h.dtype == torch.bfloat16 and h.is_contiguous())
+                and dtype == torch.bfloat16)
+
+    def _routed(self, h: torch.Tensor) -> bool:
+        """Whether this step's routed experts run ``Experts.routed`` (``routes_rows``).
+        Host-only (shapes and settings)."""
+        return self.routes_rows(h.shape[0], h.dtype) and h.is_contiguous()
 
     def __call__(self, h: torch.Tensor, n: torch.Tensor, logits: torch.Tensor | None = None,
                  defer_combine: bool | str = False, routes: tuple | None = None) -> tuple:
