@@ -93,9 +93,10 @@ class MoEBlock:
     routed_gemv = env_flag("GRAPHRT_ROUTED_GEMV", True)
 
     def routes_rows(self, rows: int, dtype: torch.dtype = torch.bfloat16) -> bool:
-        """Whether a step of ``rows`` contiguous ``dtype`` rows runs ``Experts.routed``
-        (``routed_gemv``: one bf16 row, EP=1, planned bf16 experts, no EPLB map) instead of
-        the masked layout and the plan's GEMMs. Host-only (settings)."""
+        """Whether a step of ``rows`` ``dtype`` rows runs ``Experts.routed`` (``routed_gemv``:
+        one bf16 row, EP=1, planned bf16 experts, no EPLB map) instead of the masked layout
+        and the plan's GEMMs; ``_routed`` adds that the row is contiguous. Host-only
+        (settings)."""
         ex = self.experts
         return (self.routed_gemv and rows == 1 and isinstance(self.comm, LocalComm)
                 and self.expert_map is None and ex.planned and not ex.fp8
