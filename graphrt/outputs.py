@@ -29,7 +29,8 @@ from typing import Any, Mapping
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
-from graphrt.errors import InputError, LeaseHeldError, StaleOutputError
+# LeaseHeldError is re-exported: graphrt.runtime imports it from here
+from graphrt.errors import InputError, LeaseHeldError, StaleOutputError  # noqa: F401
 
 
 @dataclass(frozen=True)
