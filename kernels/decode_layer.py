@@ -136,14 +136,32 @@ def _arrive(count_ptr, stamps_ptr, idx, STAMPS: tl.constexpr):
 
 
 @triton.jit
-def _wait(count_ptr, target, stamps_ptr, idx, SPIN: tl.constexpr, STAMPS: tl.constexpr):
+def _acquire(count_ptr, INTERPRETER: tl.constexpr):
+    """One thread's acquire load of the counter (``_wait``'s CTA barrier follows it). Not
+    ``tl.atomic_add(count_ptr, 0, sem="acquire")``: Triton 3.6 and 3.7 turn an atomic add of
+    0 whose result goes unused into an acquire load and then drop that load as dead code
+    (3.9 keeps it; tests/kernels/test_decode_layer_sm90.py counts the acquires), which left
+    the barrier without its acquire. Inline PTX that is not pure is kept by every version.
+    The interpreter (no inline PTX) takes the atomic."""
+    if INTERPRETER:
+        tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "mov.u32 $0, 0; @p ld.acquire.gpu.global.b32 $0, [$1]; }",
+            "=r,l", [count_ptr], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _wait(count_ptr, target, stamps_ptr, idx, SPIN: tl.constexpr, STAMPS: tl.constexpr,
+          INTERPRETER: tl.constexpr):
     """A grid barrier's second half: spin until the counter reaches ``target`` (every
-    program arrived), then one thread's acquire and a CTA barrier. ``STAMPS``: the cycle
-    counter into ``stamps[program, 2 * idx + 1]``."""
+    program arrived), then one thread's acquire (``_acquire``) and a CTA barrier.
+    ``STAMPS``: the cycle counter into ``stamps[program, 2 * idx + 1]``."""
     cur = _poll(count_ptr, target, SPIN)
     while cur < target:
         cur = _poll(count_ptr, target, SPIN)
-    tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+    _acquire(count_ptr, INTERPRETER)
     tl.debug_barrier()
     _stamp(stamps_ptr, 2 * idx + 1, STAMPS)
 
@@ -306,7 +324,7 @@ def _decode_layer_kernel(
     BI: tl.constexpr,  # next power of two >= I
     R_QKV: tl.constexpr, R_O: tl.constexpr, R_G: tl.constexpr, R_13: tl.constexpr,
     R_2: tl.constexpr,  # rows (columns for W2) an item, per phase
-    UPCAST: tl.constexpr,  # the interpreter: attention's dots in fp32
+    UPCAST: tl.constexpr,  # the interpreter: attention's dots in fp32, the barrier's acquire
     PIPE: tl.constexpr = 0,  # weight loops: 0 two tiles ahead in registers; N Triton's pipeline
     SPIN: tl.constexpr = 1,  # _poll: one thread a program spins (0: every thread)
     STAMPS: tl.constexpr = False,  # diagnostics: cycle counters at each barrier
@@ -358,7 +376,7 @@ def _decode_layer_kernel(
     ctx = tl.where(live, ctx, 0)
     num_live = tl.cdiv(tl.maximum(ctx, 0), split_size)
     n_items_b = NUM_KV_HEADS * num_splits
-    _wait(count_ptr, G, stamps_ptr, 1, SPIN, STAMPS)
+    _wait(count_ptr, G, stamps_ptr, 1, SPIN, STAMPS, UPCAST)
 
     # ---- B: attention partials, one (kv head, split) an item; the last split of a kv head
     # to finish merges its group (a semaphore a kv head, as attn_fused_kernel) -------------
@@ -407,7 +425,7 @@ def _decode_layer_kernel(
     w = _rows_tile(wo_ptr, pid, items_d, hidden, q_dim, offs_ro, offs_ko, q_dim, R_O)
     w1 = _rows_tile(wo_ptr, pid + G, tl.where(PIPE == 0, items_d, 0), hidden, q_dim, offs_ro,
                     offs_ko, q_dim, R_O)
-    _wait(count_ptr, 2 * G, stamps_ptr, 2, SPIN, STAMPS)
+    _wait(count_ptr, 2 * G, stamps_ptr, 2, SPIN, STAMPS, UPCAST)
 
     # ---- C: x_mid = x + o @ wo.T -------------------------------------------------------------
     ov = tl.load(o_ptr + offs_ko, mask=offs_ko < q_dim, other=0.0,
@@ -428,7 +446,7 @@ def _decode_layer_kernel(
     offs_rg = tl.arange(0, R_G)
     items_e = tl.cdiv(num_experts, R_G)
     w = _rows_tile(gate_ptr, pid, items_e, num_experts, hidden, offs_rg, offs_k, hidden, R_G)
-    _wait(count_ptr, 3 * G, stamps_ptr, 3, SPIN, STAMPS)
+    _wait(count_ptr, 3 * G, stamps_ptr, 3, SPIN, STAMPS, UPCAST)
 
     # ---- D: the MoE norm (every program keeps h2) and the gate's logits --------------------
     h2 = _normed(xmid_ptr, moe_norm_ptr, offs_k, hidden, eps, True)
@@ -440,7 +458,7 @@ def _decode_layer_kernel(
         tl.store(logits_ptr + rows, y.to(logits_ptr.dtype.element_ty), mask=rows < num_experts)
         w = w_nx
     _arrive(count_ptr, stamps_ptr, 4, STAMPS)
-    _wait(count_ptr, 4 * G, stamps_ptr, 4, SPIN, STAMPS)
+    _wait(count_ptr, 4 * G, stamps_ptr, 4, SPIN, STAMPS, UPCAST)
 
     # ---- E: top-k (every program, the same picks) and W13 with SiLU-and-mul ----------------
     offs_e = tl.arange(0, BLOCK_E)
@@ -492,7 +510,7 @@ def _decode_layer_kernel(
                  offs_i, R_2)
     v1 = _w2_tile(w2_ptr, pid + G, tl.where(PIPE == 0, items_g, 0), ok_t, e_t, hidden, inter,
                   stride_2e, stride_2n, offs_c, offs_i, R_2)
-    _wait(count_ptr, 5 * G, stamps_ptr, 5, SPIN, STAMPS)
+    _wait(count_ptr, 5 * G, stamps_ptr, 5, SPIN, STAMPS, UPCAST)
     pdl_late_trigger(USE_GDC)  # USE_GDC 3 (LATE_TRIGGER): the next kernel launches now
 
     # ---- F: W2 of every pick, combined, plus the residual ----------------------------------

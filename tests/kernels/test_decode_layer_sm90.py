@@ -1,8 +1,9 @@
 """The one-row layer launch (``kernels.decode_layer``) through Triton's real compiler for
 Hopper (sm_90, PTX and SASS), on the CPU, at the qwen3-like shapes: it compiles with and
 without PDL, its grid barrier is a release add, a volatile spin and an acquire (the module
-docstring; here a ``red.release``, ``ld.volatile`` and an ``ld.acquire``), its weights load
-as 16-byte vectors, and it does not spill. Same pattern as
+docstring; here a release add, ``ld.volatile`` and an ``ld.acquire``, one release and one
+acquire a barrier, on whichever Triton runs it: CI's 3.9 and the stock index's 3.7 emit the
+add differently), its weights load as 16-byte vectors, and it does not spill. Same pattern as
 tests/kernels/test_routed_gemv_sm90.py."""
 from __future__ import annotations
 
@@ -62,10 +63,11 @@ SCRIPT = textwrap.dedent('''
             "trigger": "griddepcontrol.launch_dependents" in p,
             "v4": "ld.global.v4" in p,
             "spill": "ld.local" in p or "st.local" in p,
-            # the arrival (an add whose result is unused: a reduction) and the acquire (an
-            # add of 0 whose result is unused: an acquire load), each by one thread
-            "release": "red.global.gpu.release.add" in p,
-            "acquire": "ld.global.gpu.acquire" in p,
+            # the arrivals (an add whose result is unused: a reduction from Triton 3.9, an
+            # atomic before) and the acquires (_acquire's inline load), each by one thread
+            "release": p.count("red.global.gpu.release.add")
+            + p.count("atom.global.gpu.release.add"),
+            "acquire": p.count("ld.acquire.gpu.global"),
             "volatile": "ld.volatile.global" in p,
             "clock": "%clock64" in p,
             "cp_async": p.count("cp.async.cg"), "smem": k.metadata.shared,
@@ -81,7 +83,10 @@ def test_the_layer_kernel_compiles_for_sm90():
         # PDL's trigger: at the start (2) or at phase F (3, the late trigger); none when off
         assert f["trigger"] == (not key.startswith("gdc0")), key
         assert f["clock"] == ("stamps" in key), key
-        assert f["v4"] and f["release"] and f["acquire"] and f["volatile"], (key, f)
+        assert f["v4"] and f["volatile"], (key, f)
+        # every barrier's release has its acquire (Triton 3.6 / 3.7 dropped an atomic add
+        # of 0 left unused: five releases, no acquire; kernels.decode_layer._acquire)
+        assert f["release"] == f["acquire"] == 5, (key, f)
         assert not f["spill"] and f["stl"] in (0, None), (key, f)
         # 4 warps of at most 255 registers a thread and at most 113 KB of shared memory:
         # two programs fit an SM (65536 registers, 227 KB), the launcher's default grid
