@@ -140,8 +140,9 @@ def _acquire(count_ptr, INTERPRETER: tl.constexpr):
     """One thread's acquire load of the counter (``_wait``'s CTA barrier follows it). Not
     ``tl.atomic_add(count_ptr, 0, sem="acquire")``: Triton 3.6 and 3.7 turn an atomic add of
     0 whose result goes unused into an acquire load and then drop that load as dead code
-    (3.9 keeps it; tests/kernels/test_decode_layer_sm90.py counts the acquires), which left
-    the barrier without its acquire. Inline PTX that is not pure is kept by every version.
+    (Triton's fix: triton-lang/triton#10346; 3.9 keeps the load; tests/kernels/
+    test_decode_layer_sm90.py counts the acquires), which left the barrier without its
+    acquire. Inline PTX that is not pure is kept by every version.
     The interpreter (no inline PTX) takes the atomic."""
     if INTERPRETER:
         tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
