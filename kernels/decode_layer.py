@@ -100,6 +100,21 @@ NUM_WARPS = 4
 PROGRAMS_PER_SM = 2  # the default grid where the compiled kernel fits that many an SM
 
 
+# Thread 0 loads an int32 (the PTX load instruction filled in), every other thread returns
+# the second operand; inline PTX that is not pure, so no Triton version drops it.
+_THREAD0 = ("{{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+            "mov.b32 $0, $2; @p {} $0, [$1]; }}")
+_THREAD0_VOLATILE = tl.constexpr(_THREAD0.format("ld.volatile.global.b32"))
+_THREAD0_ACQUIRE = tl.constexpr(_THREAD0.format("ld.acquire.gpu.global.b32"))
+
+
+@triton.jit
+def _thread0_load(ptr, other, ASM: tl.constexpr):
+    """``_THREAD0`` with its load ``ASM``: thread 0's int32 at ``ptr``, ``other`` elsewhere."""
+    return tl.inline_asm_elementwise(ASM, "=r,l,r", [ptr, other], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
 @triton.jit
 def _poll(count_ptr, target, SPIN: tl.constexpr):
     """The counter as a spinning thread sees it. ``SPIN == 1``: thread 0 loads it (volatile)
@@ -107,10 +122,7 @@ def _poll(count_ptr, target, SPIN: tl.constexpr):
     spin), so one load a program is in flight instead of one a warp. ``SPIN == 0`` (and the
     interpreter, which has no inline PTX): every thread loads it."""
     if SPIN == 1:
-        return tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-            "mov.b32 $0, $2; @p ld.volatile.global.b32 $0, [$1]; }",
-            "=r,l,r", [count_ptr, target], dtype=tl.int32, is_pure=False, pack=1)
+        return _thread0_load(count_ptr, target, _THREAD0_VOLATILE)
     else:
         return tl.load(count_ptr, volatile=True)
 
@@ -136,21 +148,17 @@ def _arrive(count_ptr, stamps_ptr, idx, STAMPS: tl.constexpr):
 
 
 @triton.jit
-def _acquire(count_ptr, INTERPRETER: tl.constexpr):
-    """One thread's acquire load of the counter (``_wait``'s CTA barrier follows it). Not
+def _acquire(count_ptr, target, INTERPRETER: tl.constexpr):
+    """Thread 0's acquire load of the counter (``_wait``'s CTA barrier follows it). Not
     ``tl.atomic_add(count_ptr, 0, sem="acquire")``: Triton 3.6 and 3.7 turn an atomic add of
     0 whose result goes unused into an acquire load and then drop that load as dead code
     (Triton's fix: triton-lang/triton#10346; 3.9 keeps the load; tests/kernels/
     test_decode_layer_sm90.py counts the acquires), which left the barrier without its
-    acquire. Inline PTX that is not pure is kept by every version.
-    The interpreter (no inline PTX) takes the atomic."""
+    acquire. The interpreter (no inline PTX) takes the atomic."""
     if INTERPRETER:
         tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
     else:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-            "mov.u32 $0, 0; @p ld.acquire.gpu.global.b32 $0, [$1]; }",
-            "=r,l", [count_ptr], dtype=tl.int32, is_pure=False, pack=1)
+        _thread0_load(count_ptr, target, _THREAD0_ACQUIRE)
 
 
 @triton.jit
@@ -162,7 +170,7 @@ def _wait(count_ptr, target, stamps_ptr, idx, SPIN: tl.constexpr, STAMPS: tl.con
     cur = _poll(count_ptr, target, SPIN)
     while cur < target:
         cur = _poll(count_ptr, target, SPIN)
-    _acquire(count_ptr, INTERPRETER)
+    _acquire(count_ptr, target, INTERPRETER)
     tl.debug_barrier()
     _stamp(stamps_ptr, 2 * idx + 1, STAMPS)
 
