@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._pdl import pdl_prologue
+from ._pdl import pdl_prologue, pdl_trigger, pdl_wait
 from ._util import check, check_tensor, pdl_args
 from .dense_gemv import dense_gemv_rows_config
 from .routing import _MAX_EXPERTS, _MAX_TOPK, PACKED
@@ -145,7 +145,7 @@ def _fold_topk_kernel(
 def _fold_topk_rows_kernel(
     gp_ptr,  # fp32 [slices, rows, E]: the gate's partial numerators (dense_mma(gate=))
     res_ptr,  # bf16 [rows, hidden]: the residual x (dense_mma(residual=))
-    gamma_ptr,  # [hidden]: the MoE norm's weight
+    nw_ptr,  # [hidden]: the MoE norm's weight
     n_ptr,  # int32 [1]: live rows (rows >= n are padding)
     weights_ptr,  # fp32 [rows, NUM_TOPK] out
     ids_ptr,  # int64 [rows, NUM_TOPK] out
@@ -156,14 +156,16 @@ def _fold_topk_rows_kernel(
     BLOCK_H: tl.constexpr, RENORMALIZE: tl.constexpr, PACKED: tl.constexpr,
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
-    pdl_prologue(USE_GDC)
-    row = tl.program_id(0)
-    live = row < tl.load(n_ptr)
+    pdl_trigger(USE_GDC)
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < hidden
-    gam = tl.load(gamma_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+    gam = tl.load(nw_ptr + offs_h, mask=mask_h, other=0.0)  # a weight: before the wait
+    pdl_wait(USE_GDC)
+    row = tl.program_id(0)
+    live = row < tl.load(n_ptr)
     r = tl.load(res_ptr + row.to(tl.int64) * hidden + offs_h, mask=mask_h, other=0.0)
     r = r.to(tl.float32)
+    gam = gam.to(tl.float32)
     offs_e = tl.arange(0, BLOCK_E)
     emask = offs_e < num_experts
     offs_s = tl.arange(0, BLOCK_S)

@@ -70,22 +70,26 @@ def test_matches_the_unfused_layer(cuda_device, rows, seed):
     assert torch.equal(normed, ref_h)
     r = res.float()
     folded = partials.sum(0) * torch.rsqrt(r.pow(2).mean(dim=-1, keepdim=True) + 1e-6)
-    err = (folded - logits.float()).abs().max() / logits.float().abs().max()
-    assert err < 2e-2, float(err)
+    scale = logits.float().abs().amax(dim=-1)
+    diff = (folded - logits.float()).abs().amax(dim=-1) / scale  # per row, of its largest
+    assert diff.max() < 2e-2, diff
+    # Where the unfused k-th and (k+1)-th logits are further apart than twice the two paths'
+    # difference, both pick the same experts; the weights (softmax over the picked, renormed)
+    # then move by at most about twice the logits' difference.
     ordered = logits.float().sort(dim=-1, descending=True).values
-    gap = (ordered[:, K - 1] - ordered[:, K]) / logits.float().abs().amax(dim=-1)
+    gap = (ordered[:, K - 1] - ordered[:, K]) / scale
     checked = 0
     for row in range(rows):
-        if gap[row] < 2e-2:  # a near-tie at the k-th place: either pick is bf16-correct
+        if gap[row] <= 2 * diff[row]:  # a near-tie at the k-th place: either pick is fine
             continue
         checked += 1
         got = dict(zip(ids[row].tolist(), w[row].tolist()))
         want = dict(zip(rids[row].tolist(), rw[row].tolist()))
-        assert got.keys() == want.keys(), (row, got, want)
+        assert got.keys() == want.keys(), (row, got, want, float(gap[row]), float(diff[row]))
+        tol = 4 * float(diff[row] * scale[row]) + 1e-2
         for i in want:
-            assert abs(got[i] - want[i]) < 2e-2 * want[i] + 1e-3, (row, i)
+            assert abs(got[i] - want[i]) <= tol * want[i] + 1e-3, (row, i, got, want)
     assert checked >= rows // 2, (checked, rows)
-
 
 def test_padding_rows_pick_nothing(cuda_device):
     dev = cuda_device
