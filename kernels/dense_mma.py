@@ -18,12 +18,6 @@ are the N side, the narrowest N the MMA takes. The tile is stored transposed int
   :mod:`graphrt.kernels.attention_kernels`' fused merge) sums the partials in the fixed order
   ``s = 0, 1, ...`` with L2 (``.cg``) loads, writes bf16 and sets the semaphore back to 0. No
   second launch, no float atomics: bitwise reproducible for a config, in graph replays too.
-- **An epilogue for the o-projection** (``residual=``, ``gate=``): the program that stores a
-  column slice adds the residual stream to it (the layer's residual add) and multiplies it
-  by the same columns of a folded router gate, ``[E, BLOCK_N] @ [BLOCK_N, 16]`` on the tensor
-  cores, storing that slice's partial gate numerators; :mod:`graphrt.kernels.gate_fold`'s
-  ``fold_topk_rows`` sums the slices and ranks. Its inputs are asked for before the
-  semaphore's round trip, so their latency hides behind it.
 
 Glossary: ``m`` rows (bs, at most 16), ``n`` output features, ``k`` input features.
 """
@@ -40,9 +34,6 @@ from .dense_gemv import _check_xw_out, _k_tile, _xw_tiles
 MAX_ROWS = 16  # the MMA's N side
 BLOCK_NS = (64, 128)
 MAX_SPLIT_K = 16
-# dense_mma(gate=)'s rows: one [BLOCK_E, block_n] tile of them held in registers beside the
-# program's [block_n, 16] product.
-MAX_GATE_ROWS = 128
 _MIN_K_PER_SPLIT = 256
 
 
@@ -53,12 +44,8 @@ def _dense_mma_gemm_kernel(
     out_ptr,  # bf16 [m, n] contiguous
     ws_ptr,  # fp32 [split_k, m, n] contiguous partials (SPLIT only)
     sem_ptr,  # int32 [>= cdiv(n, BLOCK_N)]: 0 on entry and on exit (SPLIT only)
-    xp_ptr,  # bf16 [m, n] contiguous: the residual added to y (ADD only)
-    g_ptr,  # bf16 [num_experts, n] contiguous: a folded router gate (GATE only)
-    gp_ptr,  # fp32 [cdiv(n, BLOCK_N), m, num_experts] out: its per-slice partials (GATE only)
     m, n, k,  # ints
     k_step,  # K per split, a multiple of BLOCK_K (k when not SPLIT)
-    num_experts,  # g's rows (GATE only)
     BLOCK_M: tl.constexpr,  # 16: rows padded, the MMA's N side
     BLOCK_N: tl.constexpr,  # W rows per program, the MMA's M side
     BLOCK_K: tl.constexpr,  # reduction tile
@@ -66,9 +53,6 @@ def _dense_mma_gemm_kernel(
     EVEN_K: tl.constexpr,  # k % BLOCK_K == 0: no K masks
     UPCAST: tl.constexpr,  # interpreter: dot in fp32 (bf16 math gives NaN there)
     PRELOAD: tl.constexpr = False,  # the first W tile loaded before the PDL wait (kernels._pdl)
-    ADD: tl.constexpr = False,  # y = bf16(xp + bf16(x @ W.T)): the residual add after it
-    GATE: tl.constexpr = False,  # also gp[slice] = g[:, slice] @ y[:, slice].T (the epilogue)
-    BLOCK_E: tl.constexpr = 16,  # GATE: next power of two >= num_experts (>= 16)
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_trigger(USE_GDC)
@@ -105,9 +89,6 @@ def _dense_mma_gemm_kernel(
     if SPLIT:
         plane = m * n
         tl.store(ws_ptr + s.to(tl.int64) * plane + offs, acc, mask=mask)
-        if ADD or GATE:  # the epilogue's inputs asked for before the semaphore's round trip
-            xp, g = _epilogue_loads(xp_ptr, g_ptr, offs, mask, offs_n, mask_n, n, num_experts,
-                                    ADD, GATE, BLOCK_E)
         tl.debug_barrier()  # every thread's partial stores before the release below
         sem = sem_ptr + pid_n
         count = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")  # programs before this one
@@ -116,59 +97,10 @@ def _dense_mma_gemm_kernel(
             for t in range(0, tl.num_programs(1)):
                 total += tl.load(ws_ptr + t * plane + offs, mask=mask, other=0.0,
                                  cache_modifier=".cg")
-            if ADD or GATE:
-                _epilogue(total, xp, g, out_ptr, gp_ptr, offs, mask, pid_n, offs_m, mask_m, m,
-                          num_experts, ADD, GATE, BLOCK_E, UPCAST)
-            else:
-                tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(sem, 0, sem="relaxed", scope="gpu")  # clean for the next launch
-    elif ADD or GATE:
-        xp, g = _epilogue_loads(xp_ptr, g_ptr, offs, mask, offs_n, mask_n, n, num_experts, ADD,
-                                GATE, BLOCK_E)
-        _epilogue(acc, xp, g, out_ptr, gp_ptr, offs, mask, pid_n, offs_m, mask_m, m,
-                  num_experts, ADD, GATE, BLOCK_E, UPCAST)
     else:
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _epilogue_loads(xp_ptr, g_ptr, offs, mask, offs_n, mask_n, n, num_experts,
-                    ADD: tl.constexpr, GATE: tl.constexpr, BLOCK_E: tl.constexpr):
-    """The epilogue's inputs for a column slice: the residual's tile ``[BN, BM]`` (ADD) and
-    the folded gate's columns ``[BLOCK_E, BN]`` (GATE); zeros where not asked for."""
-    xp = tl.zeros(offs.shape, dtype=tl.float32)
-    if ADD:
-        xp = tl.load(xp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    offs_e = tl.arange(0, BLOCK_E)
-    g = tl.zeros((BLOCK_E, offs_n.shape[0]), dtype=g_ptr.dtype.element_ty)
-    if GATE:
-        g = tl.load(g_ptr + offs_e.to(tl.int64)[:, None] * n + offs_n[None, :],
-                    mask=(offs_e < num_experts)[:, None] & mask_n[None, :], other=0.0)
-    return xp, g
-
-
-@triton.jit
-def _epilogue(total, xp, g, out_ptr, gp_ptr, offs, mask, pid_n, offs_m, mask_m, m, num_experts,
-              ADD: tl.constexpr, GATE: tl.constexpr, BLOCK_E: tl.constexpr,
-              UPCAST: tl.constexpr):
-    """A column slice's y.T tile ``[BN, BM]`` stored (rounded to bf16, then the residual
-    added and rounded again with ADD: the unfused ``y`` then ``kernels.norm.add_rmsnorm``'s
-    add) and, with GATE, the folded gate's partial numerators of these columns,
-    ``gp[pid_n, row, e] = sum_j g[e, j] * y[row, j]`` (fp32, over the stored bf16 y)."""
-    dt = out_ptr.dtype.element_ty
-    y = total.to(dt)
-    if ADD:
-        y = (xp + y.to(tl.float32)).to(dt)
-    tl.store(out_ptr + offs, y, mask=mask)
-    if GATE:
-        if UPCAST:  # the interpreter: dot in fp32 (bf16 math gives NaN there)
-            part = tl.dot(g.to(tl.float32), y.to(tl.float32))  # [BLOCK_E, BN] @ [BN, BM]
-        else:
-            part = tl.dot(g, y)
-        offs_e = tl.arange(0, BLOCK_E)
-        gp = gp_ptr + pid_n.to(tl.int64) * m * num_experts
-        tl.store(gp + offs_m[None, :] * num_experts + offs_e[:, None], part,
-                 mask=(offs_e < num_experts)[:, None] & mask_m[None, :])
 
 
 def dense_mma_config(m: int, n: int, k: int, num_sms: int) -> dict:
@@ -211,13 +143,8 @@ def dense_mma_semaphore_shape(n: int, block_n: int = min(BLOCK_NS)) -> tuple[int
 def dense_mma(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
               workspace: torch.Tensor | None = None, semaphore: torch.Tensor | None = None,
               block_n: int = 64, block_k: int = 128, split_k: int = 1, num_warps: int = 4,
-              num_stages: int = 4, preload: bool = False, residual: torch.Tensor | None = None,
-              gate: torch.Tensor | None = None,
-              gate_partials: torch.Tensor | None = None) -> torch.Tensor:
-    """``out = x @ w.T`` with fp32 accumulation, reading ``w`` once, in one launch; with
-    ``residual``, ``out = residual + x @ w.T`` instead (the product rounded to bf16 first, then
-    the sum: the unfused pair's bits), and with ``gate`` also the gate's partial products of
-    ``out`` per column slice (the epilogue, in the program that stores the slice).
+              num_stages: int = 4, preload: bool = False) -> torch.Tensor:
+    """``out = x @ w.T`` with fp32 accumulation, reading ``w`` once, in one launch.
 
     Args:
         x: bf16 ``[m, k]`` contiguous, ``m <= 16`` (bs rows of a decode step).
@@ -236,14 +163,6 @@ def dense_mma(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
         preload: each program loads its first W tile before it waits for the kernel before it
             (PDL, ``kernels._pdl``; only for weights no kernel of the stream writes). The
             same result bitwise.
-        residual: bf16 ``[m, n]`` contiguous, added to the product (``out`` must not alias it).
-        gate: bf16 ``[E, n]`` contiguous, ``E <= MAX_GATE_ROWS``: a router gate folded with
-            its norm's weight (``kernels.gate_fold.fold_gate_weights``' G); needs
-            ``gate_partials``.
-        gate_partials: fp32 ``[cdiv(n, block_n), m, E]`` contiguous (``gate_partials_shape``),
-            every element written: ``gate_partials[j, r, e] = sum(gate[e, c] * out[r, c])``
-            over slice ``j``'s columns ``c`` (fp32 over the stored bf16 ``out``), for a caller
-            that sums the slices in a fixed order (``kernels.gate_fold.fold_topk_rows``).
 
     Returns ``out``. Allocates nothing, no host sync; bitwise reproducible for a config.
 
@@ -255,11 +174,9 @@ def dense_mma(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
           "a power of two in [16, 512]", block_k)
     check(isinstance(split_k, int) and 1 <= split_k <= MAX_SPLIT_K, "split_k",
           f"an int in [1, {MAX_SPLIT_K}]", split_k)
-    e = _check_epilogue(out, residual, gate, gate_partials, block_n)
     if m == 0 or n == 0:
         return out
     if k == 0:
-        check(residual is None and gate is None, "x.shape[1] (k)", "> 0 with an epilogue", k)
         return out.zero_()
     k_tiles = triton.cdiv(k, block_k)
     k_step = triton.cdiv(k_tiles, min(split_k, k_tiles)) * block_k
@@ -278,45 +195,11 @@ def dense_mma(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
         check(semaphore.shape[0] >= triton.cdiv(n, block_n), "semaphore.shape[0]",
               f">= cdiv(n, block_n) = {triton.cdiv(n, block_n)}", semaphore.shape[0])
     _dense_mma_gemm_kernel[(triton.cdiv(n, block_n), split_k)](
-        x, w, out, workspace if split else out, semaphore if split else out,
-        out if residual is None else residual, out if gate is None else gate,
-        out if gate is None else gate_partials, m, n, k, k_step, e,
+        x, w, out, workspace if split else out, semaphore if split else out, m, n, k, k_step,
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
         EVEN_K=k % block_k == 0, UPCAST=interpreting(), PRELOAD=bool(preload),
-        ADD=residual is not None, GATE=gate is not None,
-        BLOCK_E=max(16, triton.next_power_of_2(max(e, 1))),
         num_warps=num_warps, num_stages=num_stages, **pdl_args())
     return out
-
-
-def gate_partials_shape(m: int, n: int, num_experts: int, block_n: int) -> tuple[int, ...]:
-    """The fp32 buffer ``dense_mma(gate=)`` writes: ``(cdiv(n, block_n), m, num_experts)``.
-    Host-only."""
-    return (triton.cdiv(n, block_n), m, num_experts)
-
-
-def _check_epilogue(out, residual, gate, gate_partials, block_n) -> int:
-    """Checks ``dense_mma``'s epilogue tensors against ``out`` ``[m, n]``; the gate's rows
-    (0 without one). Host-only."""
-    m, n = out.shape
-    dev = out.device
-    if residual is not None:
-        check_tensor(residual, "residual", shape=(m, n), dtype=torch.bfloat16, device=dev,
-                     contiguous=True)
-        check(residual.data_ptr() != out.data_ptr() or m * n == 0, "residual",
-              "a tensor other than out (the product is added to it)", "out itself")
-    if gate is None:
-        check(gate_partials is None, "gate_partials", "None without gate", "a tensor")
-        return 0
-    check_tensor(gate, "gate", shape=(None, n), dtype=torch.bfloat16, device=dev,
-                 contiguous=True)
-    e = gate.shape[0]
-    check(1 <= e <= MAX_GATE_ROWS, "gate.shape[0] (experts)", f"1..{MAX_GATE_ROWS}", e)
-    check(gate_partials is not None, "gate_partials",
-          f"fp32 {gate_partials_shape(m, n, e, block_n)} with gate", None)
-    check_tensor(gate_partials, "gate_partials", shape=gate_partials_shape(m, n, e, block_n),
-                 dtype=torch.float32, device=dev, contiguous=True)
-    return e
 
 
 _SEMAPHORES: dict = {}
@@ -342,15 +225,12 @@ def semaphore_for(w: torch.Tensor) -> torch.Tensor:
 
 
 def dense_mma_auto(x: torch.Tensor, w: torch.Tensor, *, preload: bool = False,
-                   out: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                   gate: torch.Tensor | None = None,
-                   gate_partials: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T`` through :func:`dense_mma` with ``dense_mma_config``'s pick (and
-    ``preload``, and the epilogue's ``residual``, ``gate``, ``gate_partials``: its
-    ``gate_partials_shape`` at that pick's ``block_n``), into ``out`` when given (bf16
-    ``[m, n]``, contiguous), else allocating it (and the split-K workspace) with
-    ``torch.empty``, for a step's intermediates, which a captured graph allocates from its
-    pool; the semaphore from :func:`semaphore_for`. Shapes as :func:`dense_mma`.
+    ``preload``), into ``out`` when given (bf16 ``[m, n]``, contiguous), else allocating it
+    (and the split-K workspace) with ``torch.empty``, for a step's intermediates, which a
+    captured graph allocates from its pool; the semaphore from :func:`semaphore_for`.
+    Shapes as :func:`dense_mma`.
 
     Graph safety: capturable
     """
@@ -365,8 +245,7 @@ def dense_mma_auto(x: torch.Tensor, w: torch.Tensor, *, preload: bool = False,
         ws = torch.empty(dense_mma_workspace_shape(m, n, cfg["split_k"]), dtype=torch.float32,
                          device=x.device)
         sem = semaphore_for(w)
-    return dense_mma(x, w, out=out, workspace=ws, semaphore=sem, preload=preload,
-                     residual=residual, gate=gate, gate_partials=gate_partials, **cfg)
+    return dense_mma(x, w, out=out, workspace=ws, semaphore=sem, preload=preload, **cfg)
 
 
 def dense_mma_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

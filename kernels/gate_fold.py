@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._pdl import pdl_prologue, pdl_trigger, pdl_wait
+from ._pdl import pdl_prologue
 from ._util import check, check_tensor, pdl_args
 from .dense_gemv import dense_gemv_rows_config
 from .routing import _MAX_EXPERTS, _MAX_TOPK, PACKED
@@ -59,8 +59,6 @@ FOLD_TOPK_WARPS = 4
 # 0.984x the unfolded step, 1 row 1.027x, 2 rows 1.032x, 8 rows 1.017x (BENCHMARKS.md §42):
 # more programs than the SMs hold at once take a second wave, fewer carry too many bytes.
 GATE_ROWS = 4
-# fold_topk_rows: gate partial slices summed a round ([ROWS_SLICES, E] fp32 in registers)
-ROWS_SLICES = 32
 
 
 @triton.jit
@@ -139,50 +137,6 @@ def _fold_topk_kernel(
                                   RENORMALIZE, PACKED)
     _store_picks(weights_ptr, ids_ptr, 0, w, ids, NUM_TOPK, BLOCK_K)
     tl.store(normed_ptr + offs_h, (r * rstd * gam).to(normed_ptr.dtype.element_ty), mask=mask_h)
-
-
-@triton.jit
-def _fold_topk_rows_kernel(
-    gp_ptr,  # fp32 [slices, rows, E]: the gate's partial numerators (dense_mma(gate=))
-    res_ptr,  # bf16 [rows, hidden]: the residual x (dense_mma(residual=))
-    nw_ptr,  # [hidden]: the MoE norm's weight
-    n_ptr,  # int32 [1]: live rows (rows >= n are padding)
-    weights_ptr,  # fp32 [rows, NUM_TOPK] out
-    ids_ptr,  # int64 [rows, NUM_TOPK] out
-    normed_ptr,  # bf16 [rows, hidden] out: rmsnorm(x) * gamma
-    rows, hidden, num_experts, slices, eps,
-    NUM_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_S: tl.constexpr,  # slices summed a round (a power of two)
-    BLOCK_H: tl.constexpr, RENORMALIZE: tl.constexpr, PACKED: tl.constexpr,
-    USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
-):
-    pdl_trigger(USE_GDC)
-    offs_h = tl.arange(0, BLOCK_H)
-    mask_h = offs_h < hidden
-    gam = tl.load(nw_ptr + offs_h, mask=mask_h, other=0.0)  # a weight: before the wait
-    pdl_wait(USE_GDC)
-    row = tl.program_id(0)
-    live = row < tl.load(n_ptr)
-    r = tl.load(res_ptr + row.to(tl.int64) * hidden + offs_h, mask=mask_h, other=0.0)
-    r = r.to(tl.float32)
-    gam = gam.to(tl.float32)
-    offs_e = tl.arange(0, BLOCK_E)
-    emask = offs_e < num_experts
-    offs_s = tl.arange(0, BLOCK_S)
-    num = tl.zeros([BLOCK_E], dtype=tl.float32)
-    for s0 in range(0, slices, BLOCK_S):  # a fixed order: the same bits every launch
-        sl = s0 + offs_s
-        part = tl.load(gp_ptr + (sl.to(tl.int64)[:, None] * rows + row) * num_experts
-                       + offs_e[None, :], mask=(sl < slices)[:, None] & emask[None, :],
-                       other=0.0)
-        num += tl.sum(part, axis=0)
-    rstd = 1.0 / tl.sqrt(tl.sum(r * r, axis=0) / hidden + eps)  # kernels.norm's expression
-    logits = (num * rstd).to(normed_ptr.dtype.element_ty).to(tl.float32)  # bf16, as a gate's
-    w, ids = _softmax_pick_values(logits, offs_e, emask, live, NUM_TOPK, BLOCK_E, BLOCK_K,
-                                  RENORMALIZE, PACKED)
-    _store_picks(weights_ptr, ids_ptr, row, w, ids, NUM_TOPK, BLOCK_K)
-    tl.store(normed_ptr + row.to(tl.int64) * hidden + offs_h,
-             (r * rstd * gam).to(normed_ptr.dtype.element_ty), mask=mask_h)
 
 
 def fits(hidden: int, q_dim: int, num_experts: int) -> bool:
@@ -287,101 +241,6 @@ def fold_topk(num: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tens
     return out_weights, out_ids, out_normed
 
 
-def fits_rows(rows: int, hidden: int, num_experts: int) -> bool:
-    """Whether ``oproj_gate_rows`` and ``fold_topk_rows`` serve ``rows`` rows of a layer of
-    these sizes: 2-16 rows (``kernels.dense_mma``'s), hidden at most ``MAX_K`` (one load round
-    a row), at most ``kernels.dense_mma.MAX_GATE_ROWS`` experts. Host-only."""
-    from .dense_mma import MAX_GATE_ROWS, MAX_ROWS
-    return 2 <= rows <= MAX_ROWS and 0 < hidden <= MAX_K and 1 <= num_experts <= MAX_GATE_ROWS
-
-
-def oproj_gate_rows(a: torch.Tensor, w_o: torch.Tensor, x_prev: torch.Tensor, g: torch.Tensor,
-                    *, out_residual: torch.Tensor,
-                    preload: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The o-projection of 2-16 rows with the residual add and the folded gate's numerators,
-    in the o-projection's launch (``kernels.dense_mma``'s epilogue, ``dense_mma_config``'s
-    pick): ``out_residual = x_prev + a @ w_o.T`` (the unfused pair's bits) and the gate's
-    partial numerators per column slice of ``out_residual``, ``G @ x`` summed by
-    ``fold_topk_rows``. (At one row :func:`oproj_gate` folds ``M = G @ w_o`` instead: there
-    the numerators are made beside the o-projection, not after it.)
-
-    a bf16 ``[rows, q_dim]``; w_o bf16 ``[hidden, q_dim]``; x_prev bf16 ``[rows, hidden]``;
-    g bf16 ``[E, hidden]`` (``fold_gate_weights``' G); out_residual bf16 ``[rows, hidden]``;
-    all contiguous on one CUDA device. Returns ``(out_residual, partials)``, partials fp32
-    ``[slices, rows, E]`` (allocated: a captured graph takes it from its pool). ``preload``
-    as ``dense_mma``'s.
-
-    Graph safety: capturable (after one eager call: ``dense_mma.semaphore_for``)
-    """
-    from .dense_gemv import num_sms
-    from .dense_mma import dense_mma_auto, dense_mma_config, gate_partials_shape
-    check_tensor(a, "a", shape=(None, None), dtype=torch.bfloat16, contiguous=True)
-    rows, k_o = a.shape
-    check_tensor(w_o, "w_o", shape=(None, k_o), dtype=torch.bfloat16, device=a.device,
-                 contiguous=True)
-    hidden = w_o.shape[0]
-    check_tensor(g, "g", shape=(None, hidden), dtype=torch.bfloat16, device=a.device,
-                 contiguous=True)
-    check(fits_rows(rows, hidden, g.shape[0]), "(rows, hidden, experts)",
-          "2-16 rows, hidden <= %d, experts <= 128 (fits_rows)" % MAX_K,
-          (rows, hidden, g.shape[0]))
-    block_n = dense_mma_config(rows, hidden, k_o, num_sms(a.device))["block_n"]
-    partials = torch.empty(gate_partials_shape(rows, hidden, g.shape[0], block_n),
-                           dtype=torch.float32, device=a.device)
-    dense_mma_auto(a, w_o, preload=preload, out=out_residual, residual=x_prev, gate=g,
-                   gate_partials=partials)
-    return out_residual, partials
-
-
-def fold_topk_rows(partials: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                   n: torch.Tensor, num_topk: int, eps: float, *, out_weights: torch.Tensor,
-                   out_ids: torch.Tensor, out_normed: torch.Tensor, renormalize: bool = True,
-                   packed: bool | None = None) -> tuple[torch.Tensor, ...]:
-    """One launch, a program a row: the numerators ``num = sum_j partials[j, row]`` (slices in
-    a fixed order), the softmax top-k of ``bf16(rsqrt(mean(x**2) + eps) * num)`` and the
-    normed rows ``rmsnorm(x) * norm_weight`` of ``x = residual``.
-
-    partials fp32 ``[slices, rows, E]`` and residual bf16 ``[rows, hidden]``
-    (``oproj_gate_rows``); norm_weight ``[hidden]``; n int32 ``[1]`` (rows >= n are padding:
-    ids -1, weights 0); out_weights fp32 / out_ids int64 ``[rows, num_topk]``; out_normed bf16
-    ``[rows, hidden]``. ``renormalize`` and ``packed`` as ``kernels.routing.topk_softmax``.
-    Returns ``(out_weights, out_ids, out_normed)``.
-
-    Graph safety: capturable
-    """
-    check_tensor(partials, "partials", shape=(None, None, None), dtype=torch.float32,
-                 contiguous=True)
-    slices, rows, e = partials.shape
-    dev = partials.device
-    check(slices >= 1 and 1 <= e <= _MAX_EXPERTS, "partials.shape (slices, rows, experts)",
-          f"slices >= 1 and experts in 1..{_MAX_EXPERTS}", tuple(partials.shape))
-    check(isinstance(num_topk, int) and 1 <= num_topk <= min(_MAX_TOPK, e), "num_topk",
-          f"an int in 1..{min(_MAX_TOPK, e)}", num_topk)
-    check_tensor(residual, "residual", shape=(rows, None), dtype=torch.bfloat16, device=dev,
-                 contiguous=True)
-    hidden = residual.shape[1]
-    check(hidden <= MAX_K, "residual.shape[1] (hidden)", f"<= {MAX_K}", hidden)
-    check_tensor(norm_weight, "norm_weight", shape=(hidden,), device=dev, contiguous=True)
-    check_tensor(n, "n", shape=(1,), dtype=torch.int32, device=dev)
-    check_tensor(out_weights, "out_weights", shape=(rows, num_topk), dtype=torch.float32,
-                 device=dev, contiguous=True)
-    check_tensor(out_ids, "out_ids", shape=(rows, num_topk), dtype=torch.int64, device=dev,
-                 contiguous=True)
-    check_tensor(out_normed, "out_normed", shape=(rows, hidden), dtype=torch.bfloat16,
-                 device=dev, contiguous=True)
-    if rows == 0:
-        return out_weights, out_ids, out_normed
-    packed = PACKED if packed is None else bool(packed)
-    _fold_topk_rows_kernel[(rows,)](
-        partials, residual, norm_weight, n, out_weights, out_ids, out_normed, rows, hidden, e,
-        slices, float(eps), NUM_TOPK=num_topk, BLOCK_E=triton.next_power_of_2(e),
-        BLOCK_K=triton.next_power_of_2(num_topk),
-        BLOCK_S=min(ROWS_SLICES, triton.next_power_of_2(slices)),
-        BLOCK_H=triton.next_power_of_2(hidden), RENORMALIZE=bool(renormalize), PACKED=packed,
-        num_warps=FOLD_TOPK_WARPS, **pdl_args())
-    return out_weights, out_ids, out_normed
-
-
 def oproj_gate_ref(a, w_o, x_prev, m, g):
     """Torch reference of :func:`oproj_gate` -> ``(residual bf16 [1, hidden], num fp32
     [1, E])``. Graph safety: host-only"""
@@ -401,19 +260,3 @@ def fold_topk_ref(num, residual, norm_weight, n_live: int, num_topk: int, eps: f
     logits = (num * rstd).to(residual.dtype)
     w, ids = topk_softmax_ref(logits, n_live, num_topk, renormalize=renormalize)
     return w, ids, (r * rstd * norm_weight.float()).to(residual.dtype)
-
-
-def oproj_gate_rows_ref(a, w_o, x_prev, g):
-    """Torch reference of :func:`oproj_gate_rows`, the partials summed -> ``(residual bf16
-    [rows, hidden], num fp32 [rows, E])``. Graph safety: host-only"""
-    o = (a.float() @ w_o.float().t()).to(a.dtype)
-    residual = (x_prev.float() + o.float()).to(x_prev.dtype)
-    return residual, residual.float() @ g.float().t()
-
-
-def fold_topk_rows_ref(partials, residual, norm_weight, n_live: int, num_topk: int, eps: float,
-                       renormalize: bool = True):
-    """Torch reference of :func:`fold_topk_rows` (``n_live`` a host int) -> ``(weights, ids,
-    normed)``. Graph safety: host-only"""
-    return fold_topk_ref(partials.sum(dim=0), residual, norm_weight, n_live, num_topk, eps,
-                         renormalize=renormalize)

@@ -63,50 +63,40 @@ def test_a_stale_fold_inside_a_capture_is_an_error(layer, monkeypatch):
 
 def test_the_fold_needs_one_cuda_row_and_softmax_routing(layer, monkeypatch):
     monkeypatch.setattr(type(layer), "fold_gate", True)
-    monkeypatch.setattr(type(layer), "fold_gate_rows", True)
     x = torch.zeros(1, layer.cfg.hidden, dtype=torch.bfloat16)
     assert not layer._folds_gate(x)                # the CPU: the unfused path
-    assert not layer._folds_gate_rows(x)           # one row: not the rows fold
-    assert not layer._folds_gate_rows(x.expand(4, -1).contiguous())  # the CPU again
 
 
-@pytest.mark.parametrize("rows", [1, 8, 16])
-def test_prepare_refolds_up_to_16_rows(layer, rows):
+def test_prepare_refolds_at_one_row(layer, monkeypatch):
     model = MoEModel(preset("tiny"), "cpu", backend="triton")
     layer = model.layers[1]
     m, _ = layer._folded_gate()
     layer.moe.router.w.mul_(0.5)
-    model.prepare(32)                              # larger sizes do not fold: untouched
+    model.prepare(8)                               # other sizes do not fold: untouched
     assert not torch.equal(m, _expected(layer)[0])
-    model.prepare(rows)
+    model.prepare(1)
     assert torch.equal(m, _expected(layer)[0])
     assert model.layers[0]._fold is None           # only layers that folded are folded again
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 4])
-def test_a_captured_graph_reads_the_new_fold(cuda_device, rows, monkeypatch):
+def test_a_captured_graph_reads_the_new_fold(cuda_device):
     """A weight changed in place after capture: the next run() folds again before its replay
-    (``MoEModel.prepare``), and the replay equals eager on the new weights bitwise; at one
-    row (``fold_gate``) and at four (``fold_gate_rows``)."""
+    (``MoEModel.prepare``), and the replay equals eager on the new weights bitwise."""
     import graphrt
     from graphrt.moe import make_step
-    from graphrt.moe.model import DecoderLayer
-    monkeypatch.setattr(DecoderLayer, "fold_gate_rows", True)
     cfg = preset("qwen3-moe-like", layers=2, experts=16, num_slots=64, max_ctx=256,
                  vocab_size=4096)
     spec, model = make_step(cfg, "cuda", max_batch_size=4)
     rt = graphrt.GraphRuntime(spec, sizes=[1, 4], progress=False).capture()
     assert all(layer._fold is not None for layer in model.layers)
-    assert model.layers[0]._folds_gate_rows(torch.empty(4, cfg.hidden, dtype=torch.bfloat16,
-                                                        device=cuda_device))
-    x = spec.random_inputs(rows, cuda_device, torch.Generator().manual_seed(0))
+    x = spec.random_inputs(1, cuda_device, torch.Generator().manual_seed(0))
     before = rt.run(**x)["logits"].clone()
     for layer in model.layers:
         layer.moe.router.w.mul_(-1.0)              # other experts win
         layer.moe_norm.mul_(1.5)
     after = rt.run(**x)["logits"].clone()
-    want = spec.call_padded(x, rows, {"logits": "batch"})["logits"]
+    want = spec.call_padded(x, 1, {"logits": "batch"})["logits"]
     assert torch.equal(after, want)
     assert not torch.equal(after, before)
     assert all(c.ok for c in rt.check_replay(trials=1))

@@ -83,9 +83,6 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   gate's own norm GEMV; ``fold-e1`` / ``fold-e2`` / ``fold-e8``: 1 / 2 / 8 gate rows a
   numerator program instead of 4 (``kernels.gate_fold.GATE_ROWS``); ``fold-w1``: the top-k
   launch on 1 warp instead of 4;
-- ``fold-gate-rows``: the same fold at 2-16 rows, in the o-projection's epilogue
-  (``DecoderLayer.fold_gate_rows``: ``kernels.dense_mma(residual=, gate=)`` and
-  ``kernels.gate_fold.fold_topk_rows``) instead of the gate's norm GEMV and the top-k;
 - ``expert-tma``: the Triton masked GEMM's 16-row config with its weights read by TMA
   (``grouped_gemm.TMA``);
 - ``expert-rows``: the expert plan's choices as measured, the CUDA-core rows kernel included
@@ -188,8 +185,6 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "fold-gate": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
                                                 "fold_gate", on),
             **{f"fold-e{rows}": _gate_rows(rows) for rows in (1, 2, 8)},
-            "fold-gate-rows": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
-                                                     "fold_gate_rows", on),
             "fold-w1": lambda on: _class_attr("graphrt.kernels.gate_fold", None,
                                               "FOLD_TOPK_WARPS", 1 if on else 4),
             "router-fused": lambda on: _class_attr("graphrt.moe.layers", "Router", "fused", on),

@@ -153,10 +153,6 @@ class MoEBlock:
         return (out,) if self.shared is None else (out, self.shared(h))
 
 
-# The most rows a folded gate serves (DecoderLayer.fold_gate_rows: kernels.dense_mma's rows).
-FOLD_MAX_ROWS = 16
-
-
 def _capturing(device: torch.device) -> bool:
     """Whether the current stream of ``device`` is capturing a CUDA graph. Host-only."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -208,13 +204,6 @@ class DecoderLayer:
     # (gate_fold.GATE_ROWS; 1 row: 1.027x, 8 rows: 1.017x; BENCHMARKS.md §42).
     # GRAPHRT_FOLD_GATE=0 at import turns it off (A/B: the fold-gate switch).
     fold_gate = env_flag("GRAPHRT_FOLD_GATE", True)
-    # The same fold at 2-16 rows, where the o-projection runs on kernels.dense_mma: its
-    # epilogue adds the residual and multiplies each column slice of it by the same columns
-    # of G (the fold's G alone; M is for one row), and fold_topk_rows sums the slices, takes
-    # rstd from the residual, ranks and stores the normed rows; the gate's norm GEMV launch
-    # is gone. The same conditions as fold_gate, and at most kernels.dense_mma.MAX_GATE_ROWS
-    # experts. GRAPHRT_FOLD_GATE_ROWS=1 at import (A/B: the fold-gate-rows switch).
-    fold_gate_rows = env_flag("GRAPHRT_FOLD_GATE_ROWS", False)
 
     def __init__(self, cfg, comm, device, gen, seed, **kw):
         self.cfg = cfg
@@ -237,24 +226,13 @@ class DecoderLayer:
                 and fits(cfg.hidden, cfg.q_dim, cfg.num_experts)
                 and not torch.compiler.is_compiling())
 
-    def _folds_gate_rows(self, x: torch.Tensor) -> bool:
-        """Whether this step runs ``kernels.gate_fold``'s rows fold (``fold_gate_rows``).
-        Host-only (shapes and settings)."""
-        from graphrt.kernels.gate_fold import fits_rows
-        from graphrt.moe import layers
-        cfg, router = self.cfg, self.moe.router
-        return (self.fold_gate_rows and fits_rows(x.shape[0], cfg.hidden, cfg.num_experts)
-                and x.dtype == torch.bfloat16 and cfg.routing == "softmax"
-                and router.takes_logits()
-                and layers.dense_path(x, self.attn.wo) == "mma")  # (CUDA, not compiling)
-
     def _folded_gate(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(M, G)`` of ``kernels.gate_fold.fold_gate_weights`` for this layer's gate,
         MoE norm and o-projection, folded again (into the same tensors, so captured graphs
         read the new fold) whenever one of those weights was replaced or changed in place
         since the last fold. Host-only: a stale fold inside a capture is an error."""
         gate, norm, wo = ws = (self.moe.router.w, self.moe_norm, self.attn.wo)
-        fold = self._fold  # checked before every replay of 1-16 rows (MoEModel.prepare): lean
+        fold = self._fold  # checked before every one-row replay (MoEModel.prepare): kept lean
         if fold is not None:
             (g0, n0, w0), versions, mg = fold
             if (g0 is gate and n0 is norm and w0 is wo
@@ -290,23 +268,6 @@ class DecoderLayer:
         h = torch.empty_like(x)
         fold_topk(num, res, self.moe_norm, n, cfg.num_topk, cfg.rms_eps, out_weights=w,
                   out_ids=ids, out_normed=h)
-        return (w, ids), res, h
-
-    def _fold_route_rows(self, a: torch.Tensor, x: torch.Tensor, n: torch.Tensor):
-        """``_fold_route`` at 2-16 rows: the o-projection of ``a`` with the residual add and
-        the gate's partial numerators in its epilogue, then the top-k with the MoE norm (two
-        launches) -> ``((weights, ids), residual, normed)``."""
-        from graphrt.kernels.gate_fold import fold_topk_rows, oproj_gate_rows
-        from graphrt.moe.layers import MMA_PRELOAD
-        cfg, rows, dev = self.cfg, x.shape[0], x.device
-        _, g = self._folded_gate()
-        res, partials = oproj_gate_rows(a, self.attn.wo, x, g, out_residual=torch.empty_like(x),
-                                        preload=MMA_PRELOAD)
-        w = torch.empty(rows, cfg.num_topk, dtype=torch.float32, device=dev)
-        ids = torch.empty(rows, cfg.num_topk, dtype=torch.int64, device=dev)
-        h = torch.empty_like(x)
-        fold_topk_rows(partials, res, self.moe_norm, n, cfg.num_topk, cfg.rms_eps,
-                       out_weights=w, out_ids=ids, out_normed=h)
         return (w, ids), res, h
 
     def layer_kernel_fits(self) -> bool:
@@ -378,9 +339,6 @@ class DecoderLayer:
         if self._folds_gate(x):
             a = self.attn.attend(h, slot_mapping, block_table, seq_lens, n, qkv=qkv)
             routes, x, h = self._fold_route(a, x, n)
-        elif self._folds_gate_rows(x):
-            a = self.attn.attend(h, slot_mapping, block_table, seq_lens, n, qkv=qkv)
-            routes, x, h = self._fold_route_rows(a, x, n)
         else:
             attn = self.attn(h, slot_mapping, block_table, seq_lens, n, qkv=qkv)
             if self.fuse_moe_norm and router.takes_logits() and gate_norm_fusable(x, router.w):
@@ -493,11 +451,10 @@ class MoEModel:
         lookup and an attribute store). ``n`` (live rows) is not used. No-op unless
         ``backend="auto"``. Host-only: refuses to measure while a stream captures.
 
-        Up to 16 rows it also folds again the gate of every layer that folded it
-        (``DecoderLayer.fold_gate``, ``fold_gate_rows``) whose gate, MoE norm or o-projection
-        changed since, into the tensors the graphs read (``refold_gate``): a replay never reads
-        a stale fold."""
-        if padded_bs <= FOLD_MAX_ROWS:
+        At one row it also folds again the gate of every layer that folded it
+        (``DecoderLayer.fold_gate``) whose gate, MoE norm or o-projection changed since,
+        into the tensors the graphs read (``refold_gate``): a replay never reads a stale fold."""
+        if padded_bs == 1:
             self.refold_gate()
         plan = self._plan
         if plan is None:
@@ -514,7 +471,7 @@ class MoEModel:
         """Fold the router gate again in every layer that has folded it, where its gate, MoE
         norm or o-projection changed since (``DecoderLayer._folded_gate``; in place, so
         captured graphs read the new fold; a layer that has not folded yet folds at its
-        first folded step). Host-only (a few attribute reads a layer when nothing changed)."""
+        first one-row step). Host-only (a few attribute reads a layer when nothing changed)."""
         for layer in self.layers:
             if layer._fold is not None:
                 layer._folded_gate()
