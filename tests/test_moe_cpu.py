@@ -161,3 +161,53 @@ def test_routes_rows_names_the_one_row_routed_path(monkeypatch):
     assert moe._routed(h[:1]) and not moe._routed(h) and not moe._routed(h[:1, ::2])
     monkeypatch.setattr(MoEBlock, "routed_gemv", False)
     assert not moe.routes_rows(1)
+
+
+@pytest.mark.parametrize("bs, live", [(4, 4), (8, 5)])
+def test_dispatch_in_w13_is_the_dispatch_bitwise(tiny, monkeypatch, bs, live):
+    """``MoEBlock.dispatch_in_w13``: W13 on the Triton masked GEMM makes the dispatch itself
+    (no dispatch launch), and the step's logits, the live counts and the slots the combine
+    reads are bitwise the dispatch's; padding rows stay inert."""
+    from graphrt.kernels import dispatch
+    from graphrt.moe.model import MoEBlock
+    spec, model = tiny
+    assert model.cfg.dtype == torch.bfloat16
+    inputs = spec.random_inputs(live, "cpu", torch.Generator().manual_seed(bs))
+    if bs > live:
+        inputs = {k: torch.cat([v, spec.inputs[k].pad(bs - live)]) for k, v in inputs.items()}
+    n = torch.tensor([live], dtype=torch.int32)
+    comm = model.layers[0].moe.comm
+    want = spec.call(inputs, n)["logits"]
+    want_m, want_pos = comm.masked_m.clone(), comm.ws.view("pos", (bs, model.cfg.num_topk)).clone()
+    monkeypatch.setattr(MoEBlock, "dispatch_in_w13", True)
+    assert model.layers[0].moe._dispatches_in_w13(torch.zeros(bs, model.cfg.hidden,
+                                                              dtype=torch.bfloat16))
+    comm.masked_m.fill_(-7)
+    comm.ws.view("pos", (bs, model.cfg.num_topk)).fill_(-7)
+
+    def no_dispatch(*a, **k):
+        raise AssertionError("the dispatch launched")
+    monkeypatch.setattr(dispatch, "dispatch_masked", no_dispatch)
+    got = spec.call(inputs, n)["logits"]
+    assert torch.equal(got, want)
+    assert torch.equal(comm.masked_m, want_m)  # the last layer's layout, written by W13
+    assert torch.equal(comm.ws.view("pos", (bs, model.cfg.num_topk)), want_pos)
+
+
+def test_dispatch_in_w13_needs_the_triton_w13(monkeypatch):
+    """Not at one row (the routed pair's), not past ``ROUTE_MAX_FLAT`` picks, not with fp8
+    experts or another W13 kernel: there the dispatch runs; and Experts refuses a route it
+    cannot take."""
+    from graphrt.moe.model import MoEBlock
+    monkeypatch.setattr(MoEBlock, "dispatch_in_w13", True)
+    _, fixed = make_step(preset("tiny"), "cpu", max_batch_size=4, backend="triton")
+    _, deep = make_step(preset("tiny"), "cpu", max_batch_size=4, backend="decode")
+    moe, k = fixed.layers[0].moe, fixed.cfg.num_topk
+    h = lambda rows: torch.zeros(rows, fixed.cfg.hidden, dtype=torch.bfloat16)  # noqa: E731
+    assert moe._dispatches_in_w13(h(2)) and not moe._dispatches_in_w13(h(1))
+    assert not moe._dispatches_in_w13(h(256 // k + 1))
+    assert not moe._dispatches_in_w13(h(2).float())
+    assert not deep.layers[0].moe._dispatches_in_w13(h(2))
+    with pytest.raises(ValueError, match="Experts.dispatches"):
+        deep.layers[0].moe.experts(h(2), torch.zeros(4, dtype=torch.int32), 1, bs=2,
+                                   route=(None, None, 64))
