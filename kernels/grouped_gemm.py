@@ -28,13 +28,6 @@ Decode is weight-bandwidth bound (a few live rows a group, n and k ~ 2048-7168):
 below keep ``BLOCK_M`` as small as ``tl.dot`` allows and stream ``b`` in wide K tiles with a
 deep software pipeline. ``expected_m`` (a host int, like DeepGEMM's) only picks the row tile
 from the fixed table ``_CONFIGS``; nothing is autotuned (autotuning benchmarks with syncs).
-The dispatch in the same launch (``route=``, EP=1): ``a`` is then the tokens ``[tokens, k]``
-and each program finds its group's rows from the router's flat picks itself (a cumulative
-count over at most ``ROUTE_MAX_FLAT`` ids: the dispatch's slots), reading those tokens'
-rows in place of ``recv_x``'s copies; each group's first program writes ``masked_m`` and
-the picks' slots (``pos``) as the dispatch would, for the GEMM after it and the combine.
-The dispatch's launch and its copy are gone; ``out`` is bitwise the two launches'.
-
 At the 16-row config on Hopper the weights come by TMA (``TMA``, ``tma_path``): a host
 ``TensorDescriptor`` over b's ``[num_groups * rows, k]`` view that a captured graph bakes
 into its launch (the weights' addresses must stay put, as every captured pointer's must).
@@ -52,9 +45,6 @@ from ._pdl import pdl_prologue
 from ._util import check, check_tensor, env_flag, hopper_or_newer, interpreting, pdl_args
 
 EPILOGUES = (None, "silu_and_mul")  # masked_grouped_gemm's epilogue= values
-# masked_grouped_gemm(route=): most flat picks a program scans for its group's rows (one
-# vector, and a [BLOCK_M, flat] selection for its block's tokens)
-ROUTE_MAX_FLAT = 256
 
 # (largest expected_m served, BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps).
 # Picked for streaming b at decode sizes; the last row serves everything larger.
@@ -105,18 +95,12 @@ def _masked_grouped_gemm_kernel(
     stride_ag, stride_am, stride_ak,  # strides of a (elements)
     stride_bg, stride_bn, stride_bk,  # strides of b (elements)
     stride_og, stride_om, stride_on,  # strides of out (elements)
-    ids_ptr,  # ROUTE: int64 [num_flat]: the router's flat (token, k) picks, -1 for none
-    pos_ptr,  # ROUTE: int32 [num_flat] out: each pick's slot in its group (-1: none)
-    num_flat,  # ROUTE: tokens * NUM_TOPK
     BLOCK_M: tl.constexpr,  # rows per program (>= 16 for tl.dot)
     BLOCK_N: tl.constexpr,  # output columns per program
     BLOCK_K: tl.constexpr,  # reduction tile
     UPCAST: tl.constexpr,  # True under the interpreter: dot in fp32 (bf16 math gives NaN there)
     EPI: tl.constexpr = False,  # out = silu(a @ gate.T) * (a @ up.T), BLOCK_N // 2 columns
     B_TMA: tl.constexpr = False,  # b_ptr is a TensorDescriptor over b's [groups * rows, k]
-    ROUTE: tl.constexpr = False,  # a_ptr is the tokens [tokens, k]; the layout from ids_ptr
-    NUM_TOPK: tl.constexpr = 1,  # ROUTE: picks a token
-    BLOCK_F: tl.constexpr = 16,  # ROUTE: next power of two >= num_flat
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
@@ -125,24 +109,15 @@ def _masked_grouped_gemm_kernel(
     num_m_blocks = tl.cdiv(m_max, BLOCK_M)
     g = pid_gm // num_m_blocks
     row0 = (pid_gm % num_m_blocks) * BLOCK_M
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    if ROUTE:  # the dispatch's layout of this group, from the picks (module docstring)
-        m, tok = _route_rows(ids_ptr, pos_ptr, masked_m_ptr, g, offs_m, pid_gm % num_m_blocks,
-                             pid_n, m_max, num_flat, tl.num_programs(0) // num_m_blocks,
-                             NUM_TOPK, BLOCK_F)
-    else:
-        m = tl.minimum(tl.load(masked_m_ptr + g), m_max)  # live rows of this group
+    m = tl.minimum(tl.load(masked_m_ptr + g), m_max)  # live rows of this group
     if row0 >= m:
         return  # unused capacity: nothing to read or write
 
     g64 = g.to(tl.int64)
+    offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < m
-    if ROUTE:  # this block's rows gathered from the tokens that picked the group
-        a_ptrs = a_ptr + tok.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
-    else:
-        a_ptrs = (a_ptr + g64 * stride_ag + offs_m[:, None] * stride_am
-                  + offs_k[None, :] * stride_ak)
+    a_ptrs = a_ptr + g64 * stride_ag + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
     out_row = out_ptr + g64 * stride_og + offs_m[:, None] * stride_om
     # output columns a program: with EPI, BLOCK_N // 2 gate rows of b and the same up rows,
     # n rows further down (the same weight bytes a program)
@@ -188,33 +163,6 @@ def _masked_grouped_gemm_kernel(
              mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.jit
-def _route_rows(ids_ptr, pos_ptr, masked_m_ptr, g, offs_m, row_block, pid_n, m_max, num_flat,
-                num_groups, NUM_TOPK: tl.constexpr, BLOCK_F: tl.constexpr):
-    """``(m, tok)`` of group ``g`` from the flat picks: its live rows ``m = min(hits, m_max)``
-    and the token of each of this block's slots ``offs_m`` (0 past ``m``). A hit's slot is
-    the count of earlier flat picks of ``g``: ``kernels.dispatch``'s layout. The group's
-    first program (row block 0, column block 0) also stores what the dispatch would have:
-    ``masked_m[g]`` and, for ``g``'s picks, ``pos`` (the slot, -1 past ``m_max``); group 0
-    stores -1 for picks of no group (padding's -1, or out of range)."""
-    offs_f = tl.arange(0, BLOCK_F)
-    fmask = offs_f < num_flat
-    ids = tl.load(ids_ptr + offs_f, mask=fmask, other=-1)
-    hit = (ids == g) & fmask
-    hits = hit.to(tl.int32)
-    slot = tl.cumsum(hits, axis=0) - 1  # [BLOCK_F]: each hit's slot
-    m = tl.minimum(tl.sum(hits, axis=0), m_max)
-    if (row_block == 0) & (pid_n == 0):
-        tl.store(masked_m_ptr + g, m)
-        tl.store(pos_ptr + offs_f, tl.where(slot < m_max, slot, -1), mask=hit)
-        if g == 0:
-            tl.store(pos_ptr + offs_f, tl.full([BLOCK_F], -1, tl.int32),
-                     mask=fmask & ((ids < 0) | (ids >= num_groups)))
-    pick = hit[None, :] & (slot[None, :] == offs_m[:, None])  # [BLOCK_M, BLOCK_F]
-    tok = tl.sum(tl.where(pick, offs_f[None, :] // NUM_TOPK, 0), axis=1)
-    return m, tok
-
-
 def tma_path(b: torch.Tensor) -> bool:
     """Whether :func:`masked_grouped_gemm` reads weights ``b`` [num_groups, rows, k] by TMA
     at its 16-row config: ``TMA`` on, ``b`` contiguous and 16-byte aligned (rows of
@@ -231,8 +179,7 @@ def tma_path(b: torch.Tensor) -> bool:
 
 def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *,
                         out: torch.Tensor, expected_m: int | None = None,
-                        epilogue: str | None = None,
-                        route: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                        epilogue: str | None = None) -> torch.Tensor:
     """``out[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g].T`` for every group ``g`` (with
     ``epilogue="silu_and_mul"``: ``silu(a @ gate.T) * (a @ up.T)`` on those rows).
 
@@ -248,36 +195,13 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
         epilogue: None, or ``"silu_and_mul"``: ``b`` is W13 ``[num_local_experts, 2 * n, k]``
             (gate rows, then up rows) and ``out`` ``[num_local_experts, cap, n]`` gets the
             activation, bitwise this GEMM into ``u`` and ``silu_and_mul_masked(u, ...)``.
-        route: ``(topk_ids, pos)``: the dispatch made by this launch (EP=1). ``a`` is then
-            the tokens, bf16 ``[tokens, k]`` (row stride free, unit column stride), and
-            ``cap`` comes from ``out``; topk_ids int64 ``[tokens, num_topk]`` contiguous (-1:
-            no pick), ``tokens * num_topk <= ROUTE_MAX_FLAT``; pos int32 ``[tokens,
-            num_topk]`` contiguous. Each group's rows are the tokens that picked it, in flat
-            ``(token, k)`` order (``kernels.dispatch``'s slots), read from ``a`` directly;
-            the launch also writes ``masked_m`` and ``pos`` as ``dispatch_masked`` does, for
-            the GEMM after it and the combine. ``out`` is bitwise the dispatch followed by
-            this GEMM on its ``recv_x``.
 
     Returns ``out``. Launches one kernel, allocates nothing.
 
     Graph safety: capturable
     """
-    if route is None:
-        check_tensor(a, "a", shape=(None, None, None), dtype=torch.bfloat16)
-        num_groups, m_max, k = a.shape
-    else:
-        check_tensor(a, "a (the tokens, with route)", shape=(None, None), dtype=torch.bfloat16)
-        check(a.stride(1) == 1, "a.stride(1) with route", "1 (rows of contiguous features)",
-              a.stride(1))
-        check_tensor(out, "out", shape=(None, None, None), dtype=torch.bfloat16, device=a.device)
-        num_groups, m_max, k = out.shape[0], out.shape[1], a.shape[1]
-        ids, pos = route
-        check_tensor(ids, "route topk_ids", shape=(a.shape[0], None), dtype=torch.int64,
-                     device=a.device, contiguous=True)
-        check(0 < ids.numel() <= ROUTE_MAX_FLAT, "route topk_ids.numel() (tokens * num_topk)",
-              f"1..{ROUTE_MAX_FLAT}", ids.numel())
-        check_tensor(pos, "route pos", shape=tuple(ids.shape), dtype=torch.int32,
-                     device=a.device, contiguous=True)
+    check_tensor(a, "a", shape=(None, None, None), dtype=torch.bfloat16)
+    num_groups, m_max, k = a.shape
     check_tensor(b, "b", shape=(num_groups, None, k), dtype=torch.bfloat16, device=a.device)
     n = b.shape[1]
     check(epilogue in EPILOGUES, "epilogue", f"one of {EPILOGUES}", repr(epilogue))
@@ -286,12 +210,10 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
         n //= 2
     check_tensor(masked_m, "masked_m", shape=(num_groups,), dtype=torch.int32, device=a.device)
     check_tensor(out, "out", shape=(num_groups, m_max, n), dtype=torch.bfloat16, device=a.device)
-    check(k >= 1, "a.shape[-1] (k)", ">= 1", k)
+    check(k >= 1, "a.shape[2] (k)", ">= 1", k)
     check(expected_m is None or (isinstance(expected_m, int) and expected_m >= 0),
           "expected_m", "None or a non-negative host int", repr(expected_m))
     if num_groups == 0 or m_max == 0 or n == 0:
-        check(route is None, "route", "None when there is nothing to compute (the layout "
-              "would not be written)", (num_groups, m_max, n))
         return out
 
     cfg = gemm_config(m_max if expected_m is None else expected_m)
@@ -302,21 +224,13 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
         from triton.tools.tensor_descriptor import TensorDescriptor
         cfg = {**cfg, "BLOCK_K": TMA_TILE[0], "num_stages": TMA_TILE[1]}
         b_arg = TensorDescriptor.from_tensor(b.view(-1, k), [cols, cfg["BLOCK_K"]])
-    if route is None:
-        a_strides, ids, pos, num_flat, topk = (a.stride(0), a.stride(1), a.stride(2)), out, out, 0, 1
-    else:
-        a_strides, (ids, pos) = (0, a.stride(0), a.stride(1)), route
-        num_flat, topk = ids.numel(), ids.shape[1]
     _masked_grouped_gemm_kernel[grid](
         a, b_arg, out, masked_m, m_max, n, k,
-        *a_strides,
+        a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        ids, pos, num_flat,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         UPCAST=interpreting(), EPI=epilogue is not None, B_TMA=b_arg is not b,
-        ROUTE=route is not None, NUM_TOPK=topk,
-        BLOCK_F=max(16, triton.next_power_of_2(num_flat)),
         num_stages=cfg["num_stages"], num_warps=cfg["num_warps"], **pdl_args(),
     )
     return out

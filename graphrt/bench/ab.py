@@ -83,9 +83,6 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   gate's own norm GEMV; ``fold-e1`` / ``fold-e2`` / ``fold-e8``: 1 / 2 / 8 gate rows a
   numerator program instead of 4 (``kernels.gate_fold.GATE_ROWS``); ``fold-w1``: the top-k
   launch on 1 warp instead of 4;
-- ``dispatch-in-w13``: at 2+ rows the experts' W13 on the Triton masked GEMM makes the EP=1
-  dispatch itself (``MoEBlock.dispatch_in_w13``, ``masked_grouped_gemm(route=)``) instead of
-  the dispatch's own launch;
 - ``expert-tma``: the Triton masked GEMM's 16-row config with its weights read by TMA
   (``grouped_gemm.TMA``);
 - ``expert-rows``: the expert plan's choices as measured, the CUDA-core rows kernel included
@@ -188,8 +185,6 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "fold-gate": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
                                                 "fold_gate", on),
             **{f"fold-e{rows}": _gate_rows(rows) for rows in (1, 2, 8)},
-            "dispatch-in-w13": lambda on: _class_attr("graphrt.moe.model", "MoEBlock",
-                                                      "dispatch_in_w13", on),
             "fold-w1": lambda on: _class_attr("graphrt.kernels.gate_fold", None,
                                               "FOLD_TOPK_WARPS", 1 if on else 4),
             "router-fused": lambda on: _class_attr("graphrt.moe.layers", "Router", "fused", on),

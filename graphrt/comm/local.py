@@ -88,21 +88,6 @@ class LocalComm:
         em = expected_m(bs, num_topk, E, cap=cap)
         return outs, Dispatched(outs["out_recv_x"], self.masked_m, em, handle=outs["out_pos"])
 
-    def routed_layout(self, x: torch.Tensor, num_topk: int) -> Dispatched:
-        """The ``Dispatched`` of a step whose first expert GEMM makes the dispatch itself
-        (``graphrt.kernels.grouped_gemm.masked_grouped_gemm(route=)``): ``recv_x`` is the
-        tokens ``x`` ``[bs, hidden]`` themselves, and that GEMM writes ``masked_m`` and the
-        slots (``handle``, the ``pos`` buffer the combine reads) that :meth:`dispatch` would.
-        Host-only (launches nothing)."""
-        from graphrt.kernels.dispatch import expected_m
-        bs = x.shape[0]
-        if bs > self.max_tokens:
-            raise ValueError(f"LocalComm.routed_layout: {bs} tokens exceed max_tokens="
-                             f"{self.max_tokens}; build the comm with a larger max_tokens")
-        E, cap = self.num_local_experts, self.cap_for(bs)
-        return Dispatched(x, self.masked_m, expected_m(bs, num_topk, E, cap=cap),
-                          handle=self.ws.view("pos", (bs, num_topk)))
-
     def combine_args(self, y, topk_ids, topk_weights, d: Dispatched, n) -> tuple:
         """The arguments of this comm's combine, ``kernels.combine.combine_masked(*args,
         out=)``, for a consumer that makes the combine itself (the norm after the MoE block:

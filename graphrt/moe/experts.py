@@ -234,7 +234,7 @@ class Experts:
         return bs is not None and bs <= self.EPILOGUE_MAX_BS
 
     def gemm(self, which: str, a, masked_m, expected_m: int, out, choice: Choice, a_scale=None,
-             act: str | None = None, epilogue: str | None = None, route: tuple | None = None):
+             act: str | None = None, epilogue: str | None = None):
         """``out = a @ W.T`` on live rows with ``choice``'s kernel; ``which`` is ``"w13"`` or
         ``"w2"``; ``a`` [E, cap, k] bf16 (or fp8 with ``a_scale`` [E, cap, k // 128]),
         ``out`` [E, cap, n] bf16 (the ``rows`` kernel: bf16 only, ValueError with fp8
@@ -270,7 +270,7 @@ class Experts:
         elif choice.kernel == "triton":
             from graphrt.kernels.grouped_gemm import masked_grouped_gemm
             masked_grouped_gemm(a, w, masked_m, out=out, expected_m=expected_m,
-                                epilogue=epilogue, route=route)
+                                epilogue=epilogue)
         else:  # "decode", or "swap": the decode kernel with the weights as the MMA's M side
             from graphrt.kernels.grouped_gemm_decode import decode_grouped_gemm
             n = out.shape[2]
@@ -318,35 +318,17 @@ class Experts:
         routed_w13(x, topk_ids, n, self.w13, out=act)
         return routed_w2_combine(act, topk_ids, topk_weights, n, self.w2, out=out)
 
-    def dispatches(self, bs: int) -> bool:
-        """Whether W13 at padded batch ``bs`` can make the EP=1 dispatch itself (``__call__``'s
-        ``route``): bf16 experts and the plan's W13 kernel the Triton masked GEMM, unfused
-        with W2 (``fuse_act`` off there) and not the rows kernel's activation. Host-only."""
-        c13, c2 = self.choices(bs)
-        return (not self.fp8 and c13.kernel == "triton"
-                and not (self.fuse_act and c2.kernel == "decode"))
-
     def __call__(self, recv_x: torch.Tensor, masked_m: torch.Tensor, expected_m: int,
-                 recv_scale: torch.Tensor | None = None, bs: int | None = None,
-                 route: tuple | None = None) -> torch.Tensor:
+                 recv_scale: torch.Tensor | None = None, bs: int | None = None) -> torch.Tensor:
         """recv_x ``[E, cap, hidden]`` (bf16, or fp8 with ``recv_scale``) -> ``[E, cap, hidden]``
         bf16; rows past ``masked_m`` are not computed. ``bs``: the padded batch, whose plan
         entry picks the kernels (None: the size the plan last selected). With ``fuse_act``
         and W2 on the decode kernel, W2 reads ``u`` and applies the activation itself (no
-        ``silu_and_mul_masked[_fp8]`` launch; bitwise the same output). ``route=(topk_ids,
-        pos, cap)``: ``recv_x`` is the tokens ``[tokens, hidden]`` and W13 makes the EP=1
-        dispatch itself, writing ``masked_m`` and ``pos`` (where ``dispatches(bs)``; the same
-        output bitwise). Graph safety: capturable."""
+        ``silu_and_mul_masked[_fp8]`` launch; bitwise the same output). Graph safety:
+        capturable."""
         from graphrt.kernels.activation import quantize_fp8_masked, silu_and_mul_masked_fp8
         c13, c2 = self.choices(bs)
-        if route is not None:
-            if bs is None or not self.dispatches(bs):
-                raise ValueError(f"Experts: route= needs W13 on the Triton masked GEMM with "
-                                 f"bf16 experts at this size (Experts.dispatches), got W13 "
-                                 f"{c13.name}, W2 {c2.name}, fp8={self.fp8}, bs={bs}")
-            E, cap, route = self.E, route[2], route[:2]
-        else:
-            E, cap = recv_x.shape[0], recv_x.shape[1]
+        E, cap = recv_x.shape[0], recv_x.shape[1]
         u = self.ws.view("u", (E, cap, 2 * self.inter))
         y = self.ws.view("y", (E, cap, self.hidden))
         fused = self.fuse_act and c2.kernel == "decode"
@@ -370,7 +352,7 @@ class Experts:
         if fused:
             self.gemm("w13", recv_x, masked_m, expected_m, u, c13)
             return self.gemm("w2", u, masked_m, expected_m, y, c2, act="silu_and_mul")
-        self.w13_act(recv_x, masked_m, expected_m, u, a, c13, bs, route=route)
+        self.w13_act(recv_x, masked_m, expected_m, u, a, c13, bs)
         return self.gemm("w2", a, masked_m, expected_m, y, c2)
 
     def act_in_w13(self, bs: int | None) -> bool:
@@ -390,15 +372,13 @@ class Experts:
             return self.epilogue_for(bs)
         return choice.kernel == "triton" and self.triton_epilogue
 
-    def w13_act(self, x, masked_m, expected_m: int, u, a, choice: Choice, bs: int | None,
-                route: tuple | None = None):
+    def w13_act(self, x, masked_m, expected_m: int, u, a, choice: Choice, bs: int | None):
         """``a = silu_and_mul(x @ W13.T)`` on live rows (bf16), as a step at padded batch
         ``bs`` runs it: W13's epilogue where ``takes_epilogue``, else W13 into ``u`` and the
         activation launch. The expert plan times W13 candidates through this where the
         epilogue applies. Graph safety: capturable."""
         from graphrt.kernels.activation import silu_and_mul_masked
         if self.takes_epilogue(choice, bs):
-            return self.gemm("w13", x, masked_m, expected_m, a, choice, epilogue="silu_and_mul",
-                             route=route)
-        self.gemm("w13", x, masked_m, expected_m, u, choice, route=route)
+            return self.gemm("w13", x, masked_m, expected_m, a, choice, epilogue="silu_and_mul")
+        self.gemm("w13", x, masked_m, expected_m, u, choice)
         return silu_and_mul_masked(u, masked_m, out=a)

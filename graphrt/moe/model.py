@@ -92,27 +92,6 @@ class MoEBlock:
     # GRAPHRT_ROUTED_GEMV=0 at import turns it off (A/B: the routed-gemv switch).
     routed_gemv = env_flag("GRAPHRT_ROUTED_GEMV", True)
 
-    # 2+ rows at EP=1: the experts' W13 on the Triton masked GEMM makes the dispatch itself
-    # (kernels.grouped_gemm.masked_grouped_gemm(route=): each program finds its expert's
-    # tokens among the top-k's picks and reads their rows in place; it writes masked_m and
-    # the slots the combine reads), so the dispatch's launch and its copy are gone; the same
-    # logits bitwise. LocalComm, bf16 experts whose plan runs W13 on the Triton kernel at
-    # that size (Experts.dispatches), no EPLB map, at most ROUTE_MAX_FLAT picks, not inside
-    # torch.compile. GRAPHRT_DISPATCH_IN_W13=1 at import (A/B: the dispatch-in-w13 switch).
-    dispatch_in_w13 = env_flag("GRAPHRT_DISPATCH_IN_W13", False)
-
-    def _dispatches_in_w13(self, h: torch.Tensor) -> bool:
-        """Whether this step's W13 launch makes the dispatch (``dispatch_in_w13``).
-        Host-only (shapes and settings; the plan's W13 choice for this size)."""
-        if not (self.dispatch_in_w13 and isinstance(self.comm, LocalComm)
-                and self.expert_map is None and h.dim() == 2 and h.shape[0] >= 2
-                and h.dtype == torch.bfloat16 and h.is_contiguous()
-                and not torch.compiler.is_compiling()):
-            return False
-        from graphrt.kernels.grouped_gemm import ROUTE_MAX_FLAT
-        return (h.shape[0] * self.cfg.num_topk <= ROUTE_MAX_FLAT
-                and self.experts.dispatches(h.shape[0]))
-
     def routes_rows(self, rows: int, dtype: torch.dtype = torch.bfloat16) -> bool:
         """Whether a step of ``rows`` ``dtype`` rows runs ``Experts.routed`` (``routed_gemv``:
         one bf16 row, EP=1, planned bf16 experts, no EPLB map) instead of the masked layout
@@ -145,15 +124,10 @@ class MoEBlock:
             self.last_masked_m = None  # no dispatch ran: no counts to show
             out = self.experts.routed(h, ids, w, n, out=torch.empty_like(h))
             return (out,) if self.shared is None else (out, self.shared(h))
-        route = None
         if routes is None and self._routes_in_dispatch(h):  # top-k and dispatch in one launch
             logits = self.router.gate(h) if logits is None else logits
             w, ids, d = self.comm.route_dispatch(h, logits, n, self.cfg.num_topk,
                                                  self.router.topk_args())
-        elif self._dispatches_in_w13(h):  # W13 dispatches: no dispatch launch
-            w, ids = routes if routes is not None else self.router(h, n, logits)  # [bs, k]
-            d = self.comm.routed_layout(h, ids.shape[1])
-            route = (ids, d.handle, self.comm.cap_for(h.shape[0]))
         else:
             w, ids = routes if routes is not None else self.router(h, n, logits)  # [bs, k]
             if self.expert_map is not None:  # logical -> physical slots (replica per token)
@@ -164,7 +138,7 @@ class MoEBlock:
         self.last_masked_m = d.masked_m  # a reference for benchmarks/tests (no sync; None
         # after a routed one-row step)
         y = self.experts(d.recv_x, d.masked_m, d.expected_m, d.recv_scale,
-                         bs=h.shape[0], route=route)                       # [E, cap, hidden]
+                         bs=h.shape[0])                                    # [E, cap, hidden]
         overlapped = self.overlap and self.shared is not None
         combine_args = getattr(self.comm, "combine_args", None)
         if defer_combine and combine_args is not None and not overlapped:
