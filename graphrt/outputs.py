@@ -29,8 +29,7 @@ from typing import Any, Mapping
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
-# LeaseHeldError is re-exported: graphrt.runtime imports it from here
-from graphrt.errors import InputError, LeaseHeldError, StaleOutputError  # noqa: F401
+from graphrt.errors import InputError, StaleOutputError
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,9 @@ from typing import Any
 import torch
 
 from graphrt.env import env_flag
-from graphrt.errors import (DeviceError, GraphrtError, InputError, NoGraphForBatch,
-                            NotCapturedError, ThreadOwnershipError)
-from graphrt.outputs import LeaseClock, LeaseHeldError, LiveOutputs
+from graphrt.errors import (DeviceError, GraphrtError, InputError, LeaseHeldError,
+                            NoGraphForBatch, NotCapturedError, ThreadOwnershipError)
+from graphrt.outputs import LeaseClock, LiveOutputs
 from graphrt.replay_policy import SizeTable, Stager, capture_sizes
 from graphrt.spec import StepSpec
 from graphrt.state import StateGuard

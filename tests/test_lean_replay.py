@@ -13,8 +13,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphrt
-from graphrt.errors import StaleOutputError
-from graphrt.outputs import LeasedTensor, LeaseHeldError
+from graphrt.errors import LeaseHeldError, StaleOutputError
+from graphrt.outputs import LeasedTensor
 from graphrt.replay_policy import Stager
 from tests.fakes.specs import (assert_refused_like_check, captured, every_kind_spec,
                                use_fake_capture)

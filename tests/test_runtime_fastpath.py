@@ -12,8 +12,7 @@ import torch
 
 import graphrt
 import graphrt.step_cache as rp
-from graphrt.errors import ThreadOwnershipError
-from graphrt.outputs import LeaseHeldError
+from graphrt.errors import LeaseHeldError, ThreadOwnershipError
 from graphrt.replay_policy import Stager
 from tests.fakes.graphs import FakeCaptureManager
 from tests.fakes.specs import (assert_refused_like_check, captured, every_kind_spec,
