@@ -99,3 +99,68 @@ def l2_prefetch_ref(w: torch.Tensor, programs: int) -> torch.Tensor:
         if per_chunk[p::programs].size:
             out[p] = np.bitwise_xor.reduce(per_chunk[p::programs])
     return torch.from_numpy(out.astype(np.int32))
+
+
+BULK_CHUNK = 32768  # bytes a bulk prefetch asks for (one per lane)
+BULK_LANES = 32     # prefetches a program issues (one warp): a 21 MB weight on 20 programs
+
+
+@triton.jit
+def _l2_bulk_prefetch_kernel(
+    src_ptr,  # uint8 [nbytes]: the weight's bytes (16-byte aligned)
+    sink_ptr,  # int32 [chunks] out: zeros (the stores keep the prefetches)
+    nbytes, chunks,  # nbytes a multiple of 16; chunks = cdiv(nbytes, CHUNK)
+    CHUNK: tl.constexpr,
+    LANES: tl.constexpr,
+):
+    c = tl.program_id(0) * LANES + tl.arange(0, LANES)
+    ok = c < chunks
+    off = c.to(tl.int64) * CHUNK
+    size = tl.where(ok, tl.minimum(nbytes - off, CHUNK), 0).to(tl.int32)
+    r = tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [src_ptr + tl.where(ok, off, 0), size], dtype=tl.int32, is_pure=False,
+        pack=1)
+    tl.store(sink_ptr + c, r, mask=ok)
+
+
+def bulk_chunks(w: torch.Tensor, chunk: int = BULK_CHUNK) -> int:
+    """The bulk prefetches ``l2_prefetch_bulk(w)`` issues (and the ``sink`` entries it
+    writes): ``cdiv(nbytes, chunk)`` of ``w``'s bytes rounded down to 16. Host-only."""
+    return -(-(w.numel() * w.element_size() // 16 * 16) // chunk)
+
+
+def l2_prefetch_bulk(w: torch.Tensor, *, sink: torch.Tensor, chunk: int = BULK_CHUNK) -> torch.Tensor:
+    """Ask the L2 for every byte of ``w`` with Hopper's bulk prefetch
+    (``cp.async.bulk.prefetch.L2``, sm_90+): one instruction a ``chunk`` of bytes, issued by a
+    few programs of one warp that end at once; the copy engine fills L2 while the SMs run
+    other work. Nothing is held in registers and no value is read, so the weight's readers
+    see the same bytes (a last partial 16 bytes is not asked for). Unlike ``l2_prefetch``
+    it occupies the SMs for a moment only; it needs a CUDA device (no interpreter: inline
+    PTX).
+
+    Args:
+        w: a contiguous tensor whose storage starts 16-byte aligned (a weight).
+        sink: int32 ``[>= bulk_chunks(w, chunk)]``: zeros are stored there (nothing reads it).
+        chunk: bytes a prefetch, a multiple of 16.
+
+    Returns ``sink``. Launch it on a side stream (``on_side_stream``) and join it back.
+
+    Graph safety: capturable
+    """
+    check_tensor(w, "w", contiguous=True)
+    check(w.device.type == "cuda", "w's device", "a CUDA device (inline PTX)", w.device)
+    check(w.data_ptr() % 16 == 0, "w's address", "16-byte aligned", hex(w.data_ptr()))
+    check(isinstance(chunk, int) and chunk >= 16 and chunk % 16 == 0, "chunk",
+          "a multiple of 16 bytes", chunk)
+    nbytes = w.numel() * w.element_size() // 16 * 16
+    chunks = bulk_chunks(w, chunk)
+    check_tensor(sink, "sink", dtype=torch.int32, device=w.device, contiguous=True)
+    check(sink.dim() == 1 and sink.numel() >= chunks, "sink.shape", f"({chunks},) or longer",
+          tuple(sink.shape))
+    if chunks:
+        grid = (triton.cdiv(chunks, BULK_LANES),)
+        _l2_bulk_prefetch_kernel[grid](w.reshape(-1).view(torch.uint8), sink, nbytes, chunks,
+                                       CHUNK=chunk, LANES=BULK_LANES, num_warps=1)
+    return sink

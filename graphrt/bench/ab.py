@@ -5,7 +5,9 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
 - ``pdl``: programmatic dependent launch of graphrt's Triton kernels (``GRAPHRT_PDL``,
   ``graphrt.kernels._util.pdl_args``);
 - ``prefetch``: the attention layers' L2 prefetch of the o-projection weight
-  (``Attention.prefetch``, ``graphrt.kernels.prefetch``);
+  (``Attention.prefetch``, ``graphrt.kernels.prefetch``); ``prefetch-bulk``: by Hopper's bulk
+  L2 prefetch (``Attention.prefetch_kernel``); ``prefetch-late``: joined after the LM head
+  instead of before the o-projection (``Attention.prefetch_join``); combine them with ``+``;
 - ``prefetch-qkv``: each layer's L2 prefetch of the next layer's QKV weight beside its MoE
   block (``DecoderLayer.prefetch_next_qkv``);
 - ``attn-splits``: decode attention's split size picked per captured size
@@ -137,6 +139,10 @@ def _gate_rows(rows: int):
 # switch -> (on) -> the context a capture runs in
 SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "prefetch": lambda on: _class_attr("graphrt.moe.layers", "Attention", "prefetch", on),
+            "prefetch-bulk": lambda on: _class_attr("graphrt.moe.layers", "Attention",
+                                                    "prefetch_kernel", "bulk" if on else "load"),
+            "prefetch-late": lambda on: _class_attr("graphrt.moe.layers", "Attention",
+                                                    "prefetch_join", "step" if on else "wo"),
             "prefetch-qkv": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
                                                    "prefetch_next_qkv", on),
             "attn-splits": lambda on: _class_attr("graphrt.moe.layers", "Attention", "split_size",

@@ -350,6 +350,17 @@ class Attention:
     # (BENCHMARKS.md §19); GRAPHRT_PREFETCH=1 at import turns it on (A/B benchmarks).
     prefetch = env_flag("GRAPHRT_PREFETCH", False)
     prefetch_programs = None  # l2_prefetch's grid (None: one program per chunk)
+    # The prefetch's kernel: "load" (l2_prefetch: every word loaded into registers, evict_last)
+    # or "bulk" (l2_prefetch_bulk: Hopper's cp.async.bulk.prefetch.L2 from a few one-warp
+    # programs, nothing read into registers). A/B: the prefetch-bulk switch;
+    # GRAPHRT_PREFETCH_KERNEL at import.
+    prefetch_kernel = os.environ.get("GRAPHRT_PREFETCH_KERNEL") or "load"
+    # Where the side stream joins back: "wo" (before the o-projection, which then waits for
+    # the whole prefetch and loses its early PDL launch) or "step" (MoEModel.step joins every
+    # layer's prefetch after the LM head: the o-projection reads whatever has landed). "step"
+    # needs the caller to join (join_prefetch; MoEModel.step does). A/B: the prefetch-late
+    # switch; GRAPHRT_PREFETCH_JOIN at import.
+    prefetch_join = os.environ.get("GRAPHRT_PREFETCH_JOIN") or "wo"
     # Write the new K/V inside the attention launch (decode_attention(k_new=, ...)) instead of
     # a kv_append launch before it. On by default: 1.002x / 0.985x the step at qwen3-like
     # bs 1 / 16 (BENCHMARKS.md §25); GRAPHRT_FUSE_APPEND=0 at import turns it off (A/B
@@ -378,6 +389,7 @@ class Attention:
             self.l2_bytes = torch.cuda.get_device_properties(self.wo.device).L2_cache_size
             size = max(sink_size(self.wo), sink_size(self.wqkv))   # wo here, wqkv from the layer before
             self.sink = torch.zeros(size, dtype=torch.int32, device=device)
+        self._pending: list = []    # prefetch receivers left to join (prefetch_join "step")
 
     def __call__(self, h, slot_mapping, block_table, seq_lens, n, qkv=None) -> torch.Tensor:
         """h ``[bs, hidden]``; slot_mapping int64 ``[bs]``, block_table int32
@@ -387,9 +399,12 @@ class Attention:
         o = self.attend(h, slot_mapping, block_table, seq_lens, n, qkv=qkv)
         return dense(o, self.wo)
 
-    def attend(self, h, slot_mapping, block_table, seq_lens, n, qkv=None) -> torch.Tensor:
+    def attend(self, h, slot_mapping, block_table, seq_lens, n, qkv=None,
+               join: str | None = None) -> torch.Tensor:
         """``__call__`` without the o-projection: the heads' outputs ``[bs, q_dim]`` (x.dtype),
-        for a caller that projects them itself (``kernels.gate_fold``)."""
+        for a caller that projects them itself (``kernels.gate_fold``). ``join``: where the
+        prefetch joins (default ``prefetch_join``); with "step" the caller must call
+        ``join_prefetch`` before its step ends (``MoEModel.step`` does)."""
         from graphrt.kernels.attention import (attention_workspace_shape, decode_attention,
                                                kv_append, select_variant, split_size_for)
         from graphrt.moe.expert_plan import num_sms
@@ -420,8 +435,17 @@ class Attention:
                          semaphore=self.semaphore[:bs] if variant == "fused" else None, variant=variant,
                          **new_kv)
         if recv is not None:
-            recv()
+            if (join or self.prefetch_join) == "step":
+                self._pending.append(recv)
+            else:
+                recv()
         return o.view(bs, cfg.q_dim)
+
+    def join_prefetch(self) -> None:
+        """Join the prefetches left open by ``prefetch_join = "step"`` (an event wait each on
+        the current stream). Graph safety: capturable."""
+        while self._pending:
+            self._pending.pop()()
 
     def start_prefetch(self, w: torch.Tensor):
         """Fork the side stream from the current stream and ``l2_prefetch(w)`` there (``w``:
@@ -432,7 +456,13 @@ class Attention:
                 or w.numel() * w.element_size() > self.l2_bytes // 2:
             return None
         from graphrt.comm.base import on_side_stream
-        from graphrt.kernels.prefetch import l2_prefetch
+        from graphrt.kernels.prefetch import l2_prefetch, l2_prefetch_bulk
+        if self.prefetch_kernel == "bulk":
+            return on_side_stream(self.side, lambda: l2_prefetch_bulk(w, sink=self.sink),
+                                  self.sink, keep=(w,))
+        if self.prefetch_kernel != "load":
+            raise ValueError(f"Attention.prefetch_kernel is {self.prefetch_kernel!r}; expected "
+                             "'load' or 'bulk'")
         programs = self.prefetch_programs
         if programs is not None and programs > self.sink.numel():
             raise ValueError(f"Attention.prefetch_programs {programs} exceeds the sink's "

@@ -531,8 +531,12 @@ class MoEModel:
             self.expert_map.advance()
         logits = None if out is None else out["logits"]
         if isinstance(h, PendingNorm):                                     # fuse_final_norm
-            return {"logits": dense_normed(h, self.lm_head, out=logits)[0]}
-        return {"logits": dense(h, self.lm_head, out=logits)}              # h: final-normed x
+            logits = dense_normed(h, self.lm_head, out=logits)[0]
+        else:
+            logits = dense(h, self.lm_head, out=logits)                    # h: final-normed x
+        for layer in self.layers:            # prefetches left open (Attention.prefetch_join)
+            layer.attn.join_prefetch()
+        return {"logits": logits}
 
     def weight_bytes(self, bs: int | None = None) -> dict:
         """Bytes a step must read: expert weights (all local experts), dense weights."""

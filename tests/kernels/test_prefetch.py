@@ -48,3 +48,15 @@ def test_bad_arguments_say_what_was_expected():
         l2_prefetch(w.t(), sink=torch.zeros(4, dtype=torch.int32))
     with pytest.raises(ValueError, match="programs"):
         l2_prefetch(w, sink=torch.zeros(4, dtype=torch.int32), programs=0)
+
+
+def test_bulk_prefetch_chunks_and_refusals():
+    """``bulk_chunks`` counts the 16-byte-rounded bytes in chunks; the bulk prefetch needs a
+    CUDA device (inline PTX) and says so, and checks its sink and chunk."""
+    from graphrt.kernels.prefetch import bulk_chunks, l2_prefetch_bulk
+    assert bulk_chunks(torch.zeros(5120, 2048, dtype=torch.bfloat16)) == 640
+    assert bulk_chunks(torch.zeros(7, dtype=torch.bfloat16), chunk=16) == 0  # 14 bytes: none
+    assert bulk_chunks(torch.zeros(9, dtype=torch.bfloat16), chunk=16) == 1
+    w = torch.zeros(64, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="a CUDA device"):
+        l2_prefetch_bulk(w, sink=torch.zeros(4, dtype=torch.int32))

@@ -53,3 +53,35 @@ def test_attention_output_is_the_same_with_and_without_prefetch(cuda_device):
         outs.append(attn(h, ex["slot_mapping"], ex["block_table"], ex["seq_lens"], n))
     torch.cuda.synchronize()
     assert torch.equal(outs[0], outs[1])
+
+
+def test_bulk_prefetch_runs_captured_on_a_side_stream(cuda_device):
+    """The bulk prefetch (inline ``cp.async.bulk.prefetch.L2``) runs eagerly and inside a
+    captured fork/join, stores its zeros, and leaves the weight and the main stream's work as
+    they were; a sink too short and a chunk not a multiple of 16 are refused."""
+    from graphrt.comm.base import on_side_stream
+    from graphrt.kernels.prefetch import bulk_chunks, l2_prefetch_bulk
+    g = torch.Generator(device=cuda_device).manual_seed(0)
+    w = torch.randn(5120, 2048, generator=g, device=cuda_device, dtype=torch.bfloat16)
+    before = w.clone()
+    chunks = bulk_chunks(w)
+    sink = torch.full((chunks + 3,), 7, dtype=torch.int32, device=cuda_device)
+    l2_prefetch_bulk(w, sink=sink)
+    torch.cuda.synchronize()
+    assert torch.equal(sink[:chunks].cpu(), torch.zeros(chunks, dtype=torch.int32))
+    assert torch.equal(sink[chunks:].cpu(), torch.full((3,), 7, dtype=torch.int32))
+    side, graph = torch.cuda.Stream(cuda_device), torch.cuda.CUDAGraph()
+    x = torch.randn(16, device=cuda_device)
+    with torch.cuda.graph(graph):
+        recv = on_side_stream(side, lambda: l2_prefetch_bulk(w, sink=sink), sink, keep=(w,))
+        y = x * 2
+        recv()
+    sink.fill_(7)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(sink[:chunks].cpu(), torch.zeros(chunks, dtype=torch.int32))
+    assert torch.equal(y, x * 2) and torch.equal(w, before)
+    with pytest.raises(ValueError, match="sink.shape"):
+        l2_prefetch_bulk(w, sink=sink[:chunks - 1])
+    with pytest.raises(ValueError, match="chunk"):
+        l2_prefetch_bulk(w, sink=sink, chunk=1000)
