@@ -101,8 +101,6 @@ def _masked_grouped_gemm_kernel(
     UPCAST: tl.constexpr,  # True under the interpreter: dot in fp32 (bf16 math gives NaN there)
     EPI: tl.constexpr = False,  # out = silu(a @ gate.T) * (a @ up.T), BLOCK_N // 2 columns
     B_TMA: tl.constexpr = False,  # b_ptr is a TensorDescriptor over b's [groups * rows, k]
-    B_BLOCKED: tl.constexpr = False,  # (with B_TMA) over block_weights' [*, BLOCK_K] view
-    blk_g=0, blk_j=0,  # B_BLOCKED: the view's rows a group and a column block
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
 ):
     pdl_prologue(USE_GDC)
@@ -126,9 +124,7 @@ def _masked_grouped_gemm_kernel(
     COLS: tl.constexpr = BLOCK_N // 2 if EPI else BLOCK_N
     offs_n = pid_n * COLS + tl.arange(0, COLS)
     mask_n = offs_n < n
-    if B_BLOCKED:  # this program's tiles: BLOCK_N rows a K tile (gate, then up), in K order
-        b_row = g * blk_g + pid_n * blk_j
-    elif B_TMA:  # this program's first gate row in the 2-D view (b contiguous: rows = bg / bn)
+    if B_TMA:  # this program's first gate row in the 2-D view (b contiguous: rows = bg / bn)
         b_row = g * (stride_bg // stride_bn) + pid_n * COLS
     else:
         b_ptrs = (b_ptr + g64 * stride_bg + offs_k[:, None] * stride_bk
@@ -138,12 +134,7 @@ def _masked_grouped_gemm_kernel(
     for k0 in range(0, k, BLOCK_K):
         mask_k = offs_k < k - k0
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK]
-        if B_BLOCKED:  # one contiguous [BLOCK_N, BK] tile a K step (block_weights)
-            b = b_ptr.load([b_row, 0]).T  # [BK, COLS]
-            if EPI:
-                b_up = b_ptr.load([b_row + COLS, 0]).T
-            b_row += BLOCK_N
-        elif B_TMA:  # [COLS, BK] boxes; past k zero-filled. Rows past n (the up rows or the
+        if B_TMA:  # [COLS, BK] boxes; past k zero-filled. Rows past n (the up rows or the
             # next group's) feed only the columns the store masks off.
             b = b_ptr.load([b_row, k0]).T  # [BK, COLS]
             if EPI:
@@ -186,46 +177,9 @@ def tma_path(b: torch.Tensor) -> bool:
     return b.is_cuda and hopper_or_newer(b.device.index)
 
 
-def blocked_shape(b_shape, epilogue: str | None = None) -> tuple[int, ...]:
-    """The shape :func:`block_weights` gives weights of shape ``b_shape`` ``(groups, rows,
-    k)``: ``(groups, column blocks, K tiles, BLOCK_N, BLOCK_K)`` of the 16-row TMA config.
-    Host-only."""
-    groups, rows, k = b_shape
-    cfg = gemm_config(16)
-    bn, bk = cfg["BLOCK_N"], TMA_TILE[0]
-    cols = bn // 2 if epilogue is not None else bn
-    n = rows // 2 if epilogue is not None else rows
-    return (groups, triton.cdiv(n, cols), triton.cdiv(k, bk), bn, bk)
-
-
-def block_weights(b: torch.Tensor, epilogue: str | None = None) -> torch.Tensor:
-    """``b`` [groups, rows, k] rearranged so that each program of the 16-row TMA config reads
-    one contiguous run of memory: ``[groups, column blocks, K tiles, BLOCK_N, BLOCK_K]``, tile
-    ``(g, j, t)`` holding the rows program ``j`` of group ``g`` reduces (with ``epilogue``:
-    its ``BLOCK_N / 2`` gate rows, then the matching up rows) over K tile ``t``, zeros past
-    ``n`` and ``k``. Pass it to :func:`masked_grouped_gemm` as ``b_blocked`` beside ``b``.
-    Host-only (allocates; once, at weight load)."""
-    check_tensor(b, "b", shape=(None, None, None), dtype=torch.bfloat16)
-    check(epilogue in EPILOGUES, "epilogue", f"one of {EPILOGUES}", repr(epilogue))
-    groups, rows, k = b.shape
-    shape = blocked_shape(b.shape, epilogue)
-    _, nb, kt, bn, bk = shape
-    cols = bn // 2 if epilogue is not None else bn
-    halves = [b[:, :rows // 2], b[:, rows // 2:]] if epilogue is not None else [b]
-    out = torch.zeros(shape, dtype=b.dtype, device=b.device)
-    for h, part in enumerate(halves):
-        n = part.shape[1]
-        padded = torch.zeros(groups, nb * cols, kt * bk, dtype=b.dtype, device=b.device)
-        padded[:, :n, :k] = part
-        tiles = padded.view(groups, nb, cols, kt, bk).permute(0, 1, 3, 2, 4)
-        out[:, :, :, h * cols:(h + 1) * cols, :] = tiles
-    return out
-
-
 def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *,
                         out: torch.Tensor, expected_m: int | None = None,
-                        epilogue: str | None = None,
-                        b_blocked: torch.Tensor | None = None) -> torch.Tensor:
+                        epilogue: str | None = None) -> torch.Tensor:
     """``out[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g].T`` for every group ``g`` (with
     ``epilogue="silu_and_mul"``: ``silu(a @ gate.T) * (a @ up.T)`` on those rows).
 
@@ -241,9 +195,6 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
         epilogue: None, or ``"silu_and_mul"``: ``b`` is W13 ``[num_local_experts, 2 * n, k]``
             (gate rows, then up rows) and ``out`` ``[num_local_experts, cap, n]`` gets the
             activation, bitwise this GEMM into ``u`` and ``silu_and_mul_masked(u, ...)``.
-        b_blocked: optional, ``block_weights(b, epilogue)``: where the 16-row TMA config
-            runs, its tiles come from there (one contiguous run a program); the same result
-            bitwise. Elsewhere ``b`` is read.
 
     Returns ``out``. Launches one kernel, allocates nothing.
 
@@ -268,19 +219,11 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
     cfg = gemm_config(m_max if expected_m is None else expected_m)
     cols = cfg["BLOCK_N"] if epilogue is None else cfg["BLOCK_N"] // 2  # out columns a program
     grid = (num_groups * triton.cdiv(m_max, cfg["BLOCK_M"]), triton.cdiv(n, cols))
-    b_arg, blocked, blk = b, False, (0, 0)
+    b_arg = b
     if cfg["BLOCK_M"] == 16 and tma_path(b):
         from triton.tools.tensor_descriptor import TensorDescriptor
         cfg = {**cfg, "BLOCK_K": TMA_TILE[0], "num_stages": TMA_TILE[1]}
-        if b_blocked is not None:
-            shape = blocked_shape(b.shape, epilogue)
-            check_tensor(b_blocked, "b_blocked", shape=shape, dtype=torch.bfloat16,
-                         device=a.device, contiguous=True)
-            blocked, blk = True, (shape[1] * shape[2] * shape[3], shape[2] * shape[3])
-            b_arg = TensorDescriptor.from_tensor(b_blocked.view(-1, shape[4]),
-                                                 [cols, cfg["BLOCK_K"]])
-        else:
-            b_arg = TensorDescriptor.from_tensor(b.view(-1, k), [cols, cfg["BLOCK_K"]])
+        b_arg = TensorDescriptor.from_tensor(b.view(-1, k), [cols, cfg["BLOCK_K"]])
     _masked_grouped_gemm_kernel[grid](
         a, b_arg, out, masked_m, m_max, n, k,
         a.stride(0), a.stride(1), a.stride(2),
@@ -288,7 +231,6 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         UPCAST=interpreting(), EPI=epilogue is not None, B_TMA=b_arg is not b,
-        B_BLOCKED=blocked, blk_g=blk[0], blk_j=blk[1],
         num_stages=cfg["num_stages"], num_warps=cfg["num_warps"], **pdl_args(),
     )
     return out

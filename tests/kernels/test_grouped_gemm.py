@@ -105,35 +105,6 @@ def test_tma_weights_are_bitwise_the_pointer_loads(monkeypatch, epilogue):
         _check_against_ref(a, b, masked_m, out)
 
 
-@pytest.mark.parametrize("epilogue", [None, "silu_and_mul"])
-def test_blocked_weights_are_bitwise_the_row_major_ones(monkeypatch, epilogue):
-    """``block_weights``: the 16-row TMA config reading one contiguous tile a K step is
-    bitwise the same config over the row-major weights: n not a multiple of the column tile
-    and a ragged last K tile (zeros in the blocked copy, TMA's zero fill in the other), rows
-    past masked_m untouched; a blocked copy of another shape is refused."""
-    from graphrt.kernels import grouped_gemm as gg
-    E, cap, n, k = 3, 20, 40, 600
-    a, b = _inputs(E, cap, 2 * n if epilogue else n, k, seed=71)
-    masked_m = torch.tensor([20, 0, 18], dtype=torch.int32)
-    monkeypatch.setattr(gg, "TMA", True)
-    monkeypatch.setattr(gg, "TMA_TILE", (gemm_config(2)["BLOCK_K"], gg.TMA_TILE[1]))
-    blocked = gg.block_weights(b, epilogue)
-    assert blocked.shape == gg.blocked_shape(b.shape, epilogue)
-    cols = 32 if epilogue else 64
-    assert blocked.shape == (E, -(-n // cols), -(-k // gg.TMA_TILE[0]), 64, gg.TMA_TILE[0])
-    outs = []
-    for bb in (None, blocked):
-        out = torch.full((E, cap, n), float("nan"), dtype=torch.bfloat16)
-        masked_grouped_gemm(a, b, masked_m, out=out, expected_m=2, epilogue=epilogue,
-                            b_blocked=bb)
-        outs.append(out)
-    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
-    assert torch.isnan(outs[1][0, 20:].float()).all() and torch.isnan(outs[1][2, 18:].float()).all()
-    with pytest.raises(ValueError, match="b_blocked"):
-        masked_grouped_gemm(a, b, masked_m, out=outs[1], expected_m=2, epilogue=epilogue,
-                            b_blocked=blocked[:, :, :1].contiguous())
-
-
 @pytest.mark.parametrize("expected_m", [1, 32, 64])
 def test_epilogue_is_bitwise_the_gemm_then_the_activation(expected_m):
     # W13 = [gate; up] with n not a multiple of the half tile and k a ragged last K tile;
@@ -337,42 +308,6 @@ def test_gpu_tma_weights_bitwise_the_pointer_loads_under_replay(cuda_device, mon
         assert torch.isnan(outs[1][~live].float()).all()
         if epilogue is None:
             _check_against_ref(a, b, masked_m, outs[1])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows, k, epilogue", [(1536, 2048, "silu_and_mul"), (2048, 768, None)])
-def test_gpu_blocked_weights_bitwise_the_row_major_ones_under_replay(cuda_device, rows, k,
-                                                                      epilogue):
-    """``block_weights`` at the qwen3-like W13 / W2: the blocked launch and the row-major TMA
-    launch in one graph, bitwise equal eagerly and over replays with new inputs and
-    masked_m."""
-    from graphrt.kernels import grouped_gemm as gg
-    if not gg.tma_path(torch.empty(1, 8, 256, dtype=torch.bfloat16, device=cuda_device)):
-        pytest.skip("the TMA path needs sm_90+")
-    E, cap = 64, 20
-    n = rows // 2 if epilogue else rows
-    a, b = _inputs(E, cap, rows, k, device=cuda_device, seed=82)
-    blocked = gg.block_weights(b, epilogue)
-    masked_m = torch.zeros(E, dtype=torch.int32, device=cuda_device)
-    outs = [torch.empty(E, cap, n, dtype=torch.bfloat16, device=cuda_device) for _ in "rb"]
-
-    def both():
-        for bb, out in zip((None, blocked), outs):
-            masked_grouped_gemm(a, b, masked_m, out=out, expected_m=2, epilogue=epilogue,
-                                b_blocked=bb)
-
-    graph = _captured(both)
-    gen = torch.Generator().manual_seed(83)
-    for step in range(4):
-        masked_m.copy_(_decode_masked_m(gen, E, cap))
-        a.copy_(_inputs(E, cap, rows, k, device=cuda_device, seed=95 + step)[0])
-        for out in outs:
-            out.fill_(float("nan"))
-        graph.replay() if step else both()
-        torch.cuda.synchronize()
-        assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), f"step {step}"
-        live = torch.arange(cap, device=cuda_device)[None, :] < masked_m[:, None]
-        assert not torch.isnan(outs[1][live].float()).any()
 
 
 @pytest.mark.gpu
