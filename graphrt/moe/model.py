@@ -340,7 +340,7 @@ class DecoderLayer:
             a = self.attn.attend(h, slot_mapping, block_table, seq_lens, n, qkv=qkv)
             routes, x, h = self._fold_route(a, x, n)
         else:
-            attn = self.attn(h, slot_mapping, block_table, seq_lens, n, qkv=qkv)
+            attn = self.attn(h, slot_mapping, block_table, seq_lens, n, qkv=qkv, join=None)
             if self.fuse_moe_norm and router.takes_logits() and gate_norm_fusable(x, router.w):
                 logits, x, h = dense_normed_keep(PendingNorm(x, (attn,), self.moe_norm, eps),
                                                  router.w)

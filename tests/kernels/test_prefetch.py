@@ -60,3 +60,23 @@ def test_bulk_prefetch_chunks_and_refusals():
     w = torch.zeros(64, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="a CUDA device"):
         l2_prefetch_bulk(w, sink=torch.zeros(4, dtype=torch.int32))
+
+
+def test_attention_prefetch_policy():
+    """``Attention.prefetch``: "auto" prefetches at one row only where the bulk kernel runs
+    (Hopper or newer: never on the CPU, which has no side stream); True / False at every size
+    / none; an unknown kernel name is refused with what was expected."""
+    from graphrt.moe import preset
+    from graphrt.moe.layers import Attention
+    cfg = preset("qwen3-moe-like", layers=1, experts=16, num_slots=8, max_ctx=64)
+    attn = Attention(cfg, "cpu", torch.Generator().manual_seed(0))
+    assert attn.prefetch == "auto" and attn.prefetch_join == "step"
+    assert not attn.prefetches(1) and not attn.prefetches(16)
+    attn.prefetch = True
+    assert attn.prefetches(1) and attn.prefetches(16)
+    attn.prefetch = False
+    assert not attn.prefetches(1)
+    attn.prefetch, attn.prefetch_kernel = True, "bulky"
+    with pytest.raises(ValueError, match="'auto', 'load' or 'bulk'"):
+        attn._bulk()
+    attn.join_prefetch()  # nothing pending: a no-op

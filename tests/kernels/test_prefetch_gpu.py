@@ -85,3 +85,42 @@ def test_bulk_prefetch_runs_captured_on_a_side_stream(cuda_device):
         l2_prefetch_bulk(w, sink=sink[:chunks - 1])
     with pytest.raises(ValueError, match="chunk"):
         l2_prefetch_bulk(w, sink=sink, chunk=1000)
+
+
+def test_one_row_step_prefetches_by_default_and_replays_bitwise(cuda_device):
+    """The default ("auto") at one row on Hopper: the captured step forks a bulk prefetch a
+    layer and joins them after the LM head (nothing left pending); its replay is bitwise the
+    eager step and the same step with the prefetch off."""
+    from graphrt.kernels._util import hopper_or_newer
+    from graphrt.moe import preset
+    from graphrt.moe.model import MoEModel
+    from graphrt.moe.paged_kv import example_inputs
+    if not hopper_or_newer(torch.device(cuda_device).index or 0):
+        pytest.skip("the bulk prefetch needs sm_90+")
+    cfg = preset("qwen3-moe-like", layers=2, experts=16, num_slots=16, max_ctx=256,
+                 vocab_size=4096)
+    model = MoEModel(cfg, cuda_device)
+    assert all(l.attn.prefetches(1) and not l.attn.prefetches(2) for l in model.layers)
+    ex = example_inputs(cfg, 1, cuda_device, torch.Generator().manual_seed(3))
+    n = torch.tensor([1], dtype=torch.int32, device=cuda_device)
+    args = [ex[k] for k in ("tokens", "positions", "slot_mapping", "block_table", "seq_lens")]
+    args.append(n)
+    model.prepare(1)
+    eager = model.step(*args)["logits"].clone()
+    assert all(not l.attn._pending for l in model.layers)
+    s = torch.cuda.Stream(cuda_device)
+    s.wait_stream(torch.cuda.current_stream(cuda_device))
+    with torch.cuda.stream(s):
+        model.step(*args)
+    torch.cuda.current_stream(cuda_device).wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = model.step(*args)["logits"]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    for layer in model.layers:
+        layer.attn.prefetch = False
+    off = model.step(*args)["logits"]
+    torch.cuda.synchronize()
+    assert torch.equal(off, eager)
