@@ -448,7 +448,10 @@ class Attention:
         return o.view(bs, cfg.q_dim)
 
     def prefetches(self, bs: int) -> bool:
-        """Whether a step of ``bs`` rows pulls wo into L2 (``prefetch``). Host-only."""
+        """Whether a step of ``bs`` rows pulls wo into L2 (``prefetch``; never under
+        torch.compile). Host-only."""
+        if torch.compiler.is_compiling():
+            return False
         if self.prefetch == "auto":
             return bs == 1 and self._bulk()
         return bool(self.prefetch)
