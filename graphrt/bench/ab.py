@@ -4,12 +4,8 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
 
 - ``pdl``: programmatic dependent launch of graphrt's Triton kernels (``GRAPHRT_PDL``,
   ``graphrt.kernels._util.pdl_args``);
-- ``prefetch``: the attention layers' L2 prefetch of the o-projection weight at every size
-  (on) or at none (off), against the default's one row (``Attention.prefetch``,
-  ``graphrt.kernels.prefetch``); ``prefetch-load``: by the load kernel instead of Hopper's
-  bulk prefetch (``Attention.prefetch_kernel``); ``prefetch-early-join``: joined before the
-  o-projection instead of after the LM head (``Attention.prefetch_join``); combine them
-  with ``+``;
+- ``prefetch``: the attention layers' L2 prefetch of the o-projection weight
+  (``Attention.prefetch``, ``graphrt.kernels.prefetch``);
 - ``prefetch-qkv``: each layer's L2 prefetch of the next layer's QKV weight beside its MoE
   block (``DecoderLayer.prefetch_next_qkv``);
 - ``attn-splits``: decode attention's split size picked per captured size
@@ -141,11 +137,6 @@ def _gate_rows(rows: int):
 # switch -> (on) -> the context a capture runs in
 SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "prefetch": lambda on: _class_attr("graphrt.moe.layers", "Attention", "prefetch", on),
-            "prefetch-load": lambda on: _class_attr("graphrt.moe.layers", "Attention",
-                                                    "prefetch_kernel", "load" if on else "auto"),
-            "prefetch-early-join": lambda on: _class_attr("graphrt.moe.layers", "Attention",
-                                                          "prefetch_join",
-                                                          "wo" if on else "step"),
             "prefetch-qkv": lambda on: _class_attr("graphrt.moe.model", "DecoderLayer",
                                                    "prefetch_next_qkv", on),
             "attn-splits": lambda on: _class_attr("graphrt.moe.layers", "Attention", "split_size",

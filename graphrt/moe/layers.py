@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from graphrt.env import env_auto, env_flag
+from graphrt.env import env_flag
 from graphrt.moe.config import MoEConfig
 
 
@@ -346,25 +346,10 @@ class Attention:
     split_size = None
     # Pull wo into L2 on a side stream while K/V append and attention run (latency-bound,
     # HBM idle), so the o-projection reads it from L2 (graphrt.kernels.prefetch). CUDA only,
-    # not under torch.compile. "auto" (the default): at one row on Hopper or newer, where the
-    # bulk prefetch joined after the LM head measured 0.993x the qwen3-like bs-1 step and
-    # 1.002-1.008x at bs 2-16 (BENCHMARKS.md §49; §19: the load kernel joined before wo,
-    # 1.008-1.018x). True / False: at every size / never. GRAPHRT_PREFETCH=1 / 0 / auto at
-    # import (A/B benchmarks: the prefetch switch).
-    prefetch = env_auto("GRAPHRT_PREFETCH")
+    # not under torch.compile. Off by default: measured 0.8-1.8% slower on an H200
+    # (BENCHMARKS.md §19); GRAPHRT_PREFETCH=1 at import turns it on (A/B benchmarks).
+    prefetch = env_flag("GRAPHRT_PREFETCH", False)
     prefetch_programs = None  # l2_prefetch's grid (None: one program per chunk)
-    # The prefetch's kernel: "bulk" (l2_prefetch_bulk: Hopper's cp.async.bulk.prefetch.L2
-    # from a few one-warp programs, nothing read into registers), "load" (l2_prefetch: every
-    # word loaded into registers, evict_last) or "auto" (bulk on Hopper or newer, else load).
-    # A/B: the prefetch-load switch; GRAPHRT_PREFETCH_KERNEL at import.
-    prefetch_kernel = os.environ.get("GRAPHRT_PREFETCH_KERNEL") or "auto"
-    # Where the side stream joins back: "step" (MoEModel.step joins every layer's prefetch
-    # after the LM head, so the o-projection keeps its early PDL launch and reads whatever
-    # has landed) or "wo" (before the o-projection, which then waits for the whole
-    # prefetch). A bare Attention call joins before wo; a caller that passes join=None
-    # takes this policy and must call join_prefetch before its step ends. A/B: the
-    # prefetch-early-join switch; GRAPHRT_PREFETCH_JOIN at import.
-    prefetch_join = os.environ.get("GRAPHRT_PREFETCH_JOIN") or "step"
     # Write the new K/V inside the attention launch (decode_attention(k_new=, ...)) instead of
     # a kv_append launch before it. On by default: 1.002x / 0.985x the step at qwen3-like
     # bs 1 / 16 (BENCHMARKS.md §25); GRAPHRT_FUSE_APPEND=0 at import turns it off (A/B
@@ -393,24 +378,18 @@ class Attention:
             self.l2_bytes = torch.cuda.get_device_properties(self.wo.device).L2_cache_size
             size = max(sink_size(self.wo), sink_size(self.wqkv))   # wo here, wqkv from the layer before
             self.sink = torch.zeros(size, dtype=torch.int32, device=device)
-        self._pending: list = []    # prefetch receivers left to join (prefetch_join "step")
 
-    def __call__(self, h, slot_mapping, block_table, seq_lens, n, qkv=None,
-                 join: str | None = "wo") -> torch.Tensor:
+    def __call__(self, h, slot_mapping, block_table, seq_lens, n, qkv=None) -> torch.Tensor:
         """h ``[bs, hidden]``; slot_mapping int64 ``[bs]``, block_table int32
         ``[bs, max_blocks_per_seq]``, seq_lens int32 ``[bs]`` (the new token included) ->
         ``[bs, hidden]``. Writes the new K/V at ``slot_mapping`` (live rows only). ``qkv``:
-        the QKV projection already made (``dense_normed``); h is then not read. ``join``:
-        as ``attend``'s (here before the o-projection unless told)."""
-        o = self.attend(h, slot_mapping, block_table, seq_lens, n, qkv=qkv, join=join)
+        the QKV projection already made (``dense_normed``); h is then not read."""
+        o = self.attend(h, slot_mapping, block_table, seq_lens, n, qkv=qkv)
         return dense(o, self.wo)
 
-    def attend(self, h, slot_mapping, block_table, seq_lens, n, qkv=None,
-               join: str | None = None) -> torch.Tensor:
+    def attend(self, h, slot_mapping, block_table, seq_lens, n, qkv=None) -> torch.Tensor:
         """``__call__`` without the o-projection: the heads' outputs ``[bs, q_dim]`` (x.dtype),
-        for a caller that projects them itself (``kernels.gate_fold``). ``join``: where the
-        prefetch joins (default ``prefetch_join``); with "step" the caller must call
-        ``join_prefetch`` before its step ends (``MoEModel.step`` does)."""
+        for a caller that projects them itself (``kernels.gate_fold``)."""
         from graphrt.kernels.attention import (attention_workspace_shape, decode_attention,
                                                kv_append, select_variant, split_size_for)
         from graphrt.moe.expert_plan import num_sms
@@ -420,7 +399,7 @@ class Attention:
         q = qkv[:, :cfg.q_dim].view(bs, cfg.num_heads, cfg.head_dim)
         k = qkv[:, cfg.q_dim:cfg.q_dim + cfg.kv_dim].view(bs, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, cfg.q_dim + cfg.kv_dim:].view(bs, cfg.num_kv_heads, cfg.head_dim)
-        recv = self.start_prefetch(self.wo) if self.prefetches(bs) else None
+        recv = self.start_prefetch(self.wo) if self.prefetch else None  # joined before wo
         if self.fuse_append:                      # the attention launch writes the new K/V
             new_kv = dict(k_new=k, v_new=v, slot_mapping=slot_mapping)
         else:
@@ -441,36 +420,8 @@ class Attention:
                          semaphore=self.semaphore[:bs] if variant == "fused" else None, variant=variant,
                          **new_kv)
         if recv is not None:
-            if (join or self.prefetch_join) == "step":
-                self._pending.append(recv)
-            else:
-                recv()
+            recv()
         return o.view(bs, cfg.q_dim)
-
-    def prefetches(self, bs: int) -> bool:
-        """Whether a step of ``bs`` rows pulls wo into L2 (``prefetch``; never under
-        torch.compile). Host-only."""
-        if torch.compiler.is_compiling():
-            return False
-        if self.prefetch == "auto":
-            return bs == 1 and self._bulk()
-        return bool(self.prefetch)
-
-    def _bulk(self) -> bool:
-        """Whether the prefetch takes the bulk kernel (``prefetch_kernel``). Host-only."""
-        if self.prefetch_kernel == "auto":
-            from graphrt.kernels._util import hopper_or_newer
-            return self.side is not None and hopper_or_newer(self.wo.device.index)
-        if self.prefetch_kernel not in ("load", "bulk"):
-            raise ValueError(f"Attention.prefetch_kernel is {self.prefetch_kernel!r}; expected "
-                             "'auto', 'load' or 'bulk'")
-        return self.prefetch_kernel == "bulk"
-
-    def join_prefetch(self) -> None:
-        """Join the prefetches left open by ``prefetch_join = "step"`` (an event wait each on
-        the current stream). Graph safety: capturable."""
-        while self._pending:
-            self._pending.pop()()
 
     def start_prefetch(self, w: torch.Tensor):
         """Fork the side stream from the current stream and ``l2_prefetch(w)`` there (``w``:
@@ -481,10 +432,7 @@ class Attention:
                 or w.numel() * w.element_size() > self.l2_bytes // 2:
             return None
         from graphrt.comm.base import on_side_stream
-        from graphrt.kernels.prefetch import l2_prefetch, l2_prefetch_bulk
-        if self._bulk():
-            return on_side_stream(self.side, lambda: l2_prefetch_bulk(w, sink=self.sink),
-                                  self.sink, keep=(w,))
+        from graphrt.kernels.prefetch import l2_prefetch
         programs = self.prefetch_programs
         if programs is not None and programs > self.sink.numel():
             raise ValueError(f"Attention.prefetch_programs {programs} exceeds the sink's "

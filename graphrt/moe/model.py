@@ -340,7 +340,7 @@ class DecoderLayer:
             a = self.attn.attend(h, slot_mapping, block_table, seq_lens, n, qkv=qkv)
             routes, x, h = self._fold_route(a, x, n)
         else:
-            attn = self.attn(h, slot_mapping, block_table, seq_lens, n, qkv=qkv, join=None)
+            attn = self.attn(h, slot_mapping, block_table, seq_lens, n, qkv=qkv)
             if self.fuse_moe_norm and router.takes_logits() and gate_norm_fusable(x, router.w):
                 logits, x, h = dense_normed_keep(PendingNorm(x, (attn,), self.moe_norm, eps),
                                                  router.w)
@@ -531,12 +531,8 @@ class MoEModel:
             self.expert_map.advance()
         logits = None if out is None else out["logits"]
         if isinstance(h, PendingNorm):                                     # fuse_final_norm
-            logits = dense_normed(h, self.lm_head, out=logits)[0]
-        else:
-            logits = dense(h, self.lm_head, out=logits)                    # h: final-normed x
-        for layer in self.layers:            # prefetches left open (Attention.prefetch_join)
-            layer.attn.join_prefetch()
-        return {"logits": logits}
+            return {"logits": dense_normed(h, self.lm_head, out=logits)[0]}
+        return {"logits": dense(h, self.lm_head, out=logits)}              # h: final-normed x
 
     def weight_bytes(self, bs: int | None = None) -> dict:
         """Bytes a step must read: expert weights (all local experts), dense weights."""

@@ -48,35 +48,3 @@ def test_bad_arguments_say_what_was_expected():
         l2_prefetch(w.t(), sink=torch.zeros(4, dtype=torch.int32))
     with pytest.raises(ValueError, match="programs"):
         l2_prefetch(w, sink=torch.zeros(4, dtype=torch.int32), programs=0)
-
-
-def test_bulk_prefetch_chunks_and_refusals():
-    """``bulk_chunks`` counts the 16-byte-rounded bytes in chunks; the bulk prefetch needs a
-    CUDA device (inline PTX) and says so, and checks its sink and chunk."""
-    from graphrt.kernels.prefetch import bulk_chunks, l2_prefetch_bulk
-    assert bulk_chunks(torch.zeros(5120, 2048, dtype=torch.bfloat16)) == 640
-    assert bulk_chunks(torch.zeros(7, dtype=torch.bfloat16), chunk=16) == 0  # 14 bytes: none
-    assert bulk_chunks(torch.zeros(9, dtype=torch.bfloat16), chunk=16) == 1
-    w = torch.zeros(64, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="a CUDA device"):
-        l2_prefetch_bulk(w, sink=torch.zeros(4, dtype=torch.int32))
-
-
-def test_attention_prefetch_policy():
-    """``Attention.prefetch``: "auto" prefetches at one row only where the bulk kernel runs
-    (Hopper or newer: never on the CPU, which has no side stream); True / False at every size
-    / none; an unknown kernel name is refused with what was expected."""
-    from graphrt.moe import preset
-    from graphrt.moe.layers import Attention
-    cfg = preset("qwen3-moe-like", layers=1, experts=16, num_slots=8, max_ctx=64)
-    attn = Attention(cfg, "cpu", torch.Generator().manual_seed(0))
-    assert attn.prefetch == "auto" and attn.prefetch_join == "step"
-    assert not attn.prefetches(1) and not attn.prefetches(16)
-    attn.prefetch = True
-    assert attn.prefetches(1) and attn.prefetches(16)
-    attn.prefetch = False
-    assert not attn.prefetches(1)
-    attn.prefetch, attn.prefetch_kernel = True, "bulky"
-    with pytest.raises(ValueError, match="'auto', 'load' or 'bulk'"):
-        attn._bulk()
-    attn.join_prefetch()  # nothing pending: a no-op
