@@ -70,6 +70,9 @@ _CONFIGS = (
 # GRAPHRT_EXPERT_TMA=0 at import turns it off (A/B: the expert-tma switch, before capture).
 TMA = env_flag("GRAPHRT_EXPERT_TMA", True)
 TMA_TILE = (256, 2)
+# W13's tile (the SiLU epilogue's calls) when it differs from TMA_TILE (None: TMA_TILE).
+# A/B: the w13-tma-256x3 and w13-tma-128x3 switches.
+TMA_TILE_EPI = None
 
 
 def gemm_config(expected_m: int) -> dict:
@@ -222,7 +225,8 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
     b_arg = b
     if cfg["BLOCK_M"] == 16 and tma_path(b):
         from triton.tools.tensor_descriptor import TensorDescriptor
-        cfg = {**cfg, "BLOCK_K": TMA_TILE[0], "num_stages": TMA_TILE[1]}
+        tile = (TMA_TILE_EPI or TMA_TILE) if epilogue is not None else TMA_TILE
+        cfg = {**cfg, "BLOCK_K": tile[0], "num_stages": tile[1]}
         b_arg = TensorDescriptor.from_tensor(b.view(-1, k), [cols, cfg["BLOCK_K"]])
     _masked_grouped_gemm_kernel[grid](
         a, b_arg, out, masked_m, m_max, n, k,

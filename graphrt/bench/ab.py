@@ -84,7 +84,9 @@ per replay (CUDA events, medians), and the two graphs' logits compared. Switches
   numerator program instead of 4 (``kernels.gate_fold.GATE_ROWS``); ``fold-w1``: the top-k
   launch on 1 warp instead of 4;
 - ``expert-tma``: the Triton masked GEMM's 16-row config with its weights read by TMA
-  (``grouped_gemm.TMA``);
+  (``grouped_gemm.TMA``); ``w13-tma-256x3`` / ``w13-tma-128x3``: W13's (the SiLU epilogue's)
+  TMA tile of K 256 on 3 stages / K 128 on 3 stages instead of ``TMA_TILE``
+  (``grouped_gemm.TMA_TILE_EPI``);
 - ``expert-rows``: the expert plan's choices as measured, the CUDA-core rows kernel included
   (``kernels.grouped_gemv_rows``), against the fastest other kernel of each entry
   (``ExpertPlan.exclude``).
@@ -230,6 +232,10 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
                                                   "exclude", frozenset() if on else
                                                   frozenset({"swap"})),
             "expert-tma": lambda on: _class_attr("graphrt.kernels.grouped_gemm", None, "TMA", on),
+            "w13-tma-256x3": lambda on: _class_attr("graphrt.kernels.grouped_gemm", None,
+                                                    "TMA_TILE_EPI", (256, 3) if on else None),
+            "w13-tma-128x3": lambda on: _class_attr("graphrt.kernels.grouped_gemm", None,
+                                                    "TMA_TILE_EPI", (128, 3) if on else None),
             "expert-rows": lambda on: _class_attr("graphrt.moe.expert_plan", "ExpertPlan",
                                                   "exclude", frozenset() if on else
                                                   frozenset({"rows"}))}

@@ -452,3 +452,37 @@ def test_decode_op_matches_launcher():
     torch.library.opcheck(torch.ops.graphrt.decode_grouped_gemm.default,
                           (a, b, masked_m, torch.zeros_like(want)), dict(block_n=16),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_w13_tma_tile_applies_to_the_epilogue_only(monkeypatch):
+    """``TMA_TILE_EPI``: the SiLU epilogue's (W13's) calls take it, plain calls (W2) keep
+    ``TMA_TILE``; each within rounding of the pointer path (the interpreter's fp32 dot sums
+    another tile in another order)."""
+    from graphrt.kernels import grouped_gemm as gg
+    seen = []
+    real = gg._masked_grouped_gemm_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append((kw["BLOCK_K"], kw["num_stages"], kw["EPI"]))
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(gg, "_masked_grouped_gemm_kernel", Spy())
+    monkeypatch.setattr(gg, "TMA", True)
+    monkeypatch.setattr(gg, "TMA_TILE_EPI", (128, 3))
+    E, cap, n, k = 2, 16, 32, 512
+    a, b = _inputs(E, cap, 2 * n, k, seed=72)
+    masked_m = torch.tensor([16, 3], dtype=torch.int32)
+    out = torch.full((E, cap, n), float("nan"), dtype=torch.bfloat16)
+    masked_grouped_gemm(a, b, masked_m, out=out, expected_m=2, epilogue="silu_and_mul")
+    out2 = torch.full((E, cap, 2 * n), float("nan"), dtype=torch.bfloat16)
+    masked_grouped_gemm(a, b, masked_m, out=out2, expected_m=2)
+    assert seen == [(128, 3, True), (gg.TMA_TILE[0], gg.TMA_TILE[1], False)]
+    _check_against_ref(a, b, masked_m, out2)
+    monkeypatch.setattr(gg, "TMA", False)
+    ref = torch.full((E, cap, n), float("nan"), dtype=torch.bfloat16)
+    masked_grouped_gemm(a, b, masked_m, out=ref, expected_m=2, epilogue="silu_and_mul")
+    live = torch.arange(cap)[None, :] < masked_m[:, None]
+    assert torch.allclose(out[live].float(), ref[live].float(), rtol=2e-2, atol=2e-2)
