@@ -70,9 +70,14 @@ _CONFIGS = (
 # GRAPHRT_EXPERT_TMA=0 at import turns it off (A/B: the expert-tma switch, before capture).
 TMA = env_flag("GRAPHRT_EXPERT_TMA", True)
 TMA_TILE = (256, 2)
-# W13's tile (the SiLU epilogue's calls) when it differs from TMA_TILE (None: TMA_TILE).
-# A/B: the w13-tma-256x3 and w13-tma-128x3 switches.
-TMA_TILE_EPI = None
+# W13's tile (the SiLU epilogue's calls; None: TMA_TILE): K tiles of 128 on 3 stages (60 KB
+# of shared memory a program). Alone at the qwen3-like W13 (64 experts, cap 64) 0.977 / 0.988
+# of TMA_TILE's time at bs 16 / 8, outputs bitwise equal; the step 0.988 / 0.992 / 0.998 /
+# 0.994 at qwen3-like bs 2 / 4 / 8 / 16, logits bitwise equal, 0.999 at dsv3-like bs 8 (K
+# tiles of 256 on 3 stages: 0.992 / 0.995 / 0.994 / 0.993; BENCHMARKS.md §49). W2 keeps
+# TMA_TILE (K 128 on 3 stages: 1.006 / 1.011 alone at bs 16 / 8). A/B: the w13-tma-128x3 and
+# w13-tma-256x3 switches (on: that tile; off: TMA_TILE).
+TMA_TILE_EPI = (128, 3)
 
 
 def gemm_config(expected_m: int) -> dict:
