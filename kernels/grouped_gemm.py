@@ -62,7 +62,8 @@ _CONFIGS = (
 # The 16-row config's weights read by the Tensor Memory Accelerator (sm_90's TMA: a host
 # ``TensorDescriptor`` over b's ``[num_groups * rows, k]`` view, one bulk copy a K tile)
 # instead of per-thread ``cp.async`` loads, on ``TMA_TILE`` = (BLOCK_K, num_stages): K tiles
-# of 256 on 2 stages (the same 80 KB of shared memory a program). Alone at the qwen3-like
+# of 256 on 2 stages (the same 80 KB of shared memory a program; W13's calls take
+# ``TMA_TILE_EPI`` below; ``tma_path`` asks k >= TMA_TILE's K tile of both). Alone at the qwen3-like
 # shapes (64 experts, cap 64): W13 0.976 / 0.980 and W2 0.978 / 0.973 of the pointer loads'
 # time at bs 16 / 8; outputs bitwise equal. The step: 0.995 / 0.992 / 0.993 / 0.993 at
 # qwen3-like bs 2 / 4 / 8 / 16 (K tiles of 128 on 3 stages: 0.999 / 0.987 / 0.992 / 0.988),
