@@ -81,6 +81,13 @@ TMA_TILE = (256, 2)
 TMA_TILE_EPI = (128, 3)
 
 
+def tma_tile(epilogue: str | None = None) -> tuple[int, int]:
+    """``(BLOCK_K, num_stages)`` of the 16-row TMA config for a call with ``epilogue``:
+    ``TMA_TILE_EPI`` (or ``TMA_TILE`` when None) for W13's SiLU epilogue, ``TMA_TILE``
+    otherwise. Host-only."""
+    return (TMA_TILE_EPI or TMA_TILE) if epilogue is not None else TMA_TILE
+
+
 def gemm_config(expected_m: int) -> dict:
     """Tile config for a given ``expected_m`` (host int): dict of block sizes, stages, warps.
 
@@ -231,8 +238,8 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
     b_arg = b
     if cfg["BLOCK_M"] == 16 and tma_path(b):
         from triton.tools.tensor_descriptor import TensorDescriptor
-        tile = (TMA_TILE_EPI or TMA_TILE) if epilogue is not None else TMA_TILE
-        cfg = {**cfg, "BLOCK_K": tile[0], "num_stages": tile[1]}
+        bk, stages = tma_tile(epilogue)
+        cfg = {**cfg, "BLOCK_K": bk, "num_stages": stages}
         b_arg = TensorDescriptor.from_tensor(b.view(-1, k), [cols, cfg["BLOCK_K"]])
     _masked_grouped_gemm_kernel[grid](
         a, b_arg, out, masked_m, m_max, n, k,

@@ -130,6 +130,13 @@ def _class_attr(module: str, cls: str | None, name: str, value):
         setattr(owner, name, before)
 
 
+def _w13_tile(tile: tuple[int, int]):
+    """A ``w13-tma-*`` switch: ``kernels.grouped_gemm.TMA_TILE_EPI`` = tile (on) or None
+    (off: W13 on ``TMA_TILE``)."""
+    return lambda on: _class_attr("graphrt.kernels.grouped_gemm", None, "TMA_TILE_EPI",
+                                  tile if on else None)
+
+
 def _gate_rows(rows: int):
     """The ``fold-e<rows>`` switch: ``kernels.gate_fold.GATE_ROWS`` = rows (on) or 4."""
     return lambda on: _class_attr("graphrt.kernels.gate_fold", None, "GATE_ROWS",
@@ -232,10 +239,8 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
                                                   "exclude", frozenset() if on else
                                                   frozenset({"swap"})),
             "expert-tma": lambda on: _class_attr("graphrt.kernels.grouped_gemm", None, "TMA", on),
-            "w13-tma-256x3": lambda on: _class_attr("graphrt.kernels.grouped_gemm", None,
-                                                    "TMA_TILE_EPI", (256, 3) if on else None),
-            "w13-tma-128x3": lambda on: _class_attr("graphrt.kernels.grouped_gemm", None,
-                                                    "TMA_TILE_EPI", (128, 3) if on else None),
+            "w13-tma-256x3": _w13_tile((256, 3)),
+            "w13-tma-128x3": _w13_tile((128, 3)),
             "expert-rows": lambda on: _class_attr("graphrt.moe.expert_plan", "ExpertPlan",
                                                   "exclude", frozenset() if on else
                                                   frozenset({"rows"}))}

@@ -10,7 +10,7 @@ import textwrap
 from tests.kernels.sm90 import compile_results
 
 SCRIPT = textwrap.dedent('''
-    from graphrt.kernels.grouped_gemm import TMA_TILE, TMA_TILE_EPI, _masked_grouped_gemm_kernel as K
+    from graphrt.kernels.grouped_gemm import _masked_grouped_gemm_kernel as K, tma_tile
 
     INTS = "m_max n k stride_ag stride_am stride_bg stride_bn stride_og stride_om".split()
     SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "masked_m_ptr": "*i32",
@@ -25,8 +25,8 @@ SCRIPT = textwrap.dedent('''
     for tma in (False, True):
         for epi in (False, True):
             for gdc in (0, 2):
-                tile = (TMA_TILE_EPI or TMA_TILE) if epi else TMA_TILE
-                bk, stages = tile if tma else (128, 4)  # the launcher's configs
+                # the launcher's configs
+                bk, stages = tma_tile("silu_and_mul" if epi else None) if tma else (128, 4)
                 const = dict(stride_ak=1, stride_bk=1, stride_on=1, BLOCK_M=16, BLOCK_N=64,
                              BLOCK_K=bk, UPCAST=False, EPI=epi, B_TMA=tma, USE_GDC=gdc)
                 sig = dict(SIG)
