@@ -79,11 +79,6 @@ TMA_TILE = (256, 2)
 # TMA_TILE (K 128 on 3 stages: 1.006 / 1.011 alone at bs 16 / 8). A/B: the w13-tma-128x3 and
 # w13-tma-256x3 switches (on: that tile; off: TMA_TILE).
 TMA_TILE_EPI = (128, 3)
-# Column blocks a program of the plain (W2) calls on the TMA path: > 1 walks them with one
-# flat loop over (column block, K tile), so the next block's weights load under the last
-# one's tail instead of a new program's ramp (a W2 program at qwen3-like k = 768 is 3 K
-# tiles). Same tiles, same K order: bitwise the one-block grid.
-TMA_COL_TILES = 1
 
 
 def tma_tile(epilogue: str | None = None) -> tuple[int, int]:
@@ -123,7 +118,6 @@ def _masked_grouped_gemm_kernel(
     EPI: tl.constexpr = False,  # out = silu(a @ gate.T) * (a @ up.T), BLOCK_N // 2 columns
     B_TMA: tl.constexpr = False,  # b_ptr is a TensorDescriptor over b's [groups * rows, k]
     USE_GDC: tl.constexpr = False,  # PDL (kernels._pdl): launched with kernels._util.pdl_args
-    COL_TILES: tl.constexpr = 1,  # > 1 (B_TMA, not EPI): column blocks a program, one pipeline
 ):
     pdl_prologue(USE_GDC)
     pid_gm = tl.program_id(0)  # group * num_m_blocks + row block
@@ -152,58 +146,37 @@ def _masked_grouped_gemm_kernel(
         b_ptrs = (b_ptr + g64 * stride_bg + offs_k[:, None] * stride_bk
                   + offs_n[None, :] * stride_bn)
     acc = tl.zeros((BLOCK_M, COLS), dtype=tl.float32)
-    if COL_TILES > 1:  # COL_TILES column blocks from pid_n * COL_TILES, one flat K loop
-        k_tiles = tl.cdiv(k, BLOCK_K)
-        b_row = g * (stride_bg // stride_bn) + pid_n * (COL_TILES * COLS)
-        for t in range(0, COL_TILES * k_tiles):  # (column block, K tile), K fastest
-            kt = t % k_tiles
-            c = t // k_tiles
-            k0 = kt * BLOCK_K
-            a = tl.load(a_ptrs + k0 * stride_ak, mask=mask_m[:, None] & (offs_k < k - k0)[None, :],
-                        other=0.0)  # [BM, BK]
-            b = b_ptr.load([b_row + c * COLS, k0]).T  # [BK, COLS]; rows past n: masked off
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc += tl.dot(a, b)
-            last = kt == k_tiles - 1  # this column block's sums are whole: store, restart
-            if last:
-                cols = (pid_n * COL_TILES + c) * COLS + tl.arange(0, COLS)
-                tl.store(out_row + cols[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
-                         mask=mask_m[:, None] & (cols < n)[None, :])
-            acc = tl.where(last, 0.0, acc)
-    else:
-        acc_up = tl.zeros((BLOCK_M, COLS), dtype=tl.float32)  # EPI only
-        for k0 in range(0, k, BLOCK_K):
-            mask_k = offs_k < k - k0
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK]
-            if B_TMA:  # [COLS, BK] boxes; past k zero-filled. Rows past n (the up rows or the
-                # next group's) feed only the columns the store masks off.
-                b = b_ptr.load([b_row, k0]).T  # [BK, COLS]
-                if EPI:
-                    b_up = b_ptr.load([b_row + n, k0]).T
-            else:
-                mask_b = mask_k[:, None] & mask_n[None, :]
-                b = tl.load(b_ptrs, mask=mask_b, other=0.0)  # [BK, COLS]
-                if EPI:
-                    b_up = tl.load(b_ptrs + n * stride_bn, mask=mask_b, other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc += tl.dot(a, b)  # bf16 operands, fp32 accumulation on the GPU
+    acc_up = tl.zeros((BLOCK_M, COLS), dtype=tl.float32)  # EPI only
+    for k0 in range(0, k, BLOCK_K):
+        mask_k = offs_k < k - k0
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK]
+        if B_TMA:  # [COLS, BK] boxes; past k zero-filled. Rows past n (the up rows or the
+            # next group's) feed only the columns the store masks off.
+            b = b_ptr.load([b_row, k0]).T  # [BK, COLS]
             if EPI:
-                if UPCAST:
-                    b_up = b_up.to(tl.float32)
-                acc_up += tl.dot(a, b_up)
-            a_ptrs += BLOCK_K * stride_ak
-            if not B_TMA:
-                b_ptrs += BLOCK_K * stride_bk
-        if EPI:  # silu_and_mul_masked's arithmetic on the bf16 u this GEMM would have stored
-            ty = out_ptr.dtype.element_ty
-            acc = _silu_mul(acc.to(ty).to(tl.float32), acc_up.to(ty).to(tl.float32))
+                b_up = b_ptr.load([b_row + n, k0]).T
+        else:
+            mask_b = mask_k[:, None] & mask_n[None, :]
+            b = tl.load(b_ptrs, mask=mask_b, other=0.0)  # [BK, COLS]
+            if EPI:
+                b_up = tl.load(b_ptrs + n * stride_bn, mask=mask_b, other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc += tl.dot(a, b)  # bf16 operands, fp32 accumulation on the GPU
+        if EPI:
+            if UPCAST:
+                b_up = b_up.to(tl.float32)
+            acc_up += tl.dot(a, b_up)
+        a_ptrs += BLOCK_K * stride_ak
+        if not B_TMA:
+            b_ptrs += BLOCK_K * stride_bk
+    if EPI:  # silu_and_mul_masked's arithmetic on the bf16 u this GEMM would have stored
+        ty = out_ptr.dtype.element_ty
+        acc = _silu_mul(acc.to(ty).to(tl.float32), acc_up.to(ty).to(tl.float32))
 
-        tl.store(out_row + offs_n[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
-                 mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(out_row + offs_n[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
 
 
 def tma_path(b: torch.Tensor) -> bool:
@@ -262,15 +235,12 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
     cfg = gemm_config(m_max if expected_m is None else expected_m)
     cols = cfg["BLOCK_N"] if epilogue is None else cfg["BLOCK_N"] // 2  # out columns a program
     grid = (num_groups * triton.cdiv(m_max, cfg["BLOCK_M"]), triton.cdiv(n, cols))
-    b_arg, col_tiles = b, 1
+    b_arg = b
     if cfg["BLOCK_M"] == 16 and tma_path(b):
         from triton.tools.tensor_descriptor import TensorDescriptor
         bk, stages = tma_tile(epilogue)
         cfg = {**cfg, "BLOCK_K": bk, "num_stages": stages}
         b_arg = TensorDescriptor.from_tensor(b.view(-1, k), [cols, cfg["BLOCK_K"]])
-        if epilogue is None:
-            col_tiles = max(1, min(TMA_COL_TILES, triton.cdiv(n, cols)))
-            grid = (grid[0], triton.cdiv(n, cols * col_tiles))
     _masked_grouped_gemm_kernel[grid](
         a, b_arg, out, masked_m, m_max, n, k,
         a.stride(0), a.stride(1), a.stride(2),
@@ -278,8 +248,7 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         UPCAST=interpreting(), EPI=epilogue is not None, B_TMA=b_arg is not b,
-        COL_TILES=col_tiles, num_stages=cfg["num_stages"], num_warps=cfg["num_warps"],
-        **pdl_args(),
+        num_stages=cfg["num_stages"], num_warps=cfg["num_warps"], **pdl_args(),
     )
     return out
 

@@ -137,20 +137,6 @@ def _w13_tile(tile: tuple[int, int]):
                                   tile if on else None)
 
 
-def _w2_cols(tiles: int):
-    """A ``w2-cols*`` switch: ``kernels.grouped_gemm.TMA_COL_TILES`` = tiles (on) or 1 (off:
-    one column block a W2 program)."""
-    return lambda on: _class_attr("graphrt.kernels.grouped_gemm", None, "TMA_COL_TILES",
-                                  tiles if on else 1)
-
-
-def _w2_tile(tile: tuple[int, int]):
-    """A ``w2-tma-*`` switch: ``kernels.grouped_gemm.TMA_TILE`` (W2's calls) = tile (on) or
-    (256, 2) (off)."""
-    return lambda on: _class_attr("graphrt.kernels.grouped_gemm", None, "TMA_TILE",
-                                  tile if on else (256, 2))
-
-
 def _gate_rows(rows: int):
     """The ``fold-e<rows>`` switch: ``kernels.gate_fold.GATE_ROWS`` = rows (on) or 4."""
     return lambda on: _class_attr("graphrt.kernels.gate_fold", None, "GATE_ROWS",
@@ -255,9 +241,6 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
             "expert-tma": lambda on: _class_attr("graphrt.kernels.grouped_gemm", None, "TMA", on),
             "w13-tma-256x3": _w13_tile((256, 3)),
             "w13-tma-128x3": _w13_tile((128, 3)),
-            **{f"w2-cols{tiles}": _w2_cols(tiles) for tiles in (2, 4, 8)},
-            "w2-tma-128x3": _w2_tile((128, 3)),
-            "w2-tma-128x4": _w2_tile((128, 4)),
             "expert-rows": lambda on: _class_attr("graphrt.moe.expert_plan", "ExpertPlan",
                                                   "exclude", frozenset() if on else
                                                   frozenset({"rows"}))}

@@ -105,44 +105,6 @@ def test_tma_weights_are_bitwise_the_pointer_loads(monkeypatch, epilogue):
         _check_against_ref(a, b, masked_m, out)
 
 
-@pytest.mark.parametrize("col_tiles", [2, 3, 8])
-def test_tma_col_tiles_are_bitwise_one_block_a_program(monkeypatch, col_tiles):
-    """``TMA_COL_TILES``: a plain call's program walks several column blocks in one flat loop,
-    bitwise the one-block grid: a ragged last K tile, n not a multiple of the blocks a
-    program (a program's last blocks past n read the next group's rows or zeros and store
-    nothing), rows past masked_m left untouched; more blocks than n has are clamped. The
-    SiLU epilogue's calls keep one block a program."""
-    from graphrt.kernels import grouped_gemm as gg
-    E, cap, n, k = 3, 20, 200, 600
-    a, b = _inputs(E, cap, n, k, seed=74)
-    masked_m = torch.tensor([20, 0, 18], dtype=torch.int32)
-    monkeypatch.setattr(gg, "TMA", True)
-    outs, grids = [], []
-    real = gg._masked_grouped_gemm_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                grids.append((grid, kw["COL_TILES"], kw["EPI"]))
-                return real[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(gg, "_masked_grouped_gemm_kernel", Spy())
-    for tiles in (1, col_tiles):
-        monkeypatch.setattr(gg, "TMA_COL_TILES", tiles)
-        out = torch.full((E, cap, n), float("nan"), dtype=torch.bfloat16)
-        masked_grouped_gemm(a, b, masked_m, out=out, expected_m=2)
-        outs.append(out)
-    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
-    _check_against_ref(a, b, masked_m, outs[1])
-    cols = gemm_config(2)["BLOCK_N"]
-    used = min(col_tiles, -(-n // cols))
-    assert grids[1] == ((grids[0][0][0], -(-n // (cols * used))), used, False)
-    out = torch.full((E, cap, n // 2), float("nan"), dtype=torch.bfloat16)
-    masked_grouped_gemm(a, b, masked_m, out=out, expected_m=2, epilogue="silu_and_mul")
-    assert grids[2][1:] == (1, True)
-
-
 @pytest.mark.parametrize("expected_m", [1, 32, 64])
 def test_epilogue_is_bitwise_the_gemm_then_the_activation(expected_m):
     # W13 = [gate; up] with n not a multiple of the half tile and k a ragged last K tile;
@@ -346,44 +308,6 @@ def test_gpu_tma_weights_bitwise_the_pointer_loads_under_replay(cuda_device, mon
         assert torch.isnan(outs[1][~live].float()).all()
         if epilogue is None:
             _check_against_ref(a, b, masked_m, outs[1])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("col_tiles", [2, 4, 8])
-def test_gpu_tma_col_tiles_bitwise_one_block_under_replay(cuda_device, monkeypatch, col_tiles):
-    """``TMA_COL_TILES`` on the qwen3-like W2 (64 experts, n 2048, k 768) and the dsv3-like W2
-    (n 7168, k 2048): several column blocks a program in one graph with the one-block
-    launch, bitwise equal eagerly and over replays with new inputs and masked_m (idle
-    experts, a full one); rows past masked_m untouched."""
-    from graphrt.kernels import grouped_gemm as gg
-    monkeypatch.setattr(gg, "TMA", True)
-    E, cap = 64, 20
-    gen = torch.Generator().manual_seed(83)
-    for n, k in ((2048, 768), (7168, 2048)):
-        a, b = _inputs(E, cap, n, k, device=cuda_device, seed=84)
-        masked_m = torch.zeros(E, dtype=torch.int32, device=cuda_device)
-        outs = [torch.empty(E, cap, n, dtype=torch.bfloat16, device=cuda_device) for _ in "12"]
-
-        def both():
-            for tiles, out in zip((1, col_tiles), outs):
-                monkeypatch.setattr(gg, "TMA_COL_TILES", tiles)
-                masked_grouped_gemm(a, b, masked_m, out=out, expected_m=2)
-
-        assert gg.tma_path(b)
-        graph = _captured(both)
-        for step in range(3):
-            m = _decode_masked_m(gen, E, cap)
-            m[0] = cap
-            masked_m.copy_(m)
-            a.copy_(_inputs(E, cap, n, k, device=cuda_device, seed=95 + step)[0])
-            for out in outs:
-                out.fill_(float("nan"))
-            graph.replay() if step else both()
-            torch.cuda.synchronize()
-            assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), (n, step)
-            live = torch.arange(cap, device=cuda_device)[None, :] < masked_m[:, None]
-            assert not torch.isnan(outs[1][live].float()).any()
-            assert torch.isnan(outs[1][~live].float()).all()
 
 
 @pytest.mark.gpu
