@@ -369,6 +369,10 @@ class Attention:
         # step of bs rows. Per layer; every use is ordered on the compute stream.
         self.semaphore = torch.zeros(cfg.num_slots, cfg.num_kv_heads, dtype=torch.int32,
                                      device=device)
+        # SMs of the device, asked once here: the step reads the int (under torch.compile
+        # dynamo would otherwise trace the cached query on every trace and warn about it)
+        from graphrt.moe.expert_plan import num_sms
+        self.num_sms = num_sms(torch.device(device))
         # The prefetch's side stream (one per device, shared by the layers) and its sink.
         self.side = self.sink = None
         self.l2_bytes = 0
@@ -392,7 +396,6 @@ class Attention:
         for a caller that projects them itself (``kernels.gate_fold``)."""
         from graphrt.kernels.attention import (attention_workspace_shape, decode_attention,
                                                kv_append, select_variant, split_size_for)
-        from graphrt.moe.expert_plan import num_sms
         if qkv is None:
             qkv = dense(h, self.wqkv)                                      # [bs, q + 2 kv]
         cfg, bs, dev = self.cfg, qkv.shape[0], qkv.device
@@ -406,7 +409,7 @@ class Attention:
             new_kv = {}
             kv_append(k, v, slot_mapping, n, k_cache=self.k_cache, v_cache=self.v_cache)
         max_ctx = cfg.max_blocks_per_seq * cfg.block_size
-        split = self.split_size or split_size_for(bs, cfg.num_kv_heads, max_ctx, num_sms(dev))
+        split = self.split_size or split_size_for(bs, cfg.num_kv_heads, max_ctx, self.num_sms)
         o_shape, lse_shape = attention_workspace_shape(bs, cfg.num_heads, cfg.head_dim, max_ctx,
                                                        split_size=split)
         variant = select_variant(max_ctx, o_shape[2]) if self.variant == "auto" else self.variant
