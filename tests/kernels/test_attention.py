@@ -568,3 +568,34 @@ def test_kv_append_validation(bad, match):
     a.update(bad)
     with pytest.raises(ValueError, match=match):
         kv_append(a["k"], a["v"], a["slot_mapping"], a["n"], k_cache=a["k_cache"], v_cache=a["v_cache"])
+
+
+def test_model_attention_layer_reads_its_sm_count_from_construction(monkeypatch):
+    """``Attention`` asks the device's SM count once, in ``__init__``: its step reads the
+    stored int (``num_sms``) to size the splits and never calls the cached query, which
+    dynamo would trace on every ``torch.compile`` trace (and warn about)."""
+    from graphrt.moe import expert_plan, preset
+    from graphrt.moe.layers import Attention
+    from graphrt.moe.paged_kv import example_inputs
+    cfg = preset("tiny", max_ctx=512, num_slots=4)
+    layer = Attention(cfg, "cpu", torch.Generator().manual_seed(0))
+    assert layer.num_sms == expert_plan.num_sms(torch.device("cpu"))
+
+    def no_query(device):
+        raise AssertionError("the step asked for the SM count")
+    monkeypatch.setattr(expert_plan, "num_sms", no_query)
+    seen = []
+
+    def spy(*a, **kw):
+        seen.append(kw["workspace_o"].shape[2])
+        return decode_attention(*a, **kw)
+    monkeypatch.setattr(attn, "decode_attention", spy)
+    inp = example_inputs(cfg, 2, "cpu", torch.Generator().manual_seed(1))
+    args = (randn_bf16(2, cfg.hidden, seed=2), inp["slot_mapping"], inp["block_table"],
+            inp["seq_lens"], i32([2]))
+    for sms in (2, 64):  # few SMs: the default split; many: smaller splits to fill them
+        layer.num_sms = sms
+        layer(*args)
+        split = attn.split_size_for(2, cfg.num_kv_heads, 512, sms)
+        assert seen[-1] == attn.num_splits_for(512, split_size=split), (sms, seen)
+    assert seen[0] < seen[1]
