@@ -339,7 +339,8 @@ SM90 = textwrap.dedent(r'''
         return {"wait": at(r"griddepcontrol\.wait"), "load": at(r"ld\.global|cp\.async"),
                 "store": at(r"st\.global"), "bar": at(r"bar\.sync"),
                 "cache_load": at(r"cp\.async|ld\.global\.v4"), "nc": ".nc" in p,
-                "stores": len(re.findall(r"st\.global", p))}
+                "stores": len(re.findall(r"st\.global", p)),
+                "cp_async": len(re.findall(r"cp\.async\.c[ag]", p)), "spill": "ld.local" in p}
 
     geo = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, PAGE=16, BLOCK_N=64, UPCAST=False, USE_GDC=2,
                PREFETCH=False)
@@ -355,6 +356,9 @@ SM90 = textwrap.dedent(r'''
             out["splittb-" + key] = compile_(attn_split_kernel, slot,
                                              dict(geo, APPEND=append, TABLE_PAGES=16),
                                              num_stages=3)
+            out["splitwide-" + key] = compile_(attn_split_kernel, slot,
+                                               dict(geo, APPEND=append, BLOCK_N=128,
+                                                    TABLE_PAGES=0), num_stages=2)
             for split in (False, True):
                 out[f"fused{int(split)}-" + key] = compile_(
                     attn_fused_kernel, slot,
@@ -370,12 +374,18 @@ def test_fused_append_kernels_compile_for_sm90():
     16-byte alignment) compiles for Hopper; the PDL wait precedes every global load and store;
     with ``APPEND`` the owner's K/V stores come first, then the CTA barrier, then the cache
     reads (no ``.nc`` read-only loads, which would not see the write). The split kernel also
-    with ``PREFETCH`` (``splitpf``) and with its block ids up front on 3 stages (``splittb``)."""
+    with ``PREFETCH`` (``splitpf``), with its block ids up front on 3 stages (``splittb``) and
+    as the default launches it for splits of >= 256 positions (``splitwide``: 128-position steps
+    on 2 stages, its K/V copies pipelined by ``cp.async``, no spills)."""
     res = compile_results(SM90)
-    assert len(res) == 22
+    assert len(res) == 26
     for key, at in res.items():
         assert at["wait"] < min(at["load"], at["store"]) and not at["nc"], (key, at)
-    for kernel in ("split", "splitpf", "splittb", "fused0", "fused1"):
+    for slot in ("i64", "i32"):
+        for append in (0, 1):
+            wide = res[f"splitwide-{slot}-{append}"]
+            assert wide["cp_async"] > 0 and not wide["spill"], (slot, append, wide)
+    for kernel in ("split", "splitpf", "splittb", "splitwide", "fused0", "fused1"):
         for slot in ("i64", "i32"):
             plain, fused = res[f"{kernel}-{slot}-0"], res[f"{kernel}-{slot}-1"]
             assert fused["stores"] == plain["stores"] + 2, (kernel, slot, plain, fused)
