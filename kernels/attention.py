@@ -80,13 +80,12 @@ BLOCK_N = 64  # cache positions per inner step of kernel 1 (spans pages when blo
 SPLIT_LAUNCH = {"num_warps": 4, "num_stages": 2}
 # With splits of >= WIDE_MIN_SPLIT positions (bs >= 8 under the per-size rule) the split kernel
 # walks WIDE_BLOCK_N positions an inner step (one row max a 128-position step) on 2 stages, its
-# block ids loaded in the loop (WIDE_TABLE: up front, as TABLE_UPFRONT does). On by default:
-# qwen3-like heads, ragged ctx up to 2048, 0.957-0.959x the 64-position loop alone at bs 16 and
-# 0.968-0.972x at bs 8; the step 0.994x / 0.991x at bs 16 / 8 (BENCHMARKS.md §51). WIDE is read
-# at each launch (GRAPHRT_ATTN_WIDE=0 at import turns it off; A/B: the attn-wide, attn-wide-s2
-# and attn-wide-table switches).
+# block ids loaded in the loop (up front, as TABLE_UPFRONT does, it was slower in the step). On
+# by default: qwen3-like heads, ragged ctx up to 2048, 0.957-0.959x the 64-position loop alone
+# at bs 16 and 0.968-0.972x at bs 8; the step 0.993-0.994x at bs 16 and 0.991-0.993x at bs 8
+# (BENCHMARKS.md §51). WIDE is read at each launch (GRAPHRT_ATTN_WIDE=0 at import turns it off;
+# A/B: the attn-wide and attn-wide-s2 switches).
 WIDE = env_flag("GRAPHRT_ATTN_WIDE", True)
-WIDE_TABLE = False
 WIDE_BLOCK_N, WIDE_MIN_SPLIT = 128, 256
 WIDE_LAUNCH = {"num_warps": 4, "num_stages": 2}
 # The inner loop pipelined by hand (attention_kernels._attend's PREFETCH: the next step's K/V
@@ -391,8 +390,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         if wide:
             launch, split_geometry = WIDE_LAUNCH, {**geometry, "BLOCK_N": WIDE_BLOCK_N,
                                                    "PREFETCH": False}
-            if WIDE_TABLE:
-                split_geometry["TABLE_PAGES"] = table_pages(split_size, block_size)
         elif TABLE_UPFRONT:
             launch, split_geometry = TABLE_LAUNCH, {
                 **geometry, "PREFETCH": False, "TABLE_PAGES": table_pages(split_size, block_size)}

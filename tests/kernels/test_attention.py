@@ -110,21 +110,19 @@ def test_decode_attention_matches_ref(group, block_size, split_size, variant):
 
 def test_wide_step_is_on_by_default_on_two_stages():
     """The default (GRAPHRT_ATTN_WIDE unset): splits of >= 256 positions take 128-position
-    steps on 2 stages, their block ids loaded in the loop."""
-    assert attn.WIDE is True and attn.WIDE_TABLE is False
+    steps on 2 stages."""
+    assert attn.WIDE is True
     assert (attn.WIDE_BLOCK_N, attn.WIDE_MIN_SPLIT) == (128, 256)
     assert attn.WIDE_LAUNCH == {"num_warps": 4, "num_stages": 2}
 
 
-@pytest.mark.parametrize("wide,table", [(True, False), (True, True), (False, False)])
+@pytest.mark.parametrize("wide", [True, False])
 @pytest.mark.parametrize("block_size", [16, 128])
-def test_wide_split_kernel_matches_ref(block_size, wide, table, monkeypatch):
+def test_wide_split_kernel_matches_ref(block_size, wide, monkeypatch):
     """attention.WIDE (the default): splits of >= 256 positions walk 128 positions an inner
-    step; shorter splits keep 64; WIDE_TABLE loads the wide split's block ids up front.
-    GRAPHRT_ATTN_WIDE=0 (wide False): 64 everywhere. Each within bf16 rounding of the
-    reference."""
+    step; shorter splits keep 64. GRAPHRT_ATTN_WIDE=0 (wide False): 64 everywhere. Each within
+    bf16 rounding of the reference."""
     monkeypatch.setattr(attn, "WIDE", wide)
-    monkeypatch.setattr(attn, "WIDE_TABLE", table)
     kvh, d, max_blocks = 2, 64, -(-600 // block_size)
     max_ctx = max_blocks * block_size
     seq_lens = [1, max_ctx, 300, 0, 257, 129, 511]
