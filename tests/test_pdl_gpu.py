@@ -61,7 +61,7 @@ def test_pdl_is_on_by_default_on_hopper(monkeypatch, cuda_device):
                                     "fuse-route", "fuse-route-all", "moe-norm-rows",
                                     "attn-table", "routed-gemv", "layer-kernel", "fold-gate",
                                     "expert-tma", "w13-tma-256x3", "w13-tma-128x3",
-                                    "attn-wide+attn-wide-s2", "attn-wide-min128"])
+                                    "attn-wide+attn-wide-s2"])
 def test_switched_graph_matches_plain_graph(cuda_device, switch, monkeypatch):
     if "pdl" in switch and torch.cuda.get_device_capability(cuda_device)[0] < 9:
         pytest.skip("PDL needs compute capability 9.0+")
