@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
+import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -303,20 +304,21 @@ class CaptureManager:
         outs = self.signature.live(self.static_outputs, size)
         self.stager.n_dev.fill_(size)
         self._before_replay(size, size)
-        with ReceiverLedger() as ledger:
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                if table is not None:
-                    table.record(staging_table.graph_bytes(self.stager, table, size))
-                graph_staging.record(planned, torch.cuda.current_stream(self.device))
-                _, flat = OutputLayout.flatten(
-                    self.spec.call(views, self.stager.n_dev, self._out_buffers(outs)),
-                    self.spec.name)
-                # Every graph writes the same static outputs: the step's own output tensors
-                # die with the capture and their pool memory serves the next (smaller) graph
-                # (none where the step wrote into the buffers: StepSpec.out).
-                copies = write_outputs(outs, flat, self.signature.layout.names, self.spec.name,
-                                       size)
-                del flat
+        with ReceiverLedger() as ledger, _pool_recording_ended(self.device, self.pool) as rec, \
+                torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            rec.begun = True  # capture_begin returned: the pool is recording
+            if table is not None:
+                table.record(staging_table.graph_bytes(self.stager, table, size))
+            graph_staging.record(planned, torch.cuda.current_stream(self.device))
+            _, flat = OutputLayout.flatten(
+                self.spec.call(views, self.stager.n_dev, self._out_buffers(outs)),
+                self.spec.name)
+            # Every graph writes the same static outputs: the step's own output tensors
+            # die with the capture and their pool memory serves the next (smaller) graph
+            # (none where the step wrote into the buffers: StepSpec.out).
+            copies = write_outputs(outs, flat, self.signature.layout.names, self.spec.name,
+                                   size)
+            del flat
         torch.cuda.synchronize(self.device)
         capture_s = time.perf_counter() - t0
         unjoined = ledger.unjoined(size)
@@ -373,6 +375,35 @@ def _new_graph(planned: list) -> tuple:
 def _clear_cublas_workspaces() -> None:
     """Free every cuBLAS/cuBLASLt workspace (the next GEMM on each stream allocates anew)."""
     torch._C._cuda_clearCublasWorkspaces()
+
+
+@contextlib.contextmanager
+def _pool_recording_ended(device, pool):
+    """End the caching allocator's recording into ``pool`` when a capture fails.
+
+    torch's ``CUDAGraph.capture_end`` (2.11, the GPU image's) raises on a failed
+    ``cudaStreamEndCapture`` (an invalidated capture) before it tells the allocator that the
+    capture is over, so ``pool`` stays "recording" and the next capture into it, a smaller
+    size that would have captured fine, fails with "beginAllocateToPool: already recording to
+    mempool_id". On the way out of a failed capture this ends that recording; a torch that
+    already ended it answers "not currently recording", which is what we want. Enter it
+    outside ``torch.cuda.graph`` so it sees that context's exception, and set ``.begun`` on
+    what it yields once the capture has begun (a ``capture_begin`` that failed left nothing
+    of ours recording; the pool may then be another capture's)."""
+    rec = types.SimpleNamespace(begun=False)
+    try:
+        yield rec
+    except BaseException:
+        if not rec.begun:
+            raise
+        index = torch.device(device).index
+        try:
+            torch._C._cuda_endAllocateToPool(
+                torch.cuda.current_device() if index is None else index, pool)
+        except RuntimeError as exc:
+            if "not currently recording" not in str(exc):
+                raise
+        raise
 
 
 def _ensure_no_capture(stream=None) -> None:
