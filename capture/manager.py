@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -172,6 +171,12 @@ class CaptureManager:
                         self.graphs[size] = self._capture_one(size, stream)
                     except Exception as exc:  # noqa: BLE001 - recorded or re-raised below
                         self._fail(size, f"{type(exc).__name__}: {exc}", exc=exc)
+                        # torch 2.11 leaves a pool "recording" after a capture into it fails
+                        # (cudaStreamEndCapture raises before the allocators are told), and
+                        # the next capture into it fails with "beginAllocateToPool: already
+                        # recording to mempool_id": the sizes after this one capture into a
+                        # fresh pool (they no longer share the larger graphs' memory).
+                        self.pool = torch.cuda.graph_pool_handle()
                     if not self._agree(size, size in self.graphs, "capture"):
                         self.graphs.pop(size, None)
                     if size not in self.graphs:
@@ -304,9 +309,7 @@ class CaptureManager:
         outs = self.signature.live(self.static_outputs, size)
         self.stager.n_dev.fill_(size)
         self._before_replay(size, size)
-        with ReceiverLedger() as ledger, _pool_recording_ended(self.device, self.pool) as rec, \
-                torch.cuda.graph(graph, pool=self.pool, stream=stream):
-            rec.begun = True  # capture_begin returned: the pool is recording
+        with ReceiverLedger() as ledger, torch.cuda.graph(graph, pool=self.pool, stream=stream):
             if table is not None:
                 table.record(staging_table.graph_bytes(self.stager, table, size))
             graph_staging.record(planned, torch.cuda.current_stream(self.device))
@@ -375,35 +378,6 @@ def _new_graph(planned: list) -> tuple:
 def _clear_cublas_workspaces() -> None:
     """Free every cuBLAS/cuBLASLt workspace (the next GEMM on each stream allocates anew)."""
     torch._C._cuda_clearCublasWorkspaces()
-
-
-@contextlib.contextmanager
-def _pool_recording_ended(device, pool):
-    """End the caching allocator's recording into ``pool`` when a capture fails.
-
-    torch's ``CUDAGraph.capture_end`` (2.11, the GPU image's) raises on a failed
-    ``cudaStreamEndCapture`` (an invalidated capture) before it tells the allocator that the
-    capture is over, so ``pool`` stays "recording" and the next capture into it, a smaller
-    size that would have captured fine, fails with "beginAllocateToPool: already recording to
-    mempool_id". On the way out of a failed capture this ends that recording; a torch that
-    already ended it answers "not currently recording", which is what we want. Enter it
-    outside ``torch.cuda.graph`` so it sees that context's exception, and set ``.begun`` on
-    what it yields once the capture has begun (a ``capture_begin`` that failed left nothing
-    of ours recording; the pool may then be another capture's)."""
-    rec = types.SimpleNamespace(begun=False)
-    try:
-        yield rec
-    except BaseException:
-        if not rec.begun:
-            raise
-        index = torch.device(device).index
-        try:
-            torch._C._cuda_endAllocateToPool(
-                torch.cuda.current_device() if index is None else index, pool)
-        except RuntimeError as exc:
-            if "not currently recording" not in str(exc):
-                raise
-        raise
 
 
 def _ensure_no_capture(stream=None) -> None:
