@@ -29,7 +29,8 @@ from the table (``pos // block_size``, a shift), then each position's ``head_dim
 (contiguous, 16-byte vectorised) for the whole GQA group; a ``BLOCK_N`` independent of the
 page size keeps ``tl.dot`` tiles large for 16-position pages. By default (``TABLE_UPFRONT``)
 the split kernel loads its split's block ids once, before its loop, so Triton's pipeline
-keeps several steps' K/V copies in flight. The chunks' partials are merged
+keeps several steps' K/V copies in flight; splits of ``WIDE_MIN_SPLIT`` positions or more
+take ``WIDE_BLOCK_N`` positions a step instead (``WIDE``). The chunks' partials are merged
 with log-sum-exp weights; chunks past ``seq_len`` are neither written nor read. ``variant=``
 picks one of three schedules, or lets ``"auto"`` pick (kernels and the exact protocol:
 ``graphrt.kernels.attention_kernels``):
