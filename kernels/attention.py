@@ -84,8 +84,8 @@ SPLIT_LAUNCH = {"num_warps": 4, "num_stages": 2}
 # block ids loaded in the loop (up front, as TABLE_UPFRONT does, it was slower in the step). On
 # by default: qwen3-like heads, ragged ctx up to 2048, 0.957-0.959x the 64-position loop alone
 # at bs 16 and 0.968-0.977x at bs 8; the step 0.994x at bs 16 and 0.991-0.993x at bs 8 (two
-# runs each; BENCHMARKS.md §51). WIDE is read at each launch (GRAPHRT_ATTN_WIDE=0 at import turns it off;
-# A/B: the attn-wide and attn-wide-s2 switches).
+# runs each; BENCHMARKS.md §51). WIDE is read at each launch (GRAPHRT_ATTN_WIDE=0 at import
+# turns it off; A/B: the attn-wide and attn-wide-s2 switches).
 WIDE = env_flag("GRAPHRT_ATTN_WIDE", True)
 WIDE_BLOCK_N, WIDE_MIN_SPLIT = 128, 256
 WIDE_LAUNCH = {"num_warps": 4, "num_stages": 2}

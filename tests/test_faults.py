@@ -66,15 +66,21 @@ def _mlp_spec(step, max_bs=16, h=64):
                             live_count="n")
 
 
-@pytest.mark.gpu
-def test_size_specific_capture_failure_serves_other_sizes():
-    w = torch.randn(64, 64, device="cuda")
+def _sync_at_8_step(device="cuda"):
+    """A 64-wide MLP step with a host sync at batch 8 only (a size-specific hazard)."""
+    w = torch.randn(64, 64, device=device)
 
     def step(x, n):
         y = x @ w
         if x.shape[0] == 8:
             y = y * y.abs().max().item()  # ONLY-AT-8
         return y
+    return step
+
+
+@pytest.mark.gpu
+def test_size_specific_capture_failure_serves_other_sizes():
+    step = _sync_at_8_step()
     with pytest.raises(GraphSafetyError) as ei:           # strict: refuse, naming size and line
         graphrt.GraphRuntime(_mlp_spec(step), sizes=[4, 8, 16], progress=False).capture()
     f = ei.value.findings[0]
@@ -99,13 +105,7 @@ def test_failed_capture_leaves_the_pool_to_the_smaller_sizes(monkeypatch):
     pool recording when ``cudaStreamEndCapture`` fails: ``capture.manager``)."""
     from graphrt.capture import SafetyReport
     monkeypatch.setattr("graphrt.capture.manager.analyze_step", lambda *a, **k: SafetyReport())
-    w = torch.randn(64, 64, device="cuda")
-
-    def step(x, n):
-        y = x @ w
-        if x.shape[0] == 8:
-            y = y * y.abs().max().item()  # a host sync the blind analysis lets through
-        return y
+    step = _sync_at_8_step()  # its host sync at 8: the blind analysis lets it through
     rt = graphrt.GraphRuntime(_mlp_spec(step), sizes=[4, 8, 16], strict=False, progress=False)
     with pytest.warns(graphrt.capture.manager.CaptureWarning, match="batch size 8 was not captured"):
         rt.capture()
