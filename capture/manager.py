@@ -102,6 +102,16 @@ class CaptureFailure:
     reason: str
     findings: list[Finding] = field(default_factory=list)
 
+    @property
+    def summary(self) -> str:
+        """One line for warnings and errors: the reason's first line (a CUDA error's text runs
+        on for several lines of advice), with the findings' sites when that line lacks them.
+        ``reason`` keeps the whole text."""
+        text = self.reason.strip()
+        first = text.splitlines()[0] if text else "unknown"
+        sites = "; ".join(f"{f.where} {f.kind} [{f.op}]" for f in self.findings)
+        return first if not sites or sites in first else f"{first}: {sites}"
+
 
 class CaptureManager:
     """Capture ``spec`` at ``sizes`` on the buffers of ``stager``.
@@ -190,7 +200,8 @@ class CaptureManager:
             self._reset_buffers()
         for f in self.failures.values():
             warnings.warn(CaptureWarning(f"{self.spec.name}: batch size {f.size} was not captured "
-                                         f"({f.reason}); it runs eagerly"), stacklevel=3)
+                                         f"({f.summary}); it runs eagerly (the whole error is in "
+                                         f"failures[{f.size}].reason)"), stacklevel=3)
         return self.graphs
 
     # -- phase 1: analysis and warm-up -------------------------------------------------

@@ -159,7 +159,7 @@ class GraphRuntime:
         self.failures = self.manager.failures
         self.pool = self.manager.pool
         if not self.graphs:  # strict=False and every size failed: nothing to replay
-            reasons = "; ".join(f"{s}: {f.reason}" for s, f in sorted(self.failures.items()))
+            reasons = "; ".join(f"{s}: {f.summary}" for s, f in sorted(self.failures.items()))
             self._captured = f"capture() captured no size ({reasons})"
         else:
             self._captured = None
@@ -274,7 +274,7 @@ class GraphRuntime:
             if size is not None:
                 raise NoGraphForBatch(n, max(self.graphs) if self.graphs else None,
                                       why=f"size {size} was not captured "
-                                          f"({self.failures[size].reason})" if size in self.failures else None)
+                                          f"({self.failures[size].summary})" if size in self.failures else None)
             raise NoGraphForBatch(n, max(self.graphs) if self.graphs else None)
         return g
 

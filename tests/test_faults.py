@@ -87,9 +87,10 @@ def test_size_specific_capture_failure_serves_other_sizes():
     assert (f.size, f.line, f.kind) == (8, _line(step, "# ONLY-AT-8"), "host-sync")
     assert "batch 8" in str(ei.value)
     rt = graphrt.GraphRuntime(_mlp_spec(step), sizes=[4, 8, 16], strict=False, progress=False)
-    with pytest.warns(graphrt.capture.manager.CaptureWarning, match="batch size 8 was not captured"):
+    with pytest.warns(graphrt.capture.manager.CaptureWarning, match="batch size 8 was not captured") as ws:
         rt.capture()
     assert sorted(rt.graphs) == [4, 16] and 8 in rt.failures
+    assert str(_line(step, "# ONLY-AT-8")) in str(ws[0].message), ws[0].message  # the site, kept
     assert "ONLY-AT-8" not in rt.failures[8].reason and str(_line(step, "# ONLY-AT-8")) in rt.failures[8].reason
     for n in (3, 7, 12):                                 # 7 -> size 8 failed -> eager
         x = torch.randn(n, 64, device="cuda")
@@ -107,9 +108,10 @@ def test_failed_capture_leaves_the_pool_to_the_smaller_sizes(monkeypatch):
     monkeypatch.setattr("graphrt.capture.manager.analyze_step", lambda *a, **k: SafetyReport())
     step = _sync_at_8_step()  # its host sync at 8: the blind analysis lets it through
     rt = graphrt.GraphRuntime(_mlp_spec(step), sizes=[4, 8, 16], strict=False, progress=False)
-    with pytest.warns(graphrt.capture.manager.CaptureWarning, match="batch size 8 was not captured"):
+    with pytest.warns(graphrt.capture.manager.CaptureWarning, match="batch size 8 was not captured") as ws:
         rt.capture()
     assert sorted(rt.failures) == [8], {s: f.reason for s, f in rt.failures.items()}
+    assert "\n" not in str(ws[0].message), ws[0].message  # the CUDA error's first line only
     assert "already recording" not in rt.failures[8].reason
     assert sorted(rt.graphs) == [4, 16]
     for n in (3, 7, 12):                                 # 7 -> size 8 failed -> eager

@@ -64,8 +64,35 @@ def test_lenient_capture_runs_failed_sizes_eagerly_but_replay_names_the_failure(
     fake_capture.fail_sizes = {4: RuntimeError("a"), 16: RuntimeError("b")}
     rt.capture()                                       # lenient: no raise, but nothing to replay
     assert rt.graphs == {} and sorted(rt.failures) == [4, 16]
-    with pytest.raises(graphrt.NotCapturedError, match="captured no size \\(4: RuntimeError\\('a'\\)"):
+    with pytest.raises(graphrt.NotCapturedError, match="captured no size \\(4: RuntimeError: a; 16: RuntimeError: b\\)"):
         rt.run(x=torch.randn(2, 4))
+
+
+def test_a_failed_size_is_named_in_one_line_and_keeps_its_whole_error(fake_capture):
+    """A CUDA error's text runs on for lines of advice; the replay's error quotes its first
+    line, and ``failures[size].reason`` keeps all of it."""
+    text = ("CUDA error: operation failed due to a previous error during capture\n"
+            "Search for `cudaErrorStreamCaptureInvalidated' in the CUDA runtime docs\n"
+            "For debugging consider passing CUDA_LAUNCH_BLOCKING=1")
+    fake_capture.fail_sizes = {4: RuntimeError(text)}
+    rt = graphrt.GraphRuntime(_spec(), sizes=[4, 16], device="cpu", strict=False).capture()
+    with pytest.raises(graphrt.NoGraphForBatch) as ei:
+        rt.replay(2)
+    assert "previous error during capture" in str(ei.value)
+    assert "CUDA_LAUNCH_BLOCKING" not in str(ei.value)
+    assert "CUDA_LAUNCH_BLOCKING" in rt.failures[4].reason
+
+
+def test_capture_failure_summary_adds_the_sites_its_first_line_lacks():
+    from graphrt.capture.manager import CaptureFailure
+    from graphrt.capture.report import Finding
+    f = Finding("host-sync", "error", "aten._local_scalar_dense", "step.py", 12, "a host sync")
+    one = CaptureFailure(8, f"GraphSafetyError: refused: {f.where} host-sync [{f.op}]", [f])
+    assert one.summary == one.reason                      # the sites already on the line
+    many = CaptureFailure(8, "AcceleratorError: CUDA error: capture invalidated\nadvice\nmore", [f])
+    assert many.summary == f"AcceleratorError: CUDA error: capture invalidated: {f.where} host-sync [{f.op}]"
+    assert CaptureFailure(4, "  ").summary == "unknown"
+    assert CaptureFailure(4, "RuntimeError: x\ny").summary == "RuntimeError: x"
 
 
 def test_a_runtime_belongs_to_its_capturing_thread(fake_capture):

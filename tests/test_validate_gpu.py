@@ -13,11 +13,13 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
+from graphrt.capture.manager import CaptureWarning
 from graphrt.capture.report import SafetyReport
 from graphrt.cli.validate import build_spec, load_target, validate
 from test_validate_corpus import CORPUS, CPU_CASES, expectations
@@ -110,7 +112,9 @@ def test_capture_failure_reported_at_the_op_line(func, monkeypatch):
     the op call's line, once per size, not FUNC's def line."""
     monkeypatch.setattr("graphrt.capture.safety.analyze_step", lambda *a, **k: SafetyReport())
     monkeypatch.setattr("graphrt.capture.manager.analyze_step", lambda *a, **k: SafetyReport())
-    result = validate(f"{GPU}:{func}", SIZES, "cuda")
+    with warnings.catch_warnings():  # each failed size is a finding, not also a warning
+        warnings.simplefilter("error", CaptureWarning)
+        result = validate(f"{GPU}:{func}", SIZES, "cuda")
     path, name = SITES[func]
     got = {(f.kind, f.file, f.line, f.size) for f in result.report.findings}
     assert got == {("host-sync", str(path), _marker(path, name), s) for s in SIZES}, result.report.table()

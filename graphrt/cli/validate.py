@@ -29,6 +29,7 @@ import inspect
 import os
 import sys
 import traceback
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -274,10 +275,13 @@ _MISMATCH = {  # keyed by the first word of ReplayCheck.what
 def _cuda_checks(spec: StepSpec, target: Target, sizes: list[int], device: torch.device,
                  report: SafetyReport) -> None:
     """Capture every size (strict=False), then replay-vs-eager; add what they find."""
+    from graphrt.capture.manager import CaptureWarning
     from graphrt.runtime import GraphRuntime
     rt = GraphRuntime(spec, sizes, device=device, strict=False, progress=False)
     try:
-        rt.capture()
+        with warnings.catch_warnings():  # each failed size becomes a finding below; the
+            warnings.simplefilter("ignore", CaptureWarning)  # runtime's "runs eagerly" is moot
+            rt.capture()
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - strict=False: only the unexpected
         raise _crash(spec, target, exc, "capture") from None
     report.extend(rt.manager.report.findings)

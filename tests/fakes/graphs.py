@@ -62,7 +62,8 @@ class FakeCaptureManager:
             if size in self.fail_sizes:
                 if self.strict:
                     raise self.fail_sizes[size]
-                self.failures[size] = CaptureFailure(size, repr(self.fail_sizes[size]))
+                exc = self.fail_sizes[size]  # the real manager's reason: type, then text
+                self.failures[size] = CaptureFailure(size, f"{type(exc).__name__}: {exc}")
                 continue
             views = self.stager.views(size)
             dst = sig.live(static, size)
