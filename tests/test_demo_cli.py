@@ -127,3 +127,20 @@ def test_example_defaults_follow_the_device(monkeypatch):
         with pytest.raises(SystemExit) as info:
             ex.parse(argv)
         assert info.value.code == 2, argv
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_demo_captures_replays_bitwise_and_prints_its_table():
+    """The README's main job on a GPU, small: capture every size, replay each step bitwise
+    equal to eager on the same padded batch, and the timing table."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "graphrt", "demo", "--config", "qwen3-moe-like",
+                           "--layers", "1", "--experts", "16", "--steps", "20", "--max-bs", "8"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    captured = re.search(r"captured (\d+) sizes in [\d.]+ s", proc.stdout)
+    assert captured and int(captured.group(1)) >= 2, proc.stdout
+    assert "20 decode steps at random batch sizes 1..8: every replay is bitwise equal" in proc.stdout
+    assert re.search(r"^\| 8 \| \d+ \| \d+ \| [\d.]+x \|", proc.stdout, re.M), proc.stdout
