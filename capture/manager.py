@@ -94,6 +94,11 @@ class CaptureWarning(UserWarning):
     """A size could not be captured (``strict=False``); it will run eagerly."""
 
 
+def _sites(findings: list[Finding]) -> str:
+    """``file:line kind [op]`` of each finding, ``; ``-separated: a failure's reason ends so."""
+    return "; ".join(f"{f.where} {f.kind} [{f.op}]" for f in findings)
+
+
 @dataclass
 class CaptureFailure:
     """A size that could not be captured (``strict=False``) and why."""
@@ -109,7 +114,7 @@ class CaptureFailure:
         ``reason`` keeps the whole text."""
         text = self.reason.strip()
         first = text.splitlines()[0] if text else "unknown"
-        sites = "; ".join(f"{f.where} {f.kind} [{f.op}]" for f in self.findings)
+        sites = _sites(self.findings)
         return first if not sites or sites in first else f"{first}: {sites}"
 
 
@@ -359,7 +364,7 @@ class CaptureManager:
             findings = exc.findings
             self.report.extend(findings)
         if findings:
-            reason = f"{reason}: " + "; ".join(f"{f.where} {f.kind} [{f.op}]" for f in findings)
+            reason = f"{reason}: {_sites(findings)}"
         self.failures[size] = CaptureFailure(size, reason, list(findings or []))
         if self.strict and exc is not None and self.coordinator is None:
             if isinstance(exc, (GraphSafetyError, InputError)):
