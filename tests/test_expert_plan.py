@@ -74,6 +74,15 @@ def test_near_ties_are_decided_by_medians_of_interleaved_retimes():
     assert [c for _, c in timed] == [a, b, far]
 
 
+def test_a_timing_sample_replays_until_it_lasts_sample_us():
+    """Small graphs keep their 5 replays a sample; a graph of large GEMMs takes one."""
+    assert ep.SAMPLE_US == 400.0
+    assert ep.replays_for(20.0, 5) == 5                 # 5 replays: 100 µs, under 400
+    assert ep.replays_for(100.0, 5) == 4 and ep.replays_for(130.0, 5) == 4
+    assert ep.replays_for(400.0, 5) == 1 and ep.replays_for(4000.0, 5) == 1
+    assert ep.replays_for(0.0, 5) == 5 and ep.replays_for(float("nan"), 5) == 5
+
+
 def test_choice_validates_and_names():
     assert Choice("triton").name == "triton" and Choice("decode", 16, 2).name == "decode/bn16/sk2"
     assert Choice("decode", 64, num_warps=8).name == "decode/bn64/w8"

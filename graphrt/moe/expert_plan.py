@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import statistics
 from dataclasses import asdict, dataclass, field
 
@@ -269,11 +270,24 @@ class ExpertPlan:
 
 
 # ----------------------------------------------------------------------- measurement (CUDA)
+SAMPLE_US = 400.0  # a timing sample replays the graph until it lasts about this long
+
+
+def replays_for(one_replay_us: float, replays: int) -> int:
+    """Back-to-back replays a timing sample takes: enough for ``SAMPLE_US`` of device time,
+    at least 1 and at most ``replays``. A graph of large GEMMs (dsv3-like W13 at 256 rows:
+    about 4 ms for its 4 calls) needs one, where a fixed 5 spent most of the demo's capture
+    timing candidates (BENCHMARKS.md §52). Pure Python."""
+    if not one_replay_us > 0:
+        return replays
+    return max(1, min(replays, math.ceil(SAMPLE_US / one_replay_us)))
+
+
 def _graph_us(fns, samples: int = 7, replays: int = 5) -> float:
     """Device µs per call: the calls ``fns`` captured back to back in one CUDA graph (after an
-    eager warm-up, which also compiles); median over ``samples`` of ``replays`` back-to-back
-    replays, divided by the calls. Captured on a side stream without ``torch.cuda.graph``'s
-    gc/empty_cache on entry."""
+    eager warm-up, which also compiles); median over ``samples`` of back-to-back replays
+    (``replays_for`` the first replay's time: up to ``replays``), divided by the calls.
+    Captured on a side stream without ``torch.cuda.graph``'s gc/empty_cache on entry."""
     for fn in fns:
         fn()
     torch.cuda.synchronize()
@@ -287,17 +301,17 @@ def _graph_us(fns, samples: int = 7, replays: int = 5) -> float:
         finally:
             graph.capture_end()
     torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    times = []
-    for _ in range(samples):
+
+    def sample(n: int) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(replays):
+        for _ in range(n):
             graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (replays * len(fns)))
-    return statistics.median(times)
+        return start.elapsed_time(end) * 1e3 / n
+    n = replays_for(sample(1), replays)  # the first replay also warms the graph
+    return statistics.median(sample(n) for _ in range(samples)) / len(fns)
 
 
 NEAR_TIE = 0.03  # candidates within this fraction of the first round's best are timed again
