@@ -58,7 +58,7 @@ def test_near_ties_are_decided_by_medians_of_interleaved_retimes():
            b.name: iter([9.95, 10.3, 10.2, 10.2, 10.25]), far.name: iter([20.0])}
     calls, errors = [], []
 
-    def time_one(c):
+    def time_one(c, give_up_us):
         calls.append(c.name)
         if c is bad:
             raise RuntimeError("does not compile")
@@ -72,6 +72,36 @@ def test_near_ties_are_decided_by_medians_of_interleaved_retimes():
     assert timings[a.name] == 10.0 and timings[far.name] == 20.0
     assert timings[bad.name].startswith("RuntimeError: does not compile")
     assert [c for _, c in timed] == [a, b, far]
+
+
+def test_first_round_gives_a_bound_of_give_up_times_the_best_so_far():
+    """``choose_timed`` passes no bound to the first candidate or the retimes, and
+    ``GIVE_UP`` x the best first-round time so far to the others."""
+    a, b, c, d = (Choice("decode", 16), Choice("decode", 32), Choice("decode", 64),
+                  Choice("triton"))
+    first = {a.name: 10.0, b.name: 8.0, c.name: 30.0, d.name: 8.1}
+    seen = []
+
+    def time_one(cand, give_up_us):
+        seen.append((cand.name, give_up_us))
+        return first[cand.name]
+    timed, timings = ep.choose_timed([a, b, c, d], time_one)
+    assert ep.GIVE_UP == 1.5
+    assert seen[:4] == [(a.name, None), (b.name, 15.0), (c.name, 12.0), (d.name, 12.0)]
+    assert all(g is None for _, g in seen[4:]) and {n for n, _ in seen[4:]} == {b.name, d.name}
+    assert timings[c.name] == 30.0 and min(timed, key=lambda t: t[0])[1] == b
+
+
+def test_nearest_size_choice_is_timed_first():
+    plan = ExpertPlan()
+    assert plan.nearest("k", 8) is None
+    plan.record("k", 4, Choice("decode", 16))
+    plan.record("k", 16, Choice("triton"))
+    plan.record("other", 8, Choice("deepgemm"))
+    assert plan.nearest("k", 8).name == "decode/bn16"          # |8-4| < |8-16|
+    assert plan.nearest("k", 10).name == "decode/bn16"         # a tie: the smaller size
+    assert plan.nearest("k", 12).name == "triton"
+    assert plan.nearest("k", 256).name == "triton"
 
 
 def test_a_timing_sample_replays_until_it_lasts_sample_us():

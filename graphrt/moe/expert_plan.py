@@ -221,6 +221,15 @@ class ExpertPlan:
     def has(self, key: str, padded_bs: int) -> bool:
         return key in self._by_size.get(padded_bs, ())
 
+    def nearest(self, key: str, padded_bs: int) -> Choice | None:
+        """The choice recorded for ``key`` at the size nearest ``padded_bs`` (the smaller on a
+        tie; exclusions not applied), or None when ``key`` has none. ``plan_size`` times it
+        first: a neighbouring size's winner usually wins again."""
+        sizes = [bs for bs, table in self._by_size.items() if key in table]
+        if not sizes:
+            return None
+        return self._by_size[min(sizes, key=lambda bs: (abs(bs - padded_bs), bs))][key]
+
     # -- recording -----------------------------------------------------------------------
     def record(self, key: str, padded_bs: int, choice: Choice,
                timings: dict[str, float | str] | None = None,
@@ -283,11 +292,13 @@ def replays_for(one_replay_us: float, replays: int) -> int:
     return max(1, min(replays, math.ceil(SAMPLE_US / one_replay_us)))
 
 
-def _graph_us(fns, samples: int = 7, replays: int = 5) -> float:
+def _graph_us(fns, samples: int = 7, replays: int = 5, give_up_us: float | None = None) -> float:
     """Device µs per call: the calls ``fns`` captured back to back in one CUDA graph (after an
     eager warm-up, which also compiles); median over ``samples`` of back-to-back replays
-    (``replays_for`` the first replay's time: up to ``replays``), divided by the calls.
-    Captured on a side stream without ``torch.cuda.graph``'s gc/empty_cache on entry."""
+    (``replays_for`` a probe replay's time: up to ``replays``), divided by the calls. When
+    the probe already exceeds ``give_up_us`` per call, that probe is returned unsampled (a
+    candidate far behind the best so far, ``choose_timed``). Captured on a side stream
+    without ``torch.cuda.graph``'s gc/empty_cache on entry."""
     for fn in fns:
         fn()
     torch.cuda.synchronize()
@@ -310,35 +321,44 @@ def _graph_us(fns, samples: int = 7, replays: int = 5) -> float:
         end.record()
         end.synchronize()
         return start.elapsed_time(end) * 1e3 / n
-    n = replays_for(sample(1), replays)  # the first replay also warms the graph
+    graph.replay()  # the first replay uploads the graph: not timed
+    probe = sample(1)
+    if give_up_us is not None and probe / len(fns) > give_up_us:
+        return probe / len(fns)
+    n = replays_for(probe, replays)
     return statistics.median(sample(n) for _ in range(samples)) / len(fns)
 
 
 NEAR_TIE = 0.03  # candidates within this fraction of the first round's best are timed again
 RETIMES = 4  # the near-tied candidates' extra rounds, interleaved; each one's median decides
+GIVE_UP = 1.5  # a first-round candidate this much slower than the best so far is not sampled
 
 
 def choose_timed(cands: list[Choice], time_one, on_error=None) -> tuple[list, dict]:
-    """Time every candidate once (``time_one(c)`` -> µs), then the ones within ``NEAR_TIE`` of
-    the best ``RETIMES`` more times, interleaved, so a near-tie is decided by medians rather
-    than one sample's noise (a single timing once chose a W13 kernel that made the step
-    1.2x slower, BENCHMARKS.md §27). Returns ``(timed, timings)``: ``(median µs,
-    candidate)`` of those that ran, and ``{name: median µs rounded, or the error}`` in
-    candidate order. A candidate that raises is recorded with its error (``on_error()`` runs
-    first) and never chosen. Host-only."""
+    """Time every candidate once (``time_one(c, give_up_us)`` -> µs), then the ones within
+    ``NEAR_TIE`` of the best ``RETIMES`` more times, interleaved, so a near-tie is decided by
+    medians rather than one sample's noise (a single timing once chose a W13 kernel that made
+    the step 1.2x slower, BENCHMARKS.md §27). In the first round ``give_up_us`` is ``GIVE_UP``
+    times the best so far (None for the first candidate and the retimes): ``time_one`` may
+    then return one probe's time instead of a median (``_graph_us``), so a candidate far
+    behind costs one replay; put the likely winner first. Returns ``(timed, timings)``:
+    ``(median µs, candidate)`` of those that ran, and ``{name: median µs rounded, or the
+    error}`` in candidate order. A candidate that raises is recorded with its error
+    (``on_error()`` runs first) and never chosen. Host-only."""
     samples: dict[str, list[float]] = {}
     errors: dict[str, str] = {}
 
-    def sample(c: Choice) -> None:
+    def sample(c: Choice, give_up_us: float | None = None) -> None:
         try:
-            samples.setdefault(c.name, []).append(time_one(c))
+            samples.setdefault(c.name, []).append(time_one(c, give_up_us))
         except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is skipped
             if on_error is not None:
                 on_error()
             samples.pop(c.name, None)
             errors[c.name] = f"{type(exc).__name__}: {str(exc)[:200]}"
     for c in cands:
-        sample(c)
+        firsts = [v[0] for v in samples.values()]
+        sample(c, min(firsts) * GIVE_UP if firsts else None)
     if samples:
         best = min(v[0] for v in samples.values())
         near = [c for c in cands
@@ -372,8 +392,10 @@ def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: 
     """Fill ``plan`` for ``padded_bs`` with the fastest kernel of each of ``experts``' GEMMs
     (``experts.gemm_shapes()``), timed on a synthetic routing (``routed_rows``) in the
     experts' own workspace (W13 with its activation where ``experts.act_in_w13(padded_bs)``:
-    the step then runs one or the other, see ``Experts.w13_act``; near-ties timed again,
-    ``choose_timed``); shapes already in the plan are skipped. On a CPU device the
+    the step then runs one or the other, see ``Experts.w13_act``; near-ties timed again and
+    far-behind candidates given up after one replay, ``choose_timed``; the nearest measured
+    size's winner first, ``ExpertPlan.nearest``); shapes already in the plan are skipped.
+    On a CPU device the
     decode kernel is recorded without timing. A candidate that fails (e.g. does not compile)
     is recorded with its error and never chosen. Host-only: synchronizes the device."""
     from graphrt.kernels.dispatch import expected_m as expected_m_of
@@ -398,18 +420,20 @@ def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: 
     for which, (key, n, k) in todo.items():
         a, a_scale, out = experts.synthetic_io(which, cap)
         cands = plan_candidates(experts.kernels, n, k, rows, num_sms(device), experts.fp8)
+        near = plan.nearest(key, padded_bs)  # timed first: it sets choose_timed's give-up
+        cands.sort(key=lambda c: near is None or c.name != near.name)
         # Where W13 may carry the activation as its epilogue (Experts.act_in_w13), every W13
         # candidate is timed with the activation, as the step runs it (Experts.w13_act): fused
         # for the kernels that take it (Experts.takes_epilogue), a launch after the others.
         with_act = which == "w13" and experts.act_in_w13(padded_bs)
         act_out = experts.ws.view("a", (E, cap, n // 2)) if with_act else None
 
-        def time_one(c: Choice) -> float:
+        def time_one(c: Choice, give_up_us: float | None) -> float:
             return _graph_us([functools.partial(experts.w13_act, a, m, em, out, act_out, c,
                                                 padded_bs)
                               if with_act else
                               functools.partial(experts.gemm, which, a, m, em, out, c, a_scale)
-                              for m in masked])
+                              for m in masked], give_up_us=give_up_us)
         timed, timings = choose_timed(cands, time_one,
                                       on_error=lambda: torch.cuda.synchronize(device))
         if not timed:
