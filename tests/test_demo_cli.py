@@ -142,5 +142,8 @@ def test_gpu_demo_captures_replays_bitwise_and_prints_its_table():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     captured = re.search(r"captured (\d+) sizes in [\d.]+ s", proc.stdout)
     assert captured and int(captured.group(1)) >= 2, proc.stdout
+    # 2 GEMM shapes x 4 sizes (1, 2, 4, 8), each with its measured pick
+    assert re.search(r"expert GEMMs by the measured per-size plan: .* of 8 \(shape, size\) "
+                     r"entries\)", proc.stdout), proc.stdout
     assert "20 decode steps at random batch sizes 1..8: every replay is bitwise equal" in proc.stdout
     assert re.search(r"^\| 8 \| \d+ \| \d+ \| [\d.]+x \|", proc.stdout, re.M), proc.stdout

@@ -104,6 +104,16 @@ def test_nearest_size_choice_is_timed_first():
     assert plan.nearest("k", 256).name == "triton"
 
 
+def test_summary_counts_the_picks_most_first():
+    plan = ExpertPlan()
+    assert plan.summary() == "no (shape, size) entry yet"
+    for bs in (1, 2, 4):
+        plan.record("w13", bs, Choice("swap", 64))
+    plan.record("w2", 1, Choice("deepgemm"))
+    assert plan.summary() == "swap 3, deepgemm 1 of 4 (shape, size) entries"
+    assert ExpertPlan(plan.to_json()).summary() == plan.summary()
+
+
 def test_a_timing_sample_replays_until_it_lasts_sample_us():
     """Small graphs keep their 5 replays a sample; a graph of large GEMMs takes one."""
     assert ep.SAMPLE_US == 400.0

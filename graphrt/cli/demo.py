@@ -94,6 +94,15 @@ def main(args) -> int:
     return _gpu_demo(cfg, steps, max_bs)
 
 
+def _experts_line(model) -> str:
+    """What the expert GEMMs run: the measured per-size plan's picks, or the fixed backend."""
+    from graphrt.moe.expert_plan import ExpertPlan
+    table = model.expert_plan()
+    if table is None:
+        return f"experts on {model.layers[0].moe.experts.backend}"
+    return f"expert GEMMs by the measured per-size plan: {ExpertPlan(table).summary()}"
+
+
 def _gpu_demo(cfg, steps: int, max_bs: int) -> int:
     import torch
 
@@ -109,7 +118,7 @@ def _gpu_demo(cfg, steps: int, max_bs: int) -> int:
     t0 = time.perf_counter()
     rt.capture()
     print(f"captured {len(rt.graphs)} sizes in {time.perf_counter() - t0:.1f} s "
-          f"(experts on {model.layers[0].moe.experts.backend})")
+          f"({_experts_line(model)})")
     gen = torch.Generator().manual_seed(0)
     done, rows, rows_off, worst = 0, 0, 0, 0.0
     for i in range(steps):
