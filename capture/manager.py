@@ -181,6 +181,10 @@ class CaptureManager:
             with ctx, torch.inference_mode():
                 torch.cuda.synchronize(self.device)
                 _clear_cublas_workspaces()  # see "Memory a graph must own"
+                # Dead cycles holding device memory are freed once, here: a collection per
+                # size cost 134 ms each at the demo's heap (2.5 s of its capture, BENCHMARKS.md
+                # §53), and torch.cuda.graph() itself stopped collecting on entry for that cost.
+                gc.collect()
                 for size in sorted(ok, reverse=True):
                     try:
                         self.graphs[size] = self._capture_one(size, stream)
@@ -317,8 +321,7 @@ class CaptureManager:
         planned = graph_staging.plan(self.stager, size)  # (its shadows: not in pool_bytes)
         table = staging_table.for_capture(self.stager)
         torch.cuda.synchronize(self.device)
-        gc.collect()  # torch.cuda.graph() empties the cache on entry: do it first, then measure
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # torch.cuda.graph() empties it on entry: do it first, then measure
         before = torch.cuda.memory_reserved(self.device)
         t0 = time.perf_counter()
         graph, planned = _new_graph(planned)

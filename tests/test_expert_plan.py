@@ -114,6 +114,16 @@ def test_summary_counts_the_picks_most_first():
     assert ExpertPlan(plan.to_json()).summary() == plan.summary()
 
 
+def test_rotations_only_while_a_call_could_reuse_l2():
+    l2 = 50 << 20
+    dsv3_w13_bs1 = 8 * 4096 * 7168 * 2          # 470 MB: 9.0 L2 sizes
+    qwen3_w13_bs16 = 55 * 1536 * 2048 * 2       # 346 MB: 6.6 L2 sizes
+    assert ep.UNROTATED_L2 == 8
+    assert ep.rotations_for(dsv3_w13_bs1, l2, 4) == 1
+    assert ep.rotations_for(qwen3_w13_bs16, l2, 4) == 4
+    assert ep.rotations_for(8 * l2, l2, 4) == 1 and ep.rotations_for(8 * l2 - 1, l2, 4) == 4
+
+
 def test_a_timing_sample_replays_until_it_lasts_sample_us():
     """Small graphs keep their 5 replays a sample; a graph of large GEMMs takes one."""
     assert ep.SAMPLE_US == 400.0

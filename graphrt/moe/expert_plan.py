@@ -397,6 +397,19 @@ def _measured(us: float, c: Choice) -> Choice:
     return Choice(c.kernel, c.block_n, c.split_k, round(us, 2), c.num_warps)
 
 
+UNROTATED_L2 = 8  # a call reading this many L2 sizes of weights is timed without rotations
+
+
+def rotations_for(weight_bytes: int, l2_bytes: int, rotations: int) -> int:
+    """Calls of different expert rotations a timing graph holds (``plan_size``): ``rotations``,
+    so that no call finds the previous one's weights in L2, or 1 where one call streams at
+    least ``UNROTATED_L2`` times the L2 (at most an eighth of a call's weights can still be
+    in L2 when its next replay starts). dsv3-like W13 at batch 1: 8 experts x 4096 x 7168 bf16 = 470 MB against
+    50 MB; those graphs of 4 large GEMMs took most of the plan's time (BENCHMARKS.md §53).
+    Pure Python."""
+    return 1 if weight_bytes >= UNROTATED_L2 * l2_bytes else rotations
+
+
 def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: int,
               num_experts: int, num_ranks: int = 1, rotations: int = 4) -> None:
     """Fill ``plan`` for ``padded_bs`` with the fastest kernel of each of ``experts``' GEMMs
@@ -404,10 +417,10 @@ def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: 
     experts' own workspace (W13 with its activation where ``experts.act_in_w13(padded_bs)``:
     the step then runs one or the other, see ``Experts.w13_act``; near-ties timed again and
     far-behind candidates given up after one replay, ``choose_timed``; the nearest measured
-    size's winner first, ``ExpertPlan.nearest``); shapes already in the plan are skipped.
-    On a CPU device the
-    decode kernel is recorded without timing. A candidate that fails (e.g. does not compile)
-    is recorded with its error and never chosen. Host-only: synchronizes the device."""
+    size's winner first, ``ExpertPlan.nearest``; ``rotations`` expert rotations a graph,
+    ``rotations_for``); shapes already in the plan are skipped. On a CPU device the decode
+    kernel is recorded without timing. A candidate that fails (e.g. does not compile) is
+    recorded with its error and never chosen. Host-only: synchronizes the device."""
     from graphrt.kernels.dispatch import expected_m as expected_m_of
     todo = {w: s for w, s in experts.gemm_shapes().items() if not plan.has(s[0], padded_bs)}
     if not todo:
@@ -426,9 +439,12 @@ def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: 
     em = expected_m_of(padded_bs, num_topk, E, cap=cap)
     masked = [synthetic_masked_m(rows, E, r * max(1, E // (len(rows) * rotations))).to(device)
               for r in range(rotations)]
+    l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
     torch.cuda.synchronize(device)
     for which, (key, n, k) in todo.items():
         a, a_scale, out = experts.synthetic_io(which, cap)
+        weight_bytes = len(rows) * n * k * (1 if experts.fp8 else 2)
+        calls = masked[:rotations_for(weight_bytes, l2_bytes, rotations)]
         cands = plan_candidates(experts.kernels, n, k, rows, num_sms(device), experts.fp8)
         near = plan.nearest(key, padded_bs)  # timed first: it sets choose_timed's give-up
         cands.sort(key=lambda c: near is None or c.name != near.name)
@@ -443,7 +459,7 @@ def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: 
                                                 padded_bs)
                               if with_act else
                               functools.partial(experts.gemm, which, a, m, em, out, c, a_scale)
-                              for m in masked], give_up_us=give_up_us)
+                              for m in calls], give_up_us=give_up_us)
         timed, timings = choose_timed(cands, time_one,
                                       on_error=lambda: torch.cuda.synchronize(device))
         if not timed:
