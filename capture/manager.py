@@ -321,7 +321,7 @@ class CaptureManager:
         planned = graph_staging.plan(self.stager, size)  # (its shadows: not in pool_bytes)
         table = staging_table.for_capture(self.stager)
         torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()  # torch.cuda.graph() empties it on entry: do it first, then measure
+        torch.cuda.empty_cache()  # torch.cuda.graph() empties it on entry: first, then measure
         before = torch.cuda.memory_reserved(self.device)
         t0 = time.perf_counter()
         graph, planned = _new_graph(planned)

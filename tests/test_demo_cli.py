@@ -38,6 +38,7 @@ def test_version_and_help_show_defaults_and_choices(capsys):
     (["--config", "qwen3-moe-like"], "on CPU the demo analyses the tiny preset only"),
     (["--steps", "5"], "--steps 5: the CPU demo runs no decode loop"),
     (["--max-bs", "8"], "--max-bs 8: the CPU demo runs no decode loop"),
+    (["--plan-cache", "/tmp/x"], "--plan-cache /tmp/x: the CPU demo runs no decode loop"),
     (["--device", "cuda"], "--device cuda, but torch sees no CUDA GPU here"),
     (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
     (["--layers", "0"], "argument --layers: expected an int >= 1, got '0'"),
@@ -131,15 +132,25 @@ def test_example_defaults_follow_the_device(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.slow
-def test_gpu_demo_captures_replays_bitwise_and_prints_its_table():
+def test_gpu_demo_captures_replays_bitwise_and_prints_its_table(tmp_path):
     """The README's main job on a GPU, small: capture every size, replay each step bitwise
-    equal to eager on the same padded batch, and the timing table."""
+    equal to eager on the same padded batch, and the timing table; a second run reads the
+    expert plan the first one kept."""
     import subprocess
     import sys
-    proc = subprocess.run([sys.executable, "-m", "graphrt", "demo", "--config", "qwen3-moe-like",
-                           "--layers", "1", "--experts", "16", "--steps", "20", "--max-bs", "8"],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+    def demo():
+        return subprocess.run([sys.executable, "-m", "graphrt", "demo", "--config",
+                               "qwen3-moe-like", "--layers", "1", "--experts", "16", "--steps",
+                               "20", "--max-bs", "8", "--plan-cache", str(tmp_path)],
+                              capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = demo()
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (kept,) = tmp_path.iterdir()
+    assert f"expert plan, sizes by origin: 4 measured; kept in {kept}" in proc.stdout, proc.stdout
+    again = demo()
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert f"expert plan, sizes by origin: 4 cache; kept in {kept}" in again.stdout, again.stdout
     captured = re.search(r"captured (\d+) sizes in [\d.]+ s", proc.stdout)
     assert captured and int(captured.group(1)) >= 2, proc.stdout
     # 2 GEMM shapes x 4 sizes (1, 2, 4, 8), each with its measured pick

@@ -7,8 +7,13 @@ table: eager vs replay step time per size, capture time and pool memory.
 
 Without a GPU: runs the graph-safety analysis of the reference step (the ``tiny`` preset,
 kernels on the Triton CPU interpreter), says plainly that capture needs CUDA, and ends with
-what to try next. Flags it cannot honour there (``--steps``, ``--max-bs``, another preset,
-``--device cuda``) exit 2 with one line before any work.
+what to try next. Flags it cannot honour there (``--steps``, ``--max-bs``, ``--plan-cache``,
+another preset, ``--device cuda``) exit 2 with one line before any work.
+
+The expert plan measured at capture is kept in ``--plan-cache`` (default
+``graphrt.moe.plan_cache.PlanCache.default()``: ``$GRAPHRT_CACHE_DIR``, else
+``~/.cache/graphrt``), so a second run on the same GPU and software reads it instead of
+timing the candidate kernels again; the demo says which sizes came from where.
 """
 from __future__ import annotations
 
@@ -40,7 +45,8 @@ def _plan(args):
         raise _Refusal("--device cuda, but torch sees no CUDA GPU here: run without --device "
                        "(the CPU demo analyses the step) or on a machine with a GPU")
     if device == "cpu":
-        for flag, value in (("--steps", args.steps), ("--max-bs", args.max_bs)):
+        for flag, value in (("--steps", args.steps), ("--max-bs", args.max_bs),
+                            ("--plan-cache", args.plan_cache)):
             if value is not None:
                 raise _Refusal(f"{flag} {value}: the CPU demo runs no decode loop (it analyses the "
                                f"step at sizes {', '.join(map(str, CPU_SIZES))}; capture needs "
@@ -91,7 +97,27 @@ def main(args) -> int:
         return 2
     if device == "cpu":
         return _cpu_demo(cfg)
-    return _gpu_demo(cfg, steps, max_bs)
+    return _gpu_demo(cfg, steps, max_bs, _plan_cache(args.plan_cache))
+
+
+def _plan_cache(flag: str | None):
+    """The demo's ``PlanCache``: ``--plan-cache DIR``, ``off`` (None), or the default one."""
+    from graphrt.moe.plan_cache import PlanCache
+    if flag is None:
+        return PlanCache.default()
+    return None if flag.strip().lower() == "off" else PlanCache(flag)
+
+
+def _plan_line(model) -> str | None:
+    """Where the expert plan's sizes came from, and the cache file, in one line."""
+    origin = list(model.plan_origin.values())
+    if not origin:
+        return None
+    counts = ", ".join(f"{origin.count(o)} {o}" for o in ("measured", "cache", "given")
+                       if o in origin)
+    path = model.plan_cache_path
+    where = f"kept in {path}" if path is not None else "not kept (the plan cache is off)"
+    return f"expert plan, sizes by origin: {counts}; {where}"
 
 
 def _experts_line(model) -> str:
@@ -103,7 +129,7 @@ def _experts_line(model) -> str:
     return f"expert GEMMs by the measured per-size plan: {ExpertPlan(table).summary()}"
 
 
-def _gpu_demo(cfg, steps: int, max_bs: int) -> int:
+def _gpu_demo(cfg, steps: int, max_bs: int, plan_cache) -> int:
     import torch
 
     import graphrt
@@ -113,12 +139,15 @@ def _gpu_demo(cfg, steps: int, max_bs: int) -> int:
     from graphrt.moe import make_step
     print(f"building {cfg.name}: {cfg.num_layers} layers, {cfg.num_experts} experts top-"
           f"{cfg.num_topk}, hidden {cfg.hidden}, expert dim {cfg.moe_inter}")
-    spec, model = make_step(cfg, "cuda", max_batch_size=max_bs)
+    spec, model = make_step(cfg, "cuda", max_batch_size=max_bs, plan_cache=plan_cache)
     rt = graphrt.GraphRuntime(spec)
     t0 = time.perf_counter()
     rt.capture()
     print(f"captured {len(rt.graphs)} sizes in {time.perf_counter() - t0:.1f} s "
           f"({_experts_line(model)})")
+    line = _plan_line(model)
+    if line:
+        print(line)
     gen = torch.Generator().manual_seed(0)
     done, rows, rows_off, worst = 0, 0, 0, 0.0
     for i in range(steps):

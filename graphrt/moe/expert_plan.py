@@ -221,6 +221,11 @@ class ExpertPlan:
     def has(self, key: str, padded_bs: int) -> bool:
         return key in self._by_size.get(padded_bs, ())
 
+    def timings(self, key: str, padded_bs: int) -> dict[str, float | str] | None:
+        """The candidates' µs (or errors) recorded for (``key``, ``padded_bs``), or None."""
+        t = self._timings.get((key, int(padded_bs)))
+        return None if t is None else dict(t)
+
     def nearest(self, key: str, padded_bs: int) -> Choice | None:
         """The choice recorded for ``key`` at the size nearest ``padded_bs`` (the smaller on a
         tie; exclusions not applied), or None when ``key`` has none. ``plan_size`` times it
@@ -404,9 +409,9 @@ def rotations_for(weight_bytes: int, l2_bytes: int, rotations: int) -> int:
     """Calls of different expert rotations a timing graph holds (``plan_size``): ``rotations``,
     so that no call finds the previous one's weights in L2, or 1 where one call streams at
     least ``UNROTATED_L2`` times the L2 (at most an eighth of a call's weights can still be
-    in L2 when its next replay starts). dsv3-like W13 at batch 1: 8 experts x 4096 x 7168 bf16 = 470 MB against
-    50 MB; those graphs of 4 large GEMMs took most of the plan's time (BENCHMARKS.md §53).
-    Pure Python."""
+    in L2 when its next replay starts). dsv3-like W13 at batch 1: 8 experts x 4096 x 7168
+    bf16 = 470 MB against 50 MB; those graphs of 4 large GEMMs took most of the plan's time
+    (BENCHMARKS.md §53). Pure Python."""
     return 1 if weight_bytes >= UNROTATED_L2 * l2_bytes else rotations
 
 

@@ -373,6 +373,10 @@ class MoEModel:
         expert_plan: with ``backend="auto"``, a fixed kernel table to start from: an
             ``ExpertPlan``, its ``to_json()`` dict, or the path of a JSON file holding one
             (``graphrt.moe.expert_plan``); sizes it lacks are measured by ``prepare``.
+        plan_cache: with ``backend="auto"`` on CUDA, where measured plans are kept between
+            processes: a ``PlanCache``, a directory, or None (the default: measure in every
+            process). ``prepare`` reads a size from it before measuring and writes each size it
+            measures (``graphrt.moe.plan_cache``); ``plan_origin`` says which.
         eplb: an ``EPLBConfig`` (``graphrt.eplb``): physical expert slots with replicas, a
             device-resident logical-to-physical map read by the captured routing, and load
             counters (``model.expert_map``); ``comm`` must then be built with
@@ -392,10 +396,15 @@ class MoEModel:
 
     def __init__(self, cfg: MoEConfig, device, *, comm: EPComm | None = None, overlap: bool = True,
                  backend: str = "auto", fp8: bool = False, seed: int = 0, expert_plan=None,
-                 eplb=None):
+                 eplb=None, plan_cache=None):
         self.cfg, self.device = cfg, torch.device(device)
         self._plan = _make_plan(expert_plan, backend)
         self._prepared: set[int] = set()
+        self.plan_cache = _make_cache(plan_cache, self._plan, self.device)
+        self._plan_fingerprint: dict | None = None
+        # {padded_bs: "given" (expert_plan=), "cache" (plan_cache), "measured", or "untimed"
+        # (a CPU device: the decode kernel recorded without timing)}
+        self.plan_origin: dict[int, str] = {}
         ranks = comm.num_ranks if comm is not None else 1
         physical = cfg.num_experts if eplb is None else eplb.physical_experts(cfg.num_experts, ranks)
         self.comm = comm or LocalComm(physical, cfg.hidden, cfg.num_topk, self.device,
@@ -446,7 +455,8 @@ class MoEModel:
 
         The first call for a size measures the candidate kernels of each expert GEMM shape on
         a synthetic routing of that size (``graphrt.moe.expert_plan.plan_size``: CUDA graphs
-        and events, synchronizes; on a CPU device the decode kernel is recorded untimed);
+        and events, synchronizes; on a CPU device the decode kernel is recorded untimed),
+        unless ``expert_plan`` gave the size or ``plan_cache`` holds it (``plan_origin``);
         every call then selects that size's entries, which a step of that size reads (a dict
         lookup and an attribute store). ``n`` (live rows) is not used. No-op unless
         ``backend="auto"``. Host-only: refuses to measure while a stream captures.
@@ -460,12 +470,41 @@ class MoEModel:
         if plan is None:
             return
         if padded_bs not in self._prepared:
-            from graphrt.moe.expert_plan import plan_size
-            plan_size(plan, self.layers[0].moe.experts, padded_bs,
-                      cap=self.comm.cap_for(padded_bs), num_topk=self.cfg.num_topk,
-                      num_experts=self.cfg.num_experts, num_ranks=self.comm.num_ranks)
+            self._plan_for(padded_bs)
             self._prepared.add(padded_bs)
         plan.select(padded_bs)
+
+    @property
+    def plan_cache_path(self):
+        """The ``plan_cache`` file of this model's plans (a ``pathlib.Path``), or None with no
+        cache or before the first size was prepared on it. Host-only."""
+        if self.plan_cache is None or self._plan_fingerprint is None:
+            return None
+        return self.plan_cache.path(self._plan_fingerprint)
+
+    def _plan_for(self, padded_bs: int) -> None:
+        """The plan's entries of ``padded_bs``: as given, from the cache, or measured (and
+        then written to the cache). Host-only; measuring synchronizes the device."""
+        from graphrt.moe.expert_plan import plan_size
+        plan, experts = self._plan, self.layers[0].moe.experts
+        keys = [key for key, _, _ in experts.gemm_shapes().values()]
+        if all(plan.has(key, padded_bs) for key in keys):
+            self.plan_origin[padded_bs] = "given"
+            return
+        cap = self.comm.cap_for(padded_bs)
+        routing = dict(num_topk=self.cfg.num_topk, num_experts=self.cfg.num_experts,
+                       num_ranks=self.comm.num_ranks)
+        cache = self.plan_cache
+        if cache is not None and self._plan_fingerprint is None:
+            from graphrt.moe.plan_cache import fingerprint
+            self._plan_fingerprint = fingerprint(experts, **routing)
+        if cache is not None and cache.load(plan, self._plan_fingerprint, padded_bs, cap, keys):
+            self.plan_origin[padded_bs] = "cache"
+            return
+        plan_size(plan, experts, padded_bs, cap=cap, **routing)
+        self.plan_origin[padded_bs] = "measured" if experts.device.type == "cuda" else "untimed"
+        if cache is not None:
+            cache.store(plan, self._plan_fingerprint, padded_bs, cap, keys)
 
     def refold_gate(self) -> None:
         """Fold the router gate again in every layer that has folded it, where its gate, MoE
@@ -602,6 +641,18 @@ def _make_plan(expert_plan, backend: str):
     if isinstance(expert_plan, dict):
         return ExpertPlan(expert_plan)
     return ExpertPlan.load(str(expert_plan))
+
+
+def _make_cache(plan_cache, plan, device: torch.device):
+    """The model's ``PlanCache`` (None: no cache, or nothing measured to keep)."""
+    if plan_cache is None:
+        return None
+    from graphrt.moe.plan_cache import PlanCache
+    cache = plan_cache if isinstance(plan_cache, PlanCache) else PlanCache(plan_cache)
+    if plan is None:
+        raise ValueError("plan_cache= needs backend='auto' (a per-size plan to keep); a fixed "
+                         "backend measures nothing: drop plan_cache or use backend='auto'")
+    return cache if device.type == "cuda" else None
 
 
 def make_step(cfg: MoEConfig, device, max_batch_size: int = 256, **kw) -> tuple[StepSpec, MoEModel]:
