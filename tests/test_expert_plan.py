@@ -133,6 +133,17 @@ def test_a_timing_sample_replays_until_it_lasts_sample_us():
     assert ep.replays_for(0.0, 5) == 5 and ep.replays_for(float("nan"), 5) == 5
 
 
+def test_exhaustive_timing_turns_every_shortcut_off_and_back_on():
+    with ep.exhaustive_timing():
+        assert ep.replays_for(4000.0, 5) == 5 and ep.rotations_for(10 ** 12, 50 << 20, 4) == 4
+        assert ep.GIVE_UP == float("inf") and not ep.NEAREST_FIRST
+    assert ep.replays_for(4000.0, 5) == 1 and ep.rotations_for(10 ** 12, 50 << 20, 4) == 1
+    assert ep.GIVE_UP == 1.5 and ep.NEAREST_FIRST
+    with pytest.raises(RuntimeError), ep.exhaustive_timing():
+        raise RuntimeError("restored on the way out too")
+    assert ep.SAMPLE_US == 400.0 and ep.UNROTATED_L2 == 8
+
+
 def test_choice_validates_and_names():
     assert Choice("triton").name == "triton" and Choice("decode", 16, 2).name == "decode/bn16/sk2"
     assert Choice("decode", 64, num_warps=8).name == "decode/bn64/w8"
@@ -474,3 +485,27 @@ def test_an_excluded_kernel_reads_as_the_fastest_other_one(monkeypatch):
     got = plan.select(1)
     assert got["bf16:64x1536x2048"] is dec and got["bf16:64x2048x768"] is rows
     assert plan.current == got and plan.choices(2) is None
+
+
+# ------------------------------------------------------- the shortcuts' check (bench, CPU)
+def test_plan_check_compares_picks_with_the_exhaustive_times():
+    from graphrt.bench.plan_check import compare
+    ref = {"k": {"1": {"kernel": "swap", "block_n": 128, "us": 800.0,
+                       "candidates": {"swap/bn128": 800.0, "swap/bn64": 808.0}},
+                 "8": {"kernel": "triton", "us": 100.0, "candidates": {"triton": 100.0}},
+                 "16": {"kernel": "deepgemm", "us": 50.0, "candidates": {"deepgemm": 50.0}}}}
+    table = {"k": {"1": {"kernel": "swap", "block_n": 64, "us": 801.0},
+                   "8": {"kernel": "triton", "us": 99.0},
+                   "16": {"kernel": "rows", "block_n": 4, "us": 49.0}}}
+    same, differing = compare(ref, table)
+    assert same == 1
+    assert differing == [
+        {"key": "k", "bs": 1, "reference": "swap/bn128", "pick": "swap/bn64", "ratio": 1.01},
+        {"key": "k", "bs": 16, "reference": "deepgemm", "pick": "rows/bn4", "ratio": None}]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a CPU machine")
+def test_plan_check_needs_a_gpu(capsys):
+    from graphrt.bench.plan_check import main
+    assert main(["--config", "tiny"]) == 2
+    assert "plan_check: needs a CUDA GPU" in capsys.readouterr().err

@@ -34,6 +34,7 @@ kernels with CUDA events and synchronizes, and refuses to run while a stream cap
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -304,7 +305,7 @@ def replays_for(one_replay_us: float, replays: int) -> int:
     timing candidates (BENCHMARKS.md §52). Pure Python."""
     if not one_replay_us > 0:
         return replays
-    return max(1, min(replays, math.ceil(SAMPLE_US / one_replay_us)))
+    return max(1, math.ceil(min(replays, SAMPLE_US / one_replay_us)))
 
 
 def _graph_us(fns, samples: int = 7, replays: int = 5, give_up_us: float | None = None) -> float:
@@ -347,6 +348,7 @@ def _graph_us(fns, samples: int = 7, replays: int = 5, give_up_us: float | None 
 NEAR_TIE = 0.03  # candidates within this fraction of the first round's best are timed again
 RETIMES = 4  # the near-tied candidates' extra rounds, interleaved; each one's median decides
 GIVE_UP = 1.5  # a first-round candidate this much slower than the best so far is not sampled
+NEAREST_FIRST = True  # plan_size times the nearest measured size's winner first
 
 
 def choose_timed(cands: list[Choice], time_one, on_error=None) -> tuple[list, dict]:
@@ -415,6 +417,22 @@ def rotations_for(weight_bytes: int, l2_bytes: int, rotations: int) -> int:
     return 1 if weight_bytes >= UNROTATED_L2 * l2_bytes else rotations
 
 
+@contextlib.contextmanager
+def exhaustive_timing():
+    """Within it, ``plan_size`` times as it did before its shortcuts (the reference
+    ``graphrt.bench.plan_check`` compares them with): every candidate ``samples`` samples of
+    ``replays`` replays, none given up (``GIVE_UP``), in listed order (``NEAREST_FIRST``),
+    every graph of ``rotations`` calls (``UNROTATED_L2``). Sets module settings: one plan at
+    a time in a process. Host-only."""
+    global GIVE_UP, SAMPLE_US, UNROTATED_L2, NEAREST_FIRST
+    saved = GIVE_UP, SAMPLE_US, UNROTATED_L2, NEAREST_FIRST
+    GIVE_UP, SAMPLE_US, UNROTATED_L2, NEAREST_FIRST = math.inf, math.inf, math.inf, False
+    try:
+        yield
+    finally:
+        GIVE_UP, SAMPLE_US, UNROTATED_L2, NEAREST_FIRST = saved
+
+
 def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: int,
               num_experts: int, num_ranks: int = 1, rotations: int = 4) -> None:
     """Fill ``plan`` for ``padded_bs`` with the fastest kernel of each of ``experts``' GEMMs
@@ -451,7 +469,7 @@ def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: 
         weight_bytes = len(rows) * n * k * (1 if experts.fp8 else 2)
         calls = masked[:rotations_for(weight_bytes, l2_bytes, rotations)]
         cands = plan_candidates(experts.kernels, n, k, rows, num_sms(device), experts.fp8)
-        near = plan.nearest(key, padded_bs)  # timed first: it sets choose_timed's give-up
+        near = plan.nearest(key, padded_bs) if NEAREST_FIRST else None  # sets the give-up
         cands.sort(key=lambda c: near is None or c.name != near.name)
         # Where W13 may carry the activation as its epilogue (Experts.act_in_w13), every W13
         # candidate is timed with the activation, as the step runs it (Experts.w13_act): fused
