@@ -114,7 +114,9 @@ def test_default_directory_and_its_off_switch(monkeypatch, tmp_path):
     assert PlanCache.default().dir == tmp_path / "mine"
     for off in ("off", "0", "", "None"):
         monkeypatch.setenv("GRAPHRT_CACHE_DIR", off)
-        assert PlanCache.default() is None
+        assert PlanCache.default() is None and PlanCache.from_setting(off) is None
+    assert PlanCache.from_setting(str(tmp_path / "d")).dir == tmp_path / "d"
+    assert PlanCache.from_setting(None) is None              # None: the default (off here)
 
 
 def test_model_wiring_on_cpu(tmp_path):

@@ -97,15 +97,8 @@ def main(args) -> int:
         return 2
     if device == "cpu":
         return _cpu_demo(cfg)
-    return _gpu_demo(cfg, steps, max_bs, _plan_cache(args.plan_cache))
-
-
-def _plan_cache(flag: str | None):
-    """The demo's ``PlanCache``: ``--plan-cache DIR``, ``off`` (None), or the default one."""
     from graphrt.moe.plan_cache import PlanCache
-    if flag is None:
-        return PlanCache.default()
-    return None if flag.strip().lower() == "off" else PlanCache(flag)
+    return _gpu_demo(cfg, steps, max_bs, PlanCache.from_setting(args.plan_cache))
 
 
 def _plan_line(model) -> str | None:

@@ -39,6 +39,7 @@ import functools
 import json
 import math
 import statistics
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -252,12 +253,11 @@ class ExpertPlan:
     def summary(self) -> str:
         """One line: how often each kernel was picked over the (shape, size) entries, most
         picked first, e.g. ``swap 20, deepgemm 10, triton 8 of 38 (shape, size) entries``."""
-        picks = [c.kernel for table in self._by_size.values() for c in table.values()]
+        picks = Counter(c.kernel for table in self._by_size.values() for c in table.values())
         if not picks:
             return "no (shape, size) entry yet"
-        counts = sorted({k: picks.count(k) for k in picks}.items(), key=lambda kv: -kv[1])
-        return (", ".join(f"{k} {n}" for k, n in counts)
-                + f" of {len(picks)} (shape, size) entries")
+        return (", ".join(f"{k} {n}" for k, n in picks.most_common())
+                + f" of {picks.total()} (shape, size) entries")
 
     # -- JSON ----------------------------------------------------------------------------
     def to_json(self) -> dict:

@@ -63,12 +63,21 @@ class PlanCache:
         return f"PlanCache({str(self.dir)!r})"
 
     @classmethod
+    def from_setting(cls, setting: str | None) -> PlanCache | None:
+        """A cache from a user's setting (``GRAPHRT_CACHE_DIR``, ``graphrt demo
+        --plan-cache``): a directory; ``off``, ``0``, ``false``, ``no``, ``none`` or empty:
+        None (no cache); None: ``default()``."""
+        if setting is None:
+            return cls.default()
+        return None if setting.strip().lower() in _OFF else cls(setting)
+
+    @classmethod
     def default(cls) -> PlanCache | None:
         """``$GRAPHRT_CACHE_DIR`` (``off``, ``0`` or empty: None, no cache), else
         ``$XDG_CACHE_HOME/graphrt``, else ``~/.cache/graphrt``."""
         env = os.environ.get("GRAPHRT_CACHE_DIR")
         if env is not None:
-            return None if env.strip().lower() in _OFF else cls(env)
+            return cls.from_setting(env)
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         return cls(os.path.join(base, "graphrt"))
 
