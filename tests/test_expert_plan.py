@@ -400,6 +400,17 @@ def test_bench_case_runs_each_kernel_and_formats():
 
 
 # ------------------------------------------------------------------------------- GPU (H200)
+def _check_compiled_ahead(model, table, sizes):
+    """Every size's Triton candidates went through the compile-ahead pass; a build that failed
+    there is a candidate the plan recorded with an error when it timed it."""
+    ahead = model._plan.compiled_ahead
+    assert sorted(ahead) == sorted(sizes), ahead
+    for bs, (_submitted, failed, _seconds) in ahead.items():
+        errors = sum(isinstance(v, str) for per_size in table.values()
+                     for v in per_size[str(bs)]["candidates"].values())
+        assert failed <= errors, (bs, ahead[bs], errors)
+
+
 @pytest.mark.gpu
 def test_gpu_plan_per_size_and_replay_equals_eager():
     """qwen3-moe-like, 1 layer, 16 experts: capture measures the candidates at each size,
@@ -418,6 +429,7 @@ def test_gpu_plan_per_size_and_replay_equals_eager():
             assert entry["us"] == min(timed.values())
             print(f"\n{key} bs={bs}: {entry['kernel']} bn{entry.get('block_n')} "
                   f"sk{entry.get('split_k')} {entry['us']} us; {timed}")
+    _check_compiled_ahead(model, table, sizes)
     checks = rt.check_replay(trials=2)
     assert all(c.ok for c in checks), [str(c) for c in checks if not c.ok]
     exact = [c for c in checks if c.what == "graph-vs-eager"]
@@ -457,6 +469,7 @@ def test_gpu_fp8_plan_on_e4m3_mma_replays_equal_eager(monkeypatch):
             assert ("deepgemm" in timed) == deep_gemm_available(), entry
             assert entry["us"] == min(timed.values())
             print(f"\n{key} bs={bs}: {entry['kernel']} {entry['us']} us; {timed}")
+    _check_compiled_ahead(model, table, sizes)
     checks = rt.check_replay(trials=2)
     assert all(c.ok for c in checks), [str(c) for c in checks if not c.ok]
     assert all(c.max_abs_err == 0.0 for c in checks if c.what == "graph-vs-eager")

@@ -39,6 +39,7 @@ import functools
 import json
 import math
 import statistics
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
@@ -203,6 +204,9 @@ class ExpertPlan:
         self._fallback: dict[tuple[str, int], Choice] = {}
         self._timings: dict[tuple[str, int], dict[str, float | str]] = {}
         self.current: dict[str, Choice] | None = None
+        # {padded_bs: (builds submitted, builds failed, seconds)} of plan_size's compile-ahead
+        # pass (kernels.compile_ahead); not saved with the table
+        self.compiled_ahead: dict[int, tuple[int, int, float]] = {}
         if table:
             self._load(table)
 
@@ -433,6 +437,37 @@ def exhaustive_timing():
         GIVE_UP, SAMPLE_US, UNROTATED_L2, NEAREST_FIRST = saved
 
 
+def _timed_call(experts, which: str, cap: int, expected_m: int, padded_bs: int):
+    """``call(choice, masked_m)``: one call of a candidate of ``which`` as ``plan_size`` times
+    it, on operands ``experts.synthetic_io`` fills now. Where W13 may carry the activation as
+    its epilogue (``Experts.act_in_w13``), every W13 candidate runs with the activation, as
+    the step runs it (``Experts.w13_act``): fused for the kernels that take it
+    (``Experts.takes_epilogue``), a launch after the others. Host-only (launches fills)."""
+    a, a_scale, out = experts.synthetic_io(which, cap)
+    if which == "w13" and experts.act_in_w13(padded_bs):
+        act_out = experts.ws.view("a", (experts.E, cap, out.shape[-1] // 2))
+        return lambda c, m: experts.w13_act(a, m, expected_m, out, act_out, c, padded_bs)
+    return lambda c, m: experts.gemm(which, a, m, expected_m, out, c, a_scale)
+
+
+def _compile_candidates(shapes: dict, masked_m) -> tuple[int, int, float]:
+    """Build every Triton candidate of ``shapes`` (``plan_size``'s) on a thread pool before
+    any is timed (``kernels.compile_ahead``: each candidate's call once, its launches
+    compile-only), so that a fresh machine's builds overlap instead of running one after
+    another inside the timing. DeepGEMM's candidates are not Triton kernels: their JIT runs
+    at their first timing. A candidate that fails here fails again when timed, where the plan
+    records it. Returns ``(builds submitted, builds failed, seconds)``. Host-only."""
+    from graphrt.kernels.compile_ahead import compile_ahead
+    t0 = time.perf_counter()
+    with compile_ahead() as ahead:
+        for _key, cands, make_call, _calls in shapes.values():
+            call = make_call() if ahead.enabled else None
+            for c in cands:
+                if c.kernel != "deepgemm":
+                    ahead.run(call, c, masked_m)
+    return ahead.submitted, ahead.failed, time.perf_counter() - t0
+
+
 def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: int,
               num_experts: int, num_ranks: int = 1, rotations: int = 4) -> None:
     """Fill ``plan`` for ``padded_bs`` with the fastest kernel of each of ``experts``' GEMMs
@@ -464,25 +499,22 @@ def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: 
               for r in range(rotations)]
     l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
     torch.cuda.synchronize(device)
+    shapes = {}  # which -> (key, candidates, make_call(): one call of a candidate, calls)
     for which, (key, n, k) in todo.items():
-        a, a_scale, out = experts.synthetic_io(which, cap)
         weight_bytes = len(rows) * n * k * (1 if experts.fp8 else 2)
-        calls = masked[:rotations_for(weight_bytes, l2_bytes, rotations)]
         cands = plan_candidates(experts.kernels, n, k, rows, num_sms(device), experts.fp8)
         near = plan.nearest(key, padded_bs) if NEAREST_FIRST else None  # sets the give-up
         cands.sort(key=lambda c: near is None or c.name != near.name)
-        # Where W13 may carry the activation as its epilogue (Experts.act_in_w13), every W13
-        # candidate is timed with the activation, as the step runs it (Experts.w13_act): fused
-        # for the kernels that take it (Experts.takes_epilogue), a launch after the others.
-        with_act = which == "w13" and experts.act_in_w13(padded_bs)
-        act_out = experts.ws.view("a", (E, cap, n // 2)) if with_act else None
+        shapes[which] = (key, cands, functools.partial(_timed_call, experts, which, cap, em,
+                                                       padded_bs),
+                         masked[:rotations_for(weight_bytes, l2_bytes, rotations)])
+    plan.compiled_ahead[padded_bs] = _compile_candidates(shapes, masked[0])
+    for which, (key, cands, make_call, calls) in shapes.items():
+        call = make_call()  # the operands filled again: another shape's timing wrote them
 
         def time_one(c: Choice, give_up_us: float | None) -> float:
-            return _graph_us([functools.partial(experts.w13_act, a, m, em, out, act_out, c,
-                                                padded_bs)
-                              if with_act else
-                              functools.partial(experts.gemm, which, a, m, em, out, c, a_scale)
-                              for m in calls], give_up_us=give_up_us)
+            return _graph_us([functools.partial(call, c, m) for m in calls],
+                             give_up_us=give_up_us)
         timed, timings = choose_timed(cands, time_one,
                                       on_error=lambda: torch.cuda.synchronize(device))
         if not timed:
