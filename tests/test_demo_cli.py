@@ -130,6 +130,23 @@ def test_example_defaults_follow_the_device(monkeypatch):
         assert info.value.code == 2, argv
 
 
+def test_plan_line_names_origins_cache_and_builds_ahead(tmp_path):
+    from types import SimpleNamespace
+
+    from graphrt.cli.demo import _plan_line
+    model = SimpleNamespace(plan_origin={8: "measured", 4: "measured", 1: "cache"},
+                            plan_cache_path=tmp_path / "plan.json", compiled_ahead=(35, 0, 6.04))
+    assert _plan_line(model) == (f"expert plan, sizes by origin: 2 measured, 1 cache; kept in "
+                                 f"{tmp_path / 'plan.json'}; 35 Triton builds of its candidates "
+                                 "ahead, on a thread pool, in 6.0 s")
+    model.compiled_ahead, model.plan_cache_path = (3, 1, 0.5), None
+    assert _plan_line(model).endswith("not kept (the plan cache is off); 3 Triton builds of its "
+                                      "candidates ahead, on a thread pool, in 0.5 s (1 failed)")
+    model.compiled_ahead = (0, 0, 0.0)
+    assert _plan_line(model).endswith("not kept (the plan cache is off)")
+    assert _plan_line(SimpleNamespace(plan_origin={})) is None
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_gpu_demo_captures_replays_bitwise_and_prints_its_table(tmp_path):
@@ -151,6 +168,11 @@ def test_gpu_demo_captures_replays_bitwise_and_prints_its_table(tmp_path):
     again = demo()
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert f"expert plan, sizes by origin: 4 cache; kept in {kept}" in again.stdout, again.stdout
+    # a new process builds the measured plan's Triton candidates ahead (from Triton's disk
+    # cache when an earlier process built them); a plan read from the cache builds none
+    assert re.search(r"; \d+ Triton builds of its candidates ahead, on a thread pool, in "
+                     r"[\d.]+ s\n", proc.stdout), proc.stdout
+    assert "builds of its candidates ahead" not in again.stdout, again.stdout
     captured = re.search(r"captured (\d+) sizes in [\d.]+ s", proc.stdout)
     assert captured and int(captured.group(1)) >= 2, proc.stdout
     # 2 GEMM shapes x 4 sizes (1, 2, 4, 8), each with its measured pick

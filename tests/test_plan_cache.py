@@ -126,6 +126,7 @@ def test_model_wiring_on_cpu(tmp_path):
     assert model.plan_cache is None
     model.prepare(4)
     assert model.plan_origin == {4: "untimed"} and not list(tmp_path.iterdir())
+    assert model.compiled_ahead == (0, 0, 0.0)  # nothing built ahead where nothing is timed
     with pytest.raises(ValueError, match="plan_cache= needs backend='auto'"):
         MoEModel(preset("tiny"), "cpu", backend="triton", plan_cache=tmp_path)
     given = MoEModel(preset("tiny"), "cpu", expert_plan=model.expert_plan())

@@ -110,7 +110,10 @@ def _plan_line(model) -> str | None:
                        if o in origin)
     path = model.plan_cache_path
     where = f"kept in {path}" if path is not None else "not kept (the plan cache is off)"
-    return f"expert plan, sizes by origin: {counts}; {where}"
+    builds, failed, seconds = model.compiled_ahead
+    ahead = (f"; {builds} Triton builds of its candidates ahead, on a thread pool, in "
+             f"{seconds:.1f} s" + (f" ({failed} failed)" if failed else "")) if builds else ""
+    return f"expert plan, sizes by origin: {counts}; {where}{ahead}"
 
 
 def _experts_line(model) -> str:

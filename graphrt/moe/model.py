@@ -475,6 +475,16 @@ class MoEModel:
         plan.select(padded_bs)
 
     @property
+    def compiled_ahead(self) -> tuple[int, int, float]:
+        """``(builds, failed, seconds)`` summed over the sizes this model measured: the expert
+        plan's Triton candidates built on a thread pool before their timing
+        (``kernels.compile_ahead``; builds 0 when every kernel was already built, or with
+        ``GRAPHRT_COMPILE_AHEAD=0``). ``(0, 0, 0.0)`` without a plan. Host-only."""
+        stats = self._plan.compiled_ahead.values() if self._plan is not None else ()
+        return (sum(s[0] for s in stats), sum(s[1] for s in stats),
+                round(sum(s[2] for s in stats), 2))
+
+    @property
     def plan_cache_path(self):
         """The ``plan_cache`` file of this model's plans (a ``pathlib.Path``), or None with no
         cache or before the first size was prepared on it. Host-only."""
