@@ -1,8 +1,9 @@
 """Compile graphrt's Triton kernels on a thread pool before their first launch.
 
-A fresh machine's capture is compile-bound: the demo's built 68 Triton kernels one after
-another, about 17 s of its 50-60 s (BENCHMARKS.md §53), most of each build in the compiler's
-C++ passes and in ``ptxas``, which run without the GIL. Triton's own ``AsyncCompileMode``
+A fresh machine's capture is compile-bound: the demo's built 71 Triton kernels one after
+another, 22-25 s of builds in a capture of 45-51 s (BENCHMARKS.md §54), most of each build in
+the compiler's C++ passes and in ``ptxas``, which run without the GIL. The expert plan's 35
+candidate builds take 5 s on 16 threads this way, and the capture 7.5 s less. Triton's own ``AsyncCompileMode``
 (``triton.runtime._async_compile``, Triton 3.4 on) hands each build of a kernel's *warm-up*
 to an executor; this module makes graphrt's launches warm-ups for a while, so that code
 which launches (a launcher, the expert plan's candidates) can be run once to ask for every

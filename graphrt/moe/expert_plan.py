@@ -476,7 +476,9 @@ def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: 
     the step then runs one or the other, see ``Experts.w13_act``; near-ties timed again and
     far-behind candidates given up after one replay, ``choose_timed``; the nearest measured
     size's winner first, ``ExpertPlan.nearest``; ``rotations`` expert rotations a graph,
-    ``rotations_for``); shapes already in the plan are skipped. On a CPU device the decode
+    ``rotations_for``; every Triton candidate built first, on a thread pool,
+    ``_compile_candidates``, its figures in ``plan.compiled_ahead``); shapes already in the
+    plan are skipped. On a CPU device the decode
     kernel is recorded without timing. A candidate that fails (e.g. does not compile) is
     recorded with its error and never chosen. Host-only: synchronizes the device."""
     from graphrt.kernels.dispatch import expected_m as expected_m_of
@@ -510,7 +512,7 @@ def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: 
                          masked[:rotations_for(weight_bytes, l2_bytes, rotations)])
     plan.compiled_ahead[padded_bs] = _compile_candidates(shapes, masked[0])
     for which, (key, cands, make_call, calls) in shapes.items():
-        call = make_call()  # the operands filled again: another shape's timing wrote them
+        call = make_call()  # operands filled again: the other shape's timing may write them
 
         def time_one(c: Choice, give_up_us: float | None) -> float:
             return _graph_us([functools.partial(call, c, m) for m in calls],
