@@ -140,7 +140,8 @@ def _unpatch() -> None:
 def compile_ahead(workers: int | None = None):
     """A block in which graphrt's Triton launches only compile, ``workers`` builds at a time
     (default ``threads()``); yields a ``CompileAhead``. Leaving it waits for every build.
-    Off (``available()`` false) it yields a block whose ``run`` runs nothing. Host-only."""
+    Off (``available()`` false, or inside the caller's own ``AsyncCompileMode``) it yields a
+    block whose ``run`` runs nothing. Host-only."""
     outer = _active.get()
     if outer is not None:  # a nested block joins the open one
         yield outer
@@ -148,7 +149,10 @@ def compile_ahead(workers: int | None = None):
     if not available():
         yield CompileAhead(enabled=False)
         return
-    from triton.runtime._async_compile import AsyncCompileMode
+    from triton.runtime._async_compile import AsyncCompileMode, active_mode
+    if active_mode.get() is not None:  # the caller's own AsyncCompileMode: Triton allows one
+        yield CompileAhead(enabled=False)
+        return
     block = CompileAhead(enabled=True)
     with ThreadPoolExecutor(max_workers=workers or threads(),
                             thread_name_prefix="graphrt-compile") as pool:

@@ -61,6 +61,18 @@ def test_block_patches_run_and_restores_it(compiling):
     assert JITFunction.run is before and ca._active.get() is None
 
 
+def test_off_inside_the_callers_own_async_compile_mode(compiling):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from triton.runtime._async_compile import AsyncCompileMode
+    from triton.runtime.jit import JITFunction
+    before = JITFunction.run
+    with ThreadPoolExecutor(1) as pool, AsyncCompileMode(pool):
+        with ca.compile_ahead() as ahead:  # Triton allows one mode: this block stands aside
+            assert not ahead.enabled and JITFunction.run is before
+            ahead.run(pytest.fail, "ran in a block that is off")
+
+
 def test_run_keeps_what_the_code_raises(compiling):
     def bad():
         raise ValueError("not launchable")
