@@ -167,7 +167,14 @@ def compile_ahead(workers: int | None = None):
         finally:
             _active.reset(token)
             _unpatch()
-            futures = list(mode.raw_futures)
-            block.submitted = len(futures)
-            block.failed = sum(f.exception() is not None for f in futures)  # waits for each
-            mode.__exit__(None, None, None)  # puts every built kernel in its JIT cache
+            try:
+                futures = list(mode.raw_futures)
+                block.submitted = len(futures)
+                block.failed = sum(f.exception() is not None for f in futures)  # waits
+            finally:
+                try:
+                    mode.__exit__(None, None, None)  # puts every built kernel in its JIT cache
+                finally:
+                    # even when interrupted (Ctrl-C): a mode left active would send every
+                    # later build of this thread to the pool, shut down by then
+                    active_mode.set(None)

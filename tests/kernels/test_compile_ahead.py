@@ -59,6 +59,8 @@ def test_block_patches_run_and_restores_it(compiling):
         with ca.compile_ahead(workers=2):
             raise KeyError("raised in the block")
     assert JITFunction.run is before and ca._active.get() is None
+    from triton.runtime import _async_compile
+    assert _async_compile.active_mode.get() is None  # Triton's launches are synchronous again
 
 
 def test_off_inside_the_callers_own_async_compile_mode(compiling):
@@ -71,6 +73,26 @@ def test_off_inside_the_callers_own_async_compile_mode(compiling):
         with ca.compile_ahead() as ahead:  # Triton allows one mode: this block stands aside
             assert not ahead.enabled and JITFunction.run is before
             ahead.run(pytest.fail, "ran in a block that is off")
+
+
+def test_interrupted_while_waiting_leaves_triton_synchronous(compiling):
+    """Ctrl-C while the block waits for its builds: Triton's mode is still closed, so later
+    launches of this thread do not go to a pool that is shut down."""
+    from triton.runtime import _async_compile
+    from triton.runtime.jit import JITFunction
+    before = JITFunction.run
+
+    class Interrupted:
+        _key = "interrupted"
+
+        def exception(self):
+            raise KeyboardInterrupt
+
+    with pytest.raises(BaseException):
+        with ca.compile_ahead(workers=1):
+            _async_compile.active_mode.get().raw_futures.append(Interrupted())
+    assert _async_compile.active_mode.get() is None
+    assert JITFunction.run is before and ca._active.get() is None
 
 
 def test_run_keeps_what_the_code_raises(compiling):
