@@ -107,6 +107,14 @@ def sm_count(device_index: int) -> int:
 
 
 @functools.cache
+def l2_bytes(device_index: int) -> int:
+    """L2 cache bytes of CUDA device ``device_index`` (cached, as ``sm_count``; 50 MiB where
+    torch does not report it). Host-only."""
+    return int(getattr(torch.cuda.get_device_properties(device_index), "L2_cache_size",
+                       50 << 20))
+
+
+@functools.cache
 def smem_limits(device_index: int) -> tuple[int, int]:
     """``(per_program, per_sm)``: the shared memory bytes one program may opt in to and one SM
     holds, of CUDA device ``device_index`` (cached, as ``sm_count``; 227 KB and 228 KB on an

@@ -80,10 +80,9 @@ def available() -> bool:
         return False
     try:
         from triton.runtime import _async_compile
-        from triton.runtime.jit import JITFunction
     except ImportError:
         return False
-    return hasattr(_async_compile, "AsyncCompileMode") and hasattr(JITFunction, "run")
+    return hasattr(_async_compile, "AsyncCompileMode")
 
 
 class CompileAhead:

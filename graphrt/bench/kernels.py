@@ -131,7 +131,8 @@ def bench(shapes: list[str], rows_list: list[int], live_list: list[int], *, expe
     dev = torch.device(device)
     hbm = hbm_bandwidth_gbs(dev)
     sms = num_sms(dev)
-    l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 50 << 20)
+    from graphrt.kernels._util import cuda_index, l2_bytes
+    l2 = l2_bytes(cuda_index(dev))
     doc = {"schema": SCHEMA, "device": torch.cuda.get_device_name(dev), "hbm_gbs": round(hbm, 1),
            "experts": experts, "cap": CAP, "fp8": fp8, "rotations": rotations, "warps": list(warps),
            "torch": torch.__version__, "results": []}

@@ -450,8 +450,9 @@ def _timed_call(experts, which: str, cap: int, expected_m: int, padded_bs: int):
     return lambda c, m: experts.gemm(which, a, m, expected_m, out, c, a_scale)
 
 
-def _compile_candidates(shapes: dict, masked_m) -> tuple[int, int, float]:
-    """Build every Triton candidate of ``shapes`` (``plan_size``'s) on a thread pool before
+def _compile_candidates(shapes: dict, make_call, masked_m) -> tuple[int, int, float]:
+    """Build every Triton candidate of ``shapes`` (``plan_size``'s; ``make_call(which)`` as
+    ``_timed_call``) on a thread pool before
     any is timed (``kernels.compile_ahead``: each candidate's call once, its launches
     compile-only), so that a fresh machine's builds overlap instead of running one after
     another inside the timing. DeepGEMM's candidates are not Triton kernels: their JIT runs
@@ -460,8 +461,8 @@ def _compile_candidates(shapes: dict, masked_m) -> tuple[int, int, float]:
     from graphrt.kernels.compile_ahead import compile_ahead
     t0 = time.perf_counter()
     with compile_ahead() as ahead:
-        for _key, cands, make_call, _calls in shapes.values():
-            call = make_call() if ahead.enabled else None
+        for which, (_key, cands, _calls) in shapes.items():
+            call = make_call(which) if ahead.enabled else None
             for c in cands:
                 if c.kernel != "deepgemm":
                     ahead.run(call, c, masked_m)
@@ -499,20 +500,21 @@ def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: 
     em = expected_m_of(padded_bs, num_topk, E, cap=cap)
     masked = [synthetic_masked_m(rows, E, r * max(1, E // (len(rows) * rotations))).to(device)
               for r in range(rotations)]
-    l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    from graphrt.kernels._util import cuda_index, l2_bytes as l2_of
+    l2_bytes = l2_of(cuda_index(device))
     torch.cuda.synchronize(device)
-    shapes = {}  # which -> (key, candidates, make_call(): one call of a candidate, calls)
+    shapes = {}  # which -> (key, candidates, the routings a timing graph calls)
     for which, (key, n, k) in todo.items():
         weight_bytes = len(rows) * n * k * (1 if experts.fp8 else 2)
         cands = plan_candidates(experts.kernels, n, k, rows, num_sms(device), experts.fp8)
         near = plan.nearest(key, padded_bs) if NEAREST_FIRST else None  # sets the give-up
         cands.sort(key=lambda c: near is None or c.name != near.name)
-        shapes[which] = (key, cands, functools.partial(_timed_call, experts, which, cap, em,
-                                                       padded_bs),
-                         masked[:rotations_for(weight_bytes, l2_bytes, rotations)])
-    plan.compiled_ahead[padded_bs] = _compile_candidates(shapes, masked[0])
-    for which, (key, cands, make_call, calls) in shapes.items():
-        call = make_call()  # operands filled again: the other shape's timing may write them
+        shapes[which] = (key, cands, masked[:rotations_for(weight_bytes, l2_bytes, rotations)])
+    make_call = functools.partial(_timed_call, experts, cap=cap, expected_m=em,
+                                  padded_bs=padded_bs)
+    plan.compiled_ahead[padded_bs] = _compile_candidates(shapes, make_call, masked[0])
+    for which, (key, cands, calls) in shapes.items():
+        call = make_call(which)  # operands filled again: the other shape's timing may write them
 
         def time_one(c: Choice, give_up_us: float | None) -> float:
             return _graph_us([functools.partial(call, c, m) for m in calls],

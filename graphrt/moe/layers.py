@@ -379,7 +379,8 @@ class Attention:
         if torch.device(device).type == "cuda":
             from graphrt.kernels.prefetch import sink_size
             self.side = side_stream(device)
-            self.l2_bytes = torch.cuda.get_device_properties(self.wo.device).L2_cache_size
+            from graphrt.kernels._util import cuda_index, l2_bytes
+            self.l2_bytes = l2_bytes(cuda_index(self.wo.device))
             size = max(sink_size(self.wo), sink_size(self.wqkv))   # wo here, wqkv from the layer before
             self.sink = torch.zeros(size, dtype=torch.int32, device=device)
 

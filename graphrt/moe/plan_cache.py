@@ -42,10 +42,11 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from graphrt.env import OFF
 from graphrt.moe.expert_plan import PLAN_VERSION, ExpertPlan
 
 FORMAT = 1
-_OFF = ("", "0", "off", "false", "no", "none")
+_OFF = ("", "none", *OFF)  # graphrt's off words, and an empty or "none" directory
 
 
 class PlanCacheWarning(UserWarning):
