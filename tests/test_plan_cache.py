@@ -153,6 +153,10 @@ def test_gpu_second_model_reads_every_size_and_measures_nothing(tmp_path):
                      num_experts=cfg.num_experts, num_ranks=1)
     assert files == [PlanCache(tmp_path).path(fp)]
     assert fp["gpu"] == torch.cuda.get_device_name() and fp["local_experts"] == 16
+    from graphrt.moe.experts import deep_gemm_available
+    if deep_gemm_available():  # a DeepGEMM upgrade is another fingerprint
+        import deep_gemm
+        assert fp["deep_gemm"] == deep_gemm.__version__ is not None
 
     real = ep._graph_us
     ep._graph_us = lambda *a, **k: pytest.fail("a cached size was measured again")
@@ -165,3 +169,18 @@ def test_gpu_second_model_reads_every_size_and_measures_nothing(tmp_path):
     assert second.expert_plan() == first.expert_plan()
     checks = rt.check_replay(trials=1)
     assert all(c.ok for c in checks), [str(c) for c in checks if not c.ok]
+
+
+def test_deep_gemm_version_comes_from_the_module(monkeypatch):
+    """The fingerprint's DeepGEMM version is the importable module's: our wheels are named
+    ``tokenspeed-deepgemm``, so asking for a ``deep_gemm`` distribution found none."""
+    import sys
+    import types
+
+    from graphrt.moe import experts, plan_cache
+    monkeypatch.setattr(experts, "deep_gemm_available", lambda: False)
+    assert plan_cache._deep_gemm_version() is None
+    monkeypatch.setitem(sys.modules, "deep_gemm",
+                        types.SimpleNamespace(__version__="2.5.0.post20260424"))
+    monkeypatch.setattr(experts, "deep_gemm_available", lambda: True)
+    assert plan_cache._deep_gemm_version() == "2.5.0.post20260424"

@@ -181,12 +181,15 @@ def _source_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def _dist_version(name: str) -> str | None:
-    from importlib import metadata
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
+def _deep_gemm_version() -> str | None:
+    """The importable ``deep_gemm``'s version (None without one). Read from the module: the
+    wheels we test are distributed as ``tokenspeed-deepgemm``, so no distribution named
+    ``deep_gemm`` exists to ask."""
+    from graphrt.moe.experts import deep_gemm_available
+    if not deep_gemm_available():
         return None
+    import deep_gemm
+    return getattr(deep_gemm, "__version__", None)
 
 
 def fingerprint(experts, *, num_topk: int, num_experts: int, num_ranks: int) -> dict:
@@ -203,7 +206,7 @@ def fingerprint(experts, *, num_topk: int, num_experts: int, num_ranks: int) -> 
         "plan_version": PLAN_VERSION, "graphrt": graphrt.__version__,
         "kernels_source": _source_digest(), "torch": torch.__version__,
         "cuda": torch.version.cuda, "triton": triton.__version__,
-        "deep_gemm": _dist_version("deep_gemm") or _dist_version("deep-gemm"),
+        "deep_gemm": _deep_gemm_version(),
         "gpu": props.name, "sms": props.multi_processor_count,
         "capability": [props.major, props.minor],
         "shapes": sorted(key for key, _, _ in experts.gemm_shapes().values()),
