@@ -210,7 +210,8 @@ class LeasedTensor(torch.Tensor):
 
     Every torch operation on it (including ``data_ptr``, printing and ``clone``) first checks
     the lease and raises ``StaleOutputError`` once a later replay has ended it. Results that
-    are new tensors are plain tensors; views of the leased memory are leased too.
+    are new tensors are plain tensors; results in the leased memory (views, ``detach()``,
+    ``.data``, the parts of a ``split``) are leased too.
     """
 
     _clock: LeaseClock
@@ -237,26 +238,29 @@ class LeasedTensor(torch.Tensor):
                         f"{a._epoch} and the runtime is at epoch {a._clock.epoch} (a later "
                         "replay or release() ended it). Copy what you need (t.clone()) before "
                         "the next run(), or use copy-out mode.")
-                src = src or a
+                if src is None:
+                    src = a
         with DisableTorchFunctionSubclass():
             ret = func(*args, **(kwargs or {}))
-            # Only a view can alias the leased memory: everything else is a plain new tensor.
-            if src is None or type(ret) is not torch.Tensor or not ret._is_view() \
-                    or not _shares_memory(ret, src):
+            if src is None:
                 return ret
-        return LeasedTensor.lease(ret, src._clock)
+            # A result in the leased memory (a view, ``detach()``, ``.data``, each part of a
+            # ``split``) is leased too; everything else is a plain new tensor.
+            if type(ret) is torch.Tensor:
+                return LeasedTensor.lease(ret, src._clock) if _shares_memory(ret, src) else ret
+            if type(ret) in (tuple, list) and any(type(r) is torch.Tensor for r in ret):
+                return type(ret)(LeasedTensor.lease(r, src._clock)
+                                 if type(r) is torch.Tensor and _shares_memory(r, src) else r
+                                 for r in ret)
+            return ret
 
 
 def _tensors(args, kwargs):
-    for a in args:
+    for a in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(a, torch.Tensor):
             yield a
         elif isinstance(a, (tuple, list)):
             yield from (x for x in a if isinstance(x, torch.Tensor))
-    if kwargs:
-        for a in kwargs.values():
-            if isinstance(a, torch.Tensor):
-                yield a
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

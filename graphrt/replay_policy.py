@@ -152,6 +152,9 @@ class Stager:
             t = inputs[k]
             if not isinstance(t, torch.Tensor):
                 raise InputError(f"input {k!r}: expected a torch.Tensor, got {type(t).__name__}")
+            if t.layout is not torch.strided:
+                raise InputError(f"input {k!r}: expected a dense (strided) tensor, got layout "
+                                 f"{t.layout}; convert it with .to_dense()")
             if t.dtype != dtype:
                 raise InputError(f"input {k!r}: expected dtype {dtype}, got {t.dtype}; convert "
                                  f"with .to({dtype})")
@@ -263,6 +266,8 @@ class Stager:
         unused = tuple(node for k, node in every_node.items() if k not in nodes)
 
         def stage(vals: tuple) -> None:
+            if stager._dirty < n:                 # first: a copy that raises leaves it true
+                stager._dirty = n
             if stager.table is not None:          # staged here: the table must copy nothing
                 stager.table.idle()
             if detach:

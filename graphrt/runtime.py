@@ -32,7 +32,7 @@ import torch
 from graphrt.env import env_flag
 from graphrt.errors import (DeviceError, GraphrtError, InputError, LeaseHeldError,
                             NoGraphForBatch, NotCapturedError, ThreadOwnershipError)
-from graphrt.outputs import LeaseClock, LiveOutputs
+from graphrt.outputs import LeaseClock, LiveOutputs, OutputLayout
 from graphrt.replay_policy import SizeTable, Stager, capture_sizes
 from graphrt.spec import StepSpec
 from graphrt.state import StateGuard
@@ -188,6 +188,8 @@ class GraphRuntime:
         """``run`` with every branch: readiness, the full check in debug mode, rank agreement,
         building the plan of a new batch, the eager fallback."""
         self._check_ready("run")
+        if self._held is not None:  # before any collective: a refused rank must not pair up
+            self._refuse_held()
         st = self.stager
         n = st.check(inputs) if self.debug else st.check_cached(inputs)
         co = self.coordinator
@@ -200,8 +202,6 @@ class GraphRuntime:
         plan = self._plans[n]
         if plan is None or plan.g is not g:  # a new batch, or a larger size agreed across ranks
             plan = self._plan_for(n, g)
-        if self._held is not None:
-            self._refuse_held()
         st.stage(inputs, n, size)
         if plan is self._plans[n] and co is None and not self.debug:
             self._steps.remember(inputs, n, plan, st)
@@ -313,20 +313,30 @@ class GraphRuntime:
 
     def _no_graph(self, inputs, n: int, size: int | None, pick_n: int) -> Any:
         if size is None and self.oversize == "raise":
-            raise NoGraphForBatch(pick_n, self.table.largest)
+            raise NoGraphForBatch(pick_n, max(self.graphs) if self.graphs else None)
         # Uniform-batch backends run eagerly at the agreed batch, padded, like the other ranks.
         self.counters["eager"] += 1
         sig = self.manager.signature if self.manager is not None else None
         with torch.no_grad():
-            return self.spec.call_padded(inputs, pick_n, dict(zip(sig.layout.names, sig.rows))
-                                         if sig is not None else None)
+            return self._owned(self.spec.call_padded(
+                inputs, pick_n, dict(zip(sig.layout.names, sig.rows)) if sig is not None else None))
 
     def eager(self, **inputs: torch.Tensor) -> Any:
-        """Run the step eagerly on exactly the live rows (no padding). Graph safety: host-only."""
+        """Run the step eagerly on exactly the live rows (no padding); in copy-out mode the
+        outputs are the caller's, as ``run``'s are. Graph safety: host-only."""
         n = self.stager.check(inputs)
         self.counters["eager"] += 1
         with torch.no_grad():
-            return self.spec.call(inputs, self.spec.live_count_tensor(n, self.device))
+            return self._owned(self.spec.call(inputs, self.spec.live_count_tensor(n, self.device)))
+
+    def _owned(self, out: Any) -> Any:
+        """An eager step's outputs as ``run`` hands them out: in copy-out mode, clones (the
+        step may return its own state, e.g. a per-expert counter, or a view of an input,
+        which the caller must not be able to change or see change); otherwise as they are."""
+        if not self.copy_outputs:
+            return out
+        layout, flat = OutputLayout.flatten(out, where=self.spec.name)
+        return layout.build([t.clone() for t in flat])
 
     # -- checks and stats --------------------------------------------------------------------
     def check_replay(self, *, trials: int = 2, rtol: float | None = None,

@@ -174,23 +174,28 @@ def bind(stager, names: tuple, n: int, padded_bs: int, detach: bool):
     words = table.words
 
     def stage(vals: tuple) -> None:
+        if stager._dirty < n:                     # first: a copy that raises leaves it true
+            stager._dirty = n
         if detach:
             vals = tuple([t.detach() if t.requires_grad else t for t in vals])
-        same = words[0] == 1 and words[count_word] == count_addr
+        if words[0] != 1 or words[count_word] != count_addr:
+            words[0], words[count_word], words[count_word + 1] = 1, count_addr, 4
+            table.synced = False
+        # A changed word marks the row unsynced at once, so a copy that raises further on
+        # cannot leave a later call believing the device row current.
         for pos, w_src, w_bytes, nb, d, dst in entries:
             src = vals[pos]
             if src.is_contiguous() and not src.is_neg():
                 s = src.data_ptr()
                 if s and (s + nb <= d or d + nb <= s):
                     if words[w_src] != s or words[w_bytes] != nb:
-                        words[w_src], words[w_bytes], same = s, nb, False
+                        words[w_src], words[w_bytes] = s, nb
+                        table.synced = False
                     continue
             if words[w_bytes]:
-                words[w_bytes], same = 0, False
+                words[w_bytes] = 0
+                table.synced = False
             dst.copy_(src)
-        if not same:
-            words[0], words[count_word], words[count_word + 1] = 1, count_addr, 4
-            table.synced = False
         for pos, dst in others:
             dst.copy_(vals[pos])
         if stager._dirty != n:

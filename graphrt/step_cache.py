@@ -1,7 +1,7 @@
 """The steady state of ``GraphRuntime.run``: steps that passed the full check, bound once.
 
 A step is identified by its input ``signature``: the names in order, then per input its
-type, dtype, shape, device and ``requires_grad``. After a step of a new signature passed
+type, layout, dtype, shape, device and ``requires_grad``. After a step of a new signature passed
 ``Stager.check`` (and picked its graph), ``StepCache.remember`` binds it: the staging
 function specialised to that call shape (``Stager.bind``), the live batch's ``_Plan`` and
 ``n``. A repeat step is recognised by ``StepCache.lookup``:
@@ -25,12 +25,12 @@ from typing import Callable, Mapping
 import torch
 
 # One input's part of ``signature``: a C-level getter (each tensor attribute costs ~0.1 µs).
-_signature = attrgetter("__class__", "dtype", "shape", "device", "requires_grad")
+_signature = attrgetter("__class__", "layout", "dtype", "shape", "device", "requires_grad")
 
 
 def signature(inputs: Mapping[str, torch.Tensor]) -> tuple:
-    """The key a step is cached under: the names in order, then per input its type, dtype,
-    shape, device and requires_grad. Raises ``AttributeError`` for a value that is not a
+    """The key a step is cached under: the names in order, then per input its type, layout,
+    dtype, shape, device and requires_grad. Raises ``AttributeError`` for a value that is not a
     tensor."""
     return (*inputs, *map(_signature, inputs.values()))
 
@@ -61,7 +61,8 @@ def _make_guard(tensors: tuple) -> Callable[..., bool]:
 
 def _guards_self_test() -> bool:
     """Whether ``_make_guard`` accepts a tensor of the same signature (another one, other
-    strides) and rejects every change of type, dtype, shape, rank, device and requires_grad."""
+    strides) and rejects every change of type, layout, dtype, shape, rank, device and
+    requires_grad."""
     class Sub(torch.Tensor):
         pass
     try:
@@ -69,7 +70,7 @@ def _guards_self_test() -> bool:
             a = torch.zeros(2, 3)
             same = (torch.ones(2, 3), torch.zeros(3, 2).t())
             other = (a.double(), torch.zeros(2, 4), torch.zeros(6), a.to("meta"),
-                     torch.zeros(2, 3, requires_grad=True), a.as_subclass(Sub), [[0.0] * 3] * 2)
+                     torch.zeros(2, 3, requires_grad=True), a.as_subclass(Sub), a.to_sparse(), [[0.0] * 3] * 2)
             check = _make_guard((a,))
             return all(check(t) is True for t in same) and all(check(t) is False for t in other)
     except Exception:  # noqa: BLE001 -- any failure means: do not use it

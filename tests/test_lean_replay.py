@@ -67,9 +67,29 @@ def test_cached_checks_still_reject_what_the_full_check_rejects(fake_capture):
            "batch": {**ok, "ids": ok["ids"][:2]},
            "missing": {k: v for k, v in ok.items() if k != "cu"},
            "extra": {**ok, "z": ok["x"]},
-           "type": {**ok, "ids": ok["ids"].tolist()}}
+           "type": {**ok, "ids": ok["ids"].tolist()},
+           "layout": {**ok, "x": ok["x"].to_sparse()}}        # same shape, dtype and device
     assert_refused_like_check(rt, full, bad)                  # a failed check is never cached
     assert len(rt.stager._verdicts) == 1
+
+
+def test_a_staging_that_raises_midway_leaves_no_stale_padding(fake_capture):
+    """A source torch refuses to copy (here a view overlapping the static input it would be
+    copied into) fails the step after some inputs were written: the next, smaller batch in
+    the same graph still gets ``pad_value`` in its padded rows, not the failed step's rows."""
+    spec = every_kind_spec()
+    rt = captured()
+    rt.run(**spec.random_inputs(2))
+    bad = spec.random_inputs(3)
+    bad["x"] = rt.stager.buffers["x"][1:4]
+    with pytest.raises(RuntimeError, match="single memory location"):
+        rt.run(**bad)
+    inputs = spec.random_inputs(2)
+    out = rt.run(**inputs)
+    views = rt.stager.views(4)
+    assert (views["ids"][2:] == 7).all() and (views["table"][2:] == 49).all()
+    assert (views["x"][2:] == -1.0).all()
+    assert torch.equal(out["y"], spec.call_padded(inputs, 4, {"y": "batch", "total": "fixed"})["y"])
 
 
 def test_a_repeat_signature_skips_the_full_check(fake_capture, monkeypatch):
@@ -265,6 +285,70 @@ def test_debug_leases_catch_a_stale_read(fake_capture):
     explicit.release()                                        # debug: release ends it at once
     with pytest.raises(StaleOutputError, match="stale read"):
         torch.argmax(out["y"], -1)
+
+
+def test_debug_leases_let_two_leased_outputs_meet(fake_capture):
+    """An op on two leased outputs of one valid step is an ordinary op: no truth value of a
+    tensor asked (it raised for several elements and synced the host for one)."""
+    spec = every_kind_spec()
+    for n in (3, 1):
+        rt = captured(copy_outputs=False, debug=True)
+        out = rt.run(**spec.random_inputs(n))
+        y, total = out["y"], out["total"]
+        want = y.clone()
+        assert torch.equal(y + y, 2 * want) and torch.equal(y - y, torch.zeros_like(want))
+        assert torch.cat([y, y]).shape == (2 * n, 4)
+        assert torch.equal(y[:1] * total, want[:1] * total.clone())
+
+
+def test_debug_leases_follow_every_result_in_the_leased_memory(fake_capture):
+    """``detach()``, ``.data`` and the parts of a ``split`` alias the static output: they are
+    leased too, so a read after the next replay raises instead of seeing its rows; a list
+    given by keyword is checked like one given by position."""
+    spec = every_kind_spec()
+    rt = captured(copy_outputs=False, debug=True)
+    y = rt.run(**spec.random_inputs(3))["y"]
+    aliases = {"detach": y.detach(), "data": y.data, "split": y.split(1)[0],
+               "unbind": y.unbind(0)[1]}
+    fresh = {"clone": y.clone(), "sum": y.sum(0)}
+    assert all(type(t) is LeasedTensor for t in aliases.values())
+    assert all(type(t) is torch.Tensor for t in fresh.values())
+    rt.run(**spec.random_inputs(3))
+    for what, t in aliases.items():
+        with pytest.raises(StaleOutputError, match="stale read"):
+            t.sum()
+    with pytest.raises(StaleOutputError):
+        torch.cat(tensors=[y])
+    for t in fresh.values():
+        t.sum()                                               # the caller's own: still valid
+
+
+def test_a_held_explicit_lease_is_refused_before_any_rank_agreement(fake_capture):
+    """The refusal comes first: a rank that forgot ``release()`` takes no part in the step's
+    collective (its peers would otherwise pair their next step with its retry), and an
+    oversize batch that would run eagerly is refused like a captured one."""
+    class Recording:
+        uniform, debug_check = False, False
+
+        def __init__(self):
+            self.calls = []
+
+        def agree_batch(self, n):
+            self.calls.append(n)
+            return n
+    spec = every_kind_spec(max_bs=32)
+    co = Recording()
+    rt = graphrt.GraphRuntime(spec, sizes=[4, 16], device="cpu", progress=False, coordinator=co,
+                              copy_outputs=False, lease="explicit", oversize="eager").capture()
+    rt.run(**spec.random_inputs(3))
+    assert co.calls == [3]
+    for n in (3, 20):                                         # a captured size, then oversize
+        with pytest.raises(LeaseHeldError):
+            rt.run(**spec.random_inputs(n))
+        assert co.calls == [3], "a refused step must not enter the rank agreement"
+    rt.release()
+    rt.run(**spec.random_inputs(20))
+    assert co.calls == [3, 20] and rt.counters["eager"] == 1
 
 
 # -- the micro-benchmark ---------------------------------------------------------------------

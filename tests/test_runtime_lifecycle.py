@@ -68,6 +68,43 @@ def test_lenient_capture_runs_failed_sizes_eagerly_but_replay_names_the_failure(
         rt.run(x=torch.randn(2, 4))
 
 
+def test_copy_out_hands_out_fresh_tensors_from_an_eager_step_too(fake_capture):
+    """copy_outputs=True: an oversize batch, a size whose capture failed and ``eager()`` all
+    run the step eagerly; what they return is the caller's, like a replay's copies: neither
+    the step's own state (a per-expert counter) nor a view of the caller's input."""
+    load = torch.zeros(3)
+
+    def step(x):
+        load.add_(1)
+        return {"h": x[:, :2], "load": load}
+    spec = graphrt.StepSpec(step, {"x": graphrt.Input((None, 4), torch.float32)}, 32,
+                            outputs={"h": "batch", "load": "fixed"}, state=lambda: [load])
+    fake_capture.fail_sizes = {8: RuntimeError("size 8 broke")}
+    rt = graphrt.GraphRuntime(spec, sizes=[4, 8], device="cpu", strict=False, progress=False,
+                              oversize="eager").capture()
+    for n, call in ((20, rt.run), (6, rt.run), (3, rt.eager)):   # oversize, failed size, eager
+        x = torch.zeros(n, 4)
+        out = call(x=x)
+        assert out["load"].data_ptr() != load.data_ptr() and out["h"].data_ptr() != x.data_ptr()
+        kept = out["load"].clone()
+        rt.run(x=torch.zeros(2, 4))                           # a later step moves the counter
+        assert torch.equal(out["load"], kept) and not torch.equal(load, kept)
+        before = load.clone()
+        out["load"].zero_()
+        out["h"].fill_(9.0)
+        assert torch.equal(load, before) and (x == 0).all()   # the caller's writes stay theirs
+    assert rt.counters == {"replays": 3, "eager": 3}
+
+
+def test_an_oversize_batch_names_the_largest_size_that_was_captured(fake_capture):
+    fake_capture.fail_sizes = {16: RuntimeError("size 16 broke")}
+    rt = graphrt.GraphRuntime(_spec(), sizes=[4, 16], device="cpu", strict=False,
+                              progress=False, oversize="raise").capture()
+    for call in (lambda: rt.run(x=torch.randn(17, 4)), lambda: rt.replay(17)):
+        with pytest.raises(graphrt.NoGraphForBatch, match=r"the largest captured size is 4\."):
+            call()
+
+
 def test_a_failed_size_is_named_in_one_line_and_keeps_its_whole_error(fake_capture):
     """A CUDA error's text runs on for lines of advice; the replay's error quotes its first
     line, and ``failures[size].reason`` keeps all of it."""

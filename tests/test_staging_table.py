@@ -103,6 +103,31 @@ def test_bind_stages_every_kind_of_input_like_eager_staging(n, padded):
 
 
 @cpu_interpreter
+def test_a_staging_that_raises_midway_leaves_the_row_unsynced():
+    """A changed address marks the row unsynced at once: when a later input's copy raises,
+    the next call with the same new source must still send the row (else the graph copies
+    from the old address)."""
+    spec = every_kind_spec(16)
+    st = _table_stager(spec, 4)
+    gen = torch.Generator().manual_seed(3)
+    first = spec.random_inputs(3, generator=gen)
+    names = tuple(first)
+    fn = st.bind(names, 3, 4, exact=True)
+    fn(tuple(first.values()))
+    _replay(st, 4)
+    assert st.table.synced
+    new = {**first, "x": spec.random_inputs(3, generator=gen)["x"]}   # one new address
+    bad = {**new, "ids": st.buffers["ids"][1:4]}             # overlaps its buffer: copy_ refuses
+    with pytest.raises(RuntimeError, match="single memory location"):
+        fn(tuple(bad.values()))
+    ok = {**new, "ids": torch.stack([new["ids"], new["ids"]], 1)[:, 0]}   # strided: by copy_
+    fn(tuple(ok.values()))
+    _replay(st, 4)
+    for k in ("x", "ids", "table", "bias"):
+        assert torch.equal(st.buffers[k][:3] if k != "bias" else st.buffers[k], new[k]), k
+
+
+@cpu_interpreter
 def test_sources_the_kernel_cannot_take_go_by_copy_and_subclasses_by_eager_staging():
     spec = lone_and_grouped_spec(8)
     st = _table_stager(spec, 4)
