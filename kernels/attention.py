@@ -76,6 +76,7 @@ from .attention_kernels import (
     attn_split_kernel,
 )
 
+HEAD_DIMS = (16, 32, 64, 128, 256)  # the head dims it takes (MoEConfig checks them too)
 BLOCK_N = 64  # cache positions per inner step of kernel 1 (spans pages when block_size < 64)
 # the split kernel's launch options (graphrt.bench.attention --sweep varies them)
 SPLIT_LAUNCH = {"num_warps": 4, "num_stages": 2}
@@ -223,7 +224,7 @@ def _check_cache(k_cache, v_cache):
     check(num_blocks >= 1, "num_blocks (k_cache.shape[0])", ">= 1", num_blocks)
     check(block_size >= 1 and block_size & (block_size - 1) == 0, "block_size (k_cache.shape[1])",
           "a power of two (16 or 32 in practice)", block_size)
-    check(head_dim in (16, 32, 64, 128, 256), "head_dim (k_cache.shape[3])",
+    check(head_dim in HEAD_DIMS, "head_dim (k_cache.shape[3])",
           "a power of two in [16, 256] (64 or 128 in practice)", head_dim)
     return k_cache.shape  # num_blocks, block_size, num_kv_heads, head_dim
 

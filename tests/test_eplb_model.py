@@ -128,6 +128,68 @@ def test_misuse_is_refused(pair):
         EPLBConfig(redundant=-1)
 
 
+def test_a_store_missing_experts_is_refused_before_any_copy(pair):
+    """A store with fewer experts (or layers) than the map is refused when the balancer is
+    built and again by ``apply`` (the store may be swapped): before, it was accepted and
+    ``apply`` died part-way, after overwriting slots the table still routed to."""
+    _, bal = pair
+    full = HostExpertStore.for_model(bal)
+    short = HostExpertStore([{k: t[:7] for k, t in layer.items()} for layer in full.layers])
+    with pytest.raises(InputError, match="7 experts; the map has 2 layers of 8"):
+        ExpertBalancer(bal, store=short)
+    with pytest.raises(InputError, match="holds 1 layers"):
+        ExpertBalancer(bal, store=HostExpertStore(full.layers[:1]))
+    balancer = ExpertBalancer(bal, store=full, interval=1000)
+    balancer.store = short
+    load = np.ones((CFG.num_layers, CFG.num_experts))
+    load[:, 7] = 100
+    w13 = [l.moe.experts.w13.clone() for l in bal.layers]
+    with pytest.raises(InputError, match="7 experts"):
+        balancer.apply(balancer.propose(load))
+    assert all(torch.equal(l.moe.experts.w13, w) for l, w in zip(bal.layers, w13))
+
+
+def test_a_copy_failing_midway_puts_the_slots_back(pair):
+    """A copy that raises part-way through ``apply`` (here the fourth; on a GPU, say, a
+    device error) leaves no slot holding another expert's weights than the map in service
+    routes to it: the slots written so far get their experts back, the table and the
+    placement stay, and the error propagates."""
+    _, bal = pair
+
+    class Failing(HostExpertStore):
+        calls = 0
+
+        def copy_into(self, layer, slots, slot, expert):
+            Failing.calls += 1
+            if Failing.calls == 4:
+                next(iter(slots.values()))[slot].fill_(7.0)   # a partial write, then the error
+                raise RuntimeError("copy failed")
+            super().copy_into(layer, slots, slot, expert)
+    full = HostExpertStore.for_model(bal)
+    balancer = ExpertBalancer(bal, store=Failing(full.layers), interval=1000)
+    load = np.ones((CFG.num_layers, CFG.num_experts))
+    load[:, 7], load[:, 6] = 100, 50
+    new = balancer.propose(load)
+    old, table = balancer.placement, bal.expert_map.table.clone()
+    assert int(np.count_nonzero(new.slot_expert != old.slot_expert)) >= 4
+    with pytest.raises(RuntimeError, match="copy failed"):
+        balancer.apply(new)
+    assert balancer.placement is old and torch.equal(bal.expert_map.table, table)
+    assert balancer.rebalances == 0
+    for i, layer in enumerate(bal.layers):
+        ex = layer.moe.experts
+        for slot, e in enumerate(old.slot_expert[i].tolist()):
+            w13, w2 = expert_weights(ex.seed, e, ex.hidden, ex.inter, "cpu", ex.dtype)
+            assert torch.equal(ex.w13[slot], w13) and torch.equal(ex.w2[slot], w2), (i, slot)
+    balancer.store = full
+    assert balancer.apply(new) > 0                         # the same placement, now whole
+    for i, layer in enumerate(bal.layers):
+        ex = layer.moe.experts
+        for slot, e in enumerate(new.slot_expert[i].tolist()):
+            assert torch.equal(ex.w13[slot], expert_weights(ex.seed, e, ex.hidden, ex.inter,
+                                                            "cpu", ex.dtype)[0])
+
+
 def test_fp8_slots_rebalance_from_the_quantized_store():
     """fp8 experts (DeepGEMM's block-scaled layout, the decode kernel on the interpreter): the
     store holds every expert's fp8 weights and scales, a rebalance copies both into the moved

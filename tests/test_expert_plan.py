@@ -152,6 +152,13 @@ def test_choice_validates_and_names():
         Choice("cublas")
     with pytest.raises(ValueError, match="split_k"):
         Choice("decode", split_k=8)
+    with pytest.raises(ValueError, match="block_n with kernel 'decode'"):
+        Choice("decode", 7)
+    with pytest.raises(ValueError, match="num_warps"):
+        Choice("rows", 4, num_warps=3)
+    from graphrt.kernels.grouped_gemm_decode import BLOCK_NS
+    from graphrt.moe.expert_plan import DECODE_BLOCK_NS
+    assert DECODE_BLOCK_NS == BLOCK_NS
     assert shape_key(64, 1536, 2048, fp8=False) == "bf16:64x1536x2048"
 
 

@@ -115,3 +115,25 @@ def test_a_fold_made_in_inference_mode_refolds_outside_it(layer):
         layer.moe_norm.mul_(2.0)
         assert layer._folded_gate()[0] is m
     assert torch.equal(m, _expected(layer)[0])
+
+
+def test_weights_made_in_inference_mode_fold_and_refold_by_identity_or_force():
+    """An engine that builds or loads its model under ``torch.inference_mode()`` holds
+    inference tensors, which have no version counter (reading it raised, so every one-row
+    step failed). The fold now follows them by identity; a change in place, which no counter
+    records, is folded by ``refold_gate(force=True)``."""
+    with torch.inference_mode():
+        model = MoEModel(preset("tiny"), "cpu", backend="triton")
+    layer = model.layers[0]
+    assert layer.moe.router.w.is_inference()
+    m, g = layer._folded_gate()
+    assert torch.equal(m, _expected(layer)[0]) and layer._folded_gate()[0] is m
+    with torch.inference_mode():
+        layer.moe.router.w.mul_(-1.0)               # a load in place: not seen ...
+    assert layer._folded_gate()[0] is m and not torch.equal(m, _expected(layer)[0])
+    model.refold_gate(force=True)                   # ... until forced
+    assert layer._folded_gate()[0] is m and torch.equal(m, _expected(layer)[0])
+    with torch.inference_mode():
+        layer.attn.wo = layer.attn.wo * 2.0         # a replaced weight: seen by identity
+    m2, g2 = layer._folded_gate()
+    assert m2 is m and torch.equal(m, _expected(layer)[0]) and torch.equal(g2, _expected(layer)[1])

@@ -27,6 +27,29 @@ def test_presets():
         preset("tiny", num_topk=99)
 
 
+def test_configs_the_kernels_cannot_run_are_refused_when_made():
+    """Each of these was accepted, allocated the model and its cache, and failed at the first
+    step inside a kernel (or with a ZeroDivisionError); now the config names the field."""
+    from graphrt.kernels import attention, routing
+    from graphrt.moe.config import HEAD_DIMS, MAX_EXPERTS, MAX_TOPK
+    assert (MAX_EXPERTS, MAX_TOPK) == (routing._MAX_EXPERTS, routing._MAX_TOPK)
+    assert HEAD_DIMS == attention.HEAD_DIMS
+    for over, match in [(dict(head_dim=0), "must be > 0; got {'head_dim': 0}"),
+                        (dict(moe_inter=0), "'moe_inter': 0"),
+                        (dict(num_kv_heads=0), "'num_kv_heads': 0"),
+                        (dict(num_heads=0), "'num_heads': 0"),
+                        (dict(head_dim=48), "head_dim must be one of"),
+                        (dict(num_topk=17, num_experts=64, n_group=1, topk_group=1),
+                         "num_topk must be in \\[1, min\\(num_experts, 16\\)\\]"),
+                        (dict(num_experts=1024, n_group=1, topk_group=1), "at most 512"),
+                        (dict(num_experts=4, n_group=4), "groups need at least 2")]:
+        with pytest.raises(ValueError, match=match):
+            preset("tiny", **over)
+    four = preset("tiny", experts=4)                   # 4 groups of 1 would fail the kernel
+    assert (four.n_group, four.topk_group) == (1, 1)
+    assert preset("tiny", experts=16).n_group == 4     # groups of 4 are kept
+
+
 def test_paged_cache_geometry():
     d = preset("dsv3-like")
     assert (d.block_size, d.max_blocks_per_seq) == (16, 128)

@@ -86,6 +86,14 @@ def test_an_unreadable_or_foreign_file_warns_then_is_rewritten(tmp_path):
     cache.path(FP).write_text(json.dumps(bad))
     with pytest.warns(PlanCacheWarning, match="size 16 is not a plan entry"):
         assert not PlanCache(tmp_path).load(ExpertPlan(), FP, 16, 16, KEYS)
+    # well formed but not a launch the kernels take (hand-edited, another kernel set): it
+    # would fail at the step; it is measured again instead
+    for field, value in (("block_n", 7), ("num_warps", 3)):
+        bad = json.loads(json.dumps(data))
+        bad["sizes"]["16"]["plan"][KEYS[0]].update(kernel="decode", **{field: value})
+        cache.path(FP).write_text(json.dumps(bad))
+        with pytest.warns(PlanCacheWarning, match=f"size 16 is not a plan entry.*{field}"):
+            assert not PlanCache(tmp_path).load(ExpertPlan(), FP, 16, 16, KEYS)
 
 
 def test_an_unwritable_directory_warns_and_keeps_the_plan(tmp_path):

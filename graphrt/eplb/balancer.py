@@ -38,6 +38,7 @@ import torch
 
 from graphrt.eplb import policy as P
 from graphrt.eplb.store import HostExpertStore
+from graphrt.errors import GraphrtError, InputError
 
 
 class ExpertBalancer:
@@ -81,8 +82,8 @@ class ExpertBalancer:
             raise ValueError(f"slots names {len(slots)} layers; the map has {self.map.num_layers}")
         self.interval, self.min_gain = interval, min_gain
         self.store, self._slots = store, list(slots)
+        self._check_store()
         for i, layer_slots in enumerate(self._slots):
-            self.store.check_fits(i, layer_slots)
             for name, t in layer_slots.items():
                 if t.shape[0] != self.map.slots_per_rank:
                     raise ValueError(f"slots[{i}][{name!r}] holds {t.shape[0]} slots; the map "
@@ -103,6 +104,18 @@ class ExpertBalancer:
     def placement(self):
         """The placement in service (the map's)."""
         return self.map.placement
+
+    def _check_store(self) -> None:
+        """Raise ``InputError`` unless the store holds every logical expert of every layer,
+        in tensors that fit the slots (checked again by ``apply``: ``store`` may be swapped)."""
+        st, m = self.store, self.map
+        if len(st.layers) != m.num_layers or st.num_experts != m.num_experts:
+            raise InputError(f"the expert store holds {len(st.layers)} layers of "
+                             f"{st.num_experts} experts; the map has {m.num_layers} layers of "
+                             f"{m.num_experts}: a rebalance may put any expert in any slot, so "
+                             "the store needs every one of them")
+        for i, layer_slots in enumerate(self._slots):
+            st.check_fits(i, layer_slots)
 
     def _gloo(self, group):
         import torch.distributed as dist
@@ -202,6 +215,7 @@ class ExpertBalancer:
         of slots copied on this rank."""
         m = self.map
         m.check_placement(placement)
+        self._check_store()
         moved = P.moved_slots(self.placement, placement)
         S, lo = m.slots_per_rank, m.rank * m.slots_per_rank
         table = torch.from_numpy(np.ascontiguousarray(placement.table, dtype=np.int32))
@@ -213,9 +227,11 @@ class ExpertBalancer:
             self.stream.wait_stream(cur)
             ctx = torch.cuda.stream(self.stream)
             ctx.__enter__()
+        touched = []               # (layer, slot) written so far, the failing one included
         try:
             for layer in range(m.num_layers):
                 for s in np.flatnonzero(moved[layer, lo:lo + S]):
+                    touched.append((layer, int(s)))
                     self.store.copy_into(layer, self._slots[layer], int(s),
                                          int(placement.slot_expert[layer, lo + s]))
                     copies += 1
@@ -223,6 +239,11 @@ class ExpertBalancer:
             if self.cuda:
                 ev = torch.cuda.Event()
                 ev.record(self.stream)
+        except BaseException:
+            self._restore(touched, lo)
+            if self.cuda:          # the next step reads the slots after the copies back
+                cur.wait_stream(self.stream)
+            raise
         finally:
             if ctx is not None:
                 ctx.__exit__(None, None, None)
@@ -235,6 +256,20 @@ class ExpertBalancer:
         self.rebalances += 1
         self.slot_copies += copies
         return copies
+
+    def _restore(self, touched: list, lo: int) -> None:
+        """After a failed ``apply``: copy back into each touched slot the expert that the
+        placement in service (and the table the steps read) says it holds, so no step runs a
+        slot on another expert's weights. When that fails too, say the slots are unknown."""
+        old = self.placement.slot_expert
+        try:
+            for layer, s in touched:
+                self.store.copy_into(layer, self._slots[layer], s, int(old[layer, lo + s]))
+        except Exception as e:  # noqa: BLE001 -- reported with the slots it left
+            raise GraphrtError(
+                f"a rebalance failed after writing slots {touched} and putting their experts "
+                f"back failed too ({type(e).__name__}: {e}); those slots may hold other experts' "
+                "weights than the map routes to them: reload the model's expert weights") from e
 
     def read_now(self) -> dict:
         """Synchronously read the counters' window (for tests and reports, not the loop:

@@ -21,6 +21,11 @@ from dataclasses import dataclass, replace
 import torch
 
 
+# What the reference model's kernels take (kernels.routing's _MAX_EXPERTS and _MAX_TOPK,
+# kernels.attention's head dims; tests/test_moe_cpu.py keeps these equal to them).
+MAX_EXPERTS, MAX_TOPK, HEAD_DIMS = 512, 16, (16, 32, 64, 128, 256)
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     name: str
@@ -50,14 +55,25 @@ class MoEConfig:
         def need(cond, what):
             if not cond:
                 raise ValueError(f"MoEConfig {self.name!r}: {what}")
-        need(self.hidden > 0 and self.num_layers > 0, "hidden and num_layers must be > 0")
-        need(0 < self.num_topk <= self.num_experts, f"num_topk must be in [1, num_experts]; "
-             f"got {self.num_topk} of {self.num_experts}")
+        dims = ("hidden", "num_layers", "num_experts", "moe_inter", "num_heads", "num_kv_heads",
+                "head_dim", "vocab_size")
+        bad = {d: getattr(self, d) for d in dims if not getattr(self, d) > 0}
+        need(not bad, f"{', '.join(dims)} must be > 0; got {bad}")
+        need(self.num_experts <= MAX_EXPERTS, f"num_experts must be at most {MAX_EXPERTS} (the "
+             f"routing kernels' limit); got {self.num_experts}")
+        need(0 < self.num_topk <= min(self.num_experts, MAX_TOPK), f"num_topk must be in [1, "
+             f"min(num_experts, {MAX_TOPK})]; got {self.num_topk} of {self.num_experts}")
         need(self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads")
+        need(self.head_dim in HEAD_DIMS, f"head_dim must be one of {HEAD_DIMS} (decode "
+             f"attention's); got {self.head_dim}")
         need(self.routing in ("softmax", "grouped_sigmoid"), f"routing must be softmax or "
              f"grouped_sigmoid; got {self.routing!r}")
         if self.routing == "grouped_sigmoid":
-            need(self.num_experts % self.n_group == 0, "num_experts must divide into n_group groups")
+            need(self.n_group > 0 and self.num_experts % self.n_group == 0,
+                 "num_experts must divide into n_group groups")
+            need(self.num_experts // self.n_group >= 2, f"grouped_sigmoid scores a group by its "
+                 f"top two experts: groups need at least 2; got {self.num_experts} experts in "
+                 f"{self.n_group} groups")
             need(0 < self.topk_group <= self.n_group, "topk_group must be in [1, n_group]")
             need(self.num_topk <= self.topk_group * self.num_experts // self.n_group,
                  "num_topk exceeds the experts in the kept groups")
@@ -119,7 +135,8 @@ def preset(name: str, layers: int | None = None, experts: int | None = None, **o
     """A preset with optional overrides (``layers``, ``experts`` and any ``MoEConfig`` field).
 
     Reducing ``experts`` on a grouped preset keeps ``n_group`` when it still divides the
-    experts and the kept groups still hold ``num_topk`` experts, else falls back to one group.
+    experts into groups of at least two and the kept groups still hold ``num_topk`` experts,
+    else falls back to one group.
     """
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
@@ -129,7 +146,8 @@ def preset(name: str, layers: int | None = None, experts: int | None = None, **o
     if experts is not None:
         overrides["num_experts"] = experts
         if cfg.routing == "grouped_sigmoid" and "n_group" not in overrides:
-            ok = experts % cfg.n_group == 0 and cfg.topk_group * experts // cfg.n_group >= cfg.num_topk
+            ok = (experts % cfg.n_group == 0 and experts // cfg.n_group >= 2
+                  and cfg.topk_group * experts // cfg.n_group >= cfg.num_topk)
             if not ok:
                 overrides.update(n_group=1, topk_group=1)
     return replace(cfg, **overrides)

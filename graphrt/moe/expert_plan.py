@@ -47,7 +47,9 @@ import torch
 
 PLAN_VERSION = 1
 KERNELS = ("decode", "swap", "rows", "triton", "deepgemm")
+DECODE_BLOCK_NS = (16, 32, 64, 128)  # the decode kernel's block_n (its BLOCK_NS)
 SWAP_BLOCK_NS = (64, 128)  # the swapped decode kernel's block_n: the MMA's M side
+NUM_WARPS = (1, 2, 4, 8, 16)  # a launch's warps (Triton takes powers of two)
 ROWS_MAX = 4  # the rows kernel is a candidate while no live expert has more rows than this
 ROWS_BLOCK_NS = (0, 1, 2, 4, 8, 16, 32, 64)  # the rows kernel's block_n (0: its config's pick)
 SPLIT_ROWS = 256  # split-K workspace rows (compacted live rows); larger routings run unsplit
@@ -70,8 +72,13 @@ class Choice:
     def __post_init__(self):
         if self.kernel not in KERNELS:
             raise ValueError(f"Choice.kernel: expected one of {KERNELS}, got {self.kernel!r}")
+        if self.num_warps not in NUM_WARPS:
+            raise ValueError(f"Choice.num_warps: expected one of {NUM_WARPS}, got {self.num_warps}")
         if self.kernel in ("decode", "swap") and not (1 <= self.split_k <= MAX_SPLIT):
             raise ValueError(f"Choice.split_k: expected 1..{MAX_SPLIT}, got {self.split_k}")
+        if self.kernel == "decode" and self.block_n not in DECODE_BLOCK_NS:
+            raise ValueError(f"Choice.block_n with kernel 'decode': expected one of "
+                             f"{DECODE_BLOCK_NS}, got {self.block_n}")
         if self.kernel == "swap" and self.block_n not in SWAP_BLOCK_NS:
             raise ValueError(f"Choice.block_n with kernel 'swap': expected one of "
                              f"{SWAP_BLOCK_NS}, got {self.block_n}")

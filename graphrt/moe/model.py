@@ -153,6 +153,15 @@ class MoEBlock:
         return (out,) if self.shared is None else (out, self.shared(h))
 
 
+def _versions(ws: tuple) -> tuple:
+    """The version counters of ``ws`` (None for an inference tensor, which has none: only
+    its identity tells a change; ``MoEModel.refold_gate(force=True)`` covers the rest)."""
+    try:
+        return tuple([w._version for w in ws])
+    except RuntimeError:            # "Inference tensors do not track version counter"
+        return tuple([None if w.is_inference() else w._version for w in ws])
+
+
 def _capturing(device: torch.device) -> bool:
     """Whether the current stream of ``device`` is capturing a CUDA graph. Host-only."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -235,8 +244,7 @@ class DecoderLayer:
         fold = self._fold  # checked before every one-row replay (MoEModel.prepare): kept lean
         if fold is not None:
             (g0, n0, w0), versions, mg = fold
-            if (g0 is gate and n0 is norm and w0 is wo
-                    and versions == (gate._version, norm._version, wo._version)):
+            if g0 is gate and n0 is norm and w0 is wo and versions == _versions(ws):
                 return mg
         from graphrt.kernels.gate_fold import fold_gate_weights
         if _capturing(gate.device):
@@ -250,7 +258,7 @@ class DecoderLayer:
             fold[2][0].copy_(m)
             fold[2][1].copy_(g)
             m, g = fold[2]
-        self._fold = (ws, tuple(w._version for w in ws), (m, g))
+        self._fold = (ws, _versions(ws), (m, g))
         return m, g
 
     def _fold_route(self, a: torch.Tensor, x: torch.Tensor, n: torch.Tensor):
@@ -516,13 +524,21 @@ class MoEModel:
         if cache is not None:
             cache.store(plan, self._plan_fingerprint, padded_bs, cap, keys)
 
-    def refold_gate(self) -> None:
+    def refold_gate(self, force: bool = False) -> None:
         """Fold the router gate again in every layer that has folded it, where its gate, MoE
         norm or o-projection changed since (``DecoderLayer._folded_gate``; in place, so
         captured graphs read the new fold; a layer that has not folded yet folds at its
-        first one-row step). Host-only (a few attribute reads a layer when nothing changed)."""
+        first one-row step). Host-only (a few attribute reads a layer when nothing changed).
+
+        A change is seen by the tensors' identity and version counters. Weights made under
+        ``torch.inference_mode()`` (inference tensors) have no version counter, so a change
+        in place of one of them is not seen: after loading such weights in place, call
+        ``refold_gate(force=True)``, which folds every layer that has folded again."""
         for layer in self.layers:
             if layer._fold is not None:
+                if force:
+                    ws, _, mg = layer._fold
+                    layer._fold = (ws, None, mg)   # stale: refolds into the same tensors
                 layer._folded_gate()
 
     def expert_plan(self) -> dict | None:
