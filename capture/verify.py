@@ -25,6 +25,7 @@ class ReplayCheck:
     n: int
     output: Any
     what: str  # padding-inert | graph-vs-eager | inputs-untouched | live-rows-vs-unpadded-eager
+    #            | state-graph-vs-eager
     max_abs_err: float
     ok: bool
 

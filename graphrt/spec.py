@@ -148,28 +148,30 @@ class Input:
                generator: torch.Generator | None = None) -> torch.Tensor:
         """Valid random data for ``bs`` rows, of ``shape_for(bs)`` and ``dtype`` on ``device``.
 
-        Drawn on the CPU (so a ``generator`` seeds it identically everywhere), then moved.
+        Drawn on the CPU (so a ``generator`` seeds it identically everywhere; also under
+        ``torch.set_default_device``), then moved.
         Offsets are a prefix sum of ``bs`` increments drawn from ``[low, high)``, from 0.
         """
         shape = self.shape_for(bs)
+        cpu = {"generator": generator, "device": "cpu"}
         if self.offsets:
-            inc = torch.randint(int(self.low), int(self.high), (bs,), generator=generator)
-            t = torch.cat([torch.zeros(1, dtype=torch.int64), inc.cumsum(0)])
+            inc = torch.randint(int(self.low), int(self.high), (bs,), **cpu)
+            t = torch.cat([torch.zeros(1, dtype=torch.int64, device="cpu"), inc.cumsum(0)])
         elif self.dtype == torch.bool:
-            t = torch.rand(shape, generator=generator) < 0.5
+            t = torch.rand(shape, **cpu) < 0.5
         elif self.dtype.is_floating_point:
             if self.high is None:
-                t = torch.randn(shape, generator=generator)
+                t = torch.randn(shape, **cpu)
             else:
-                t = torch.rand(shape, generator=generator) * (self.high - self.low) + self.low
+                t = torch.rand(shape, **cpu) * (self.high - self.low) + self.low
         elif self.unique:
             span = int(self.high) - int(self.low)
             if bs > span:
                 raise InputError(f"Input(unique=True) cannot draw {bs} distinct values from "
                                  f"[{self.low}, {self.high})")
-            t = torch.randperm(span, generator=generator)[:bs] + int(self.low)
+            t = torch.randperm(span, **cpu)[:bs] + int(self.low)
         else:
-            t = torch.randint(int(self.low), int(self.high), shape, generator=generator)
+            t = torch.randint(int(self.low), int(self.high), shape, **cpu)
         return t.to(device=device, dtype=self.dtype)
 
     def pad(self, bs: int, device: torch.device | str = "cpu") -> torch.Tensor:

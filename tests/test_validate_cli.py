@@ -333,3 +333,36 @@ def test_demo_on_cpu_analyses_the_reference_step(capsys):
     out = capsys.readouterr().out
     assert "No CUDA GPU here: CUDA-graph capture needs one" in out
     assert "graph-safe at every size checked" in out and "NOT graph-safe" not in out
+
+
+def test_every_replay_check_verify_makes_has_a_report_wording():
+    """``check_replay``'s check names (``capture/verify.py``) each have the validator's
+    wording; an unknown one gets a generic sentence, not a KeyError (exit 2)."""
+    import re
+
+    from graphrt.capture.verify import ReplayCheck
+    from graphrt.cli import validate as v
+    src = (Path(v.__file__).resolve().parents[2] / "capture" / "verify.py").read_text()
+    made = set(re.findall(r'ReplayCheck\([^\n]*?f?"([a-z]+(?:-[a-z]+)+)', src))
+    made |= set(re.findall(r'what = f?"([a-z]+(?:-[a-z]+)+)', src))
+    assert {"graph-vs-eager", "state-graph-vs-eager", "live-rows-vs-unpadded-eager"} <= made
+    assert made <= set(v._MISMATCH), made - set(v._MISMATCH)
+    c = ReplayCheck(4, 2, "y", "a-new-check", 0.5, False)
+    assert "'a-new-check' failed" in v._MISMATCH.get("a-new-check", v._OTHER_MISMATCH).format(c=c)
+
+
+def test_example_inputs_are_drawn_on_the_cpu_under_a_default_device():
+    """``Input.random`` draws with a CPU generator: under ``torch.set_default_device`` (an
+    engine's setting, or FUNC's) the draws must still be CPU tensors, then moved."""
+    import graphrt
+    I, f32, i64 = graphrt.Input, torch.float32, torch.int64
+    ins = {"x": I((None, 4), f32), "lo": I((None, 2), f32, low=-1, high=1),
+           "ids": I((None,), i64, high=9), "u": I((None,), i64, high=9, unique=True),
+           "m": I((None,), torch.bool), "cu": I((None,), torch.int32, high=4, offsets=True)}
+    want = {k: i.random(3, "cpu", torch.Generator().manual_seed(1)) for k, i in ins.items()}
+    torch.set_default_device("meta")
+    try:
+        got = {k: i.random(3, "cpu", torch.Generator().manual_seed(1)) for k, i in ins.items()}
+    finally:
+        torch.set_default_device(None)
+    assert all(torch.equal(got[k], want[k]) for k in ins)

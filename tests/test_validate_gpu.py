@@ -56,6 +56,16 @@ def test_replay_mismatch_names_each_size():
     assert all(f.op == "CUDAGraph.replay" and f.file == str(GPU) for f in mismatches)
 
 
+def test_a_state_mismatch_is_a_finding_not_an_internal_error():
+    """Outputs equal, declared state not: a replay-mismatch finding that names the state
+    (it was a KeyError in the report's wording, exit 2)."""
+    result, found = _found("gpu_bad_python_counter_into_state")
+    assert found == expectations(GPU, "gpu_")["gpu_bad_python_counter_into_state"], \
+        result.report.table()
+    assert result.exit_code == 1
+    assert all("declared state state[0]" in f.message for f in result.report.findings)
+
+
 @pytest.mark.parametrize("func", ["gpu_safe_joined_stream", "gpu_safe_scale",
                                   "gpu_safe_kv_cache_and_counter"])
 def test_clean_gpu_steps(func):

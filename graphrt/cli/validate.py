@@ -269,7 +269,12 @@ _MISMATCH = {  # keyed by the first word of ReplayCheck.what
     "ones; mask them with the live count",
     "inputs-untouched": "the step wrote into padded rows of input(s) {c.output}; a step must "
     "not write into its inputs",
+    "state-graph-vs-eager": "declared state {c.output} after the replay differs from eager on "
+    "the same padded inputs (max |diff| {c.max_abs_err:.3g}): the graph writes the state from "
+    "something frozen at capture (a Python value, host state)",
 }
+_OTHER_MISMATCH = ("{c.output!r}: the replay check {c.what!r} failed (max |diff| "
+                   "{c.max_abs_err:.3g})")
 
 
 def _cuda_checks(spec: StepSpec, target: Target, sizes: list[int], device: torch.device,
@@ -308,7 +313,8 @@ def _cuda_checks(spec: StepSpec, target: Target, sizes: list[int], device: torch
     for c in first_bad.values():
         report.findings.append(Finding(  # appended: report.add would keep one size only
             "replay-mismatch", "error", "CUDAGraph.replay", target.file, target.line,
-            f"batch {c.size} (live {c.n}): " + _MISMATCH[c.what.split(" ")[0]].format(c=c),
+            f"batch {c.size} (live {c.n}): "
+            + _MISMATCH.get(c.what.split(" ")[0], _OTHER_MISMATCH).format(c=c),
             c.size))
 
 

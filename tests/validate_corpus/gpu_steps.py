@@ -78,6 +78,21 @@ def gpu_bad_python_counter(device):  # expect: replay-mismatch
     return _spec(step)
 
 
+def gpu_bad_python_counter_into_state(device):  # expect: replay-mismatch
+    """A declared state counter set from a Python counter: the outputs match, the state the
+    replay leaves does not (the graph keeps the value of its capture)."""
+    count = torch.zeros((), device=device)
+    state = {"t": 0}
+
+    def step(x):
+        state["t"] += 1
+        count.fill_(float(state["t"]))
+        return x * 2.0
+
+    return graphrt.StepSpec(fn=step, inputs={"x": graphrt.Input((None, H), torch.float32)},
+                            max_batch_size=8, state=lambda: [count])
+
+
 def gpu_safe_scale(device):
     """The same step with its constant fixed at build time: replay equals eager."""
 
