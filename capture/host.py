@@ -7,14 +7,17 @@ says it (``t.device``); when the analysis runs on CPU tensors standing in for CU
 ("simulate CUDA"), every tensor says ``cpu``, so ``HostData`` remembers which tensors would be
 in host memory on a GPU:
 
-- factories called without ``device=`` (or with ``device="cpu"``): ``torch.arange(n)``,
-  ``torch.tensor(lst)``, ``torch.randperm(n)``; ``torch.from_numpy(a)`` (seen as
+- factories called without ``device=`` (and no ``torch.set_default_device``) or with
+  ``device="cpu"``: ``torch.arange(n)``, ``torch.tensor(lst)``, ``torch.randperm(n)``; ``torch.from_numpy(a)`` (seen as
   ``aten.lift_fresh``, which reaches a ``TorchFunctionMode`` only while a dispatch mode is
   active: ``track()`` enters one);
 - ``t.cpu()``, ``t.to("cpu")``, ``t.pin_memory()``;
 - the results of calls whose tensor arguments all live on the host (``host_t % 4``, views).
 
-``t.to(device)`` / ``t.cuda()`` / a factory with ``device=device`` give a device tensor. The
+``t.to(device)`` / ``t.cuda()`` / a factory with ``device=device`` give a device tensor: on
+CPU stand-ins a device (a ``torch.device``, a string such as ``str(device)``, the default
+device) that is ``cpu`` means the step's own device unless the line making the call names
+the CPU (a ``"cpu"`` string, a name ``cpu``: ``names_cpu``). The
 step's inputs and anything created outside tracking count as device tensors (no finding is
 made on a guess). ``track()`` is a ``TorchFunctionMode`` for build time (FUNC); the safety
 analyzer calls ``note`` for every call of the step.
@@ -23,7 +26,10 @@ Graph safety: host-only bookkeeping for the analysis.
 """
 from __future__ import annotations
 
+import ast
+import io
 import linecache
+import tokenize
 from typing import Any
 
 import torch
@@ -45,14 +51,49 @@ def tensors(*trees) -> list[torch.Tensor]:
 
 
 def _line_names_cpu() -> bool:
-    """Whether the source line that made the current torch call mentions ``cpu``: the
+    """Whether the source line that made the current torch call names the CPU: the
     innermost frame outside torch and the capture machinery (``sites.calling_site``), in the
     user's code or in graphrt's. Not the user's own outermost line: a library line such as
     ``torch.empty(..., device=x.device)`` called from ``analyze_step(spec, [2], "cpu")`` means
     the step's device."""
     from graphrt.capture.sites import calling_site
     file, line = calling_site()
-    return "cpu" in linecache.getline(file, line)
+    return names_cpu(linecache.getline(file, line))
+
+
+def names_cpu(source: str) -> bool:
+    """Whether a line of code names the CPU: a string ``"cpu"`` / ``"cpu:N"``, or a name or
+    attribute ``cpu`` (``device=cpu``, ``.cpu()``); not a comment, not a longer name
+    (``num_cpu_blocks``). A line that does not tokenize on its own (part of a longer
+    statement) is read up to where it stops."""
+    if "cpu" not in source:
+        return False
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type == tokenize.NAME and tok.string == "cpu":
+                return True
+            if tok.type == tokenize.STRING:
+                try:
+                    value = ast.literal_eval(tok.string)
+                except (ValueError, SyntaxError):
+                    continue
+                if isinstance(value, str) and value.split(":")[0] == "cpu":
+                    return True
+    except (tokenize.TokenError, SyntaxError):  # an open bracket or string: read so far
+        pass
+    return False
+
+
+def _default_device() -> torch.device | None:
+    """The device of an active ``torch.set_default_device`` / ``with torch.device(...)``
+    (torch keeps it as a ``DeviceContext`` function mode), or None when none is set."""
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, DeviceContext):
+            return torch.device(mode.device)
+    ctx = getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
+    return torch.device(ctx.device) if ctx is not None else None
 
 
 class HostData:
@@ -116,10 +157,12 @@ class HostData:
         for p in places:
             if isinstance(p, torch.Tensor):
                 return self.is_host(p)
-            if isinstance(p, str):
-                return p.split(":")[0] == "cpu"
-            if isinstance(p, torch.device):
-                return p.type == "cpu" and (not self.simulate or _line_names_cpu())
+            if isinstance(p, (str, torch.device)):  # a string too: str(device), device.type
+                try:
+                    kind = torch.device(p).type
+                except RuntimeError:                 # not a device: the call itself says so
+                    return None
+                return kind == "cpu" and (not self.simulate or _line_names_cpu())
         return None
 
     def note(self, func, args, kwargs, out) -> None:
@@ -137,8 +180,9 @@ class HostData:
         target = self.target(func, args, kwargs)
         if target is not None:
             self.mark(outs, target)
-        elif not tensors(args, kwargs):  # a factory without device=: host memory
-            self.mark(outs, True)
+        elif not tensors(args, kwargs):  # a factory without device=: the default device's
+            dev = _default_device()      # memory (host memory unless one is set)
+            self.mark(outs, dev is None or (dev.type == "cpu" and _line_names_cpu()))
         elif self.all_host(args, kwargs):
             self.mark(outs, True)
 

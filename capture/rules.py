@@ -24,7 +24,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from graphrt.capture.host import HostData
+from graphrt.capture.host import HostData, tensors
 
 
 class Hit(NamedTuple):
@@ -167,6 +167,9 @@ def _bool_mask_write(args, kwargs, ctx):
     upload = _indexing_host(args, ctx, "indexed assignment")
     if upload is not None:
         return upload
+    across = _assign_across(args, ctx)
+    if across is not None:
+        return across
     if not (len(args) > 2 and _has_bool_index(args[1])):
         return None
     value = args[2]
@@ -174,6 +177,22 @@ def _bool_mask_write(args, kwargs, ctx):
             isinstance(value, torch.Tensor) and value.numel() == 1 and ctx.host.is_host(value)):
         return False  # becomes masked_fill_ (a host value only): no sync
     return True
+
+
+def _assign_across(args, ctx) -> Hit | None:
+    """``dst[i] = value`` between host and device memory: the ``copy_`` it ends in, as
+    ``Tensor.copy_`` would be (a device value into a host tensor syncs; a host tensor of one
+    or more dimensions into a device one uploads)."""
+    if len(args) < 3 or not isinstance(args[2], torch.Tensor):
+        return None
+    dst, value = args[0], args[2]
+    if ctx.host.is_host(dst) and not ctx.host.is_host(value):
+        return Hit(_SYNC, "indexed assignment (device->host)", "copies device data into a "
+                   "host tensor: a sync. Keep the result on the device (return it; the engine "
+                   "copies outputs after the replay)")
+    if not ctx.host.is_host(dst) and ctx.host.is_host(value) and value.dim() > 0:
+        return Hit(_H2D, "indexed assignment (host->device)", UPLOAD)
+    return None
 
 
 def _histc_default_range(args, kwargs, ctx):
@@ -325,6 +344,26 @@ _ATEN_SYNC = {
 }
 
 
+# ATen ops that take tensors of both memories on CUDA: copies, and indexing with host indices
+# (an upload: the function-level rules name it). Any other op given a host tensor of one or
+# more dimensions beside device tensors raises on a GPU ("Expected all tensors to be on the
+# same device"): on CPU stand-ins that is a finding, so the CPU analysis does not pass a step
+# that cannot run on a GPU.
+_MOVES_DATA = {_A.copy_, _A._to_copy, _A.lift_fresh, _A.lift_fresh_copy, _A.index, _A.index_put,
+               _A.index_put_, _A._index_put_impl_, _A._unsafe_index, _A._unsafe_index_put}
+_MIXED = ("a tensor in host memory (made in the step without device=, or by .cpu()) meets "
+          "device tensors: on a GPU this op raises 'Expected all tensors to be on the same "
+          "device'. Make it on the device (device=x.device), once in FUNC if it is constant")
+
+
+def _host_among_device(args, kwargs, host: HostData) -> bool:
+    """Whether an op's tensor arguments hold a host tensor of one or more dimensions and
+    some tensor in device memory."""
+    ts = tensors(args, kwargs)
+    return (any(t.dim() > 0 and host.is_host(t) for t in ts)
+            and any(not host.is_host(t) for t in ts))
+
+
 def classify_aten(func, args, kwargs, cuda: bool, host: HostData | None = None) -> Hit | None:
     """Classify one ATen op; ``cuda``: real CUDA tensors (copies across devices are visible);
     ``host``: which tensors live in host memory (default: by device on CUDA, none on CPU)."""
@@ -362,6 +401,8 @@ def classify_aten(func, args, kwargs, cuda: bool, host: HostData | None = None) 
         if any(_is_bool_tensor(i) for i in indices or ()):
             return Hit(_SYNC, f"aten.{packet.__name__} (bool mask)", "boolean-mask indexing needs "
                        "nonzero(mask): a sync. Use torch.where(mask, a, b)")
+    if not cuda and packet not in _MOVES_DATA and _host_among_device(args, kwargs, host):
+        return Hit(_H2D, f"aten.{packet.__name__} (host and device tensors)", _MIXED)
     return None
 
 

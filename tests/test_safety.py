@@ -154,3 +154,57 @@ def test_step_exception_propagates_and_modes_are_removed():
     assert torch.ones(1).item() == 1.0
     from torch.overrides import _get_current_function_mode_stack
     assert not _get_current_function_mode_stack()
+
+
+def _xs_spec(fn):
+    return graphrt.StepSpec(fn, {"x": graphrt.Input((None, 4), torch.float32),
+                                 "ids": graphrt.Input((None,), torch.int64, high=8)}, 8)
+
+
+def test_a_host_tensor_meeting_device_tensors_is_a_finding_on_cpu():
+    """A tensor made in the step without ``device=`` (host memory on a GPU) in device math:
+    on a GPU the op raises ("Expected all tensors to be on the same device"), so the CPU
+    analysis must not call the step graph-safe. Host scalars (0-d) stay legal."""
+    def mixed(x, ids):
+        return x + torch.arange(x.shape[0])[:, None]        # a host [bs, 1] tensor
+
+    def into_host(x, ids):
+        buf = torch.zeros(8, dtype=torch.int64)
+        buf.index_copy_(0, torch.arange(ids.shape[0], device=x.device), ids)
+        return x * 2
+
+    def scalar(x, ids):
+        return x * torch.full((), 2.0)                       # a 0-d host tensor: fine
+
+    for fn, op in ((mixed, "aten.add"), (into_host, "aten.index_copy_")):
+        rep = analyze_step(_xs_spec(fn), [2], "cpu")
+        assert [(f.kind, f.op) for f in rep.findings] == [
+            ("host-to-device-copy", f"{op} (host and device tensors)")], rep.table()
+        assert "same device" in rep.findings[0].message
+    assert analyze_step(_xs_spec(scalar), [2], "cpu").safe
+
+
+def test_factories_under_set_default_device_make_device_tensors():
+    """``torch.set_default_device(device)`` (gpt-fast's setup) puts torch's device context
+    at the bottom of the mode stack, so factories reach the analysis without ``device=``:
+    they are device tensors, not host ones (a missed sync and a false copy before)."""
+    def sync(x, ids):
+        counts = torch.zeros(8, dtype=torch.int64)
+        counts.index_add_(0, ids, torch.ones_like(ids))
+        return x * counts.max().item()
+
+    cache = torch.zeros(16, 4)
+
+    def copy(x, ids):
+        buf = torch.zeros(8, 4)
+        buf[: x.shape[0]].copy_(x)
+        cache[: x.shape[0]] = buf[: x.shape[0]]
+        return cache[: x.shape[0]] * 2
+
+    torch.set_default_device("cpu")
+    try:
+        found = analyze_step(_xs_spec(sync), [2], "cpu").findings
+        assert [(f.kind, f.op) for f in found] == [("host-sync", "Tensor.item")]
+        assert analyze_step(_xs_spec(copy), [2], "cpu").safe
+    finally:
+        torch.set_default_device(None)

@@ -144,6 +144,20 @@ class _CudaMemory(HostData):
             self.on_device([t for t in tensors(out) if not any(t is a for a in ins)])
 
 
+def _user_line_names_cpu() -> bool:
+    """``capture.host._line_names_cpu`` for this harness: the user's line, past this test
+    module's own frames (``_CudaMemory`` asks from here, where the analysis asks from
+    graphrt's machinery)."""
+    import linecache
+
+    from graphrt.capture.host import names_cpu
+    from graphrt.capture.sites import _classify
+    f = sys._getframe(1)
+    while f is not None and (f.f_code.co_filename == __file__ or _classify(f.f_code.co_filename) == 2):
+        f = f.f_back
+    return f is not None and names_cpu(linecache.getline(f.f_code.co_filename, f.f_lineno))
+
+
 class _NoStreams:
     """Stands in for ``StreamAudit``, which needs CUDA streams: no side-stream findings."""
 
@@ -192,6 +206,7 @@ def test_corpus_case_with_cuda_mode_decisions(path, func, expected, monkeypatch)
     monkeypatch.setattr(safety, "StreamAudit", _NoStreams)
     monkeypatch.setattr(safety, "SafetyAnalyzer", _AsCuda)
     monkeypatch.setattr(safety, "WriteLog", _InputsOnDevice)
+    monkeypatch.setattr("graphrt.capture.host._line_names_cpu", _user_line_names_cpu)
     memory, target = _CudaMemory(), load_target(f"{path}:{func}")
     try:
         with memory.track():  # FUNC's tables: where they would live on the GPU
