@@ -40,7 +40,7 @@ def test_configs_the_kernels_cannot_run_are_refused_when_made():
                         (dict(num_heads=0), "'num_heads': 0"),
                         (dict(head_dim=48), "head_dim must be one of"),
                         (dict(num_topk=17, num_experts=64, n_group=1, topk_group=1),
-                         "num_topk must be in \\[1, min\\(num_experts, 16\\)\\]"),
+                         "num_topk must be at most 16"),
                         (dict(num_experts=1024, n_group=1, topk_group=1), "at most 512"),
                         (dict(num_experts=4, n_group=4), "groups need at least 2")]:
         with pytest.raises(ValueError, match=match):

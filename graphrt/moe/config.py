@@ -61,8 +61,10 @@ class MoEConfig:
         need(not bad, f"{', '.join(dims)} must be > 0; got {bad}")
         need(self.num_experts <= MAX_EXPERTS, f"num_experts must be at most {MAX_EXPERTS} (the "
              f"routing kernels' limit); got {self.num_experts}")
-        need(0 < self.num_topk <= min(self.num_experts, MAX_TOPK), f"num_topk must be in [1, "
-             f"min(num_experts, {MAX_TOPK})]; got {self.num_topk} of {self.num_experts}")
+        need(0 < self.num_topk <= self.num_experts, f"num_topk must be in [1, num_experts]; "
+             f"got {self.num_topk} of {self.num_experts}")
+        need(self.num_topk <= MAX_TOPK, f"num_topk must be at most {MAX_TOPK} (the routing "
+             f"kernels' limit); got {self.num_topk}")
         need(self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads")
         need(self.head_dim in HEAD_DIMS, f"head_dim must be one of {HEAD_DIMS} (decode "
              f"attention's); got {self.head_dim}")
