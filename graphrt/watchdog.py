@@ -13,7 +13,13 @@ completed::
         mark(progress, step, i)                              # progress[i] = step
 
     wd = Watchdog(progress, step, rank=rank, timeout_s=30).start()   # after capture
-    wd.expect_step(); out = rt.run(...); ...; wd.wait(event); wd.step_done()
+    wd.expect_step()
+    try:
+        out = rt.run(...); ...; wd.wait(event)
+    except BaseException:
+        wd.cancel()                 # a step that raised on the host makes no progress
+        raise
+    wd.step_done()
 
 The host thread copies ``progress`` and ``step`` to pinned host memory on its *own* CUDA
 stream (``non_blocking=True``) and polls an event with ``query()``, so it never blocks on a
@@ -235,6 +241,13 @@ class Watchdog:
         with self._cv:
             self._watching = False
         self.check()
+
+    def cancel(self) -> None:
+        """The expected step failed on the host (``run()`` raised before or instead of its
+        launch): stop watching, raise nothing. Without it the watchdog would keep waiting
+        for progress that no step will make and report a stall that never happened."""
+        with self._cv:
+            self._watching = False
 
     def check(self) -> None:
         """Raise the ``StallError`` the thread reported, once."""

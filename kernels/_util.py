@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from graphrt.env import env_flag, flag_value
+from graphrt.env import env_flag, flag_value, triton_interpret
 
 
 def interpreting() -> bool:
@@ -15,7 +15,7 @@ def interpreting() -> bool:
     The interpreter computes bf16 arithmetic wrongly (NaN), so kernels pass this as a
     ``tl.constexpr`` and upcast to fp32 before arithmetic when it is set.
     """
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return triton_interpret(os.environ.get("TRITON_INTERPRET"))
 
 
 def check(cond: bool, what: str, expected: object, got: object) -> None:
@@ -70,7 +70,7 @@ def pdl_enabled() -> bool:
 def _pdl_enabled(pdl_env: str | None, interpret_env: str) -> bool:
     """``pdl_enabled`` per value of the two variables: every launch asks, so the answer (and
     the CUDA queries behind it) is computed once per setting."""
-    if not flag_value(pdl_env, True) or interpret_env not in ("", "0"):
+    if not flag_value(pdl_env, True) or triton_interpret(interpret_env):
         return False
     return torch.cuda.is_available() and hopper_or_newer(torch.cuda.current_device())
 

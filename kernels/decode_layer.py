@@ -70,12 +70,13 @@ ends at 0 in every launch); the reference is host-only.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from graphrt.env import env_flag, env_int
 
 from ._masked import _silu_mul
 from ._pdl import pdl_late_trigger, pdl_trigger, pdl_wait
@@ -90,11 +91,11 @@ _SEM_OFFSET = tl.constexpr(32)  # count[32 + kvh]: the merge's semaphore of kv h
 MAX_KV_HEADS = 64
 # the launcher's pipe= default (0: two tiles ahead in registers; N: Triton's pipeline of N
 # stages); GRAPHRT_LAYER_PIPE at import (A/B benchmarks)
-PIPE = int(os.environ.get("GRAPHRT_LAYER_PIPE", "3"))
+PIPE = env_int("GRAPHRT_LAYER_PIPE", 3, 0, 8)
 # with PDL on, let the next kernel launch at the start of phase F (USE_GDC 3) instead of at
 # the start: the step with the layer launch 273.8 against 278.7 us (BENCHMARKS.md §40);
 # GRAPHRT_LAYER_LATE_TRIGGER=0 at import: at the start
-LATE_TRIGGER = os.environ.get("GRAPHRT_LAYER_LATE_TRIGGER", "1") != "0"
+LATE_TRIGGER = env_flag("GRAPHRT_LAYER_LATE_TRIGGER", True)
 MAX_K = 4096  # hidden, q_dim and moe_inter: each phase reduces its K in one round
 NUM_WARPS = 4
 PROGRAMS_PER_SM = 2  # the default grid where the compiled kernel fits that many an SM

@@ -34,11 +34,12 @@ Glossary: ``m`` rows (bs, at most 16), ``n`` output features, ``k`` input featur
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from graphrt.env import env_int
 
 from ._pdl import pdl_prologue, pdl_trigger, pdl_wait
 from ._util import check, check_tensor, cuda_index, interpreting, pdl_args, sm_count
@@ -194,7 +195,7 @@ ROWS_AUTO = 2
 # router [16, 2048] x [2048, 64] in 5.2 µs, yet 256 made the qwen3-like bs-16 step 1.062x
 # slower (BENCHMARKS.md §25). 0 (the default) turns it off; GRAPHRT_ROWS_SMALL_N at import
 # (A/B: the router-rows switch sets 256).
-ROWS_SMALL_N = int(os.environ.get("GRAPHRT_ROWS_SMALL_N", "0"))
+ROWS_SMALL_N = env_int("GRAPHRT_ROWS_SMALL_N", 0)
 _ROWS_TILE = 8192  # weights a program loads per round (16 KB bf16)
 
 

@@ -179,6 +179,37 @@ def test_engine_with_watchdog_on_cpu(tiny_instrumented):
     assert not wd.reports and eng.stats.finished == 1
 
 
+def test_a_step_that_raises_on_the_host_is_no_stall():
+    """``run()`` raising (an InputError, a RankMismatch) leaves no step on the device: the
+    engine cancels the watch, so no stall is reported ``timeout_s`` later and the next step
+    runs (before, ``on_stall`` fired and the next step raised that StallError)."""
+    import time
+
+    from graphrt.testing.engine import DecodeEngine
+    from graphrt.testing.requests import Request
+    from graphrt.watchdog import progress_tensors
+    progress, step = progress_tensors(2, "cpu")
+    calls = []
+
+    def step_fn(**inputs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("this rank's batch disagrees with its peers")
+        step.add_(1)
+        progress.fill_(int(step))
+        return torch.zeros(inputs["tokens"].shape[0], 10)
+    stalls = []
+    with Watchdog(progress, step, timeout_s=0.3, poll_s=0.02, on_stall=stalls.append) as wd:
+        eng = DecodeEngine(step_fn, num_slots=4, max_ctx=64, max_batch_size=4, device="cpu",
+                           watchdog=wd)
+        eng.submit(Request(0, [1, 2, 3], 4))
+        with pytest.raises(RuntimeError, match="disagrees"):
+            eng.step()
+        time.sleep(0.8)                                   # past the timeout
+        assert eng.step() == 1
+    assert stalls == [] and not wd.reports
+
+
 # -- GPU -------------------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_cuda_stall_reported_with_layer_and_no_blocking_read():

@@ -158,6 +158,7 @@ from graphrt._version import __version__
 from graphrt.bench.console import show_markdown
 from graphrt.bench.output import write_file
 from graphrt.bench.plan import Plan, Refusal, plan
+from graphrt.env import interpret_on_cpu
 
 SCHEMA_VERSION = 1
 
@@ -262,7 +263,9 @@ def _run_local(p: Plan) -> int:
                               else device.index)
         torch.cuda.set_device(device)
     else:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        note = interpret_on_cpu()
+        if note:
+            print(f"graphrt bench: {note}", file=sys.stderr)
     res = Results(p, torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
     print(f"graphrt bench: results go to {p.out}", file=sys.stderr)
     if "runtime" in p.suites:

@@ -17,9 +17,10 @@ timing the candidate kernels again; the demo says which sizes came from where.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
+
+from graphrt.env import interpret_on_cpu
 
 CPU_SIZES = (1, 4, 8)  # the analysed sizes without a GPU
 NEXT_STEPS = (
@@ -71,7 +72,9 @@ def _plan(args):
 
 
 def _cpu_demo(cfg) -> int:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    note = interpret_on_cpu()
+    if note:
+        print(f"graphrt demo: {note}", file=sys.stderr)
     from graphrt.capture import analyze_step
     from graphrt.moe import make_step
     spec, _ = make_step(cfg, "cpu", max_batch_size=max(CPU_SIZES), backend="triton")

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from graphrt.env import env_flag
+from graphrt.env import env_choice, env_flag
 from graphrt.moe.config import MoEConfig
 
 
@@ -65,7 +65,7 @@ def add_rmsnorm(x: torch.Tensor, *deltas, weight: torch.Tensor,
 
 # "auto" (default): the one-row GEMV for 1-row steps, cuBLAS otherwise; "torch": cuBLAS always;
 # "gemv": graphrt's decode GEMV up to 16 rows. Read at import (A/B: set layers.DENSE).
-DENSE = os.environ.get("GRAPHRT_DENSE", "auto")
+DENSE = env_choice("GRAPHRT_DENSE", "auto", ("auto", "torch", "gemv"))
 # The one-row GEMVs load their first weight tile before they wait for the kernel before them
 # (PDL; kernels._pdl, the preload= of dense_gemv_rows and norm_gemv_rows): the model's dense
 # weights are written by no kernel of the step. Off: 1.029x the step (slower) at qwen3-like

@@ -173,11 +173,16 @@ class DecodeEngine:
         wd = self.watchdog
         if wd is not None:
             wd.expect_step()
-        logits = self.step_fn(**inputs)                                    # [n, vocab]
-        ids = torch.argmax(logits, dim=-1)                                 # greedy, on device
-        if self.marks is not None:
-            self.marks.end()
-        sampled = self._read(ids)
+        try:
+            logits = self.step_fn(**inputs)                                # [n, vocab]
+            ids = torch.argmax(logits, dim=-1)                             # greedy, on device
+            if self.marks is not None:
+                self.marks.end()
+            sampled = self._read(ids)
+        except BaseException:
+            if wd is not None:     # the step raised on the host: nothing left to watch
+                wd.cancel()
+            raise
         if wd is not None:
             wd.step_done()
         st.model_calls, st.rows = st.model_calls + 1, st.rows + len(live)
