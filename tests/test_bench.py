@@ -207,6 +207,30 @@ def test_bench_refuses_in_one_line(argv, match, monkeypatch, capsys, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_ep_shapes_the_backends_reject_are_refused_before_ranks_start(monkeypatch, tmp_path):
+    """What DeepEP and the EP split reject (hidden 128, more than 511 tokens a rank, 63
+    experts over 2 ranks) is refused by the plan, exit 2, instead of failing inside every
+    rank after NCCL started (exit 1). Two GPUs and DeepEP are pretended."""
+    from graphrt.bench.plan import Refusal, plan
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+    for argv, match in ((["--comm", "deepep-hook", "--config", "tiny"],
+                         "DeepEP low-latency kernels support hidden in"),
+                        (["--comm", "deepep-hook", "--max-tokens", "1000", "--sizes", "1,8"],
+                         "max_tokens per rank must be in \\[1, 511\\]"),
+                        (["--comm", "nccl", "--experts", "63"],
+                         "63 experts do not split over 2 ranks")):
+        with pytest.raises(Refusal, match=match):
+            plan(cli.build_parser().parse_args(["bench", "--out", str(tmp_path / "o"),
+                                                "--config", "qwen3-moe-like", *argv]))
+    p = plan(cli.build_parser().parse_args(["bench", "--out", str(tmp_path / "o"), "--config",
+                                            "qwen3-moe-like", "--comm", "deepep-hook,nccl"]))
+    assert p.comms == ["deepep-hook", "nccl"] and p.ranks == 2
+
+
 def test_bench_under_torchrun_takes_one_backend(monkeypatch, capsys, tmp_path):
     from graphrt.bench.plan import Refusal, plan
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -279,6 +303,30 @@ def test_out_is_checked_before_any_work(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and match in err, err
     assert not (tmp_path / "elsewhere.json").exists()
+
+
+def test_a_write_that_fails_after_the_check_is_one_line_and_exit_2(tmp_path, capsys,
+                                                                   monkeypatch):
+    """--out passed the up-front check, then a write failed (a disk that filled, a file
+    system that takes no files): one line naming the folder and the error, exit 2, not a
+    traceback. A folder where no file can be made is refused up front (as root
+    ``os.access`` says yes to /proc)."""
+    import errno
+
+    import graphrt.bench.run as run
+
+    def full(folder, name, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(run, "write_file", full)
+    assert cli.main(["bench", "--config", "tiny", "--device", "cpu", "--sizes", "1",
+                     "--modes", "eager", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write the results there (OSError: [Errno 28] No space left" in err
+    assert "Traceback" not in err
+    monkeypatch.undo()
+    if os.path.isdir("/proc"):
+        assert cli.main(["bench", "--device", "cpu", "--out", "/proc/graphrt-out"]) == 2
+        assert "cannot be created" in capsys.readouterr().err
 
 
 def test_write_file_replaces_a_symlink_instead_of_following_it(tmp_path):

@@ -21,13 +21,14 @@ class OutDirError(Exception):
 
 def check_out_dir(path: str, names=OUTPUT_NAMES) -> str:
     """The absolute folder ``path`` if results can be written there, else ``OutDirError``.
-    Creates nothing: a missing folder is made at the first write."""
+    Leaves nothing behind (a probe file is made and removed): a missing folder is made at
+    the first write."""
     full = os.path.abspath(path)
     if os.path.lexists(full) and not os.path.isdir(full):
         raise OutDirError(f"--out {path!r} is a file, expected a folder for results.json, "
                           "results.md and plots: pass a new or existing folder")
     if os.path.isdir(full):
-        if not os.access(full, os.W_OK | os.X_OK):
+        if not os.access(full, os.W_OK | os.X_OK) or not _can_create_in(full):
             raise OutDirError(f"--out {path!r}: the folder is not writable: pass another folder")
         for name in names:
             target = os.path.join(full, name)
@@ -39,10 +40,23 @@ def check_out_dir(path: str, names=OUTPUT_NAMES) -> str:
     parent = os.path.dirname(full)
     while not os.path.lexists(parent):
         parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK) \
+            or not _can_create_in(parent):
         raise OutDirError(f"--out {path!r} cannot be created: {parent} is not a writable "
                           "folder: pass another folder")
     return full
+
+
+def _can_create_in(folder: str) -> bool:
+    """Whether a file can be made in ``folder`` (made and removed at once): ``os.access``
+    alone says yes as root, and on file systems such as /proc that take no files."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".graphrt-probe-", dir=folder)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(tmp)
+    return True
 
 
 def write_file(folder: str, name: str, data: str | bytes) -> str:

@@ -114,6 +114,8 @@ def plan(args) -> Plan:
     if max_tokens < max(sizes):
         raise Refusal(f"--max-tokens {max_tokens} is below the largest --sizes {max(sizes)}: "
                       "the EP buffers must hold every row of a step")
+    if ep:
+        _check_ep_shape(cfg, comms, ranks, max_tokens)
     from graphrt.bench.plots import plot_names
     names = ["results.json", "results.md"] + [
         n for tag in (comms if ep else [""]) for n in plot_names(tag).values()]
@@ -152,6 +154,22 @@ def _device(want, ep_comms, ranks: int, torchrun: bool) -> str:
         raise Refusal(f"--ranks {ranks} needs {ranks} CUDA GPUs; torch sees "
                       f"{torch.cuda.device_count()}")
     return "cuda"
+
+
+def _check_ep_shape(cfg, comms: list, ranks: int, max_tokens: int) -> None:
+    """Refuse a model shape the expert-parallel backends reject, before any rank starts:
+    experts that do not split over the ranks, and DeepEP's hidden sizes, top-k and tokens
+    per rank (``deepep_ll.check_shape``)."""
+    if cfg.num_experts % ranks:
+        raise Refusal(f"{cfg.name}: {cfg.num_experts} experts do not split over {ranks} ranks: "
+                      "change --experts or --ranks")
+    if any(c.startswith("deepep") for c in comms):
+        from graphrt.comm.deepep_ll import check_shape
+        try:
+            check_shape(cfg.hidden, cfg.num_topk, max_tokens)
+        except ValueError as exc:
+            raise Refusal(f"--comm {','.join(c for c in comms if c.startswith('deepep'))} with "
+                          f"{cfg.name} and --max-tokens {max_tokens}: {exc}")
 
 
 def _check_backend(name: str) -> None:

@@ -156,7 +156,7 @@ import torch
 
 from graphrt._version import __version__
 from graphrt.bench.console import show_markdown
-from graphrt.bench.output import write_file
+from graphrt.bench.output import OutDirError, write_file
 from graphrt.bench.plan import Plan, Refusal, plan
 from graphrt.env import interpret_on_cpu
 
@@ -171,7 +171,11 @@ def main(args) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"graphrt bench: {exc}", file=sys.stderr)
         return 2
-    return _run_ep(p) if p.ep else _run_local(p)
+    try:
+        return _run_ep(p) if p.ep else _run_local(p)
+    except OutDirError as exc:  # --out passed the check, then a write failed (disk full, ...)
+        print(f"graphrt bench: {exc}", file=sys.stderr)
+        return 2
 
 
 def measured(doc: dict) -> bool:
@@ -216,8 +220,13 @@ class Results:
         if not self.rank0:
             return
         self.doc["measured"] = measured(self.doc)
-        write_file(self.p.out, "results.json", json.dumps(self.doc, indent=2, default=str) + "\n")
-        write_file(self.p.out, "results.md", "\n\n".join([*self.md, *extra_md]) + "\n")
+        try:
+            write_file(self.p.out, "results.json",
+                       json.dumps(self.doc, indent=2, default=str) + "\n")
+            write_file(self.p.out, "results.md", "\n\n".join([*self.md, *extra_md]) + "\n")
+        except OSError as exc:
+            raise OutDirError(f"--out {self.p.out!r}: cannot write the results there "
+                              f"({type(exc).__name__}: {exc}); pass another folder") from None
 
     def plot(self, modes_res: dict, tag: str = "") -> dict:
         """The modes plots (timelines included) next to results.json; ``{name: file name or
@@ -323,7 +332,7 @@ def _run_eplb(p: Plan, res: Results) -> list:
     """The eplb suite: one process group per backend and redundancy (the backend is built for
     the physical slot count). Returns the backends that failed."""
     from graphrt.bench.eplb import bench_eplb_rank, md_eplb
-    from graphrt.testing.launch import spawn
+    from graphrt.testing.launch import first_failure, spawn
     done, failed = [], []
     for comm in p.comms:
         for r in p.redundant:
@@ -332,10 +341,10 @@ def _run_eplb(p: Plan, res: Results) -> list:
                 per_rank = spawn(bench_eplb_rank, p.ranks, comm, opts)
             except TimeoutError as exc:
                 per_rank = [{"rank": 0, "ok": False, "error": f"TimeoutError: {exc}"}]
-            if bad := [x for x in per_rank if not x.get("ok")]:
-                error = f"rank {bad[0]['rank']}: {bad[0].get('error')}"
+            if bad := first_failure(per_rank):
+                error = f"rank {bad['rank']}: {bad.get('error')}"
                 print(f"graphrt bench: eplb --comm {comm} redundant {r} failed on {error}\n"
-                      f"{bad[0].get('traceback', '')}", file=sys.stderr)
+                      f"{bad.get('traceback', '')}", file=sys.stderr)
                 res.doc.setdefault("eplb", []).append({"comm": comm, "redundant": r, "error": error})
                 failed.append(comm)
                 continue
@@ -369,7 +378,7 @@ def _run_ep(p: Plan) -> int:
         if rank == 0:
             _add_ep(res, p.comms[0], out)
         return res.finish()
-    from graphrt.testing.launch import spawn
+    from graphrt.testing.launch import first_failure, spawn
     res, failed = Results(p, torch.cuda.get_device_name(0)), []
     print(f"graphrt bench: results go to {p.out}", file=sys.stderr)
     if "eplb" in p.suites:
@@ -381,10 +390,10 @@ def _run_ep(p: Plan) -> int:
             per_rank = spawn(run_rank, p.ranks, comm, opts)
         except TimeoutError as exc:
             per_rank = [{"rank": 0, "ok": False, "error": f"TimeoutError: {exc}"}]
-        bad = [r for r in per_rank if not r.get("ok")]
+        bad = first_failure(per_rank)
         if bad:
-            error = f"rank {bad[0]['rank']}: {bad[0].get('error')}"
-            print(f"graphrt bench: --comm {comm} failed on {error}\n{bad[0].get('traceback', '')}",
+            error = f"rank {bad['rank']}: {bad.get('error')}"
+            print(f"graphrt bench: --comm {comm} failed on {error}\n{bad.get('traceback', '')}",
                   file=sys.stderr)
             res.doc.setdefault("ep", {})[comm] = {"error": error}
             res.save()

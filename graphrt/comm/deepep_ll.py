@@ -37,6 +37,20 @@ class DeepEPRuleError(GraphrtError, ValueError):
     """A DeepEP low-latency rule would be broken (it would hang or corrupt silently)."""
 
 
+def check_shape(hidden: int, num_topk: int, max_tokens: int) -> None:
+    """Raise ``DeepEPRuleError`` unless DeepEP's low-latency kernels take this hidden size,
+    top-k and tokens per rank (also what ``graphrt bench`` checks before it starts ranks).
+    Host-only; needs no GPU."""
+    if hidden not in SUPPORTED_HIDDEN:
+        raise DeepEPRuleError(f"DeepEP low-latency kernels support hidden in "
+                              f"{SUPPORTED_HIDDEN}; got {hidden}")
+    if not 1 <= num_topk <= MAX_TOPK:
+        raise DeepEPRuleError(f"DeepEP low-latency kernels support top-k <= {MAX_TOPK}; got {num_topk}")
+    if not 1 <= max_tokens <= MAX_TOKENS_PER_RANK:
+        raise DeepEPRuleError(f"max_tokens per rank must be in [1, {MAX_TOKENS_PER_RANK}] "
+                              f"(NVSHMEM QP depth 1024); got {max_tokens}")
+
+
 class DeepEPLowLatencyComm:
     """EP over ``deep_ep.Buffer`` (low-latency mode); global expert ``e`` lives on rank
     ``e // num_local_experts``.
@@ -55,14 +69,7 @@ class DeepEPLowLatencyComm:
 
     def __init__(self, num_experts: int, hidden: int, num_topk: int, device, *,
                  max_tokens: int = 128, group=None, fp8: bool = False, mode: str = "hook"):
-        if hidden not in SUPPORTED_HIDDEN:
-            raise DeepEPRuleError(f"DeepEP low-latency kernels support hidden in "
-                                  f"{SUPPORTED_HIDDEN}; got {hidden}")
-        if not 1 <= num_topk <= MAX_TOPK:
-            raise DeepEPRuleError(f"DeepEP low-latency kernels support top-k <= {MAX_TOPK}; got {num_topk}")
-        if not 1 <= max_tokens <= MAX_TOKENS_PER_RANK:
-            raise DeepEPRuleError(f"max_tokens per rank must be in [1, {MAX_TOKENS_PER_RANK}] "
-                                  f"(NVSHMEM QP depth 1024); got {max_tokens}")
+        check_shape(hidden, num_topk, max_tokens)
         if mode not in ("hook", "event"):
             raise ValueError(f"mode must be 'hook' or 'event'; got {mode!r}")
         self.group, self.rank, self.num_ranks, self.num_local_experts = ep_group(

@@ -61,10 +61,10 @@ def make_comm(name: str, cfg, device, max_tokens: int, *, num_experts: int | Non
     raise ValueError(f"unknown comm {name!r}; expected deepep[-hook|-event], nccl or local")
 
 
-def _entry(rank, world, port, out_dir, fn, args):
+def _entry(rank, world, port, out_dir, fn, args, setup=None):
     result = {"rank": rank}
     try:
-        init(rank, world, port)
+        (setup or init)(rank, world, port)
         result.update(fn(rank, world, *args) or {})
         result.setdefault("ok", True)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
@@ -81,22 +81,82 @@ def _entry(rank, world, port, out_dir, fn, args):
             pass
 
 
-def spawn(fn, world: int, *args, timeout_s: float = 600) -> list[dict]:
-    """Run ``fn(rank, world, *args)`` on ``world`` GPUs; return each rank's result dict."""
+def spawn(fn, world: int, *args, timeout_s: float = 600, grace_s: float = 30,
+          setup=None) -> list[dict]:
+    """Run ``fn(rank, world, *args)`` on ``world`` GPUs (each rank first runs ``setup(rank,
+    world, port)``, default ``init``); return each rank's result dict, in rank order.
+
+    A rank that raises reports ``ok: False`` with its error and traceback. Its peers are
+    usually blocked in a collective waiting for it: ``grace_s`` after the first reported
+    failure the ranks still running are killed (``killed: True``, ``ok: False``), so the
+    real error comes back at once instead of after ``timeout_s``. A rank that dies without
+    reporting (a segfault, an OOM kill, ``os._exit``) gets ``ok: False`` with its exit code or
+    signal. Raises ``TimeoutError`` only when no rank failed and they did not all finish
+    within ``timeout_s`` (they are killed). ``first_failure`` picks the error to report."""
+    import shutil
+    import time
+
     import torch.multiprocessing as mp
     out_dir = tempfile.mkdtemp(prefix="graphrt-ranks-")
-    ctx = mp.start_processes(_entry, args=(world, free_port(), out_dir, fn, args), nprocs=world,
-                             join=False, start_method="spawn")
-    import time
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"ranks did not finish within {timeout_s} s")
-    results = []
+    try:
+        ctx = mp.start_processes(_entry, args=(world, free_port(), out_dir, fn, args, setup),
+                                 nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        failed_at, died, killed = None, {}, set()
+        while True:
+            try:
+                if ctx.join(timeout=1):
+                    break
+            except mp.ProcessExitedException as exc:  # torch has terminated the others
+                died[exc.error_index] = (f"exit code {exc.exit_code}" if not exc.signal_name
+                                         else f"signal {exc.signal_name}")
+                killed = {r for r, p in enumerate(ctx.processes) if r != exc.error_index}
+                break
+            now = time.monotonic()
+            if failed_at is None and any(not r.get("ok", True) for r in _read(out_dir, world)):
+                failed_at = now
+            if (failed_at is not None and now - failed_at > grace_s) or now > deadline:
+                killed = {r for r, p in enumerate(ctx.processes) if p.is_alive()}
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                if failed_at is None:
+                    raise TimeoutError(f"ranks did not finish within {timeout_s} s")
+                break
+        results = []
+        for r, res in enumerate(_read(out_dir, world)):
+            if res:
+                results.append(res)
+            elif r in died:
+                results.append({"rank": r, "ok": False,
+                                "error": f"the rank died without reporting ({died[r]}): a crash "
+                                         "in native code, an out-of-memory kill or an exit"})
+            elif r in killed:
+                results.append({"rank": r, "ok": False, "killed": True,
+                                "error": "killed after another rank failed (it was still "
+                                         "running, likely waiting for that rank)"})
+            else:
+                results.append({"rank": r, "ok": False, "error": "no result (crashed)"})
+        return results
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def _read(out_dir: str, world: int) -> list[dict]:
+    """Each rank's result file as written so far ({} for a rank that has not written)."""
+    out = []
     for r in range(world):
         path = os.path.join(out_dir, f"rank{r}.json")
-        results.append(json.load(open(path)) if os.path.exists(path) else
-                       {"rank": r, "ok": False, "error": "no result (crashed)"})
-    return results
+        try:
+            with open(path) as f:
+                out.append(json.load(f))
+        except (OSError, ValueError):  # not written yet, or being written
+            out.append({})
+    return out
+
+
+def first_failure(results: list[dict]) -> dict | None:
+    """The failure to report from ``spawn``'s results: a rank's own error before a rank
+    killed because of it; None when every rank succeeded."""
+    bad = [r for r in results if not r.get("ok")]
+    return min(bad, key=lambda r: (bool(r.get("killed")), r.get("rank", 0))) if bad else None

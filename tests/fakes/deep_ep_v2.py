@@ -230,9 +230,10 @@ class _FakeBufferBase:
                                                                  num_max_tokens_per_rank, do_cpu_sync,
                                                                  do_zero_padding))
         slots = self.world.exchange("dispatch_slots", self.rank_idx, layout["placed"],
-                                    lambda posts: self._my_slots(posts, num_tokens, num_topk))
+                                    lambda posts: self._my_slots(posts, num_tokens, num_topk,
+                                                                 x.device))
         recv_x, recv_w = layout["recv_x"], layout["recv_w"]
-        psum = torch.tensor(layout["psum"], dtype=torch.int32)
+        psum = torch.tensor(layout["psum"], dtype=torch.int32, device=x.device)
         h = FakeEPHandle(
             do_expand=True, num_experts=num_experts, expert_alignment=expert_alignment,
             num_max_tokens_per_rank=num_max_tokens_per_rank, num_sms=0,
@@ -241,7 +242,8 @@ class _FakeBufferBase:
             num_recv_tokens_per_expert_list=layout["aligned_counts"] if do_cpu_sync else [],
             psum_num_recv_tokens_per_scaleup_rank=layout["psum_rank"],
             psum_num_recv_tokens_per_expert=psum,
-            num_unaligned_recv_tokens_per_expert=torch.tensor(layout["counts"], dtype=torch.int32),
+            num_unaligned_recv_tokens_per_expert=torch.tensor(layout["counts"], dtype=torch.int32,
+                                                              device=x.device),
             recv_src_metadata=layout["src_metadata"], dst_buffer_slot_idx=slots,
             _owner=self, _topk_idx_version=topk_idx._version)
         if defer_epilogue:  # V2.5: nothing is returned until .wait() runs the copy epilogue
@@ -270,6 +272,7 @@ class _FakeBufferBase:
         E = num_experts // R
         hidden, num_topk = posts[r][0].shape[1], posts[r][1].shape[1]
         with_w = posts[r][2] is not None
+        dev = posts[r][0].device  # DeepEP's outputs live where its inputs do
         per_expert = []
         for e in range(E):
             sel = []
@@ -290,8 +293,8 @@ class _FakeBufferBase:
         else:  # the documented worst case, so shapes never depend on the routing
             rows = _align(R * max_tokens * min(num_topk, E) + (align - 1) * E, align)
         _expect(end <= rows, "internal: expanded rows overflow")
-        recv_x = torch.full((rows, hidden), float("nan"), dtype=torch.bfloat16)
-        recv_w = torch.full((rows,), float("nan"), dtype=torch.float32) if with_w else None
+        recv_x = torch.full((rows, hidden), float("nan"), dtype=torch.bfloat16, device=dev)
+        recv_w = torch.full((rows,), float("nan"), dtype=torch.float32, device=dev) if with_w else None
         if do_zero_padding:
             for e in range(E):
                 recv_x[psum[e]:_align(psum[e], align)] = 0
@@ -307,7 +310,7 @@ class _FakeBufferBase:
                 placed[(src, t, k)] = row
         tokens = sorted({(s, t) for s, t, _ in placed})
         n_recv = len(tokens) if do_cpu_sync else R * max_tokens
-        meta = torch.full((n_recv, num_topk + 2), -1, dtype=torch.int32)
+        meta = torch.full((n_recv, num_topk + 2), -1, dtype=torch.int32, device=dev)
         for i, (s, t) in enumerate(tokens):
             meta[i, 0], meta[i, 1] = s * max_tokens + t, s
             for k in range(num_topk):
@@ -315,11 +318,12 @@ class _FakeBufferBase:
         per_rank = [sum(1 for s, _ in tokens if s == src) for src in range(R)]
         return dict(recv_x=recv_x, recv_w=recv_w, psum=psum, counts=counts, placed=placed,
                     aligned_counts=[_align(c, align) for c in counts], num_recv_tokens=n_recv,
-                    psum_rank=torch.tensor(per_rank, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+                    psum_rank=torch.tensor(per_rank, dtype=torch.int32, device=dev).cumsum(
+                        0, dtype=torch.int32),
                     src_metadata=meta)
 
-    def _my_slots(self, posts, num_tokens, num_topk):
-        slots = torch.full((num_tokens, num_topk), -1, dtype=torch.int32)
+    def _my_slots(self, posts, num_tokens, num_topk, device):
+        slots = torch.full((num_tokens, num_topk), -1, dtype=torch.int32, device=device)
         for placed in posts:
             for (src, t, k), row in placed.items():
                 if src == self.rank_idx:

@@ -1,0 +1,29 @@
+"""Rank functions for ``graphrt.testing.launch.spawn`` on CPU (``tests/test_launch.py``):
+module-level so spawned processes unpickle them by reference. ``no_setup`` stands in for
+``launch.init`` (no GPU, no NCCL here)."""
+import os
+import time
+
+
+def no_setup(rank, world, port):
+    pass
+
+
+def fine(rank, world):
+    return {"value": rank * 10}
+
+
+def dies(rank, world):
+    """Rank 1 dies without reporting (as a segfault or an OOM kill would)."""
+    if rank == 1:
+        os._exit(3)
+    time.sleep(60)                      # rank 0 would wait for it in a collective
+    return {"value": 0}
+
+
+def raises_and_peer_waits(rank, world):
+    """Rank 1 raises; rank 0 blocks as it would in a collective with rank 1."""
+    if rank == 1:
+        raise RuntimeError("the real error on rank 1")
+    time.sleep(60)
+    return {"value": 0}

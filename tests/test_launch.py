@@ -1,0 +1,45 @@
+"""``graphrt.testing.launch.spawn`` on CPU processes (its ``setup`` replaced: no GPU, no NCCL):
+results in rank order, a rank that raises reported with its own error while a peer that
+waits for it is killed after the grace period (not after the whole timeout), and a rank
+that dies without reporting named with its exit code. Marked ``slow``: each case starts
+processes that import torch."""
+import glob
+import tempfile
+import time
+
+import pytest
+
+from graphrt.testing.launch import first_failure, spawn
+from tests.fakes import ranks
+
+pytestmark = pytest.mark.slow
+
+
+def _leftover():
+    return set(glob.glob(f"{tempfile.gettempdir()}/graphrt-ranks-*"))
+
+
+def test_every_rank_reports_in_rank_order():
+    before = _leftover()
+    res = spawn(ranks.fine, 2, setup=ranks.no_setup, timeout_s=120)
+    assert [(r["rank"], r["ok"], r["value"]) for r in res] == [(0, True, 0), (1, True, 10)]
+    assert first_failure(res) is None and _leftover() <= before
+
+
+def test_a_rank_that_raises_is_reported_and_its_waiting_peer_killed():
+    t0 = time.monotonic()
+    res = spawn(ranks.raises_and_peer_waits, 2, setup=ranks.no_setup, timeout_s=120, grace_s=2)
+    assert time.monotonic() - t0 < 50                       # not the peer's 60-s wait
+    assert res[1]["ok"] is False and res[1]["error"] == "RuntimeError: the real error on rank 1"
+    assert "Traceback" in res[1]["traceback"]
+    assert res[0]["ok"] is False and res[0]["killed"] is True
+    assert first_failure(res) is res[1]                     # the cause, not the killed peer
+
+
+def test_a_rank_that_dies_without_reporting_is_named():
+    t0 = time.monotonic()
+    res = spawn(ranks.dies, 2, setup=ranks.no_setup, timeout_s=120)
+    assert time.monotonic() - t0 < 50
+    assert res[1]["ok"] is False and "exit code 3" in res[1]["error"]
+    assert res[0]["ok"] is False and res[0].get("killed")
+    assert first_failure(res) is res[1]
