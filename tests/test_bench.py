@@ -157,10 +157,12 @@ def test_bench_cpu_smoke(tmp_path, capsys):
 def test_bench_nothing_measured_exits_1(tmp_path, capsys, monkeypatch):
     out = tmp_path / "o"
     argv = ["bench", "--device", "cpu", "--sizes", "1", "--out", str(out)]
-    assert cli.main([*argv, "--modes", "graph,naive-graph"]) == 1  # every mode skipped on CPU
+    # only modes that need CUDA, on CPU: refused before any work (it built the model, skipped
+    # every mode and exited 1 with a results.md table of mismatched columns)
+    assert cli.main([*argv, "--modes", "graph,naive-graph"]) == 2
     err = capsys.readouterr().err
-    assert "nothing was measured (graph: CUDA graphs need a CUDA GPU" in err, err
-    assert json.load(open(out / "results.json"))["measured"] is False
+    assert err.count("\n") == 1 and "--modes graph,naive-graph: each needs a CUDA GPU" in err, err
+    assert not out.exists()
 
     import graphrt.bench.modes as modes_mod
 
@@ -172,6 +174,8 @@ def test_bench_nothing_measured_exits_1(tmp_path, capsys, monkeypatch):
     assert "eager: RuntimeError: kernel exploded" in err.splitlines()[-1], err
     assert json.load(open(out / "results.json"))["modes"]["errors"] == {
         "eager": "RuntimeError: kernel exploded"}
+    table = (out / "results.md").read_text().split("\n## ")[0].splitlines()[1:4]
+    assert table == ["| bs | floor µs |", "|---|---|", "| 1 | - |"], table  # columns agree
 
 
 @pytest.mark.parametrize("argv,match", [

@@ -47,7 +47,7 @@ class Plan:
 def plan(args) -> Plan:
     """Check every flag against this machine and each other; ``Refusal`` names the first one
     that cannot be honoured. Does no work and creates nothing."""
-    from graphrt.bench.modes import MODES, parse_modes
+    from graphrt.bench.modes import _NEEDS_CUDA, MODES, parse_modes
     from graphrt.moe import preset
     arg = lambda name: getattr(args, name, None)  # noqa: E731 - tolerate partial namespaces
     comms = list(dict.fromkeys(arg("comm") or ["local"]))
@@ -105,6 +105,10 @@ def plan(args) -> Plan:
     except ValueError as exc:
         raise Refusal(str(exc).splitlines()[0])
     _check_applies(arg, suites, device, ep)
+    if device == "cpu" and "modes" in suites and arg("modes") and set(modes) <= set(_NEEDS_CUDA):
+        raise Refusal(f"--modes {','.join(modes)}: each needs a CUDA GPU (CUDA graphs), and "
+                      "torch uses none here; on CPU the smoke run measures eager and naive: "
+                      "graphrt bench --device cpu --modes eager,naive")
     default = [1, 8, 32, 128] if ep else [1, 8, 64, 256]
     sizes = sorted(set(arg("sizes") or [s for s in default if s <= cfg.num_slots]))
     if max(sizes) > cfg.num_slots:

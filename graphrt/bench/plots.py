@@ -179,6 +179,12 @@ def _calls_md(r: dict, rows: list, fmt) -> list[str]:
     return out
 
 
+def _md_row(cells) -> str:
+    """One markdown table row: ``| a | b |`` (as many cells as given, none left empty by a
+    join of nothing)."""
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
 def markdown(r: dict) -> str:
     """The ``modes`` result as markdown: step times, ratios to the floor, replay details
     (idle, ``run()`` host cost, capture), compile and skip notes."""
@@ -188,11 +194,11 @@ def markdown(r: dict) -> str:
            f"hidden {r['hidden']}, experts on {r['expert_backend']}{' fp8' if r['fp8'] else ' bf16'}, "
            f"{r['comm']} x{r['num_ranks']}, {r['device']}"
            + (f", HBM {r['hbm_gbs']:.0f} GB/s" if r["hbm_gbs"] else ""),
-           "| bs | " + " | ".join(f"{m} µs" for m in modes) + " | floor µs |",
+           _md_row(["bs", *(f"{m} µs" for m in modes), "floor µs"]),
            "|---|" + "---|" * (len(modes) + 1)]
-    out += [f"| {row['bs']} | " + " | ".join(fmt(row["step_us"].get(m), ".0f") for m in modes)
-            + f" | {fmt(row['floor_us'], '.0f')} |" for row in rows]
-    if any(row["floor_us"] for row in rows):
+    out += [_md_row([row["bs"], *(fmt(row["step_us"].get(m), ".0f") for m in modes),
+                     fmt(row["floor_us"], ".0f")]) for row in rows]
+    if modes and any(row["floor_us"] for row in rows):
         out += ["", "| bs | " + " | ".join(f"{m} ×floor" for m in modes) + " |",
                 "|---|" + "---|" * len(modes)]
         out += [f"| {row['bs']} | " + " | ".join(fmt(row["over_floor"].get(m), ".2f") for m in modes)
