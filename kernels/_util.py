@@ -24,6 +24,31 @@ def check(cond: bool, what: str, expected: object, got: object) -> None:
         raise ValueError(f"{what}: expected {expected}, got {got}")
 
 
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors may share memory: the same storage and intersecting byte spans
+    (conservative for interleaved views, e.g. two columns of one matrix). Host-only."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t):
+        last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def check_apart(out: torch.Tensor, name: str, others: dict, why: str) -> None:
+    """Raise ``ValueError`` when ``out`` (a launcher's output, named ``name``) shares memory
+    with one of ``others`` (``{name: tensor or None}``): ``why`` says what would go wrong
+    (programs read them while others write ``out``). Host-only."""
+    for other, t in others.items():
+        if t is not None and overlaps(out, t):
+            raise ValueError(f"{name}: expected a tensor apart from {other} ({why}), got one "
+                             f"that shares its memory; pass a separate buffer")
+
+
 def is_pow2(v) -> bool:
     """True for an int (not a bool) that is a power of two: a launcher's block size."""
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1 and v & (v - 1) == 0

@@ -237,7 +237,7 @@ def _check_new_kv(k, v, slot_mapping, shape, dev, names=("k", "v")) -> int:
     for name, t in zip(names, (k, v)):
         check(t.stride(2) == 1, f"{name}.stride(2)", 1, t.stride(2))
     check_tensor(slot_mapping, "slot_mapping", shape=(k.shape[0],),
-                 dtype=(torch.int64, torch.int32), device=dev)
+                 dtype=(torch.int64, torch.int32), device=dev, contiguous=True)
     return k.shape[0]
 
 
@@ -340,7 +340,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     max_blocks = block_table.shape[1]
     check(max_blocks >= 1, "block_table.shape[1] (max_blocks_per_seq)", ">= 1", max_blocks)
     check(block_table.stride(1) == 1, "block_table.stride(1)", 1, block_table.stride(1))
-    check_tensor(seq_lens, "seq_lens", shape=(padded_bs,), dtype=torch.int32, device=dev)
+    check_tensor(seq_lens, "seq_lens", shape=(padded_bs,), dtype=torch.int32, device=dev,
+                 contiguous=True)
     check_tensor(n, "n", shape=(1,), dtype=torch.int32, device=dev)
     check_tensor(out, "out", shape=(padded_bs, num_heads, head_dim), dtype=torch.bfloat16, device=dev)
     check(out.stride(2) == 1, "out.stride(2)", 1, out.stride(2))

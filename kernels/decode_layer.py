@@ -80,7 +80,7 @@ from graphrt.env import env_flag, env_int
 
 from ._masked import _silu_mul
 from ._pdl import pdl_late_trigger, pdl_trigger, pdl_wait
-from ._util import check, check_tensor, interpreting, pdl_args
+from ._util import check, check_apart, check_tensor, interpreting, pdl_args
 from .attention import _LOG2E, BLOCK_N, table_pages
 from .attention_kernels import _LN2, _attend, _merge_group
 from .routing_rows import _key_low, _key_score, _pack, _top_keys
@@ -724,7 +724,7 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
     check_tensor(x, "x", shape=(1, None), dtype=torch.bfloat16, contiguous=True)
     hidden = x.shape[1]
     check_tensor(out, "out", shape=(1, hidden), dtype=torch.bfloat16, device=dev, contiguous=True)
-    check(out.data_ptr() != x.data_ptr(), "out", "a tensor other than x", "x itself")
+    check_apart(out, "out", {"x": x}, "the layer reads x after it starts writing out")
     nb, page, kvh, d = k_cache.shape
     check_tensor(v_cache, "v_cache", shape=(nb, page, kvh, d), dtype=k_cache.dtype, device=dev)
     check(k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "k/v cache strides",

@@ -42,7 +42,7 @@ import triton.language as tl
 from graphrt.env import env_int
 
 from ._pdl import pdl_prologue, pdl_trigger, pdl_wait
-from ._util import check, check_tensor, cuda_index, interpreting, pdl_args, sm_count
+from ._util import check, check_apart, check_tensor, cuda_index, interpreting, pdl_args, sm_count
 
 MAX_ROWS = 16  # rows the kernel serves: one tl.dot row block
 BLOCK_NS = (16, 32, 64, 128)
@@ -208,6 +208,7 @@ def _check_xw_out(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, max_rows:
     check_tensor(w, "w", shape=(None, k), dtype=torch.bfloat16, device=x.device, contiguous=True)
     n = w.shape[0]
     check_tensor(out, "out", shape=(m, n), dtype=torch.bfloat16, device=x.device, contiguous=True)
+    check_apart(out, "out", {"x": x, "w": w}, "every program reads all of x while others write out")
     return m, n, k
 
 

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from ._pdl import pdl_prologue
-from ._util import check, check_tensor, pdl_args
+from ._util import check, check_apart, check_tensor, pdl_args
 from .dense_gemv import dense_gemv_rows_config
 from .routing import _MAX_EXPERTS, _MAX_TOPK, PACKED
 from .routing_rows import _softmax_pick_values, _store_picks
@@ -191,6 +191,8 @@ def oproj_gate(a: torch.Tensor, w_o: torch.Tensor, x_prev: torch.Tensor, m: torc
                  contiguous=True)
     check_tensor(out_num, "out_num", shape=(1, e), dtype=torch.float32, device=dev,
                  contiguous=True)
+    check_apart(out_residual, "out_residual", {"x_prev": x_prev, "a": a},
+                "the gate's programs read all of x_prev while others write the residual")
     block_n = dense_gemv_rows_config(n, k_o)["block_n"]  # the rows GEMV's columns, bitwise
     e_programs = triton.cdiv(e, GATE_ROWS)
     _oproj_gate_kernel[(e_programs + triton.cdiv(n, block_n),)](

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from ._masked import _silu_mul
 from ._pdl import pdl_prologue
-from ._util import check, check_tensor, env_flag, hopper_or_newer, interpreting, pdl_args
+from ._util import check, check_apart, check_tensor, env_flag, hopper_or_newer, interpreting, pdl_args
 
 EPILOGUES = (None, "silu_and_mul")  # masked_grouped_gemm's epilogue= values
 
@@ -224,8 +224,11 @@ def masked_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
     if epilogue is not None:
         check(n % 2 == 0, "b.shape[1] with epilogue", "2 * n (gate rows, then up rows)", n)
         n //= 2
-    check_tensor(masked_m, "masked_m", shape=(num_groups,), dtype=torch.int32, device=a.device)
+    check_tensor(masked_m, "masked_m", shape=(num_groups,), dtype=torch.int32, device=a.device,
+                 contiguous=True)
     check_tensor(out, "out", shape=(num_groups, m_max, n), dtype=torch.bfloat16, device=a.device)
+    check_apart(out, "out", {"a": a, "b": b, "masked_m": masked_m},
+                "programs read a's rows while others write out")
     check(k >= 1, "a.shape[2] (k)", ">= 1", k)
     check(expected_m is None or (isinstance(expected_m, int) and expected_m >= 0),
           "expected_m", "None or a non-negative host int", repr(expected_m))

@@ -61,7 +61,7 @@ from graphrt.env import env_flag
 from ._pdl import pdl_prologue
 from ._masked import _live_prologue, _pick_expert, _silu_mul, _silu_mul_tile
 from .activation import _round_to_e4m3
-from ._util import (check, check_tensor, cuda_index, interpreting, pdl_args, sm_count,
+from ._util import (check, check_apart, check_tensor, cuda_index, interpreting, pdl_args, sm_count,
                     smem_limits)
 
 _FP8 = torch.float8_e4m3fn
@@ -364,6 +364,8 @@ def decode_grouped_gemm(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor
     check_tensor(masked_m, "masked_m", shape=(E,), dtype=torch.int32, device=a.device,
                  contiguous=True)
     check_tensor(out, "out", shape=(E, cap, n), dtype=torch.bfloat16, device=a.device)
+    check_apart(out, "out", {"a": a, "b": b, "masked_m": masked_m},
+                "programs read a's rows while others write out")
     check(block_n in BLOCK_NS, "block_n", f"one of {BLOCK_NS}", block_n)
     check(not swap or block_n >= 64, "block_n with swap", "64 or 128 (the MMA's M side)", block_n)
     check(isinstance(split_k, int) and 1 <= split_k <= 16, "split_k", "an int in [1, 16]", split_k)

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ._pdl import pdl_prologue
-from ._util import check, check_tensor, is_pow2, pdl_args
+from ._util import check, check_apart, check_tensor, is_pow2, pdl_args
 from .dense_gemv import dense_gemv_rows_config
 from ._masked import _live_prologue, _pick_expert, _silu_mul
 from .grouped_gemm_decode import decode_grouped_gemm_ref, num_programs
@@ -155,6 +155,8 @@ def expert_gemv_rows(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *
     check_tensor(masked_m, "masked_m", shape=(E,), dtype=torch.int32, device=a.device,
                  contiguous=True)
     check_tensor(out, "out", shape=(E, cap, n), dtype=torch.bfloat16, device=a.device)
+    check_apart(out, "out", {"a": a, "b": b, "masked_m": masked_m},
+                "programs read a's rows while others write out")
     cfg = expert_gemv_rows_config(2 * n if act else n, k)  # with act: W13's, per half
     block_n = cfg["block_n"] if block_n is None else block_n
     block_k = cfg["block_k"] if block_k is None else block_k

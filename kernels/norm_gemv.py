@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ._pdl import pdl_trigger, pdl_wait
-from ._util import check, check_tensor, pdl_args
+from ._util import check, check_apart, check_tensor, pdl_args
 from .combine import _combine_row, combine_kernel_args
 from .dense_gemv import dense_gemv_rows_config
 
@@ -164,12 +164,16 @@ def norm_gemv_rows(x: torch.Tensor, *deltas: torch.Tensor, norm_weight: torch.Te
         check(out_residual is not None, "out_residual", "a bf16 [m, k] tensor when deltas are given",
               None)
         check_tensor(out_residual, "out_residual", **like)
-        read = (x, *deltas) + ((combine[0],) if combine is not None else ())
-        check(all(out_residual.data_ptr() != t.data_ptr() for t in read), "out_residual",
-              "a tensor other than x, the deltas and the combine's y (programs read them after "
-              "program 0 writes)", "one of them")
+    read = {"x": x, **{f"delta {i}": d for i, d in enumerate(deltas, 1) if d is not x},
+            "the combine's y": combine[0] if combine is not None else None}
+    why = "programs read it after program 0 writes"
+    check_apart(out, "out", {**read, "w": w}, "every program reads all of x while others write out")
+    if deltas:
+        check_apart(out_residual, "out_residual", {**read, "out": out}, why)
     if out_normed is not None:
         check_tensor(out_normed, "out_normed", **like)
+        check_apart(out_normed, "out_normed", {**read, "out_residual": out_residual, "out": out},
+                    why)
     if m == 0 or n == 0:
         return out
     block_k = triton.next_power_of_2(k)

@@ -62,7 +62,7 @@ def stage_table(row: torch.Tensor, dsts: torch.Tensor, caps: torch.Tensor, chunk
     entries = dsts.numel()
     dev = row.device
     check_tensor(row, "row", shape=(1 + 2 * entries,), dtype=torch.int64, contiguous=True)
-    check_tensor(dsts, "dsts", shape=(entries,), dtype=torch.int64, device=dev)
-    check_tensor(caps, "caps", shape=(entries,), dtype=torch.int64, device=dev)
+    check_tensor(dsts, "dsts", shape=(entries,), dtype=torch.int64, device=dev, contiguous=True)
+    check_tensor(caps, "caps", shape=(entries,), dtype=torch.int64, device=dev, contiguous=True)
     check(entries >= 1 and chunks >= 1, "entries, chunks", ">= 1 each", (entries, chunks))
     _stage_table_kernel[(entries, chunks)](row, dsts, caps, BLOCK=BLOCK, num_warps=4)

@@ -88,7 +88,7 @@ def test_errors_say_what_to_do():
     out = torch.empty(1, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="out_residual"):
         norm_gemv_rows(x, x.clone(), norm_weight=nw, eps=1e-6, w=w, out=out)
-    with pytest.raises(ValueError, match="other than x"):
+    with pytest.raises(ValueError, match="out_residual: expected a tensor apart from x"):
         norm_gemv_rows(x, x.clone(), norm_weight=nw, eps=1e-6, w=w, out=out, out_residual=x)
     big = _t(1, MAX_K + 64, seed=3)
     with pytest.raises(ValueError, match="add_rmsnorm, then dense_gemv_rows"):

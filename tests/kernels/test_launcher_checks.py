@@ -1,0 +1,88 @@
+"""Launchers refuse arguments that would make their kernels silently wrong (found in a review;
+each case below returned wrong numbers or wrote the wrong KV slots before): a 1-D index or
+count read as ``ptr + i`` must be contiguous, and an output must not share memory with what
+other programs still read. The checks run before any launch, so these tests need neither
+the GPU nor the interpreter."""
+import pytest
+import torch
+
+from graphrt.kernels._util import overlaps
+
+BF = torch.bfloat16
+
+
+def _t(*shape, dtype=BF):
+    return torch.randn(*shape).to(dtype)
+
+
+def test_overlaps_is_by_byte_span_within_one_storage():
+    x = torch.zeros(4, 4)
+    assert overlaps(x, x) and overlaps(x[0:2], x[1:3]) and overlaps(x, x.t())
+    assert not overlaps(x[0:2], x[2:4]) and not overlaps(x, torch.zeros(4, 4))
+    assert not overlaps(x[:0], x)
+    assert overlaps(x[:, 0], x[:, 1])         # interleaved: conservative
+
+
+def test_dense_gemvs_refuse_out_over_x():
+    from graphrt.kernels.dense_gemv import dense_gemv, dense_gemv_rows
+    from graphrt.kernels.dense_mma import dense_mma
+    x, w = _t(2, 64), _t(64, 64)
+    for f in (dense_gemv, dense_gemv_rows, dense_mma):
+        with pytest.raises(ValueError, match="out: expected a tensor apart from x"):
+            f(x, w, out=x)
+
+
+def test_norm_gemv_refuses_outputs_over_what_programs_read():
+    from graphrt.kernels.norm_gemv import norm_gemv_rows
+    x, d, w = _t(2, 64), _t(2, 64), _t(8, 64)
+    nw, out, res = torch.ones(64, dtype=BF), torch.empty(2, 8, dtype=BF), torch.empty(2, 64, dtype=BF)
+    for normed, what in ((x, "x"), (d, "delta 1"), (res, "out_residual")):
+        with pytest.raises(ValueError, match=f"out_normed: expected a tensor apart from {what}"):
+            norm_gemv_rows(x, d, norm_weight=nw, eps=1e-6, w=w, out=out, out_residual=res,
+                           out_normed=normed)
+    buf = torch.empty(3, 64, dtype=BF)
+    with pytest.raises(ValueError, match="out_residual: expected a tensor apart from x"):
+        norm_gemv_rows(buf[0:2], d, norm_weight=nw, eps=1e-6, w=w, out=out,
+                       out_residual=buf[1:3])       # a partial overlap, not the same pointer
+
+
+def test_grouped_gemms_want_contiguous_counts_and_a_separate_out():
+    from graphrt.kernels.grouped_gemm import masked_grouped_gemm
+    from graphrt.kernels.grouped_gemm_decode import decode_grouped_gemm
+    from graphrt.kernels.grouped_gemv_rows import expert_gemv_rows
+    E, cap, k = 4, 16, 32
+    a, b = _t(E, cap, k), _t(E, k, k)
+    table = torch.tensor([[3, 9], [0, 9], [5, 9], [1, 9]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="masked_m: expected a contiguous tensor"):
+        masked_grouped_gemm(a, b, table[:, 0], out=torch.empty(E, cap, k, dtype=BF))
+    m = table[:, 0].contiguous()
+    for f in (masked_grouped_gemm, decode_grouped_gemm, expert_gemv_rows):
+        with pytest.raises(ValueError, match="out: expected a tensor apart from a"):
+            f(a, b, m, out=a)
+
+
+def test_attention_wants_contiguous_lengths_and_slots():
+    from graphrt.kernels.attention import decode_attention, kv_append
+    bs, heads, kvh, d, page, blocks = 3, 4, 2, 32, 16, 8
+    q = _t(bs, heads, d)
+    kc, vc = _t(blocks, page, kvh, d), _t(blocks, page, kvh, d)
+    table = torch.zeros(bs, 2, dtype=torch.int32)
+    rows = torch.tensor([[1, 5], [2, 35], [3, 77]], dtype=torch.int32)   # a packed [bs, 2] table
+    n = torch.tensor([bs], dtype=torch.int32)
+    with pytest.raises(ValueError, match="seq_lens: expected a contiguous tensor"):
+        decode_attention(q, kc, vc, table, rows[:, 0], n, out=torch.empty(bs, heads, d, dtype=BF))
+    with pytest.raises(ValueError, match="slot_mapping: expected a contiguous tensor"):
+        kv_append(_t(bs, kvh, d), _t(bs, kvh, d), rows[:, 1], n, k_cache=kc, v_cache=vc)
+
+
+def test_staging_and_gate_fold_refuse_what_they_would_misread():
+    from graphrt.kernels.gate_fold import oproj_gate
+    from graphrt.kernels.staging import stage_table
+    addrs = torch.zeros(2, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="dsts: expected a contiguous tensor"):
+        stage_table(torch.zeros(5, dtype=torch.int64), addrs[:, 0], addrs[:, 1].contiguous(), 1)
+    hidden, q_dim, e = 64, 64, 8
+    a, w_o, x_prev = _t(1, q_dim), _t(hidden, q_dim), _t(1, hidden)
+    with pytest.raises(ValueError, match="out_residual: expected a tensor apart from x_prev"):
+        oproj_gate(a, w_o, x_prev, _t(e, q_dim), _t(e, hidden), out_residual=x_prev,
+                   out_num=torch.empty(1, e))
