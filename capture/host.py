@@ -8,9 +8,9 @@ says it (``t.device``); when the analysis runs on CPU tensors standing in for CU
 in host memory on a GPU:
 
 - factories called without ``device=`` (and no ``torch.set_default_device``) or with
-  ``device="cpu"``: ``torch.arange(n)``, ``torch.tensor(lst)``, ``torch.randperm(n)``; ``torch.from_numpy(a)`` (seen as
-  ``aten.lift_fresh``, which reaches a ``TorchFunctionMode`` only while a dispatch mode is
-  active: ``track()`` enters one);
+  ``device="cpu"``: ``torch.arange(n)``, ``torch.tensor(lst)``, ``torch.randperm(n)``;
+  ``torch.from_numpy(a)`` (seen as ``aten.lift_fresh``, which reaches a
+  ``TorchFunctionMode`` only while a dispatch mode is active: ``track()`` enters one);
 - ``t.cpu()``, ``t.to("cpu")``, ``t.pin_memory()``;
 - the results of calls whose tensor arguments all live on the host (``host_t % 4``, views).
 

@@ -70,7 +70,8 @@ def _guards_self_test() -> bool:
             a = torch.zeros(2, 3)
             same = (torch.ones(2, 3), torch.zeros(3, 2).t())
             other = (a.double(), torch.zeros(2, 4), torch.zeros(6), a.to("meta"),
-                     torch.zeros(2, 3, requires_grad=True), a.as_subclass(Sub), a.to_sparse(), [[0.0] * 3] * 2)
+                     torch.zeros(2, 3, requires_grad=True), a.as_subclass(Sub), a.to_sparse(),
+                     [[0.0] * 3] * 2)
             check = _make_guard((a,))
             return all(check(t) is True for t in same) and all(check(t) is False for t in other)
     except Exception:  # noqa: BLE001 -- any failure means: do not use it

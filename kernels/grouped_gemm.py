@@ -42,7 +42,8 @@ import triton.language as tl
 
 from ._masked import _silu_mul
 from ._pdl import pdl_prologue
-from ._util import check, check_apart, check_tensor, env_flag, hopper_or_newer, interpreting, pdl_args
+from ._util import (check, check_apart, check_tensor, env_flag, hopper_or_newer, interpreting,
+                    pdl_args)
 
 EPILOGUES = (None, "silu_and_mul")  # masked_grouped_gemm's epilogue= values
 

@@ -45,7 +45,8 @@ def check_shape(hidden: int, num_topk: int, max_tokens: int) -> None:
         raise DeepEPRuleError(f"DeepEP low-latency kernels support hidden in "
                               f"{SUPPORTED_HIDDEN}; got {hidden}")
     if not 1 <= num_topk <= MAX_TOPK:
-        raise DeepEPRuleError(f"DeepEP low-latency kernels support top-k <= {MAX_TOPK}; got {num_topk}")
+        raise DeepEPRuleError(f"DeepEP low-latency kernels support top-k <= {MAX_TOPK}; "
+                              f"got {num_topk}")
     if not 1 <= max_tokens <= MAX_TOKENS_PER_RANK:
         raise DeepEPRuleError(f"max_tokens per rank must be in [1, {MAX_TOKENS_PER_RANK}] "
                               f"(NVSHMEM QP depth 1024); got {max_tokens}")
