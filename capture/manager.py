@@ -222,9 +222,9 @@ class CaptureManager:
         ok, outs = [], {}
         for size in self.sizes:
             if self.strict and self.report.errors:
-                self._analyse(size, stream)  # strict: report every size's findings, warm none
+                self._analysed(size, stream)  # strict: report every size's findings, warm none
                 continue
-            if not self._agree(size, self._analyse(size, stream), "the graph-safety analysis"):
+            if not self._agree(size, self._analysed(size, stream), "the graph-safety analysis"):
                 continue
             try:
                 outs[size] = self._warm(size, stream)
@@ -272,6 +272,15 @@ class CaptureManager:
                                "rank; every rank stops so that no rank waits in a collective forever")
         self.failures.setdefault(size, CaptureFailure(size, f"{what} failed on another rank"))
         return False
+
+    def _analysed(self, size: int, stream) -> bool:
+        """``_analyse``, with a step that raises during it recorded like a warm-up that raises
+        (``strict=False``: that size fails, the others go on; strict: ``CaptureError``)."""
+        try:
+            return self._analyse(size, stream)
+        except Exception as exc:  # noqa: BLE001 - recorded (strict: raised) by _fail
+            self._fail(size, f"analysis raised {type(exc).__name__}: {exc}", exc=exc)
+            return False
 
     def _analyse(self, size: int, stream) -> bool:
         self._before_replay(size, size)  # host planning for this size, before any run of it

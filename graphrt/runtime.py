@@ -316,6 +316,8 @@ class GraphRuntime:
             raise NoGraphForBatch(pick_n, max(self.graphs) if self.graphs else None)
         # Uniform-batch backends run eagerly at the agreed batch, padded, like the other ranks.
         self.counters["eager"] += 1
+        if self._before is not None:  # the step reads the plan of its padded size, as a replay
+            self._before(pick_n, n)
         sig = self.manager.signature if self.manager is not None else None
         with torch.no_grad():
             return self._owned(self.spec.call_padded(
@@ -323,7 +325,10 @@ class GraphRuntime:
 
     def eager(self, **inputs: torch.Tensor) -> Any:
         """Run the step eagerly on exactly the live rows (no padding); in copy-out mode the
-        outputs are the caller's, as ``run``'s are. Graph safety: host-only."""
+        outputs are the caller's, as ``run``'s are. A reference call: it does not run
+        ``spec.before_replay`` (a step that follows a per-size plan reads the plan selected
+        last; ``check_replay`` calls the hook before its eager runs, and ``run``'s eager
+        fallback calls it). Graph safety: host-only."""
         n = self.stager.check(inputs)
         self.counters["eager"] += 1
         with torch.no_grad():

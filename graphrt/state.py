@@ -41,7 +41,10 @@ class StateGuard:
         """Write the snapshot back into the same tensors (same storage, graphs still see it)."""
         with torch.no_grad():
             for t, s in zip(self.tensors, self.saved):
-                t.copy_(s)
+                # an inference tensor (an engine's cache made under torch.inference_mode())
+                # takes in-place writes only inside inference mode
+                with torch.inference_mode(t.is_inference()):
+                    t.copy_(s)
 
     def current(self) -> list[torch.Tensor]:
         """Copies of the declared tensors as they are now (for comparisons)."""

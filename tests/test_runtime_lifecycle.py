@@ -244,3 +244,65 @@ def test_ranks_agree_on_each_size_before_its_warm_up(monkeypatch):
     with pytest.raises(graphrt.GraphrtError, match="batch size 4: warm-up failed on another rank"):
         strict._prepare(None)
     assert ("analyse", 16) not in log2                # every rank stops at the same size
+
+
+def test_an_analysis_that_raises_fails_its_size_like_a_warm_up(monkeypatch):
+    """strict=False: a step that raises inside the graph-safety analysis at one size fails
+    that size (recorded with its cause) and the other sizes go on; it aborted the whole
+    capture. Strict: a CaptureError naming the size. With ranks, the failing rank still
+    takes part in the size's agreement (its peers would wait in it otherwise)."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+    def analyse(size, stream):
+        if size == 1:
+            raise RuntimeError("kernel has no config for 1 row")
+        return True
+    log = []
+    for strict, co in ((False, None), (False, _Coordinator(log))):
+        m = _manager(co, strict=strict)
+        monkeypatch.setattr(m, "_analyse", analyse)
+        monkeypatch.setattr(m, "_warm", lambda size, stream: {"y": torch.zeros(size, 4)})
+        monkeypatch.setattr(m, "_set_signature", lambda outs, stream: None)
+        assert m._prepare(None) == [4, 16]
+        assert m.failures[1].reason == "analysis raised RuntimeError: kernel has no config for 1 row"
+    assert log[0] == ("agree", False)                 # the raising rank said so, then went on
+    m = _manager(None, strict=True)
+    monkeypatch.setattr(m, "_analyse", analyse)
+    with pytest.raises(graphrt.CaptureError, match="batch size 1.*analysis raised RuntimeError"):
+        m._prepare(None)
+
+
+def test_the_eager_fallback_runs_the_plan_hook_of_its_size(fake_capture):
+    """``before_replay`` plans at the padded size (here: how many rows the step covers; a
+    stale plan zeroes live rows, the hook of tests/test_contract_gpu.py). An oversize batch
+    run eagerly read the last replay's plan: 9 of 12 rows came back zero."""
+    plan = torch.zeros((), dtype=torch.int32)
+
+    def step(x, n):
+        return {"y": x * (torch.arange(x.shape[0]) < plan).to(x.dtype)[:, None]}
+    spec = graphrt.StepSpec(step, {"x": graphrt.Input((None, 2), torch.float32)}, 16,
+                            live_count="n", before_replay=lambda padded_bs, n: plan.fill_(n))
+    rt = graphrt.GraphRuntime(spec, sizes=[4, 8], device="cpu", progress=False,
+                              oversize="eager").capture()
+    assert (rt.run(x=torch.ones(3, 2))["y"] == 1).all()      # a replay, planned for 3 rows
+    out = rt.run(x=torch.ones(12, 2))                         # oversize: eager
+    assert rt.counters["eager"] == 1 and (out["y"] == 1).all() and int(plan) == 12
+
+
+def test_state_made_in_inference_mode_is_put_back_after_capture(fake_capture):
+    """An engine that builds its cache and counters under ``torch.inference_mode()`` holds
+    inference tensors, which refuse in-place writes outside it: the restore after warm-up
+    raised, capture failed and left the warm-ups' writes behind."""
+    with torch.inference_mode():
+        kv, counter = torch.zeros(16, 4), torch.zeros(1)
+
+    def step(x, n):
+        kv[: x.shape[0]].add_(x)
+        counter.add_(1)
+        return x * 2
+    spec = graphrt.StepSpec(step, {"x": graphrt.Input((None, 4), torch.float32)}, 8,
+                            live_count="n", state=[kv, counter])
+    rt = graphrt.GraphRuntime(spec, sizes=[4, 8], device="cpu", progress=False).capture()
+    assert (kv == 0).all() and float(counter) == 0.0
+    assert all(c.ok for c in rt.check_replay(trials=1))
+    assert (kv == 0).all() and float(counter) == 0.0

@@ -297,7 +297,7 @@ def _cuda_checks(spec: StepSpec, target: Target, sizes: list[int], device: torch
         if "out of memory" in reason.lower():  # the machine's limit, not the step's fault
             raise ValidateError(f"capture of batch {size} failed: {reason} (not a graph-safety "
                                 "finding: free GPU memory or validate smaller --sizes)")
-        if reason.startswith("warm-up raised"):  # the step crashed eagerly
+        if reason.startswith(("warm-up raised", "analysis raised")):  # the step crashed eagerly
             raise ValidateError(f"step {spec.name!r} {reason} at batch {size}")
         report.findings.append(_capture_failure(spec, target, size, device, reason))
     if not rt.graphs:
