@@ -34,23 +34,32 @@ from graphrt.errors import InputError, StaleOutputError
 
 @dataclass(frozen=True)
 class OutputLayout:
-    """The structure of a step's return value: ``kind`` in tensor/tuple/list/dict, plus keys."""
+    """The structure of a step's return value: ``kind`` in tensor/tuple/list/dict/namedtuple,
+    plus keys (a namedtuple's, or a ``torch.return_types`` struct's, type in ``cls``: it is
+    rebuilt as itself, its fields keyed by position)."""
 
     kind: str
     keys: tuple = ()
+    cls: type | None = None
 
     @staticmethod
     def flatten(out: Any, where: str = "step") -> tuple["OutputLayout", list[torch.Tensor]]:
         """Split ``out`` into a layout and a flat tensor list; check each is a tensor."""
         if isinstance(out, torch.Tensor):
             layout, flat = OutputLayout("tensor"), [out]
-        elif isinstance(out, (tuple, list)):
+        elif type(out) in (tuple, list):
             layout, flat = OutputLayout(type(out).__name__, tuple(range(len(out)))), list(out)
+        elif isinstance(out, tuple) and (hasattr(out, "_fields") or hasattr(out, "n_fields")):
+            layout, flat = OutputLayout("namedtuple", tuple(range(len(out))), type(out)), list(out)
         elif isinstance(out, dict):
             layout, flat = OutputLayout("dict", tuple(out)), list(out.values())
         else:
-            raise InputError(f"{where} must return a tensor, a tuple or a dict of tensors; "
-                             f"got {type(out).__name__}")
+            raise InputError(f"{where} must return a tensor, or a tuple, list, namedtuple or dict "
+                             f"of tensors; got {type(out).__name__}")
+        if not flat:
+            raise InputError(f"{where} returned an empty {type(out).__name__}: a step returns at "
+                             "least one tensor (a step that only writes state can return one "
+                             "of the tensors it writes)")
         for key, t in zip(layout.keys or (0,), flat):
             if not isinstance(t, torch.Tensor):
                 raise InputError(f"{where} output {key!r} must be a tensor; got {type(t).__name__}")
@@ -67,6 +76,8 @@ class OutputLayout:
             return flat[0]
         if self.kind == "dict":
             return dict(zip(self.keys, flat))
+        if self.kind == "namedtuple":
+            return self.cls(*flat) if hasattr(self.cls, "_fields") else self.cls(flat)
         return tuple(flat) if self.kind == "tuple" else list(flat)
 
 
@@ -182,7 +193,7 @@ class LiveOutputs:
         kind = self._kind
         if kind == "dict":
             return self._result.copy()
-        return list(self._result) if kind == "list" else self._result  # tensor, tuple: as is
+        return list(self._result) if kind == "list" else self._result  # immutable ones: as is
 
     def copies(self) -> Any:
         return self.layout.build([v.clone() for v in self.views])

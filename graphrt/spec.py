@@ -123,6 +123,9 @@ class Input:
         if self.offsets and (not integral or shape != (None,) or self.unique):
             raise InputError("Input(offsets=True) needs an integer dtype and shape (None,) "
                              "(bs + 1 entries), and no unique=")
+        if self.offsets and self.low < 0:
+            raise InputError(f"Input(offsets=True): low and high bound each row's increment, and "
+                             f"offsets never decrease; got low={self.low}: use low >= 0")
 
     @property
     def rows(self) -> str:
@@ -252,6 +255,11 @@ class StepSpec:
                 or self.max_batch_size < 1:
             raise InputError(f"StepSpec.max_batch_size must be an int >= 1; got {self.max_batch_size!r}")
         for key, inp in self.inputs.items():
+            if inp.offsets and (inp.high - 1) * self.max_batch_size > torch.iinfo(inp.dtype).max:
+                raise InputError(f"StepSpec.inputs[{key!r}]: offsets of up to {self.max_batch_size}"
+                                 f" rows with increments below {inp.high} can reach "
+                                 f"{(inp.high - 1) * self.max_batch_size}, past {inp.dtype}'s "
+                                 f"{torch.iinfo(inp.dtype).max}; lower high or use a wider dtype")
             if inp.unique and int(inp.high) - int(inp.low) < self.max_batch_size:
                 raise InputError(f"StepSpec.inputs[{key!r}]: unique=True over [{inp.low}, "
                                  f"{inp.high}) has fewer distinct values than max_batch_size "
@@ -346,15 +354,19 @@ class StepSpec:
                     rows: Mapping[Any, str] | None = None) -> Any:
         """Run ``fn`` eagerly as a graph of ``padded_bs`` rows would: the live rows of
         ``inputs`` followed by padding, the live count on the device; returns the outputs
-        with batch-major ones trimmed to the live rows (``rows``: each output's kind, inferred
-        from this call when None)."""
+        with batch-major ones trimmed to the live rows (``rows``: each output's kind; when
+        None, ``outputs=``'s declarations, then a guess from this call: an output whose first
+        dimension is ``padded_bs`` is batch-major. Pass ``rows`` (a runtime's
+        ``manager.signature``) for a fixed output that happens to be that long)."""
         from graphrt.outputs import OutputLayout
         n = self.batch_of(inputs)
         first = next(iter(inputs.values()))
         out = self.call(self.pad_inputs(inputs, padded_bs), self.live_count_tensor(n, first.device))
         layout, flat = OutputLayout.flatten(out, where=self.name)
         if rows is None:
-            rows = {key: "batch" if t.dim() and t.shape[0] == max(padded_bs, n) else "fixed"
+            declared = dict(self.outputs or {})
+            rows = {key: declared.get(key) or ("batch" if t.dim() and t.shape[0] == max(padded_bs, n)
+                                              else "fixed")
                     for key, t in zip(layout.keys or (0,), flat)}
         return layout.build([t[:n] if rows[key] == "batch" else t
                              for key, t in zip(layout.keys or (0,), flat)])

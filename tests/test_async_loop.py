@@ -142,6 +142,31 @@ def test_async_idle_steps_and_keep_stepping():
         AsyncDecodeEngine(rt, in_flight=2, **kw)
 
 
+def test_async_engine_refuses_sizes_it_cannot_replay_and_survives_a_failed_launch(monkeypatch):
+    """A max_batch_size above the runtime's largest size is refused up front (input_buffers /
+    replay have no eager fallback); a launch that raises frees its pinned set, so the next
+    step runs (every later step failed with "PinnedRing.acquire(): set 0 is still held")."""
+    calls = []
+    rt = EagerRuntime(toy_spec(calls), sizes=[1, 2, 3, 4])
+    kw = dict(num_slots=8, max_ctx=32, device="cpu", block_size=4)
+    with pytest.raises(Exception, match="max_batch_size 8 exceeds the runtime's largest size 4"):
+        AsyncDecodeEngine(rt, max_batch_size=8, **kw)
+    eng = AsyncDecodeEngine(rt, max_batch_size=4, **kw)
+    eng.submit(Request(0, [3], 3))
+    launch, failures = eng.side.launch, []
+
+    def flaky(i, n):
+        if not failures:
+            failures.append(i)
+            raise RuntimeError("replay refused")
+        return launch(i, n)
+    monkeypatch.setattr(eng.side, "launch", flaky)
+    with pytest.raises(RuntimeError, match="replay refused"):
+        eng.step()
+    assert eng.side.ring.held is None
+    assert eng.step() == 1 and len(calls) == 1
+
+
 # -- the tiny model (kernels on the Triton interpreter) ---------------------------------------
 def _tiny():
     from graphrt.moe import make_step, preset

@@ -241,3 +241,35 @@ def test_state_guard_restores_in_place():
     with StateGuard(spec):
         t.add_(10)
     assert t.tolist() == [0.0, 1.0, 2.0, 3.0] and t.data_ptr() == ptr
+
+
+def test_namedtuple_outputs_come_back_as_themselves_and_empty_ones_are_refused():
+    """A namedtuple (or ``torch.return_types``) step output is rebuilt as its own type: it
+    came back as a list, so ``out.logits`` failed. An empty container is refused with the
+    reason (it was an IndexError deep in the signature's inference)."""
+    from collections import namedtuple
+
+    from graphrt.outputs import OutputLayout
+    Out = namedtuple("Out", ["logits", "load"])
+    x = torch.randn(3, 4)
+    layout, flat = OutputLayout.flatten(Out(x, x.sum(0)))
+    back = layout.build([t.clone() for t in flat])
+    assert type(back) is Out and torch.equal(back.logits, x)
+    mx = torch.max(x, dim=1)
+    layout, flat = OutputLayout.flatten(mx)
+    assert type(layout.build(flat)) is type(mx)
+    for empty in ({}, (), []):
+        with pytest.raises(graphrt.InputError, match="returned an empty"):
+            OutputLayout.flatten(empty)
+
+
+def test_offsets_inputs_refuse_ranges_that_break_their_rule():
+    """Offsets never decrease and must fit their dtype at the largest batch: low < 0 drew
+    decreasing example cu_seqlens, and a wide range wrapped around int32."""
+    with pytest.raises(graphrt.InputError, match="use low >= 0"):
+        graphrt.Input((None,), torch.int32, low=-3, high=4, offsets=True)
+    wide = graphrt.Input((None,), torch.int32, low=0, high=2**30, offsets=True)
+    with pytest.raises(graphrt.InputError, match="past torch.int32's 2147483647"):
+        graphrt.StepSpec(lambda cu: cu, {"cu": wide}, 8)
+    graphrt.StepSpec(lambda cu: cu, {"cu": graphrt.Input((None,), torch.int32, high=2**20,
+                                                          offsets=True)}, 8)

@@ -63,6 +63,11 @@ class AsyncDecodeEngine(DecodeEngine):
         super().__init__(None, num_slots=num_slots, max_ctx=max_ctx, max_batch_size=max_batch_size,
                          device=device, block_size=block_size, num_blocks=num_blocks,
                          keep_stepping=keep_stepping)
+        if self.max_bs > runtime.table.largest:
+            raise InputError(f"max_batch_size {self.max_bs} exceeds the runtime's largest size "
+                             f"{runtime.table.largest}: this engine replays through "
+                             "input_buffers()/replay(), which have no eager fallback; capture "
+                             "a larger size or lower max_batch_size")
         self.rt, self.in_flight = runtime, in_flight
         self.side = device_side(runtime, max_bs=self.max_bs, max_blocks=self.max_blocks,
                                 device=self.device)
@@ -103,6 +108,15 @@ class AsyncDecodeEngine(DecodeEngine):
         assert all(q != p for q, _ in self._pending), "readback buffer still unread"
         waited = side.ring.wait_s
         i, h = side.acquire()
+        try:
+            return self._launch_into(live, i, h, p, waited)
+        except BaseException:
+            if side.ring.held == i:   # the launch failed: the set is free again (its event
+                side.ring.release(i)  # follows whatever the launch queued)
+            raise
+
+    def _launch_into(self, live, i: int, h: dict, p: int, waited: float) -> int:
+        side = self.side
         n = self._fill_rows(live, h)
         tok, src, prev = h["tokens"], h["src"], self._prev
         tok[0], src[0] = 0, -1                                   # the idle row

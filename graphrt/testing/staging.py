@@ -86,6 +86,11 @@ class PinnedRing:
         self._held, self._next = i, (i + 1) % len(self.sets)
         return i
 
+    @property
+    def held(self) -> int | None:
+        """The set acquired and not yet released, or None."""
+        return self._held
+
     def release(self, i: int) -> None:
         """The copies reading set ``i`` are launched: record its event on the current stream."""
         if self._held != i:
