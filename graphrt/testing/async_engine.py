@@ -139,8 +139,9 @@ class AsyncDecodeEngine(DecodeEngine):
         return p
 
     def _collect(self) -> None:
-        """Read the oldest step in flight into its requests' outputs (waits on its event)."""
-        p, rows = self._pending.popleft()
+        """Read the oldest step in flight into its requests' outputs (waits on its event).
+        The step leaves the queue only once read: an interrupted wait loses nothing."""
+        p, rows = self._pending[0]
         ev = self._done[p]
         if not ev.query():
             t0 = time.perf_counter()
@@ -150,6 +151,7 @@ class AsyncDecodeEngine(DecodeEngine):
             for (r, k), tok in zip(rows, self._readback[p][:len(rows)].tolist()):  # host memory
                 if k is not None:
                     r.output[k] = tok
+        self._pending.popleft()
 
     def drain(self) -> None:
         """Read every step in flight (waits for the last one). Host-only."""
