@@ -273,3 +273,19 @@ def test_offsets_inputs_refuse_ranges_that_break_their_rule():
         graphrt.StepSpec(lambda cu: cu, {"cu": wide}, 8)
     graphrt.StepSpec(lambda cu: cu, {"cu": graphrt.Input((None,), torch.int32, high=2**20,
                                                           offsets=True)}, 8)
+
+
+def test_call_padded_reads_declared_output_kinds_before_guessing():
+    """A fixed output as long as the padded batch (8 per-expert counters at padded size 8)
+    was trimmed to the live rows by the guess; ``outputs=`` declares it fixed, and
+    call_padded now reads the declaration as the graph's signature does."""
+    E = 8
+
+    def step(x):
+        return {"y": x * 2, "load": torch.arange(E, dtype=torch.float32) + x.sum()}
+    inputs = {"x": graphrt.Input((None, 4), torch.float32)}
+    x = torch.randn(3, 4)
+    guessed = graphrt.StepSpec(step, inputs, 16).call_padded({"x": x}, 8)
+    declared = graphrt.StepSpec(step, inputs, 16, outputs={"load": "fixed"}).call_padded({"x": x}, 8)
+    assert guessed["load"].shape == (3,)             # the documented limit of the guess
+    assert declared["load"].shape == (E,) and declared["y"].shape == (3, 4)
