@@ -51,6 +51,9 @@ UPLOAD = ("copies host data (a Python list, a NumPy array or a CPU tensor) to th
           "on every call: a host-to-device copy that the graph cannot replay. Build the "
           "tensor on the device once in FUNC (device=device) and close over it")
 
+D2H = ("copies device data into a host tensor: a sync. Keep the result on the device (return "
+       "it; the engine copies outputs after the replay)")
+
 _F = torch.nn.functional
 _T = torch.Tensor
 
@@ -179,20 +182,21 @@ def _bool_mask_write(args, kwargs, ctx):
     return True
 
 
+def across(dst: torch.Tensor, src: torch.Tensor, ctx: Ctx, what: str) -> Hit | None:
+    """A copy of ``src`` into ``dst`` between host and device memory (``Tensor.copy_``, and
+    the ``copy_`` that ``dst[i] = src`` ends in): device data into a host tensor syncs; a host
+    tensor of one or more dimensions into a device one uploads. None within one memory."""
+    if ctx.host.is_host(dst) and not ctx.host.is_host(src):
+        return Hit(_SYNC, f"{what} (device->host)", D2H)
+    if not ctx.host.is_host(dst) and ctx.host.is_host(src) and src.dim() > 0:
+        return Hit(_H2D, f"{what} (host->device)", UPLOAD)
+    return None
+
+
 def _assign_across(args, ctx) -> Hit | None:
-    """``dst[i] = value`` between host and device memory: the ``copy_`` it ends in, as
-    ``Tensor.copy_`` would be (a device value into a host tensor syncs; a host tensor of one
-    or more dimensions into a device one uploads)."""
     if len(args) < 3 or not isinstance(args[2], torch.Tensor):
         return None
-    dst, value = args[0], args[2]
-    if ctx.host.is_host(dst) and not ctx.host.is_host(value):
-        return Hit(_SYNC, "indexed assignment (device->host)", "copies device data into a "
-                   "host tensor: a sync. Keep the result on the device (return it; the engine "
-                   "copies outputs after the replay)")
-    if not ctx.host.is_host(dst) and ctx.host.is_host(value) and value.dim() > 0:
-        return Hit(_H2D, "indexed assignment (host->device)", UPLOAD)
-    return None
+    return across(args[0], args[2], ctx, "indexed assignment")
 
 
 def _histc_default_range(args, kwargs, ctx):

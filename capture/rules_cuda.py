@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from graphrt.capture.rules import _H2D, _SYNC, UPLOAD, Hit, Rule
+from graphrt.capture.rules import _H2D, _SYNC, D2H, UPLOAD, Hit, Rule, across
 
 _F = torch.nn.functional
 _T = torch.Tensor
@@ -90,14 +90,8 @@ def _to_device_copy(args, kwargs, ctx):
 
 
 def _copy_across(args, kwargs, ctx):
-    dst, src = args[0], _arg(args, kwargs, 1, "src")
-    if not isinstance(src, torch.Tensor):
-        return None
-    if ctx.host.is_host(dst) and not ctx.host.is_host(src):
-        return True
-    if not ctx.host.is_host(dst) and ctx.host.is_host(src) and src.dim() > 0:
-        return Hit(_H2D, "Tensor.copy_ (host->device)", UPLOAD)
-    return None
+    src = _arg(args, kwargs, 1, "src")
+    return across(args[0], src, ctx, "Tensor.copy_") if isinstance(src, torch.Tensor) else None
 
 
 def _sync(name, message, *functions, when=None, op=None, host_args_safe=True) -> Rule:
@@ -136,9 +130,8 @@ CUDA_RULES: tuple[Rule, ...] = (
     Rule("index_put", _H2D, UPLOAD, (torch.index_put, torch.index_put_, _T.index_put,
                                      _T.index_put_), _index_put_host, None, False),
     Rule("cuda", _H2D, UPLOAD, (_T.cuda,), _to_device_copy, "Tensor.cuda (host->device)", False),
-    _sync("copy_", "copies device data into a host tensor: a sync. Keep the result on the "
-          "device (return it; the engine copies outputs after the replay)", _T.copy_,
-          when=_copy_across, op="Tensor.copy_ (device->host)", host_args_safe=False),
+    _sync("copy_", D2H, _T.copy_, when=_copy_across, op="Tensor.copy_ (device->host)",
+          host_args_safe=False),
 )
 
 

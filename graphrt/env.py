@@ -35,7 +35,13 @@ def env_int(name: str, default: int, lo: int = 0, hi: int | None = None) -> int:
     """An integer setting: unset or empty is ``default``; otherwise an int in ``[lo, hi]``
     (surrounding spaces ignored), or a ``ValueError`` naming the variable, what it takes and
     what it holds."""
-    raw = os.environ.get(name)
+    return int_value(name, os.environ.get(name), default, lo, hi)
+
+
+def int_value(name: str, raw: str | None, default: int, lo: int = 0, hi: int | None = None,
+              why: str = "") -> int:
+    """``env_int`` of a raw value ``raw`` of the variable ``name`` (``why``: what the range
+    means, added to the error)."""
     v = (raw or "").strip()
     try:
         n = int(v) if v else default
@@ -43,7 +49,7 @@ def env_int(name: str, default: int, lo: int = 0, hi: int | None = None) -> int:
         n = None
     if n is None or n < lo or (hi is not None and n > hi):
         span = f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]"
-        raise ValueError(f"{name}: expected {span} (unset: {default}), got {raw!r}")
+        raise ValueError(f"{name}: expected {span}{why} (unset: {default}), got {raw!r}")
     return n
 
 

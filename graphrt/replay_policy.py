@@ -266,8 +266,8 @@ class Stager:
         unused = tuple(node for k, node in every_node.items() if k not in nodes)
 
         def stage(vals: tuple) -> None:
-            if stager._dirty < n:                 # first: a copy that raises leaves it true
-                stager._dirty = n
+            if stager._dirty != n:                # first: the mark then covers rows [0, n),
+                stager._repad(n, padded_bs)       # so a copy that raises leaves it true
             if stager.table is not None:          # staged here: the table must copy nothing
                 stager.table.idle()
             if detach:
@@ -284,8 +284,6 @@ class Stager:
                 vals += tail
                 for get, dsts in groups:  # >= 2 sources each: get() returns a tuple
                     _foreach_copy_(dsts, get(vals))
-            if stager._dirty != n:
-                stager._repad(n, padded_bs)
             for dst, src in pads:
                 dst.copy_(src)
             if counted:

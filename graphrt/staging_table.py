@@ -174,8 +174,8 @@ def bind(stager, names: tuple, n: int, padded_bs: int, detach: bool):
     words = table.words
 
     def stage(vals: tuple) -> None:
-        if stager._dirty < n:                     # first: a copy that raises leaves it true
-            stager._dirty = n
+        if stager._dirty != n:                    # first: the mark then covers rows [0, n),
+            stager._repad(n, padded_bs)           # so a copy that raises leaves it true
         if detach:
             vals = tuple([t.detach() if t.requires_grad else t for t in vals])
         if words[0] != 1 or words[count_word] != count_addr:
@@ -198,8 +198,6 @@ def bind(stager, names: tuple, n: int, padded_bs: int, detach: bool):
             dst.copy_(src)
         for pos, dst in others:
             dst.copy_(vals[pos])
-        if stager._dirty != n:
-            stager._repad(n, padded_bs)
         for dst, src in pads:
             dst.copy_(src)
         stager._n_written = (None, -1)  # n_dev is written by the graph, not by a fill

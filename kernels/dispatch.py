@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphrt.env import int_value
+
 from ._pdl import pdl_prologue
 from ._util import check, check_tensor, pdl_args
 
@@ -53,15 +55,9 @@ _FUSED_COUNT_ELEMS = 4096  # EB * BLOCK budget of the fused kernel's [EB, BLOCK]
 def _fused_max_flat_from_env(value: str | None) -> int:
     """``GRAPHRT_FUSE_DISPATCH_MAX`` as an int in ``[0, FUSED_LIMIT]`` (unset/empty:
     ``FUSED_DEFAULT``; 0: off)."""
-    v = (value or "").strip()
-    try:
-        n = int(v) if v else FUSED_DEFAULT
-    except ValueError:
-        n = -1
-    check(0 <= n <= FUSED_LIMIT, "GRAPHRT_FUSE_DISPATCH_MAX",
-          f"an int in [0, {FUSED_LIMIT}] (the one-launch dispatch holds at most {FUSED_LIMIT} "
-          "flat (token, k) ids; 0 = off)", repr(value))
-    return n
+    return int_value("GRAPHRT_FUSE_DISPATCH_MAX", value, FUSED_DEFAULT, 0, FUSED_LIMIT,
+                     f" (the one-launch dispatch holds at most {FUSED_LIMIT} flat (token, k) "
+                     "ids; 0 = off)")
 
 
 # dispatch_masked takes the one-launch kernel when 0 < num_flat <= FUSED_MAX_FLAT. Read once at

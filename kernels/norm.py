@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ._pdl import pdl_prologue
-from ._util import check, check_tensor, pdl_args
+from ._util import check, check_apart, check_tensor, pdl_args
 from .combine import _combine_row, combine_kernel_args
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -114,8 +114,8 @@ def add_rmsnorm(x: torch.Tensor, *deltas: torch.Tensor, weight: torch.Tensor, ep
                              "(pass x itself to update the residual in place)")
         check_tensor(out_residual, "out_residual", **like)
         if combine is not None:
-            check(out_residual.data_ptr() != combine[0].data_ptr(), "out_residual",
-                  "a tensor other than the combine's y", "y")
+            check_apart(out_residual, "out_residual", {"the combine's y": combine[0]},
+                        "programs read y while others write the residual")
     res = out_residual if deltas else out
     named = [("x", x), ("out", out), ("out_residual", res)] + [(f"deltas[{i}]", d) for i, d in enumerate(deltas)]
     for name, t in named:
