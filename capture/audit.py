@@ -8,6 +8,14 @@ silently runs its work outside the graph. ``StreamAudit`` watches ``Event.record
 ``Event.wait`` (``wait_event``/``wait_stream`` go through them) and ``torch.cuda.set_stream``
 during an eager run, and names the user's line of the last unjoined work.
 
+The device-generic ``torch.Event`` and ``torch.Stream`` are C++ types whose methods cannot be
+replaced. ``follow_device_events()`` turns on PyTorch's GPU trace (the hooks the CUDA
+sanitizer uses) for the rest of the process: every event record and wait made through c10
+then reaches the audit, whatever type made it, and so does a ``synchronize`` of a
+``torch.Stream``, a ``torch.Event`` or the device made outside an ATen op. The child process
+of ``graphrt validate`` turns it on; an engine's own process should not (it cannot be turned
+off, and every CUDA allocation then makes a Python call).
+
 **Receivers.** A ``Receiver`` (``graphrt.comm``) registers itself with every active
 ``ReceiverLedger`` when created and marks itself called; a ledger lists those never called
 (``unjoined-receiver``) and, during capture, collects the tensors they hold so the graph
@@ -19,7 +27,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -27,6 +35,30 @@ from graphrt.capture.report import Finding
 from graphrt.capture.sites import user_site
 
 _state = threading.local()
+_following = False  # follow_device_events() was called in this process
+
+
+def follow_device_events() -> bool:
+    """Let every later ``StreamAudit`` in this process see the event records, event waits and
+    explicit synchronizations made through c10, not only through ``torch.cuda.Event`` and
+    ``torch.cuda.Stream``: ``torch.Event``, ``torch.Stream`` (``wait_stream``,
+    ``wait_event``, ``record_event``, ``synchronize``), ``torch.accelerator.synchronize`` and
+    C++ extensions that use c10's CUDA events.
+
+    Turns on PyTorch's GPU trace (``torch.cuda._gpu_trace``) for the rest of the process; it
+    cannot be turned off, and every CUDA allocation, free and event operation then makes a
+    Python call. Meant for a process that only validates (``graphrt validate`` runs its step
+    in one). Returns whether it is on: False without CUDA. Idempotent."""
+    global _following
+    if not _following and torch.cuda.is_available():
+        torch._C._activate_gpu_trace()
+        _following = True
+    return _following
+
+
+def following_device_events() -> bool:
+    """Whether ``follow_device_events()`` turned the GPU trace on in this process."""
+    return _following
 
 
 def _ledgers() -> list["ReceiverLedger"]:
@@ -90,16 +122,26 @@ class StreamAudit:
 
     ``root`` is the stream current at entry (the warm-up stream, standing in for the
     capture stream). ``note_work()`` is called by the safety analyzer for every ATen op.
+
+    With ``follow_device_events()`` on, records and waits also arrive from PyTorch's GPU
+    trace (any c10 event: ``torch.Event``, ``torch.Stream.wait_stream``), and ``on_sync(op)``
+    is called for a stream, event or device synchronization made while ``quiet`` is 0 (the
+    analyzer raises ``quiet`` around ATen ops and its own patched synchronizations, which
+    report themselves). A record seen both ways counts once per way, which changes nothing:
+    the audit asks only whether a wait follows the last work.
     """
 
-    def __init__(self):
+    def __init__(self, on_sync: Callable[[str], None] | None = None):
         self._seq = 0
         self._root = None
         self._last_work: dict[int, int] = {}
         self._work_site: dict[int, tuple[str, int]] = {}
-        self._records: dict[int, tuple[int, int]] = {}
+        self._records: dict[Any, tuple[int, int]] = {}
         self._waits: list[tuple[int, int, int, int]] = []
         self._saved: list = []
+        self._traced: list = []
+        self._on_sync = on_sync
+        self.quiet = 0
 
     def _sid(self, stream) -> int:
         return int(stream.cuda_stream)
@@ -141,11 +183,46 @@ class StreamAudit:
         self._saved = [(torch.cuda.Event, "record", ev_record), (torch.cuda.Event, "wait", ev_wait),
                        (torch.cuda, "set_stream", set_stream)]
         torch.cuda.Event.record, torch.cuda.Event.wait, torch.cuda.set_stream = record, wait, set_stream_
+        if _following:
+            self._trace_on()
         return self
+
+    def _trace_on(self) -> None:
+        """Follow c10's events through the GPU trace (keys ``("c10", handle)``; streams are
+        ``cudaStream_t`` values, as ``Stream.cuda_stream``). Callbacks must not raise: the
+        trace logs and drops their exceptions."""
+        from torch.cuda import _gpu_trace as gt
+        audit = self
+
+        def t_record(event: int, stream: int) -> None:
+            audit._seq += 1
+            audit._records[("c10", event)] = (stream, audit._seq)
+
+        def t_wait(event: int, stream: int) -> None:
+            rec = audit._records.get(("c10", event))
+            audit._seq += 1
+            if rec is not None:
+                audit._waits.append((stream, audit._seq, *rec))
+
+        def t_sync(op: str):
+            def fire(*_):
+                if audit.quiet == 0 and audit._on_sync is not None:
+                    audit._on_sync(op)
+            return fire
+
+        self._traced = [(gt.EventRecordCallbacks, t_record), (gt.EventWaitCallbacks, t_wait),
+                        (gt.StreamSynchronizationCallbacks, t_sync("Stream.synchronize")),
+                        (gt.EventSynchronizationCallbacks, t_sync("Event.synchronize")),
+                        (gt.DeviceSynchronizationCallbacks, t_sync("device synchronize"))]
+        for registry, cb in self._traced:
+            registry.add_callback(cb)
 
     def __exit__(self, *exc):
         for obj, name, fn in self._saved:
             setattr(obj, name, fn)
+        for registry, cb in self._traced:
+            registry.callback_list.remove(cb)
+        self._traced = []
         return False
 
     def findings(self, size: int | None = None) -> list[Finding]:
@@ -174,5 +251,9 @@ class StreamAudit:
                 msg = ("work on a stream that was never forked from the capture stream runs "
                        "outside the graph. Fork it first (side.wait_stream(main)) and join it "
                        "back (main.wait_stream(side))")
+            if not _following:
+                msg += (". Joins made only through torch.Event or torch.Stream are not seen in "
+                        "this process: use the torch.cuda forms, or check the step with "
+                        "`graphrt validate --device cuda`, which follows them")
             out.append(Finding("unjoined-stream", "error", "torch.cuda.Stream", file, line, msg, size))
         return out

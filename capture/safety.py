@@ -88,7 +88,8 @@ class _DispatchMode(TorchDispatchMode):
                 a.report(hit.kind, hit.op, hit.message)
                 suppressed = True  # the rule names the cause: not the sync debug mode too
         n_warn = len(a.warnings) if a.warnings is not None else 0
-        out = func(*args, **kwargs)
+        with a.quiet():  # the op's own syncs are the sync debug mode's to report
+            out = func(*args, **kwargs)
         if a.writes is not None:
             a.writes.note(func, args, kwargs, out)
         if a.cuda:
@@ -141,6 +142,26 @@ class SafetyAnalyzer:
             self._seen.add(key)
             self.findings.append(Finding(kind, "error", op, file, line, message, self.size))
 
+    @contextlib.contextmanager
+    def quiet(self):
+        """While an ATen op or a patched synchronization runs: syncs the GPU trace sees are
+        theirs, reported by them."""
+        streams = self.streams
+        if streams is not None:
+            streams.quiet += 1
+        try:
+            yield
+        finally:
+            if streams is not None:
+                streams.quiet -= 1
+
+    def _traced_sync(self, op: str) -> None:
+        """A synchronization outside any ATen op, seen by the GPU trace
+        (``follow_device_events``): ``torch.Stream.synchronize``, ``torch.Event.synchronize``,
+        ``torch.accelerator.synchronize``."""
+        self.report("host-sync", op, "blocks the host until the device is done; under capture "
+                    "it fails. Order work with events (stream.wait_event) instead")
+
     # -- explicit synchronisation calls ---------------------------------------------------
     def _patch_syncs(self):
         analyzer = self
@@ -159,7 +180,8 @@ class SafetyAnalyzer:
                                 "under capture it fails. Order work with events "
                                 "(stream.wait_event) instead")
                 if analyzer.cuda:
-                    return _orig(*args, **kwargs)
+                    with analyzer.quiet():  # reported above, not again by the GPU trace
+                        return _orig(*args, **kwargs)
                 return True if _label.endswith("query") else None
 
             saved.append((obj, name, orig))
@@ -178,7 +200,7 @@ class SafetyAnalyzer:
                 prev = torch.cuda.get_sync_debug_mode()
                 torch.cuda.set_sync_debug_mode("warn")
                 self._exits.append(lambda: torch.cuda.set_sync_debug_mode(prev))
-                self.streams = StreamAudit().__enter__()
+                self.streams = StreamAudit(on_sync=self._traced_sync).__enter__()
                 self._exits.append(lambda: self.streams.__exit__(None, None, None))
             self.receivers.__enter__()
             self._exits.append(lambda: self.receivers.__exit__(None, None, None))

@@ -28,7 +28,7 @@ from graphrt.capture.writes import WriteLog
 from graphrt.cli.validate import build_spec, load_target, validate
 
 CORPUS = Path(__file__).parent / "validate_corpus"
-GPU_ONLY = ("gpu_steps.py",)
+GPU_ONLY = ("gpu_steps.py", "device_generic.py")
 SIZES = [1, 4]
 _MARK = re.compile(r"#\s*expect:\s*([a-z\-, ]+)\s*$")
 

@@ -83,6 +83,39 @@ def test_clean_step_exits_0_through_the_command():
     assert doc["device"] == "cuda" and doc["safe"] and doc["findings"] == []
 
 
+GENERIC = CORPUS / "device_generic.py"
+
+
+@pytest.mark.parametrize("func", sorted(expectations(GENERIC, "gpu_")))
+def test_generic_event_and_stream_api_through_the_command(func):
+    """The command's child process follows joins and syncs made through ``torch.Event``,
+    ``torch.Stream`` and ``torch.accelerator`` (PyTorch's GPU trace): a fork and join by them
+    captures clean; an unjoined fork and each sync are named at their lines."""
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    proc = subprocess.run([sys.executable, "-m", "graphrt", "validate", f"{GENERIC}:{func}",
+                           "--device", "cuda", "--sizes", "1,4", "--json", "-"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.stdout.strip(), proc.stderr
+    doc = json.loads(proc.stdout)
+    found = {(f["kind"], f["line"]) for f in doc["findings"]}
+    expected = expectations(GENERIC, "gpu_")[func]
+    assert found == expected, (proc.stderr, doc["findings"])
+    assert all(f["file"] == str(GENERIC) for f in doc["findings"]), doc["findings"]
+    assert proc.returncode == (1 if expected else 0), proc.stderr
+
+
+def test_generic_join_unseen_in_an_engine_process_says_why():
+    """Without the GPU trace (an engine's own process, this one) a join made only through
+    ``torch.Stream`` is not seen: capture is refused, and the finding says why and what to
+    run instead."""
+    from graphrt.capture.audit import following_device_events
+    assert not following_device_events()  # nothing in the test process turns it on
+    result = validate(f"{GENERIC}:gpu_safe_generic_stream_join", SIZES, "cuda")
+    findings = result.report.findings
+    assert {f.kind for f in findings} == {"unjoined-stream"}, result.report.table()
+    assert all("graphrt validate --device cuda" in f.message for f in findings)
+
+
 def test_undeclared_state_is_restored_not_reported(monkeypatch):
     """The KV cache and the step counter the step writes are found by the analysis and passed
     on as ``state``; without that (detection off) the same safe step mismatches."""

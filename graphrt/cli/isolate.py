@@ -12,7 +12,8 @@ timeout, an exception, Ctrl-C, or SIGTERM / SIGHUP reaching the parent (those tw
 off until the group is dead, then delivered). Processes the target started are in the
 group and die with it (unless they left it with ``setsid``).
 
-Child: runs ``graphrt.cli.validate.validate`` and writes ``{"validation": Validation.to_dict()}``
+Child: on CUDA, turns on ``graphrt.capture.audit.follow_device_events`` (the process is
+thrown away after), runs ``graphrt.cli.validate.validate`` and writes ``{"validation": Validation.to_dict()}``
 or ``{"error": "one line"}`` to ``TMPDIR/result.json``, then ends with the real ``os._exit``:
 non-daemon threads the step left running cannot keep it alive. A call to ``os._exit`` by the
 target itself first writes an error naming its line. ``faulthandler`` writes the Python
@@ -275,6 +276,11 @@ def _validate(request: dict) -> dict:
     """``validate()``'s result or its one-line error, as the document for ``result.json``."""
     from graphrt.cli.validate import ValidateError, one_line, pick_site, validate
     try:
+        if request["device"] is None or str(request["device"]).startswith("cuda"):
+            # This process only validates: follow torch.Event / torch.Stream joins and syncs
+            # too (capture.audit.follow_device_events; the cost stays in this process).
+            from graphrt.capture.audit import follow_device_events
+            follow_device_events()
         return {"validation": validate(request["target"], request["sizes"],
                                        request["device"]).to_dict()}
     except ValidateError as exc:

@@ -1,0 +1,104 @@
+"""``StreamAudit``'s GPU-trace path (``capture.audit.follow_device_events``) without a GPU.
+
+The trace's callbacks get ``cudaEvent_t`` / ``cudaStream_t`` values as ints; here they are
+fired by hand on the registries PyTorch itself fires (``torch.cuda._gpu_trace``), on streams
+standing in for CUDA ones. tests/test_validate_gpu.py runs the real thing through
+``graphrt validate --device cuda``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from torch.cuda import _gpu_trace as gt
+
+from graphrt.capture import audit
+from graphrt.capture.audit import StreamAudit
+
+ROOT, SIDE, EV_FORK, EV_JOIN = 0x1000, 0x2000, 0xA0, 0xB0
+
+
+@dataclass
+class _Stream:
+    cuda_stream: int
+
+
+@pytest.fixture
+def traced():
+    """A StreamAudit rooted at ROOT with the trace callbacks on; syncs it reports in ``.syncs``."""
+    syncs: list[str] = []
+    a = StreamAudit(on_sync=syncs.append)
+    a._root = ROOT
+    a._trace_on()
+    a.syncs = syncs
+    yield a
+    a.__exit__(None, None, None)
+
+
+def _fork_and_work(a):
+    gt.EventRecordCallbacks.fire_callbacks(EV_FORK, ROOT)
+    gt.EventWaitCallbacks.fire_callbacks(EV_FORK, SIDE)
+    a.note_work(_Stream(SIDE))
+
+
+def test_a_join_seen_only_by_the_trace_counts(traced):
+    _fork_and_work(traced)
+    gt.EventRecordCallbacks.fire_callbacks(EV_JOIN, SIDE)
+    gt.EventWaitCallbacks.fire_callbacks(EV_JOIN, ROOT)
+    assert traced.findings() == []
+
+
+def test_a_fork_never_joined_is_a_finding_at_the_work(traced):
+    _fork_and_work(traced)
+    gt.EventRecordCallbacks.fire_callbacks(EV_JOIN, SIDE)  # recorded, never waited on
+    (f,) = traced.findings(size=4)
+    assert (f.kind, f.size, f.file) == ("unjoined-stream", 4, __file__)
+    assert "never joined back" in f.message
+
+
+def test_a_join_before_the_last_work_does_not_cover_it(traced):
+    _fork_and_work(traced)
+    gt.EventRecordCallbacks.fire_callbacks(EV_JOIN, SIDE)
+    gt.EventWaitCallbacks.fire_callbacks(EV_JOIN, ROOT)
+    traced.note_work(_Stream(SIDE))  # more work on the side stream after the join
+    assert [f.kind for f in traced.findings()] == ["unjoined-stream"]
+
+
+def test_syncs_outside_quiet_stretches_are_reported(traced):
+    gt.StreamSynchronizationCallbacks.fire_callbacks(SIDE)
+    gt.EventSynchronizationCallbacks.fire_callbacks(EV_JOIN)
+    gt.DeviceSynchronizationCallbacks.fire_callbacks()
+    traced.quiet += 1  # an ATen op (or a patched synchronize) reports its own sync
+    gt.StreamSynchronizationCallbacks.fire_callbacks(SIDE)
+    traced.quiet -= 1
+    assert traced.syncs == ["Stream.synchronize", "Event.synchronize", "device synchronize"]
+
+
+def test_exit_removes_every_callback():
+    registries = (gt.EventRecordCallbacks, gt.EventWaitCallbacks, gt.StreamSynchronizationCallbacks,
+                  gt.EventSynchronizationCallbacks, gt.DeviceSynchronizationCallbacks)
+    before = [len(r.callback_list) for r in registries]
+    a = StreamAudit(on_sync=lambda op: None)
+    a._trace_on()
+    assert [len(r.callback_list) for r in registries] == [n + 1 for n in before]
+    a.__exit__(None, None, None)
+    assert [len(r.callback_list) for r in registries] == before
+
+
+def test_unjoined_finding_without_the_trace_says_what_to_run(monkeypatch):
+    monkeypatch.setattr(audit, "_following", False)
+    a = StreamAudit()
+    a._root = ROOT
+    a.note_work(_Stream(SIDE))
+    (f,) = a.findings()
+    assert "torch.Event or torch.Stream" in f.message
+    assert "graphrt validate --device cuda" in f.message
+    monkeypatch.setattr(audit, "_following", True)
+    (f,) = a.findings()
+    assert "torch.Event" not in f.message
+
+
+def test_follow_device_events_needs_cuda(monkeypatch):
+    monkeypatch.setattr(audit, "_following", False)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert audit.follow_device_events() is False and not audit.following_device_events()
