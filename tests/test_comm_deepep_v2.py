@@ -367,3 +367,70 @@ def test_model_step_is_graph_safe_outside_the_fake(comm_cls, buf_cls):
     model, comm = _model(comm_cls, buf_cls)
     findings = analyze_step(model.spec(8), [3], "cpu").findings
     assert findings and all("/tests/fakes/" in f.file for f in findings), findings
+
+
+# ---- (7) one combine in flight, whatever path the next one takes ---------------------------
+@pytest.mark.parametrize("comm_cls,buf_cls", BACKENDS)
+def test_a_synchronous_combine_is_refused_while_an_async_one_reads_the_buffer(comm_cls, buf_cls):
+    """combine() rewrites the expanded buffer an uncalled combine_async still reads: refused
+    (it returned micro-batch A wrong, no error), and A comes back right once called."""
+    comm, _ = make_comm(comm_cls, buf_cls)
+    xa, ia, wa, n = routed(4, 4, seed=11)
+    xb, ib, wb, _ = routed(4, 4, seed=12)
+    da = comm.dispatch(xa, ia, n, topk_weights=wa)
+    ra = comm.combine_async(experts(da.recv_x), ia, wa, da, n, out=torch.empty_like(xa))
+    db = comm.dispatch(xb, ib, n, topk_weights=wb)
+    with pytest.raises(DeepEPUsageError, match="never called"):
+        comm.combine(experts(db.recv_x), ib, wb, db, n, out=torch.empty_like(xb))
+    with pytest.raises(DeepEPUsageError, match="never called"):
+        comm.combine_async(experts(db.recv_x), ib, wb, db, n, out=torch.empty_like(xb), sync=True)
+    assert torch.equal(ra(), expanded_reference(xa, ia, wa))
+    out = comm.combine(experts(db.recv_x), ib, wb, db, n, out=torch.empty_like(xb))
+    assert torch.equal(out, expanded_reference(xb, ib, wb))
+
+
+@pytest.mark.parametrize("comm_cls,buf_cls", BACKENDS)
+def test_a_receiver_dropped_uncalled_still_holds_the_buffer(comm_cls, buf_cls):
+    """Dropping the receiver does not end its combine (the guard held a weak reference and
+    let the next combine in); the comm keeps it, and calling it releases the buffer."""
+    comm, buf = make_comm(comm_cls, buf_cls)
+    x, ids, w, n = routed(4, 4, seed=13)
+    d = comm.dispatch(x, ids, n, topk_weights=w)
+    comm.combine_async(experts(d.recv_x), ids, w, d, n, out=torch.empty_like(x))  # dropped
+    d = comm.dispatch(x, ids, n, topk_weights=w)
+    with pytest.raises(DeepEPUsageError, match="comm.pending_receiver"):
+        comm.combine_async(experts(d.recv_x), ids, w, d, n, out=torch.empty_like(x))
+    assert torch.equal(comm.pending_receiver(), expanded_reference(x, ids, w))
+    comm.combine_async(experts(d.recv_x), ids, w, d, n, out=torch.empty_like(x))()
+
+
+class _MoreRows(FakeElasticBuffer):
+    """A DeepEP build whose worst case is 10 rows over the documented one (NaN rows at the
+    end): the case dispatch()'s re-reservation exists for."""
+
+    def dispatch(self, *a, **kw):
+        recv_x, idx, recv_w, h, ev = super().dispatch(*a, **kw)
+        recv_x = torch.cat([recv_x, torch.full((10, recv_x.shape[1]), float("nan"),
+                                               dtype=recv_x.dtype)])
+        recv_w = torch.cat([recv_w, torch.full((10,), float("nan"))])
+        h.num_expanded_tokens = recv_x.shape[0]
+        return recv_x, idx, recv_w, h, ev
+
+
+def test_more_rows_than_reserved_keeps_every_size_in_place():
+    """After a small step re-reserved for DeepEP's extra rows, the row index was as long as
+    that step's cap, and the largest size's rows landed shifted (18 NaN rows in expert 1)."""
+    mt = 100
+    buf = _MoreRows(None, num_max_tokens_per_rank=mt, hidden=H, num_topk=1, shuffle_seed=None)
+    comm = DeepEPV2Comm(E, H, 1, "cpu", max_tokens=mt, buffer=buf)
+
+    def batch(bs):
+        x = torch.randn(bs, H, generator=torch.Generator().manual_seed(bs)).to(torch.bfloat16)
+        ids = torch.ones(bs, 1, dtype=torch.int64)  # every token to expert 1
+        return x, ids, torch.ones(bs, 1), torch.tensor([bs], dtype=torch.int32)
+
+    x, ids, w, n = batch(10)
+    comm.dispatch(x, ids, n, topk_weights=w)
+    x, ids, w, n = batch(mt)
+    d = comm.dispatch(x, ids, n, topk_weights=w)
+    assert int(d.masked_m[1]) == mt and torch.equal(d.recv_x[1, :mt], x)

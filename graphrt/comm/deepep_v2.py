@@ -35,7 +35,6 @@ host-only; ``do_cpu_sync=True`` (eager debugging) is refused while a stream capt
 from __future__ import annotations
 
 import os
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -159,7 +158,7 @@ class DeepEPV2Comm:
         self.ws.reserve("recv", (E, cap, hidden), dtype)  # the masked recv_x
         self.ws.reserve("y_exp", (self.rows, hidden), dtype)  # the weighted expanded rows
         self._ar = torch.arange(max(cap, self.rows), device=self.device)
-        self._inflight: Callable[[], Receiver | None] | None = None
+        self.pending_receiver: Receiver | None = None  # the last async combine's, until called
 
     def _build_buffer(self, group, kwargs: dict):
         cls = load_buffer_class(self.api_name, self.requirement)
@@ -235,7 +234,8 @@ class DeepEPV2Comm:
                   "reserved; run the step once eagerly before capture")
             self.rows = rows
             self.ws.reserve("y_exp", (rows, H), self.dtype)
-            self._ar = torch.arange(max(cap, rows), device=self.device)
+            # every later size indexes it up to its own cap: the largest one's at most
+            self._ar = torch.arange(max(self.cap_for(self.max_tokens), rows), device=self.device)
         psum = handle.psum_num_recv_tokens_per_expert.to(torch.int64)         # [E]
         prev = torch.cat([psum.new_zeros(1), psum[:-1]])
         start = (prev + (A - 1)) // A * A                                      # [E] first row
@@ -254,6 +254,12 @@ class DeepEPV2Comm:
     def _expanded(self, y: torch.Tensor, d: Dispatched) -> tuple[torch.Tensor, _Expanded]:
         ex: _Expanded = d.handle
         E, H = self.num_local_experts, self.hidden
+        prev = self.pending_receiver
+        _need(prev is None or prev.called, f"{type(self).__name__}.combine: the previous "
+              "combine_async's receiver was never called and its combine may still read this "
+              "comm's expanded buffer, which this combine rewrites; call it first (it is "
+              "comm.pending_receiver if you no longer hold it), or use sync_combine=True for "
+              "dual-batch overlap")
         _need(tuple(y.shape) == (E, ex.cap, H) and y.dtype == self.dtype,
               f"{type(self).__name__}.combine: expected y {self.dtype} [{E}, {ex.cap}, {H}] (the "
               f"dispatch's masked layout); got {y.dtype} {tuple(y.shape)}")
@@ -281,14 +287,10 @@ class DeepEPV2Comm:
         if self.sync_combine if sync is None else sync:
             self.combine(y, topk_ids, topk_weights, d, n, out=out)
             return Receiver(lambda: None, out)
-        prev = self._inflight() if self._inflight is not None else None
-        _need(prev is None or prev.called, f"{type(self).__name__}.combine_async: the previous "
-              "combine's receiver was never called and its combine still reads this comm's expanded "
-              "buffer; call it first, or use sync_combine=True for dual-batch overlap")
         y_exp, ex = self._expanded(y, d)
         join, keep = self._combine_start(y_exp, ex.ep_handle, out)
         recv = Receiver(join, out, keep=(y_exp, ex.ep_handle, ex.recv_w, *keep))
-        self._inflight = weakref.ref(recv)
+        self.pending_receiver = recv  # held: a receiver dropped uncalled still counts
         return recv
 
     def end_step(self) -> None:
