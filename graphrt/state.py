@@ -8,7 +8,7 @@ would compare a graph run with an eager run that starts from the state the graph
     with StateGuard(spec):            # snapshot on entry, restore on exit (even on error)
         ...run the step as often as needed...
 
-    snap = StateGuard(spec).take()    # explicit: snap.restore(); snap.diff(other) -> [index]
+    snap = StateGuard(spec).take()    # explicit: snap.restore(); snap.current() -> copies
 
 Snapshots are device copies of every declared tensor (one extra copy of the state's
 memory while a guard is open: declare what the step writes, not the whole model).
@@ -42,8 +42,9 @@ class StateGuard:
         with torch.no_grad():
             for t, s in zip(self.tensors, self.saved):
                 # an inference tensor (an engine's cache made under torch.inference_mode())
-                # takes in-place writes only inside inference mode
-                with torch.inference_mode(t.is_inference()):
+                # takes in-place writes only inside inference mode; inference_mode(False)
+                # turns grad mode back on, which a leaf that requires grad refuses
+                with torch.inference_mode(t.is_inference()), torch.no_grad():
                     t.copy_(s)
 
     def current(self) -> list[torch.Tensor]:

@@ -306,3 +306,16 @@ def test_state_made_in_inference_mode_is_put_back_after_capture(fake_capture):
     assert (kv == 0).all() and float(counter) == 0.0
     assert all(c.ok for c in rt.check_replay(trials=1))
     assert (kv == 0).all() and float(counter) == 0.0
+
+
+def test_state_that_requires_grad_is_put_back():
+    """An in-graph counter kept as an ``nn.Parameter``: the restore's inference_mode(False)
+    turned grad mode back on and the in-place copy into a leaf that requires grad raised."""
+    from graphrt.state import StateGuard
+    w = torch.nn.Parameter(torch.zeros(4))
+    spec = graphrt.StepSpec(lambda x: x, {"x": graphrt.Input((None, 2), torch.float32)}, 4,
+                            state=[w])
+    with StateGuard(spec):
+        with torch.no_grad():
+            w.add_(5)
+    assert (w == 0).all() and w.requires_grad
