@@ -115,6 +115,11 @@ class Input:
             if self.low < info.min or self.high - 1 > info.max:
                 raise InputError(f"Input range [{self.low}, {self.high}) does not fit {self.dtype} "
                                  f"([{info.min}, {info.max}]); narrow it or use a wider dtype")
+        if self.dtype.is_floating_point and self.high is not None and not (
+                _fits(self.dtype, self.low) and _fits(self.dtype, self.high)):
+            raise InputError(f"Input range [{self.low}, {self.high}) does not fit {self.dtype} "
+                             f"(largest {torch.finfo(self.dtype).max}): its example data would be "
+                             "inf; narrow it or use a wider dtype")
         if not _fits(self.dtype, self.pad_value):
             raise InputError(f"Input pad_value {self.pad_value!r} is not a valid {self.dtype} "
                              "value; pick one the dtype can hold (and the step accepts)")
@@ -357,8 +362,11 @@ class StepSpec:
         with batch-major ones trimmed to the live rows (``rows``: each output's kind; when
         None, ``outputs=``'s declarations, then a guess from this call: an output whose first
         dimension is ``padded_bs`` is batch-major. Pass ``rows`` (a runtime's
-        ``manager.signature``) for a fixed output that happens to be that long)."""
-        from graphrt.outputs import OutputLayout
+        ``manager.signature``, or ``{key: kind}``) for a fixed output that happens to be that
+        long)."""
+        from graphrt.outputs import OutputLayout, OutputSignature
+        if isinstance(rows, OutputSignature):
+            rows = dict(zip(rows.layout.keys or (0,), rows.rows))
         n = self.batch_of(inputs)
         first = next(iter(inputs.values()))
         out = self.call(self.pad_inputs(inputs, padded_bs), self.live_count_tensor(n, first.device))

@@ -91,6 +91,8 @@ def test_stager_checks_offsets_and_fixed_inputs():
     (dict(shape=(None,), dtype=torch.int32, high=10, pad_value=1.5), "pad_value 1.5"),
     (dict(shape=(None,), dtype=torch.float32, pad_value=float("nan")), "pad_value nan"),
     (dict(shape=(None, 2), dtype=torch.int32, high=10, offsets=True), "offsets=True"),
+    (dict(shape=(None,), dtype=torch.float16, high=1e6), r"does not fit torch.float16"),
+    (dict(shape=(None,), dtype=torch.bfloat16, low=-1e39, high=0), r"does not fit torch.bfloat16"),
 ])
 def test_input_bounds_checked_against_dtype(kw, match):
     with pytest.raises(InputError, match=match):
@@ -289,3 +291,24 @@ def test_call_padded_reads_declared_output_kinds_before_guessing():
     declared = graphrt.StepSpec(step, inputs, 16, outputs={"load": "fixed"}).call_padded({"x": x}, 8)
     assert guessed["load"].shape == (3,)             # the documented limit of the guess
     assert declared["load"].shape == (E,) and declared["y"].shape == (3, 4)
+
+
+def test_call_padded_takes_a_runtime_signature():
+    """The docstring's ``rows=manager.signature`` raised "'OutputSignature' object is not
+    subscriptable"; the signature's kinds now keep a fixed output as long as the padded batch
+    whole."""
+    from graphrt.outputs import probe_signature
+    E = 8
+
+    def step(x):
+        return {"y": x * 2, "load": torch.arange(E, dtype=torch.float32) + x.sum()}
+    spec = graphrt.StepSpec(step, {"x": graphrt.Input((None, 4), torch.float32)}, 16)
+    sig = probe_signature(spec, [1, 4, 16], "cpu")
+    x = torch.randn(3, 4)
+    out = spec.call_padded({"x": x}, 8, sig)
+    assert out["load"].shape == (E,) and torch.equal(out["y"], x * 2)
+
+
+def test_a_float_range_that_fits_draws_finite_data():
+    t = graphrt.Input((None, 4), torch.float16, low=0, high=6e4).random(256)
+    assert torch.isfinite(t).all()
