@@ -337,13 +337,22 @@ class Stager:
     def poison(self, n: int, padded_bs: int, generator: torch.Generator) -> None:
         """Fill padded rows ``[n, padded_bs)`` with garbage (NaN for floats, random valid
         values otherwise; offsets grow by random valid increments) to prove live rows never
-        depend on them (``check_replay``)."""
+        depend on them (``check_replay``). A ``unique`` input's padded rows get values no live
+        row holds (a KV slot of a live request would be a collision the real batch cannot
+        have); when the range has too few left, they keep their padding. Host-only (syncs)."""
         if padded_bs <= n:
             return
         for k in self._batch:
             inp, buf = self.spec.inputs[k], self.buffers[k]
             if inp.dtype.is_floating_point:
                 buf[n:padded_bs].fill_(float("nan"))
+            elif inp.unique:
+                perm = torch.randperm(int(inp.high) - int(inp.low), generator=generator) + int(inp.low)
+                free = perm[~torch.isin(perm, buf[:n].cpu().to(perm.dtype))][:padded_bs - n]
+                if len(free) == padded_bs - n:
+                    buf[n:padded_bs].copy_(free)
+                else:
+                    buf[n:padded_bs].fill_(self._pad_values[k])
             else:
                 buf[n:padded_bs].copy_(inp.random(padded_bs - n, self.device, generator))
         for k in self._offsets:

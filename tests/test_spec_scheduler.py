@@ -196,3 +196,29 @@ def test_call_padded_runs_like_a_padded_graph():
     assert out["y"].shape == (3, 4) and torch.equal(out["y"], inputs["x"] * 2)
     spec.call_padded(inputs, 3)
     assert seen == {"rows": 3, "n": 3}
+
+
+def test_poison_keeps_a_unique_input_unique():
+    """Poisoned padded rows of a ``unique`` input (KV slots) took random valid values,
+    often a live row's: a step writing each row's KV to its slot then overwrote a live
+    request's (17 of 20 draws), and check_replay blamed a correct step."""
+    kv = torch.zeros(16, 2)
+    spec = graphrt.StepSpec(lambda x, slot: kv[slot] + x, max_batch_size=8, inputs={
+        "x": graphrt.Input((None, 2), torch.float32),
+        "slot": graphrt.Input((None,), torch.int64, low=0, high=15, unique=True, pad_value=15)})
+    st = Stager(spec, 8, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        live = spec.random_inputs(3, "cpu", g)
+        st.stage(live, 3, 8)
+        st.poison(3, 8, g)
+        slots = st.buffers["slot"][:8]
+        assert slots.unique().numel() == 8 and bool((slots < 15).all()), slots.tolist()
+        assert torch.equal(slots[:3], live["slot"])
+    # too few values left for every padded row: the padding stays
+    tight = graphrt.StepSpec(lambda slot: slot, max_batch_size=8, inputs={
+        "slot": graphrt.Input((None,), torch.int64, low=0, high=7, unique=True, pad_value=99)})
+    st = Stager(tight, 8, torch.device("cpu"))
+    st.stage(tight.random_inputs(6, "cpu", g), 6, 8)
+    st.poison(6, 8, g)
+    assert st.pad_rows_intact(6, 8) == []
