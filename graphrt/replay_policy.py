@@ -339,7 +339,7 @@ class Stager:
         values otherwise; offsets grow by random valid increments) to prove live rows never
         depend on them (``check_replay``). A ``unique`` input's padded rows get values no live
         row holds (a KV slot of a live request would be a collision the real batch cannot
-        have); when the range has too few left, they keep their padding. Host-only (syncs)."""
+        have; the spec's unique span covers ``max_batch_size``). Host-only (syncs)."""
         if padded_bs <= n:
             return
         for k in self._batch:
@@ -348,11 +348,8 @@ class Stager:
                 buf[n:padded_bs].fill_(float("nan"))
             elif inp.unique:
                 perm = torch.randperm(int(inp.high) - int(inp.low), generator=generator) + int(inp.low)
-                free = perm[~torch.isin(perm, buf[:n].cpu().to(perm.dtype))][:padded_bs - n]
-                if len(free) == padded_bs - n:
-                    buf[n:padded_bs].copy_(free)
-                else:
-                    buf[n:padded_bs].fill_(self._pad_values[k])
+                free = perm[~torch.isin(perm, buf[:n].cpu().to(perm.dtype))]
+                buf[n:padded_bs].copy_(free[:padded_bs - n])  # enough: StepSpec checks the span
             else:
                 buf[n:padded_bs].copy_(inp.random(padded_bs - n, self.device, generator))
         for k in self._offsets:
