@@ -131,6 +131,8 @@ class _MarkedLayer:
         return out
 
     def __getattr__(self, name):
+        if name == "layer" or name.startswith("__"):  # copy/pickle probe before __init__ ran
+            raise AttributeError(name)
         return getattr(self.layer, name)
 
 
@@ -139,15 +141,36 @@ def instrument(model) -> tuple[torch.Tensor, torch.Tensor]:
 
     Returns ``(progress, step_counter)``: the model's own (``model.progress``,
     ``model.step_counter``) when its step already marks them, else new ones, with
-    ``model.layers`` wrapped to mark them. Call before capture. Graph safety: host-only.
+    ``model.layers`` wrapped to mark them. A ``torch.nn.ModuleList`` of layers keeps its
+    modules (and state_dict keys): each gets a forward hook instead (layer 0 a pre-hook
+    too), and the counters live on its parameters' device. Call before capture.
+    Graph safety: host-only.
     """
     if getattr(model, "progress", None) is not None:
         return model.progress, model.step_counter
+    if isinstance(model.layers, torch.nn.ModuleList):
+        return _hook_layers(model)
     if model.layers and isinstance(model.layers[0], _MarkedLayer):
         return model.layers[0].progress, model.layers[0].step_counter
     device = getattr(model, "device", None)
     progress, step = progress_tensors(len(model.layers), device)
     model.layers = [_MarkedLayer(l, i, progress, step) for i, l in enumerate(model.layers)]
+    return progress, step
+
+
+def _hook_layers(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """``instrument`` for a ``ModuleList``: hooks, once per model."""
+    marks = getattr(model, "_graphrt_marks", None)
+    if marks is not None:
+        return marks
+    param = next(model.layers.parameters(), None)
+    device = param.device if param is not None else getattr(model, "device", None)
+    progress, step = progress_tensors(len(model.layers), device)
+    for i, layer in enumerate(model.layers):
+        if i == 0:
+            layer.register_forward_pre_hook(lambda module, args: begin_step(step))
+        layer.register_forward_hook(lambda module, args, out, i=i: mark(progress, step, i))
+    model._graphrt_marks = (progress, step)
     return progress, step
 
 
@@ -197,7 +220,8 @@ class Watchdog:
             self._host = torch.empty(n, dtype=torch.int64)
         self._copy_done = None      # the event of the copy in flight (CUDA)
         self._cv = threading.Condition()
-        self._watching, self._stop = False, False
+        self._watching = False
+        self._halt: threading.Event | None = None  # the running thread's own stop flag
         self._seen: Snapshot | None = None
         self._since = 0.0
         self._error: StallError | None = None
@@ -208,19 +232,25 @@ class Watchdog:
     def start(self) -> "Watchdog":
         """Start the polling thread (a daemon). Returns self."""
         if self._thread is None:
-            self._stop = False
-            self._thread = threading.Thread(target=self._loop, name=f"graphrt-watchdog-{self.rank}",
-                                            daemon=True)
+            # each thread has its own flag: one that stop() could not join (inside on_stall)
+            # still ends when on_stall returns, beside the one a restart makes
+            self._halt = halt = threading.Event()
+            self._thread = threading.Thread(target=self._loop, args=(halt,), daemon=True,
+                                            name=f"graphrt-watchdog-{self.rank}")
             self._thread.start()
         return self
 
     def stop(self) -> None:
         """Stop and join the polling thread."""
         with self._cv:
-            self._stop = True
+            if self._halt is not None:
+                self._halt.set()
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=max(1.0, 4 * self.poll_s))
+            if self._thread.is_alive():
+                log.warning("rank %d: the watchdog thread is still in on_stall; it ends when "
+                            "on_stall returns", self.rank)
             self._thread = None
 
     def __enter__(self) -> "Watchdog":
@@ -321,14 +351,14 @@ class Watchdog:
             self.on_stall(err)
         return err
 
-    def _loop(self) -> None:
+    def _loop(self, halt: threading.Event) -> None:
         if self._cuda:
             torch.cuda.set_device(self.device)
         while True:
             with self._cv:
-                while not (self._stop or self._watching):
+                while not (halt.is_set() or self._watching):
                     self._cv.wait()
-                if self._stop:
+                if halt.is_set():
                     return
             try:
                 self.poll()
@@ -336,5 +366,5 @@ class Watchdog:
                 log.exception("rank %d: watchdog poll failed", self.rank)
             with self._cv:  # sleep poll_s: expect_step's notify wakes a parked thread only
                 deadline = time.monotonic() + self.poll_s
-                while not self._stop and (left := deadline - time.monotonic()) > 0:
+                while not halt.is_set() and (left := deadline - time.monotonic()) > 0:
                     self._cv.wait(timeout=left)

@@ -291,3 +291,64 @@ def test_rank_skipping_a_deepep_step_is_reported_not_hung():
     assert text.startswith("rank 0: step ") and "last layer completed:" in text, text
     assert "last_layer=-1" in text or "last_layer=0" in text, text
     assert 0 in results and not results[0]["ok"] and "StallError" in results[0]["error"], results
+
+
+def test_a_restart_while_on_stall_runs_leaves_one_polling_thread():
+    """stop() gives up joining a thread inside on_stall; the restart's thread shared its stop
+    flag, so both polled from then on (two graphrt-watchdog threads)."""
+    progress, step = progress_tensors(2, "cpu")
+    gate, stalled = threading.Event(), threading.Event()
+
+    def on_stall(err):
+        stalled.set()
+        gate.wait(5)
+    wd = Watchdog(progress, step, timeout_s=0.05, poll_s=0.01, on_stall=on_stall).start()
+    wd.expect_step()
+    assert stalled.wait(5)
+    old = wd._thread
+    wd.stop()
+    wd.start()
+    gate.set()
+    old.join(5)
+    assert not old.is_alive()
+    names = [t.name for t in threading.enumerate() if t.name.startswith("graphrt-watchdog")]
+    assert names == ["graphrt-watchdog-0"] and wd._thread.is_alive()
+    wd.stop()
+    assert wd._thread is None
+
+
+def test_instrument_a_module_list_keeps_its_modules():
+    """``layers`` as a ``torch.nn.ModuleList`` (any torch model) raised a TypeError
+    (a list cannot replace a child module); now hooks mark progress, the state_dict keys
+    stay, and a second call returns the same counters."""
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+    m = Model()
+    keys = list(m.state_dict())
+    progress, step = instrument(m)
+    assert instrument(m) == (progress, step) and list(m.state_dict()) == keys
+    m(torch.randn(2, 4))
+    m(torch.randn(2, 4))
+    assert int(step) == 2 and progress.tolist() == [2, 2, 2]
+
+
+def test_an_instrumented_plain_model_deep_copies():
+    """``_MarkedLayer.__getattr__`` read ``self.layer`` before ``__init__`` (copy's probe),
+    recursing without end."""
+    import copy
+
+    class Plain:
+        def __init__(self):
+            self.layers = [torch.nn.Linear(4, 4) for _ in range(3)]
+    p = Plain()
+    instrument(p)
+    q = copy.deepcopy(p)
+    assert q.layers[1].layer.weight.shape == (4, 4) and q.layers[1].idx == 1
