@@ -28,19 +28,37 @@ class RankCoordinator:
     """Args:
         uniform: every rank must replay the same padded size (the comm's ``uniform_batch``).
         debug_check: gather and compare every rank's choice before each replay.
-        timeout_s: how long a CPU collective waits for the other ranks before raising.
+        timeout_s: how long a CPU collective waits for the other ranks before raising
+            (default 60): the timeout of the gloo group the coordinator makes.
+        group: a CPU group of your own instead; it keeps its own timeout, so ``timeout_s``
+            is refused with it (set it in ``new_group(timeout=...)``).
+
+    ``close()`` destroys the group the coordinator made (not one passed in).
     """
 
-    def __init__(self, *, uniform: bool, debug_check: bool = False, timeout_s: float = 60.0,
-                 group=None):
+    def __init__(self, *, uniform: bool, debug_check: bool = False,
+                 timeout_s: float | None = None, group=None):
         import torch.distributed as dist
         if not dist.is_initialized():
             raise GraphrtError("RankCoordinator needs torch.distributed initialised on every rank")
+        if group is not None and timeout_s is not None:
+            raise GraphrtError("RankCoordinator: timeout_s applies to the gloo group it makes; "
+                               "the group= you passed keeps its own timeout (set it with "
+                               "dist.new_group(..., timeout=...)), so pass one or the other")
         self._dist = dist
         self.uniform, self.debug_check = uniform, debug_check
-        self.group = group or dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self._owns_group = group is None
+        self.group = group if group is not None else dist.new_group(
+            backend="gloo", timeout=timedelta(seconds=60.0 if timeout_s is None else timeout_s))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._buf = torch.zeros(1, dtype=torch.int64)
+
+    def close(self) -> None:
+        """Destroy the gloo group this coordinator made (collective: every rank calls it).
+        Idempotent; a group passed in is left to its owner."""
+        if self._owns_group and self.group is not None:
+            self._dist.destroy_process_group(self.group)
+        self.group = None
 
     def agree_batch(self, n: int) -> int:
         """The largest live batch over all ranks (``n`` itself for non-uniform backends)."""

@@ -32,6 +32,23 @@ def _worker(rank, world, port, out_dir, scenario):
             co = RankCoordinator(uniform=False, debug_check=True, group=dist.group.WORLD)
             co.check_replay([8, 16][rank], "graph")      # DeepEP-style: sizes may differ
             result = f"agreed={co.agree_batch([3, 17][rank])}"
+        elif scenario == "own-group":
+            from graphrt.errors import GraphrtError
+            try:
+                RankCoordinator(uniform=True, timeout_s=2, group=dist.group.WORLD)
+                result = "accepted timeout_s with group="
+            except GraphrtError as e:
+                result = f"refused: {e}"
+            before = len(dist.distributed_c10d._world.pg_map)
+            for _ in range(3):
+                co = RankCoordinator(uniform=True)
+                agreed = co.agree_batch(rank + 1)
+                co.close()
+                co.close()  # idempotent
+            passed_in = RankCoordinator(uniform=True, group=dist.group.WORLD)
+            passed_in.close()  # not its group: left alone
+            dist.barrier()
+            result += f" | groups {before}->{len(dist.distributed_c10d._world.pg_map)} agreed={agreed}"
         elif scenario == "missing":
             co = RankCoordinator(uniform=True, debug_check=True, timeout_s=3)
             if rank == 0:
@@ -78,3 +95,12 @@ def test_per_rank_backends_need_no_agreement():
 def test_missing_rank_is_a_timeout_not_a_hang():
     r0, _ = _run("missing")
     assert r0.startswith("timeout: rank 0: not every rank reached")
+
+
+@pytest.mark.slow
+def test_timeout_with_a_passed_group_is_refused_and_close_frees_the_group():
+    """``timeout_s`` was silently ignored with ``group=``; each coordinator's own gloo group
+    stayed until the process ended (no ``close()``)."""
+    for r in _run("own-group"):
+        assert r.startswith("refused: RankCoordinator: timeout_s applies"), r
+        assert r.endswith("groups 1->1 agreed=2"), r
