@@ -161,6 +161,9 @@ def _user_line_names_cpu() -> bool:
 class _NoStreams:
     """Stands in for ``StreamAudit``, which needs CUDA streams: no side-stream findings."""
 
+    def __init__(self, on_sync=None):
+        self.quiet = 0
+
     def __enter__(self):
         return self
 
