@@ -127,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--plan-cache", default=None, metavar="DIR",
                    help="where the measured expert plan is kept between runs, so a second run "
                    "reads it instead of timing kernels again; 'off' for none (default: "
-                   "$GRAPHRT_CACHE_DIR, else ~/.cache/graphrt; GPU only)")
+                   "$GRAPHRT_CACHE_DIR (off: none), else $XDG_CACHE_HOME/graphrt or ~/.cache/graphrt; "
+                   "GPU only)")
 
     b = sub.add_parser("bench", help="replay microbenchmarks (one GPU, or expert-parallel)",
                        description="Suites: runtime (capture and run() costs of a small dense "
