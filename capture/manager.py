@@ -147,7 +147,7 @@ class CaptureManager:
                                "run the analysis only (graphrt.capture.analyze_step, or "
                                "`graphrt validate --device cpu`)")
         if warmup_iters < 1:
-            raise ValueError(f"warmup_iters must be >= 1 (JIT and autotune run there); got {warmup_iters}")
+            raise InputError(f"warmup_iters must be >= 1 (JIT and autotune run there); got {warmup_iters}")
         if max(sizes) > stager.max_bs:
             raise GraphrtError(f"size {max(sizes)} exceeds the static buffers ({stager.max_bs} rows)")
         self.spec, self.sizes, self.stager = spec, sorted(set(sizes)), stager

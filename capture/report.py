@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
-from graphrt.errors import GraphrtError
+from graphrt.errors import GraphrtError, InputError
 
 KINDS = ("host-sync", "host-to-device-copy", "data-dependent-shape", "unjoined-stream",
          "unjoined-receiver", "replay-mismatch")
@@ -40,9 +40,9 @@ class Finding:
 
     def __post_init__(self):
         if self.kind not in KINDS:
-            raise ValueError(f"unknown finding kind {self.kind!r}; expected one of {KINDS}")
+            raise InputError(f"unknown finding kind {self.kind!r}; expected one of {KINDS}")
         if self.severity not in SEVERITIES:
-            raise ValueError(f"unknown severity {self.severity!r}; expected one of {SEVERITIES}")
+            raise InputError(f"unknown severity {self.severity!r}; expected one of {SEVERITIES}")
 
     @property
     def where(self) -> str:

@@ -25,6 +25,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from graphrt.capture.host import HostData, tensors
+from graphrt.errors import InputError
 
 
 class Hit(NamedTuple):
@@ -308,7 +309,7 @@ def _index(rules) -> dict[Any, tuple[Rule, str]]:
     for rule in rules:
         for fn in rule.functions:
             if fn in table:
-                raise ValueError(f"{fn} has two rules: {table[fn][0].name!r} and {rule.name!r}")
+                raise InputError(f"{fn} has two rules: {table[fn][0].name!r} and {rule.name!r}")
             table[fn] = (rule, rule.label(fn))
     return table
 

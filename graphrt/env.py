@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import os
 
+from graphrt.errors import InputError
+
 OFF = ("0", "false", "no", "off")
 
 
@@ -49,7 +51,7 @@ def int_value(name: str, raw: str | None, default: int, lo: int = 0, hi: int | N
         n = None
     if n is None or n < lo or (hi is not None and n > hi):
         span = f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]"
-        raise ValueError(f"{name}: expected {span}{why} (unset: {default}), got {raw!r}")
+        raise InputError(f"{name}: expected {span}{why} (unset: {default}), got {raw!r}")
     return n
 
 
@@ -59,7 +61,7 @@ def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
     raw = os.environ.get(name)
     v = (raw or "").strip().lower() or default
     if v not in choices:
-        raise ValueError(f"{name}: expected one of {', '.join(choices)} (unset: {default}), "
+        raise InputError(f"{name}: expected one of {', '.join(choices)} (unset: {default}), "
                          f"got {raw!r}")
     return v
 

@@ -3,7 +3,9 @@
 Every error graphrt raises on purpose derives from ``GraphrtError``. This module holds the
 errors of the embedding API (all re-exported by ``graphrt``): ``InputError``,
 ``NoGraphForBatch``, ``StaleOutputError`` (and ``LeaseHeldError``), ``CaptureError``, ``ReplayMismatch``,
-``NotCapturedError``, ``ThreadOwnershipError`` and ``DeviceError``.
+``NotCapturedError``, ``ThreadOwnershipError``, ``DeviceError`` and ``BackendError``.
+``InputError`` (also a ``ValueError``) is what every argument check raises, from ``run()``'s
+inputs to a constructor's arguments.
 
 Errors that belong to one part live beside it:
 
@@ -27,7 +29,8 @@ class GraphrtError(Exception):
 
 
 class InputError(GraphrtError, ValueError):
-    """An input to ``GraphRuntime.run`` (or a spec field) does not match the ``StepSpec``."""
+    """A value graphrt was given is not valid: an input to ``GraphRuntime.run`` that does not
+    match the ``StepSpec``, a spec field, an argument of a constructor or a launcher."""
 
 
 class NoGraphForBatch(GraphrtError):
@@ -77,6 +80,11 @@ class NotCapturedError(GraphrtError):
 
 class ThreadOwnershipError(GraphrtError):
     """A runtime was used from a thread other than the one that owns it."""
+
+
+class BackendError(GraphrtError, RuntimeError):
+    """A kernel backend or a measurement the configuration needs cannot run now: a library
+    that does not load on this GPU, an expert plan measured while a stream captures."""
 
 
 class DeviceError(GraphrtError, ValueError):

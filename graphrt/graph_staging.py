@@ -49,6 +49,7 @@ import os
 import torch
 
 from graphrt import cudart
+from graphrt.errors import InputError
 
 
 MODES = ("0", "1", "all", "table")
@@ -60,7 +61,7 @@ def mode() -> str:
     ``"1"``, ``"all"`` or ``"0"``; ``ValueError`` for anything else."""
     value = os.environ.get("GRAPHRT_GRAPH_STAGING", DEFAULT).strip().lower() or DEFAULT
     if value not in MODES:
-        raise ValueError(f"GRAPHRT_GRAPH_STAGING: expected one of {MODES} (0: off, 1: inputs "
+        raise InputError(f"GRAPHRT_GRAPH_STAGING: expected one of {MODES} (0: off, 1: inputs "
                          f"alone in their dtype, all: every batch and fixed input, table: the "
                          f"staging table), got {value!r}")
     return value

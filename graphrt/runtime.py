@@ -85,17 +85,17 @@ class GraphRuntime:
                  progress: bool = True, seed: int = 0, coordinator=None, pool=None,
                  capture_stream=None, capture_context=None):
         if oversize not in ("eager", "raise"):
-            raise ValueError(f"oversize must be 'eager' or 'raise'; got {oversize!r}")
+            raise InputError(f"oversize must be 'eager' or 'raise'; got {oversize!r}")
         if lease not in ("step", "explicit"):
-            raise ValueError(f"lease must be 'step' or 'explicit'; got {lease!r}")
+            raise InputError(f"lease must be 'step' or 'explicit'; got {lease!r}")
         if lease == "explicit" and copy_outputs:
-            raise ValueError("lease='explicit' is for leased outputs: pass copy_outputs=False")
+            raise InputError("lease='explicit' is for leased outputs: pass copy_outputs=False")
         if not isinstance(spec, StepSpec):
             raise InputError(f"GraphRuntime needs a graphrt.StepSpec; got {type(spec).__name__}")
         self.spec = spec
         self.table = SizeTable(sizes if sizes is not None else capture_sizes(spec.max_batch_size))
         if self.table.largest > spec.max_batch_size:
-            raise ValueError(f"size {self.table.largest} exceeds spec.max_batch_size "
+            raise InputError(f"size {self.table.largest} exceeds spec.max_batch_size "
                              f"{spec.max_batch_size}")
         self.device = _resolve_device(device)
         self.copy_outputs, self.oversize, self.strict = copy_outputs, oversize, strict

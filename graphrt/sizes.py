@@ -33,9 +33,10 @@ class SizeTable:
     """Sorted, distinct padded sizes; ``pick(n)`` returns the smallest size ``>= n`` or None."""
 
     def __init__(self, sizes: Iterable[int]):
-        sizes = sorted(set(sizes))
-        if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
-            raise InputError(f"sizes must be a non-empty list of ints >= 1; got {sizes!r}")
+        given = list(sizes)
+        if not given or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in given):
+            raise InputError(f"sizes must be a non-empty list of ints >= 1; got {given!r}")
+        sizes = sorted(set(given))
         self.sizes: list[int] = sizes
 
     @property

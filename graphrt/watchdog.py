@@ -45,7 +45,7 @@ from typing import Callable
 
 import torch
 
-from graphrt.errors import GraphrtError
+from graphrt.errors import GraphrtError, InputError
 
 log = logging.getLogger("graphrt.watchdog")
 
@@ -100,7 +100,7 @@ def progress_tensors(num_layers: int, device) -> tuple[torch.Tensor, torch.Tenso
     """Allocate ``progress`` int64 ``[num_layers]`` and ``step_counter`` int64 ``[1]`` (zeros).
     Graph safety: host-only (allocation; do it before capture)."""
     if num_layers < 1:
-        raise ValueError(f"num_layers must be >= 1; got {num_layers}")
+        raise InputError(f"num_layers must be >= 1; got {num_layers}")
     return (torch.zeros(num_layers, dtype=torch.int64, device=device),
             torch.zeros(1, dtype=torch.int64, device=device))
 
@@ -198,14 +198,14 @@ class Watchdog:
                  on_stall: Callable[[StallError], None] | None = None,
                  clock: Callable[[], float] = time.monotonic):
         if progress.dim() != 1 or progress.dtype != torch.int64:
-            raise ValueError(f"progress must be int64 [num_layers]; got {progress.dtype} "
+            raise InputError(f"progress must be int64 [num_layers]; got {progress.dtype} "
                              f"{tuple(progress.shape)}")
         if step_counter.shape != (1,) or step_counter.dtype != torch.int64 \
                 or step_counter.device != progress.device:
-            raise ValueError(f"step_counter must be int64 [1] on {progress.device}; got "
+            raise InputError(f"step_counter must be int64 [1] on {progress.device}; got "
                              f"{step_counter.dtype} {tuple(step_counter.shape)} on {step_counter.device}")
         if timeout_s <= 0 or poll_s <= 0:
-            raise ValueError(f"timeout_s and poll_s must be > 0; got {timeout_s}, {poll_s}")
+            raise InputError(f"timeout_s and poll_s must be > 0; got {timeout_s}, {poll_s}")
         self.progress, self.step_counter, self.rank = progress, step_counter, rank
         self.timeout_s, self.poll_s, self.on_stall, self.clock = timeout_s, poll_s, on_stall, clock
         self.num_layers = progress.numel()

@@ -7,6 +7,7 @@ import os
 import torch
 
 from graphrt.env import env_flag, flag_value, triton_interpret
+from graphrt.errors import InputError
 
 
 def interpreting() -> bool:
@@ -21,7 +22,7 @@ def interpreting() -> bool:
 def check(cond: bool, what: str, expected: object, got: object) -> None:
     """Raise ``ValueError`` stating what was expected and what came, unless ``cond``."""
     if not cond:
-        raise ValueError(f"{what}: expected {expected}, got {got}")
+        raise InputError(f"{what}: expected {expected}, got {got}")
 
 
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -45,7 +46,7 @@ def check_apart(out: torch.Tensor, name: str, others: dict, why: str) -> None:
     (programs read them while others write ``out``). Host-only."""
     for other, t in others.items():
         if t is not None and overlaps(out, t):
-            raise ValueError(f"{name}: expected a tensor apart from {other} ({why}), got one "
+            raise InputError(f"{name}: expected a tensor apart from {other} ({why}), got one "
                              f"that shares its memory; pass a separate buffer")
 
 
@@ -58,7 +59,7 @@ def check_tensor(t: torch.Tensor, name: str, *, shape=None, dtype=None, device=N
                  contiguous: bool = False) -> None:
     """Validate a launcher argument; ``shape`` entries may be ``None`` (any size)."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        raise InputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if dtype is not None:
         dtypes = dtype if isinstance(dtype, (tuple, list)) else (dtype,)
         check(t.dtype in dtypes, f"{name}.dtype", " or ".join(map(str, dtypes)), t.dtype)

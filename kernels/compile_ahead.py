@@ -40,6 +40,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from graphrt.env import env_flag
+from graphrt.errors import InputError
 
 MODULE_PREFIX = "graphrt.kernels"  # kernels whose launches a block turns into warm-ups
 MAX_THREADS = 16
@@ -59,10 +60,10 @@ def threads() -> int:
         try:
             n = int(raw)
         except ValueError:
-            raise ValueError(f"GRAPHRT_COMPILE_THREADS: expected a positive integer, got "
+            raise InputError(f"GRAPHRT_COMPILE_THREADS: expected a positive integer, got "
                              f"{raw!r}; unset it for the default") from None
         if n < 1:
-            raise ValueError(f"GRAPHRT_COMPILE_THREADS: expected a positive integer, got {n}; "
+            raise InputError(f"GRAPHRT_COMPILE_THREADS: expected a positive integer, got {n}; "
                              "turn compiling ahead off with GRAPHRT_COMPILE_AHEAD=0")
         return n
     try:

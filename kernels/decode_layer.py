@@ -77,6 +77,7 @@ import triton
 import triton.language as tl
 
 from graphrt.env import env_flag, env_int
+from graphrt.errors import BackendError
 
 from ._masked import _silu_mul
 from ._pdl import pdl_late_trigger, pdl_trigger, pdl_wait
@@ -647,7 +648,7 @@ def _occupancy(args: tuple, const: dict, dev: torch.device) -> dict:
                 ctypes.byref(blocks), ctypes.c_void_p(kernel.function),
                 ctypes.c_int(const["num_warps"] * 32), ctypes.c_size_t(kernel.metadata.shared))
         if err:
-            raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed ({err})")
+            raise BackendError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed ({err})")
         _RESIDENT[key] = dict(per_sm=blocks.value, regs=kernel.n_regs, spills=kernel.n_spills,
                               smem=kernel.metadata.shared)
     return _RESIDENT[key]

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphrt.errors import BackendError
+
 from ._pdl import pdl_trigger, pdl_wait
 from ._util import check, check_tensor, interpreting, pdl_args
 from .dense_gemv import _check_xw_out, _k_tile, _xw_tiles
@@ -215,7 +217,7 @@ def semaphore_for(w: torch.Tensor) -> torch.Tensor:
     sem = _SEMAPHORES.get(key)
     if sem is None:
         if w.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
+            raise BackendError(
                 f"dense_mma: no semaphore yet for the weight {tuple(w.shape)} at "
                 f"{w.data_ptr():#x}, and the stream is capturing; run the step once eagerly "
                 "before capture (or call graphrt.kernels.dense_mma.semaphore_for(w) then)")

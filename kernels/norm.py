@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphrt.errors import InputError
+
 from ._pdl import pdl_prologue
 from ._util import check, check_apart, check_tensor, pdl_args
 from .combine import _combine_row, combine_kernel_args
@@ -110,7 +112,7 @@ def add_rmsnorm(x: torch.Tensor, *deltas: torch.Tensor, weight: torch.Tensor, ep
         deltas = (x, *deltas)  # a stand-in for d1 (not read): NUM_ADD counts the combine
     if deltas:
         if out_residual is None:
-            raise ValueError("add_rmsnorm: out_residual is required when deltas are given "
+            raise InputError("add_rmsnorm: out_residual is required when deltas are given "
                              "(pass x itself to update the residual in place)")
         check_tensor(out_residual, "out_residual", **like)
         if combine is not None:

@@ -13,6 +13,8 @@ import importlib
 
 import torch
 
+from graphrt.errors import BackendError, InputError
+
 from .ops import _KERNELS, _originals
 
 
@@ -21,7 +23,7 @@ def _flat(combine) -> tuple:
     if combine is None:
         return (None,) * 5
     if not isinstance(combine, (tuple, list)) or len(combine) != 5:
-        raise ValueError("combine: expected (y, topk_ids, topk_weights, pos, n), as "
+        raise InputError("combine: expected (y, topk_ids, topk_weights, pos, n), as "
                          f"combine_masked takes them; got {combine!r:.80}")
     return tuple(combine)
 
@@ -102,7 +104,7 @@ def _wrappers() -> dict[tuple[str, str], object]:
 
     def add_rmsnorm_(x, *deltas, weight, eps, out, out_residual=None, combine=None):
         if len(deltas) + (combine is not None) > 2:
-            raise ValueError(f"number of deltas (the combine included): expected 0, 1 or 2, "
+            raise InputError(f"number of deltas (the combine included): expected 0, 1 or 2, "
                              f"got {len(deltas) + (combine is not None)}")
         d1, d2 = (list(deltas) + [None, None])[:2]
         res = out_residual if deltas or combine is not None else None
@@ -143,7 +145,7 @@ def _wrappers() -> dict[tuple[str, str], object]:
     def norm_gemv_rows_(x, *deltas, norm_weight, eps, w, out, out_residual=None, preload=False,
                         out_normed=None, combine=None):
         if len(deltas) + (combine is not None) > 2:
-            raise ValueError(f"number of deltas (the combine included): expected 0, 1 or 2, "
+            raise InputError(f"number of deltas (the combine included): expected 0, 1 or 2, "
                              f"got {len(deltas) + (combine is not None)}")
         d1, d2 = (list(deltas) + [None, None])[:2]
         if out_residual is None:  # a None mutated argument breaks torch 2.11's fake-tensor tracing
@@ -192,7 +194,7 @@ def launchers_as_ops():
     a function, or ``module.f(...)``) through the ``graphrt::`` ops for the duration; DeepGEMM
     is patched only when it imports. Not re-entrant. Host-only (patches module attributes)."""
     if _originals:
-        raise RuntimeError("graphrt.kernels.ops.launchers_as_ops() is already active (not re-entrant)")
+        raise BackendError("graphrt.kernels.ops.launchers_as_ops() is already active (not re-entrant)")
     try:
         for (module, name), wrapper in _wrappers().items():
             try:

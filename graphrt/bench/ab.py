@@ -114,6 +114,7 @@ import statistics
 import torch
 
 from graphrt.env import env_override
+from graphrt.errors import InputError
 
 
 @contextlib.contextmanager
@@ -254,7 +255,7 @@ def parse_variant(variant: str) -> list[str]:
     parts = variant.split("+")
     bad = [p for p in parts if p not in SWITCHES]
     if bad or not variant:
-        raise ValueError(f"switch must be one of {sorted(SWITCHES)}, or several joined by '+'; "
+        raise InputError(f"switch must be one of {sorted(SWITCHES)}, or several joined by '+'; "
                          f"got {variant!r}")
     return parts
 

@@ -44,6 +44,7 @@ import time
 import torch
 
 from graphrt.bench.output import int_list, save_doc
+from graphrt.errors import InputError
 
 SCHEMA = "graphrt.bench.contention/1"
 DEPTHS_KB = (4, 16, 32, 64, 128)  # KB in flight an SM (o-proj preload: 128 KB an SM)
@@ -58,7 +59,7 @@ def round_elems(depth_kb: int, programs_per_sm: int) -> int:
     otherwise. Host-only."""
     elems, rest = divmod(depth_kb * 256, max(programs_per_sm, 1))
     if programs_per_sm < 1 or rest or not 32 <= elems <= MAX_ROUND or elems & (elems - 1):
-        raise ValueError(f"--depths: expected KB an SM that give each of the {programs_per_sm} "
+        raise InputError(f"--depths: expected KB an SM that give each of the {programs_per_sm} "
                          f"programs an SM a power-of-two round of 32 to {MAX_ROUND} fp32 "
                          f"(depth x 256 / programs; more programs an SM for deeper floods), "
                          f"got {depth_kb}")

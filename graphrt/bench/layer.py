@@ -29,6 +29,7 @@ import time
 import torch
 
 from graphrt.bench.output import save_doc
+from graphrt.errors import InputError
 
 SCHEMA = "graphrt.bench.layer/1"
 OPTIONS = {"programs": int, "warps": int, "tile": int, "pipe": int}
@@ -45,12 +46,12 @@ def parse_variant(text: str) -> dict:
     for part in text.split(","):
         key, sep, val = part.partition("=")
         if not sep or key not in OPTIONS:
-            raise ValueError(f"variant {text!r}: expected 'default' or comma-separated "
+            raise InputError(f"variant {text!r}: expected 'default' or comma-separated "
                              f"key=int with keys {sorted(OPTIONS)}, got {part!r}")
         try:
             out[key] = OPTIONS[key](val)
         except ValueError:
-            raise ValueError(f"variant {text!r}: {key} needs an int, got {val!r}") from None
+            raise InputError(f"variant {text!r}: {key} needs an int, got {val!r}") from None
     return out
 
 

@@ -65,6 +65,7 @@ import torch
 
 from graphrt.bench.loop_timing import (ReplayTimer, StepSpans, TimedRuntime, _sync, _timed,
                                        device_bound_step_us)
+from graphrt.errors import InputError
 
 LOOP_STEPS, LOOP_WARMUP = 1000, 50
 LOOPS = ("sync", "sync-zero-copy", "async", "async-fused")
@@ -176,7 +177,7 @@ def bench_loop(cfg, device, sizes: list[int], *, steps: int = LOOP_STEPS, warmup
     model = MoEModel(cfg, device, comm=comm)
     rank, world = model.comm.rank, model.comm.num_ranks
     if world > 1 and coordinator is None:
-        raise ValueError(f"bench_loop over {world} ranks needs coordinator=RankCoordinator("
+        raise InputError(f"bench_loop over {world} ranks needs coordinator=RankCoordinator("
                          "uniform=comm.uniform_batch): ranks agree on the captured sizes")
     loops, skipped = runnable_loops(loops, coordinator)
     barrier = None
@@ -239,7 +240,7 @@ def merge_ranks(rows: list, every: list) -> list:
     for i, row in enumerate(rows):
         per = [s[i] for s in every]
         if any(p["bs"] != row["bs"] or set(p["loops"]) != set(row["loops"]) for p in per):
-            raise ValueError(f"ranks ran different rows at bs {row['bs']}: "
+            raise InputError(f"ranks ran different rows at bs {row['bs']}: "
                              f"{[(p['bs'], sorted(p['loops'])) for p in per]}")
         row["identical_per_rank"] = [p["identical"] for p in per]
         row["identical"] = all(row["identical_per_rank"])

@@ -32,6 +32,7 @@ from graphrt.bench.console import Progress
 from graphrt.bench.modes_compile import run_compile, run_naive_compile, trace_compile_cpu
 from graphrt.bench.timing import cuda_time_us, hbm_bandwidth_gbs, host_call_us, wall_time_us
 from graphrt.capture.verify import row_rel_err
+from graphrt.errors import InputError
 
 MODES = ("eager", "compile", "graph", "graph-overlap", "naive", "naive-compile", "naive-graph")
 _NEEDS_CUDA = {"graph": "CUDA graphs need a CUDA GPU", "graph-overlap": "CUDA graphs need a CUDA GPU",
@@ -53,7 +54,7 @@ def parse_modes(modes) -> list[str]:
         picked |= {"naive", "naive-compile", "naive-graph"} if m == "naive" else {m}
     bad = sorted(picked - set(MODES))
     if bad or not picked:
-        raise ValueError(f"unknown mode(s) {bad or names}; expected some of {', '.join(MODES)}")
+        raise InputError(f"unknown mode(s) {bad or names}; expected some of {', '.join(MODES)}")
     return [m for m in MODES if m in picked]
 
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 import os
 import tempfile
 
+from graphrt.errors import GraphrtError
+
 OUTPUT_NAMES = ("results.json", "results.md", "step_time.png", "over_floor.png")
 
 
-class OutDirError(Exception):
+class OutDirError(GraphrtError):
     """``--out`` cannot take the results; the message is one line for stderr."""
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from graphrt.comm.base import Dispatched, Receiver, ep_group
-from graphrt.errors import GraphrtError
+from graphrt.errors import GraphrtError, InputError
 
 SUPPORTED_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
 MAX_TOPK = 11
@@ -72,7 +72,7 @@ class DeepEPLowLatencyComm:
                  max_tokens: int = 128, group=None, fp8: bool = False, mode: str = "hook"):
         check_shape(hidden, num_topk, max_tokens)
         if mode not in ("hook", "event"):
-            raise ValueError(f"mode must be 'hook' or 'event'; got {mode!r}")
+            raise InputError(f"mode must be 'hook' or 'event'; got {mode!r}")
         self.group, self.rank, self.num_ranks, self.num_local_experts = ep_group(
             group, num_experts, "DeepEPLowLatencyComm", error=DeepEPRuleError)
         import deep_ep

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from graphrt.comm.base import Dispatched, Receiver, on_side_stream, round_up
+from graphrt.errors import InputError
 
 
 class LocalComm:
@@ -51,7 +52,7 @@ class LocalComm:
         from graphrt.kernels.dispatch import dispatch_masked
         bs = x.shape[0]
         if bs > self.max_tokens:
-            raise ValueError(f"LocalComm.dispatch: {bs} tokens exceed max_tokens={self.max_tokens}; "
+            raise InputError(f"LocalComm.dispatch: {bs} tokens exceed max_tokens={self.max_tokens}; "
                              "build the comm with a larger max_tokens")
         outs, d = self._layout(bs, topk_ids.shape[1])
         dispatch_masked(x, topk_ids, **outs)

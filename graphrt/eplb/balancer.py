@@ -65,10 +65,10 @@ class ExpertBalancer:
                  min_gain: float = 0.02, stream=None):
         from graphrt.eplb.expert_map import ExpertMap
         if interval < 1:
-            raise ValueError(f"interval must be >= 1 step; got {interval}")
+            raise InputError(f"interval must be >= 1 step; got {interval}")
         if isinstance(source, ExpertMap):
             if slots is None or store is None:
-                raise ValueError("ExpertBalancer(expert_map) needs slots= (per layer, "
+                raise InputError("ExpertBalancer(expert_map) needs slots= (per layer, "
                                  "{name: [S, ...]} slot weights) and store= (a HostExpertStore)")
             self.model, self.map = None, source
         elif getattr(source, "expert_map", None) is not None:
@@ -76,17 +76,17 @@ class ExpertBalancer:
             slots = [layer.moe.experts.slot_tensors() for layer in source.layers]
             store = store or HostExpertStore.for_model(source)
         else:
-            raise ValueError("ExpertBalancer needs a model built with eplb=EPLBConfig(...) or "
+            raise InputError("ExpertBalancer needs a model built with eplb=EPLBConfig(...) or "
                              f"an ExpertMap; got {type(source).__name__}")
         if len(slots) != self.map.num_layers:
-            raise ValueError(f"slots names {len(slots)} layers; the map has {self.map.num_layers}")
+            raise InputError(f"slots names {len(slots)} layers; the map has {self.map.num_layers}")
         self.interval, self.min_gain = interval, min_gain
         self.store, self._slots = store, list(slots)
         self._check_store()
         for i, layer_slots in enumerate(self._slots):
             for name, t in layer_slots.items():
                 if t.shape[0] != self.map.slots_per_rank:
-                    raise ValueError(f"slots[{i}][{name!r}] holds {t.shape[0]} slots; the map "
+                    raise InputError(f"slots[{i}][{name!r}] holds {t.shape[0]} slots; the map "
                                      f"has {self.map.slots_per_rank} per rank")
         self.cuda = self.map.device.type == "cuda"
         self.stream = (stream or torch.cuda.Stream(self.map.device)) if self.cuda else None

@@ -101,13 +101,13 @@ class EPLBConfig:
 
     def __init__(self, redundant: int = 0, table_size: int = 16):
         if redundant < 0 or table_size < 1:
-            raise ValueError(f"EPLBConfig needs redundant >= 0 and table_size >= 1; got "
+            raise InputError(f"EPLBConfig needs redundant >= 0 and table_size >= 1; got "
                              f"{redundant}, {table_size}")
         self.redundant, self.table_size = int(redundant), int(table_size)
 
     def slots_per_rank(self, num_experts: int, num_ranks: int) -> int:
         if num_experts % num_ranks:
-            raise ValueError(f"{num_experts} experts do not split over {num_ranks} ranks")
+            raise InputError(f"{num_experts} experts do not split over {num_ranks} ranks")
         return num_experts // num_ranks + self.redundant
 
     def physical_experts(self, num_experts: int, num_ranks: int) -> int:

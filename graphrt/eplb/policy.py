@@ -40,11 +40,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from graphrt.errors import InputError
+
 
 def _check(cond: bool, what: str, expected: object, got: object) -> None:
     """Raise ``ValueError`` stating what was expected and what came, unless ``cond``."""
     if not cond:
-        raise ValueError(f"{what}: expected {expected}, got {got}")
+        raise InputError(f"{what}: expected {expected}, got {got}")
 
 
 def _describe(a) -> str:
@@ -125,7 +127,7 @@ class Placement:
         if bad.size:
             layer, e, m = bad[0].tolist()
             p = int(tb[layer, e, m])
-            raise ValueError(f"table[{layer}, {e}, {m}]: expected a slot holding expert {e}, got "
+            raise InputError(f"table[{layer}, {e}, {m}]: expected a slot holding expert {e}, got "
                              f"slot {p} (rank {p // self.slots_per_rank}) holding expert "
                              f"{int(held[layer, e, m])} ({len(bad)} bad entries in all)")
         return self

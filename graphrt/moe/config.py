@@ -20,6 +20,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from graphrt.errors import InputError
+
 
 # What the reference model's kernels take (kernels.routing's _MAX_EXPERTS and _MAX_TOPK,
 # kernels.attention's head dims; tests/test_moe_cpu.py keeps these equal to them).
@@ -54,7 +56,7 @@ class MoEConfig:
     def __post_init__(self):
         def need(cond, what):
             if not cond:
-                raise ValueError(f"MoEConfig {self.name!r}: {what}")
+                raise InputError(f"MoEConfig {self.name!r}: {what}")
         dims = ("hidden", "num_layers", "num_experts", "moe_inter", "num_heads", "num_kv_heads",
                 "head_dim", "vocab_size")
         bad = {d: getattr(self, d) for d in dims if not getattr(self, d) > 0}
@@ -141,7 +143,7 @@ def preset(name: str, layers: int | None = None, experts: int | None = None, **o
     else falls back to one group.
     """
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+        raise InputError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
     cfg = PRESETS[name]
     if layers is not None:
         overrides["num_layers"] = layers

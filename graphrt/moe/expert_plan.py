@@ -45,6 +45,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from graphrt.errors import BackendError, InputError
+
 PLAN_VERSION = 1
 KERNELS = ("decode", "swap", "rows", "triton", "deepgemm")
 DECODE_BLOCK_NS = (16, 32, 64, 128)  # the decode kernel's block_n (its BLOCK_NS)
@@ -71,23 +73,23 @@ class Choice:
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
-            raise ValueError(f"Choice.kernel: expected one of {KERNELS}, got {self.kernel!r}")
+            raise InputError(f"Choice.kernel: expected one of {KERNELS}, got {self.kernel!r}")
         if self.num_warps not in NUM_WARPS:
-            raise ValueError(f"Choice.num_warps: expected one of {NUM_WARPS}, got {self.num_warps}")
+            raise InputError(f"Choice.num_warps: expected one of {NUM_WARPS}, got {self.num_warps}")
         if self.kernel in ("decode", "swap") and not (1 <= self.split_k <= MAX_SPLIT):
-            raise ValueError(f"Choice.split_k: expected 1..{MAX_SPLIT}, got {self.split_k}")
+            raise InputError(f"Choice.split_k: expected 1..{MAX_SPLIT}, got {self.split_k}")
         if self.kernel == "decode" and self.block_n not in DECODE_BLOCK_NS:
-            raise ValueError(f"Choice.block_n with kernel 'decode': expected one of "
+            raise InputError(f"Choice.block_n with kernel 'decode': expected one of "
                              f"{DECODE_BLOCK_NS}, got {self.block_n}")
         if self.kernel == "swap" and self.block_n not in SWAP_BLOCK_NS:
-            raise ValueError(f"Choice.block_n with kernel 'swap': expected one of "
+            raise InputError(f"Choice.block_n with kernel 'swap': expected one of "
                              f"{SWAP_BLOCK_NS}, got {self.block_n}")
         if self.kernel == "rows":
             if self.block_n not in ROWS_BLOCK_NS:
-                raise ValueError(f"Choice.block_n with kernel 'rows': expected one of "
+                raise InputError(f"Choice.block_n with kernel 'rows': expected one of "
                                  f"{ROWS_BLOCK_NS}, got {self.block_n}")
             if self.split_k != 1:
-                raise ValueError(f"Choice.split_k with kernel 'rows': expected 1 (no split-K), "
+                raise InputError(f"Choice.split_k with kernel 'rows': expected 1 (no split-K), "
                                  f"got {self.split_k}")
 
     @property
@@ -295,7 +297,7 @@ class ExpertPlan:
 
     def _load(self, table: dict) -> None:
         if table.get("version") != PLAN_VERSION or not isinstance(table.get("plan"), dict):
-            raise ValueError(f"expert plan: expected {{'version': {PLAN_VERSION}, 'plan': "
+            raise InputError(f"expert plan: expected {{'version': {PLAN_VERSION}, 'plan': "
                              f"{{key: {{padded_bs: choice}}}}}}, got keys {sorted(table)}")
         for key, sizes in table["plan"].items():
             for bs, entry in sizes.items():
@@ -501,7 +503,7 @@ def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: 
             plan.record(key, padded_bs, default_choice(n, len(rows)))
         return
     if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"expert plan for batch {padded_bs}: measuring needs the device "
+        raise BackendError(f"expert plan for batch {padded_bs}: measuring needs the device "
                            "synchronized, but a stream is capturing; call the model's "
                            "prepare(padded_bs) before capture (graphrt does, via before_replay)")
     em = expected_m_of(padded_bs, num_topk, E, cap=cap)
@@ -529,7 +531,7 @@ def plan_size(plan: ExpertPlan, experts, padded_bs: int, *, cap: int, num_topk: 
         timed, timings = choose_timed(cands, time_one,
                                       on_error=lambda: torch.cuda.synchronize(device))
         if not timed:
-            raise RuntimeError(f"expert plan for {key} at batch {padded_bs}: every candidate "
+            raise BackendError(f"expert plan for {key} at batch {padded_bs}: every candidate "
                                f"failed: {timings}")
         best = min(timed, key=lambda t: t[0])
         others = [t for t in timed if t[1].kernel != best[1].kernel]  # the fallback's pool

@@ -36,6 +36,7 @@ import functools
 import torch
 
 from graphrt.env import env_auto, env_flag
+from graphrt.errors import BackendError, InputError
 from graphrt.moe.expert_plan import MAX_SPLIT, SPLIT_ROWS, Choice, shape_key
 
 
@@ -56,7 +57,7 @@ def quantize_weight_fp8(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor
     Host-only (setup)."""
     G, N, K = w.shape
     if N % block or K % block:
-        raise ValueError(f"fp8 weights need N and K multiples of {block}; got {tuple(w.shape)}")
+        raise InputError(f"fp8 weights need N and K multiples of {block}; got {tuple(w.shape)}")
     q = torch.empty(G, N, K, dtype=torch.float8_e4m3fn, device=w.device)
     scale = torch.empty(G, N // block, K // block, dtype=torch.float32, device=w.device)
     for g in range(G):  # one expert at a time: an fp32 copy of all experts would not fit
@@ -139,13 +140,13 @@ class Experts:
             backend = ("deepgemm" if deep_gemm_available() and on_cuda
                        else "decode" if fp8 else "triton")
         if backend not in ("deepgemm", "triton", "decode", "rows"):
-            raise ValueError(f"backend must be auto, deepgemm, triton, decode or rows; "
+            raise InputError(f"backend must be auto, deepgemm, triton, decode or rows; "
                              f"got {backend!r}")
         if backend == "deepgemm" and not deep_gemm_available():
-            raise RuntimeError("backend='deepgemm' but deep_gemm does not import on a Hopper GPU here")
+            raise BackendError("backend='deepgemm' but deep_gemm does not import on a Hopper GPU here")
         if fp8 and backend in ("triton", "rows"):
             which = "the row-tiled Triton GEMM" if backend == "triton" else "the rows kernel"
-            raise ValueError("fp8 experts need DeepGEMM or the decode kernel (backend='deepgemm', "
+            raise InputError("fp8 experts need DeepGEMM or the decode kernel (backend='deepgemm', "
                              f"'decode' or 'auto'); {which} is bf16 only")
         self.hidden, self.inter, self.E = hidden, inter, num_local_experts
         self.backend, self.fp8, self.dtype = backend, fp8, dtype
@@ -167,7 +168,7 @@ class Experts:
         self.expert_ids = (list(range(first_expert, first_expert + self.E)) if expert_ids is None
                            else [int(e) for e in expert_ids])
         if len(self.expert_ids) != self.E:
-            raise ValueError(f"expert_ids names {len(self.expert_ids)} experts for "
+            raise InputError(f"expert_ids names {len(self.expert_ids)} experts for "
                              f"{self.E} local slots")
         self.w13 = torch.empty(self.E, 2 * inter, hidden, device=device, dtype=dtype)
         self.w2 = torch.empty(self.E, hidden, inter, device=device, dtype=dtype)
@@ -246,10 +247,10 @@ class Experts:
         the Triton masked GEMM on W13. Graph safety: capturable."""
         if epilogue is not None and (which != "w13" or choice.split_k != 1 or choice.kernel
                                      not in ("decode", "swap", "triton")):
-            raise ValueError(f"epilogue={epilogue!r} on {which}: expected the unsplit decode "
+            raise InputError(f"epilogue={epilogue!r} on {which}: expected the unsplit decode "
                              f"kernel or the Triton kernel on w13, got {choice.name}")
         if act is not None and (choice.kernel, which) not in (("decode", "w2"), ("rows", "w13")):
-            raise ValueError(f"act={act!r} on {which}: expected the decode kernel on w2 or the "
+            raise InputError(f"act={act!r} on {which}: expected the decode kernel on w2 or the "
                              f"rows kernel on w13 (the GEMMs with a fused activation), got "
                              f"{choice.kernel!r}")
         w = (self.w13_q if which == "w13" else self.w2_q) if self.fp8 else \
@@ -262,7 +263,7 @@ class Experts:
                 deep_gemm.m_grouped_bf16_gemm_nt_masked(a, w, out, masked_m, expected_m)
         elif choice.kernel == "rows":
             if self.fp8:
-                raise ValueError("choice.kernel 'rows': expected bf16 experts (the rows kernel "
+                raise InputError("choice.kernel 'rows': expected bf16 experts (the rows kernel "
                                  "has no fp8 path), got fp8; use the decode kernel")
             from graphrt.kernels.grouped_gemv_rows import expert_gemv_rows
             expert_gemv_rows(a, w, masked_m, out=out, block_n=choice.block_n or None,
@@ -311,7 +312,7 @@ class Experts:
         ``topk_weights`` fp32 ``[1, K]``; ``n`` int32 ``[1]``. bf16 experts only
         (ValueError with fp8). Graph safety: capturable."""
         if self.fp8:
-            raise ValueError("Experts.routed: expected bf16 experts (the routed one-row kernels "
+            raise InputError("Experts.routed: expected bf16 experts (the routed one-row kernels "
                              "have no fp8 path), got fp8; use the masked path (__call__)")
         from graphrt.kernels.routed_gemv import routed_w13, routed_w2_combine
         act = self.ws.view("a", (topk_ids.shape[1], self.inter))

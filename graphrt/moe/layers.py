@@ -13,6 +13,7 @@ import os
 import torch
 
 from graphrt.env import env_choice, env_flag
+from graphrt.errors import InputError
 from graphrt.moe.config import MoEConfig
 
 
@@ -271,7 +272,7 @@ class Router:
             return w, ids
         if logits is not None:
             if not self.takes_logits():
-                raise ValueError("Router: logits given, but this router makes its own "
+                raise InputError("Router: logits given, but this router makes its own "
                                  "(logit_bias set or the fused path on); pass logits=None")
         else:
             logits = self.gate(h)
@@ -439,7 +440,7 @@ class Attention:
         from graphrt.kernels.prefetch import l2_prefetch
         programs = self.prefetch_programs
         if programs is not None and programs > self.sink.numel():
-            raise ValueError(f"Attention.prefetch_programs {programs} exceeds the sink's "
+            raise InputError(f"Attention.prefetch_programs {programs} exceeds the sink's "
                              f"{self.sink.numel()} entries (one per chunk of wo)")
         return on_side_stream(self.side, lambda: l2_prefetch(w, sink=self.sink, programs=programs),
                               self.sink, keep=(w,))

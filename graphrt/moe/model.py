@@ -36,6 +36,7 @@ import torch
 from graphrt.comm.base import EPComm
 from graphrt.comm.local import LocalComm
 from graphrt.env import env_auto, env_flag
+from graphrt.errors import BackendError, InputError
 from graphrt.moe.config import MoEConfig
 from graphrt.moe.experts import Experts
 from graphrt.moe import paged_kv
@@ -248,7 +249,7 @@ class DecoderLayer:
                 return mg
         from graphrt.kernels.gate_fold import fold_gate_weights
         if _capturing(gate.device):
-            raise RuntimeError("DecoderLayer.fold_gate: the router gate, the MoE norm or the "
+            raise BackendError("DecoderLayer.fold_gate: the router gate, the MoE norm or the "
                                "o-projection changed since they were folded, and a stream is "
                                "capturing; run one eager step (or capture again) after changing "
                                "weights, so the fold is made outside the capture")
@@ -418,7 +419,7 @@ class MoEModel:
         self.comm = comm or LocalComm(physical, cfg.hidden, cfg.num_topk, self.device,
                                       max_tokens=cfg.num_slots)
         if self.comm.num_experts != physical:
-            raise ValueError(f"comm has {self.comm.num_experts} experts; this model needs "
+            raise InputError(f"comm has {self.comm.num_experts} experts; this model needs "
                              f"{physical}" + ("" if eplb is None else
                              f" physical slots ({cfg.num_experts} experts, {eplb}, "
                              f"{ranks} ranks): build the comm with num_experts={physical}"))
@@ -554,7 +555,7 @@ class MoEModel:
         bake the bias tensor (its values may change in place later). Host-only."""
         if bias is not None:
             if bias.shape != (self.cfg.num_experts,):
-                raise ValueError(f"router bias must be [{self.cfg.num_experts}]; got {tuple(bias.shape)}")
+                raise InputError(f"router bias must be [{self.cfg.num_experts}]; got {tuple(bias.shape)}")
             bias = bias.to(device=self.device, dtype=self.cfg.dtype)
         for layer in self.layers:
             layer.moe.router.logit_bias = bias
@@ -624,7 +625,7 @@ class MoEModel:
         """The step as graphrt captures it, for batches of up to ``max_batch_size`` requests."""
         cfg = self.cfg
         if max_batch_size > cfg.num_slots:
-            raise ValueError(f"max_batch_size {max_batch_size} exceeds the {cfg.num_slots} "
+            raise InputError(f"max_batch_size {max_batch_size} exceeds the {cfg.num_slots} "
                              f"requests {cfg.name}'s KV cache is sized for (num_slots)")
         # The KV caches are not declared as state: a snapshot would double their memory, and
         # graph and eager write the same K/V into the same slots, so checks need no restore.
@@ -659,7 +660,7 @@ def _make_plan(expert_plan, backend: str):
     from graphrt.moe.expert_plan import ExpertPlan
     if backend != "auto":
         if expert_plan is not None:
-            raise ValueError(f"expert_plan= needs backend='auto' (a per-size plan); got "
+            raise InputError(f"expert_plan= needs backend='auto' (a per-size plan); got "
                              f"backend={backend!r}, which fixes the expert GEMM")
         return None
     if expert_plan is None or isinstance(expert_plan, ExpertPlan):
@@ -676,7 +677,7 @@ def _make_cache(plan_cache, plan, device: torch.device):
     from graphrt.moe.plan_cache import PlanCache
     cache = plan_cache if isinstance(plan_cache, PlanCache) else PlanCache(plan_cache)
     if plan is None:
-        raise ValueError("plan_cache= needs backend='auto' (a per-size plan to keep); a fixed "
+        raise InputError("plan_cache= needs backend='auto' (a per-size plan to keep); a fixed "
                          "backend measures nothing: drop plan_cache or use backend='auto'")
     return cache if device.type == "cuda" else None
 

@@ -43,6 +43,7 @@ import warnings
 from pathlib import Path
 
 from graphrt.env import OFF
+from graphrt.errors import InputError
 from graphrt.moe.expert_plan import PLAN_VERSION, ExpertPlan
 
 FORMAT = 1
@@ -117,7 +118,7 @@ class PlanCache:
         table = plan.to_json()["plan"]
         size = str(int(padded_bs))
         if any(size not in table.get(k, {}) for k in keys):
-            raise ValueError(f"plan cache: the plan has no entry for batch {padded_bs} of "
+            raise InputError(f"plan cache: the plan has no entry for batch {padded_bs} of "
                              f"every key {keys}: measure the size (plan_size) first")
         sizes = self._read(fingerprint)
         sizes[size] = {"cap": int(cap), "plan": {k: table[k][size] for k in keys}}

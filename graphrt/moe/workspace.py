@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from graphrt.errors import InputError
+
 
 class Workspace:
     def __init__(self, device):
@@ -26,7 +28,7 @@ class Workspace:
         numel = math.prod(shape)
         buf = self._bufs.get(name)
         if buf is not None and buf.dtype != dtype:
-            raise ValueError(f"workspace {name!r} holds {buf.dtype}, asked for {dtype}")
+            raise InputError(f"workspace {name!r} holds {buf.dtype}, asked for {dtype}")
         if buf is None or buf.numel() < numel:
             self._bufs[name] = torch.empty(numel, dtype=dtype, device=self.device)
 
@@ -35,7 +37,7 @@ class Workspace:
         buf = self._bufs[name]
         numel = math.prod(shape)
         if numel > buf.numel():
-            raise ValueError(f"workspace {name!r} holds {buf.numel()} elements, a call needs "
+            raise InputError(f"workspace {name!r} holds {buf.numel()} elements, a call needs "
                              f"{numel} for shape {tuple(shape)}: reserve for a larger batch")
         return buf[:numel].view(shape)
 

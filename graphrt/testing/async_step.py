@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from graphrt.errors import InputError
 from graphrt.spec import Input, StepSpec
 from graphrt.testing.staging import PinnedRing
 
@@ -150,7 +151,7 @@ def fused_spec(model, max_batch_size: int) -> StepSpec:
     """
     cfg, dev = model.cfg, model.device
     if cfg.scratch_slot >= 2**31 or cfg.vocab_size >= 2**31:
-        raise ValueError(f"{cfg.name}: slots and token ids must fit int32 for packed rows")
+        raise InputError(f"{cfg.name}: slots and token ids must fit int32 for packed rows")
     sampled = torch.zeros(max_batch_size, dtype=torch.int64, device=dev)
     width = len(ROW_COLS) + cfg.max_blocks_per_seq
     vocab, ctx, slot_s, block_s = cfg.vocab_size, cfg.max_ctx, cfg.scratch_slot, cfg.scratch_block

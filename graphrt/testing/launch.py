@@ -17,6 +17,8 @@ import traceback
 
 import torch
 
+from graphrt.errors import InputError
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -58,7 +60,7 @@ def make_comm(name: str, cfg, device, max_tokens: int, *, num_experts: int | Non
     if name == "local":
         from graphrt.comm.local import LocalComm
         return LocalComm(E, cfg.hidden, cfg.num_topk, device, max_tokens=max_tokens)
-    raise ValueError(f"unknown comm {name!r}; expected deepep[-hook|-event], nccl or local")
+    raise InputError(f"unknown comm {name!r}; expected deepep[-hook|-event], nccl or local")
 
 
 def _entry(rank, world, port, out_dir, fn, args, setup=None):
