@@ -10,7 +10,7 @@
 Importing graphrt imports torch but never initialises CUDA and never imports triton,
 deep_ep or deep_gemm; those load where they are used.
 """
-from graphrt.errors import (CaptureError, DeviceError, GraphrtError, InputError,
+from graphrt.errors import (BackendError, CaptureError, DeviceError, GraphrtError, InputError,
                             LeaseHeldError, NoGraphForBatch, NotCapturedError, ReplayMismatch, StaleOutputError,
                             ThreadOwnershipError)
 from graphrt.spec import Input, StepSpec
@@ -21,7 +21,7 @@ from graphrt.runtime import GraphRuntime
 from graphrt._version import __version__
 
 __all__ = [
-    "CaptureError", "DeviceError", "Finding", "GraphRuntime", "GraphSafetyError", "GraphrtError",
+    "BackendError", "CaptureError", "DeviceError", "Finding", "GraphRuntime", "GraphSafetyError", "GraphrtError",
     "Input", "InputError", "LeaseHeldError", "NoGraphForBatch", "NotCapturedError", "ReplayMismatch",
     "SafetyReport", "SizeTable", "StaleOutputError", "StepSpec", "ThreadOwnershipError",
     "capture_sizes", "__version__",
