@@ -28,6 +28,7 @@ from typing import Any, Iterable
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.overrides import _get_current_function_mode_stack as _function_mode_stack
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -73,14 +74,54 @@ class _FunctionMode(TorchFunctionMode):
         return out
 
 
+# Namespaces of PyTorch's own operators; any other is a custom op (``torch.library``).
+_TORCH_NAMESPACES = frozenset({"aten", "prims", "prim", "_c10d_functional", "c10d", "profiler",
+                               "rngprims", "debugprims", "quantized", "_quantized"})
+_BACKEND_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+
+
+def _custom_body_key(func, args, kwargs) -> str | None:
+    """The dispatch key (``CPU`` / ``CUDA``) whose kernel of the custom op ``func`` runs with
+    the analysis on (its body's torch calls and ATen ops analyzed like the step's own); None
+    for PyTorch's own ops and where the op has no kernel for its tensors' device."""
+    if not isinstance(func, torch._ops.OpOverload) or func.namespace in _TORCH_NAMESPACES:
+        return None
+    device = next((t.device.type for t in tree_leaves((args, kwargs))
+                   if isinstance(t, torch.Tensor)), None)
+    key = _BACKEND_KEYS.get(device)
+    if key is None or not torch._C._dispatch_has_computed_kernel_for_dispatch_key(func.name(), key):
+        return None
+    return key
+
+
 class _DispatchMode(TorchDispatchMode):
     def __init__(self, analyzer: "SafetyAnalyzer"):
         super().__init__()
         self.a = analyzer
 
+    def _custom_body(self, func, key: str, args, kwargs):
+        """Run a custom op's kernel (the vLLM / SGLang way of wrapping a layer) with both
+        modes pushed again: inside ``__torch_dispatch__`` they are off, so a ``.item()`` in
+        the body was one opaque op on CPU stand-ins. Its ops report at the body's lines, on
+        CPU and CUDA alike."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self)
+            fmode = self.a.fmode
+            if fmode is not None and fmode not in _function_mode_stack():
+                stack.enter_context(fmode)
+            keys = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+            return func.redispatch(keys, *args, **kwargs)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         a = self.a
+        body = _custom_body_key(func, args, kwargs)
+        if body is not None:
+            out = self._custom_body(func, body, args, kwargs)  # its own ops report for it
+            if a.writes is not None:
+                a.writes.note(func, args, kwargs, out)
+            self._trace(func, out)
+            return out
         suppressed = bool(a.frames and a.frames[-1])
         if not suppressed:
             hit = classify_aten(func, args, kwargs, cuda=a.cuda, host=a.host)
@@ -100,11 +141,15 @@ class _DispatchMode(TorchDispatchMode):
                              "Find a sync-free form or move it out of the step")
             if a.streams is not None:
                 a.streams.note_work()
+        self._trace(func, out)
+        return out
+
+    def _trace(self, func, out) -> None:
+        a = self.a
         if a.trace is not None:
             shapes = tuple(tuple(t.shape) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
-            file, line = user_site(2)
+            file, line = user_site(3)
             a.trace.append(TraceOp(str(func.overloadpacket.__name__), shapes, file, line))
-        return out
 
 
 class SafetyAnalyzer:
@@ -132,6 +177,7 @@ class SafetyAnalyzer:
         self.warnings: list | None = None
         self.streams: StreamAudit | None = None
         self.receivers = ReceiverLedger()
+        self.fmode: _FunctionMode | None = None
         self._exits: list = []
         self._seen: set = set()
 
@@ -205,6 +251,7 @@ class SafetyAnalyzer:
             self.receivers.__enter__()
             self._exits.append(lambda: self.receivers.__exit__(None, None, None))
             fmode, dmode = _FunctionMode(self), _DispatchMode(self)
+            self.fmode = fmode
             fmode.__enter__()
             self._exits.append(lambda: fmode.__exit__(None, None, None))
             dmode.__enter__()
