@@ -36,7 +36,7 @@ from graphrt.capture.audit import ReceiverLedger, StreamAudit
 from graphrt.capture.host import HostData
 from graphrt.capture.report import Finding, SafetyReport
 from graphrt.capture.rules import SAFE, classify_aten, classify_call
-from graphrt.capture.sites import user_site
+from graphrt.capture.sites import is_user_file, user_site
 from graphrt.capture.writes import WriteLog
 from graphrt.spec import StepSpec
 
@@ -128,6 +128,7 @@ class _DispatchMode(TorchDispatchMode):
             if hit is not None:
                 a.report(hit.kind, hit.op, hit.message)
                 suppressed = True  # the rule names the cause: not the sync debug mode too
+        a.loose_sync_warnings()
         n_warn = len(a.warnings) if a.warnings is not None else 0
         with a.quiet():  # the op's own syncs are the sync debug mode's to report
             out = func(*args, **kwargs)
@@ -139,6 +140,8 @@ class _DispatchMode(TorchDispatchMode):
                     a.report("host-sync", f"aten.{func.overloadpacket.__name__}",
                              "torch.cuda sync debug mode: this op synchronizes with the host. "
                              "Find a sync-free form or move it out of the step")
+            if a.warnings is not None:
+                a.warn_mark = len(a.warnings)  # this op's: reported above (or suppressed)
             if a.streams is not None:
                 a.streams.note_work()
         self._trace(func, out)
@@ -175,6 +178,7 @@ class SafetyAnalyzer:
         self.frames: list[bool] = []
         self.trace: list[TraceOp] | None = [] if trace else None
         self.warnings: list | None = None
+        self.warn_mark = 0  # warnings before it are accounted for (an op's, or loose ones)
         self.streams: StreamAudit | None = None
         self.receivers = ReceiverLedger()
         self.fmode: _FunctionMode | None = None
@@ -261,7 +265,26 @@ class SafetyAnalyzer:
             raise
         return self
 
+    def loose_sync_warnings(self) -> None:
+        """Sync debug mode warnings raised outside any ATen op since the last one (a
+        ``torch.Stream.synchronize()``, whose methods cannot be patched): a ``host-sync`` at
+        the warning's line when that line is the user's and has none yet."""
+        if self.warnings is None:
+            return
+        loose, self.warn_mark = self.warnings[self.warn_mark:], len(self.warnings)
+        for w in loose:
+            site = (w.filename, w.lineno)
+            if _SYNC_WARNING not in str(w.message) or not is_user_file(w.filename) or any(
+                    f.kind == "host-sync" and (f.file, f.line) == site for f in self.findings):
+                continue
+            self._seen.add(("host-sync", *site, "synchronize"))
+            self.findings.append(Finding("host-sync", "error", "synchronize", *site,
+                                         "torch.cuda sync debug mode: this call synchronizes "
+                                         "with the host. Order work with events "
+                                         "(stream.wait_event) instead", self.size))
+
     def _restore_warnings(self, wcm):
+        self.loose_sync_warnings()
         caught = list(self.warnings or [])
         wcm.__exit__(None, None, None)
         for w in caught:  # hand back the user's own warnings

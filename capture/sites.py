@@ -63,6 +63,12 @@ def _classify(filename: str) -> int:
     return 0
 
 
+def is_user_file(filename: str) -> bool:
+    """Whether ``filename`` is the user's code (not torch, triton, the standard library or
+    graphrt)."""
+    return _classify(filename) == 0
+
+
 def calling_site(skip: int = 1) -> tuple[str, int]:
     """``(file, line)`` of the innermost frame outside torch, triton, the standard library
     and graphrt's capture machinery: the line that made the current torch call, in the

@@ -208,3 +208,20 @@ def test_factories_under_set_default_device_make_device_tensors():
         assert analyze_step(_xs_spec(copy), [2], "cpu").safe
     finally:
         torch.set_default_device(None)
+
+
+def test_a_sync_warning_outside_any_op_is_a_finding_at_its_line():
+    """CUDA's sync debug mode warns at the user's line for ``torch.Stream.synchronize()``,
+    outside any ATen op, where no check looked: the analysis dropped it. Now a loose sync
+    warning at a user line is a host-sync there (once; not for library lines, other warnings
+    or lines already reported)."""
+    a = SafetyAnalyzer("cpu", size=4)
+
+    def msg(text, line, file=__file__):
+        return warnings.WarningMessage(UserWarning(text), UserWarning, file, line)
+    sync = "called a synchronizing CUDA operation"
+    a.warnings = [msg(sync, 10), msg("something else", 11), msg(sync, 12, torch.__file__)]
+    a.loose_sync_warnings()
+    a.warnings.append(msg(sync, 10))  # the same line again
+    a.loose_sync_warnings()
+    assert [(f.kind, f.file, f.line, f.size) for f in a.findings] == [("host-sync", __file__, 10, 4)]

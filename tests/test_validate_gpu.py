@@ -116,6 +116,19 @@ def test_generic_join_unseen_in_an_engine_process_says_why():
     assert all("graphrt validate --device cuda" in f.message for f in findings)
 
 
+def test_stream_synchronize_found_in_an_engine_process():
+    """Without the GPU trace, ``torch.Stream.synchronize()`` is still found, from the sync
+    debug mode's warning at its line (it was dropped: the warning came outside any ATen op);
+    ``torch.Event.synchronize()`` and ``torch.accelerator.synchronize()`` raise no warning and
+    are found by the command only."""
+    from graphrt.capture.audit import following_device_events
+    assert not following_device_events()
+    result = validate(f"{GENERIC}:gpu_bad_generic_syncs", SIZES, "cuda")
+    found = {(f.kind, f.line) for f in result.report.findings}
+    first = min(expectations(GENERIC, "gpu_")["gpu_bad_generic_syncs"], key=lambda kl: kl[1])
+    assert found == {first}, result.report.table()
+
+
 def test_undeclared_state_is_restored_not_reported(monkeypatch):
     """The KV cache and the step counter the step writes are found by the analysis and passed
     on as ``state``; without that (detection off) the same safe step mismatches."""
