@@ -11,6 +11,7 @@ Importing graphrt imports torch but never initialises CUDA and never imports tri
 deep_ep or deep_gemm; those load where they are used.
 """
 from graphrt.errors import (BackendError, CaptureError, DeviceError, GraphrtError, InputError,
+                            InputTypeError,
                             LeaseHeldError, NoGraphForBatch, NotCapturedError, ReplayMismatch, StaleOutputError,
                             ThreadOwnershipError)
 from graphrt.spec import Input, StepSpec
@@ -22,7 +23,7 @@ from graphrt._version import __version__
 
 __all__ = [
     "BackendError", "CaptureError", "DeviceError", "Finding", "GraphRuntime", "GraphSafetyError", "GraphrtError",
-    "Input", "InputError", "LeaseHeldError", "NoGraphForBatch", "NotCapturedError", "ReplayMismatch",
+    "Input", "InputError", "InputTypeError", "LeaseHeldError", "NoGraphForBatch", "NotCapturedError", "ReplayMismatch",
     "SafetyReport", "SizeTable", "StaleOutputError", "StepSpec", "ThreadOwnershipError",
     "capture_sizes", "__version__",
 ]

@@ -5,7 +5,8 @@ errors of the embedding API (all re-exported by ``graphrt``): ``InputError``,
 ``NoGraphForBatch``, ``StaleOutputError`` (and ``LeaseHeldError``), ``CaptureError``, ``ReplayMismatch``,
 ``NotCapturedError``, ``ThreadOwnershipError``, ``DeviceError`` and ``BackendError``.
 ``InputError`` (also a ``ValueError``) is what every argument check raises, from ``run()``'s
-inputs to a constructor's arguments.
+inputs to a constructor's arguments; ``InputTypeError`` (also a ``TypeError``) when the
+argument's type is wrong.
 
 Errors that belong to one part live beside it:
 
@@ -31,6 +32,10 @@ class GraphrtError(Exception):
 class InputError(GraphrtError, ValueError):
     """A value graphrt was given is not valid: an input to ``GraphRuntime.run`` that does not
     match the ``StepSpec``, a spec field, an argument of a constructor or a launcher."""
+
+
+class InputTypeError(InputError, TypeError):
+    """An argument of the wrong type (a list where a tensor goes); also a ``TypeError``."""
 
 
 class NoGraphForBatch(GraphrtError):

@@ -7,7 +7,7 @@ import os
 import torch
 
 from graphrt.env import env_flag, flag_value, triton_interpret
-from graphrt.errors import InputError
+from graphrt.errors import InputError, InputTypeError
 
 
 def interpreting() -> bool:
@@ -59,7 +59,7 @@ def check_tensor(t: torch.Tensor, name: str, *, shape=None, dtype=None, device=N
                  contiguous: bool = False) -> None:
     """Validate a launcher argument; ``shape`` entries may be ``None`` (any size)."""
     if not isinstance(t, torch.Tensor):
-        raise InputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        raise InputTypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if dtype is not None:
         dtypes = dtype if isinstance(dtype, (tuple, list)) else (dtype,)
         check(t.dtype in dtypes, f"{name}.dtype", " or ".join(map(str, dtypes)), t.dtype)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphrt.errors import InputError
 from graphrt.kernels.grouped_gemm_decode import decode_grouped_gemm, decode_grouped_gemm_ref
 from graphrt.kernels.grouped_gemv_rows import (expert_gemv_rows, expert_gemv_rows_config,
                                                expert_gemv_rows_ref)
@@ -212,7 +211,7 @@ def test_validation(bad, match):
 
 def test_validation_type_error():
     args = _bad_args()
-    with pytest.raises(InputError, match="out: expected a torch.Tensor"):
+    with pytest.raises(TypeError, match="out: expected a torch.Tensor"):
         expert_gemv_rows(args["a"], args["b"], args["masked_m"], out=None)
 
 
