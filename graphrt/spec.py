@@ -364,16 +364,24 @@ class StepSpec:
         dimension is ``padded_bs`` is batch-major. Pass ``rows`` (a runtime's
         ``manager.signature``, or ``{key: kind}``) for a fixed output that happens to be that
         long)."""
-        from graphrt.outputs import OutputLayout, OutputSignature
-        if isinstance(rows, OutputSignature):
-            rows = dict(zip(rows.layout.keys or (0,), rows.rows))
         n = self.batch_of(inputs)
         first = next(iter(inputs.values()))
         out = self.call(self.pad_inputs(inputs, padded_bs), self.live_count_tensor(n, first.device))
+        return self.live_outputs(out, n, max(padded_bs, n), rows)
+
+    def live_outputs(self, out: Any, n: int, padded_bs: int,
+                     rows: Mapping[Any, str] | None = None) -> Any:
+        """``fn``'s outputs ``out`` of a ``padded_bs``-row call as a graph hands them back:
+        batch-major ones trimmed to the ``n`` live rows. ``rows``: each output's kind (or a
+        runtime's ``OutputSignature``); when None, ``outputs=``'s declarations, then a guess:
+        an output whose first dimension is ``padded_bs`` is batch-major."""
+        from graphrt.outputs import OutputLayout, OutputSignature
+        if isinstance(rows, OutputSignature):
+            rows = dict(zip(rows.layout.keys or (0,), rows.rows))
         layout, flat = OutputLayout.flatten(out, where=self.name)
         if rows is None:
             declared = dict(self.outputs or {})
-            rows = {key: declared.get(key) or ("batch" if t.dim() and t.shape[0] == max(padded_bs, n)
+            rows = {key: declared.get(key) or ("batch" if t.dim() and t.shape[0] == padded_bs
                                               else "fixed")
                     for key, t in zip(layout.keys or (0,), flat)}
         return layout.build([t[:n] if rows[key] == "batch" else t

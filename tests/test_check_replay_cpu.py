@@ -1,5 +1,7 @@
-"""``check_replay`` on CPU (``FakeCaptureManager`` stands in for CUDA graph capture): each
-check must be able to fail. Found by a review, each failed before its fix."""
+"""``check_replay`` and the eager references of ``graphrt.testing`` on CPU
+(``FakeCaptureManager`` stands in for CUDA graph capture): each check must be able to fail,
+each reference must compute what the replay does. Found by a review; each failed before
+its fix."""
 from __future__ import annotations
 
 import pytest
@@ -62,3 +64,40 @@ def test_complex_outputs_are_checked():
         live_count="n")
     rt = graphrt.GraphRuntime(spec, sizes=[8], device="cpu", progress=False).capture()
     assert any(not r.ok and r.what == "padding-inert" for r in rt.check_replay(raise_on_mismatch=False))
+
+
+def test_eager_step_plans_its_size_as_a_replay_does():
+    """``eager_step`` (the reference of ``compare_graph_eager`` and ``soak``) skipped
+    ``before_replay`` and ran with the last size's plan: 2 of 7 rows instead of 7."""
+    from graphrt.testing.engine import eager_step, graph_step
+    plan = torch.zeros((), dtype=torch.int32)
+
+    def step(x, n):
+        return {"logits": x * (torch.arange(x.shape[0]) < plan).to(x.dtype)[:, None]}
+    spec = graphrt.StepSpec(step, {"x": graphrt.Input((None, 2), torch.float32)}, 8,
+                            live_count="n", before_replay=lambda padded_bs, n: plan.fill_(padded_bs))
+    rt = graphrt.GraphRuntime(spec, sizes=[2, 8], device="cpu", progress=False).capture()
+    g, e = graph_step(rt), eager_step(spec, rt.sizes)
+    x2, x7 = torch.ones(2, 2), torch.ones(7, 2)
+    g(x=x2)
+    want = g(x=x7).clone()
+    g(x=x2)
+    assert torch.equal(e(x=x7), want) and want.sum() == 14
+
+
+def test_eager_runtime_keeps_a_declared_fixed_output_whole():
+    """Per-expert counts ``[4]`` at padded size 4: EagerRuntime guessed batch-major and
+    trimmed them to the 3 live rows, where the graph hands back all 4."""
+    from graphrt.testing.staging import EagerRuntime
+
+    def step(ids, n):
+        live = (torch.arange(ids.shape[0]) < n).long()
+        return {"logits": ids[:, None].float(),
+                "load": torch.zeros(4, dtype=torch.long).index_add_(0, ids % 4, live)}
+    spec = graphrt.StepSpec(step, {"ids": graphrt.Input((None,), torch.int64, high=100)}, 8,
+                            live_count="n", outputs={"logits": "batch", "load": "fixed"})
+    ids = torch.tensor([1, 2, 3])
+    rt = graphrt.GraphRuntime(spec, sizes=[4, 8], device="cpu", progress=False).capture()
+    want = rt.run(ids=ids)["load"].clone()
+    got = EagerRuntime(spec, [4, 8]).run(ids=ids)["load"]
+    assert torch.equal(got, want) and got.tolist() == [0, 1, 1, 1]

@@ -247,12 +247,16 @@ def graph_step(rt):
 
 def eager_step(spec, sizes):
     """``step_fn`` running ``spec`` eagerly at the padded size a graph of ``sizes`` would use
-    (pad rows at ``pad_value``, live count ``n``): bitwise what the replay computes."""
+    (``before_replay`` first, pad rows at ``pad_value``, live count ``n``): bitwise what the
+    replay computes."""
     table = SizeTable(sizes)
 
     def step(**inputs):
-        n = next(iter(inputs.values())).shape[0]
-        return spec.call_padded(inputs, table.pick(n) or n)["logits"]
+        n = spec.batch_of(inputs)
+        padded = table.pick(n) or n
+        if spec.before_replay is not None:  # as a replay: the plan for this size first
+            spec.before_replay(padded, n)
+        return spec.call_padded(inputs, padded)["logits"]
     return step
 
 

@@ -147,11 +147,9 @@ class EagerRuntime:
         return self._call(n, size)
 
     def _call(self, n: int, size: int):
-        from graphrt.outputs import OutputLayout
         if self.spec.before_replay is not None:
             self.spec.before_replay(size, n)
         self.counters["replays"] += 1
         with torch.no_grad():
             out = self.spec.call(self.stager.views(size), self.stager.n_dev)
-        layout, flat = OutputLayout.flatten(out, where=self.spec.name)
-        return layout.build([t[:n] if t.dim() and t.shape[0] == size else t for t in flat])
+        return self.spec.live_outputs(out, n, size)  # outputs= declarations first
