@@ -316,8 +316,19 @@ class CaptureManager:
         warmed); allocate the shared static outputs once, outside the graph pool."""
         if len(outs) == 1 and self.stager.max_bs > 1:
             (size,) = outs
-            probe = 1 if size > 1 else 2
-            outs = {**outs, probe: self._warm(probe, stream)}
+            names = OutputLayout.flatten(outs[size], where=self.spec.name)[0].names
+            declared = self.spec.outputs or {}
+            if not all(k in declared for k in names):  # (all declared: one size is enough)
+                probe = 1 if size > 1 else 2
+                try:
+                    outs = {**outs, probe: self._warm(probe, stream)}
+                except Exception as exc:
+                    raise InputError(
+                        f"{self.spec.name}: only batch {size} warmed up, so capture ran the step "
+                        f"at batch {probe} to tell batch-major outputs from fixed ones, and it "
+                        f"raised {type(exc).__name__}: {exc}. Declare every output's kind "
+                        f"(StepSpec(outputs={{...}}) for {list(map(str, names))}) or capture "
+                        "two sizes") from exc
         self.signature = sig = infer_signature(outs, self.spec.outputs, where=self.spec.name)
         with torch.inference_mode(False):
             self.static_outputs = [torch.empty(sig.static_shape(i, self.stager.max_bs),

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import graphrt
+from graphrt.capture.manager import CaptureManager as RealCaptureManager
 from tests.fakes.graphs import FakeCaptureManager
 from tests.fakes.specs import every_kind_spec
 
@@ -101,3 +102,35 @@ def test_eager_runtime_keeps_a_declared_fixed_output_whole():
     want = rt.run(ids=ids)["load"].clone()
     got = EagerRuntime(spec, [4, 8]).run(ids=ids)["load"]
     assert torch.equal(got, want) and got.tolist() == [0, 1, 1, 1]
+
+
+def _manager(spec):
+    """A real ``CaptureManager``, built without CUDA for ``_set_signature`` alone: its
+    warm-up is the step on the static inputs, as ``_warm`` runs it."""
+    from graphrt.replay_policy import Stager
+    m = object.__new__(RealCaptureManager)
+    m.spec, m.device = spec, torch.device("cpu")
+    m.stager = Stager(spec, spec.max_batch_size, m.device)
+    m._warm = lambda size, stream: spec.call(m.stager.views(size), m.stager.n_dev)
+    return m
+
+
+def test_one_size_probe_that_fails_is_an_input_error_that_says_what_to_do():
+    """With one size, capture probes another to tell batch-major outputs from fixed ones;
+    a step that cannot run there raised its own RuntimeError, with no failure recorded."""
+    from graphrt.errors import InputError
+
+    def step(x, n):
+        if x.shape[0] < 4:
+            raise RuntimeError(f"kernel has no config for {x.shape[0]} rows")
+        return {"y": x * 2}
+    spec = graphrt.StepSpec(step, {"x": graphrt.Input((None, 4), torch.float32)}, 8,
+                            live_count="n")
+    m = _manager(spec)
+    with pytest.raises(InputError, match=r"only batch 8 warmed up.*at batch 1.*no config for 1 "
+                                         r"rows.*outputs=\{\.\.\.\}\) for \['y'\]"):
+        m._set_signature({8: m._warm(8, None)}, None)
+    declared = graphrt.StepSpec(step, spec.inputs, 8, live_count="n", outputs={"y": "batch"})
+    m = _manager(declared)
+    m._set_signature({8: m._warm(8, None)}, None)  # all declared: no probe
+    assert m.signature.rows == ("batch",) and m.static_outputs[0].shape == (8, 4)
