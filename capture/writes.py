@@ -67,7 +67,8 @@ class WriteLog:
                     continue
                 if not self.host.is_host(t):
                     self.written[key] = t
-        results = out if isinstance(out, (tuple, list)) else (out,)
+        # one return (a Tensor, or a Tensor[] as _foreach_* give) takes the whole result
+        results = out if len(schema.returns) > 1 else (out,)
         for ret, value in zip(schema.returns, results):
             if ret.alias_info is None:  # a new allocation, not a view or an in-place result
                 self.fresh.update(k for t in _leaves(value) if (k := storage_key(t)) is not None)

@@ -271,6 +271,22 @@ def test_state_detection_ignores_inputs_and_host_memory():
     assert rep.state[0].shape == view_base.shape
 
 
+def test_state_detection_sees_every_result_of_a_list_op_as_fresh():
+    """``_foreach_mul`` returns one ``Tensor[]``: only its first result was marked fresh, and
+    an in-place write to the second was reported as persistent state (one per run)."""
+    kv = torch.zeros(16, 4)
+
+    def step(x):
+        kv[: x.shape[0]].copy_(x)
+        a, b = torch._foreach_mul([x, x], 2.0)
+        b.add_(1)
+        return a + b
+
+    spec = graphrt.StepSpec(step, {"x": graphrt.Input((None, 4), torch.float32)}, 8)
+    rep = analyze_step(spec, [4], "cpu")
+    assert [t.data_ptr() for t in rep.state] == [kv.data_ptr()], [tuple(t.shape) for t in rep.state]
+
+
 def test_validate_passes_detected_state_on():
     """``graphrt validate`` hands the state the analysis found to the CUDA checks; on CPU the
     report carries it (not in the JSON)."""
