@@ -76,18 +76,22 @@ def write_outputs(dst: list[torch.Tensor], flat: list[torch.Tensor], names, wher
     and returned it (``StepSpec.out``: the same memory, shape, strides and dtype). Returns the
     copies made. A shape other than the buffer's raises ``InputError``. Capturable: under
     capture each copy is a node of the graph."""
-    copies = 0
+    buffers = {d.untyped_storage().data_ptr() for d in dst}
+    todo = []
     for i, (d, s) in enumerate(zip(dst, flat)):
         if s.shape != d.shape:
             raise InputError(f"{where} output {names[i]!r}: shape {tuple(s.shape)} at batch "
                              f"{size} under capture, {tuple(d.shape)} during warm-up")
         if s.data_ptr() == d.data_ptr() and s.stride() == d.stride() and s.dtype == d.dtype:
             continue  # written in place by the step
-        if s.untyped_storage().data_ptr() == d.untyped_storage().data_ptr():
-            s = s.clone()  # another view of the buffer itself: copy from a copy
+        if s.untyped_storage().data_ptr() in buffers:
+            # a view of a buffer some copy writes (its own, or another output's handed back
+            # in the wrong place): copy from a copy taken before any copy lands
+            s = s.clone()
+        todo.append((d, s))
+    for d, s in todo:
         d.copy_(s)
-        copies += 1
-    return copies
+    return len(todo)
 
 
 class CaptureWarning(UserWarning):

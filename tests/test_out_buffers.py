@@ -60,6 +60,14 @@ def test_write_outputs_copies_what_the_step_did_not_write_in_place():
         write_outputs([torch.zeros(3, 4)], [torch.zeros(2, 4)], ("y",), "step", 3)
 
 
+def test_outputs_handed_back_in_each_others_buffers_land_right():
+    """Output a returned in buffer b and b in a: the first copy overwrote the second's source
+    (both came out 2; b should be 1). Sources in any buffer are copied first."""
+    a, b = torch.full((2,), 1.0), torch.full((2,), 2.0)
+    assert write_outputs([a, b], [b, a], ("a", "b"), "step", 2) == 2
+    assert a.tolist() == [2.0, 2.0] and b.tolist() == [1.0, 1.0]
+
+
 def _in_place_step(calls):
     """``{"y": 2x (batch), "total": sum (fixed)}``, written into ``out`` when given."""
     def step(x, n, out=None):
