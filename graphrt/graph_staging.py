@@ -144,9 +144,10 @@ class GraphStaging:
 
 def plan(stager, size: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """``(name, static view, shadow)`` of each input graph ``size`` stages in the graph: those
-    ``mode()`` names (the default: inputs alone in their dtype; ``all``: every batch or fixed
+    ``mode()`` names (``1``: inputs alone in their dtype; ``all``: every batch or fixed
     input) whose static view is raw-copyable (``cudart.raw_copyable``: contiguous, some bytes,
-    not complex); [] when ``enabled`` is False. Offsets inputs are never taken: their padding
+    not complex); [] under the default mode ``table`` (the staging table stages instead), under
+    ``0``, and when ``enabled`` is False. Offsets inputs are never taken: their padding
     continues the last live offset, which a copy before the graph must read after the live
     entries were written. Shadows (one per
     input, the static buffer's shape, outside any graph pool) are made once per stager, and

@@ -43,3 +43,20 @@ def test_a_rank_that_dies_without_reporting_is_named():
     assert res[1]["ok"] is False and "exit code 3" in res[1]["error"]
     assert res[0]["ok"] is False and res[0].get("killed")
     assert first_failure(res) is res[1]
+
+
+def test_ranks_killed_at_the_timeout_are_reaped(tmp_path, monkeypatch):
+    """Killed ranks were never joined and stayed zombies of the caller."""
+    import os
+    monkeypatch.setenv("GRAPHRT_TEST_PID_DIR", str(tmp_path))
+    with pytest.raises(TimeoutError, match="did not finish within 25 s"):
+        spawn(ranks.hangs_after_pid, 2, setup=ranks.no_setup, timeout_s=25)
+    pids = [int((tmp_path / str(r)).read_text()) for r in range(2)]
+
+    def state(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split()[2]
+        except OSError:
+            return "gone"
+    assert {state(p) for p in pids} == {"gone"}, {p: state(p) for p in pids}

@@ -122,6 +122,8 @@ def spawn(fn, world: int, *args, timeout_s: float = 600, grace_s: float = 30,
                 for p in ctx.processes:
                     if p.is_alive():
                         p.kill()
+                for p in ctx.processes:  # reap them: no zombies left behind
+                    p.join(timeout=5)
                 if failed_at is None:
                     raise TimeoutError(f"ranks did not finish within {timeout_s} s")
                 break

@@ -27,3 +27,10 @@ def raises_and_peer_waits(rank, world):
         raise RuntimeError("the real error on rank 1")
     time.sleep(60)
     return {"value": 0}
+
+
+def hangs_after_pid(rank, world):
+    """Writes its pid to ``$GRAPHRT_TEST_PID_DIR/<rank>``, then hangs past any timeout."""
+    with open(os.path.join(os.environ["GRAPHRT_TEST_PID_DIR"], str(rank)), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
