@@ -41,11 +41,17 @@ class InputTypeError(InputError, TypeError):
 class NoGraphForBatch(GraphrtError):
     """The live batch is larger than the largest captured size and eager fallback is off."""
 
-    def __init__(self, batch: int, largest: int | None, why: str | None = None):
+    def __init__(self, batch: int, largest: int | None, why: str | None = None,
+                 replay: bool = False):
         self.batch, self.largest = batch, largest
         if why is not None:
             msg = (f"no captured graph for a batch of {batch} rows: {why}. Use run() (it runs "
                    "that size eagerly) or fix the capture failure")
+        elif replay:  # replay() / input_buffers(): a graph or nothing, whatever oversize= says
+            msg = (f"no captured graph for a batch of {batch} rows: the largest captured size "
+                   f"is {largest}, and replay()/input_buffers() only replay graphs. Use run() "
+                   "(with oversize='eager' it runs a larger batch eagerly), capture a larger "
+                   f"size (sizes=[..., {batch}]), or split the batch.")
         else:
             msg = (f"no captured graph for a batch of {batch} rows: the largest captured size "
                    f"is {largest}. Capture a larger size (sizes=[..., {batch}]), split the "

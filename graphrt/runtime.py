@@ -38,6 +38,8 @@ from graphrt.spec import StepSpec
 from graphrt.state import StateGuard
 from graphrt.step_cache import StepCache
 
+_NOT_CAPTURED = "capture() has not been called"
+
 
 class GraphRuntime:
     """Capture a ``StepSpec`` per padded batch size and replay the right graph each step.
@@ -108,7 +110,7 @@ class GraphRuntime:
         self.graphs: dict = {}
         self.failures: dict = {}
         self.manager = None
-        self._captured: str | None = "capture() has not been called"  # None once complete
+        self._captured: str | None = _NOT_CAPTURED  # None once complete
         self._owner = threading.get_ident()
         self.lease = lease
         self.debug = debug_from_env() if debug is None else bool(debug)
@@ -228,6 +230,9 @@ class GraphRuntime:
         ``[n, padded_bs)``, sets the live count, replays. Graph safety: host-only."""
         if self._captured is not None or get_ident() != self._owner:
             self._check_ready("replay")
+        if self.coordinator is not None and self.coordinator.uniform:
+            raise GraphrtError("input_buffers()/replay() pick the graph from this rank's batch "
+                               "alone; with a uniform-batch backend (NCCL) use run()")
         plan = self._plans[n] if type(n) is int and 0 < n <= self._largest else None
         if plan is None:
             plan = self._plan_for(n, self._captured_graph(n))
@@ -246,7 +251,9 @@ class GraphRuntime:
             self._clock.bump()
 
     def _check_thread(self, what: str) -> None:
-        if threading.get_ident() != self._owner:
+        if threading.get_ident() != self._owner and not (
+                what == "capture" and self._captured == _NOT_CAPTURED):
+            # (the first capture may come from any thread: it takes the runtime over)
             raise ThreadOwnershipError(
                 f"GraphRuntime.{what}() from thread {threading.current_thread().name!r}, but the "
                 "runtime belongs to the thread that captured it: its static inputs and outputs "
@@ -275,7 +282,7 @@ class GraphRuntime:
                 raise NoGraphForBatch(n, max(self.graphs) if self.graphs else None,
                                       why=f"size {size} was not captured "
                                           f"({self.failures[size].summary})" if size in self.failures else None)
-            raise NoGraphForBatch(n, max(self.graphs) if self.graphs else None)
+            raise NoGraphForBatch(n, max(self.graphs) if self.graphs else None, replay=True)
         return g
 
     def _plan_for(self, n: int, g) -> "_Plan":
@@ -315,13 +322,13 @@ class GraphRuntime:
         if size is None and self.oversize == "raise":
             raise NoGraphForBatch(pick_n, max(self.graphs) if self.graphs else None)
         # Uniform-batch backends run eagerly at the agreed batch, padded, like the other ranks.
-        self.counters["eager"] += 1
         if self._before is not None:  # the step reads the plan of its padded size, as a replay
             self._before(pick_n, n)
         sig = self.manager.signature if self.manager is not None else None
         with torch.no_grad():
-            return self._owned(self.spec.call_padded(
-                inputs, pick_n, dict(zip(sig.layout.names, sig.rows)) if sig is not None else None))
+            out = self._owned(self.spec.call_padded(inputs, pick_n, sig))
+        self.counters["eager"] += 1  # counted once it ran, as replays are
+        return out
 
     def eager(self, **inputs: torch.Tensor) -> Any:
         """Run the step eagerly on exactly the live rows (no padding); in copy-out mode the
@@ -330,9 +337,10 @@ class GraphRuntime:
         last; ``check_replay`` calls the hook before its eager runs, and ``run``'s eager
         fallback calls it). Graph safety: host-only."""
         n = self.stager.check(inputs)
-        self.counters["eager"] += 1
         with torch.no_grad():
-            return self._owned(self.spec.call(inputs, self.spec.live_count_tensor(n, self.device)))
+            out = self._owned(self.spec.call(inputs, self.spec.live_count_tensor(n, self.device)))
+        self.counters["eager"] += 1
+        return out
 
     def _owned(self, out: Any) -> Any:
         """An eager step's outputs as ``run`` hands them out: in copy-out mode, clones (the

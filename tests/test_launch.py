@@ -47,7 +47,6 @@ def test_a_rank_that_dies_without_reporting_is_named():
 
 def test_ranks_killed_at_the_timeout_are_reaped(tmp_path, monkeypatch):
     """Killed ranks were never joined and stayed zombies of the caller."""
-    import os
     monkeypatch.setenv("GRAPHRT_TEST_PID_DIR", str(tmp_path))
     with pytest.raises(TimeoutError, match="did not finish within 25 s"):
         spawn(ranks.hangs_after_pid, 2, setup=ranks.no_setup, timeout_s=25)

@@ -101,7 +101,7 @@ def test_an_oversize_batch_names_the_largest_size_that_was_captured(fake_capture
     rt = graphrt.GraphRuntime(_spec(), sizes=[4, 16], device="cpu", strict=False,
                               progress=False, oversize="raise").capture()
     for call in (lambda: rt.run(x=torch.randn(17, 4)), lambda: rt.replay(17)):
-        with pytest.raises(graphrt.NoGraphForBatch, match=r"the largest captured size is 4\."):
+        with pytest.raises(graphrt.NoGraphForBatch, match=r"the largest captured size is 4[.,]"):
             call()
 
 
@@ -319,3 +319,74 @@ def test_state_that_requires_grad_is_put_back():
         with torch.no_grad():
             w.add_(5)
     assert (w == 0).all() and w.requires_grad
+
+
+def test_replay_above_the_largest_size_does_not_advise_oversize(fake_capture):
+    """replay()/input_buffers() only replay graphs: the error advised oversize='eager' to a
+    runtime that already had it."""
+    rt = graphrt.GraphRuntime(_spec(), sizes=[4, 8], device="cpu", progress=False).capture()
+    assert rt.oversize == "eager"
+    for call in (lambda: rt.input_buffers(17), lambda: rt.replay(17)):
+        with pytest.raises(graphrt.NoGraphForBatch, match=r"replay\(\)/input_buffers\(\) only "
+                                                          r"replay graphs\. Use run\(\)"):
+            call()
+
+
+def test_the_first_capture_may_come_from_another_thread(fake_capture):
+    """An engine builds the runtime on its main thread and captures on its model-runner
+    thread: refused, blaming "the thread that captured it" before any capture."""
+    rt = graphrt.GraphRuntime(_spec(), sizes=[4, 8], device="cpu", progress=False)
+    errors = []
+
+    def runner():
+        try:
+            rt.capture()
+            rt.run(x=torch.ones(3, 4))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+    t = threading.Thread(target=runner, name="model-runner")
+    t.start()
+    t.join()
+    assert errors == []
+    with pytest.raises(graphrt.ThreadOwnershipError, match="thread 'MainThread'"):
+        rt.run(x=torch.ones(3, 4))  # the runner owns it now
+    with pytest.raises(graphrt.ThreadOwnershipError):
+        rt.capture()                # a recapture comes from the owner
+
+
+def test_replay_is_refused_with_a_uniform_batch_coordinator(fake_capture):
+    """replay(n) picked its graph from this rank's batch alone with an NCCL-style
+    coordinator (no agreement, no debug check): ranks could replay different sizes."""
+    class Uniform:
+        uniform, debug_check = True, False
+
+        def agree_batch(self, n):
+            return n
+
+        def check_replay(self, size, mode):
+            pass
+
+        def all_ok(self, ok):
+            return ok
+    rt = graphrt.GraphRuntime(_spec(), sizes=[4, 8], device="cpu", progress=False,
+                              coordinator=Uniform()).capture()
+    rt.run(x=torch.ones(3, 4))
+    with pytest.raises(graphrt.GraphrtError, match="use run"):
+        rt.replay(3)
+
+
+def test_an_eager_run_that_raises_is_not_counted(fake_capture):
+    """counters["eager"] went up before the step ran; replays are counted once launched."""
+    def step(x):
+        if x.shape[0] > 8:
+            raise RuntimeError("beyond the comm buffer's max_tokens")
+        return {"y": x * 2}
+    spec = graphrt.StepSpec(step, {"x": graphrt.Input((None, 4), torch.float32)}, 16)
+    rt = graphrt.GraphRuntime(spec, sizes=[4, 8], device="cpu", progress=False).capture()
+    with pytest.raises(RuntimeError, match="max_tokens"):
+        rt.run(x=torch.ones(12, 4))
+    with pytest.raises(RuntimeError, match="max_tokens"):
+        rt.eager(x=torch.ones(12, 4))
+    assert rt.counters["eager"] == 0
+    rt.eager(x=torch.ones(3, 4))
+    assert rt.counters["eager"] == 1
