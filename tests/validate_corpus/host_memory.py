@@ -130,6 +130,8 @@ def safe_buffers_under_a_device_context(device):
         kv[: x.shape[0]] = x * 2
         with torch.device(x.device):
             scale = torch.full((1, H), 0.5)
-        return (hidden[: x.shape[0]] + kv[ids]) * scale
+        # each row reads its own rows back (kv[ids] read rows the padded rows write: not
+        # padding-inert, which check_replay's padded trials now always catch)
+        return (hidden[: x.shape[0]] + kv[: x.shape[0]]) * scale
 
     return _spec(step)
