@@ -83,13 +83,16 @@ _BACKEND_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 def _custom_body_key(func, args, kwargs) -> str | None:
     """The dispatch key (``CPU`` / ``CUDA``) whose kernel of the custom op ``func`` runs with
     the analysis on (its body's torch calls and ATen ops analyzed like the step's own); None
-    for PyTorch's own ops and where the op has no kernel for its tensors' device."""
+    for PyTorch's own ops, for tensors on another device (meta, ...) and where the op has no
+    kernel for that key. As the dispatcher picks: CUDA when any tensor is on CUDA (a CPU
+    scalar beside CUDA tensors runs the CUDA kernel)."""
     if not isinstance(func, torch._ops.OpOverload) or func.namespace in _TORCH_NAMESPACES:
         return None
-    device = next((t.device.type for t in tree_leaves((args, kwargs))
-                   if isinstance(t, torch.Tensor)), None)
-    key = _BACKEND_KEYS.get(device)
-    if key is None or not torch._C._dispatch_has_computed_kernel_for_dispatch_key(func.name(), key):
+    devices = {t.device.type for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    if not devices or not devices <= set(_BACKEND_KEYS):
+        return None
+    key = "CUDA" if "cuda" in devices else "CPU"
+    if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(func.name(), key):
         return None
     return key
 
@@ -117,7 +120,15 @@ class _DispatchMode(TorchDispatchMode):
         a = self.a
         body = _custom_body_key(func, args, kwargs)
         if body is not None:
-            out = self._custom_body(func, body, args, kwargs)  # its own ops report for it
+            a.loose_sync_warnings()
+            # a sync no ATen op of the body claims (a C++ kernel's own: its warning comes
+            # from torch's frame, not a user line) is the op's, at its call
+            a.bodies.append((f"{func.namespace}.{func.overloadpacket.__name__}", user_site(2)))
+            try:
+                out = self._custom_body(func, body, args, kwargs)  # its own ops report for it
+                a.loose_sync_warnings()
+            finally:
+                a.bodies.pop()
             if a.writes is not None:
                 a.writes.note(func, args, kwargs, out)
             self._trace(func, out)
@@ -179,6 +190,7 @@ class SafetyAnalyzer:
         self.trace: list[TraceOp] | None = [] if trace else None
         self.warnings: list | None = None
         self.warn_mark = 0  # warnings before it are accounted for (an op's, or loose ones)
+        self.bodies: list[tuple[str, tuple[str, int]]] = []  # custom ops running: (op, call site)
         self.streams: StreamAudit | None = None
         self.receivers = ReceiverLedger()
         self.fmode: _FunctionMode | None = None
@@ -265,6 +277,10 @@ class SafetyAnalyzer:
             raise
         return self
 
+    def has_sync_at(self, site: tuple[str, int]) -> bool:
+        """Whether a ``host-sync`` is already reported at ``(file, line)``."""
+        return any(f.kind == "host-sync" and (f.file, f.line) == site for f in self.findings)
+
     def loose_sync_warnings(self) -> None:
         """Sync debug mode warnings raised outside any ATen op since the last one (a
         ``torch.Stream.synchronize()``, whose methods cannot be patched): a ``host-sync`` at
@@ -273,12 +289,17 @@ class SafetyAnalyzer:
             return
         loose, self.warn_mark = self.warnings[self.warn_mark:], len(self.warnings)
         for w in loose:
-            site = (w.filename, w.lineno)
-            if _SYNC_WARNING not in str(w.message) or not is_user_file(w.filename) or any(
-                    f.kind == "host-sync" and (f.file, f.line) == site for f in self.findings):
+            if _SYNC_WARNING not in str(w.message):
                 continue
-            self._seen.add(("host-sync", *site, "synchronize"))
-            self.findings.append(Finding("host-sync", "error", "synchronize", *site,
+            op, site = "synchronize", (w.filename, w.lineno)
+            if not is_user_file(w.filename):
+                if not self.bodies:  # torch's own frame outside any custom op: no line to name
+                    continue
+                op, site = self.bodies[-1]  # a custom op's kernel synced: the op, at its call
+            if self.has_sync_at(site):
+                continue
+            self._seen.add(("host-sync", *site, op))
+            self.findings.append(Finding("host-sync", "error", op, *site,
                                          "torch.cuda sync debug mode: this call synchronizes "
                                          "with the host. Order work with events "
                                          "(stream.wait_event) instead", self.size))

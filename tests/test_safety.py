@@ -225,3 +225,60 @@ def test_a_sync_warning_outside_any_op_is_a_finding_at_its_line():
     a.warnings.append(msg(sync, 10))  # the same line again
     a.loose_sync_warnings()
     assert [(f.kind, f.file, f.line, f.size) for f in a.findings] == [("host-sync", __file__, 10, 4)]
+
+
+_KERNEL_SYNC = {}
+# A C++ kernel's sync (c10's stream_synchronize) warns from torch's innermost frame, not the
+# user's: a warning raised by code compiled under torch/_ops.py's name stands in for it.
+exec(compile("import warnings\ndef kernel_sync():\n    warnings.warn('called a synchronizing "
+             "CUDA operation')\n", torch._ops.__file__, "exec"), _KERNEL_SYNC)
+
+
+@torch.library.custom_op("graphrt_test::fused_sync", mutates_args=())
+def _fused_sync(x: torch.Tensor) -> torch.Tensor:
+    _KERNEL_SYNC["kernel_sync"]()
+    return x.clone()
+
+
+def test_a_sync_inside_a_custom_ops_kernel_is_the_ops_at_its_call():
+    """Since custom ops' bodies are analyzed, a sync warning no ATen op of the body claimed
+    (a C++ kernel's) was dropped as not on a user line; the opaque op used to report it."""
+    a = SafetyAnalyzer("cpu", size=2, trace=False)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        with a:
+            a.cuda, a.warnings = True, rec  # CUDA mode's sync bookkeeping, by hand
+            _fused_sync(torch.ones(2, 4)) + 1  # the call's line
+            a.loose_sync_warnings()
+    line = inspect.currentframe().f_lineno - 2
+    assert [(f.kind, f.op, f.line) for f in a.findings] == [
+        ("host-sync", "graphrt_test.fused_sync", line)]
+
+
+@torch.library.custom_op("graphrt_test::scale_cpu", mutates_args=(), device_types="cpu")
+def _scale_cpu(s: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    _RAN.append("cpu kernel")
+    return x * s
+
+
+@_scale_cpu.register_fake
+def _(s, x):
+    _RAN.append("fake kernel")
+    return torch.empty_like(x)
+
+
+_RAN: list = []
+
+
+def test_a_custom_op_runs_the_kernel_the_dispatcher_picks():
+    """The key came from the first tensor's device: a host scalar before meta data ran the
+    CPU kernel on meta tensors, where the dispatcher runs the meta (fake) one."""
+    from graphrt.capture.safety import _custom_body_key
+    s, x = torch.tensor(2.0), torch.empty(4, 4, device="meta")
+    op = torch.ops.graphrt_test.scale_cpu.default
+    assert _custom_body_key(op, (s, x), {}) is None
+    assert _custom_body_key(op, (s, torch.ones(2)), {}) == "CPU"
+    _RAN.clear()
+    with SafetyAnalyzer("cpu", size=4, trace=False):
+        _scale_cpu(s, x)
+    assert _RAN == ["fake kernel"]
