@@ -149,22 +149,35 @@ def infer_signature(calls: dict[int, Any], declared: Mapping | None = None,
 
 
 def probe_signature(spec, sizes, device, seed: int = 0) -> OutputSignature:
-    """``infer_signature`` from eager calls of ``spec`` at the smallest and largest of
-    ``sizes`` (plus another size when only one is given), on example inputs: the check
-    ``graphrt validate`` runs on the CPU, so it gives the same verdict as capture on CUDA.
-    Host-only (runs the step eagerly)."""
+    """``infer_signature`` of ``probe_calls``: the check ``graphrt validate`` runs on the CPU,
+    so it gives the same verdict as capture on CUDA. Host-only (runs the step eagerly)."""
+    return infer_signature(probe_calls(spec, sizes, device, seed), spec.outputs, where=spec.name)
+
+
+def probe_calls(spec, sizes, device, seed: int = 0) -> dict[int, Any]:
+    """``{bs: outputs}`` of eager calls of ``spec`` on example inputs at the smallest and
+    largest of ``sizes``, plus another size when only one is given, unless ``outputs=``
+    declares every output (as capture does). Exceptions are the step's own. Host-only."""
     import torch
     sizes = sorted(set(sizes))
-    probe = [sizes[0], sizes[-1]]
-    if probe[0] == probe[1] and spec.max_batch_size > 1:
-        probe[1] = 1 if sizes[0] > 1 else 2
     gen = torch.Generator().manual_seed(seed)
     calls = {}
+
+    def call(bs):
+        inputs = spec.random_inputs(bs, device, gen)
+        calls[bs] = spec.call(inputs, spec.live_count_tensor(bs, device) if spec.live_count else None)
+
     with torch.inference_mode():
-        for bs in sorted(set(probe)):
-            inputs = spec.random_inputs(bs, device, gen)
-            calls[bs] = spec.call(inputs, spec.live_count_tensor(bs, device) if spec.live_count else None)
-    return infer_signature(calls, spec.outputs, where=spec.name)
+        for bs in sorted({sizes[0], sizes[-1]}):
+            call(bs)
+        if len(calls) == 1 and spec.max_batch_size > 1:
+            try:
+                names = OutputLayout.flatten(calls[sizes[0]], where=spec.name)[0].names
+            except InputError:  # infer_signature says what is wrong with the structure
+                names = ()
+            if not names or not all(k in (spec.outputs or {}) for k in names):
+                call(1 if sizes[0] > 1 else 2)
+    return calls
 
 
 def _show(layout: OutputLayout) -> str:

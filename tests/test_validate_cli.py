@@ -366,3 +366,39 @@ def test_example_inputs_are_drawn_on_the_cpu_under_a_default_device():
     finally:
         torch.set_default_device(None)
     assert all(torch.equal(got[k], want[k]) for k in ins)
+
+
+def test_a_graphrt_check_failing_inside_the_step_is_a_crash_not_a_declaration(tmp_path):
+    """graphrt's argument checks raise InputError now: one raised by the step during the
+    output check was taken for the output declaration's own error (it lost "raised ...
+    during the output check" and the step's line)."""
+    path = _write(tmp_path, STEP + '''
+from graphrt.watchdog import progress_tensors
+
+def counters(device):
+    def step(x):
+        progress_tensors(x.shape[0] - 1, x.device)
+        return x * 2
+    return graphrt.StepSpec(fn=step, inputs={"x": graphrt.Input((None, 4), torch.float32)},
+                            max_batch_size=8)
+''')
+    with pytest.raises(ValidateError) as info:
+        validate(f"{path}:counters", [4], "cpu")  # the probe's second size is 1
+    line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if "progress_tensors(x" in t)
+    assert "raised InputError: num_layers must be >= 1; got 0 during the output check" in str(info.value)
+    assert f"target.py:{line})" in str(info.value)
+
+
+def test_one_size_with_every_output_declared_is_not_probed(tmp_path):
+    """Capture skips the second-size probe when outputs= declares every output; validate
+    probed anyway and refused a step that cannot run below 4 rows."""
+    path = _write(tmp_path, STEP + '''
+def min4(device):
+    def step(x):
+        if x.shape[0] < 4:
+            raise RuntimeError(f"kernel has no config for {x.shape[0]} rows")
+        return {"y": x * 2}
+    return graphrt.StepSpec(fn=step, inputs={"x": graphrt.Input((None, 4), torch.float32)},
+                            max_batch_size=8, outputs={"y": "batch"})
+''')
+    assert validate(f"{path}:min4", [8], "cpu").exit_code == 0

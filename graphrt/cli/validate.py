@@ -365,14 +365,17 @@ def validate(target: str, sizes: list[int] | str | None = None, device: str | No
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - a crash is no finding: exit 2
             raise _crash(spec, tgt, exc, "the analysis") from None
         from graphrt.errors import InputError
-        from graphrt.outputs import probe_signature
-        try:  # what capture checks on CUDA: outputs batch-major or fixed-shape, as declared
-            if not report.errors:  # (a step with hazards is not run outside the analysis)
-                probe_signature(spec, sizes, run_dev)
-        except InputError as exc:
-            raise ValidateError(f"{one_line(exc)} (FUNC {tgt.file}:{tgt.line})") from None
-        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a crash is no finding: exit 2
-            raise _crash(spec, tgt, exc, "the output check") from None
+        from graphrt.outputs import infer_signature, probe_calls
+        if not report.errors:  # (a step with hazards is not run outside the analysis)
+            # what capture checks on CUDA: outputs batch-major or fixed-shape, as declared
+            try:
+                calls = probe_calls(spec, sizes, run_dev)
+            except (Exception, SystemExit) as exc:  # noqa: BLE001 - a crash: exit 2
+                raise _crash(spec, tgt, exc, "the output check") from None
+            try:
+                infer_signature(calls, spec.outputs, where=spec.name)
+            except InputError as exc:
+                raise ValidateError(f"{one_line(exc)} (FUNC {tgt.file}:{tgt.line})") from None
         # Capture and replay add what only a GPU shows, for steps the analysis passed; a step
         # with hazards is reported from the analysis alone: the same verdict as on the CPU.
         if run_dev.type == "cuda" and not report.errors:
