@@ -60,12 +60,18 @@ class RankCoordinator:
             self._dist.destroy_process_group(self.group)
         self.group = None
 
+    def _group(self):
+        if self.group is None:  # None would mean the default group: the wrong ranks
+            raise GraphrtError("RankCoordinator is closed: make a new one")
+        return self.group
+
     def agree_batch(self, n: int) -> int:
         """The largest live batch over all ranks (``n`` itself for non-uniform backends)."""
         if not self.uniform:
             return n
+        group = self._group()
         self._buf[0] = n
-        self._dist.all_reduce(self._buf, op=self._dist.ReduceOp.MAX, group=self.group)
+        self._dist.all_reduce(self._buf, op=self._dist.ReduceOp.MAX, group=group)
         return int(self._buf[0])
 
     def check_replay(self, size: int, mode: str) -> None:
@@ -74,10 +80,11 @@ class RankCoordinator:
         ``size``: the padded size (or the live batch for an eager step); ``mode``: ``graph``
         or ``eager``. Uniform backends need equal sizes and modes on every rank.
         """
+        group = self._group()
         mine = torch.tensor([size, 1 if mode == "graph" else 0], dtype=torch.int64)
         everyone = [torch.zeros_like(mine) for _ in range(self.world)]
         try:
-            self._dist.all_gather(everyone, mine, group=self.group)
+            self._dist.all_gather(everyone, mine, group=group)
         except RuntimeError as exc:
             raise RankMismatch(f"rank {self.rank}: not every rank reached this step's replay "
                                f"check ({exc}); a rank skipped a step or hung") from exc
@@ -92,8 +99,9 @@ class RankCoordinator:
 
     def all_ok(self, ok: bool) -> bool:
         """True when ``ok`` holds on every rank."""
+        group = self._group()
         self._buf[0] = 1 if ok else 0
-        self._dist.all_reduce(self._buf, op=self._dist.ReduceOp.MIN, group=self.group)
+        self._dist.all_reduce(self._buf, op=self._dist.ReduceOp.MIN, group=group)
         return bool(int(self._buf[0]))
 
     def agree_ok(self, ok: bool, what: str) -> None:

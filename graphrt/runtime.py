@@ -38,8 +38,6 @@ from graphrt.spec import StepSpec
 from graphrt.state import StateGuard
 from graphrt.step_cache import StepCache
 
-_NOT_CAPTURED = "capture() has not been called"
-
 
 class GraphRuntime:
     """Capture a ``StepSpec`` per padded batch size and replay the right graph each step.
@@ -110,7 +108,8 @@ class GraphRuntime:
         self.graphs: dict = {}
         self.failures: dict = {}
         self.manager = None
-        self._captured: str | None = _NOT_CAPTURED  # None once complete
+        self._captured: str | None = "capture() has not been called"  # None once complete
+        self._ever_captured = False  # until a capture completes, any thread may capture
         self._owner = threading.get_ident()
         self.lease = lease
         self.debug = debug_from_env() if debug is None else bool(debug)
@@ -166,6 +165,7 @@ class GraphRuntime:
         else:
             self._captured = None
         self._owner = threading.get_ident()
+        self._ever_captured = True
         return self
 
     # -- the replay path -------------------------------------------------------------------
@@ -252,8 +252,8 @@ class GraphRuntime:
 
     def _check_thread(self, what: str) -> None:
         if threading.get_ident() != self._owner and not (
-                what == "capture" and self._captured == _NOT_CAPTURED):
-            # (the first capture may come from any thread: it takes the runtime over)
+                what == "capture" and not self._ever_captured):
+            # (until a capture completes, any thread may capture: it takes the runtime over)
             raise ThreadOwnershipError(
                 f"GraphRuntime.{what}() from thread {threading.current_thread().name!r}, but the "
                 "runtime belongs to the thread that captured it: its static inputs and outputs "

@@ -159,7 +159,9 @@ def instrument(model) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _hook_layers(model) -> tuple[torch.Tensor, torch.Tensor]:
-    """``instrument`` for a ``ModuleList``: hooks, once per model."""
+    """``instrument`` for a ``ModuleList``: hooks, once per model. Each layer carries its
+    ``(index, progress, step_counter)`` as ``_graphrt_mark`` and the hooks read it from the
+    module they run on, so a deep copy of the model marks its own copied counters."""
     marks = getattr(model, "_graphrt_marks", None)
     if marks is not None:
         return marks
@@ -167,11 +169,21 @@ def _hook_layers(model) -> tuple[torch.Tensor, torch.Tensor]:
     device = param.device if param is not None else getattr(model, "device", None)
     progress, step = progress_tensors(len(model.layers), device)
     for i, layer in enumerate(model.layers):
+        layer._graphrt_mark = (i, progress, step)
         if i == 0:
-            layer.register_forward_pre_hook(lambda module, args: begin_step(step))
-        layer.register_forward_hook(lambda module, args, out, i=i: mark(progress, step, i))
+            layer.register_forward_pre_hook(_begin_hook)
+        layer.register_forward_hook(_mark_hook)
     model._graphrt_marks = (progress, step)
     return progress, step
+
+
+def _begin_hook(module, args) -> None:
+    begin_step(module._graphrt_mark[2])
+
+
+def _mark_hook(module, args, out) -> None:
+    i, progress, step = module._graphrt_mark
+    mark(progress, step, i)
 
 
 # -- host side ---------------------------------------------------------------------------------

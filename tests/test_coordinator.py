@@ -45,6 +45,11 @@ def _worker(rank, world, port, out_dir, scenario):
                 agreed = co.agree_batch(rank + 1)
                 co.close()
                 co.close()  # idempotent
+            try:
+                co.agree_batch(1)  # closed: not the default group instead
+                result += " | closed coordinator ran"
+            except GraphrtError as e:
+                result += f" | {e}"
             passed_in = RankCoordinator(uniform=True, group=dist.group.WORLD)
             passed_in.close()  # not its group: left alone
             dist.barrier()
@@ -103,4 +108,5 @@ def test_timeout_with_a_passed_group_is_refused_and_close_frees_the_group():
     stayed until the process ended (no ``close()``)."""
     for r in _run("own-group"):
         assert r.startswith("refused: RankCoordinator: timeout_s applies"), r
+        assert "| RankCoordinator is closed: make a new one |" in r, r
         assert r.endswith("groups 1->1 agreed=2"), r

@@ -354,6 +354,33 @@ def test_the_first_capture_may_come_from_another_thread(fake_capture):
         rt.capture()                # a recapture comes from the owner
 
 
+def test_a_failed_first_capture_may_be_retried_from_the_same_other_thread(fake_capture):
+    """Only the very first attempt could come from another thread: after it raised, the
+    retry from the same model-runner thread was refused."""
+    calls = []
+
+    def step(x):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("transient: weights not loaded yet")
+        return {"y": x * 2}
+    spec = graphrt.StepSpec(step, {"x": graphrt.Input((None, 4), torch.float32)}, 16)
+    rt = graphrt.GraphRuntime(spec, sizes=[4, 8], device="cpu", progress=False)
+    outcome = []
+
+    def runner():
+        for _ in range(2):
+            try:
+                rt.capture()
+                outcome.append("captured")
+            except Exception as exc:  # noqa: BLE001 - recorded
+                outcome.append(type(exc).__name__)
+    t = threading.Thread(target=runner, name="model-runner")
+    t.start()
+    t.join()
+    assert outcome == ["RuntimeError", "captured"]
+
+
 def test_replay_is_refused_with_a_uniform_batch_coordinator(fake_capture):
     """replay(n) picked its graph from this rank's batch alone with an NCCL-style
     coordinator (no agreement, no debug check): ranks could replay different sizes."""

@@ -340,6 +340,30 @@ def test_instrument_a_module_list_keeps_its_modules():
     assert int(step) == 2 and progress.tolist() == [2, 2, 2]
 
 
+def test_a_deep_copy_of_a_hooked_model_marks_its_own_counters():
+    """The hooks closed over the original's counters: the copy's steps advanced the
+    original's, and the copy's own counters (what a watchdog on it polls) stayed 0."""
+    import copy
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+    m = Model()
+    p0, s0 = instrument(m)
+    m2 = copy.deepcopy(m)
+    p2, s2 = instrument(m2)
+    m2(torch.randn(2, 4))
+    m2(torch.randn(2, 4))
+    assert int(s2) == 2 and p2.tolist() == [2, 2, 2]
+    assert int(s0) == 0 and p0.tolist() == [0, 0, 0]
+
+
 def test_an_instrumented_plain_model_deep_copies():
     """``_MarkedLayer.__getattr__`` read ``self.layer`` before ``__init__`` (copy's probe),
     recursing without end."""
