@@ -317,21 +317,25 @@ def test_a_restart_while_on_stall_runs_leaves_one_polling_thread():
     assert wd._thread is None
 
 
+class _LayerListModel(torch.nn.Module):
+    """Any torch model: its layers in a ``torch.nn.ModuleList``."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
 def test_instrument_a_module_list_keeps_its_modules():
     """``layers`` as a ``torch.nn.ModuleList`` (any torch model) raised a TypeError
     (a list cannot replace a child module); now hooks mark progress, the state_dict keys
     stay, and a second call returns the same counters."""
 
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = layer(x)
-            return x
-    m = Model()
+    m = _LayerListModel()
     keys = list(m.state_dict())
     progress, step = instrument(m)
     assert instrument(m) == (progress, step) and list(m.state_dict()) == keys
@@ -345,16 +349,7 @@ def test_a_deep_copy_of_a_hooked_model_marks_its_own_counters():
     original's, and the copy's own counters (what a watchdog on it polls) stayed 0."""
     import copy
 
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = layer(x)
-            return x
-    m = Model()
+    m = _LayerListModel()
     p0, s0 = instrument(m)
     m2 = copy.deepcopy(m)
     p2, s2 = instrument(m2)
