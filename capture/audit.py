@@ -98,6 +98,19 @@ class ReceiverLedger:
                 for e in self.entries if not e.called]
 
 
+    def join_unjoined(self) -> None:
+        """Call the receivers never called (after ``unjoined()`` reported them), so what they
+        hold is released: an analysis runs the step again, and a comm that allows one
+        combine in flight (DeepEP v2) refused the next run's combine. Eager only; a
+        receiver whose join raises is left (the next run says why)."""
+        for e in self.entries:
+            if not e.called:
+                try:
+                    e.receiver()
+                except Exception:  # noqa: BLE001 - best effort; the finding is already made
+                    pass
+
+
 def register_receiver(receiver: Any, keep: tuple = ()) -> None:
     """Called by ``Receiver.__init__``: record the creation site and what it keeps alive."""
     ledgers = _ledgers()

@@ -322,6 +322,7 @@ class SafetyAnalyzer:
             self.findings.extend(self.receivers.unjoined(self.size))
             if self.streams is not None:
                 self.findings.extend(self.streams.findings(self.size))
+        self.receivers.join_unjoined()  # outside the modes: the next run starts clean
         return False
 
 

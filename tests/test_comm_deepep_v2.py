@@ -434,3 +434,25 @@ def test_more_rows_than_reserved_keeps_every_size_in_place():
     x, ids, w, n = batch(mt)
     d = comm.dispatch(x, ids, n, topk_weights=w)
     assert int(d.masked_m[1]) == mt and torch.equal(d.recv_x[1, :mt], x)
+
+
+def test_an_unjoined_receiver_is_a_finding_not_a_crash_of_the_analysis():
+    """The analysis runs the step twice: the first run's uncalled receiver held the comm, and
+    the second run's combine raised DeepEPUsageError; the ledger now joins what it reported."""
+    import graphrt
+    from graphrt.capture.safety import analyze_step
+    comm, _ = make_comm(DeepEPV2Comm, FakeElasticBuffer)
+    out = torch.empty(MAX_TOKENS, H, dtype=torch.bfloat16)
+
+    def step(x, ids, w):
+        n = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
+        d = comm.dispatch(x, ids, n, topk_weights=w)
+        comm.combine_async(experts(d.recv_x), ids, w, d, n, out=out[: x.shape[0]])  # never called
+        return out[: x.shape[0]] * 1
+    spec = graphrt.StepSpec(step, {"x": graphrt.Input((None, H), torch.bfloat16),
+                                   "ids": graphrt.Input((None, K), torch.int64, high=E),
+                                   "w": graphrt.Input((None, K), torch.float32)}, MAX_TOKENS)
+    report = analyze_step(spec, [4], "cpu")  # (the CPU fake itself is not sync-free)
+    unjoined = [f for f in report.findings if f.kind == "unjoined-receiver"]
+    assert len(unjoined) == 1 and unjoined[0].file == __file__, report.table()
+    assert comm.pending_receiver.called

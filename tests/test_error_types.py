@@ -13,7 +13,7 @@ import torch
 from graphrt.errors import GraphrtError, InputError
 
 ROOT = Path(__file__).resolve().parents[1]
-_RAW = re.compile(r"\braise (ValueError|TypeError|RuntimeError|KeyError|IndexError)\(")
+_RAW = re.compile(r"\braise (ValueError|TypeError|RuntimeError|KeyError|IndexError|TimeoutError)\(")
 
 
 def test_no_builtin_error_is_raised_on_purpose():

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from graphrt.errors import GraphrtError
 from graphrt.testing.launch import first_failure, spawn
 from tests.fakes import ranks
 
@@ -48,8 +49,9 @@ def test_a_rank_that_dies_without_reporting_is_named():
 def test_ranks_killed_at_the_timeout_are_reaped(tmp_path, monkeypatch):
     """Killed ranks were never joined and stayed zombies of the caller."""
     monkeypatch.setenv("GRAPHRT_TEST_PID_DIR", str(tmp_path))
-    with pytest.raises(TimeoutError, match="did not finish within 25 s"):
+    with pytest.raises(TimeoutError, match="did not finish within 25 s") as info:
         spawn(ranks.hangs_after_pid, 2, setup=ranks.no_setup, timeout_s=25)
+    assert isinstance(info.value, GraphrtError)  # a graphrt error, as every deliberate one
     pids = [int((tmp_path / str(r)).read_text()) for r in range(2)]
 
     def state(pid):

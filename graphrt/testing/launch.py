@@ -17,7 +17,7 @@ import traceback
 
 import torch
 
-from graphrt.errors import InputError
+from graphrt.errors import GraphrtError, InputError
 
 
 def free_port() -> int:
@@ -83,6 +83,10 @@ def _entry(rank, world, port, out_dir, fn, args, setup=None):
             pass
 
 
+class RanksTimeout(GraphrtError, TimeoutError):
+    """``spawn``'s ranks did not all finish within ``timeout_s`` and none failed."""
+
+
 def spawn(fn, world: int, *args, timeout_s: float = 600, grace_s: float = 30,
           setup=None) -> list[dict]:
     """Run ``fn(rank, world, *args)`` on ``world`` GPUs (each rank first runs ``setup(rank,
@@ -93,7 +97,7 @@ def spawn(fn, world: int, *args, timeout_s: float = 600, grace_s: float = 30,
     failure the ranks still running are killed (``killed: True``, ``ok: False``), so the
     real error comes back at once instead of after ``timeout_s``. A rank that dies without
     reporting (a segfault, an OOM kill, ``os._exit``) gets ``ok: False`` with its exit code or
-    signal. Raises ``TimeoutError`` only when no rank failed and they did not all finish
+    signal. Raises ``RanksTimeout`` (a ``TimeoutError``) only when no rank failed and they did not all finish
     within ``timeout_s`` (they are killed). ``first_failure`` picks the error to report."""
     import shutil
     import time
@@ -125,7 +129,7 @@ def spawn(fn, world: int, *args, timeout_s: float = 600, grace_s: float = 30,
                 for p in ctx.processes:  # reap them: no zombies left behind
                     p.join(timeout=5)
                 if failed_at is None:
-                    raise TimeoutError(f"ranks did not finish within {timeout_s} s")
+                    raise RanksTimeout(f"ranks did not finish within {timeout_s} s")
                 break
         results = []
         for r, res in enumerate(_read(out_dir, world)):
