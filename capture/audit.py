@@ -97,7 +97,6 @@ class ReceiverLedger:
                         "before using the output", size)
                 for e in self.entries if not e.called]
 
-
     def join_unjoined(self) -> None:
         """Call the receivers never called (after ``unjoined()`` reported them), so what they
         hold is released: an analysis runs the step again, and a comm that allows one

@@ -44,7 +44,7 @@ from graphrt.capture.progress import Progress
 from graphrt.capture.report import Finding, GraphSafetyError, SafetyReport
 from graphrt.capture.safety import analyze_step
 from graphrt.errors import CaptureError, GraphrtError, InputError
-from graphrt.outputs import OutputLayout, OutputSignature, infer_signature
+from graphrt.outputs import OutputLayout, OutputSignature, infer_signature, second_size
 from graphrt.replay_policy import Stager
 from graphrt.spec import StepSpec
 
@@ -318,15 +318,14 @@ class CaptureManager:
     def _set_signature(self, outs: dict[int, Any], stream) -> None:
         """Each output's kind from two sizes (a probe call at another size when only one was
         warmed); allocate the shared static outputs once, outside the graph pool."""
-        if len(outs) == 1 and self.stager.max_bs > 1:
+        if len(outs) == 1:
             (size,) = outs
-            names = OutputLayout.flatten(outs[size], where=self.spec.name)[0].names
-            declared = self.spec.outputs or {}
-            if not all(k in declared for k in names):  # (all declared: one size is enough)
-                probe = 1 if size > 1 else 2
+            probe = second_size(self.spec, outs[size], size, self.stager.max_bs)
+            if probe is not None:
                 try:
                     outs = {**outs, probe: self._warm(probe, stream)}
                 except Exception as exc:
+                    names = OutputLayout.flatten(outs[size], where=self.spec.name)[0].names
                     raise InputError(
                         f"{self.spec.name}: only batch {size} warmed up, so capture ran the step "
                         f"at batch {probe} to tell batch-major outputs from fixed ones, and it "

@@ -197,8 +197,10 @@ class SafetyAnalyzer:
         self._exits: list = []
         self._seen: set = set()
 
-    def report(self, kind: str, op: str, message: str) -> None:
-        file, line = user_site(3)
+    def report(self, kind: str, op: str, message: str,
+               site: tuple[str, int] | None = None) -> None:
+        """A finding at ``site``, by default the user's line that made the current call."""
+        file, line = site if site is not None else user_site(3)
         key = (kind, file, line, op)
         if key not in self._seen:
             self._seen.add(key)
@@ -296,13 +298,10 @@ class SafetyAnalyzer:
                 if not self.bodies:  # torch's own frame outside any custom op: no line to name
                     continue
                 op, site = self.bodies[-1]  # a custom op's kernel synced: the op, at its call
-            if self.has_sync_at(site):
-                continue
-            self._seen.add(("host-sync", *site, op))
-            self.findings.append(Finding("host-sync", "error", op, *site,
-                                         "torch.cuda sync debug mode: this call synchronizes "
-                                         "with the host. Order work with events "
-                                         "(stream.wait_event) instead", self.size))
+            if not self.has_sync_at(site):
+                self.report("host-sync", op, "torch.cuda sync debug mode: this call "
+                            "synchronizes with the host. Order work with events "
+                            "(stream.wait_event) instead", site)
 
     def _restore_warnings(self, wcm):
         self.loose_sync_warnings()

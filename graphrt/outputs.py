@@ -170,14 +170,27 @@ def probe_calls(spec, sizes, device, seed: int = 0) -> dict[int, Any]:
     with torch.inference_mode():
         for bs in sorted({sizes[0], sizes[-1]}):
             call(bs)
-        if len(calls) == 1 and spec.max_batch_size > 1:
-            try:
-                names = OutputLayout.flatten(calls[sizes[0]], where=spec.name)[0].names
-            except InputError:  # infer_signature says what is wrong with the structure
-                names = ()
-            if not names or not all(k in (spec.outputs or {}) for k in names):
-                call(1 if sizes[0] > 1 else 2)
+        if len(calls) == 1:
+            extra = second_size(spec, calls[sizes[0]], sizes[0], spec.max_batch_size)
+            if extra is not None:
+                call(extra)
     return calls
+
+
+def second_size(spec, out: Any, size: int, max_bs: int) -> int | None:
+    """With outputs ``out`` from one size only, the size to run the step at as well so
+    ``infer_signature`` can tell batch-major outputs from fixed ones: 1 (2 when ``size`` is
+    1); None when ``outputs=`` declares every output or ``max_bs`` is 1. The rule capture
+    and ``graphrt validate`` share."""
+    if max_bs <= 1:
+        return None
+    try:
+        names = OutputLayout.flatten(out, where=spec.name)[0].names
+    except InputError:  # infer_signature says what is wrong with the structure
+        names = ()
+    if names and all(k in (spec.outputs or {}) for k in names):
+        return None
+    return 1 if size > 1 else 2
 
 
 def _show(layout: OutputLayout) -> str:

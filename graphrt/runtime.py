@@ -219,8 +219,7 @@ class GraphRuntime:
         if self._captured is not None or get_ident() != self._owner:
             self._check_ready("input_buffers")
         if self.coordinator is not None and self.coordinator.uniform:
-            raise GraphrtError("input_buffers()/replay() pick the graph from this rank's batch "
-                               "alone; with a uniform-batch backend (NCCL) use run()")
+            self._refuse_uniform()
         if not (type(n) is int and 0 < n <= self._largest and self._plans[n] is not None):
             self._plan_for(n, self._captured_graph(n))
         return self.stager.live_views(n).copy()
@@ -231,8 +230,7 @@ class GraphRuntime:
         if self._captured is not None or get_ident() != self._owner:
             self._check_ready("replay")
         if self.coordinator is not None and self.coordinator.uniform:
-            raise GraphrtError("input_buffers()/replay() pick the graph from this rank's batch "
-                               "alone; with a uniform-batch backend (NCCL) use run()")
+            self._refuse_uniform()
         plan = self._plans[n] if type(n) is int and 0 < n <= self._largest else None
         if plan is None:
             plan = self._plan_for(n, self._captured_graph(n))
@@ -292,6 +290,10 @@ class GraphRuntime:
             self._plans[n] = plan
         return plan
 
+    def _refuse_uniform(self):
+        raise GraphrtError("input_buffers()/replay() pick the graph from this rank's batch "
+                           "alone; with a uniform-batch backend (NCCL) use run()")
+
     def _refuse_held(self):
         raise LeaseHeldError(
             f"a replay of {self.spec.name!r} would overwrite outputs still leased (handed out "
@@ -322,11 +324,9 @@ class GraphRuntime:
         if size is None and self.oversize == "raise":
             raise NoGraphForBatch(pick_n, max(self.graphs) if self.graphs else None)
         # Uniform-batch backends run eagerly at the agreed batch, padded, like the other ranks.
-        if self._before is not None:  # the step reads the plan of its padded size, as a replay
-            self._before(pick_n, n)
         sig = self.manager.signature if self.manager is not None else None
-        with torch.no_grad():
-            out = self._owned(self.spec.call_padded(inputs, pick_n, sig))
+        with torch.no_grad():  # planned for its padded size first, as a replay
+            out = self._owned(self.spec.call_padded(inputs, pick_n, sig, plan=True))
         self.counters["eager"] += 1  # counted once it ran, as replays are
         return out
 

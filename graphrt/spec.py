@@ -356,15 +356,18 @@ class StepSpec:
         return out
 
     def call_padded(self, inputs: Mapping[str, torch.Tensor], padded_bs: int,
-                    rows: Mapping[Any, str] | None = None) -> Any:
+                    rows: Mapping[Any, str] | None = None, plan: bool = False) -> Any:
         """Run ``fn`` eagerly as a graph of ``padded_bs`` rows would: the live rows of
         ``inputs`` followed by padding, the live count on the device; returns the outputs
         with batch-major ones trimmed to the live rows (``rows``: each output's kind; when
         None, ``outputs=``'s declarations, then a guess from this call: an output whose first
         dimension is ``padded_bs`` is batch-major. Pass ``rows`` (a runtime's
         ``manager.signature``, or ``{key: kind}``) for a fixed output that happens to be that
-        long)."""
+        long). ``plan``: call ``before_replay(padded_bs, n)`` first, as a replay of that size
+        does (``run()``'s eager fallback and ``graphrt.testing``'s eager reference)."""
         n = self.batch_of(inputs)
+        if plan and self.before_replay is not None:
+            self.before_replay(padded_bs, n)
         first = next(iter(inputs.values()))
         out = self.call(self.pad_inputs(inputs, padded_bs), self.live_count_tensor(n, first.device))
         return self.live_outputs(out, n, max(padded_bs, n), rows)

@@ -162,9 +162,9 @@ def _hook_layers(model) -> tuple[torch.Tensor, torch.Tensor]:
     """``instrument`` for a ``ModuleList``: hooks, once per model. Each layer carries its
     ``(index, progress, step_counter)`` as ``_graphrt_mark`` and the hooks read it from the
     module they run on, so a deep copy of the model marks its own copied counters."""
-    marks = getattr(model, "_graphrt_marks", None)
-    if marks is not None:
-        return marks
+    marked = getattr(model.layers[0], "_graphrt_mark", None) if len(model.layers) else None
+    if marked is not None:
+        return marked[1], marked[2]
     param = next(model.layers.parameters(), None)
     device = param.device if param is not None else getattr(model, "device", None)
     progress, step = progress_tensors(len(model.layers), device)
@@ -173,7 +173,6 @@ def _hook_layers(model) -> tuple[torch.Tensor, torch.Tensor]:
         if i == 0:
             layer.register_forward_pre_hook(_begin_hook)
         layer.register_forward_hook(_mark_hook)
-    model._graphrt_marks = (progress, step)
     return progress, step
 
 

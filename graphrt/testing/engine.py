@@ -253,10 +253,7 @@ def eager_step(spec, sizes):
 
     def step(**inputs):
         n = spec.batch_of(inputs)
-        padded = table.pick(n) or n
-        if spec.before_replay is not None:  # as a replay: the plan for this size first
-            spec.before_replay(padded, n)
-        return spec.call_padded(inputs, padded)["logits"]
+        return spec.call_padded(inputs, table.pick(n) or n, plan=True)["logits"]
     return step
 
 

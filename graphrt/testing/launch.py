@@ -97,8 +97,9 @@ def spawn(fn, world: int, *args, timeout_s: float = 600, grace_s: float = 30,
     failure the ranks still running are killed (``killed: True``, ``ok: False``), so the
     real error comes back at once instead of after ``timeout_s``. A rank that dies without
     reporting (a segfault, an OOM kill, ``os._exit``) gets ``ok: False`` with its exit code or
-    signal. Raises ``RanksTimeout`` (a ``TimeoutError``) only when no rank failed and they did not all finish
-    within ``timeout_s`` (they are killed). ``first_failure`` picks the error to report."""
+    signal. Raises ``RanksTimeout`` (a ``TimeoutError``) only when no rank failed and they
+    did not all finish within ``timeout_s`` (they are killed). ``first_failure`` picks the
+    error to report."""
     import shutil
     import time
 
@@ -123,9 +124,8 @@ def spawn(fn, world: int, *args, timeout_s: float = 600, grace_s: float = 30,
                 failed_at = now
             if (failed_at is not None and now - failed_at > grace_s) or now > deadline:
                 killed = {r for r, p in enumerate(ctx.processes) if p.is_alive()}
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
+                for r in killed:
+                    ctx.processes[r].kill()
                 for p in ctx.processes:  # reap them: no zombies left behind
                     p.join(timeout=5)
                 if failed_at is None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from graphrt.capture.manager import CapturedGraph, CaptureFailure, write_outputs
-from graphrt.outputs import infer_signature
+from graphrt.outputs import infer_signature, second_size
 
 
 class FakeGraph:
@@ -50,10 +50,9 @@ class FakeCaptureManager:
                 self.spec.before_replay(size, size)
             with torch.inference_mode():
                 outs[size] = self.spec.call(self.stager.views(size), self.stager.n_dev)
-        declared = self.spec.outputs or {}
-        names = _layout(next(iter(outs.values()))).names if outs else ()
-        if len(outs) == 1 and self.stager.max_bs > 1 and not all(k in declared for k in names):
-            probe = 1 if self.sizes[0] > 1 else 2  # as the real manager: unless all declared
+        probe = second_size(self.spec, outs[self.sizes[0]], self.sizes[0],
+                            self.stager.max_bs) if len(outs) == 1 else None
+        if probe is not None:  # the real manager's rule
             outs[probe] = self.spec.call(self.stager.views(probe), self.stager.n_dev)
         sig = self.signature = infer_signature(outs, self.spec.outputs, self.spec.name)
         static = [torch.empty(sig.static_shape(i, self.stager.max_bs), dtype=sig.dtypes[i])
@@ -86,7 +85,3 @@ def _flat(out):
     from graphrt.outputs import OutputLayout
     return OutputLayout.flatten(out)[1]
 
-
-def _layout(out):
-    from graphrt.outputs import OutputLayout
-    return OutputLayout.flatten(out)[0]
