@@ -66,12 +66,34 @@ class _FunctionMode(TorchFunctionMode):
         if hit is not None and hit is not SAFE:
             a.report(hit.kind, hit.op, hit.message)
         a.frames.append(suppress or (a.frames[-1] if a.frames else False))
+        if a.warnings is not None:
+            a.loose_sync_warnings()
         try:
             out = func(*args, **kwargs)
         finally:
             a.frames.pop()
+        if a.warnings is not None and len(a.warnings) > a.warn_mark:
+            self._claim_sync_warnings(func, hit)
         a.host.note(func, args, kwargs, out)
         return out
+
+    def _claim_sync_warnings(self, func, hit) -> None:
+        """Sync debug mode warnings the call raised that no ATen op under it claimed: torch
+        hands a C++ warning to Python when the outermost binding returns (``Tensor.item``,
+        ``torch.tensor(list, device=...)``), so it surfaces here, after the ops ran, from
+        this frame. A call a rule reported (or a caller's rule covers) owns them; any other
+        call's sync is a ``host-sync`` at the user's line."""
+        a = self.a
+        new, a.warn_mark = a.warnings[a.warn_mark:], len(a.warnings)
+        if hit is not None or (a.frames and a.frames[-1]):
+            return
+        if any(_SYNC_WARNING in str(w.message) for w in new):
+            site = user_site(3)
+            if not a.has_sync_at(site):
+                name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+                a.report("host-sync", name, "torch.cuda sync debug mode: this call "
+                         "synchronizes with the host. Find a sync-free form or move it out "
+                         "of the step", site)
 
 
 # Namespaces of PyTorch's own operators; any other is a custom op (``torch.library``).

@@ -282,3 +282,68 @@ def test_a_custom_op_runs_the_kernel_the_dispatcher_picks():
     with SafetyAnalyzer("cpu", size=4, trace=False):
         _scale_cpu(s, x)
     assert _RAN == ["fake kernel"]
+
+
+# A torch-level call whose C++ binding warns when it returns to Python (``Tensor.item``,
+# ``torch.tensor(list, device="cuda")``): the sync debug warning surfaces in the function
+# mode's frame after the ATen ops under it ran, so no op claimed it. Code compiled under
+# torch/_ops.py's name stands in for the binding.
+exec(compile("import warnings, torch\n"
+             "from torch.overrides import has_torch_function, handle_torch_function\n"
+             "def binding_sync(x):\n"
+             "    if has_torch_function((x,)):\n"
+             "        return handle_torch_function(binding_sync, (x,), x)\n"
+             "    y = x + 0\n"
+             "    warnings.warn('called a synchronizing CUDA operation')\n"
+             "    return y\n", torch._ops.__file__, "exec"), _KERNEL_SYNC)
+
+
+def _body_binding_sync_fn(x: torch.Tensor) -> torch.Tensor:
+    return _KERNEL_SYNC["binding_sync"](x)  # the body's line
+
+
+_body_binding_sync = torch.library.custom_op("graphrt_test::body_binding_sync",
+                                             _body_binding_sync_fn, mutates_args=())
+
+
+def _cuda_bookkeeping(fn, monkeypatch=None, hit=None):
+    """Run ``fn`` under a CPU analyzer with CUDA mode's sync bookkeeping set by hand."""
+    if hit is not None:
+        import graphrt.capture.safety as safety
+        real = safety.classify_call
+        monkeypatch.setattr(safety, "classify_call", lambda func, *a, **k: hit
+                            if func is _KERNEL_SYNC["binding_sync"] else real(func, *a, **k))
+    a = SafetyAnalyzer("cpu", size=2, trace=False)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        with a:
+            a.cuda, a.warnings = True, rec
+            fn()
+            a.loose_sync_warnings()
+    return a.findings
+
+
+def test_a_sync_warning_a_call_raises_on_return_is_a_finding_at_its_line():
+    """Such a warning surfaced from graphrt's own frame: outside custom ops it was dropped
+    as not on a user line (an unclassified syncing call went unreported)."""
+    found = _cuda_bookkeeping(lambda: _KERNEL_SYNC["binding_sync"](torch.ones(2)))
+    line = inspect.currentframe().f_lineno - 1
+    assert [(f.kind, f.op, f.line) for f in found] == [("host-sync", "binding_sync", line)]
+
+
+def test_a_reported_calls_own_sync_warning_is_not_reported_again_at_a_custom_ops_call():
+    """On the GPU, a custom op whose body calls ``.item()`` was reported twice: the body's
+    ``Tensor.item`` at its line, and its sync warning (surfacing after the ATen op, from
+    graphrt's frame) once more as the op's, at the op's call. A reported call owns the
+    warnings it raises; an unreported one inside a body is a finding at the body's line."""
+    from graphrt.capture.rules import Hit
+    hit = Hit("host-sync", "binding_sync", "reads a device value on the host")
+    pytest_mp = pytest.MonkeyPatch()
+    try:
+        found = _cuda_bookkeeping(lambda: _body_binding_sync(torch.ones(2)), pytest_mp, hit)
+    finally:
+        pytest_mp.undo()
+    body_line = inspect.getsourcelines(_body_binding_sync_fn)[1] + 1
+    assert [(f.kind, f.op, f.line) for f in found] == [("host-sync", "binding_sync", body_line)]
+    found = _cuda_bookkeeping(lambda: _body_binding_sync(torch.ones(2)))
+    assert [(f.kind, f.op, f.line) for f in found] == [("host-sync", "binding_sync", body_line)]
