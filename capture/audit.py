@@ -100,12 +100,14 @@ class ReceiverLedger:
     def join_unjoined(self) -> None:
         """Call the receivers never called (after ``unjoined()`` reported them), so what they
         hold is released: an analysis runs the step again, and a comm that allows one
-        combine in flight (DeepEP v2) refused the next run's combine. Eager only; a
-        receiver whose join raises is left (the next run says why)."""
+        combine in flight (DeepEP v2) refused the next run's combine. A step that joins it
+        itself in its next run (which the finding is about) must not then fail as a second
+        call: ``Receiver.join_for_analysis``. Eager only; a receiver whose join raises is
+        left (the next run says why)."""
         for e in self.entries:
             if not e.called:
                 try:
-                    e.receiver()
+                    getattr(e.receiver, "join_for_analysis", e.receiver)()
                 except Exception:  # noqa: BLE001 - best effort; the finding is already made
                     pass
 

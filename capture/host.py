@@ -29,6 +29,7 @@ from __future__ import annotations
 import ast
 import io
 import linecache
+import numbers
 import tokenize
 from typing import Any
 
@@ -62,26 +63,41 @@ def _line_names_cpu() -> bool:
 
 
 def names_cpu(source: str) -> bool:
-    """Whether a line of code names the CPU: a string ``"cpu"`` / ``"cpu:N"``, or a name or
-    attribute ``cpu`` (``device=cpu``, ``.cpu()``); not a comment, not a longer name
-    (``num_cpu_blocks``). A line that does not tokenize on its own (part of a longer
-    statement) is read up to where it stops."""
+    """Whether a line of code names the CPU: a string ``"cpu"`` / ``"cpu:N"``, a name
+    ``cpu`` used as a value (``device=cpu``) or the method ``.cpu()``; not a comment, not a
+    longer name (``num_cpu_blocks``), not an object called cpu whose attributes or items are
+    read (``self.cpu.to(device)``, vLLM's ``CpuGpuBuffer``; ``cpu[:n]``). A line that does
+    not tokenize on its own (part of a longer statement) is read up to where it stops."""
     if "cpu" not in source:
         return False
+    toks = _tokens(source)
+    for k, tok in enumerate(toks):
+        if tok.type == tokenize.NAME and tok.string == "cpu":
+            before = toks[k - 1].string if k else ""
+            after = toks[k + 1].string if k + 1 < len(toks) else ""
+            if (after == "(") if before == "." else after not in (".", "["):
+                return True
+        if tok.type == tokenize.STRING:
+            try:
+                value = ast.literal_eval(tok.string)
+            except (ValueError, SyntaxError):
+                continue
+            if isinstance(value, str) and value.split(":")[0] == "cpu":
+                return True
+    return False
+
+
+def _tokens(source: str) -> list[tokenize.TokenInfo]:
+    """The line's tokens, without comments and line ends; for a line that does not tokenize
+    on its own (an open bracket or string), the tokens read before it stopped."""
+    toks: list[tokenize.TokenInfo] = []
     try:
         for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-            if tok.type == tokenize.NAME and tok.string == "cpu":
-                return True
-            if tok.type == tokenize.STRING:
-                try:
-                    value = ast.literal_eval(tok.string)
-                except (ValueError, SyntaxError):
-                    continue
-                if isinstance(value, str) and value.split(":")[0] == "cpu":
-                    return True
-    except (tokenize.TokenError, SyntaxError):  # an open bracket or string: read so far
+            if tok.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE):
+                toks.append(tok)
+    except (tokenize.TokenError, SyntaxError):
         pass
-    return False
+    return toks
 
 
 def _default_device() -> torch.device | None:
@@ -122,15 +138,19 @@ class HostData:
         return bool(ts) and all(self.is_host(t) for t in ts)
 
     def host_index(self, index: Any) -> bool:
-        """An index that is host data: a Python list of numbers, a NumPy array, or a host
+        """An index that is host data: a Python list of ints (NumPy ints too) or a ``range``,
+        a NumPy array, or a host
         tensor with at least one dimension (alone or inside a tuple index). Indexing a
         device tensor with it copies it to the device first."""
         for i in index if isinstance(index, tuple) else (index,):
             if isinstance(i, torch.Tensor):
                 if i.dim() > 0 and self.is_host(i):
                     return True
+            elif isinstance(i, range):
+                if len(i):
+                    return True
             elif isinstance(i, list):
-                if i and all(isinstance(v, (bool, int, list)) for v in i):
+                if i and all(isinstance(v, (numbers.Integral, list)) for v in i):
                     return True
             elif hasattr(i, "__array__") and getattr(i, "ndim", 0) > 0:
                 return True

@@ -128,12 +128,26 @@ def _to(args, kwargs, ctx):
     return None
 
 
-def _host_data(position: int):
-    """Factories that take host data at ``args[position]`` (or ``data=``); a tensor passed
-    to ``as_tensor``/``asarray``/``new_tensor`` is no host data."""
+def _from_data(position: int, name: str, what: str):
+    """Factories that take their data at ``args[position]`` (or ``name=``): Python or NumPy
+    data is host data baked into the graph (True). A tensor is copied where the call puts
+    the result (``device=``; else where the data is, or ``self``'s memory for
+    ``new_tensor``): a host tensor to the device uploads it, a device tensor to the host
+    syncs; otherwise no copy (None: the ATen ops inside are looked at as usual)."""
     def when(args, kwargs, ctx):
-        data = args[position] if len(args) > position else kwargs.get("data")
-        return None if isinstance(data, torch.Tensor) else True
+        data = args[position] if len(args) > position else kwargs.get(name)
+        if not isinstance(data, torch.Tensor):
+            return True
+        to_host = ctx.host.target(None, (), kwargs)
+        if to_host is None:
+            if position == 0:
+                return None  # stays in its own memory
+            to_host = ctx.host.is_host(args[0])
+        if to_host is False and ctx.host.is_host(data) and data.dim() > 0:
+            return Hit(_H2D, f"{what} (host->device)", UPLOAD)
+        if to_host is True and not ctx.host.is_host(data):
+            return Hit(_SYNC, f"{what} (device->host)", D2H)
+        return None
     return when
 
 
@@ -144,7 +158,20 @@ def _one_hot_without_classes(args, kwargs, ctx):
 
 def _repeats_without_output_size(args, kwargs, ctx):
     repeats = kwargs.get("repeats", args[1] if len(args) > 1 else None)
+    if repeats is None and "repeats" not in kwargs and len(args) + len(kwargs) == 1:
+        repeats = args[0] if args else kwargs.get("input")  # repeat_interleave(counts)
     return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
+
+
+def _type_to_host(args, kwargs, ctx):
+    """``x.type(torch.FloatTensor)`` / ``x.type("torch.FloatTensor")``: a CPU tensor type
+    moves a device tensor to the host (``x.type()`` and ``x.type(torch.float32)`` do not)."""
+    t = kwargs.get("dtype", args[1] if len(args) > 1 else None)
+    if isinstance(t, str):
+        cpu_type = t.startswith("torch.") and not t.startswith("torch.cuda.")
+    else:
+        cpu_type = isinstance(t, type) and getattr(t, "__module__", "") == "torch"
+    return (cpu_type and _copies_to_host(args, kwargs, ctx)) or None
 
 
 def _where_one_argument(args, kwargs, ctx):
@@ -247,6 +274,12 @@ RULES: tuple[Rule, ...] = (
           when=_copies_to_host),
     _sync("cpu", "device-to-host copy: a sync inside the step. Keep it on the device", _T.cpu,
           when=_copies_to_host),
+    _sync("__array__", "converts the tensor to a NumPy array (np.asarray(t), or a NumPy "
+          "operand in t + array): a device-to-host copy, a sync (on a CUDA tensor it raises). "
+          "Keep it on the device; make NumPy constants tensors on the device once in FUNC",
+          _T.__array__, when=_copies_to_host, op="Tensor.__array__ (NumPy conversion)"),
+    _sync("type", "device-to-host copy: a sync inside the step. Keep it on the device", _T.type,
+          when=_type_to_host, op="Tensor.type (a CPU tensor type)"),
     _sync("to", "device-to-host copy: a sync inside the step. Keep it on the device", _T.to,
           when=_to, op="Tensor.to('cpu')", host_args_safe=False),
     # Printing reads the whole tensor on the host; on CPU the read is a direct data access
@@ -288,12 +321,18 @@ RULES: tuple[Rule, ...] = (
     _sync("nonzero_static", "", *(f for f in (torch.nonzero_static, getattr(_T, "nonzero_static", None))
                                   if f is not None), when=_never),
     # Host data baked into the graph.
-    _h2d("tensor", torch.tensor),
-    _h2d("as_tensor", torch.as_tensor, when=_host_data(0)),
+    # A host tensor given to them with device= (new_tensor: self's memory) is an upload; on a
+    # GPU the copy inside runs with the dispatch modes off, so only this level sees it.
+    _h2d("tensor", torch.tensor, when=_from_data(0, "data", "torch.tensor"),
+         host_args_safe=False),
+    _h2d("as_tensor", torch.as_tensor, when=_from_data(0, "data", "torch.as_tensor"),
+         host_args_safe=False),
     # The same hazard through other names (the CPU copy shows no ATen op); x.new_tensor([..])
     # on CUDA fails capture (measured on the H200, torch 2.11).
-    _h2d("asarray", torch.asarray, when=_host_data(0)),
-    _h2d("new_tensor", _T.new_tensor, when=_host_data(1)),
+    _h2d("asarray", torch.asarray, when=_from_data(0, "obj", "torch.asarray"),
+         host_args_safe=False),
+    _h2d("new_tensor", _T.new_tensor, when=_from_data(1, "data", "Tensor.new_tensor"),
+         host_args_safe=False),
     # torch.from_numpy is no function a TorchFunctionMode sees: it surfaces as
     # aten.lift_fresh(t), once the dispatch mode calls it from Python (torch 2.11 and 2.13).
     # `t` is the array's fresh CPU tensor: a real host tensor on CUDA, one the analysis has not

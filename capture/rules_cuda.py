@@ -77,7 +77,7 @@ def _segment_lengths_checked(args, kwargs, ctx):
 
 def _index_put_host(args, kwargs, ctx):
     indices = _arg(args, kwargs, 1, "indices")
-    if ctx.host.is_host(args[0]) or not isinstance(indices, (tuple, list)):
+    if ctx.host.is_host(_arg(args, kwargs, 0, "input")) or not isinstance(indices, (tuple, list)):
         return None
     if ctx.host.host_index(tuple(indices)):
         return Hit(_H2D, "index_put (host indices)", UPLOAD)
@@ -90,8 +90,10 @@ def _to_device_copy(args, kwargs, ctx):
 
 
 def _copy_across(args, kwargs, ctx):
-    src = _arg(args, kwargs, 1, "src")
-    return across(args[0], src, ctx, "Tensor.copy_") if isinstance(src, torch.Tensor) else None
+    dst, src = _arg(args, kwargs, 0, "self"), _arg(args, kwargs, 1, "src")
+    if not (isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor)):
+        return None
+    return across(dst, src, ctx, "Tensor.copy_")
 
 
 def _sync(name, message, *functions, when=None, op=None, host_args_safe=True) -> Rule:

@@ -389,7 +389,8 @@ def analyze_step(spec: StepSpec, sizes: Iterable[int], device: torch.device | st
     Returns every finding (deduplicated, first size kept) and, in ``report.state``, the
     closed-over device tensors the step writes. On CUDA the runs happen on ``stream`` (a side
     stream by default, like a warm-up). Exceptions raised by the step propagate (the caller
-    decides whether that is a finding or a crash).
+    decides whether that is a finding or a crash), with the findings made before them
+    (``findings_before``).
     """
     device = torch.device(device)
     report = SafetyReport()
@@ -406,7 +407,11 @@ def analyze_step(spec: StepSpec, sizes: Iterable[int], device: torch.device | st
                 n = spec.live_count_tensor(size, device) if spec.live_count else None
                 writes.add_inputs(inputs, n)
                 with SafetyAnalyzer(device, size, host=host, writes=writes) as an:
-                    spec.call(inputs, n)
+                    try:
+                        spec.call(inputs, n)
+                    except BaseException as exc:
+                        _keep_findings(exc, [*report.findings, *found, *an.findings])
+                        raise
                 traces.append(an.trace)
                 found.extend(an.findings)
 
@@ -425,6 +430,20 @@ def analyze_step(spec: StepSpec, sizes: Iterable[int], device: torch.device | st
         torch.cuda.synchronize(device)
     report.state = writes.tensors()
     return report
+
+
+def _keep_findings(exc: BaseException, findings: list[Finding]) -> None:
+    try:
+        exc.graphrt_findings = findings
+    except AttributeError:  # an exception type that takes no attributes: nothing kept
+        pass
+
+
+def findings_before(exc: BaseException) -> list[Finding]:
+    """The findings ``analyze_step`` had made when the step raised ``exc`` (earlier sizes
+    and runs, and the failing run up to the raise): a hazard can be why a step raises on a
+    GPU (``np.asarray`` of a CUDA tensor). Empty for any other exception."""
+    return list(getattr(exc, "graphrt_findings", ()))
 
 
 def _stream_ctx(device: torch.device, stream: Any):

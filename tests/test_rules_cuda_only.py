@@ -74,7 +74,8 @@ def test_docs_table_lists_every_audited_op():
 RULE_DOC_FORMS = {
     "item": "t.item()", "__bool__": "if t:", "__int__": "int(t)", "__float__": "float(t)",
     "__index__": "range(t)", "tolist": "t.tolist()", "numpy": "t.numpy()", "cpu": "t.cpu()",
-    "to": 't.to("cpu")', "__repr__": "print(t)", "__format__": 'f"{t}"',
+    "to": 't.to("cpu")', "__array__": "np.asarray(t)", "type": "t.type(torch.FloatTensor)",
+    "__repr__": "print(t)", "__format__": 'f"{t}"',
     "equal": "torch.equal", "allclose": "torch.allclose", "nonzero": "nonzero",
     "argwhere": "argwhere", "where": "torch.where(cond)", "masked_select": "masked_select",
     "__getitem__": "x[mask]", "__setitem__": "x[mask] = values", "unique": "unique",

@@ -347,3 +347,34 @@ def test_a_reported_calls_own_sync_warning_is_not_reported_again_at_a_custom_ops
     assert [(f.kind, f.op, f.line) for f in found] == [("host-sync", "binding_sync", body_line)]
     found = _cuda_bookkeeping(lambda: _body_binding_sync(torch.ones(2)))
     assert [(f.kind, f.op, f.line) for f in found] == [("host-sync", "binding_sync", body_line)]
+
+
+@pytest.mark.parametrize("source,names", [
+    ("h = x.cpu()", True), ("t.to(device=cpu)", True), ('t.to("cpu:0")', True),
+    ("z = f(cpu)", True), ('torch.zeros(3, device="cpu",', True),
+    ("self.gpu = self.cpu.to(device)", False),  # vLLM's CpuGpuBuffer: an attribute named cpu
+    ("y = buf.cpu[:n]", False), ("y = cpu[:n]", False), ("m = x.cpu", False),
+    ("num_cpu_blocks = 3", False), ("x.to(device)  # not the cpu", False),
+])
+def test_a_line_names_the_cpu_only_as_a_place(source, names):
+    """An object called ``cpu`` whose attributes or items are read (``self.cpu.to(device)``)
+    named the CPU: its device copy was taken for host memory (a false finding)."""
+    from graphrt.capture.host import names_cpu
+    assert names_cpu(source) is names
+
+
+def test_a_numpy_operand_converts_the_tensor_on_the_host():
+    """``x + ndarray`` ends in ``ndarray.__radd__``, which converts ``x`` with
+    ``Tensor.__array__``: a copy to the host (on a CUDA tensor it raises)."""
+    import numpy as np
+    bias = np.arange(4, dtype=np.float32)
+
+    def step(x):
+        return x + bias
+
+    spec = graphrt.StepSpec(fn=step, inputs={"x": graphrt.Input((None, 4), torch.float32)},
+                            max_batch_size=4)
+    found = analyze_step(spec, [2], "cpu").findings
+    line = inspect.getsourcelines(step)[1] + 1
+    assert {(f.kind, f.op, f.line) for f in found} == {
+        ("host-sync", "Tensor.__array__ (NumPy conversion)", line)}

@@ -76,6 +76,12 @@ EXIT2 = {
                      "    return graphrt.StepSpec(fn=step, inputs={'x': graphrt.Input((None, 4), "
                      "torch.float32)}, max_batch_size=8)\n", ":crashy",
                      "raised RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
+    # torch.accelerator's error names no "cuda": the hint to validate on a GPU was missing
+    "step-needs-an-accelerator": (
+        STEP + "\ndef accel(device):\n    def step(x):\n        torch.accelerator.synchronize()\n"
+        "        return x\n    return graphrt.StepSpec(fn=step, inputs={'x': graphrt.Input((None, "
+        "4), torch.float32)}, max_batch_size=8)\n", ":accel",
+        "validate it with --device cuda on a GPU machine"),
     "func-exits": (STEP + "\ndef quits(device):\n    raise SystemExit(3)\n", ":quits",
                    "quits(device) called sys.exit(3) ("),
     # what capture on CUDA refuses, the CPU validator refuses too (same verdict)
@@ -402,3 +408,39 @@ def min4(device):
                             max_batch_size=8, outputs={"y": "batch"})
 ''')
     assert validate(f"{path}:min4", [8], "cpu").exit_code == 0
+
+
+_RAISES_AT = """
+import torch
+import graphrt
+
+def make(device):
+    def step(x):
+        n = x.shape[0]
+        total = int(x.abs().sum().item() > -1)  # HAZARD
+        return x * (1 // (total - 1))  # OTHER
+    def step_at_the_hazard(x):
+        return x * (1 // int(x.abs().sum().item() < -1))  # HAZARD2
+    fn = step_at_the_hazard if WHICH else step
+    return graphrt.StepSpec(fn=fn, inputs={"x": graphrt.Input((None, 4), torch.float32)},
+                            max_batch_size=8)
+"""
+
+
+@pytest.mark.parametrize("at_the_hazard", [True, False])
+def test_a_step_that_raises_at_its_hazard_is_reported_by_the_hazard(at_the_hazard, tmp_path):
+    """On a GPU a hazard can make the step raise at its own line (``np.asarray`` of a CUDA
+    tensor): the finding made before the raise was lost and the verdict was a crash (exit
+    2), where CPU stand-ins report the hazard (exit 1). A raise at another line stays a
+    crash."""
+    path = _write(tmp_path, _RAISES_AT.replace("WHICH", str(at_the_hazard)))
+    marker = "# HAZARD2" if at_the_hazard else "# OTHER"
+    line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if marker in t)
+    if not at_the_hazard:
+        with pytest.raises(ValidateError, match=f"ZeroDivisionError.*target.py:{line}"):
+            validate(f"{path}:make", [1, 4], "cpu")
+        return
+    result = validate(f"{path}:make", [1, 4], "cpu")
+    assert result.exit_code == 1
+    assert [(f.kind, f.line) for f in result.report.findings] == [("host-sync", line)]
+    assert "here the step then raised ZeroDivisionError" in result.report.findings[0].message

@@ -135,13 +135,19 @@ def show_path(path: str) -> str:
     return path if rel.startswith("..") else rel
 
 
-def pick_site(frames: list[tuple[str, int]], prefer: str | None = None) -> str:
-    """`` (file:line)`` of the innermost of ``frames`` (``(file, line)``, outermost first) in
-    the file ``prefer``, else the innermost user frame, else ``""``."""
+def pick_frame(frames: list[tuple[str, int]], prefer: str | None = None) -> tuple[str, int] | None:
+    """The innermost of ``frames`` (``(file, line)``, outermost first) in the file
+    ``prefer``, else the innermost user frame, else None."""
     from graphrt.capture.sites import _classify  # the findings' notion of "user code"
     pick = [f for f in frames if prefer and os.path.abspath(f[0]) == prefer]
     pick = pick or [f for f in frames if _classify(f[0]) == 0]
-    return f" ({show_path(pick[-1][0])}:{pick[-1][1]})" if pick else ""
+    return pick[-1] if pick else None
+
+
+def pick_site(frames: list[tuple[str, int]], prefer: str | None = None) -> str:
+    """`` (file:line)`` of ``pick_frame``, or ``""``."""
+    frame = pick_frame(frames, prefer)
+    return f" ({show_path(frame[0])}:{frame[1]})" if frame else ""
 
 
 def _site(tb, prefer: str | None) -> str:
@@ -241,7 +247,8 @@ def build_spec(target: Target, device: torch.device) -> StepSpec:
 
 # -- running -----------------------------------------------------------------------------------
 def _cuda_hint(exc: BaseException) -> str:
-    if "cuda" in str(exc).lower() and not torch.cuda.is_available():
+    text = str(exc).lower()
+    if ("cuda" in text or "accelerator" in text) and not torch.cuda.is_available():
         return "; it seems to need CUDA: validate it with --device cuda on a GPU machine"
     return ""
 
@@ -250,6 +257,24 @@ def _exit_hint(exc: BaseException) -> str:
     if isinstance(exc, SystemExit):
         return "; FUNC and the step must return, not exit the process"
     return ""
+
+
+def _raised_at_a_finding(exc: BaseException, target: Target) -> SafetyReport | None:
+    """When the step raised at the line of a hazard the analysis had found there (on a GPU,
+    ``np.asarray`` of a CUDA tensor raises), the findings so far, the raise noted on that
+    line's: the hazard is the crash's cause, so the verdict is the hazard's (exit 1), as on
+    CPU stand-ins where the step runs on. None otherwise: a crash (exit 2)."""
+    from graphrt.capture.safety import findings_before
+    found = findings_before(exc)
+    site = pick_frame([(f.filename, f.lineno) for f in traceback.extract_tb(exc.__traceback__)],
+                      target.file)
+    if site is None or not any((f.file, f.line) == site for f in found):
+        return None
+    note = f" (here the step then raised {one_line(exc)})"
+    report = SafetyReport()
+    report.extend(dataclasses.replace(f, message=f.message + note)
+                  if (f.file, f.line) == site else f for f in found)
+    return report
 
 
 def _crash(spec: StepSpec, target: Target, exc: BaseException, stage: str) -> ValidateError:
@@ -363,7 +388,9 @@ def validate(target: str, sizes: list[int] | str | None = None, device: str | No
         try:
             report = analyze_step(spec, sizes, run_dev, host=host)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - a crash is no finding: exit 2
-            raise _crash(spec, tgt, exc, "the analysis") from None
+            report = _raised_at_a_finding(exc, tgt)
+            if report is None:
+                raise _crash(spec, tgt, exc, "the analysis") from None
         from graphrt.errors import InputError
         from graphrt.outputs import infer_signature, probe_calls
         if not report.errors:  # (a step with hazards is not run outside the analysis)

@@ -1,0 +1,161 @@
+"""Validator corpus: idioms of real engines' Python that a first set of rules missed or
+misread (found by a review of the validator on engine-shaped steps).
+
+- a host tensor handed to ``torch.as_tensor`` / ``torch.tensor`` / ``new_tensor`` with the
+  device as target: an upload each call, as ``.to(device)`` is;
+- ``torch.repeat_interleave(counts)``, the one-argument form (the expert id of each routed
+  row): it reads ``sum(counts)`` on the host;
+- indexing with a ``range`` or a list of NumPy ints: a host index uploaded each call;
+- ``np.asarray(t)`` (NumPy's array protocol) and the legacy ``t.type(torch.FloatTensor)``:
+  copies to the host (on a GPU ``np.asarray`` of a CUDA tensor raises at that line; the
+  hazard is the verdict there too);
+- a combine's receiver joined in the next step (the graph of one step never joins it);
+- vLLM's ``CpuGpuBuffer`` (a ``.cpu`` and a ``.gpu`` tensor): the device half is device
+  memory though its line names an attribute ``cpu``;
+- ``torch.index_put`` called with keywords only.
+
+``bad_*`` FUNCs mark each hazard with ``# expect: KIND``; ``safe_*`` FUNCs have none.
+"""
+import numpy as np
+import torch
+
+import graphrt
+from graphrt.comm.base import Receiver
+
+H, E = 8, 4
+
+
+def _spec(fn, **extra):
+    return graphrt.StepSpec(fn=fn, inputs={"x": graphrt.Input((None, H), torch.float32), **extra},
+                            max_batch_size=8)
+
+
+def _ids():
+    return {"ids": graphrt.Input((None,), torch.int64, low=0, high=E)}
+
+
+# -- hazardous ---------------------------------------------------------------------------------
+def bad_host_positions_through_as_tensor(device):
+    """Positions kept in a host tensor, moved each step with ``as_tensor(..., device=)``."""
+    host_pos = torch.arange(8.0)  # host memory: made without device=
+
+    def step(x):
+        pos = torch.as_tensor(host_pos[: x.shape[0]], device=x.device)  # expect: host-to-device-copy
+        return x + pos[:, None]
+
+    return _spec(step)
+
+
+def bad_host_positions_through_tensor_and_new_tensor(device):
+    """The same upload written as ``torch.tensor(t, device=)`` and ``x.new_tensor(t)``."""
+    host_pos = torch.arange(8.0)
+
+    def step(x):
+        n = x.shape[0]
+        a = torch.tensor(host_pos[:n], device=x.device)  # expect: host-to-device-copy
+        b = x.new_tensor(host_pos[:n])  # expect: host-to-device-copy
+        return x + (a + b)[:, None]
+
+    return _spec(step)
+
+
+def bad_expert_of_each_row_by_repeat_interleave(device):
+    """The expert id of each routed row from per-expert counts: ``repeat_interleave(counts)``
+    sizes its output from ``sum(counts)`` on the host."""
+
+    def step(x, ids):
+        counts = torch.zeros(E, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, ids, torch.ones_like(ids))
+        expert_of_row = torch.repeat_interleave(counts)  # expect: host-sync
+        return x * expert_of_row.sum()
+
+    return _spec(step, **_ids())
+
+
+def bad_rows_indexed_by_a_range(device):
+    """Live rows picked with ``range`` and with NumPy ints: host indices, uploaded."""
+
+    def step(x):
+        n = x.shape[0]
+        a = x[range(n)]  # expect: host-to-device-copy
+        b = x[[np.int64(i) for i in range(n)]]  # expect: host-to-device-copy
+        return a + b
+
+    return _spec(step)
+
+
+def bad_numpy_view_of_the_hidden_state(device):
+    """A debug statistic through NumPy's array protocol: a copy to the host."""
+
+    def step(x):
+        a = np.asarray(x)  # expect: host-sync
+        return x * float(a.mean() > -1e9)
+
+    return _spec(step)
+
+
+def bad_legacy_type_cast_to_the_host(device):
+    """``t.type(torch.FloatTensor)`` (legacy code): a copy to host memory."""
+    kept = []
+
+    def step(x):
+        kept[:] = [x.type(torch.FloatTensor)]  # expect: host-sync
+        return x * 2
+
+    return _spec(step)
+
+
+def bad_combine_joined_in_the_next_step(device):
+    """The combine of step N is joined at the start of step N+1: one step's graph never
+    joins its own combine (the first step uses the buffer as it is)."""
+    pending, out = [], torch.zeros(8, H, device=device)
+
+    def step(x):
+        prev = pending.pop()() if pending else out
+        moe_out = out[: x.shape[0]]
+        pending.append(Receiver(lambda: moe_out.copy_(x), moe_out))  # expect: unjoined-receiver
+        return x + prev[: x.shape[0]]
+
+    return _spec(step)
+
+
+# -- safe --------------------------------------------------------------------------------------
+class _CpuGpuBuffer:
+    """As vLLM's ``CpuGpuBuffer``: a host tensor and its device copy, made once."""
+
+    def __init__(self, *size, dtype, device):
+        self.cpu = torch.zeros(*size, dtype=dtype, device="cpu")
+        self.gpu = self.cpu.to(device)
+
+
+def safe_cpu_gpu_buffer_device_half(device):
+    """The step reads and updates only the ``.gpu`` half: device memory."""
+    pos = _CpuGpuBuffer(8, dtype=torch.float32, device=device)
+
+    def step(x):
+        pos.gpu[: x.shape[0]].add_(1)
+        return x + pos.gpu[: x.shape[0], None]
+
+    return _spec(step)
+
+
+def safe_index_put_by_keywords(device):
+    """``torch.index_put`` with every argument by keyword, device indices."""
+
+    def step(x, ids):
+        rows = torch.remainder(ids, x.shape[0])
+        vals = torch.ones(x.shape[0], H, device=x.device)
+        return torch.index_put(input=x, indices=(rows,), values=vals)
+
+    return _spec(step, **_ids())
+
+
+def safe_device_positions_through_as_tensor(device):
+    """``as_tensor`` of a device tensor with its own device: no copy."""
+    pos = torch.arange(8.0, device=device)
+
+    def step(x):
+        p = torch.as_tensor(pos[: x.shape[0]], device=x.device)
+        return x + p[:, None]
+
+    return _spec(step)
