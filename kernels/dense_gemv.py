@@ -42,7 +42,8 @@ import triton.language as tl
 from graphrt.env import env_int
 
 from ._pdl import pdl_prologue, pdl_trigger, pdl_wait
-from ._util import check, check_apart, check_tensor, cuda_index, interpreting, pdl_args, sm_count
+from ._util import (check, check_apart, check_tensor, cuda_index, interpreting, is_pow2, pdl_args,
+                    sm_count)
 
 MAX_ROWS = 16  # rows the kernel serves: one tl.dot row block
 BLOCK_NS = (16, 32, 64, 128)
@@ -234,14 +235,20 @@ def dense_gemv_rows(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
                     num_warps: int = 4, preload: bool = False) -> torch.Tensor:
     """``out = x @ w.T`` for 1-16 rows on the CUDA cores (fp32 accumulation), reading ``w``
     once: x bf16 ``[m <= 16, k]``, w bf16 ``[n, k]``, out bf16 ``[m, n]``, all contiguous.
-    ``block_n``/``block_k`` default to ``dense_gemv_rows_config``. ``preload``: each program
-    loads its first round of ``w`` before it waits for the previous kernel (PDL,
-    ``kernels._pdl``); only for weights that no kernel of the stream writes. One launch, no
-    workspace, no host sync; bitwise reproducible, with or without ``preload``.
+    ``block_n`` (a power of two <= 128) / ``block_k`` (a power of two in [16, 8192]): ``None``
+    takes ``dense_gemv_rows_config``'s (``InputError`` otherwise, as ``expert_gemv_rows``).
+    ``preload``: each program loads its first round of ``w`` before it waits for the previous
+    kernel (PDL, ``kernels._pdl``); only for weights that no kernel of the stream writes. One
+    launch, no workspace, no host sync; bitwise reproducible, with or without ``preload``.
     Graph safety: capturable"""
     m, n, k = _check_xw_out(x, w, out, ROWS_MAX)
     cfg = dense_gemv_rows_config(n, k)
-    block_n, block_k = block_n or cfg["block_n"], block_k or cfg["block_k"]
+    block_n = cfg["block_n"] if block_n is None else block_n
+    block_k = cfg["block_k"] if block_k is None else block_k
+    check(is_pow2(block_n) and block_n <= 128, "block_n", "a power of two <= 128 (or None)",
+          repr(block_n))
+    check(is_pow2(block_k) and 16 <= block_k <= 8192, "block_k",
+          "a power of two in [16, 8192] (or None)", repr(block_k))
     if m == 0 or n == 0:
         return out
     if k == 0:

@@ -7,6 +7,13 @@ module docstring describes the keys and the two routings).
 - ``_pick``: either one, by a constexpr;
 - ``_store_picks``: a row's picks to the ``[padded_bs, NUM_TOPK]`` outputs.
 
+The k picks of a row are k distinct experts, whatever their scores: a picked expert leaves
+the row (a key drops to ``_NO_KEY``; an unpacked kernel clears the expert's ``free`` lane),
+so a row with fewer finite choices than picks (a -inf bias, -inf logits) goes on with its
+-inf experts (a dropped group's too), lowest id first, like the references' stable sort. A
+softmax row whose probabilities are NaN (every logit -inf, or one +inf) picks its lowest ids
+with NaN weights in both paths, as ``topk_softmax_ref`` does.
+
 ``kernels.routing``'s two kernels, the fused router (``kernels.router_topk``) and the
 routing dispatch (``kernels.route_dispatch``) all pick with these, so every caller's picks
 are one computation.
@@ -18,13 +25,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-_NO_KEY = tl.constexpr(-(2**63))  # below every packed key: padding lanes, groups already taken
+_NO_KEY = tl.constexpr(-(2**63))  # below every packed key: padding lanes, keys already taken
 _NEG_INF_KEY = tl.constexpr(-0x7F800001 << 32)  # _pack(-inf, 0)
 
 
 @triton.jit
 def _sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _max_nan(a, b):
+    """``tl.reduce``'s max that propagates NaN (``tl.max`` drops it on the GPU and keeps it in
+    the interpreter)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -58,16 +72,15 @@ def _sunk(key):
 @triton.jit
 def _top_keys(key, NUM_TOPK: tl.constexpr, BLOCK_K: tl.constexpr):
     """The NUM_TOPK largest of ``key`` (int64, any shape) in decreasing order, int64 [BLOCK_K];
-    lanes >= NUM_TOPK hold 0 (score +0.0). A picked key sinks to -inf, tie-breaker kept, like
-    the unpacked grouped kernel's picked score, so even rows that run out of finite choices
-    (a -inf bias) pick the same ids. (The unpacked softmax's -1 is as good: every pick there
-    finds a probability >= 0.)"""
+    lanes >= NUM_TOPK hold 0 (score +0.0). A picked key drops to ``_NO_KEY``, below a -inf
+    key, so NUM_TOPK distinct keys come out even when fewer are finite (the caller keeps
+    NUM_TOPK <= its keys that are not ``_NO_KEY``)."""
     offs_k = tl.arange(0, BLOCK_K)
     picks = tl.zeros([BLOCK_K], dtype=tl.int64)
     for k in tl.static_range(NUM_TOPK):
         best = tl.max(key)
         picks = tl.where(offs_k == k, best, picks)
-        key = tl.where(key == best, _sunk(best), key)
+        key = tl.where(key == best, _NO_KEY, key)
     return picks
 
 
@@ -118,10 +131,12 @@ def _softmax_pick_values(
     NUM_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     RENORMALIZE: tl.constexpr, PACKED: tl.constexpr,
 ):
-    """``_softmax_pick`` of logits already in registers (``kernels.gate_fold`` makes them)."""
+    """``_softmax_pick`` of logits already in registers (``kernels.gate_fold`` makes them).
+    A row with every logit -inf, or one +inf, has NaN probabilities on all its experts
+    (-inf - -inf, +inf - +inf): it picks its lowest ids, weights NaN (module docstring)."""
     x = tl.where(emask, x.to(tl.float32), float("-inf"))
     ex = tl.where(emask, tl.exp(x - tl.max(x, axis=0)), 0.0)
-    p = ex / tl.sum(ex, axis=0)
+    p = ex / tl.sum(ex, axis=0)  # finite on every expert, or NaN on every one
     p = tl.where(emask, p, -1.0)  # padding lanes (and picked experts) sit below any probability
     offs_k = tl.arange(0, BLOCK_K)
     if PACKED:
@@ -131,12 +146,15 @@ def _softmax_pick_values(
     else:
         w = tl.zeros([BLOCK_K], dtype=tl.float32)
         ids = tl.full([BLOCK_K], -1, dtype=tl.int32)
+        free = emask  # experts not picked yet
         for k in tl.static_range(NUM_TOPK):
-            best = tl.max(p, axis=0)
-            idx = tl.min(tl.where(p == best, offs_e, BLOCK_E), axis=0)  # lowest id among ties
+            best = tl.reduce(p, 0, _max_nan)  # NaN in a NaN row, as the packed key's score
+            # ~(p < best): p == best, or any p when best is NaN; lowest free id among those
+            idx = tl.min(tl.where(free & ~(p < best), offs_e, BLOCK_E), axis=0)
             w = tl.where(offs_k == k, best, w)
             ids = tl.where(offs_k == k, idx, ids)
             p = tl.where(offs_e == idx, -1.0, p)
+            free = free & (offs_e != idx)
     if RENORMALIZE:
         w = w / tl.sum(w, axis=0)
     w = tl.where(live, w, 0.0)
@@ -210,14 +228,16 @@ def _grouped_sigmoid_pick(
         w = tl.zeros([BLOCK_K], dtype=tl.float32)
         ids = tl.full([BLOCK_K], -1, dtype=tl.int32)
         big = BLOCK_G * BLOCK_S
+        free = valid  # experts not picked yet (a picked expert's -inf ties a real -inf)
         for k in tl.static_range(NUM_TOPK):
             best = tl.max(tl.max(c, axis=1), axis=0)
-            hit = (c == best) & valid
+            hit = (c == best) & free
             idx = tl.min(tl.min(tl.where(hit, eid, big), axis=1), axis=0)  # lowest id among ties
             wk = tl.sum(tl.sum(tl.where(eid == idx, s, 0.0), axis=1), axis=0)
             w = tl.where(offs_k == k, wk, w)
             ids = tl.where(offs_k == k, idx, ids)
             c = tl.where(eid == idx, float("-inf"), c)
+            free = free & (eid != idx)
     if RENORMALIZE:
         w = w / tl.sum(w, axis=0)
     w = tl.where(live, w * scaling, 0.0)

@@ -239,3 +239,23 @@ def test_rows_config_and_auto_route():
     assert _rel_err(dense_gemv_auto(x[:1], w), dense_gemv_ref(x[:1], w)) < 1e-2   # the rows path
     with pytest.raises(ValueError, match="rows"):
         dense_gemv_rows(*_inputs(ROWS_MAX + 1, 8, 64), out=torch.empty(ROWS_MAX + 1, 8, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(block_n=3), r"block_n: expected a power of two <= 128 \(or None\), got 3"),
+    (dict(block_n=0), r"block_n: expected a power of two <= 128 \(or None\), got 0"),
+    (dict(block_n=256), r"block_n: expected a power of two <= 128"),
+    (dict(block_n=True), r"block_n: expected a power of two"),
+    (dict(block_k=24), r"block_k: expected a power of two in \[16, 8192\] \(or None\), got 24"),
+    (dict(block_k=0), r"block_k: expected a power of two in \[16, 8192\]"),
+    (dict(block_k=8), r"block_k: expected a power of two in \[16, 8192\]"),
+])
+def test_rows_rejects_bad_blocks(bad, match):
+    """``dense_gemv_rows`` refuses a block size the kernel cannot take with ``InputError``, as
+    ``expert_gemv_rows`` does (a non-power of two once reached Triton's untyped error, 0 fell
+    back to the config's), before any launch."""
+    from graphrt.errors import InputError
+    from graphrt.kernels.dense_gemv import dense_gemv_rows
+    x, w = _inputs(2, 8, 64)
+    with pytest.raises(InputError, match=match):
+        dense_gemv_rows(x, w, out=torch.empty(2, 8, dtype=torch.bfloat16), **bad)

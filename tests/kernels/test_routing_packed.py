@@ -187,18 +187,37 @@ def test_packed_padded_rows_cpu(n_live):
 
 
 @cpu_interpreter
-@pytest.mark.parametrize("n_group,topk_group", [(1, 1), (4, 2)])
-def test_packed_rows_out_of_finite_choices_match_cpu(n_group, topk_group):
-    """A -inf bias leaves fewer finite choices than picks: the unpacked kernel then picks the
-    lowest -inf expert again and again; the packed one (a picked key sinks to -inf, keeping its
-    tie-breaker) picks the same ids."""
-    bias = torch.zeros(16)
-    bias[2:] = float("-inf")  # finite: experts 0 and 1 (group 0 of 4)
+@pytest.mark.parametrize("finite", [(0, 1), (8, 9)])
+@pytest.mark.parametrize("n_group,topk_group", [(1, 1), (4, 2), (4, 1)])
+def test_packed_rows_out_of_finite_choices_match_cpu(n_group, topk_group, finite):
+    """A -inf bias leaves fewer finite choices than picks: both kernels pick the finite experts,
+    then the -inf ones (a dropped group's included), lowest id first, 4 distinct ids as the
+    reference's stable sort; a picked expert never comes back (it once did: [0, 1, 0, 0])."""
+    bias = torch.full((16,), float("-inf"))
+    bias[list(finite)] = 0.0  # the only finite choices: in group 0, or group 2 of 4
     logits = _logits("random", 2, 16, torch.float32, 1)
-    _, ids = _both(lambda w, ids, packed: grouped_topk_sigmoid(
-        logits, bias, _n(2, "cpu"), 4, n_group, topk_group, out_weights=w, out_ids=ids,
-        packed=packed), 2, 4, "cpu")
-    assert (ids[:, :2].sort(dim=1).values == torch.tensor([0, 1])).all()
+    _grouped_case(logits, bias, 2, 4, n_group, topk_group, 1.0, True)  # both paths, the ref
+    ids = grouped_topk_sigmoid_ref(logits, bias, 2, 4, n_group, topk_group)[1]
+    assert all(len(set(r)) == 4 for r in ids.tolist())
+    assert (ids[:, :2].sort(dim=1).values == torch.tensor(finite)).all()
+
+
+@cpu_interpreter
+@pytest.mark.parametrize("num_experts", [6, 8, 64])
+@pytest.mark.parametrize("row", ["all -inf", "one +inf"])
+def test_softmax_nan_rows_pick_the_lowest_ids_cpu(num_experts, row):
+    """Logits without NaN whose softmax is NaN on every expert (all -inf: -inf - -inf; one
+    +inf: +inf - +inf): both kernels pick ids 0, 1, 2 with NaN weights, bitwise alike and as
+    ``topk_softmax_ref`` (the unpacked kernel once gave ids == num_experts, repeated)."""
+    logits = _logits("random", 3, num_experts, torch.float32, num_experts)
+    if row == "all -inf":
+        logits[1] = float("-inf")
+    else:
+        logits[1, num_experts - 1] = float("inf")
+    for renorm in (True, False):
+        _softmax_case(logits, 3, 3, renorm)
+    w, ids = topk_softmax_ref(logits, 3, 3)
+    assert torch.equal(ids[1], torch.arange(3)) and w[1].isnan().all()
 
 
 def test_packed_default_comes_from_the_environment(monkeypatch):
