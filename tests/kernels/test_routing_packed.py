@@ -303,6 +303,26 @@ def test_packed_matches_unpacked_gpu(bs, cuda_device):
 
 
 @pytest.mark.gpu
+def test_rows_short_of_finite_choices_gpu(cuda_device):
+    """The CPU interpreter's edge rows on the H200's compiled kernels: a -inf bias leaving
+    two finite choices for four picks (distinct ids, as the reference), and softmax rows
+    whose probabilities are NaN (all -inf, one +inf): lowest ids in both paths."""
+    dev = cuda_device
+    for finite in ((0, 1), (8, 9)):
+        bias = torch.full((16,), float("-inf"))
+        bias[list(finite)] = 0.0
+        logits = _logits("random", 2, 16, torch.float32, 1)
+        for n_group, topk_group in ((1, 1), (4, 2), (4, 1)):
+            _grouped_case(logits.to(dev), bias.to(dev), 2, 4, n_group, topk_group, 1.0, True)
+    for num_experts in (8, 64):
+        logits = _logits("random", 3, num_experts, torch.float32, num_experts)
+        logits[1] = float("-inf")
+        logits[2, num_experts - 1] = float("inf")
+        for renorm in (True, False):
+            _softmax_case(logits.to(dev), 3, 3, renorm)
+
+
+@pytest.mark.gpu
 def test_packed_cuda_graph_gpu(cuda_device):
     """One capture of both packed kernels serves new logits and n: each replay is bitwise
     equal to an eager unpacked launch."""
