@@ -299,11 +299,16 @@ def main(argv=None) -> int:
         args = parse(argv)
     except SystemExit as exc:  # --help: 0; a flag this run cannot honour: 2, one line
         return int(exc.code or 0)
-    if args.device == "cpu":
-        return cpu(args)
-    if args.ranks > 1:
-        return multi_gpu(args)
-    return single_gpu(args)
+    from graphrt.errors import EnvError
+    try:
+        if args.device == "cpu":
+            return cpu(args)
+        if args.ranks > 1:
+            return multi_gpu(args)
+        return single_gpu(args)
+    except EnvError as exc:  # a GRAPHRT_* value, read when the model is built: one line
+        print(f"host_engine_loop: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-from graphrt.errors import InputError
+from graphrt.errors import EnvError
 
 OFF = ("0", "false", "no", "off")
 
@@ -36,7 +36,7 @@ def env_auto(name: str, default: bool | str = "auto") -> bool | str:
 def env_int(name: str, default: int, lo: int = 0, hi: int | None = None) -> int:
     """An integer setting: unset or empty is ``default``; otherwise an int in ``[lo, hi]``
     (surrounding spaces ignored), or a ``ValueError`` naming the variable, what it takes and
-    what it holds."""
+    what it holds (``EnvError``)."""
     return int_value(name, os.environ.get(name), default, lo, hi)
 
 
@@ -51,7 +51,7 @@ def int_value(name: str, raw: str | None, default: int, lo: int = 0, hi: int | N
         n = None
     if n is None or n < lo or (hi is not None and n > hi):
         span = f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]"
-        raise InputError(f"{name}: expected {span}{why} (unset: {default}), got {raw!r}")
+        raise EnvError(f"{name}: expected {span}{why} (unset: {default}), got {raw!r}")
     return n
 
 
@@ -61,7 +61,7 @@ def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
     raw = os.environ.get(name)
     v = (raw or "").strip().lower() or default
     if v not in choices:
-        raise InputError(f"{name}: expected one of {', '.join(choices)} (unset: {default}), "
+        raise EnvError(f"{name}: expected one of {', '.join(choices)} (unset: {default}), "
                          f"got {raw!r}")
     return v
 

@@ -34,6 +34,11 @@ class InputError(GraphrtError, ValueError):
     match the ``StepSpec``, a spec field, an argument of a constructor or a launcher."""
 
 
+class EnvError(InputError):
+    """A ``GRAPHRT_*`` environment variable holds a value graphrt does not take (read when
+    the module or call that uses it runs: see docs/gpu.md)."""
+
+
 class InputTypeError(InputError, TypeError):
     """An argument of the wrong type (a list where a tensor goes); also a ``TypeError``."""
 

@@ -360,5 +360,11 @@ for _o in OPS:
 # --------------------------------------------------------- the interim switch for the model
 
 
-# The launcher-shaped wrappers and the switch live beside the ops (kernels/ops_launchers.py).
-from .ops_launchers import _wrappers, launchers_as_ops  # noqa: E402,F401
+# The launcher-shaped wrappers and the switch live beside the ops (kernels/ops_launchers.py),
+# which imports this module: read from here, they are fetched on first use, so either module
+# can be imported first.
+def __getattr__(name: str):
+    if name in ("launchers_as_ops", "_wrappers"):
+        from . import ops_launchers
+        return getattr(ops_launchers, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -306,3 +306,15 @@ def test_layer_bench_refuses_what_it_cannot_run(capsys):
     assert main(["--config", "dsv3-like", "--out", "unused.json"]) == 2
     err = capsys.readouterr().err
     assert "CUDA" in err or "does not fit" in err
+
+
+def test_the_switchs_own_module_imports_first():
+    """README and docs/architecture.md name kernels/ops_launchers.py as the home of
+    ``launchers_as_ops``: importing it before ``graphrt.kernels.ops`` failed (a circular
+    import)."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", "from graphrt.kernels.ops_launchers import "
+                        "launchers_as_ops; from graphrt.kernels.ops import launchers_as_ops as b; "
+                        "assert launchers_as_ops is b"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr

@@ -4,7 +4,9 @@ one line on stderr (what came, what is expected, what to do) before any work; th
 ends with what to try next."""
 from __future__ import annotations
 
+import os
 import re
+import sys
 from argparse import Namespace
 from pathlib import Path
 
@@ -180,3 +182,34 @@ def test_gpu_demo_captures_replays_bitwise_and_prints_its_table(tmp_path):
                      r"entries\)", proc.stdout), proc.stdout
     assert "20 decode steps at random batch sizes 1..8: every replay is bitwise equal" in proc.stdout
     assert re.search(r"^\| 8 \| \d+ \| \d+ \| [\d.]+x \|", proc.stdout, re.M), proc.stdout
+
+
+@pytest.mark.parametrize("argv", [["demo"], ["bench", "--sizes", "1", "--out", "OUT"]])
+def test_a_bad_environment_value_is_one_line_and_exit_2(argv, tmp_path):
+    """A GRAPHRT_* value the kernels refuse is read when a module is imported: ``demo`` and
+    ``bench`` printed a 20-line traceback and exited 1 (README: every command exits 2 with
+    one line)."""
+    import subprocess
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]
+    env = dict(os.environ, GRAPHRT_DENSE="foo", PYTHONDONTWRITEBYTECODE="1")
+    r = subprocess.run([sys.executable, "-m", "graphrt", *argv], capture_output=True, text=True,
+                       env=env, timeout=300)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2, r.stderr
+    assert any(ln.startswith(f"graphrt {argv[0]}: GRAPHRT_DENSE: expected one of auto, torch, "
+                             "gemv") for ln in lines), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@NO_CUDA  # the CPU demo prints at once; the GPU one captures first
+def test_a_closed_stdout_is_no_traceback(tmp_path):
+    """``graphrt demo | head -1``: the reader goes away, and the demo's next print raised
+    BrokenPipeError with a traceback."""
+    import subprocess
+    p = subprocess.Popen([sys.executable, "-m", "graphrt", "demo"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
+    p.stdout.readline()
+    p.stdout.close()  # as head does after its line
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

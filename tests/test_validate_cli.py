@@ -61,6 +61,8 @@ def _cli(*args, cwd=None):
 EXIT2 = {
     "missing-file": (None, "nope.py:make", "cannot import 'nope.py': No such file"),
     "bad-target": (None, "just_a_name", "bad TARGET"),
+    # a folder said "No such file" though it exists
+    "folder-target": (None, "/tmp:make", "cannot import '/tmp': it is a folder; expected FILE.py"),
     "import-error": ("import torch\nimport not_a_module_xyz\n", ":make",
                      "ModuleNotFoundError: No module named 'not_a_module_xyz' (" ),
     "syntax-error": ("def make(device):\n    return (\n", ":make", "SyntaxError"),

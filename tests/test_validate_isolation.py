@@ -152,8 +152,11 @@ def test_a_signal_to_the_command_kills_the_group(signum, rc, tmp_path):
     if signal.getsignal(signum) == signal.SIG_IGN:
         pytest.skip(f"{signum.name} is ignored in this process and so in the command")
     path, _ = _target(tmp_path, "time.sleep(1000)")
+    tmp = tmp_path / "tmp"  # the command's temporary folders: removed, a signal or not
+    tmp.mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "graphrt", "validate", f"{path}:make",
-                             "--device", "cpu", "--sizes", "1"], stderr=subprocess.PIPE, text=True)
+                             "--device", "cpu", "--sizes", "1"], stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, TMPDIR=str(tmp)))
     mark, deadline = tmp_path / "ran", time.monotonic() + 60
     while not (mark.exists() and mark.read_text()) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -162,6 +165,7 @@ def test_a_signal_to_the_command_kills_the_group(signum, rc, tmp_path):
     proc.send_signal(signum)
     assert proc.wait(timeout=30) == rc
     assert _group_alive(pgid) == []
+    assert list(tmp.iterdir()) == []  # SIGTERM left graphrt-validate-* behind
     if signum == signal.SIGINT:
         assert proc.stderr.read() == ("graphrt validate: interrupted; the target and all it "
                                       "started were stopped\n")
@@ -225,3 +229,14 @@ def test_read_only_json_folder_is_refused_before_running(tmp_path, capfd):
     finally:
         folder.chmod(0o700)
     assert rc == 2 and "permission denied" in err and not (tmp_path / "ran").exists()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_json_where_even_root_cannot_write_is_refused_before_running(tmp_path, capfd):
+    """``os.access`` says yes to root on /sys and /proc (containers run as root): the analysis
+    ran, then writing the report failed. A real write is tried up front."""
+    path, _ = _target(tmp_path, "pass")
+    rc, out, err = _main(capfd, f"{path}:make", "--device", "cpu", "--json", "/proc/x.json")
+    assert rc == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("graphrt validate: cannot write --json '/proc/x.json': ")
+    assert not (tmp_path / "ran").exists()  # FUNC never ran

@@ -53,28 +53,41 @@ def run_isolated(target: str, sizes: list[int] | None, device: str | None, timeo
 
     Returns the child's ``Validation``. Raises ``ValidateError`` (one line, exit 2) for the
     validator's own exit-2 cases and for a child that times out, exits or dies before it
-    reports a result. The child's process group is dead when this returns or raises."""
-    from graphrt.cli.validate import ValidateError, Validation
+    reports a result. The child's process group is dead when this returns or raises, and
+    its temporary folder removed (a SIGTERM / SIGHUP too)."""
+    from graphrt.cli.validate import ValidateError
     request = json.dumps({"target": target, "sizes": sizes, "device": device,
                           "parent": os.getpid()})
     with tempfile.TemporaryDirectory(prefix="graphrt-validate-") as tmp:
-        status = _run_child(tmp, request, timeout)
-        try:
-            with open(os.path.join(tmp, RESULT)) as fh:
-                doc = json.load(fh)
-        except (OSError, ValueError):
-            doc = None  # no result: say why below
-        if doc and "error" in doc:
-            raise ValidateError(doc["error"])
-        if doc and "validation" in doc:
-            return Validation.from_dict(doc["validation"])
-        raise ValidateError(_no_result(target, status, timeout, os.path.join(tmp, STACKS)))
+        status, held = _run_child(tmp, request, timeout)
+        if not held:
+            return _result(target, tmp, status, timeout)
+    # SIGTERM / SIGHUP came while the child ran: acted on once its folder is removed
+    for signum in held:  # as we would have without the child
+        signal.raise_signal(signum)
+    # a handler of the caller's that did not end the process
+    raise ValidateError(f"stopped by {signal.Signals(held[0]).name} before a result came back")
 
 
-def _run_child(tmp: str, request: str, timeout: float) -> int | None:
-    """Start the child, wait for it, kill its group; its exit status (-N: signal N) or None
-    when it ran past ``timeout`` (its stacks are then in ``tmp/stacks.txt``)."""
-    from graphrt.cli.validate import ValidateError
+def _result(target: str, tmp: str, status: int | None, timeout: float):
+    """The child's ``Validation`` from ``tmp``, or the ``ValidateError`` that says why none."""
+    from graphrt.cli.validate import ValidateError, Validation
+    try:
+        with open(os.path.join(tmp, RESULT)) as fh:
+            doc = json.load(fh)
+    except (OSError, ValueError):
+        doc = None  # no result: say why below
+    if doc and "error" in doc:
+        raise ValidateError(doc["error"])
+    if doc and "validation" in doc:
+        return Validation.from_dict(doc["validation"])
+    raise ValidateError(_no_result(target, status, timeout, os.path.join(tmp, STACKS)))
+
+
+def _run_child(tmp: str, request: str, timeout: float) -> tuple[int | None, list[int]]:
+    """Start the child, wait for it, kill its group. Returns its exit status (-N: signal N;
+    None when it ran past ``timeout``: its stacks are then in ``tmp/stacks.txt``) and the
+    SIGTERM / SIGHUP that arrived meanwhile, held for the caller to act on."""
     for stream in (sys.stdout, sys.stderr):  # keep our own output in order with the child's
         with contextlib.suppress(AttributeError, OSError, ValueError):
             stream.flush()
@@ -93,12 +106,7 @@ def _run_child(tmp: str, request: str, timeout: float) -> int | None:
             guard.armed = False
             if proc is not None:
                 _kill_group(proc)
-    for signum in guard.held:  # act on SIGTERM / SIGHUP as we would have without the child
-        signal.raise_signal(signum)
-    if guard.held:  # a handler of the caller's that did not end the process
-        raise ValidateError(f"stopped by {signal.Signals(guard.held[0]).name} before a result "
-                            "came back")
-    return status
+    return status, list(guard.held)
 
 
 def _stderr_fd() -> int:
@@ -212,7 +220,7 @@ def _no_result(target: str, status: int | None, timeout: float, stacks: str) -> 
     if status is None:
         at = f" (stuck at {where})" if where else ""
         return (f"{target} did not finish within --timeout {timeout:g} s{at}; stopped it and "
-                "all it started. A step must not block (sleep, lock, queue, input()); if it is "
+                "all it started. A step must not block (sleep, lock, queue); if it is "
                 "only slow, raise --timeout")
     if status < 0:
         signum = -status

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from graphrt._version import __version__
 from graphrt.cli import validate_cmd
+from graphrt.errors import EnvError
 
 PRESETS = ("dsv3-like", "qwen3-moe-like", "tiny")            # graphrt.moe.config.PRESETS
 SUITES = ("runtime", "modes", "moe", "ep", "loop", "eplb")     # graphrt.bench.plan
@@ -186,8 +188,23 @@ def _run_module(name: str, args) -> int:
                else f"cannot be imported: {type(exc).__name__}: {str(exc).splitlines()[0]}")
         print(f"graphrt {name}: {path} {why}", file=sys.stderr)
         return 2
-    rc = module.main(args)
+    except EnvError as exc:  # a GRAPHRT_* value read at import
+        print(f"graphrt {name}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        rc = module.main(args)
+    except EnvError as exc:  # ... or read when a kernel or layer is first built
+        print(f"graphrt {name}: {exc}", file=sys.stderr)
+        return 2
     return int(rc or 0)
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout went away (``graphrt bench | head``): what is left to print goes
+    nowhere, and the exit status is a SIGPIPE's (128 + 13), without a traceback."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # Python's flush at exit must not raise again
+    return 141
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,9 +218,12 @@ def main(argv: list[str] | None = None) -> int:
         print("graphrt: missing command: validate, demo or bench (see graphrt --help)",
               file=sys.stderr)
         return 2
-    if args.command == "validate":
-        return validate_cmd.run(args)
-    return _run_module(args.command, args)
+    try:
+        if args.command == "validate":
+            return validate_cmd.run(args)
+        return _run_module(args.command, args)
+    except BrokenPipeError:
+        return _stdout_closed()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -176,6 +176,9 @@ def split_target(text: str) -> tuple[str, str, str | None]:
     path = None
     if where.endswith(".py") or os.sep in where or "/" in where:
         path = os.path.abspath(where)
+        if os.path.isdir(path):
+            raise ValidateError(f"cannot import {where!r}: it is a folder; expected FILE.py "
+                                "or a module name (pkg.module:FUNC)")
         if not os.path.isfile(path):
             raise ValidateError(f"cannot import {where!r}: No such file")
     return where, func, path

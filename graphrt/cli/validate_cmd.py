@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from dataclasses import replace
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -67,10 +68,26 @@ def check_json_path(path: str | None, target: str) -> None:
     elif source and (os.path.realpath(full) == os.path.realpath(source)
                      or (exists and os.path.samefile(full, source))):
         why = "it is TARGET's source file, which the report would overwrite; write it elsewhere"
-    elif not (os.access(full, os.W_OK) if exists else os.access(folder, os.W_OK | os.X_OK)):
-        why = "permission denied"
+    else:
+        why = _cannot_write(full, exists, folder)
     if why:
         raise ValidateError(f"cannot write --json {path!r}: {why}")
+
+
+def _cannot_write(full: str, exists: bool, folder: str) -> str | None:
+    """Why ``full`` cannot be written, by trying (``os.access`` says yes to root on /sys and
+    /proc): an existing file is opened to append (nothing written), a new one made and
+    removed in its folder. None when it can."""
+    try:
+        if exists:
+            with open(full, "a"):
+                pass
+        else:
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".graphrt-json-"):
+                pass
+    except OSError as exc:
+        return (exc.strerror or str(exc)).lower()
+    return None
 
 
 def print_report(result, stream=None) -> None:
