@@ -131,8 +131,8 @@ class Stager:
         try:
             key = signature(inputs)
             n = self._verdicts.get(key)
-        except (AttributeError, TypeError):  # not tensors: check() names the culprit
-            return self.check(inputs)
+        except (AttributeError, TypeError, RuntimeError):  # not tensors, or a nested one
+            return self.check(inputs)                       # (no sizes): check() names it
         if n is None:
             n = self.check(inputs)
             if len(self._verdicts) >= self._max_verdicts:
@@ -152,6 +152,10 @@ class Stager:
             t = inputs[k]
             if not isinstance(t, torch.Tensor):
                 raise InputError(f"input {k!r}: expected a torch.Tensor, got {type(t).__name__}")
+            if t.is_nested:  # before any shape read: a nested tensor has no sizes
+                raise InputError(f"input {k!r}: expected a dense (strided) tensor, got a nested "
+                                 f"tensor (layout {t.layout}); pad its rows into one tensor, e.g. "
+                                 "t.to_padded_tensor(0) or torch.stack(rows)")
             if t.layout is not torch.strided:
                 raise InputError(f"input {k!r}: expected a dense (strided) tensor, got layout "
                                  f"{t.layout}; convert it with .to_dense()")
@@ -294,6 +298,25 @@ class Stager:
         stage.paths = paths
         return stage
 
+    def refuse_overlap(self, inputs: Mapping[str, torch.Tensor], exc: BaseException) -> None:
+        """After staging ``inputs`` raised ``exc``: raise ``InputError`` (from ``exc``) when an
+        input shares memory with a static input buffer (a view of ``input_buffers(n)``, whose
+        rows a staging copy would overwrite while reading them: torch refuses such a copy);
+        return otherwise, for the caller to re-raise ``exc``. Only a failed step pays for it:
+        the steady path does no overlap check. Host-only."""
+        mine = {_storage(b): k for k, b in self.buffers.items()}
+        mine.pop(None, None)                       # a buffer without data overlaps nothing
+        for k, t in inputs.items():
+            name = mine.get(_storage(t)) if isinstance(t, torch.Tensor) else None
+            if name is not None:
+                why = (str(exc).strip() or type(exc).__name__).splitlines()[0]
+                raise InputError(
+                    f"input {k!r}: expected a tensor of your own, got one that shares memory "
+                    f"with graphrt's static input {name!r} (a view of rt.input_buffers(n)): "
+                    "staging copies into that buffer while it reads from it. Pass a copy "
+                    f"({k}=t.clone()), or write the rows through input_buffers(n) and call "
+                    f"replay(n). (torch: {why})") from exc
+
     def pad_only(self, n: int, padded_bs: int) -> None:
         """The live rows are in place: pad rows ``[n, padded_bs)``, set the live count.
 
@@ -371,6 +394,15 @@ class Stager:
             if padded_bs > n and not bool((b[n + 1:padded_bs + 1] == b[n]).all()):
                 bad.append(k)
         return bad
+
+
+def _storage(t: torch.Tensor) -> tuple | None:
+    """``(device, storage address)`` of ``t``, None for one without data or a storage."""
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return (t.device, ptr) if ptr else None
 
 
 # dtypes torch._foreach_copy_ handles on CUDA in one launch; others get a copy_ each.

@@ -49,7 +49,10 @@ class GraphRuntime:
         copy_outputs: True (default): ``run`` returns fresh tensors the caller owns. False:
             zero-copy views of the static outputs, leased (see ``lease``); plain tensors,
             the same objects every step of a live batch; in debug mode ``LeasedTensor``
-            views whose reads raise ``StaleOutputError`` once the lease ended.
+            views whose reads raise ``StaleOutputError`` once the lease ended. An eager run
+            (oversize batch, failed size, ``eager()``) takes no lease: its outputs are the
+            step's own fresh tensors, with clones of any that share memory with the declared
+            state or an input.
         lease: with ``copy_outputs=False``, when a lease ends. ``"step"`` (default): at the
             next ``run``/``replay`` of this runtime (a read after that is not detected
             outside debug mode). ``"explicit"``: at ``release()``; a ``run``/``replay``
@@ -182,7 +185,11 @@ class GraphRuntime:
                 if self._held is not None:
                     self._refuse_held()
                 stage, plan, n = step
-                stage(vals)
+                try:
+                    stage(vals)
+                except RuntimeError as exc:  # zero-cost unless raised
+                    self.stager.refuse_overlap(inputs, exc)
+                    raise
                 return self._fire(plan, n)
         return self._run_checked(inputs)
 
@@ -204,7 +211,11 @@ class GraphRuntime:
         plan = self._plans[n]
         if plan is None or plan.g is not g:  # a new batch, or a larger size agreed across ranks
             plan = self._plan_for(n, g)
-        st.stage(inputs, n, size)
+        try:
+            st.stage(inputs, n, size)
+        except RuntimeError as exc:
+            st.refuse_overlap(inputs, exc)
+            raise
         if plan is self._plans[n] and co is None and not self.debug:
             self._steps.remember(inputs, n, plan, st)
         return self._fire(plan, n)
@@ -326,30 +337,37 @@ class GraphRuntime:
         # Uniform-batch backends run eagerly at the agreed batch, padded, like the other ranks.
         sig = self.manager.signature if self.manager is not None else None
         with torch.no_grad():  # planned for its padded size first, as a replay
-            out = self._owned(self.spec.call_padded(inputs, pick_n, sig, plan=True))
+            out = self._owned(self.spec.call_padded(inputs, pick_n, sig, plan=True), inputs)
         self.counters["eager"] += 1  # counted once it ran, as replays are
         return out
 
     def eager(self, **inputs: torch.Tensor) -> Any:
-        """Run the step eagerly on exactly the live rows (no padding); in copy-out mode the
-        outputs are the caller's, as ``run``'s are. A reference call: it does not run
+        """Run the step eagerly on exactly the live rows (no padding). The outputs are the
+        caller's, as ``run``'s eager ones are: clones in copy-out mode; in zero-copy mode
+        the step's own tensors, but clones of those that share memory with the declared
+        state or an input (``_owned``). A reference call: it does not run
         ``spec.before_replay`` (a step that follows a per-size plan reads the plan selected
         last; ``check_replay`` calls the hook before its eager runs, and ``run``'s eager
         fallback calls it). Graph safety: host-only."""
         n = self.stager.check(inputs)
         with torch.no_grad():
-            out = self._owned(self.spec.call(inputs, self.spec.live_count_tensor(n, self.device)))
+            out = self._owned(self.spec.call(inputs, self.spec.live_count_tensor(n, self.device)),
+                              inputs)
         self.counters["eager"] += 1
         return out
 
-    def _owned(self, out: Any) -> Any:
-        """An eager step's outputs as ``run`` hands them out: in copy-out mode, clones (the
-        step may return its own state, e.g. a per-expert counter, or a view of an input,
-        which the caller must not be able to change or see change); otherwise as they are."""
-        if not self.copy_outputs:
-            return out
+    def _owned(self, out: Any, inputs) -> Any:
+        """An eager step's outputs as ``run`` hands them out, never memory the caller must
+        not be able to change or see change (the step may return its own state, e.g. a
+        per-expert counter, or a view of an input). In copy-out mode, clones of all. In
+        zero-copy mode an eager run takes no lease, so an output that shares memory with
+        the declared ``spec.state`` or with one of ``inputs`` is cloned; the others are the
+        step's own fresh tensors, handed out as they are. Host-only."""
         layout, flat = OutputLayout.flatten(out, where=self.spec.name)
-        return layout.build([t.clone() for t in flat])
+        if self.copy_outputs:
+            return layout.build([t.clone() for t in flat])
+        held = {_memory(t) for t in (*self.spec.state_tensors(), *inputs.values())}
+        return layout.build([t.clone() if _memory(t) in held else t for t in flat])
 
     # -- checks and stats --------------------------------------------------------------------
     def check_replay(self, *, trials: int = 2, rtol: float | None = None,
@@ -418,6 +436,15 @@ def _resolve_device(device) -> torch.device:
             raise DeviceError(f"device {str(dev)!r} requested, but this machine has "
                               f"{torch.cuda.device_count()} CUDA device(s)")
     return dev
+
+
+def _memory(t: torch.Tensor) -> tuple:
+    """Which memory ``t`` lives in: its device and storage address (the tensor itself for
+    one without a storage, e.g. sparse), so two views of one storage compare equal."""
+    try:
+        return t.device, t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return t.device, id(t)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 from typing import Iterable
 
-from graphrt.errors import InputError
+from graphrt.errors import InputError, InputTypeError
 
 
 def capture_sizes(max_bs: int) -> list[int]:
@@ -33,6 +33,10 @@ class SizeTable:
     """Sorted, distinct padded sizes; ``pick(n)`` returns the smallest size ``>= n`` or None."""
 
     def __init__(self, sizes: Iterable[int]):
+        if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
+            raise InputTypeError(f"sizes must be a list of ints >= 1, e.g. [1, 2, 4, 8] (or "
+                                 f"[{sizes!r}] for that one size); got {sizes!r} "
+                                 f"({type(sizes).__name__})")
         given = list(sizes)
         if not given or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in given):
             raise InputError(f"sizes must be a non-empty list of ints >= 1; got {given!r}")

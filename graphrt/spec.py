@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from graphrt.errors import InputError
+from graphrt.errors import InputError, InputTypeError
 
 OUTPUT_ROWS = ("batch", "fixed")
 
@@ -86,6 +86,10 @@ class Input:
     offsets: bool = False
 
     def __post_init__(self):
+        if isinstance(self.shape, (str, bytes)) or not isinstance(self.shape, Iterable):
+            raise InputTypeError(f"Input shape must be a tuple: (None, *trailing) for a "
+                                 f"batch-major input or all ints for a fixed one, e.g. (None, 2048) "
+                                 f"or (64,); got {self.shape!r} ({type(self.shape).__name__})")
         shape = tuple(self.shape)
         object.__setattr__(self, "shape", shape)
         nones = [i for i, d in enumerate(shape) if d is None]
@@ -282,6 +286,11 @@ class StepSpec:
                 raise InputError(f"StepSpec.out {self.out!r} collides with an input name or "
                                  "live_count: fn receives each as its own keyword")
         if self.outputs is not None:
+            if not isinstance(self.outputs, Mapping):
+                raise InputTypeError(f"StepSpec.outputs must be a dict {{key: 'batch' | 'fixed'}} "
+                                     "(dict keys or tuple indices; 0 for a single tensor), e.g. "
+                                     f"{{0: 'batch'}}; got {type(self.outputs).__name__} "
+                                     f"{self.outputs!r}")
             bad = {k: v for k, v in dict(self.outputs).items() if v not in OUTPUT_ROWS}
             if bad:
                 raise InputError(f"StepSpec.outputs values must be 'batch' or 'fixed'; got {bad}")

@@ -12,7 +12,12 @@ function specialised to that call shape (``Stager.bind``), the live batch's ``_P
 - else the signature itself, looked up in a dict.
 
 The guard is a private torch API: a self-test, once per process, must see it tell every part
-of a signature apart, or the cache uses the dict alone. Bounded: the dict is cleared when
+of a signature apart, or the cache uses the dict alone. It must never see a nested tensor:
+it reads the strides of every tensor of the guarded type, and a nested tensor's (type
+``torch.Tensor``, layout ``torch.strided``) raise in C++ where nothing catches them, which
+aborts the process. So a guarded lookup first reads ``is_nested`` of each input (one
+attribute read each, the only per-input cost it adds) and leaves a nested one to the
+checked path, which refuses it with an ``InputError``. Bounded: the dict is cleared when
 it reaches ``max_entries`` (oversize batches vary freely).
 
 Graph safety: host-only.
@@ -26,12 +31,13 @@ import torch
 
 # One input's part of ``signature``: a C-level getter (each tensor attribute costs ~0.1 µs).
 _signature = attrgetter("__class__", "layout", "dtype", "shape", "device", "requires_grad")
+_is_nested = attrgetter("is_nested")  # a nested tensor must never reach a guard (it aborts)
 
 
 def signature(inputs: Mapping[str, torch.Tensor]) -> tuple:
     """The key a step is cached under: the names in order, then per input its type, layout,
     dtype, shape, device and requires_grad. Raises ``AttributeError`` for a value that is not a
-    tensor."""
+    tensor, ``RuntimeError`` for a nested tensor (it has no sizes)."""
     return (*inputs, *map(_signature, inputs.values()))
 
 
@@ -103,13 +109,17 @@ class StepCache:
 
     def lookup(self, inputs: Mapping[str, torch.Tensor], vals: tuple):
         """``(stage, plan, n)`` of the step ``inputs`` (values ``vals``, in order) repeats,
-        or None (a new signature, or a value that is not a tensor: the checked path names
-        it)."""
+        or None (a new signature, a value that is not a tensor or a nested tensor: the
+        checked path names it)."""
         last = self._last
-        if last is None or tuple(inputs) != last[0] or not last[1](*vals):
-            last = self._recall(inputs, vals)
-            if last is None:
-                return None
+        try:
+            if (last is None or tuple(inputs) != last[0] or True in map(_is_nested, vals)
+                    or not last[1](*vals)):
+                last = self._recall(inputs, vals)
+                if last is None:
+                    return None
+        except AttributeError:  # a value that is not a tensor (no is_nested)
+            return None
         return last[2]
 
     def _recall(self, inputs, vals: tuple) -> tuple | None:
@@ -119,15 +129,15 @@ class StepCache:
         names = tuple(inputs)
         try:
             last = self._recent[vals[0].shape]
-            if names == last[0] and last[1](*vals):
+            if names == last[0] and True not in map(_is_nested, vals) and last[1](*vals):
                 self._last = last
                 return last
-        except (KeyError, AttributeError, IndexError):  # a new shape, no tensor, no input
-            pass
+        except (KeyError, AttributeError, IndexError, RuntimeError):
+            pass  # a new shape, no tensor, no input, a nested tensor (no shape)
         try:
             last = self._steps.get(signature(inputs))
-        except (AttributeError, TypeError):  # not tensors: the checked path names them
-            return None
+        except (AttributeError, TypeError, RuntimeError):  # not tensors, or nested ones: the
+            return None                                     # checked path names them
         if last is not None and last[1] is not None:
             self._last = self._recent[vals[0].shape] = last
         return last

@@ -54,6 +54,16 @@ def _worker(rank, world, port, out_dir, scenario):
             passed_in.close()  # not its group: left alone
             dist.barrier()
             result += f" | groups {before}->{len(dist.distributed_c10d._world.pg_map)} agreed={agreed}"
+        elif scenario == "bad-timeout":
+            from graphrt.errors import InputError
+            try:
+                RankCoordinator(uniform=True, timeout_s=-1)
+                result = "accepted timeout_s=-1"
+            except InputError as e:
+                result = f"refused: {e}"
+            co = RankCoordinator(uniform=True, timeout_s=30)   # the next good call works
+            result += f" | agreed={co.agree_batch(rank + 1)}"
+            co.close()
         elif scenario == "missing":
             co = RankCoordinator(uniform=True, debug_check=True, timeout_s=3)
             if rank == 0:
@@ -110,3 +120,19 @@ def test_timeout_with_a_passed_group_is_refused_and_close_frees_the_group():
         assert r.startswith("refused: RankCoordinator: timeout_s applies"), r
         assert "| RankCoordinator is closed: make a new one |" in r, r
         assert r.endswith("groups 1->1 agreed=2"), r
+
+
+@pytest.mark.slow
+def test_a_timeout_that_is_not_positive_is_an_input_error_before_any_collective():
+    """``timeout_s=-1`` reached gloo, which raised a bare ``RuntimeError``."""
+    for r in _run("bad-timeout"):
+        assert r.startswith("refused: RankCoordinator timeout_s: expected a finite number"), r
+        assert r.endswith("| agreed=2"), r
+
+
+@pytest.mark.parametrize("timeout_s", [-1, 0, float("nan"), float("inf"), "5", True])
+def test_a_bad_timeout_is_refused_as_an_argument(timeout_s):
+    from graphrt.coordinator import RankCoordinator
+    from graphrt.errors import InputError
+    with pytest.raises(InputError, match="timeout_s: expected a finite number of seconds > 0"):
+        RankCoordinator(uniform=True, timeout_s=timeout_s)   # no process group needed

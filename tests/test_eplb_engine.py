@@ -98,3 +98,68 @@ def test_engine_path_refuses_what_does_not_fit():
                        store=HostExpertStore([{"w": torch.zeros(E, H, H + 1)}]))
     with pytest.raises(ValueError, match="got object"):
         ExpertBalancer(object())
+
+
+def test_an_expert_map_refuses_a_rank_outside_its_ranks():
+    """A global rank (TP=2 x EP=2: rank 2 of EP size 2) was taken: the map routed to slots
+    this rank does not hold and a rebalance copied nothing into them."""
+    from graphrt.errors import InputError
+    placement = home_placement(1, 4, 2, 3, M)                      # 2 EP ranks
+    for rank in (2, -1, 1.0, True, "1"):
+        with pytest.raises(InputError, match=r"ExpertMap rank: expected .* in \[0, 2\)"):
+            ExpertMap(placement, rank=rank, device="cpu")
+    assert ExpertMap(placement, rank=np.int64(1), device="cpu").rank == 1
+    with pytest.raises(InputError, match="expected a graphrt.eplb.policy.Placement"):
+        ExpertMap(placement.table, rank=0, device="cpu")
+
+
+def test_record_and_route_refuse_a_layer_or_counts_that_do_not_fit():
+    """``record(0, int32[1])`` broadcast into every slot and ``route(-1, ids)`` counted into
+    the last layer; other mistakes were bare torch errors. Nothing is counted by a refusal."""
+    from graphrt.errors import InputError
+    L = 2
+    em = ExpertMap(home_placement(L, E, 1, S, M), rank=0, device="cpu")
+    ids = torch.tensor([[0, 1], [2, -1]])
+    for layer in (-1, L, 1.0, None):
+        with pytest.raises(InputError, match=r"ExpertMap.route layer: expected an int in \[0, 2\)"):
+            em.route(layer, ids)
+        with pytest.raises(InputError, match=r"ExpertMap.record layer: expected an int in \[0, 2\)"):
+            em.record(layer, torch.ones(S, dtype=torch.int32))
+    for bad in (torch.tensor([5], dtype=torch.int32), torch.ones(S + 1, dtype=torch.int32),
+                torch.ones(S), torch.ones(1, S, dtype=torch.int32), torch.ones(S, device="meta",
+                                                                         dtype=torch.int32)):
+        with pytest.raises(InputError, match=rf"masked_m: expected an integer tensor of shape \({S},\)"):
+            em.record(0, bad)
+    with pytest.raises(InputError, match="masked_m: expected an integer tensor"):
+        em.record(0, [1] * S)
+    assert int(em.load.sum()) == 0 and int(em.slot_load.sum()) == 0
+    em.record(1, torch.arange(S, dtype=torch.int32))                # int32 [S]: counted
+    em.record(1, torch.arange(S))                                    # int64 [S] too
+    assert em.slot_load[1].tolist() == [2 * s for s in range(S)] and int(em.slot_load[0].sum()) == 0
+    em.route(np.int64(1), ids)
+    assert int(em.load[1].sum()) == 3 and int(em.load[0].sum()) == 0
+
+
+def test_a_store_missing_experts_in_one_layer_is_refused_before_any_copy():
+    """The store kept only the last layer's expert count: a layer holding fewer experts
+    passed, and ``apply()`` raised a bare ``IndexError`` part-way through its copies."""
+    from graphrt.errors import InputError
+    L = 2
+    em = ExpertMap(home_placement(L, E, 1, S, M), rank=0, device="cpu")
+    ck = torch.arange(E, dtype=torch.float32)[:, None].repeat(1, H)   # expert e's weights == e
+    slots = [{"w": ck[em.placement.slot_expert[layer]].clone()} for layer in range(L)]
+    short = HostExpertStore([{"w": ck[:2]}, {"w": ck}])               # layer 0: experts 0, 1
+    assert short.layer_experts == [2, E] and short.num_experts == 2
+    with pytest.raises(InputError, match=r"2 layers of \[2, 8\] experts; the map has 2 layers of 8 \(layers \[0\] differ\)"):
+        ExpertBalancer(em, slots=slots, store=short, min_gain=0.0)
+    bal = ExpertBalancer(em, slots=slots, store=HostExpertStore([{"w": ck}, {"w": ck}]),
+                         min_gain=0.0)
+    new = bal.propose(np.array([[1.0] * (E - 1) + [100.0], [100.0] + [1.0] * (E - 1)]))
+    bal.store = short                                                # swapped after the build
+    before = [t["w"].clone() for t in slots]
+    with pytest.raises(InputError, match=r"\(layers \[0\] differ\)"):
+        bal.apply(new)
+    assert all(torch.equal(t["w"], b) for t, b in zip(slots, before))  # nothing was copied
+    assert bal.placement is em.placement and bal.rebalances == 0
+    with pytest.raises(InputError, match="store layer 1: expected a non-empty dict"):
+        HostExpertStore([{"w": ck}, {}])

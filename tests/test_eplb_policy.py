@@ -185,3 +185,32 @@ def test_moved_slots_and_balance_helpers():
     np.testing.assert_allclose(balance([[1.0, 3.0], [0.0, 0.0]]), [1.5, 1.0])
     with pytest.raises(ValueError, match="new.slot_expert.shape"):
         moved_slots(a, home_placement(1, 8, 2, 6, 4))
+
+
+def test_sizes_are_ints_or_numpy_ints_and_a_model_has_layers():
+    """A numpy int passed ``home_placement``'s check and failed ``Placement``'s with "expected
+    an int >= 1, got 1"; no layer at all ended in a numpy error in ``ExpertMap``."""
+    p = home_placement(np.int64(2), np.int64(8), np.int64(2), np.int32(5), np.int64(4))
+    assert type(p.num_ranks) is int and type(p.slots_per_rank) is int and p.num_ranks == 2
+    q = Placement(p.slot_expert, p.table, np.int64(2), np.int64(5)).validate()
+    assert type(q.num_ranks) is int and type(q.slots_per_rank) is int
+    assert type(rebalance(np.ones((1, 8)), np.int64(2), np.int64(5), np.int64(4)).num_ranks) is int
+    with pytest.raises(ValueError, match=r"num_ranks: expected an int >= 1, got 2.0 \(float\)"):
+        home_placement(1, 8, 2.0, 5, 4)
+    with pytest.raises(ValueError, match=r"num_ranks: expected an int >= 1, got True \(bool\)"):
+        Placement(p.slot_expert, p.table, True, 5)
+    with pytest.raises(ValueError, match=r"num_layers: expected an int >= 1 \(one per MoE layer\), got 0"):
+        home_placement(0, 8, 2, 5, 4)
+    with pytest.raises(ValueError, match=r"slot_expert.shape\[0\] \(num_layers\): expected >= 1"):
+        Placement(p.slot_expert[:0], p.table[:0], 2, 5)
+
+
+def test_eplb_config_refuses_what_is_not_an_int():
+    from graphrt.eplb import EPLBConfig
+    from graphrt.errors import InputError, InputTypeError
+    for kw in ({"redundant": "2"}, {"redundant": 1.5}, {"table_size": None}, {"redundant": True}):
+        with pytest.raises(InputTypeError, match=r"EPLBConfig \w+: expected an int, got"):
+            EPLBConfig(**kw)
+    with pytest.raises(InputError, match="redundant >= 0"):
+        EPLBConfig(redundant=-1)
+    assert EPLBConfig(redundant=np.int64(2)).redundant == 2

@@ -82,8 +82,9 @@ def test_a_staging_that_raises_midway_leaves_no_stale_padding(fake_capture):
     rt.run(**spec.random_inputs(2))
     bad = spec.random_inputs(3)
     bad["x"] = rt.stager.buffers["x"][1:4]
-    with pytest.raises(RuntimeError, match="single memory location"):
+    with pytest.raises(graphrt.InputError, match="shares memory with graphrt's static input 'x'") as e:
         rt.run(**bad)
+    assert "single memory location" in str(e.value.__cause__)    # torch's refusal, chained
     inputs = spec.random_inputs(2)
     out = rt.run(**inputs)
     views = rt.stager.views(4)
@@ -398,3 +399,32 @@ def test_staging_groups_copies_by_dtype_and_counts_with_the_int32_group():
         for k, t in live.items():
             assert torch.equal(st.buffers[k][:n], t), k
         assert st.pad_rows_intact(n, padded) == [] and int(st.n_dev) == n
+
+
+def test_an_input_that_overlaps_a_static_input_is_refused_on_every_path(fake_capture):
+    """A view of ``input_buffers(n)`` passed to ``run()`` is read while staging writes the
+    same memory: torch refuses the copy, and ``run()`` says why and what to do, on the
+    checked path and on the steady path (found only after the copy failed: the steady path
+    checks nothing more), losing nothing: the next good step runs as if it never happened."""
+    from graphrt.errors import InputError
+    spec = every_kind_spec()
+    rt = captured(copy_outputs=False)
+    ok = spec.random_inputs(3)
+    bufs = rt.input_buffers(4)
+    for k, t in spec.random_inputs(4).items():
+        bufs[k].copy_(t)
+    rt.replay(4)
+    want = "input '{0}': expected a tensor of your own.*static input '{0}'.*{0}=t.clone"
+    for key, view in (("x", lambda: rt.input_buffers(4)["x"][1:]),
+                      ("cu", lambda: rt.input_buffers(4)["cu"][1:])):
+        bad = {**ok, key: view()}
+        with pytest.raises(InputError, match=want.format(key)):   # checked path
+            rt.run(**bad)
+        out = rt.run(**ok)                                             # binds the signature
+        assert torch.equal(out["y"], spec.call_padded(ok, 4, {"y": "batch", "total": "fixed"})["y"])
+        assert len(rt._steps) == 1                                     # the same as bad's
+        with pytest.raises(InputError, match=want.format(key)):   # steady path
+            rt.run(**bad)
+        out = rt.run(**ok)
+        ref = spec.call_padded(ok, 4, {"y": "batch", "total": "fixed"})
+        assert torch.equal(out["y"], ref["y"]) and torch.equal(out["total"], ref["total"])

@@ -282,3 +282,70 @@ def test_the_guard_tells_every_part_of_a_signature_apart():
     for other in ((x.double(), ids), (x, ids.int()), (x[:2], ids), (x, ids[:2]),
                   (x.to("meta"), ids), (x.clone().requires_grad_(True), ids), (x, [0, 0, 0])):
         assert not check(*other)
+
+
+def _nested_rows(t: torch.Tensor, **kw) -> torch.Tensor:
+    """``t``'s rows as a nested tensor (layout ``torch.strided`` unless ``layout=``)."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")              # "nested tensors are a prototype"
+        return torch.nested.nested_tensor(list(t), **kw)
+
+
+def test_a_nested_tensor_input_is_an_input_error_on_every_checked_path(fake_capture, lookup):
+    from graphrt.errors import InputError
+    spec, nested = every_kind_spec(), "expected a dense \\(strided\\) tensor, got a nested tensor"
+    ok = spec.random_inputs(3)
+    bads = [{**ok, "x": _nested_rows(ok["x"])}, {**ok, "table": _nested_rows(ok["table"])},
+            {**ok, "x": _nested_rows(ok["x"], layout=torch.jagged)}]
+    for debug in (False, True):
+        rt = captured(debug=debug)
+        for bad in bads:                              # before any step: nothing cached yet
+            with pytest.raises(InputError, match=nested):
+                rt.run(**bad)
+        assert _same(rt.run(**ok), spec.call_padded(ok, 4, ROWS))
+        for bad in bads:
+            with pytest.raises(InputError, match=nested):
+                rt.eager(**bad)
+            if debug or lookup == "dict":             # no guard in front (see the next test)
+                with pytest.raises(InputError, match=nested):
+                    rt.run(**bad)
+        assert _same(rt.run(**ok), spec.call_padded(ok, 4, ROWS))   # nothing was lost
+
+
+@pytest.mark.slow
+def test_a_nested_tensor_after_a_steady_step_never_reaches_the_guard():
+    """The C++ guard reads a nested tensor's strides, which raise where nothing catches them:
+    the process aborts. In a subprocess, so that a regression fails this test only."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = """if True:
+        import warnings, torch
+        warnings.simplefilter("ignore")
+        import graphrt.step_cache as rp
+        from graphrt.errors import InputError
+        from tests.fakes.graphs import FakeCaptureManager
+        import graphrt.capture.manager as M
+        M.CaptureManager = FakeCaptureManager
+        from tests.fakes.specs import captured, every_kind_spec
+        assert rp._guards_self_test()
+        spec, rt = every_kind_spec(), captured()
+        a, b = spec.random_inputs(3), spec.random_inputs(9)
+        for key in ("x", "table"):
+            for first, then in ((b, a), (a, b)):   # the latest step's guard, a recent one's
+                rt.run(**first); rt.run(**then)
+                bad = {**a, key: torch.nested.nested_tensor(list(a[key]))}
+                try:
+                    rt.run(**bad)
+                    raise SystemExit("accepted a nested input")
+                except InputError as e:
+                    assert "got a nested tensor" in str(e), e
+        rt.run(**a)
+        print("survived")
+    """
+    env = {k: v for k, v in __import__("os").environ.items() if k != "GRAPHRT_DEBUG"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=Path(__file__).resolve().parents[1], env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "survived", \
+        f"rc={out.returncode}\n{out.stdout}\n{out.stderr[-3000:]}"

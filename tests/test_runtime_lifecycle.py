@@ -96,6 +96,40 @@ def test_copy_out_hands_out_fresh_tensors_from_an_eager_step_too(fake_capture):
     assert rt.counters == {"replays": 3, "eager": 3}
 
 
+@pytest.mark.parametrize("debug", [False, True])
+@pytest.mark.parametrize("lease", ["step", "explicit"])
+def test_zero_copy_eager_steps_hand_out_no_state_and_no_input(fake_capture, lease, debug):
+    """copy_outputs=False: an eager step (oversize batch, failed size, ``eager()``) takes no
+    lease, so an output that is the step's own state (a per-expert counter) or a view of an
+    input is cloned, as copy-out mode does; a fresh output is handed out as the step made it."""
+    load, made = torch.zeros(3), []
+
+    def step(x):
+        load.add_(1)
+        made.append(x * 2)
+        return {"h": x[:, :2], "y": made[-1], "load": load}
+    spec = graphrt.StepSpec(step, {"x": graphrt.Input((None, 4), torch.float32)}, 32,
+                            outputs={"h": "batch", "y": "batch", "load": "fixed"},
+                            state=lambda: [load])
+    fake_capture.fail_sizes = {8: RuntimeError("size 8 broke")}
+    rt = graphrt.GraphRuntime(spec, sizes=[4, 8], device="cpu", strict=False, progress=False,
+                              copy_outputs=False, lease=lease, debug=debug).capture()
+    for n, call in ((20, rt.run), (6, rt.run), (3, rt.eager)):   # oversize, failed size, eager
+        x = torch.zeros(n, 4)
+        out = call(x=x)
+        assert out["load"].data_ptr() != load.data_ptr() and out["h"].data_ptr() != x.data_ptr()
+        assert out["y"].data_ptr() == made[-1].data_ptr()        # fresh: not copied again
+        kept = out["load"].clone()
+        rt.run(x=torch.zeros(2, 4))                    # no lease was taken: a replay may run
+        rt.release()
+        assert torch.equal(out["load"], kept) and not torch.equal(load, kept)
+        before = load.clone()
+        out["load"].zero_()
+        out["h"].fill_(9.0)
+        assert torch.equal(load, before) and (x == 0).all()   # the caller's writes stay theirs
+    assert rt.counters == {"replays": 3, "eager": 3}
+
+
 def test_an_oversize_batch_names_the_largest_size_that_was_captured(fake_capture):
     fake_capture.fail_sizes = {16: RuntimeError("size 16 broke")}
     rt = graphrt.GraphRuntime(_spec(), sizes=[4, 16], device="cpu", strict=False,

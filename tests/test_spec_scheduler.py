@@ -215,3 +215,23 @@ def test_poison_keeps_a_unique_input_unique():
         slots = st.buffers["slot"][:8]
         assert slots.unique().numel() == 8 and bool((slots < 15).all()), slots.tolist()
         assert torch.equal(slots[:3], live["slot"])
+
+
+def test_constructor_arguments_of_the_wrong_kind_are_typed_errors():
+    """Each was a bare ``TypeError`` or ``ValueError`` from deep inside (``'int' object is not
+    iterable``, ``dictionary update sequence element #0 has length 5``)."""
+    from graphrt.errors import InputTypeError
+    spec = _spec()
+    with pytest.raises(InputTypeError, match=r"sizes must be a list of ints >= 1.*\[16\].*got 16 \(int\)"):
+        graphrt.GraphRuntime(spec, 16, device="cpu")
+    with pytest.raises(InputTypeError, match="sizes must be a list"):
+        SizeTable("1, 2, 4")
+    assert graphrt.GraphRuntime(spec, (16, 4), device="cpu").sizes == [4, 16]
+    for shape in (2048, None, "None, 4"):
+        with pytest.raises(InputError, match=r"Input shape must be a tuple.*\(64,\)"):
+            graphrt.Input(shape, torch.float32)
+    assert graphrt.Input([None, 4], torch.float32).shape == (None, 4)
+    assert graphrt.Input(torch.Size([8]), torch.float32).rows == "fixed"
+    with pytest.raises(InputTypeError, match=r"StepSpec.outputs must be a dict.*got list \['batch'\]"):
+        graphrt.StepSpec(lambda x: x, {"x": graphrt.Input((None,), torch.float32)}, 4,
+                         outputs=["batch"])

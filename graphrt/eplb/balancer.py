@@ -109,11 +109,16 @@ class ExpertBalancer:
         """Raise ``InputError`` unless the store holds every logical expert of every layer,
         in tensors that fit the slots (checked again by ``apply``: ``store`` may be swapped)."""
         st, m = self.store, self.map
-        if len(st.layers) != m.num_layers or st.num_experts != m.num_experts:
-            raise InputError(f"the expert store holds {len(st.layers)} layers of "
-                             f"{st.num_experts} experts; the map has {m.num_layers} layers of "
-                             f"{m.num_experts}: a rebalance may put any expert in any slot, so "
-                             "the store needs every one of them")
+        # per layer, read from the tensors themselves (each one of a layer must hold all E)
+        counts = [min(t.shape[0] for t in d.values()) if d else 0 for d in st.layers]
+        if len(counts) != m.num_layers or any(c != m.num_experts for c in counts):
+            held = counts[0] if len(set(counts)) == 1 else counts
+            bad = [i for i, c in enumerate(counts) if c != m.num_experts]
+            which = f" (layers {bad} differ)" if len(counts) == m.num_layers else ""
+            raise InputError(f"the expert store holds {len(counts)} layers of {held} experts; "
+                             f"the map has {m.num_layers} layers of {m.num_experts}{which}: a "
+                             "rebalance may put any expert in any slot, so the store needs "
+                             "every one of them in every layer")
         for i, layer_slots in enumerate(self._slots):
             st.check_fits(i, layer_slots)
 

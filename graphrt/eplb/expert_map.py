@@ -26,7 +26,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from graphrt.errors import InputError
+from graphrt.errors import InputError, InputTypeError
+
+# dtypes a dispatch's per-slot row counts (masked_m) may have: integers, added into int64
+_COUNT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
 
 
 class ExpertMap:
@@ -34,14 +37,27 @@ class ExpertMap:
 
     Args:
         placement: the initial ``Placement`` (usually ``policy.home_placement``).
-        rank: this rank (selects its ``S`` slots).
+        rank: this rank's index among the placement's ``num_ranks`` expert-parallel ranks,
+            in ``[0, num_ranks)`` (selects its ``S`` slots): the rank within the EP group,
+            which is not the global rank when EP is one of several parallel dimensions.
         device: where the tensors live.
     """
 
     def __init__(self, placement, rank: int, device):
+        from graphrt.eplb.policy import Placement
+        if not isinstance(placement, Placement):
+            raise InputTypeError(f"ExpertMap placement: expected a graphrt.eplb.policy.Placement "
+                                 f"(e.g. home_placement(L, E, R, S, M)), got "
+                                 f"{type(placement).__name__}")
         placement.validate()
+        R = placement.num_ranks
+        if not _is_int(rank) or not 0 <= rank < R:
+            raise InputError(f"ExpertMap rank: expected this rank's index among the placement's "
+                             f"{R} expert-parallel ranks, in [0, {R}), got {rank!r}; pass the "
+                             "rank within the EP group (e.g. dist.get_rank(ep_group)), not a "
+                             "global rank, or build the placement for every EP rank")
         self.placement = placement
-        self.rank, self.device = rank, torch.device(device)
+        self.rank, self.device = int(rank), torch.device(device)
         L, E, M = placement.table.shape
         self.num_layers, self.num_experts, self.table_size = L, E, M
         self.slots_per_rank = S = placement.slots_per_rank
@@ -59,16 +75,35 @@ class ExpertMap:
     def route(self, layer: int, logical_ids: torch.Tensor) -> torch.Tensor:
         """logical_ids int64 ``[bs, num_topk]`` (-1: padded row) -> physical slot ids int64
         ``[bs, num_topk]`` (-1 kept), counting each live id into ``load[layer]``. One launch.
+        ``layer`` in ``[0, num_layers)``; raises ``InputError`` otherwise, or for ids of
+        another dtype, rank or device (metadata reads only: no host sync).
         Graph safety: capturable."""
         from graphrt.kernels.eplb_map import map_and_count
+        self._check_layer("route", layer)
         out = torch.empty_like(logical_ids)
         map_and_count(logical_ids, self.table[layer], self.tick, out=out, counts=self.load[layer])
         return out
 
     def record(self, layer: int, masked_m: torch.Tensor) -> None:
-        """Add the dispatch's live rows per local slot (int32 ``[S]``) into ``slot_load[layer]``.
-        Graph safety: capturable."""
+        """Add the dispatch's live rows per local slot (an integer ``[S]`` tensor, e.g. int32
+        ``masked_m``) into ``slot_load[layer]``. ``layer`` in ``[0, num_layers)``; raises
+        ``InputError`` for another layer, shape, dtype or device (metadata reads only: no
+        host sync). Graph safety: capturable."""
+        self._check_layer("record", layer)
+        S, want = self.slots_per_rank, self.slot_load.device
+        if not isinstance(masked_m, torch.Tensor):
+            raise InputTypeError(f"ExpertMap.record masked_m: expected an integer tensor [{S}] "
+                                 f"(rows per local slot), got {type(masked_m).__name__}")
+        if masked_m.dtype not in _COUNT_DTYPES or masked_m.shape != (S,) or masked_m.device != want:
+            raise InputError(f"ExpertMap.record masked_m: expected an integer tensor of shape "
+                             f"({S},) (rows per local slot) on {want}, got {masked_m.dtype} "
+                             f"{tuple(masked_m.shape)} on {masked_m.device}")
         self.slot_load[layer].add_(masked_m)
+
+    def _check_layer(self, what: str, layer) -> None:
+        if not _is_int(layer) or not 0 <= layer < self.num_layers:
+            raise InputError(f"ExpertMap.{what} layer: expected an int in [0, {self.num_layers}) "
+                             f"(one per MoE layer), got {layer!r}")
 
     def advance(self) -> None:
         """Rotate the replica choice: ``tick += 1`` (once per step). Graph safety: capturable."""
@@ -100,6 +135,10 @@ class EPLBConfig:
     """
 
     def __init__(self, redundant: int = 0, table_size: int = 16):
+        for name, v in (("redundant", redundant), ("table_size", table_size)):
+            if not _is_int(v):
+                raise InputTypeError(f"EPLBConfig {name}: expected an int, got {v!r} "
+                                     f"({type(v).__name__})")
         if redundant < 0 or table_size < 1:
             raise InputError(f"EPLBConfig needs redundant >= 0 and table_size >= 1; got "
                              f"{redundant}, {table_size}")
@@ -116,3 +155,8 @@ class EPLBConfig:
 
     def __repr__(self) -> str:
         return f"EPLBConfig(redundant={self.redundant}, table_size={self.table_size})"
+
+
+def _is_int(v) -> bool:
+    """An int or a numpy integer, not a bool."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)

@@ -49,6 +49,16 @@ def _check(cond: bool, what: str, expected: object, got: object) -> None:
         raise InputError(f"{what}: expected {expected}, got {got}")
 
 
+def _is_int(v) -> bool:
+    """An int or a numpy integer (``np.int64(4)``), not a bool."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _got_int(v) -> str:
+    """``v`` for a message about an int argument: with its type when it is not an int."""
+    return repr(v) if _is_int(v) else f"{v!r} ({type(v).__name__})"
+
+
 def _describe(a) -> str:
     if isinstance(a, np.ndarray):
         return f"{a.dtype} array of shape {a.shape}"
@@ -61,9 +71,10 @@ class Placement:
 
     slot_expert: int64 [L, P], the logical expert whose weights physical slot p holds.
     table: int32 [L, E, M], physical slots of each logical expert (every entry must hold it).
-    num_ranks: R; slots_per_rank: S (P = R * S).
+    num_ranks: R; slots_per_rank: S (P = R * S): ints (a numpy integer is taken as its int).
 
-    ``__post_init__`` checks shapes and dtypes only; :meth:`validate` checks the contents.
+    ``__post_init__`` checks shapes and dtypes only (at least one layer); :meth:`validate`
+    checks the contents.
 
     Graph safety: host-only
     """
@@ -75,8 +86,11 @@ class Placement:
 
     def __post_init__(self):
         se, tb, R, S = self.slot_expert, self.table, self.num_ranks, self.slots_per_rank
-        _check(isinstance(R, int) and R >= 1, "num_ranks", "an int >= 1", R)
-        _check(isinstance(S, int) and S >= 1, "slots_per_rank", "an int >= 1", S)
+        _check(_is_int(R) and R >= 1, "num_ranks", "an int >= 1", _got_int(R))
+        _check(_is_int(S) and S >= 1, "slots_per_rank", "an int >= 1", _got_int(S))
+        R, S = int(R), int(S)
+        object.__setattr__(self, "num_ranks", R)
+        object.__setattr__(self, "slots_per_rank", S)
         _check(isinstance(se, np.ndarray) and se.dtype == np.int64 and se.ndim == 2,
                "slot_expert", "an int64 array [num_layers, num_slots]", _describe(se))
         _check(isinstance(tb, np.ndarray) and tb.dtype == np.int32 and tb.ndim == 3,
@@ -85,6 +99,8 @@ class Placement:
                f"num_ranks * slots_per_rank = {R * S}", se.shape[1])
         _check(tb.shape[0] == se.shape[0], "table.shape[0]",
                f"num_layers = slot_expert.shape[0] = {se.shape[0]}", tb.shape[0])
+        _check(se.shape[0] >= 1, "slot_expert.shape[0] (num_layers)", ">= 1 (one per MoE layer)",
+               se.shape[0])
         _check(tb.shape[1] >= 1 and tb.shape[2] >= 1, "table.shape[1:] (num_experts, table_size)",
                ">= 1 each", tb.shape[1:])
 
@@ -136,7 +152,7 @@ class Placement:
 def _check_sizes(num_experts, num_ranks, slots_per_rank, table_size):
     for name, v in (("num_experts", num_experts), ("num_ranks", num_ranks),
                     ("slots_per_rank", slots_per_rank), ("table_size", table_size)):
-        _check(isinstance(v, (int, np.integer)) and v >= 1, name, "an int >= 1", v)
+        _check(_is_int(v) and v >= 1, name, "an int >= 1", _got_int(v))
     _check(num_ranks * slots_per_rank >= num_experts, "num_ranks * slots_per_rank",
            f">= num_experts = {num_experts} (every expert needs a slot)",
            num_ranks * slots_per_rank)
@@ -149,12 +165,16 @@ def home_placement(num_layers: int, num_experts: int, num_ranks: int, slots_per_
     Rank r's first E/R slots hold experts ``r*E/R .. (r+1)*E/R - 1``; its redundant slots hold
     replicas of the same rank's experts round robin, but every table entry points at the home
     slot, so routing equals the unbalanced model (expert e on rank ``e // (E/R)``, local slot
-    ``e % (E/R)``). Requires ``num_experts % num_ranks == 0`` and ``S >= E/R``.
+    ``e % (E/R)``). Requires ``num_layers >= 1``, ``num_experts % num_ranks == 0`` and
+    ``S >= E/R``; every size is an int (or a numpy integer).
 
     Graph safety: host-only
     """
     _check_sizes(num_experts, num_ranks, slots_per_rank, table_size)
-    _check(num_layers >= 0, "num_layers", ">= 0", num_layers)
+    _check(_is_int(num_layers) and num_layers >= 1, "num_layers", "an int >= 1 (one per MoE layer)",
+           _got_int(num_layers))
+    num_layers, num_experts, num_ranks, slots_per_rank, table_size = map(
+        int, (num_layers, num_experts, num_ranks, slots_per_rank, table_size))
     _check(num_experts % num_ranks == 0, "num_experts % num_ranks", 0,
            f"{num_experts} % {num_ranks} = {num_experts % num_ranks}")
     per = num_experts // num_ranks  # S >= per follows from _check_sizes
@@ -337,6 +357,7 @@ def rebalance(load, num_ranks: int, slots_per_rank: int, table_size: int,
            "finite and >= 0", f"min {load.min() if load.size else '-'}")
     num_layers, num_experts = load.shape
     _check_sizes(num_experts, num_ranks, slots_per_rank, table_size)
+    num_ranks, slots_per_rank, table_size = int(num_ranks), int(slots_per_rank), int(table_size)
     _check(keep_within is None or keep_within >= 0, "keep_within", "None or >= 0", keep_within)
     if previous is not None:
         _check(isinstance(previous, Placement), "previous", "a Placement or None",

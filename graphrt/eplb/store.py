@@ -18,9 +18,11 @@ Graph safety: host-only (setup); ``copy_into`` launches asynchronous copies.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
-from graphrt.errors import InputError
+from graphrt.errors import InputError, InputTypeError
 
 
 class HostExpertStore:
@@ -29,16 +31,24 @@ class HostExpertStore:
     Args:
         layers: one ``{name: tensor [E, ...]}`` per layer, names as ``Experts.slot_tensors``.
             CPU tensors; they are pinned here (copied once when not already pinned).
+
+    ``layer_experts[i]`` is how many logical experts layer ``i`` holds; ``num_experts`` the
+    fewest of any layer (0 without layers): what every layer holds.
     """
 
     def __init__(self, layers: list[dict[str, torch.Tensor]]):
-        self.layers = []
+        self.layers, self.layer_experts = [], []
         for i, d in enumerate(layers):
+            if not isinstance(d, Mapping) or not d or not all(
+                    isinstance(t, torch.Tensor) and t.dim() >= 1 for t in d.values()):
+                raise InputTypeError(f"store layer {i}: expected a non-empty dict {{name: tensor "
+                                     f"[E, ...]}}, got {_describe(d)}")
             sizes = {t.shape[0] for t in d.values()}
             if len(sizes) != 1:
                 raise InputError(f"store layer {i}: tensors disagree on the expert count {sizes}")
             self.layers.append({k: _pinned(t) for k, t in d.items()})
-        self.num_experts = next(iter(sizes)) if self.layers else 0
+            self.layer_experts.append(next(iter(sizes)))
+        self.num_experts = min(self.layer_experts, default=0)
 
     @classmethod
     def for_model(cls, model) -> HostExpertStore:
@@ -90,3 +100,10 @@ def _pinned(t: torch.Tensor) -> torch.Tensor:
     """``t`` on the host, pinned when a GPU is there to copy to (plain memory otherwise)."""
     t = t.cpu()
     return t if not torch.cuda.is_available() or t.is_pinned() else t.pin_memory()
+
+
+def _describe(d) -> str:
+    if isinstance(d, Mapping):
+        return "{" + ", ".join(f"{k!r}: " + (f"tensor {tuple(t.shape)}" if isinstance(t, torch.Tensor)
+                                             else type(t).__name__) for k, t in d.items()) + "}"
+    return type(d).__name__
