@@ -102,6 +102,26 @@ def test_bad_inputs_are_named(rt):
         rt.run(x=x, pos=pos[:, None])
 
 
+def test_nested_and_overlapping_inputs_are_refused_and_lose_nothing(rt):
+    """On the CUDA paths (the staging table by default): a nested input after cached steps
+    once aborted the process in torch's guard; an input that is a view of graphrt's own
+    static input falls off the table (it overlaps its buffer) to a copy torch refuses. Both
+    are InputErrors, and the next step's outputs equal eager's."""
+    inputs = rt.spec.random_inputs(4, rt.device)
+    want = rt.eager(**inputs)
+    for _ in range(3):  # cached: the guarded lookup serves these
+        rt.run(**inputs)
+    nested = torch.nested.nested_tensor([r for r in inputs["x"]])
+    with pytest.raises(graphrt.InputError, match="'x': expected a dense .* nested"):
+        rt.run(x=nested, pos=inputs["pos"])
+    bufs = rt.input_buffers(4)
+    bufs["x"][:4].copy_(inputs["x"])
+    with pytest.raises(graphrt.InputError, match="'x': .*shares memory with graphrt's static"):
+        rt.run(x=bufs["x"][1:4], pos=inputs["pos"][1:])
+    got = rt.run(**inputs)
+    torch.testing.assert_close(got["y"], want["y"], rtol=1e-4, atol=1e-4)
+
+
 def test_stale_lease_raises():
     r = graphrt.GraphRuntime(_spec(SideStreamStep("cuda", layers=1), 8), sizes=[4, 8],
                              copy_outputs=False, progress=False, debug=True).capture()
