@@ -57,14 +57,14 @@ def _line_names_cpu() -> bool:
     user's code or in graphrt's. Not the user's own outermost line: a library line such as
     ``torch.empty(..., device=x.device)`` called from ``analyze_step(spec, [2], "cpu")`` means
     the step's device."""
-    from graphrt.capture.sites import calling_site
-    file, line = calling_site()
-    return names_cpu(linecache.getline(file, line))
+    from graphrt.capture.sites import calling_lines
+    file, first, last = calling_lines()
+    return names_cpu("".join(linecache.getline(file, n) for n in range(first, last + 1)))
 
 
 def names_cpu(source: str) -> bool:
-    """Whether a line of code names the CPU: a string ``"cpu"`` / ``"cpu:N"``, a name
-    ``cpu`` used as a value (``device=cpu``) or the method ``.cpu()``; not a comment, not a
+    """Whether a line of code names the CPU: a string ``"cpu"`` / ``"cpu:N"``, a name or
+    attribute ``cpu`` (``device=cpu``, ``x.to(self.cpu)``, ``.cpu()``); not a comment, not a
     longer name (``num_cpu_blocks``), not an object called cpu whose attributes or items are
     read (``self.cpu.to(device)``, vLLM's ``CpuGpuBuffer``; ``cpu[:n]``). A line that does
     not tokenize on its own (part of a longer statement) is read up to where it stops."""
@@ -73,9 +73,8 @@ def names_cpu(source: str) -> bool:
     toks = _tokens(source)
     for k, tok in enumerate(toks):
         if tok.type == tokenize.NAME and tok.string == "cpu":
-            before = toks[k - 1].string if k else ""
             after = toks[k + 1].string if k + 1 < len(toks) else ""
-            if (after == "(") if before == "." else after not in (".", "["):
+            if after not in (".", "["):  # cpu, x.cpu(), self.cpu as a value: not cpu.to(...)
                 return True
         if tok.type == tokenize.STRING:
             try:

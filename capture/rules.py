@@ -164,13 +164,12 @@ def _repeats_without_output_size(args, kwargs, ctx):
 
 
 def _type_to_host(args, kwargs, ctx):
-    """``x.type(torch.FloatTensor)`` / ``x.type("torch.FloatTensor")``: a CPU tensor type
-    moves a device tensor to the host (``x.type()`` and ``x.type(torch.float32)`` do not)."""
+    """``x.type(torch.FloatTensor)``: a CPU tensor type moves a device tensor to the host
+    (``x.type()`` and ``x.type(torch.float32)`` do not). A type given as a string is not
+    judged here: on CPU stand-ins ``y.type(x.type())`` names a CPU type though on a GPU it is
+    ``x``'s own; on CUDA the ATen copy's rule sees a real move."""
     t = kwargs.get("dtype", args[1] if len(args) > 1 else None)
-    if isinstance(t, str):
-        cpu_type = t.startswith("torch.") and not t.startswith("torch.cuda.")
-    else:
-        cpu_type = isinstance(t, type) and getattr(t, "__module__", "") == "torch"
+    cpu_type = isinstance(t, type) and getattr(t, "__module__", "") == "torch"
     return (cpu_type and _copies_to_host(args, kwargs, ctx)) or None
 
 

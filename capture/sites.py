@@ -7,6 +7,7 @@ it falls back to the innermost frame outside torch, triton and the standard libr
 """
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import sysconfig
@@ -79,6 +80,33 @@ def calling_site(skip: int = 1) -> tuple[str, int]:
             return frame.f_code.co_filename, frame.f_lineno
         frame = frame.f_back
     return "<unknown>", 0
+
+
+def calling_lines(skip: int = 1) -> tuple[str, int, int]:
+    """``(file, first, last)``: the lines of the call expression that ``calling_site``'s frame
+    is executing (a call written over several lines, ``f(a,\n device="cpu")``), from the
+    code's positions table; ``first == last`` where the table has no span."""
+    frame = sys._getframe(skip)
+    while frame is not None:
+        if _classify(frame.f_code.co_filename) < 2:
+            break
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown>", 0, 0
+    return (frame.f_code.co_filename, *frame_lines(frame))
+
+
+def frame_lines(frame) -> tuple[int, int]:
+    """``(first, last)`` line of the expression ``frame`` is executing (its positions table
+    entry); ``(f_lineno, f_lineno)`` where there is no span."""
+    first = last = frame.f_lineno
+    try:
+        pos = next(itertools.islice(frame.f_code.co_positions(), frame.f_lasti // 2, None))
+        if pos[0] is not None and pos[1] is not None and pos[0] <= first <= pos[1]:
+            first, last = pos[0], pos[1]
+    except (StopIteration, AttributeError, TypeError):
+        pass
+    return first, last
 
 
 def user_site(skip: int = 1) -> tuple[str, int]:

@@ -49,7 +49,7 @@ import os
 import torch
 
 from graphrt import cudart
-from graphrt.errors import InputError
+from graphrt.errors import EnvError
 
 
 MODES = ("0", "1", "all", "table")
@@ -58,12 +58,12 @@ DEFAULT = "table"
 
 def mode() -> str:
     """``GRAPHRT_GRAPH_STAGING``: ``"table"`` (unset: the default, ``graphrt.staging_table``),
-    ``"1"``, ``"all"`` or ``"0"``; ``ValueError`` for anything else."""
+    ``"1"``, ``"all"`` or ``"0"``; ``EnvError`` (a ``ValueError``) for anything else."""
     value = os.environ.get("GRAPHRT_GRAPH_STAGING", DEFAULT).strip().lower() or DEFAULT
     if value not in MODES:
-        raise InputError(f"GRAPHRT_GRAPH_STAGING: expected one of {MODES} (0: off, 1: inputs "
-                         f"alone in their dtype, all: every batch and fixed input, table: the "
-                         f"staging table), got {value!r}")
+        raise EnvError(f"GRAPHRT_GRAPH_STAGING: expected one of {MODES} (0: off, 1: inputs "
+                       f"alone in their dtype, all: every batch and fixed input, table: the "
+                       f"staging table), got {value!r}")
     return value
 
 

@@ -40,7 +40,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from graphrt.env import env_flag
-from graphrt.errors import InputError
+from graphrt.errors import EnvError
 
 MODULE_PREFIX = "graphrt.kernels"  # kernels whose launches a block turns into warm-ups
 MAX_THREADS = 16
@@ -60,11 +60,11 @@ def threads() -> int:
         try:
             n = int(raw)
         except ValueError:
-            raise InputError(f"GRAPHRT_COMPILE_THREADS: expected a positive integer, got "
-                             f"{raw!r}; unset it for the default") from None
+            raise EnvError(f"GRAPHRT_COMPILE_THREADS: expected a positive integer, got "
+                           f"{raw!r}; unset it for the default") from None
         if n < 1:
-            raise InputError(f"GRAPHRT_COMPILE_THREADS: expected a positive integer, got {n}; "
-                             "turn compiling ahead off with GRAPHRT_COMPILE_AHEAD=0")
+            raise EnvError(f"GRAPHRT_COMPILE_THREADS: expected a positive integer, got {n}; "
+                           "turn compiling ahead off with GRAPHRT_COMPILE_AHEAD=0")
         return n
     try:
         cpus = len(os.sched_getaffinity(0))

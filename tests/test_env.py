@@ -1,4 +1,8 @@
 """graphrt.env: every switch read one way; a switch whose default is a rule ("auto")."""
+import os
+
+import pytest
+
 from graphrt.env import env_auto
 
 
@@ -80,3 +84,28 @@ def test_int_and_choice_settings_say_what_they_take(monkeypatch):
     monkeypatch.setenv("GRAPHRT_X", "cublas")
     with pytest.raises(ValueError, match="expected one of auto, gemv"):
         env_choice("GRAPHRT_X", "auto", ("auto", "gemv"))
+
+
+@pytest.mark.parametrize("var,read", [
+    ("GRAPHRT_GRAPH_STAGING", lambda: __import__("graphrt.graph_staging", fromlist=["mode"]).mode()),
+    ("GRAPHRT_COMPILE_THREADS", lambda: __import__("graphrt.kernels.compile_ahead",
+                                                    fromlist=["threads"]).threads()),
+])
+def test_every_graphrt_variable_refuses_with_an_env_error(var, read, monkeypatch):
+    """The CLI turns an ``EnvError`` into one line and exit 2; these two readers raised a
+    plain ``InputError``, which escaped as a traceback."""
+    from graphrt.errors import EnvError
+    monkeypatch.setenv(var, "bogus")
+    with pytest.raises(EnvError, match=var):
+        read()
+
+
+def test_the_attention_variant_is_checked_where_it_is_read():
+    """``GRAPHRT_ATTN_VARIANT=foo`` was only refused by the attention launcher, mid-capture, as
+    a plain ``InputError``: now at import, as an ``EnvError``."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", "import graphrt.moe.layers"], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "GRAPHRT_ATTN_VARIANT": "foo"})
+    assert r.returncode != 0 and "EnvError: GRAPHRT_ATTN_VARIANT: expected one of auto, split" \
+        in r.stderr, r.stderr

@@ -353,12 +353,13 @@ def test_a_reported_calls_own_sync_warning_is_not_reported_again_at_a_custom_ops
     ("h = x.cpu()", True), ("t.to(device=cpu)", True), ('t.to("cpu:0")', True),
     ("z = f(cpu)", True), ('torch.zeros(3, device="cpu",', True),
     ("self.gpu = self.cpu.to(device)", False),  # vLLM's CpuGpuBuffer: an attribute named cpu
-    ("y = buf.cpu[:n]", False), ("y = cpu[:n]", False), ("m = x.cpu", False),
+    ("y = buf.cpu[:n]", False), ("y = cpu[:n]", False), ("counts.to(self.cpu)", True),
     ("num_cpu_blocks = 3", False), ("x.to(device)  # not the cpu", False),
 ])
 def test_a_line_names_the_cpu_only_as_a_place(source, names):
     """An object called ``cpu`` whose attributes or items are read (``self.cpu.to(device)``)
-    named the CPU: its device copy was taken for host memory (a false finding)."""
+    named the CPU: its device copy was taken for host memory (a false finding). An attribute
+    ``cpu`` used as a value (``x.to(self.cpu)``, a ``torch.device``) still does."""
     from graphrt.capture.host import names_cpu
     assert names_cpu(source) is names
 

@@ -151,11 +151,15 @@ def _user_line_names_cpu() -> bool:
     import linecache
 
     from graphrt.capture.host import names_cpu
-    from graphrt.capture.sites import _classify
+    from graphrt.capture.sites import _classify, frame_lines
     f = sys._getframe(1)
     while f is not None and (f.f_code.co_filename == __file__ or _classify(f.f_code.co_filename) == 2):
         f = f.f_back
-    return f is not None and names_cpu(linecache.getline(f.f_code.co_filename, f.f_lineno))
+    if f is None:
+        return False
+    first, last = frame_lines(f)  # the call's lines, as the analysis reads them
+    return names_cpu("".join(linecache.getline(f.f_code.co_filename, n)
+                             for n in range(first, last + 1)))
 
 
 class _NoStreams:

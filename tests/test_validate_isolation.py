@@ -240,3 +240,25 @@ def test_json_where_even_root_cannot_write_is_refused_before_running(tmp_path, c
     assert rc == 2 and out == "" and err.count("\n") == 1, err
     assert err.startswith("graphrt validate: cannot write --json '/proc/x.json': ")
     assert not (tmp_path / "ran").exists()  # FUNC never ran
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_json_into_a_named_pipe_keeps_its_reader(tmp_path):
+    """``--json r.fifo`` read by ``cat r.fifo | jq``: the up-front write check opened the pipe
+    and closed it, which ended the reader before any report (the report's own open then
+    blocked for want of one). A pipe is only asked whether it is writable."""
+    from graphrt.cli.validate_cmd import check_json_path
+    path, _ = _target(tmp_path, "pass")
+    fifo = tmp_path / "r.fifo"
+    os.mkfifo(fifo)
+    reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE)
+    try:
+        time.sleep(0.3)
+        check_json_path(str(fifo), f"{path}:make")
+        with pytest.raises(subprocess.TimeoutExpired):
+            reader.communicate(timeout=1)  # still waiting for the report
+        with open(fifo, "w") as fh:       # the report reaches it
+            fh.write("{}")
+        assert reader.communicate(timeout=10)[0] == b"{}"
+    finally:
+        reader.kill()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import sys
 import tempfile
 from dataclasses import replace
@@ -76,8 +77,12 @@ def check_json_path(path: str | None, target: str) -> None:
 
 def _cannot_write(full: str, exists: bool, folder: str) -> str | None:
     """Why ``full`` cannot be written, by trying (``os.access`` says yes to root on /sys and
-    /proc): an existing file is opened to append (nothing written), a new one made and
-    removed in its folder. None when it can."""
+    /proc): an existing regular file is opened to append (nothing written), a new one made
+    and removed in its folder. Anything else that exists (a named pipe whose reader waits for
+    the report, a device) is asked ``os.access``: opening a pipe would end its reader, or
+    block without one. None when it can."""
+    if exists and not stat.S_ISREG(os.stat(full).st_mode):
+        return None if os.access(full, os.W_OK) else "permission denied"
     try:
         if exists:
             with open(full, "a"):

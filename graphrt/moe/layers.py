@@ -8,7 +8,6 @@ Graph safety: capturable (every ``__call__``); weights and caches are allocated 
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -341,7 +340,7 @@ class Attention:
     (a graph bakes the kernel): on an instance, on the class, or for a whole run (A/B
     benchmarks) with ``GRAPHRT_ATTN_VARIANT`` in the environment at import."""
 
-    variant = os.environ.get("GRAPHRT_ATTN_VARIANT", "auto")
+    variant = env_choice("GRAPHRT_ATTN_VARIANT", "auto", ("auto", "split", "fused", "single"))
     # Positions per split: None picks per captured size (split_size_for: smaller splits when
     # the rows are too few to fill the SMs); an int fixes it (256 before; A/B benchmarks).
     split_size = None

@@ -10,6 +10,9 @@ misread (found by a review of the validator on engine-shaped steps).
   copies to the host (on a GPU ``np.asarray`` of a CUDA tensor raises at that line; the
   hazard is the verdict there too);
 - a combine's receiver joined in the next step (the graph of one step never joins it);
+- counts moved to an engine's ``self.cpu`` device (an attribute named ``cpu`` used as a value);
+- ``mask.type(x.type())`` (a device tensor's own type) and a host call whose
+  ``device="cpu"`` is on its second line: no finding;
 - vLLM's ``CpuGpuBuffer`` (a ``.cpu`` and a ``.gpu`` tensor): the device half is device
   memory though its line names an attribute ``cpu``;
 - ``torch.index_put`` called with keywords only.
@@ -105,6 +108,22 @@ def bad_legacy_type_cast_to_the_host(device):
     return _spec(step)
 
 
+def bad_counts_to_the_engines_cpu_device(device):
+    """An engine that keeps ``self.cpu = torch.device("cpu")`` and moves counts there."""
+
+    class Engine:
+        def __init__(self):
+            self.cpu = torch.device("cpu")
+            self.kept = []
+
+        def step(self, x):
+            counts = x.sum(0).to(self.cpu)  # expect: host-sync
+            self.kept[:] = [counts]
+            return x * 2
+
+    return _spec(Engine().step)
+
+
 def bad_combine_joined_in_the_next_step(device):
     """The combine of step N is joined at the start of step N+1: one step's graph never
     joins its own combine (the first step uses the buffer as it is)."""
@@ -148,6 +167,31 @@ def safe_index_put_by_keywords(device):
         return torch.index_put(input=x, indices=(rows,), values=vals)
 
     return _spec(step, **_ids())
+
+
+def safe_mask_cast_to_the_states_type(device):
+    """``mask.type(x.type())``: the type of a device tensor, the same device (on CPU stand-ins
+    ``x.type()`` names a CPU type)."""
+
+    def step(x, ids):
+        keep = (ids[:, None] > 0).type(x.type())
+        return x * keep
+
+    return _spec(step, **_ids())
+
+
+def safe_host_table_kept_on_the_host_over_two_lines(device):
+    """A host table sliced on the host, ``device="cpu"`` on the call's second line."""
+    table = torch.arange(8)
+    kept = []
+
+    def step(x):
+        t = torch.as_tensor(table[:4], dtype=torch.int64,
+                            device="cpu")
+        kept[:] = [t]
+        return x * 2
+
+    return _spec(step)
 
 
 def safe_device_positions_through_as_tensor(device):
