@@ -529,3 +529,40 @@ def test_plan_check_needs_a_gpu(capsys):
     from graphrt.bench.plan_check import main
     assert main(["--config", "tiny"]) == 2
     assert "plan_check: needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("plan,match", [
+    ({"version": 1, "plan": {"k": {"2": {}}}}, "at batch '2'.*KeyError"),
+    ({"version": 1, "plan": {"k": {"two": {"kernel": "decode"}}}}, "at batch 'two'"),
+    ({"version": 1, "plan": {"k": []}}, r"entry 'k': expected \{padded_bs: choice\}, got list"),
+    ({"version": 1, "plan": {"k": {"2": {"kernel": "decode", "block_n": None}}}}, "TypeError"),
+    ({"version": 1, "plan": {"k": {"2": {"kernel": "nope"}}}}, "Choice.kernel: expected one of"),
+])
+def test_a_bad_plan_entry_is_an_input_error_naming_it(plan, match):
+    """``expert_plan=`` tables were only checked at their top level: a bad entry escaped as
+    KeyError / ValueError / AttributeError / TypeError."""
+    with pytest.raises(graphrt.InputError, match=match):
+        ExpertPlan(plan)
+
+
+def test_a_corrupt_plan_file_is_an_input_error(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text("{oops")
+    with pytest.raises(graphrt.InputError, match="unreadable JSON"):
+        ExpertPlan.load(str(path))
+    path.write_text("[1, 2]")
+    with pytest.raises(graphrt.InputError, match="expected a JSON object, got list"):
+        ExpertPlan.load(str(path))
+
+
+def test_a_given_plan_picking_a_kernel_this_machine_lacks_is_refused():
+    """A plan saved where DeepGEMM runs, given where it does not: the first step of that
+    size failed with ModuleNotFoundError (on CUDA: in the warm-up or the capture)."""
+    cfg = preset("tiny", layers=1, experts=4, num_slots=4, max_ctx=32)
+    keys = [k for k, _, _ in MoEModel(cfg, "cpu").layers[0].moe.experts.gemm_shapes().values()]
+    table = {"version": 1, "plan": {k: {"2": {"kernel": "deepgemm"}} for k in keys}}
+    model = MoEModel(cfg, "cpu", expert_plan=table)
+    with pytest.raises(graphrt.BackendError, match=r"picks \['deepgemm'\] at batch 2"):
+        model._plan_for(2)
+    ok = {"version": 1, "plan": {k: {"2": {"kernel": "swap", "block_n": 64}} for k in keys}}
+    MoEModel(cfg, "cpu", expert_plan=ok)._plan_for(2)  # the decode kernel's swap form runs

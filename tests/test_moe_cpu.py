@@ -184,3 +184,35 @@ def test_routes_rows_names_the_one_row_routed_path(monkeypatch):
     assert moe._routed(h[:1]) and not moe._routed(h) and not moe._routed(h[:1, ::2])
     monkeypatch.setattr(MoEBlock, "routed_gemv", False)
     assert not moe.routes_rows(1)
+
+
+@pytest.mark.parametrize("over,error,match", [
+    ({"rms_eps": float("nan")}, "InputError", "must be finite"),
+    ({"rms_eps": -1.0}, "InputError", "rms_eps must be >= 0"),
+    ({"routed_scaling_factor": float("nan")}, "InputError", "must be finite"),
+    ({"dtype": torch.float32}, "InputError", "dtype must be torch.bfloat16"),
+    ({"hidden": 64.0}, "InputTypeError", "expected ints for hidden"),
+    ({"num_layers": "2"}, "InputTypeError", "expected ints for num_layers"),
+    ({"hiden": 64}, "InputError", r"unknown MoEConfig field\(s\) \['hiden'\]"),
+])
+def test_a_config_that_cannot_run_is_refused_when_made(over, error, match):
+    """NaN / negative eps and a NaN scaling factor gave non-finite logits; float32 failed at
+    the first step; wrong types and a misspelt field escaped as raw TypeErrors."""
+    import graphrt
+    with pytest.raises(getattr(graphrt, error), match=match):
+        preset("tiny", **over)
+
+
+def test_model_arguments_of_the_wrong_kind_are_typed_errors():
+    import graphrt
+    from graphrt.moe import MoEModel
+    cfg = preset("tiny", layers=1, experts=4, num_slots=4, max_ctx=32)
+    if not torch.cuda.is_available():
+        with pytest.raises(graphrt.DeviceError, match="no CUDA device"):
+            MoEModel(cfg, "cuda")
+    with pytest.raises(graphrt.InputTypeError, match="eplb: expected a graphrt.eplb.EPLBConfig"):
+        MoEModel(cfg, "cpu", eplb=3)
+    with pytest.raises(graphrt.InputTypeError, match="plan_cache: expected a directory"):
+        MoEModel(cfg, "cpu", plan_cache=True)
+    with pytest.raises(graphrt.InputTypeError, match="router bias: expected a tensor"):
+        MoEModel(cfg, "cpu").set_router_bias([0.0] * 4)

@@ -65,7 +65,8 @@ def test_stores_merge_what_another_process_wrote(tmp_path):
     sizes = json.loads(a.path(FP).read_text())["sizes"]
     assert sorted(sizes) == ["1", "16"] and sizes["1"]["cap"] == 8
     assert sizes["16"]["plan"][KEYS[0]]["kernel"] == "deepgemm"
-    assert [p.name for p in tmp_path.iterdir()] == [a.path(FP).name]   # no temporary left
+    names = sorted(p.name for p in tmp_path.iterdir())                  # no temporary left
+    assert names == [a.path(FP).name, a.path(FP).name + ".lock"]
 
 
 def test_an_unreadable_or_foreign_file_warns_then_is_rewritten(tmp_path):
@@ -192,3 +193,44 @@ def test_deep_gemm_version_comes_from_the_module(monkeypatch):
                         types.SimpleNamespace(__version__="2.5.0.post20260424"))
     monkeypatch.setattr(experts, "deep_gemm_available", lambda: True)
     assert plan_cache._deep_gemm_version() == "2.5.0.post20260424"
+
+
+def test_stores_at_the_same_time_lose_no_size(tmp_path, monkeypatch):
+    """Two writers (threads here; EP ranks of one host share the file) each read the file,
+    added their size and replaced it: a size another wrote between the read and the replace
+    was lost (38 of 60 sizes survived two processes). The read-merge-write is now locked."""
+    import threading
+    import time
+    import graphrt.moe.plan_cache as pc
+    real = pc.tempfile.mkstemp
+
+    def slow_mkstemp(*args, **kw):  # widen the window between the read and the replace
+        time.sleep(0.01)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(pc.tempfile, "mkstemp", slow_mkstemp)
+
+    def writer(first):
+        cache = PlanCache(tmp_path)
+        for bs in range(first, 40, 2):
+            cache.store(measured(bs), FP, bs, bs, KEYS)
+
+    threads = [threading.Thread(target=writer, args=(first,)) for first in (0, 1)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    sizes = json.loads(PlanCache(tmp_path).path(FP).read_text())["sizes"]
+    assert sorted(map(int, sizes)) == list(range(40))
+
+
+@pytest.mark.parametrize("field,text", [("block_n", "1e400"), ("num_warps", "Infinity"),
+                                        ("split_k", "-1e999")])
+def test_an_out_of_range_number_warns_and_measures(field, text, tmp_path):
+    """``int(inf)`` raised OverflowError out of ``load`` (and on CUDA out of
+    ``MoEModel.prepare``) where any other bad entry is a warning and a measurement."""
+    cache = PlanCache(tmp_path)
+    entry = '{"kernel": "decode", "%s": %s}' % (field, text)
+    cache.path(FP).write_text('{"format": 1, "fingerprint": %s, "sizes": {"16": {"cap": 16, '
+                              '"plan": {"%s": %s, "%s": %s}}}}'
+                              % (json.dumps(FP), KEYS[0], entry, KEYS[1], entry))
+    with pytest.warns(PlanCacheWarning, match="not a plan entry"):
+        assert cache.load(ExpertPlan(), FP, 16, 16, KEYS) is False

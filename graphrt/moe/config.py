@@ -16,11 +16,12 @@ Graph safety: host-only (plain data).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass, fields, replace
 
 import torch
 
-from graphrt.errors import InputError
+from graphrt.errors import InputError, InputTypeError
 
 
 # What the reference model's kernels take (kernels.routing's _MAX_EXPERTS and _MAX_TOPK,
@@ -57,6 +58,19 @@ class MoEConfig:
         def need(cond, what):
             if not cond:
                 raise InputError(f"MoEConfig {self.name!r}: {what}")
+        ints = [f.name for f in fields(self) if f.type in ("int", int)]
+        wrong = {k: getattr(self, k) for k in ints
+                 if isinstance(getattr(self, k), bool) or not isinstance(getattr(self, k), int)}
+        if wrong:
+            raise InputTypeError(f"MoEConfig {self.name!r}: expected ints for "
+                                 f"{', '.join(wrong)}; got {wrong}")
+        floats = {"routed_scaling_factor": self.routed_scaling_factor, "rms_eps": self.rms_eps}
+        bad = {k: v for k, v in floats.items()
+               if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)}
+        need(not bad, f"routed_scaling_factor and rms_eps must be finite numbers; got {bad}")
+        need(self.rms_eps >= 0, f"rms_eps must be >= 0; got {self.rms_eps}")
+        need(self.dtype == torch.bfloat16, f"dtype must be torch.bfloat16 (the reference "
+             f"model's kernels and KV cache are bf16); got {self.dtype}")
         dims = ("hidden", "num_layers", "num_experts", "moe_inter", "num_heads", "num_kv_heads",
                 "head_dim", "vocab_size")
         bad = {d: getattr(self, d) for d in dims if not getattr(self, d) > 0}
@@ -145,6 +159,10 @@ def preset(name: str, layers: int | None = None, experts: int | None = None, **o
     if name not in PRESETS:
         raise InputError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
     cfg = PRESETS[name]
+    unknown = sorted(set(overrides) - {f.name for f in fields(MoEConfig)})
+    if unknown:
+        raise InputError(f"preset {name!r}: unknown MoEConfig field(s) {unknown}; expected "
+                         f"some of {sorted(f.name for f in fields(MoEConfig))}")
     if layers is not None:
         overrides["num_layers"] = layers
     if experts is not None:

@@ -286,9 +286,17 @@ class ExpertPlan:
 
     @classmethod
     def load(cls, path: str) -> ExpertPlan:
-        """Read a table written by ``save`` (or a JSON holding ``{"expert_plan": table}``)."""
-        with open(path) as f:
-            data = json.load(f)
+        """Read a table written by ``save`` (or a JSON holding ``{"expert_plan": table}``);
+        ``InputError`` for a file that is no JSON object or no such table."""
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (ValueError, RecursionError) as exc:
+            raise InputError(f"expert plan {path!r}: expected a JSON table written by "
+                             f"ExpertPlan.save, got unreadable JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise InputError(f"expert plan {path!r}: expected a JSON object, got "
+                             f"{type(data).__name__}")
         return cls(data.get("expert_plan", data))
 
     def save(self, path: str) -> None:
@@ -300,11 +308,25 @@ class ExpertPlan:
             raise InputError(f"expert plan: expected {{'version': {PLAN_VERSION}, 'plan': "
                              f"{{key: {{padded_bs: choice}}}}}}, got keys {sorted(table)}")
         for key, sizes in table["plan"].items():
+            if not isinstance(sizes, dict):
+                raise InputError(f"expert plan entry {key!r}: expected {{padded_bs: choice}}, "
+                                 f"got {type(sizes).__name__}")
             for bs, entry in sizes.items():
-                c = Choice(entry["kernel"], int(entry.get("block_n", 32)),
-                           int(entry.get("split_k", 1)), entry.get("us"),
-                           int(entry.get("num_warps", 4)))
-                self.record(key, int(bs), c, entry.get("candidates"))
+                try:
+                    size = int(bs)
+                    c = Choice(entry["kernel"], int(entry.get("block_n", 32)),
+                               int(entry.get("split_k", 1)), entry.get("us"),
+                               int(entry.get("num_warps", 4)))
+                    candidates = entry.get("candidates")
+                except InputError as exc:
+                    raise InputError(f"expert plan entry {key!r} at batch {bs!r}: {exc}") from None
+                except (KeyError, ValueError, TypeError, AttributeError, OverflowError) as exc:
+                    raise InputError(
+                        f"expert plan entry {key!r} at batch {bs!r}: expected an int batch and "
+                        f"{{'kernel': one of {KERNELS}, 'block_n': int, 'split_k': int, "
+                        f"'num_warps': int}}, got {entry!r:.120} ({type(exc).__name__}: {exc})"
+                    ) from None
+                self.record(key, size, c, candidates)
 
 
 # ----------------------------------------------------------------------- measurement (CUDA)

@@ -31,12 +31,14 @@ Graph safety: capturable (``model.step``); everything is allocated at constructi
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from graphrt.comm.base import EPComm
 from graphrt.comm.local import LocalComm
 from graphrt.env import env_auto, env_flag
-from graphrt.errors import BackendError, InputError
+from graphrt.errors import BackendError, DeviceError, InputError, InputTypeError
 from graphrt.moe.config import MoEConfig
 from graphrt.moe.experts import Experts
 from graphrt.moe import paged_kv
@@ -406,7 +408,18 @@ class MoEModel:
     def __init__(self, cfg: MoEConfig, device, *, comm: EPComm | None = None, overlap: bool = True,
                  backend: str = "auto", fp8: bool = False, seed: int = 0, expert_plan=None,
                  eplb=None, plan_cache=None):
+        if not isinstance(cfg, MoEConfig):
+            raise InputTypeError(f"cfg: expected a MoEConfig (graphrt.moe.preset(...)), got "
+                                 f"{type(cfg).__name__}")
         self.cfg, self.device = cfg, torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise DeviceError(f"device {device!r}: this machine has no CUDA device; build the "
+                              "model on 'cpu' (eager steps, graphrt validate) or on a GPU machine")
+        if eplb is not None:
+            from graphrt.eplb.expert_map import EPLBConfig
+            if not isinstance(eplb, EPLBConfig):
+                raise InputTypeError(f"eplb: expected a graphrt.eplb.EPLBConfig or None, got "
+                                     f"{type(eplb).__name__}")
         self._plan = _make_plan(expert_plan, backend)
         self._prepared: set[int] = set()
         self.plan_cache = _make_cache(plan_cache, self._plan, self.device)
@@ -508,6 +521,7 @@ class MoEModel:
         plan, experts = self._plan, self.layers[0].moe.experts
         keys = [key for key, _, _ in experts.gemm_shapes().values()]
         if all(plan.has(key, padded_bs) for key in keys):
+            _check_kernels(plan, keys, padded_bs, experts.kernels)
             self.plan_origin[padded_bs] = "given"
             return
         cap = self.comm.cap_for(padded_bs)
@@ -554,6 +568,9 @@ class MoEModel:
         for load-balance studies (``graphrt.bench.eplb``). Set it before capture: graphs
         bake the bias tensor (its values may change in place later). Host-only."""
         if bias is not None:
+            if not isinstance(bias, torch.Tensor):
+                raise InputTypeError(f"router bias: expected a tensor [{self.cfg.num_experts}] "
+                                     f"or None, got {type(bias).__name__}; pass torch.tensor(...)")
             if bias.shape != (self.cfg.num_experts,):
                 raise InputError(f"router bias must be [{self.cfg.num_experts}]; got {tuple(bias.shape)}")
             bias = bias.to(device=self.device, dtype=self.cfg.dtype)
@@ -655,6 +672,20 @@ def layer_workspace(cfg, device):
                                                     num_programs(device)))
 
 
+def _check_kernels(plan, keys: list[str], padded_bs: int, kernels: tuple[str, ...]) -> None:
+    """``BackendError`` when a given plan picks, at ``padded_bs``, a kernel these experts
+    cannot run (``Experts.kernels``, ``swap`` being the decode kernel's: a plan saved where
+    DeepGEMM exists, read where it does not)."""
+    runnable = set(kernels) | ({"swap"} if "decode" in kernels else set())
+    table = plan.choices(padded_bs) or {}
+    bad = sorted({table[k].kernel for k in keys if k in table} - runnable)
+    if bad:
+        raise BackendError(f"expert_plan= picks {bad} at batch {padded_bs}; these experts run "
+                           f"{sorted(runnable)} here: pass a plan made here "
+                           " (model.expert_plan() after a measuring run), or drop its "
+                           "entries of that size to measure them")
+
+
 def _make_plan(expert_plan, backend: str):
     """The model's ``ExpertPlan`` (None when ``backend`` is fixed)."""
     from graphrt.moe.expert_plan import ExpertPlan
@@ -675,6 +706,10 @@ def _make_cache(plan_cache, plan, device: torch.device):
     if plan_cache is None:
         return None
     from graphrt.moe.plan_cache import PlanCache
+    if not isinstance(plan_cache, (PlanCache, str, os.PathLike)):
+        raise InputTypeError(f"plan_cache: expected a directory (str or path), a PlanCache or "
+                             f"None, got {type(plan_cache).__name__}; PlanCache.from_setting "
+                             "reads a user's setting")
     cache = plan_cache if isinstance(plan_cache, PlanCache) else PlanCache(plan_cache)
     if plan is None:
         raise InputError("plan_cache= needs backend='auto' (a per-size plan to keep); a fixed "

@@ -23,7 +23,9 @@ size is read back only when its rows per local expert (``cap``) match too::
      "sizes": {"16": {"cap": 16, "plan": {"bf16:64x1536x2048": {"kernel": "triton", ...}}}}}
 
 Writes go to a temporary file that replaces the cache file (``os.replace``), after merging
-the sizes another process wrote meanwhile. A file that cannot be read, or that holds
+the sizes another process wrote meanwhile; a store holds an exclusive lock on the ``.lock``
+file beside it (``fcntl.flock``) from its read to its replace, so two writers (EP ranks of
+one host share the file) lose no size. A file that cannot be read, or that holds
 another fingerprint, is ignored with a ``PlanCacheWarning`` and rewritten at the next
 store; a directory that cannot be written warns and the plan stays in memory (each kind of
 warning once a cache). A
@@ -35,6 +37,7 @@ module imports no CUDA library; ``fingerprint`` reads the device and imports Tri
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -102,7 +105,7 @@ class PlanCache:
         try:
             loaded = ExpertPlan({"version": PLAN_VERSION,
                                  "plan": {k: {str(int(padded_bs)): table[k]} for k in keys}})
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
             self._warn("read", f"{self.path(fingerprint)}: size {padded_bs} is not a plan entry "
                        f"({exc}); measuring it again")
             return False
@@ -120,20 +123,22 @@ class PlanCache:
         if any(size not in table.get(k, {}) for k in keys):
             raise InputError(f"plan cache: the plan has no entry for batch {padded_bs} of "
                              f"every key {keys}: measure the size (plan_size) first")
-        sizes = self._read(fingerprint)
-        sizes[size] = {"cap": int(cap), "plan": {k: table[k][size] for k in keys}}
+        entry = {"cap": int(cap), "plan": {k: table[k][size] for k in keys}}
         path = self.path(fingerprint)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=self.dir)
-            try:
-                with os.fdopen(fd, "w") as f:
-                    json.dump({"format": FORMAT, "fingerprint": fingerprint, "sizes": sizes},
-                              f, indent=1, sort_keys=True)
-                os.replace(tmp, path)
-            except BaseException:
-                os.unlink(tmp)
-                raise
+            with _locked(path):  # another process's read-merge-write waits: no size lost
+                sizes = self._read(fingerprint)
+                sizes[size] = entry
+                fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=self.dir)
+                try:
+                    with os.fdopen(fd, "w") as f:
+                        json.dump({"format": FORMAT, "fingerprint": fingerprint, "sizes": sizes},
+                                  f, indent=1, sort_keys=True)
+                    os.replace(tmp, path)
+                except BaseException:
+                    os.unlink(tmp)
+                    raise
         except OSError as exc:
             self._warn("write", f"cannot write the expert plan cache in {self.dir} ({exc}); "
                        f"the plan stays in memory: set GRAPHRT_CACHE_DIR to a writable "
@@ -149,7 +154,7 @@ class PlanCache:
                 data = json.load(f)
         except (FileNotFoundError, NotADirectoryError):
             return {}
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             self._warn("read", f"{path}: unreadable expert plan cache ({exc}); measuring "
                        f"instead, and it is rewritten at the next store")
             return {}
@@ -221,3 +226,23 @@ def fingerprint(experts, *, num_topk: int, num_experts: int, num_ranks: int) -> 
                    "unrotated_l2": ep.UNROTATED_L2, "near_tie": ep.NEAR_TIE,
                    "retimes": ep.RETIMES},
     }
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock on ``path``'s ``.lock`` file beside it (``fcntl.flock``; released
+    when its holder exits, even killed), for one process's read-merge-write of ``path``.
+    Without ``fcntl`` (not POSIX) there is no lock: a size written at the same moment by
+    another process can be lost and is measured again. Raises ``OSError`` where the lock
+    file cannot be made (the caller warns)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path.with_name(path.name + ".lock"), "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
