@@ -24,6 +24,21 @@ class RankMismatch(GraphrtError):
     """Ranks are about to replay incompatible graphs."""
 
 
+# What gloo (RuntimeError) and torch's DistError say when a peer does not arrive or went away.
+_PEER_MISSING = ("timed out", "timeout", "connection", "closed by peer", "reset by peer")
+
+
+def _peer_missing(exc: RuntimeError) -> bool:
+    """True when a collective failed because a peer never arrived or left (a timeout, a
+    closed connection), not because of its arguments."""
+    import torch.distributed as dist
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    msg = str(exc).lower()
+    return any(m in msg for m in _PEER_MISSING)
+
+
 class RankCoordinator:
     """Args:
         uniform: every rank must replay the same padded size (the comm's ``uniform_batch``).
@@ -31,7 +46,8 @@ class RankCoordinator:
         timeout_s: how long a CPU collective waits for the other ranks before raising
             (default 60): the timeout of the gloo group the coordinator makes.
         group: a CPU group of your own instead; it keeps its own timeout, so ``timeout_s``
-            is refused with it (set it in ``new_group(timeout=...)``).
+            is refused with it (set it in ``new_group(timeout=...)``). ``rank`` and ``world``
+            are this process's rank and the rank count in it (a subgroup's, not WORLD's).
 
     ``close()`` destroys the group the coordinator made (not one passed in).
     """
@@ -57,7 +73,12 @@ class RankCoordinator:
         self._owns_group = group is None
         self.group = group if group is not None else dist.new_group(
             backend="gloo", timeout=timedelta(seconds=60.0 if timeout_s is None else timeout_s))
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # this process's rank and the rank count *in the group* (a subgroup's, not WORLD's)
+        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        if self.rank < 0:  # torch answers -1 for a group this process is not a member of
+            raise InputError(f"RankCoordinator: this process (rank {dist.get_rank()} of WORLD) is "
+                             "not a member of the group= it was given; pass the group that holds "
+                             "this rank (each rank its own EP group)")
         self._buf = torch.zeros(1, dtype=torch.int64)
 
     def close(self) -> None:
@@ -93,6 +114,8 @@ class RankCoordinator:
         try:
             self._dist.all_gather(everyone, mine, group=group)
         except RuntimeError as exc:
+            if not _peer_missing(exc):  # e.g. a gloo argument error: not a missing rank
+                raise
             raise RankMismatch(f"rank {self.rank}: not every rank reached this step's replay "
                                f"check ({exc}); a rank skipped a step or hung") from exc
         if not self.uniform:

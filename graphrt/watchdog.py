@@ -45,7 +45,7 @@ from typing import Callable
 
 import torch
 
-from graphrt.errors import GraphrtError, InputError
+from graphrt.errors import GraphrtError, InputError, InputTypeError
 
 log = logging.getLogger("graphrt.watchdog")
 
@@ -186,6 +186,16 @@ def _mark_hook(module, args, out) -> None:
 
 
 # -- host side ---------------------------------------------------------------------------------
+def _check_seconds(name: str, value) -> None:
+    """A finite number of seconds > 0 (as ``RankCoordinator``'s ``timeout_s``), else
+    ``InputTypeError`` / ``InputError``: nan would report a stall at the first poll."""
+    what = "expected a finite number of seconds > 0"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InputTypeError(f"Watchdog {name}: {what}, got {value!r} ({type(value).__name__})")
+    if not 0 < value < float("inf"):
+        raise InputError(f"Watchdog {name}: {what}, got {value!r}")
+
+
 class Watchdog:
     """Polls ``progress``/``step_counter`` from a host thread; reports a stall as ``StallError``.
 
@@ -193,10 +203,10 @@ class Watchdog:
         progress: int64 ``[num_layers]`` (see ``progress_tensors``); CUDA or CPU.
         step_counter: int64 ``[1]`` on the same device.
         rank: named in reports.
-        timeout_s: how long a step may go without device progress.
-        poll_s: the polling period while a step is expected.
+        timeout_s: how long a step may go without device progress (finite seconds > 0).
+        poll_s: the polling period while a step is expected (finite seconds > 0).
         on_stall: called with the ``StallError`` on the watchdog thread (e.g. write a report,
-            ``os._exit``); it is also logged and raised on the engine's thread by the next
+            ``os._exit``, ``stop()``); it is also logged and raised on the engine's thread by the next
             ``check()``, ``wait()`` or ``step_done()``.
         clock: a monotonic clock (tests inject a fake one).
 
@@ -215,8 +225,8 @@ class Watchdog:
                 or step_counter.device != progress.device:
             raise InputError(f"step_counter must be int64 [1] on {progress.device}; got "
                              f"{step_counter.dtype} {tuple(step_counter.shape)} on {step_counter.device}")
-        if timeout_s <= 0 or poll_s <= 0:
-            raise InputError(f"timeout_s and poll_s must be > 0; got {timeout_s}, {poll_s}")
+        for name, value in (("timeout_s", timeout_s), ("poll_s", poll_s)):
+            _check_seconds(name, value)
         self.progress, self.step_counter, self.rank = progress, step_counter, rank
         self.timeout_s, self.poll_s, self.on_stall, self.clock = timeout_s, poll_s, on_stall, clock
         self.num_layers = progress.numel()
@@ -241,28 +251,33 @@ class Watchdog:
 
     # -- the engine's calls --------------------------------------------------------------
     def start(self) -> "Watchdog":
-        """Start the polling thread (a daemon). Returns self."""
-        if self._thread is None:
-            # each thread has its own flag: one that stop() could not join (inside on_stall)
-            # still ends when on_stall returns, beside the one a restart makes
-            self._halt = halt = threading.Event()
-            self._thread = threading.Thread(target=self._loop, args=(halt,), daemon=True,
-                                            name=f"graphrt-watchdog-{self.rank}")
-            self._thread.start()
+        """Start the polling thread (a daemon); nothing if one runs. Returns self. Thread-safe."""
+        with self._cv:
+            if self._thread is None:
+                # each thread has its own flag: one that stop() could not join (inside
+                # on_stall) still ends when on_stall returns, beside the one a restart makes
+                self._halt = halt = threading.Event()
+                self._thread = threading.Thread(target=self._loop, args=(halt,), daemon=True,
+                                                name=f"graphrt-watchdog-{self.rank}")
+                self._thread.start()
         return self
 
     def stop(self) -> None:
-        """Stop and join the polling thread."""
+        """Stop the polling thread and join it. Idempotent and thread-safe (two threads may
+        stop at once: one joins). From ``on_stall`` (the watchdog's own thread) it does not
+        join itself: the thread ends when ``on_stall`` returns, and ``start()`` makes a new one."""
         with self._cv:
+            thread, self._thread = self._thread, None
             if self._halt is not None:
                 self._halt.set()
+                self._halt = None
             self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=max(1.0, 4 * self.poll_s))
-            if self._thread.is_alive():
-                log.warning("rank %d: the watchdog thread is still in on_stall; it ends when "
-                            "on_stall returns", self.rank)
-            self._thread = None
+        if thread is None or thread is threading.current_thread():
+            return
+        thread.join(timeout=max(1.0, 4 * self.poll_s))
+        if thread.is_alive():
+            log.warning("rank %d: the watchdog thread is still in on_stall; it ends when "
+                        "on_stall returns", self.rank)
 
     def __enter__(self) -> "Watchdog":
         return self.start()

@@ -197,6 +197,45 @@ def test_an_interrupted_wait_for_a_step_loses_none_of_its_tokens():
     assert eng.live[0].output[0] == 21               # (7 * 3 + 0) % 50, read after all
 
 
+class _StuckOnce:
+    """A readback event whose first wait is interrupted (Ctrl-C); then it has run."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+        raise KeyboardInterrupt
+
+    def record(self, *a):
+        pass
+
+
+@pytest.mark.parametrize("max_new", [6, 2])
+def test_a_step_interrupted_while_reading_the_last_one_does_not_wedge_the_engine(max_new):
+    """Ctrl-C in step() while it reads the previous step's ids: that step stays unread and the
+    next launch reused its readback buffer. Every later step() raised a bare AssertionError
+    ("readback buffer still unread"; under python -O it overwrote the ids). Now the next step
+    reads it first, retires what the interrupted step finished, and every token is right."""
+    calls = []
+    eng = AsyncDecodeEngine(EagerRuntime(toy_spec(calls), sizes=[1, 2, 3, 4]), num_slots=4,
+                            max_ctx=32, max_batch_size=4, device="cpu", block_size=4)
+    eng.submit(Request(0, [3], max_new))
+    eng.step()
+    eng._done[eng._pending[0][0]] = _StuckOnce()
+    with pytest.raises(KeyboardInterrupt):
+        eng.step()                                    # launched step 2, interrupted reading 1
+    while eng.step():
+        pass
+    r = eng.finished[0]
+    fed = r.prompt + r.output[:-1]
+    assert len(r.output) == max_new and len(calls) == max_new   # no step past the length
+    assert r.output == [(7 * t + 3 * p) % VOCAB for p, t in enumerate(fed) if p >= len(r.prompt) - 1]
+
+
 # -- the tiny model (kernels on the Triton interpreter) ---------------------------------------
 def _tiny():
     from graphrt.moe import make_step, preset

@@ -456,3 +456,115 @@ def test_an_unjoined_receiver_is_a_finding_not_a_crash_of_the_analysis():
     unjoined = [f for f in report.findings if f.kind == "unjoined-receiver"]
     assert len(unjoined) == 1 and unjoined[0].file == __file__, report.table()
     assert comm.pending_receiver.called
+
+
+# ---- (8) a wrong out= or a failed join loses nothing: the next good step works ------------
+@pytest.mark.parametrize("comm_cls,buf_cls", BACKENDS)
+@pytest.mark.parametrize("how", ["combine", "combine_async", "sync"])
+def test_a_wrong_out_is_an_input_error_before_the_combine_starts(comm_cls, buf_cls, how):
+    """out= was not checked: a wrong one failed inside the receiver with torch's RuntimeError,
+    the receiver stayed pending, and every later combine raised "never called"."""
+    from graphrt.errors import InputError, InputTypeError
+    comm, buf = make_comm(comm_cls, buf_cls)
+    x, ids, w, n = routed(4, 4, seed=14)
+
+    def call(out):
+        d = comm.dispatch(x, ids, n, topk_weights=w)
+        if how == "combine":
+            return comm.combine(experts(d.recv_x), ids, w, d, n, out=out)
+        recv = comm.combine_async(experts(d.recv_x), ids, w, d, n, out=out, sync=how == "sync")
+        return recv()
+    for bad, match in [(torch.empty(5, H, dtype=torch.bfloat16), r"\[5, 64\]"),
+                       (torch.empty(4, H), "torch.float32"),
+                       (torch.empty(4, H, dtype=torch.bfloat16, device="meta"), "on meta")]:
+        combines = len([c for c in buf.calls if c.get("op") == "combine"])
+        with pytest.raises(InputError, match=rf"out= must be torch.bfloat16 \[4, 64\] on cpu.*{match}"):
+            call(bad)
+        assert comm.pending_receiver is None
+        assert len([c for c in buf.calls if c.get("op") == "combine"]) == combines  # none started
+    with pytest.raises(InputTypeError, match="out= must be"):
+        call([[0.0] * H] * 4)
+    assert torch.equal(call(torch.empty_like(x)), expanded_reference(x, ids, w))  # next one works
+
+
+@pytest.mark.parametrize("comm_cls,buf_cls", BACKENDS)
+def test_a_receiver_whose_join_raised_does_not_hold_the_comm(comm_cls, buf_cls, monkeypatch):
+    """The comm held a receiver whose join raised as pending forever: every later combine was
+    refused ("never called"). Now its error goes up with a note and the next step runs."""
+    comm, _ = make_comm(comm_cls, buf_cls)
+    x, ids, w, n = routed(4, 4, seed=15)
+    start = comm._combine_start
+
+    def failing_start(y_exp, handle, out):
+        join, keep = start(y_exp, handle, out)
+
+        def join_then_fail():
+            join()
+            raise RuntimeError("the receive hook failed")
+        return join_then_fail, keep
+    monkeypatch.setattr(comm, "_combine_start", failing_start)
+    d = comm.dispatch(x, ids, n, topk_weights=w)
+    recv = comm.combine_async(experts(d.recv_x), ids, w, d, n, out=torch.empty_like(x))
+    with pytest.raises(RuntimeError, match="the receive hook failed") as info:
+        recv()
+    assert comm.pending_receiver is None
+    assert any("no longer waits for it" in note for note in info.value.__notes__)
+    monkeypatch.setattr(comm, "_combine_start", start)
+    d = comm.dispatch(x, ids, n, topk_weights=w)
+    out = comm.combine_async(experts(d.recv_x), ids, w, d, n, out=torch.empty_like(x))()
+    assert torch.equal(out, expanded_reference(x, ids, w))
+
+
+# ---- (9) constructor arguments of the comms: typed errors, before anything is allocated ----
+@pytest.mark.parametrize("kw,err,match", [
+    (dict(cap_align=0), "InputError", "cap_align must be an int >= 1; got 0"),          # was ZeroDivisionError
+    (dict(num_experts=-1), "InputError", "num_experts must be an int >= 1; got -1"),   # was RuntimeError
+    (dict(num_experts=0), "InputError", "num_experts must be an int >= 1; got 0"),     # was accepted
+    (dict(max_tokens=0), "InputError", "max_tokens must be an int >= 1; got 0"),
+    (dict(max_tokens=16.0), "InputTypeError", r"max_tokens must be an int >= 1; got 16.0 \(float\)"),
+    (dict(hidden=True), "InputTypeError", r"hidden must be an int >= 1; got True \(bool\)"),
+])
+def test_local_comm_refuses_bad_sizes(kw, err, match):
+    from graphrt import errors
+    args = dict(num_experts=E, hidden=H, num_topk=K, device="cpu") | kw
+    with pytest.raises(getattr(errors, err), match=f"LocalComm: {match}"):
+        LocalComm(**args)
+    LocalComm(E, H, K, "cpu", max_tokens=16, cap_align=16)   # the next good call works
+
+
+@pytest.mark.parametrize("comm_cls,buf_cls", BACKENDS)
+@pytest.mark.parametrize("kw,err,match", [
+    (dict(num_experts=0), "InputError", "num_experts must be an int >= 1; got 0"),     # was accepted
+    (dict(num_experts=-8), "InputError", "num_experts must be an int >= 1; got -8"),   # was RuntimeError
+    (dict(num_experts=8.0), "InputTypeError", r"num_experts must be an int >= 1; got 8.0"),
+    (dict(max_tokens=0), "InputError", "max_tokens must be an int >= 1; got 0"),
+    (dict(cap_align=2.5), "InputTypeError", "cap_align must be an int >= 1; got 2.5"),
+])
+def test_deepep_v2_comm_refuses_bad_sizes(comm_cls, buf_cls, kw, err, match):
+    from graphrt import errors
+    kw = dict(num_experts=E, max_tokens=MAX_TOKENS) | kw
+    buf = buf_cls(None, num_max_tokens_per_rank=MAX_TOKENS, hidden=H, num_topk=K)
+    with pytest.raises(getattr(errors, err), match=f"{comm_cls.__name__}: {match}"):
+        comm_cls(kw.pop("num_experts"), H, K, "cpu", buffer=buf, **kw)
+
+
+def test_nccl_comm_argument_errors_are_input_errors(monkeypatch):
+    """Experts that do not split over the ranks and a batch above max_tokens were bare
+    GraphrtErrors; LocalComm's batch check is an InputError. (Two ranks faked: no GPU here.)"""
+    import torch.distributed as dist
+
+    from graphrt.comm.nccl import NCCLComm
+    from graphrt.errors import GraphrtError, InputError
+    with pytest.raises(InputError, match="NCCLComm: num_experts must be an int >= 1; got 0"):
+        NCCLComm(0, H, K, "cpu")                      # before torch.distributed is asked
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    with pytest.raises(InputError, match="NCCLComm: 7 experts do not split over 2 ranks") as info:
+        NCCLComm(7, H, K, "cpu", group=object())
+    assert isinstance(info.value, GraphrtError)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: None)
+    comm = NCCLComm(E, H, K, "cpu", max_tokens=4, group=object())
+    x, ids, w, n = routed(5, 5, seed=16)
+    with pytest.raises(InputError, match="NCCLComm.dispatch: 5 tokens exceed max_tokens=4"):
+        comm.dispatch(x, ids, n)                      # refused before any collective

@@ -64,6 +64,25 @@ def _worker(rank, world, port, out_dir, scenario):
             co = RankCoordinator(uniform=True, timeout_s=30)   # the next good call works
             result += f" | agreed={co.agree_batch(rank + 1)}"
             co.close()
+        elif scenario == "subgroup":  # EP groups {0} and {1}: each coordinator over its own
+            from graphrt.errors import InputError
+            groups = [dist.new_group([0], backend="gloo"), dist.new_group([1], backend="gloo")]
+            co = RankCoordinator(uniform=True, debug_check=True, group=groups[rank])
+            result = f"rank={co.rank} world={co.world} agreed={co.agree_batch(8 + rank)}"
+            co.check_replay(8 + rank, "graph")           # alone in its group: nobody to wait for
+            co.world += 1                                # a wrong tensor count: gloo refuses it
+            try:
+                co.check_replay(8, "graph")
+                result += " | wrong count accepted"
+            except RankMismatch as e:
+                result += f" | an argument error reported as a missing rank: {e}"
+            except RuntimeError as e:
+                result += f" | argument error raised as is ({type(e).__name__})"
+            try:
+                RankCoordinator(uniform=True, group=groups[1 - rank])
+                result += " | non-member group accepted"
+            except InputError as e:
+                result += f" | {e}"
         elif scenario == "missing":
             co = RankCoordinator(uniform=True, debug_check=True, timeout_s=3)
             if rank == 0:
@@ -104,6 +123,18 @@ def test_mismatch_names_both_ranks_sizes():
 @pytest.mark.slow
 def test_per_rank_backends_need_no_agreement():
     assert _run("per-rank") == ["agreed=3", "agreed=17"]
+
+
+@pytest.mark.slow
+def test_a_subgroup_coordinator_takes_rank_and_world_from_its_group():
+    """group=subgroup took rank/world from WORLD: check_replay gathered WORLD's count of
+    tensors over the subgroup and gloo's argument error came back as "not every rank reached
+    this step's replay check" (a RankMismatch). Now rank/world are the group's, a gloo
+    argument error is raised as is, and a group without this rank is refused."""
+    for rank, r in enumerate(_run("subgroup")):
+        assert r.startswith(f"rank=0 world=1 agreed={8 + rank} | argument error raised as is "
+                            "(RuntimeError) | RankCoordinator: this process (rank "
+                            f"{rank} of WORLD) is not a member of the group="), r
 
 
 @pytest.mark.slow

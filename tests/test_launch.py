@@ -61,3 +61,35 @@ def test_ranks_killed_at_the_timeout_are_reaped(tmp_path, monkeypatch):
         except OSError:
             return "gone"
     assert {state(p) for p in pids} == {"gone"}, {p: state(p) for p in pids}
+
+
+@pytest.mark.parametrize("world,err", [(0, "InputError"), (-2, "InputError"),
+                                       (2.0, "InputTypeError")])
+def test_spawn_of_no_ranks_is_refused(world, err):
+    """spawn(fn, 0) returned [] (no rank failed: it read as success)."""
+    from graphrt import errors
+    before = _leftover()
+    with pytest.raises(getattr(errors, err), match="spawn: world must be an int >= 1"):
+        spawn(ranks.fine, world, setup=ranks.no_setup, timeout_s=30)
+    assert _leftover() <= before                            # nothing started, nothing left
+
+
+def test_make_comm_forwards_or_refuses_keywords_and_num_experts():
+    """local/nccl dropped **kw silently (make_comm('local', ..., fp8=True) built a bf16
+    comm) and num_experts=0 became cfg.num_experts."""
+    from types import SimpleNamespace
+
+    from graphrt.errors import InputError, InputTypeError
+    from graphrt.testing.launch import make_comm
+    cfg = SimpleNamespace(num_experts=8, hidden=64, num_topk=2)
+    comm = make_comm("local", cfg, "cpu", 16, cap_align=16)
+    assert (comm.num_experts, comm.cap_align, comm.max_tokens) == (8, 16, 16)
+    assert make_comm("local", cfg, "cpu", 16, num_experts=12).num_experts == 12
+    with pytest.raises(InputTypeError, match=r"make_comm\('local'\): LocalComm takes no keyword 'fp8'"):
+        make_comm("local", cfg, "cpu", 16, fp8=True)
+    with pytest.raises(InputTypeError, match=r"NCCLComm takes no keyword 'cap_align'"):
+        make_comm("nccl", cfg, "cpu", 16, cap_align=16)      # refused before any collective
+    with pytest.raises(InputError, match="num_experts must be an int >= 1 .*got 0"):
+        make_comm("local", cfg, "cpu", 16, num_experts=0)
+    with pytest.raises(InputError, match="unknown comm 'x'"):
+        make_comm("x", cfg, "cpu", 16)

@@ -371,3 +371,79 @@ def test_an_instrumented_plain_model_deep_copies():
     instrument(p)
     q = copy.deepcopy(p)
     assert q.layers[1].layer.weight.shape == (4, 4) and q.layers[1].idx == 1
+
+
+def test_stop_from_on_stall_does_not_join_itself_and_a_restart_watches_again():
+    """stop() in on_stall ran on the watchdog thread and joined itself (RuntimeError,
+    swallowed by the poll loop): _thread kept pointing at the dead thread, so start() did
+    nothing and the next stall was never reported."""
+    progress, step = progress_tensors(2, "cpu")
+    stalls = []
+
+    def on_stall(err):
+        stalls.append(err)
+        wd.stop()
+    wd = Watchdog(progress, step, timeout_s=0.05, poll_s=0.01, on_stall=on_stall).start()
+    first = wd._thread
+    wd.expect_step()
+    deadline = time.monotonic() + 5
+    while not stalls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(stalls) == 1
+    first.join(5)
+    assert not first.is_alive() and wd._thread is None
+    with pytest.raises(StallError):
+        wd.step_done()
+    wd.on_stall = None
+    wd.start()
+    assert wd._thread is not first and wd._thread.is_alive()
+    wd.expect_step()
+    deadline = time.monotonic() + 5
+    while len(wd.reports) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(StallError):                  # the restarted thread reports stall 2
+        wd.step_done()
+    wd.stop()
+
+
+def test_stop_from_two_threads_at_once_is_safe():
+    """Two concurrent stop() calls: the second read _thread after the first set it to None
+    (AttributeError: 'NoneType' object has no attribute 'is_alive', ~190 of 200 runs)."""
+    progress, step = progress_tensors(2, "cpu")
+    errors = []
+    for _ in range(50):
+        wd = Watchdog(progress, step, timeout_s=10, poll_s=0.001).start()
+        wd.expect_step()
+        thread, barrier = wd._thread, threading.Barrier(2)
+
+        def stop():
+            barrier.wait()
+            try:
+                wd.stop()
+            except Exception as e:  # noqa: BLE001 - collected for the assertion
+                errors.append(repr(e))
+        stoppers = [threading.Thread(target=stop) for _ in range(2)]
+        for t in stoppers:
+            t.start()
+        for t in stoppers:
+            t.join(5)
+        thread.join(5)
+        assert not thread.is_alive() and wd._thread is None
+        wd.stop()                                     # and once more: idempotent
+    assert errors == []
+
+
+@pytest.mark.parametrize("name", ["timeout_s", "poll_s"])
+@pytest.mark.parametrize("bad,err", [(float("nan"), "InputError"), (float("inf"), "InputError"),
+                                     (-1, "InputError"), (0.0, "InputError"),
+                                     ("30", "InputTypeError"), (None, "InputTypeError"),
+                                     (True, "InputTypeError")])
+def test_a_bad_timeout_or_poll_period_is_refused(name, bad, err):
+    """nan was accepted (a stall reported at the first poll after 1 ms); a str or None gave
+    a plain TypeError from the comparison."""
+    from graphrt import errors
+    progress, step = progress_tensors(2, "cpu")
+    with pytest.raises(getattr(errors, err), match=f"Watchdog {name}: expected a finite number "
+                                                   "of seconds > 0"):
+        Watchdog(progress, step, **{name: bad})
+    Watchdog(progress, step, **{name: 2})            # the next good call works

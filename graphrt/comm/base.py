@@ -22,7 +22,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import torch
 
 from graphrt.capture.audit import mark_called, register_receiver
-from graphrt.errors import GraphrtError
+from graphrt.errors import GraphrtError, InputError, InputTypeError
 
 
 @dataclass
@@ -88,6 +88,29 @@ def round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
+def check_count(who: str, name: str, value, minimum: int = 1) -> int:
+    """``value`` when it is an int >= ``minimum``; else ``InputTypeError`` (not an int: a float,
+    a bool, a tensor) or ``InputError`` (too small). For a constructor's sizes. Host-only."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputTypeError(f"{who}: {name} must be an int >= {minimum}; got {value!r} "
+                             f"({type(value).__name__})")
+    if value < minimum:
+        raise InputError(f"{who}: {name} must be an int >= {minimum}; got {value}")
+    return value
+
+
+def check_out(who: str, out, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    """Raise ``InputError`` unless ``out`` is a tensor of ``shape``/``dtype`` on ``device`` (an
+    ``out=`` buffer checked before a combine starts). Metadata reads only: capturable."""
+    if not isinstance(out, torch.Tensor):
+        raise InputTypeError(f"{who}: out= must be a {dtype} tensor {list(shape)} on {device}; got "
+                             f"{type(out).__name__}")
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
+        raise InputError(f"{who}: out= must be {dtype} {list(shape)} on {device} (the dispatched "
+                         f"batch, hidden); got {out.dtype} {list(out.shape)} on {out.device}. Pass "
+                         "a buffer like torch.empty_like(x) of the dispatched x")
+
+
 def ep_group(group, num_experts: int, who: str, error=GraphrtError) -> tuple:
     """``(group, rank, num_ranks, num_local_experts)`` for an expert-parallel backend; raises
     ``error`` when torch.distributed is not initialised or the experts do not split evenly.
@@ -99,7 +122,8 @@ def ep_group(group, num_experts: int, who: str, error=GraphrtError) -> tuple:
     group = group or dist.group.WORLD
     rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
     if num_experts % num_ranks:
-        raise error(f"{num_experts} experts do not split over {num_ranks} ranks")
+        raise error(f"{who}: {num_experts} experts do not split over {num_ranks} ranks; use a "
+                    f"multiple of {num_ranks} experts (or another rank count)")
     return group, rank, num_ranks, num_experts // num_ranks
 
 

@@ -25,7 +25,10 @@ weights (rows are weighted before it), so ``dispatch`` needs ``topk_weights=`` (
 ``async_with_compute_stream=True, allocate_on_comm_stream=True``; its ``Receiver`` waits on
 DeepEP's event and copies the result into ``out``. ``sync_combine=True`` (or ``sync=True`` per
 call) combines synchronously and returns an already-joined receiver (dual-batch overlap). One
-async combine may be in flight per comm (it reads this comm's static expanded buffer).
+async combine may be in flight per comm (it reads this comm's static expanded buffer); a
+receiver whose join raised releases it (its result is lost; the error carries a note). ``out``
+must be bf16 ``[bs, hidden]`` on the dispatch's device: a wrong one is an ``InputError`` before
+anything is launched.
 
 Glossary: bs, hidden, num_experts, num_local_experts, num_topk, num_ranks, cap.
 
@@ -35,12 +38,13 @@ host-only; ``do_cpu_sync=True`` (eager debugging) is refused while a stream capt
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from graphrt.comm.base import Dispatched, Receiver, round_up
+from graphrt.comm.base import Dispatched, Receiver, check_count, check_out, round_up
 from graphrt.errors import GraphrtError
 from graphrt.moe.workspace import Workspace
 
@@ -92,6 +96,7 @@ class _Expanded:
     src: torch.Tensor
     rows: int
     cap: int
+    bs: int        # rows the dispatch sent: the combine's out is [bs, hidden]
 
 
 class DeepEPV2Comm:
@@ -129,12 +134,15 @@ class DeepEPV2Comm:
                  dtype: torch.dtype = torch.bfloat16):
         def need(ok: bool, msg: str) -> None:
             _need(ok, f"{type(self).__name__}: {msg}")
+        who = type(self).__name__
+        for name, value in (("num_experts", num_experts), ("hidden", hidden), ("num_topk", num_topk),
+                            ("max_tokens", max_tokens), ("expert_alignment", expert_alignment),
+                            ("cap_align", cap_align)):
+            check_count(who, name, value)   # InputTypeError / InputError, before any buffer
         need(dtype == torch.bfloat16, f"DeepEP v2 dispatch/combine carry bf16; got dtype={dtype}")
         need(hidden > 0 and hidden * 2 % 16 == 0, "hidden * 2 bytes must be a positive multiple of "
              f"16 (DeepEP moves rows in 16-byte units); got hidden={hidden}")
         need(1 <= num_topk <= MAX_TOPK, f"num_topk must be in [1, {MAX_TOPK}]; got {num_topk}")
-        need(min(max_tokens, expert_alignment, cap_align) >= 1, "max_tokens, expert_alignment and "
-             f"cap_align must be >= 1; got {max_tokens}, {expert_alignment}, {cap_align}")
         self.hidden, self.num_topk, self.max_tokens = hidden, num_topk, max_tokens
         self.expert_alignment, self.cap_align, self.num_sms = expert_alignment, cap_align, num_sms
         self.sync_combine, self.do_cpu_sync = sync_combine, do_cpu_sync
@@ -249,9 +257,11 @@ class DeepEPV2Comm:
         e_of = torch.bucketize(j, start[1:], right=True)                       # [rows] its expert
         src = e_of * cap + (j - start[e_of]).clamp_(0, cap - 1)                # [rows] masked slot
         em = expected_m(bs, self.num_topk, E, cap=cap)
-        return Dispatched(recv, masked_m, em, handle=_Expanded(handle, recv_w, src, rows, cap))
+        return Dispatched(recv, masked_m, em, handle=_Expanded(handle, recv_w, src, rows, cap, bs))
 
-    def _expanded(self, y: torch.Tensor, d: Dispatched) -> tuple[torch.Tensor, _Expanded]:
+    def _expanded(self, y: torch.Tensor, d: Dispatched, out) -> tuple[torch.Tensor, _Expanded]:
+        """Check the combine's arguments (metadata only) and fill the weighted expanded rows.
+        Every check runs before anything is launched: a refused call changes nothing."""
         ex: _Expanded = d.handle
         E, H = self.num_local_experts, self.hidden
         prev = self.pending_receiver
@@ -263,6 +273,7 @@ class DeepEPV2Comm:
         _need(tuple(y.shape) == (E, ex.cap, H) and y.dtype == self.dtype,
               f"{type(self).__name__}.combine: expected y {self.dtype} [{E}, {ex.cap}, {H}] (the "
               f"dispatch's masked layout); got {y.dtype} {tuple(y.shape)}")
+        check_out(f"{type(self).__name__}.combine", out, (ex.bs, H), self.dtype, ex.recv_w.device)
         y_exp = self.ws.view("y_exp", (ex.rows, H))                            # [rows, hidden]
         torch.index_select(y.reshape(E * ex.cap, H), 0, ex.src, out=y_exp)
         y_exp.mul_(ex.recv_w.unsqueeze(1))     # weight each row (fp32 math, one bf16 rounding)
@@ -272,8 +283,9 @@ class DeepEPV2Comm:
                 d: Dispatched, n: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
         """y ``[num_local_experts, cap, hidden]`` bf16 -> ``out`` ``[bs, hidden]`` bf16, written in
         place on the current stream (topk_ids/topk_weights unused: the weights came with the
-        dispatch). Returns ``out``. Graph safety: capturable."""
-        y_exp, ex = self._expanded(y, d)
+        dispatch; ``bs`` is the dispatch's). Returns ``out``. A wrong ``out`` is an ``InputError``
+        before anything starts. Graph safety: capturable."""
+        y_exp, ex = self._expanded(y, d, out)
         out.copy_(self._combine_sync(y_exp, ex.ep_handle))
         return out
 
@@ -287,9 +299,26 @@ class DeepEPV2Comm:
         if self.sync_combine if sync is None else sync:
             self.combine(y, topk_ids, topk_weights, d, n, out=out)
             return Receiver(lambda: None, out)
-        y_exp, ex = self._expanded(y, d)
+        y_exp, ex = self._expanded(y, d, out)
         join, keep = self._combine_start(y_exp, ex.ep_handle, out)
-        recv = Receiver(join, out, keep=(y_exp, ex.ep_handle, ex.recv_w, *keep))
+        # weak references: no comm <-> receiver cycle (the receiver holds out and DeepEP's tensors)
+        comm_ref, recv_ref, name = weakref.ref(self), None, type(self).__name__
+
+        def guarded_join():
+            try:
+                join()
+            except Exception as exc:
+                # A join that raised must not hold the comm forever (every later combine
+                # would be refused as "never called"): this combine is abandoned, the next
+                # one may rewrite the expanded buffer. Its error goes up with a note.
+                comm = comm_ref()
+                if comm is not None and comm.pending_receiver is recv_ref():
+                    comm.pending_receiver = None
+                exc.add_note(f"graphrt: {name}: this combine's receiver failed; its result is "
+                             "lost and the comm no longer waits for it (the next combine may run)")
+                raise
+        recv = Receiver(guarded_join, out, keep=(y_exp, ex.ep_handle, ex.recv_w, *keep))
+        recv_ref = weakref.ref(recv)
         self.pending_receiver = recv  # held: a receiver dropped uncalled still counts
         return recv
 

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import torch
 
-from graphrt.comm.base import Dispatched, Receiver, on_side_stream, round_up
+from graphrt.comm.base import Dispatched, Receiver, check_count, on_side_stream, round_up
 from graphrt.errors import InputError
 
 
 class LocalComm:
     """All ``num_experts`` experts local. ``cap`` rows per expert are ``bs`` rounded up to
     ``cap_align`` (a token picks an expert at most once, so nothing is ever dropped). The
-    masked layout lives in static buffers sized for ``max_tokens`` (see ``moe.workspace``)."""
+    masked layout lives in static buffers sized for ``max_tokens`` (see ``moe.workspace``).
+
+    ``num_experts``, ``hidden``, ``num_topk``, ``max_tokens`` and ``cap_align`` are ints >= 1
+    (``InputTypeError`` / ``InputError`` otherwise, before anything is allocated)."""
 
     uniform_batch = False
 
@@ -28,6 +31,9 @@ class LocalComm:
                  *, max_tokens: int = 256, cap_align: int = 64,
                  comm_stream: "torch.cuda.Stream | None" = None, dtype=torch.bfloat16):
         from graphrt.moe.workspace import Workspace
+        for name, value in (("num_experts", num_experts), ("hidden", hidden), ("num_topk", num_topk),
+                            ("max_tokens", max_tokens), ("cap_align", cap_align)):
+            check_count("LocalComm", name, value)
         self.rank, self.num_ranks = 0, 1
         self.num_experts = self.num_local_experts = num_experts
         self.hidden, self.num_topk, self.cap_align = hidden, num_topk, cap_align

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from graphrt.comm.base import Dispatched, Receiver, ep_group, on_side_stream
+from graphrt.comm.base import Dispatched, Receiver, check_count, ep_group, on_side_stream
 from graphrt.comm.local import LocalComm
-from graphrt.errors import GraphrtError
+from graphrt.errors import InputError
 
 
 class NCCLComm:
@@ -29,6 +29,9 @@ class NCCLComm:
         device: this rank's GPU.
         max_tokens: tokens per rank per step (the largest capturable padded batch).
         group: the process group (default WORLD, NCCL).
+
+    Sizes that are not ints >= 1, or experts that do not split evenly over the ranks, are an
+    ``InputError`` (``InputTypeError`` for a wrong type); so is a batch above ``max_tokens``.
     """
 
     uniform_batch = True
@@ -36,9 +39,12 @@ class NCCLComm:
     def __init__(self, num_experts: int, hidden: int, num_topk: int, device, *,
                  max_tokens: int = 256, group=None, dtype=torch.bfloat16):
         import torch.distributed as dist
+        for name, value in (("num_experts", num_experts), ("hidden", hidden), ("num_topk", num_topk),
+                            ("max_tokens", max_tokens)):
+            check_count("NCCLComm", name, value)   # before any collective: every rank alike
         self._dist = dist
         self.group, self.rank, self.num_ranks, self.num_local_experts = ep_group(
-            group, num_experts, "NCCLComm")
+            group, num_experts, "NCCLComm", error=InputError)
         self.num_experts, self.hidden, self.num_topk = num_experts, hidden, num_topk
         self.device, self.max_tokens = torch.device(device), max_tokens
         R = self.num_ranks
@@ -64,7 +70,8 @@ class NCCLComm:
         Graph safety: capturable."""
         bs, R = x.shape[0], self.num_ranks
         if bs > self.max_tokens:
-            raise GraphrtError(f"{bs} tokens exceed NCCLComm max_tokens={self.max_tokens}")
+            raise InputError(f"NCCLComm.dispatch: {bs} tokens exceed max_tokens={self.max_tokens}; "
+                             "build the comm with a larger max_tokens")
         ws = self.local.ws
         g_x = ws.view("g_x", (R * bs, self.hidden))
         g_ids = ws.view("g_ids", (R * bs, self.num_topk))

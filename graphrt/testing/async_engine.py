@@ -52,7 +52,9 @@ class AsyncDecodeEngine(DecodeEngine):
 
     Requests' ``output`` holds ``None`` for ids not read yet; ``drain()`` (a wait on the
     last step) fills them; ``run()`` and ``streams()`` drain. ``stats.wait_s`` counts host
-    time blocked on the device (readback events and pinned sets).
+    time blocked on the device (readback events and pinned sets). A ``step()`` interrupted
+    after its launch (Ctrl-C while it reads the last step's ids) loses nothing: the next
+    ``step()`` reads what is still in flight and retires what it finished before launching.
     """
 
     def __init__(self, runtime, *, num_slots: int, max_ctx: int, max_batch_size: int, device,
@@ -82,6 +84,12 @@ class AsyncDecodeEngine(DecodeEngine):
         """One iteration; returns the live rows launched (0: idle). Host-only, no host sync
         in the steady state."""
         t0 = time.perf_counter()
+        if len(self._pending) > self.in_flight:
+            # the last step() was interrupted after its launch (Ctrl-C in a wait): read what it
+            # left in flight and retire what it finished, as it would have
+            while len(self._pending) > self.in_flight:
+                self._collect()
+            self._retire()
         self._admit()
         live, st = self.live, self.stats
         st.steps += 1
@@ -105,7 +113,8 @@ class AsyncDecodeEngine(DecodeEngine):
     def _launch(self, live) -> int:
         """Stage and launch one step; returns the readback buffer its ids go to."""
         side, p = self.side, self._parity
-        assert all(q != p for q, _ in self._pending), "readback buffer still unread"
+        while any(q == p for q, _ in self._pending):  # collect before launch: never overwrite
+            self._collect()                            # ids not read yet
         waited = side.ring.wait_s
         i, h = side.acquire()
         try:

@@ -17,7 +17,7 @@ import traceback
 
 import torch
 
-from graphrt.errors import GraphrtError, InputError
+from graphrt.errors import GraphrtError, InputError, InputTypeError
 
 
 def free_port() -> int:
@@ -47,20 +47,42 @@ def init(rank: int, world: int, port: int) -> torch.device:
 
 def make_comm(name: str, cfg, device, max_tokens: int, *, num_experts: int | None = None, **kw):
     """``deepep`` / ``deepep-hook`` / ``deepep-event`` / ``nccl`` / ``local``, for
-    ``num_experts`` experts (default ``cfg.num_experts``; EPLB: the physical slot count)."""
-    E = num_experts or cfg.num_experts
+    ``num_experts`` experts (None: ``cfg.num_experts``; EPLB: the physical slot count, an
+    int >= 1). ``kw`` goes to the backend's constructor (``fp8=`` for DeepEP, ``group=``,
+    ``cap_align=`` for local, ...); a keyword it does not take is an ``InputTypeError``,
+    an unknown ``name`` or a ``num_experts`` < 1 an ``InputError``. Host-only."""
+    E = cfg.num_experts if num_experts is None else num_experts
+    if isinstance(E, bool) or not isinstance(E, int):
+        raise InputTypeError(f"make_comm: num_experts must be an int >= 1 (or None for "
+                             f"cfg.num_experts); got {E!r} ({type(E).__name__})")
+    if E < 1:
+        raise InputError(f"make_comm: num_experts must be an int >= 1 (or None for "
+                         f"cfg.num_experts); got {E}")
+    extra = {}
     if name.startswith("deepep"):
-        from graphrt.comm.deepep_ll import DeepEPLowLatencyComm
-        mode = name.split("-", 1)[1] if "-" in name else "hook"
-        return DeepEPLowLatencyComm(E, cfg.hidden, cfg.num_topk, device,
-                                    max_tokens=max_tokens, mode=mode, **kw)
-    if name == "nccl":
-        from graphrt.comm.nccl import NCCLComm
-        return NCCLComm(E, cfg.hidden, cfg.num_topk, device, max_tokens=max_tokens)
-    if name == "local":
-        from graphrt.comm.local import LocalComm
-        return LocalComm(E, cfg.hidden, cfg.num_topk, device, max_tokens=max_tokens)
-    raise InputError(f"unknown comm {name!r}; expected deepep[-hook|-event], nccl or local")
+        from graphrt.comm.deepep_ll import DeepEPLowLatencyComm as cls
+        extra["mode"] = name.split("-", 1)[1] if "-" in name else "hook"
+    elif name == "nccl":
+        from graphrt.comm.nccl import NCCLComm as cls
+    elif name == "local":
+        from graphrt.comm.local import LocalComm as cls
+    else:
+        raise InputError(f"unknown comm {name!r}; expected deepep[-hook|-event], nccl or local")
+    _check_keywords(cls, name, kw, taken=("max_tokens", *extra))
+    return cls(E, cfg.hidden, cfg.num_topk, device, max_tokens=max_tokens, **extra, **kw)
+
+
+def _check_keywords(cls, name: str, kw: dict, taken: tuple) -> None:
+    """``InputTypeError`` for keywords ``cls(...)`` does not take (or ``make_comm`` sets)."""
+    import inspect
+    params = inspect.signature(cls).parameters
+    accepted = sorted(p for p, v in params.items() if v.kind is inspect.Parameter.KEYWORD_ONLY
+                      and p not in taken)
+    unknown = sorted(set(kw) - set(accepted))
+    if unknown:
+        raise InputTypeError(f"make_comm({name!r}): {cls.__name__} takes no keyword "
+                             f"{', '.join(map(repr, unknown))}; it takes {accepted} (max_tokens and "
+                             "num_experts are make_comm's own arguments)")
 
 
 def _entry(rank, world, port, out_dir, fn, args, setup=None):
@@ -99,7 +121,13 @@ def spawn(fn, world: int, *args, timeout_s: float = 600, grace_s: float = 30,
     reporting (a segfault, an OOM kill, ``os._exit``) gets ``ok: False`` with its exit code or
     signal. Raises ``RanksTimeout`` (a ``TimeoutError``) only when no rank failed and they
     did not all finish within ``timeout_s`` (they are killed). ``first_failure`` picks the
-    error to report."""
+    error to report. ``world`` must be an int >= 1 (``InputError``: no ranks is no result)."""
+    if isinstance(world, bool) or not isinstance(world, int):
+        raise InputTypeError(f"spawn: world must be an int >= 1 (processes to start); got "
+                             f"{world!r} ({type(world).__name__})")
+    if world < 1:
+        raise InputError(f"spawn: world must be an int >= 1 (processes to start); got {world}: "
+                         "no rank would run, and an empty result list reads as success")
     import shutil
     import time
 
