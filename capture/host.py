@@ -53,7 +53,7 @@ def tensors(*trees) -> list[torch.Tensor]:
 
 def _line_names_cpu() -> bool:
     """Whether the source line that made the current torch call names the CPU: the
-    innermost frame outside torch and the capture machinery (``sites.calling_site``), in the
+    innermost frame outside torch and the capture machinery (``sites.calling_lines``), in the
     user's code or in graphrt's. Not the user's own outermost line: a library line such as
     ``torch.empty(..., device=x.device)`` called from ``analyze_step(spec, [2], "cpu")`` means
     the step's device."""

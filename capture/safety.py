@@ -66,8 +66,7 @@ class _FunctionMode(TorchFunctionMode):
         if hit is not None and hit is not SAFE:
             a.report(hit.kind, hit.op, hit.message)
         a.frames.append(suppress or (a.frames[-1] if a.frames else False))
-        if a.warnings is not None:
-            a.loose_sync_warnings()
+        a.loose_sync_warnings()
         try:
             out = func(*args, **kwargs)
         finally:

@@ -70,26 +70,13 @@ def is_user_file(filename: str) -> bool:
     return _classify(filename) == 0
 
 
-def calling_site(skip: int = 1) -> tuple[str, int]:
-    """``(file, line)`` of the innermost frame outside torch, triton, the standard library
-    and graphrt's capture machinery: the line that made the current torch call, in the
-    user's code or in graphrt's own (the reference model, a kernel launcher)."""
-    frame = sys._getframe(skip)
-    while frame is not None:
-        if _classify(frame.f_code.co_filename) < 2:
-            return frame.f_code.co_filename, frame.f_lineno
-        frame = frame.f_back
-    return "<unknown>", 0
-
-
 def calling_lines(skip: int = 1) -> tuple[str, int, int]:
-    """``(file, first, last)``: the lines of the call expression that ``calling_site``'s frame
-    is executing (a call written over several lines, ``f(a,\n device="cpu")``), from the
-    code's positions table; ``first == last`` where the table has no span."""
+    """``(file, first, last)`` of the innermost frame outside torch, triton, the standard
+    library and graphrt's capture machinery: the lines of the call expression that made the
+    current torch call (all of them for a call written over several lines), in the user's
+    code or in graphrt's own (the reference model, a kernel launcher)."""
     frame = sys._getframe(skip)
-    while frame is not None:
-        if _classify(frame.f_code.co_filename) < 2:
-            break
+    while frame is not None and _classify(frame.f_code.co_filename) >= 2:
         frame = frame.f_back
     if frame is None:
         return "<unknown>", 0, 0

@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import torch
 
-from graphrt.errors import GraphrtError, InputError, InputTypeError
+from graphrt.errors import GraphrtError, InputError, check_seconds
 
 
 class RankMismatch(GraphrtError):
@@ -56,12 +56,8 @@ class RankCoordinator:
                  timeout_s: float | None = None, group=None):
         import torch.distributed as dist
         if timeout_s is not None:  # before any collective: every rank refuses alike
-            what = "expected a finite number of seconds > 0 (or None for the default 60)"
-            if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
-                raise InputTypeError(f"RankCoordinator timeout_s: {what}, got {timeout_s!r} "
-                                     f"({type(timeout_s).__name__})")
-            if not 0 < timeout_s < float("inf"):
-                raise InputError(f"RankCoordinator timeout_s: {what}, got {timeout_s!r}")
+            check_seconds("RankCoordinator timeout_s", timeout_s, "expected a finite number "
+                          "of seconds > 0 (or None for the default 60)")
         if not dist.is_initialized():
             raise GraphrtError("RankCoordinator needs torch.distributed initialised on every rank")
         if group is not None and timeout_s is not None:

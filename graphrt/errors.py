@@ -105,3 +105,14 @@ class BackendError(GraphrtError, RuntimeError):
 
 class DeviceError(GraphrtError, ValueError):
     """The requested device cannot be used (e.g. ``cuda`` on a machine without CUDA)."""
+
+
+def check_seconds(label: str, value, what: str = "expected a finite number of seconds > 0"):
+    """``value`` when it is a finite number of seconds above 0; else ``InputTypeError`` (not a
+    number: a str, None, a bool) or ``InputError`` (0, negative, inf, nan), as
+    ``"{label}: {what}, got ..."``. Host-only."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InputTypeError(f"{label}: {what}, got {value!r} ({type(value).__name__})")
+    if not 0 < value < float("inf"):
+        raise InputError(f"{label}: {what}, got {value!r}")
+    return value

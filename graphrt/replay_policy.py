@@ -304,10 +304,10 @@ class Stager:
         rows a staging copy would overwrite while reading them: torch refuses such a copy);
         return otherwise, for the caller to re-raise ``exc``. Only a failed step pays for it:
         the steady path does no overlap check. Host-only."""
-        mine = {_storage(b): k for k, b in self.buffers.items()}
+        mine = {storage_key(b): k for k, b in self.buffers.items()}
         mine.pop(None, None)                       # a buffer without data overlaps nothing
         for k, t in inputs.items():
-            name = mine.get(_storage(t)) if isinstance(t, torch.Tensor) else None
+            name = mine.get(storage_key(t)) if isinstance(t, torch.Tensor) else None
             if name is not None:
                 why = (str(exc).strip() or type(exc).__name__).splitlines()[0]
                 raise InputError(
@@ -396,8 +396,9 @@ class Stager:
         return bad
 
 
-def _storage(t: torch.Tensor) -> tuple | None:
-    """``(device, storage address)`` of ``t``, None for one without data or a storage."""
+def storage_key(t: torch.Tensor) -> tuple | None:
+    """``(device, storage address)`` of ``t`` (views of one storage alike), None for one
+    without data or a storage. Host-only."""
     try:
         ptr = t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):

@@ -33,7 +33,7 @@ from graphrt.env import env_flag
 from graphrt.errors import (DeviceError, GraphrtError, InputError, LeaseHeldError,
                             NoGraphForBatch, NotCapturedError, ThreadOwnershipError)
 from graphrt.outputs import LeaseClock, LiveOutputs, OutputLayout
-from graphrt.replay_policy import SizeTable, Stager, capture_sizes
+from graphrt.replay_policy import SizeTable, Stager, capture_sizes, storage_key
 from graphrt.spec import StepSpec
 from graphrt.state import StateGuard
 from graphrt.step_cache import StepCache
@@ -366,8 +366,10 @@ class GraphRuntime:
         layout, flat = OutputLayout.flatten(out, where=self.spec.name)
         if self.copy_outputs:
             return layout.build([t.clone() for t in flat])
-        held = {_memory(t) for t in (*self.spec.state_tensors(), *inputs.values())}
-        return layout.build([t.clone() if _memory(t) in held else t for t in flat])
+        def memory(t):  # a tensor without data or storage is only itself
+            return storage_key(t) or id(t)
+        held = {memory(t) for t in (*self.spec.state_tensors(), *inputs.values())}
+        return layout.build([t.clone() if memory(t) in held else t for t in flat])
 
     # -- checks and stats --------------------------------------------------------------------
     def check_replay(self, *, trials: int = 2, rtol: float | None = None,
@@ -436,15 +438,6 @@ def _resolve_device(device) -> torch.device:
             raise DeviceError(f"device {str(dev)!r} requested, but this machine has "
                               f"{torch.cuda.device_count()} CUDA device(s)")
     return dev
-
-
-def _memory(t: torch.Tensor) -> tuple:
-    """Which memory ``t`` lives in: its device and storage address (the tensor itself for
-    one without a storage, e.g. sparse), so two views of one storage compare equal."""
-    try:
-        return t.device, t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return t.device, id(t)
 
 
 def _first_line(exc: BaseException) -> str:

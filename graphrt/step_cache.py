@@ -111,33 +111,34 @@ class StepCache:
         """``(stage, plan, n)`` of the step ``inputs`` (values ``vals``, in order) repeats,
         or None (a new signature, a value that is not a tensor or a nested tensor: the
         checked path names it)."""
-        last = self._last
         try:
-            if (last is None or tuple(inputs) != last[0] or True in map(_is_nested, vals)
-                    or not last[1](*vals)):
-                last = self._recall(inputs, vals)
-                if last is None:
-                    return None
+            if True in map(_is_nested, vals):  # before any guard reads them
+                return None
         except AttributeError:  # a value that is not a tensor (no is_nested)
             return None
+        last = self._last
+        if last is None or tuple(inputs) != last[0] or not last[1](*vals):
+            last = self._recall(inputs, vals)
+            if last is None:
+                return None
         return last[2]
 
     def _recall(self, inputs, vals: tuple) -> tuple | None:
         """The entry of ``inputs``' signature, made the latest when it has a guard: the
         recent one of the same first input shape when its guard says so, else the one under
-        ``signature(inputs)``."""
+        ``signature(inputs)``. No value is nested (``lookup`` saw to it)."""
         names = tuple(inputs)
         try:
             last = self._recent[vals[0].shape]
-            if names == last[0] and True not in map(_is_nested, vals) and last[1](*vals):
+            if names == last[0] and last[1](*vals):
                 self._last = last
                 return last
-        except (KeyError, AttributeError, IndexError, RuntimeError):
-            pass  # a new shape, no tensor, no input, a nested tensor (no shape)
+        except (KeyError, AttributeError, IndexError):  # a new shape, no tensor, no input
+            pass
         try:
             last = self._steps.get(signature(inputs))
-        except (AttributeError, TypeError, RuntimeError):  # not tensors, or nested ones: the
-            return None                                     # checked path names them
+        except (AttributeError, TypeError):  # not tensors: the checked path names them
+            return None
         if last is not None and last[1] is not None:
             self._last = self._recent[vals[0].shape] = last
         return last

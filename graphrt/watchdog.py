@@ -45,7 +45,7 @@ from typing import Callable
 
 import torch
 
-from graphrt.errors import GraphrtError, InputError, InputTypeError
+from graphrt.errors import GraphrtError, InputError, check_seconds
 
 log = logging.getLogger("graphrt.watchdog")
 
@@ -186,16 +186,6 @@ def _mark_hook(module, args, out) -> None:
 
 
 # -- host side ---------------------------------------------------------------------------------
-def _check_seconds(name: str, value) -> None:
-    """A finite number of seconds > 0 (as ``RankCoordinator``'s ``timeout_s``), else
-    ``InputTypeError`` / ``InputError``: nan would report a stall at the first poll."""
-    what = "expected a finite number of seconds > 0"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InputTypeError(f"Watchdog {name}: {what}, got {value!r} ({type(value).__name__})")
-    if not 0 < value < float("inf"):
-        raise InputError(f"Watchdog {name}: {what}, got {value!r}")
-
-
 class Watchdog:
     """Polls ``progress``/``step_counter`` from a host thread; reports a stall as ``StallError``.
 
@@ -226,7 +216,7 @@ class Watchdog:
             raise InputError(f"step_counter must be int64 [1] on {progress.device}; got "
                              f"{step_counter.dtype} {tuple(step_counter.shape)} on {step_counter.device}")
         for name, value in (("timeout_s", timeout_s), ("poll_s", poll_s)):
-            _check_seconds(name, value)
+            check_seconds(f"Watchdog {name}", value)  # nan would report a stall at once
         self.progress, self.step_counter, self.rank = progress, step_counter, rank
         self.timeout_s, self.poll_s, self.on_stall, self.clock = timeout_s, poll_s, on_stall, clock
         self.num_layers = progress.numel()

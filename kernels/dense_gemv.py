@@ -230,6 +230,18 @@ def dense_gemv_rows_config(n: int, k: int) -> dict:
     return {"block_n": block_n, "block_k": block_k}
 
 
+def rows_blocks(cfg: dict, block_n: int | None, block_k: int | None) -> tuple[int, int]:
+    """A rows kernel's ``(block_n, block_k)``: each given one, else ``cfg``'s; ``InputError``
+    unless block_n is a power of two <= 128 and block_k one in [16, 8192]. Host-only."""
+    block_n = cfg["block_n"] if block_n is None else block_n
+    block_k = cfg["block_k"] if block_k is None else block_k
+    check(is_pow2(block_n) and block_n <= 128, "block_n", "a power of two <= 128 (or None)",
+          repr(block_n))
+    check(is_pow2(block_k) and 16 <= block_k <= 8192, "block_k",
+          "a power of two in [16, 8192] (or None)", repr(block_k))
+    return block_n, block_k
+
+
 def dense_gemv_rows(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
                     block_n: int | None = None, block_k: int | None = None,
                     num_warps: int = 4, preload: bool = False) -> torch.Tensor:
@@ -242,13 +254,7 @@ def dense_gemv_rows(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor,
     launch, no workspace, no host sync; bitwise reproducible, with or without ``preload``.
     Graph safety: capturable"""
     m, n, k = _check_xw_out(x, w, out, ROWS_MAX)
-    cfg = dense_gemv_rows_config(n, k)
-    block_n = cfg["block_n"] if block_n is None else block_n
-    block_k = cfg["block_k"] if block_k is None else block_k
-    check(is_pow2(block_n) and block_n <= 128, "block_n", "a power of two <= 128 (or None)",
-          repr(block_n))
-    check(is_pow2(block_k) and 16 <= block_k <= 8192, "block_k",
-          "a power of two in [16, 8192] (or None)", repr(block_k))
+    block_n, block_k = rows_blocks(dense_gemv_rows_config(n, k), block_n, block_k)
     if m == 0 or n == 0:
         return out
     if k == 0:

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from ._pdl import pdl_prologue
 from ._util import check, check_apart, check_tensor, is_pow2, pdl_args
-from .dense_gemv import dense_gemv_rows_config
+from .dense_gemv import dense_gemv_rows_config, rows_blocks
 from ._masked import _live_prologue, _pick_expert, _silu_mul
 from .grouped_gemm_decode import decode_grouped_gemm_ref, num_programs
 
@@ -158,12 +158,7 @@ def expert_gemv_rows(a: torch.Tensor, b: torch.Tensor, masked_m: torch.Tensor, *
     check_apart(out, "out", {"a": a, "b": b, "masked_m": masked_m},
                 "programs read a's rows while others write out")
     cfg = expert_gemv_rows_config(2 * n if act else n, k)  # with act: W13's, per half
-    block_n = cfg["block_n"] if block_n is None else block_n
-    block_k = cfg["block_k"] if block_k is None else block_k
-    check(is_pow2(block_n) and block_n <= 128, "block_n", "a power of two <= 128 (or None)",
-          repr(block_n))
-    check(is_pow2(block_k) and 16 <= block_k <= 8192, "block_k",
-          "a power of two in [16, 8192] (or None)", repr(block_k))
+    block_n, block_k = rows_blocks(cfg, block_n, block_k)
     check(block_n * block_k <= _MAX_TILE, "block_n * block_k", f"<= {_MAX_TILE}",
           block_n * block_k)
     check(isinstance(num_warps, int) and is_pow2(num_warps) and num_warps <= 32, "num_warps",

@@ -167,41 +167,12 @@ def test_async_engine_refuses_sizes_it_cannot_replay_and_survives_a_failed_launc
     assert eng.step() == 1 and len(calls) == 1
 
 
-def test_an_interrupted_wait_for_a_step_loses_none_of_its_tokens():
-    """Ctrl-C while the engine waits on a step's readback event: the step stays in flight,
-    and the next drain() reads its tokens (it was dropped from the queue before the wait)."""
-    rt = EagerRuntime(toy_spec([]), sizes=[1, 2, 3, 4])
-    eng = AsyncDecodeEngine(rt, num_slots=4, max_ctx=32, max_batch_size=4, device="cpu",
-                            block_size=4)
-    eng.submit(Request(0, [3], 3))
-    eng.step()                                        # one step in flight, unread
-
-    class Stuck:
-        def __init__(self, real):
-            self.real, self.interrupted = real, False
-
-        def query(self):
-            return self.interrupted
-
-        def synchronize(self):
-            self.interrupted = True
-            raise KeyboardInterrupt
-
-        def record(self, *a):
-            return self.real.record(*a)
-    p = eng._pending[0][0]
-    eng._done[p] = Stuck(eng._done[p])
-    with pytest.raises(KeyboardInterrupt):
-        eng.drain()
-    eng.drain()
-    assert eng.live[0].output[0] == 21               # (7 * 3 + 0) % 50, read after all
-
-
 class _StuckOnce:
-    """A readback event whose first wait is interrupted (Ctrl-C); then it has run."""
+    """A readback event whose first wait is interrupted (Ctrl-C); then it has run. Records go
+    to ``real`` (the event it stands in for) when given."""
 
-    def __init__(self):
-        self.done = False
+    def __init__(self, real=None):
+        self.real, self.done = real, False
 
     def query(self):
         return self.done
@@ -211,7 +182,23 @@ class _StuckOnce:
         raise KeyboardInterrupt
 
     def record(self, *a):
-        pass
+        return self.real.record(*a) if self.real is not None else None
+
+
+def test_an_interrupted_wait_for_a_step_loses_none_of_its_tokens():
+    """Ctrl-C while the engine waits on a step's readback event: the step stays in flight,
+    and the next drain() reads its tokens (it was dropped from the queue before the wait)."""
+    rt = EagerRuntime(toy_spec([]), sizes=[1, 2, 3, 4])
+    eng = AsyncDecodeEngine(rt, num_slots=4, max_ctx=32, max_batch_size=4, device="cpu",
+                            block_size=4)
+    eng.submit(Request(0, [3], 3))
+    eng.step()                                        # one step in flight, unread
+    p = eng._pending[0][0]
+    eng._done[p] = _StuckOnce(eng._done[p])
+    with pytest.raises(KeyboardInterrupt):
+        eng.drain()
+    eng.drain()
+    assert eng.live[0].output[0] == 21               # (7 * 3 + 0) % 50, read after all
 
 
 @pytest.mark.parametrize("max_new", [6, 2])

@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from graphrt.eplb.policy import is_int
 from graphrt.errors import InputError, InputTypeError
 
 # dtypes a dispatch's per-slot row counts (masked_m) may have: integers, added into int64
@@ -51,7 +52,7 @@ class ExpertMap:
                                  f"{type(placement).__name__}")
         placement.validate()
         R = placement.num_ranks
-        if not _is_int(rank) or not 0 <= rank < R:
+        if not is_int(rank) or not 0 <= rank < R:
             raise InputError(f"ExpertMap rank: expected this rank's index among the placement's "
                              f"{R} expert-parallel ranks, in [0, {R}), got {rank!r}; pass the "
                              "rank within the EP group (e.g. dist.get_rank(ep_group)), not a "
@@ -101,7 +102,7 @@ class ExpertMap:
         self.slot_load[layer].add_(masked_m)
 
     def _check_layer(self, what: str, layer) -> None:
-        if not _is_int(layer) or not 0 <= layer < self.num_layers:
+        if not is_int(layer) or not 0 <= layer < self.num_layers:
             raise InputError(f"ExpertMap.{what} layer: expected an int in [0, {self.num_layers}) "
                              f"(one per MoE layer), got {layer!r}")
 
@@ -136,7 +137,7 @@ class EPLBConfig:
 
     def __init__(self, redundant: int = 0, table_size: int = 16):
         for name, v in (("redundant", redundant), ("table_size", table_size)):
-            if not _is_int(v):
+            if not is_int(v):
                 raise InputTypeError(f"EPLBConfig {name}: expected an int, got {v!r} "
                                      f"({type(v).__name__})")
         if redundant < 0 or table_size < 1:
@@ -155,8 +156,3 @@ class EPLBConfig:
 
     def __repr__(self) -> str:
         return f"EPLBConfig(redundant={self.redundant}, table_size={self.table_size})"
-
-
-def _is_int(v) -> bool:
-    """An int or a numpy integer, not a bool."""
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)

@@ -49,14 +49,14 @@ def _check(cond: bool, what: str, expected: object, got: object) -> None:
         raise InputError(f"{what}: expected {expected}, got {got}")
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
     """An int or a numpy integer (``np.int64(4)``), not a bool."""
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 def _got_int(v) -> str:
     """``v`` for a message about an int argument: with its type when it is not an int."""
-    return repr(v) if _is_int(v) else f"{v!r} ({type(v).__name__})"
+    return repr(v) if is_int(v) else f"{v!r} ({type(v).__name__})"
 
 
 def _describe(a) -> str:
@@ -86,8 +86,8 @@ class Placement:
 
     def __post_init__(self):
         se, tb, R, S = self.slot_expert, self.table, self.num_ranks, self.slots_per_rank
-        _check(_is_int(R) and R >= 1, "num_ranks", "an int >= 1", _got_int(R))
-        _check(_is_int(S) and S >= 1, "slots_per_rank", "an int >= 1", _got_int(S))
+        _check(is_int(R) and R >= 1, "num_ranks", "an int >= 1", _got_int(R))
+        _check(is_int(S) and S >= 1, "slots_per_rank", "an int >= 1", _got_int(S))
         R, S = int(R), int(S)
         object.__setattr__(self, "num_ranks", R)
         object.__setattr__(self, "slots_per_rank", S)
@@ -152,7 +152,7 @@ class Placement:
 def _check_sizes(num_experts, num_ranks, slots_per_rank, table_size):
     for name, v in (("num_experts", num_experts), ("num_ranks", num_ranks),
                     ("slots_per_rank", slots_per_rank), ("table_size", table_size)):
-        _check(_is_int(v) and v >= 1, name, "an int >= 1", _got_int(v))
+        _check(is_int(v) and v >= 1, name, "an int >= 1", _got_int(v))
     _check(num_ranks * slots_per_rank >= num_experts, "num_ranks * slots_per_rank",
            f">= num_experts = {num_experts} (every expert needs a slot)",
            num_ranks * slots_per_rank)
@@ -171,7 +171,7 @@ def home_placement(num_layers: int, num_experts: int, num_ranks: int, slots_per_
     Graph safety: host-only
     """
     _check_sizes(num_experts, num_ranks, slots_per_rank, table_size)
-    _check(_is_int(num_layers) and num_layers >= 1, "num_layers", "an int >= 1 (one per MoE layer)",
+    _check(is_int(num_layers) and num_layers >= 1, "num_layers", "an int >= 1 (one per MoE layer)",
            _got_int(num_layers))
     num_layers, num_experts, num_ranks, slots_per_rank, table_size = map(
         int, (num_layers, num_experts, num_ranks, slots_per_rank, table_size))
