@@ -16,7 +16,8 @@ Errors that belong to one part live beside it:
 - ``CudaRuntimeError`` (a raw CUDA runtime call of the replay path failed; also a
   ``RuntimeError``, like torch's CUDA errors): ``graphrt.cudart``;
 - ``DeepEPRuleError``: ``graphrt.comm.deepep_ll``; ``DeepEPUnavailable`` (an ``ImportError``)
-  and ``DeepEPUsageError``: ``graphrt.comm.deepep_v2``;
+  and ``DeepEPUsageError``: ``graphrt.comm.deepep_v2`` (the rule and usage errors are
+  argument checks, so ``InputError`` subclasses);
 - ``NaiveTooLarge``: ``graphrt.bench.naive``.
 
 ``graphrt validate`` reports a target that cannot be loaded with ``ValidateError``

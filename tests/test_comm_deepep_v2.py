@@ -15,6 +15,7 @@ import types
 import pytest
 import torch
 
+import graphrt
 from fakes import deep_ep_v2 as fake
 from fakes.deep_ep_v2 import FakeElasticBuffer, FakeEPBuffer, FakeWorld
 from graphrt.capture.audit import ReceiverLedger
@@ -208,8 +209,9 @@ def test_receivers_register_with_the_ledger(comm_cls, buf_cls):
 def test_usage_errors(comm_cls, buf_cls, monkeypatch):
     comm, _ = make_comm(comm_cls, buf_cls, max_tokens=4)
     x, ids, w, n = routed(5, 5, seed=8)
-    with pytest.raises(DeepEPUsageError, match="5 tokens exceed max_tokens=4"):
-        comm.dispatch(x, ids, n, topk_weights=w)
+    with pytest.raises(graphrt.InputError, match="5 tokens exceed max_tokens=4") as info:
+        comm.dispatch(x, ids, n, topk_weights=w)  # an argument check: an InputError like all
+    assert isinstance(info.value, DeepEPUsageError)
     x, ids, w, n = routed(4, 4, seed=8)
     with pytest.raises(DeepEPUsageError, match="needs topk_weights="):
         comm.dispatch(x, ids, n)

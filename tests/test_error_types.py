@@ -24,7 +24,7 @@ def test_no_builtin_error_is_raised_on_purpose():
 
 
 def _cases():
-    from graphrt.comm.deepep_ll import DeepEPLowLatencyComm
+    from graphrt.comm.deepep_ll import DeepEPLowLatencyComm, check_shape
     from graphrt.comm.local import LocalComm
     from graphrt.sizes import SizeTable
     from graphrt.watchdog import Watchdog, progress_tensors
@@ -35,6 +35,7 @@ def _cases():
         "too many tokens": lambda: LocalComm(4, 8, 2, "cpu", max_tokens=4).dispatch(
             torch.zeros(8, 8, dtype=torch.bfloat16), torch.zeros(8, 2, dtype=torch.int64), None),
         "unknown mode": lambda: DeepEPLowLatencyComm(16, 2048, 8, "cpu", mode="x"),
+        "DeepEP hidden size": lambda: check_shape(hidden=1000, num_topk=8, max_tokens=16),
     }
 
 

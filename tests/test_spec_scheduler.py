@@ -78,6 +78,20 @@ def test_size_table_pick():
         SizeTable([0, 2])
 
 
+def test_sizes_take_numpy_ints():
+    """An engine's size list often comes from numpy (np.arange, a config array): numpy ints
+    are ints here, stored as Python ints; numpy bools and floats are still refused."""
+    np = pytest.importorskip("numpy")
+    t = SizeTable(np.array([8, 1, 4, 8]))
+    assert t.sizes == [1, 4, 8] and all(type(s) is int for s in t.sizes)
+    assert t.pick(np.int64(3)) == 4
+    assert graphrt.capture_sizes(np.int64(5)) == [1, 2, 4, 5]
+    assert all(type(s) is int for s in graphrt.capture_sizes(np.int32(300)))
+    for bad in ([np.bool_(True)], [np.float64(2.0)], [np.int64(0)]):
+        with pytest.raises(InputError):
+            SizeTable(bad)
+
+
 def test_stager_check_errors():
     st = Stager(_spec(), 16, torch.device("cpu"))
     x, ids = torch.randn(3, 4), torch.randint(0, 10, (3, 2))

@@ -26,15 +26,16 @@ from __future__ import annotations
 import torch
 
 from graphrt.comm.base import Dispatched, Receiver, ep_group
-from graphrt.errors import GraphrtError, InputError
+from graphrt.errors import InputError
 
 SUPPORTED_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
 MAX_TOPK = 11
 MAX_TOKENS_PER_RANK = 511  # (max_tokens + 1) * 2 <= NVSHMEM_QP_DEPTH (1024 by default)
 
 
-class DeepEPRuleError(GraphrtError, ValueError):
-    """A DeepEP low-latency rule would be broken (it would hang or corrupt silently)."""
+class DeepEPRuleError(InputError):
+    """A DeepEP low-latency rule would be broken (it would hang or corrupt silently). An
+    ``InputError`` (so a ``ValueError``), like every other argument check of graphrt."""
 
 
 def check_shape(hidden: int, num_topk: int, max_tokens: int) -> None:

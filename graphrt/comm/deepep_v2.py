@@ -45,7 +45,7 @@ from typing import Any, Callable
 import torch
 
 from graphrt.comm.base import Dispatched, Receiver, check_count, check_out, round_up
-from graphrt.errors import GraphrtError
+from graphrt.errors import GraphrtError, InputError
 from graphrt.moe.workspace import Workspace
 
 MAX_TOPK = 32              # DeepEP v2: "lots of `kNumTopk <= 32` restrictions"
@@ -57,8 +57,9 @@ class DeepEPUnavailable(GraphrtError, ImportError):
     """``deep_ep`` does not import here, or lacks the buffer class this backend needs."""
 
 
-class DeepEPUsageError(GraphrtError, ValueError):
-    """An argument breaks a documented DeepEP limit or this backend's contract."""
+class DeepEPUsageError(InputError):
+    """An argument breaks a documented DeepEP limit or this backend's contract. An
+    ``InputError`` (so a ``ValueError``), like every other argument check of graphrt."""
 
 
 def _need(ok: bool, msg: str) -> None:
