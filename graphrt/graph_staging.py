@@ -78,7 +78,7 @@ class StagingNode:
 
     ``stage(src, dst, nbytes)`` points it at ``src`` for ``nbytes`` into ``dst`` (a view at
     the start of its static buffer), or, for a source the node cannot take (not contiguous, a
-    negative view, no data, overlapping ``dst``), idles it and runs ``dst.copy_(src)``
+    negative view, no data, overlapping the static buffer), idles it and runs ``dst.copy_(src)``
     instead; ``stager(dst, nbytes)`` is that function of ``src`` alone, its constants converted
     once (``Stager.bind``'s); ``idle()``."""
 
@@ -96,11 +96,16 @@ class StagingNode:
         self._what = f"cudaGraphExecMemcpyNodeSetParams1D staging input {name!r}"
         self._edit_idle()
 
-    def stage(self, src: torch.Tensor, dst: torch.Tensor, nbytes: int) -> None:
-        self.stager(dst, nbytes)(src)
+    def stage(self, src: torch.Tensor, dst: torch.Tensor, nbytes: int,
+              span: int | None = None) -> None:
+        self.stager(dst, nbytes, span)(src)
 
-    def stager(self, dst: torch.Tensor, nbytes: int):
+    def stager(self, dst: torch.Tensor, nbytes: int, span: int | None = None):
+        """``span``: the static buffer's bytes from ``dst`` on (``Stager.span``; default
+        ``nbytes``). A source overlapping any of them goes by ``copy_``: the node copies at
+        replay, after the padding of rows past the live ones, which it must not read."""
         d = dst.data_ptr()
+        span = nbytes if span is None else max(span, nbytes)
         assert d == self.dst.data_ptr(), "a staging view starts at its static buffer"
         node, edit, what = self, self._set, self._what
         graph_exec, handle, kind = self.exec, self.node, cudart.MEMCPY_D2D
@@ -108,7 +113,7 @@ class StagingNode:
         def stage(src: torch.Tensor) -> None:
             if src.is_contiguous() and not src.is_neg():
                 s = src.data_ptr()
-                if s and (s + nbytes <= d or d + nbytes <= s):
+                if s and (s + nbytes <= d or d + span <= s):
                     if not node.armed or node._at != (s, nbytes):  # else it copies from there
                         rc = edit(graph_exec, handle, d, s, nbytes, kind)
                         if rc:

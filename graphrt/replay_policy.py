@@ -238,7 +238,8 @@ class Stager:
         gs = self.graph_nodes.get(padded_bs)
         every_node = gs.nodes if gs is not None else {}
         nodes = {k: v for k, v in every_node.items() if k in at} if exact else {}
-        in_graph = tuple((at[k], node.stager(st.views[k], st.views[k].nbytes))  # (pos, stage)
+        in_graph = tuple((at[k], node.stager(st.views[k], st.views[k].nbytes,  # (pos, stage)
+                                             self.span(k)))
                          for k, node in nodes.items())
         paths = {k: "graph" for k in nodes}
         singles, raw = [], []                     # (position, dst); raw ones + the name
@@ -270,8 +271,9 @@ class Stager:
         unused = tuple(node for k, node in every_node.items() if k not in nodes)
 
         def stage(vals: tuple) -> None:
-            if stager._dirty != n:                # first: the mark then covers rows [0, n),
-                stager._repad(n, padded_bs)       # so a copy that raises leaves it true
+            repad = stager._dirty != n
+            if stager._dirty < n:                 # first: the mark covers rows [0, n), so a
+                stager._dirty = n                 # copy that raises leaves it true
             if stager.table is not None:          # staged here: the table must copy nothing
                 stager.table.idle()
             if detach:
@@ -288,6 +290,8 @@ class Stager:
                 vals += tail
                 for get, dsts in groups:  # >= 2 sources each: get() returns a tuple
                     _foreach_copy_(dsts, get(vals))
+            if repad:                             # after the copies: a source in the
+                stager._repad(n, padded_bs)       # rows it pads is read before they are
             for dst, src in pads:
                 dst.copy_(src)
             if counted:
@@ -346,6 +350,14 @@ class Stager:
             for k in self._batch:
                 self.buffers[k][n:stop].fill_(self._pad_values[k])
         self._dirty = dirty if dirty > padded_bs else n
+
+    def span(self, k: str) -> int:
+        """Bytes from input ``k``'s static buffer's first byte to the end of its memory: a
+        source that an in-graph copy reads (a staging node, the staging table) must lie
+        outside all of it, since padding before the replay rewrites rows past the live ones."""
+        b = self.buffers[k]
+        storage = b.untyped_storage()
+        return storage.nbytes() - (b.data_ptr() - storage.data_ptr())
 
     def _offset_pad(self, n: int, padded_bs: int) -> list:
         """``[(dst, src)]`` per offsets input: rows ``[n + 1, padded_bs + 1)`` continue offset ``n``."""

@@ -233,7 +233,10 @@ class GraphRuntime:
             self._refuse_uniform()
         if not (type(n) is int and 0 < n <= self._largest and self._plans[n] is not None):
             self._plan_for(n, self._captured_graph(n))
-        return self.stager.live_views(n).copy()
+        st = self.stager
+        if st._dirty < n:  # the caller writes rows [0, n): a later smaller batch re-pads them,
+            st._dirty = n  # whether or not replay(n) comes first
+        return st.live_views(n).copy()
 
     def replay(self, n: int) -> Any:
         """Replay on inputs already written through ``input_buffers(n)``: pads rows

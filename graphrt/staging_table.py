@@ -155,7 +155,7 @@ def bind(stager, names: tuple, n: int, padded_bs: int, detach: bool):
     changed) and copies the rest before the replay; the runtime commits the row right
     before ``graph.replay()``. ``paths``: name -> ``"table"``
     or ``"copy_"``. A source the kernel cannot take (not contiguous, a negative view, no data,
-    overlapping its buffer) gets 0 bytes and a ``copy_`` instead, per call. Only for
+    overlapping its static buffer anywhere) gets 0 bytes and a ``copy_`` instead, per call. Only for
     ``exact`` call shapes (plain tensors; ``Stager.bind`` stages the others itself)."""
     table = stager.table
     st = stager._staging(n)
@@ -167,15 +167,17 @@ def bind(stager, names: tuple, n: int, padded_bs: int, detach: bool):
             others.append((at[k], view))
             paths[k] = "copy_"
         else:
-            entries.append((at[k], 1 + 2 * i, 2 + 2 * i, view.nbytes, view.data_ptr(), view))
+            entries.append((at[k], 1 + 2 * i, 2 + 2 * i, view.nbytes, view.data_ptr(),
+                            max(stager.span(k), view.nbytes), view))
             paths[k] = "table"
     count_word, count_addr = 2 * table.entries - 1, st.count.data_ptr()
     pads = stager._offset_pad(n, padded_bs) if stager._offsets and padded_bs > n else ()
     words = table.words
 
     def stage(vals: tuple) -> None:
-        if stager._dirty != n:                    # first: the mark then covers rows [0, n),
-            stager._repad(n, padded_bs)           # so a copy that raises leaves it true
+        repad = stager._dirty != n
+        if stager._dirty < n:                     # first: the mark covers rows [0, n), so a
+            stager._dirty = n                     # copy that raises leaves it true
         if detach:
             vals = tuple([t.detach() if t.requires_grad else t for t in vals])
         if words[0] != 1 or words[count_word] != count_addr:
@@ -183,11 +185,12 @@ def bind(stager, names: tuple, n: int, padded_bs: int, detach: bool):
             table.synced = False
         # A changed word marks the row unsynced at once, so a copy that raises further on
         # cannot leave a later call believing the device row current.
-        for pos, w_src, w_bytes, nb, d, dst in entries:
+        for pos, w_src, w_bytes, nb, d, span, dst in entries:
             src = vals[pos]
             if src.is_contiguous() and not src.is_neg():
-                s = src.data_ptr()
-                if s and (s + nb <= d or d + nb <= s):
+                s = src.data_ptr()   # outside the whole buffer: the kernel reads it after
+                if s and (s + nb <= d or d + span <= s):  # the padding below
+
                     if words[w_src] != s or words[w_bytes] != nb:
                         words[w_src], words[w_bytes] = s, nb
                         table.synced = False
@@ -198,6 +201,8 @@ def bind(stager, names: tuple, n: int, padded_bs: int, detach: bool):
             dst.copy_(src)
         for pos, dst in others:
             dst.copy_(vals[pos])
+        if repad:                                 # after the copies: a source in the rows
+            stager._repad(n, padded_bs)           # it pads is read before they are
         for dst, src in pads:
             dst.copy_(src)
         stager._n_written = (None, -1)  # n_dev is written by the graph, not by a fill

@@ -169,6 +169,25 @@ def test_bind_stages_lone_inputs_by_their_nodes_and_groups_as_before(set_params)
     assert st.bind(NAMES, N, 8, False, True).paths["x"] != "graph"
 
 
+def test_a_source_in_its_own_buffer_past_the_live_rows_idles_the_node(set_params):
+    """The node copies at replay, after staging re-pads the rows past the live ones: a
+    source lying there (``bufs["x"][5:8]`` for 3 rows) goes by ``copy_`` at once, before the
+    padding, instead of arming the node."""
+    st = Stager(_spec(), 16, torch.device("cpu"))
+    nodes = _with_nodes(st, 16)
+    st.stage(_live(0, 10), 10, 16)                         # rows [0, 10) dirty
+    stage = st.bind(NAMES, N, 16, False, True)
+    first = _live(1)                                       # alive: the stand-in copies on edits
+    stage(tuple(first[k] for k in NAMES))                  # arms the node (its own tensor)
+    assert nodes["x"].armed
+    live = {**_live(2), "x": st.buffers["x"][5:8]}
+    want = {k: v.clone() for k, v in live.items()}
+    stage(tuple(live[k] for k in NAMES))
+    assert not nodes["x"].armed
+    assert [k for k in NAMES if not torch.equal(st.buffers[k][:N], want[k])] == []
+    assert st.pad_rows_intact(N, 16) == []
+
+
 @pytest.mark.parametrize("names, int32_path", [
     (("x", "ids", "pos", "lens"), None),                   # every input: the count by fill_
     (("x", "pos"), "foreach_copy_"),                       # lens + the count stay a group

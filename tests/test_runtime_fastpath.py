@@ -349,3 +349,45 @@ def test_a_nested_tensor_after_a_steady_step_never_reaches_the_guard():
                          timeout=300, cwd=Path(__file__).resolve().parents[1], env=env)
     assert out.returncode == 0 and out.stdout.strip() == "survived", \
         f"rc={out.returncode}\n{out.stdout}\n{out.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize("steady", [False, True])
+def test_a_view_of_an_inputs_own_buffer_past_the_live_rows_is_staged_right(fake_capture, lookup,
+                                                                          steady):
+    """``bufs["x"][5:8]`` for 3 live rows overlaps no copy, but lies in the rows staging
+    re-pads: the copies come first, so the step reads the caller's rows, not the padding."""
+    spec = every_kind_spec()
+    rt = captured(sizes=(16,), copy_outputs=True)           # 3 rows pad to 16: [3, 10) re-padded
+    gen = torch.Generator().manual_seed(5)
+    big = spec.random_inputs(10, generator=gen)
+    if steady:                                               # bind the 3-row call shape first
+        rt.run(**spec.random_inputs(3, generator=gen))
+        rt.run(**spec.random_inputs(3, generator=gen))
+    rt.run(**big)                                            # rows [0, 10) dirty
+    bufs = rt.input_buffers(10)
+    for k in ("x", "ids"):
+        bufs[k].copy_(big[k])
+    mine = {k: v for k, v in spec.random_inputs(3, generator=gen).items()}
+    mine["x"], mine["ids"] = bufs["x"][5:8], bufs["ids"][5:8]
+    want = {k: v.clone() for k, v in mine.items()}
+    assert _same(rt.run(**mine), spec.call_padded(want, 16, ROWS))
+    assert rt.stager.pad_rows_intact(3, 16) == []
+
+
+def test_rows_written_through_input_buffers_are_re_padded_without_a_replay(fake_capture, lookup):
+    """An engine writes 10 rows zero-copy, its replay is refused (an explicit lease still
+    held), and it runs 5 rows through run() at the same padded size: rows [5, 16) must hold
+    their padding again (a KV slot written there would land in a slot no request owns)."""
+    spec = every_kind_spec()
+    rt = captured(copy_outputs=False, lease="explicit")
+    gen = torch.Generator().manual_seed(6)
+    rt.run(**spec.random_inputs(3, generator=gen))           # padded 4; the lease is held
+    bufs = rt.input_buffers(10)
+    for k, v in spec.random_inputs(10, generator=gen).items():
+        bufs[k].copy_(v)
+    with pytest.raises(LeaseHeldError):
+        rt.replay(10)
+    rt.release()
+    five = spec.random_inputs(5, generator=gen)
+    assert _same(rt.run(**five), spec.call_padded(five, 16, ROWS))
+    assert rt.stager.pad_rows_intact(5, 16) == []

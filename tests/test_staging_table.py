@@ -246,3 +246,24 @@ def test_an_engine_handing_the_same_tensors_sends_no_row(cuda_device, table_mode
         live["pos"].random_(0, 9)
         assert torch.equal(rt.run(**live), spec.call_padded(live, 4, None)), step
     assert rt.stager.table.sends == sends
+
+
+@cpu_interpreter
+def test_a_source_in_its_own_buffer_past_the_live_rows_goes_by_copy():
+    """The kernel copies at replay, after staging re-pads rows past the live ones: a source
+    lying in those rows of its own buffer must be copied at once (0 bytes in the row), else
+    the graph would read the padding."""
+    spec = lone_and_grouped_spec(16)
+    st = _table_stager(spec, 16)
+    gen = torch.Generator().manual_seed(2)
+    st.stage(spec.random_inputs(10, generator=gen), 10, 16)   # rows [0, 10) dirty
+    live = spec.random_inputs(3, generator=gen)
+    live["x"] = st.buffers["x"][5:8]
+    want = {k: v.clone() for k, v in live.items()}
+    fn = st.bind(tuple(live), 3, 16, exact=True)
+    fn(tuple(live.values()))
+    x_entry = st.table.index["x"]
+    assert st.table.words[2 + 2 * x_entry] == 0               # not sent through the table
+    _replay(st, 16)
+    assert all(torch.equal(st.buffers[k][:3], v) for k, v in want.items())
+    assert st.pad_rows_intact(3, 16) == []
