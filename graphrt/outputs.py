@@ -264,17 +264,37 @@ class LeasedTensor(torch.Tensor):
         """True while no replay (or ``release()``) has happened since this view was handed out."""
         return self._epoch == self._clock.epoch
 
+    def _check_lease(self) -> None:
+        if self._epoch != self._clock.epoch:
+            raise StaleOutputError(
+                f"stale read of a leased graph output: it was handed out at lease epoch "
+                f"{self._epoch} and the runtime is at epoch {self._clock.epoch} (a later "
+                "replay or release() ended it). Copy what you need (t.clone()) before "
+                "the next run(), or use copy-out mode.")
+
+    def _plain(self) -> torch.Tensor:
+        """The same memory as a plain tensor (lease checked first)."""
+        self._check_lease()
+        return torch.Tensor.as_subclass(self, torch.Tensor)
+
+    # Calls torch makes without __torch_function__: checked here, each on a plain alias, so
+    # debug mode only adds checks (deepcopy, and torch.save's file for torch.load's default
+    # weights_only, work as on lean mode's plain views).
+    def as_subclass(self, cls):
+        return self._plain().as_subclass(cls)
+
+    def __deepcopy__(self, memo):
+        return self._plain().__deepcopy__(memo)
+
+    def __reduce_ex__(self, protocol):
+        return self._plain().__reduce_ex__(protocol)
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         src = None
         for a in _tensors(args, kwargs):
             if type(a) is LeasedTensor:
-                if a._epoch != a._clock.epoch:
-                    raise StaleOutputError(
-                        f"stale read of a leased graph output: it was handed out at lease epoch "
-                        f"{a._epoch} and the runtime is at epoch {a._clock.epoch} (a later "
-                        "replay or release() ended it). Copy what you need (t.clone()) before "
-                        "the next run(), or use copy-out mode.")
+                a._check_lease()
                 if src is None:
                     src = a
         with DisableTorchFunctionSubclass():

@@ -51,6 +51,8 @@ def _fits(dtype: torch.dtype, value: float) -> bool:
     if _integral(dtype):
         info = torch.iinfo(dtype)
         return float(value).is_integer() and info.min <= value <= info.max
+    if isinstance(value, int):                    # exact: 10**400 is no float to isnan()
+        return abs(value) <= torch.finfo(dtype).max
     if math.isnan(value):
         return False
     return math.isinf(value) or abs(value) <= torch.finfo(dtype).max
@@ -110,8 +112,11 @@ class Input:
                 raise InputError(f"Input {name} must be a number; got {v!r}")
         for name in ("low", "high"):
             v = getattr(self, name)
-            if v is not None and not math.isfinite(v):
+            if isinstance(v, float) and not math.isfinite(v):  # (an int is finite)
                 raise InputError(f"Input {name} must be finite; got {v}")
+            if integral and isinstance(v, float) and not v.is_integer():
+                raise InputError(f"integer Input of dtype {self.dtype}: {name} must be a whole "
+                                 f"number (values drawn from [low, high)); got {name}={v!r}")
         if self.high is not None and self.high <= self.low:
             raise InputError(f"Input needs low < high; got low={self.low}, high={self.high}")
         if integral and self.dtype != torch.bool:

@@ -39,6 +39,24 @@ def test_input_int_needs_high():
         graphrt.Input((None,), torch.int64)
 
 
+@pytest.mark.parametrize("dtype,kw,match", [
+    (torch.float32, {"pad_value": 10**400}, "pad_value"),         # no float: isnan overflowed
+    (torch.float32, {"high": 10**400}, "does not fit"),
+    (torch.float32, {"low": -10**400, "high": 1.0}, "does not fit"),
+    (torch.int64, {"high": 10**400}, "does not fit"),
+    (torch.int64, {"low": 0.2, "high": 0.9}, "whole number"),     # holds no integer
+    (torch.int32, {"low": 0, "high": 4.5}, "whole number"),
+])
+def test_input_bounds_that_hold_no_value_are_input_errors(dtype, kw, match):
+    with pytest.raises(InputError, match=match):
+        graphrt.Input((None,), dtype, **kw)
+
+
+def test_input_whole_float_bounds_still_work_for_integers():
+    t = graphrt.Input((None,), torch.int64, low=2.0, high=5.0).random(64)
+    assert t.dtype == torch.int64 and int(t.min()) >= 2 and int(t.max()) <= 4
+
+
 def test_stepspec_validation():
     with pytest.raises(InputError, match="callable"):
         graphrt.StepSpec(3, {"x": graphrt.Input((None,), torch.float32)}, 4)
@@ -163,6 +181,31 @@ def test_lease_raises_after_next_replay():
     with pytest.raises(StaleOutputError):
         torch.add(fresh, leased)
     assert float(fresh.sum()) == 12.0          # copies taken in time stay valid
+
+
+def test_a_lease_deep_copies_saves_and_re_subclasses_only_while_valid():
+    """Calls torch makes without __torch_function__: deepcopy, pickling (torch.save) and
+    as_subclass check the lease and work on a plain alias, so debug mode only adds checks:
+    the file loads with torch.load's default weights_only=True."""
+    import copy
+    import io
+    clock = LeaseClock()
+    base = torch.arange(6.0).reshape(3, 2)
+    leased = LeasedTensor.lease(base[:2], clock)
+    kept = copy.deepcopy({"y": leased})["y"]
+    assert type(kept) is torch.Tensor and torch.equal(kept, base[:2])
+    assert kept.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+    buf = io.BytesIO()
+    torch.save({"y": leased}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf)["y"]
+    assert type(loaded) is torch.Tensor and torch.equal(loaded, base[:2])
+    assert type(leased.as_subclass(torch.Tensor)) is torch.Tensor
+    clock.bump()
+    for call in (lambda: copy.deepcopy(leased), lambda: torch.save(leased, io.BytesIO()),
+                 lambda: leased.as_subclass(torch.Tensor)):
+        with pytest.raises(StaleOutputError, match="stale read"):
+            call()
 
 
 def test_runtime_requires_capture_and_cuda_for_capture():
