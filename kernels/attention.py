@@ -307,8 +307,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out: bf16 [padded_bs, num_heads, head_dim] (last dim contiguous).
         workspace_o: fp32 [padded_bs, num_heads, num_splits, head_dim]; ``num_splits`` is
             read from this shape (see :func:`attention_workspace_shape` with ``max_ctx``).
-            Needed by ``"split"`` and ``"fused"`` (with ``num_splits == 1`` neither workspace
-            is touched); ignored by ``"single"``; ``"auto"`` without it counts one split.
+            Needed by ``"split"`` (which writes its partials there, one split or more) and
+            ``"fused"`` (with ``num_splits == 1`` it touches neither workspace); ignored by
+            ``"single"``; ``"auto"`` without it counts one split.
         workspace_lse: fp32 [padded_bs, num_heads, num_splits]. Both workspaces contiguous,
             contents irrelevant (fully rewritten where read).
         sm_scale: softmax scale, default ``1 / sqrt(head_dim)``.
@@ -461,6 +462,8 @@ def decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, n, *,
     s = torch.einsum("bhgd,bthd->bhgt", qf, kf) * scale
     valid = torch.arange(max_ctx, device=q.device)[None, :] < ctx[:, None]  # [bs, max_ctx]
     s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no valid position -> 0
+    # A row with no valid position is NaN here and not live (ctx 0): zeroed below. No
+    # nan_to_num: a NaN score in a live row stays NaN, as in the kernel and in plain math.
+    p = torch.softmax(s, dim=-1)
     o = torch.einsum("bhgt,bthd->bhgd", p, vf).reshape(padded_bs, num_heads, head_dim)
     return torch.where(live[:, None, None], o, 0.0).to(torch.bfloat16)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ._pdl import pdl_prologue
-from ._util import check, check_tensor, pdl_args
+from ._util import check, check_apart, check_tensor, pdl_args
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ID_DTYPES = (torch.int64, torch.int32)
@@ -90,6 +90,8 @@ def combine_masked(y, topk_ids, topk_weights, pos, n, *, out):
     padded_bs, hidden, dev = topk_ids.shape[0], y.shape[2], y.device
     check_tensor(out, "out", shape=(padded_bs, hidden), dtype=_FLOAT_DTYPES, device=dev)
     check(out.stride(1) == 1, "out.stride(1)", 1, out.stride(1))
+    check_apart(out, "out", {"y": y, "topk_weights": topk_weights},
+                "programs read every expert row while others write out")
     if padded_bs == 0 or hidden == 0:
         return out
     block_h = min(triton.next_power_of_2(hidden), 512)

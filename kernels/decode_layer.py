@@ -593,8 +593,9 @@ def rows_per_item(rows: int, k_pad: int, programs: int, *, tile: int = _TILE,
     ceil(rows / r) / programs) * r``, are within ``slack`` of the fewest any ``r`` gives
     (fuller loads keep more bytes in flight; balance keeps the barrier's wait short).
     ``groups``: matrices of ``rows`` rows walked as one list (W13: the picks). qwen3-like at
-    132 programs: QKV (5120 rows of 2048) 8, wo (2048 of 4096) 4, gate (64 of 2048) 1, W13 (8
-    picks of 768 gate/up pairs) 4, W2 (2048 columns of 8 x 1024) 2. Host-only."""
+    132 programs and the default tile (8192): QKV (5120 rows of 2048) 4, wo (2048 of 4096) 2,
+    gate (64 of 2048) 1, W13 (8 picks of 768 gate/up pairs) 2, W2 (2048 columns of 8 x 1024)
+    1. Host-only."""
     costs = {}
     r = 1
     while r == 1 or (r * per_row * k_pad <= tile and r <= rows):
@@ -762,10 +763,18 @@ def decode_layer(x: torch.Tensor, weights: LayerWeights, *, k_cache, v_cache, bl
                  device=dev)
     check_tensor(n, "n", shape=(1,), dtype=torch.int32, device=dev)
     ws = workspace
-    check(ws.act.shape == (num_topk, inter) and ws.qkv.numel() == wq.shape[0]
-          and ws.ws_o.shape[0] == heads and ws.logits.numel() == experts,
-          "workspace", "a LayerWorkspace of this layer's shape",
-          dict(act=tuple(ws.act.shape), qkv=ws.qkv.numel(), heads=ws.ws_o.shape[0]))
+    splits = getattr(ws, "num_splits", None)
+    check(isinstance(splits, int) and splits >= 1, "workspace.num_splits",
+          "an int >= 1 (a LayerWorkspace)", splits)
+    bf16, f32 = torch.bfloat16, torch.float32
+    for name, shape, dtype in (     # every tensor the kernel writes, at this layer's shape
+            ("qkv", (wq.shape[0],), bf16), ("ws_o", (heads, splits, d), f32),
+            ("ws_lse", (heads, splits), f32), ("o", (q_dim,), bf16), ("x_mid", (hidden,), bf16),
+            ("logits", (experts,), bf16), ("act", (num_topk, inter), bf16),
+            ("topk_weights", (1, num_topk), f32), ("topk_ids", (1, num_topk), torch.int64),
+            ("count", (32 + MAX_KV_HEADS,), torch.int32)):
+        check_tensor(getattr(ws, name, None), f"workspace.{name}", shape=shape, dtype=dtype,
+                     device=dev, contiguous=True)
     check(programs is None or programs >= 1, "programs", ">= 1 (or None)", programs)
     on_gpu = dev.type == "cuda" and not interpreting()
     if on_gpu:

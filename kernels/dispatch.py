@@ -42,7 +42,7 @@ import triton.language as tl
 from graphrt.env import int_value
 
 from ._pdl import pdl_prologue
-from ._util import check, check_tensor, pdl_args
+from ._util import check, check_apart, check_tensor, pdl_args
 
 _ID_DTYPES = (torch.int64, torch.int32)
 _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -231,6 +231,10 @@ def dispatch_masked(x, topk_ids, *, out_recv_x, out_masked_m, out_src_idx, out_p
                  contiguous=True)
     num_topk = topk_ids.shape[1]
     num_experts, cap = check_outputs(x, num_topk, out_recv_x, out_masked_m, out_src_idx, out_pos)
+    for name, t in (("out_recv_x", out_recv_x), ("out_masked_m", out_masked_m),
+                    ("out_src_idx", out_src_idx), ("out_pos", out_pos)):
+        check_apart(t, name, {"x": x, "topk_ids": topk_ids},
+                    "programs read every routed id and row while others write the outputs")
     num_flat = padded_bs * num_topk
     if _take_fused(num_flat, fused):
         grid, const = fused_launch(num_flat, num_experts, hidden)
@@ -243,7 +247,7 @@ def dispatch_masked(x, topk_ids, *, out_recv_x, out_masked_m, out_src_idx, out_p
     _dispatch_plan_kernel[(num_experts,)](
         topk_ids, out_masked_m, out_src_idx, out_pos, num_flat, num_experts, cap,
         NUM_TOPK=max(num_topk, 1), BLOCK=block, num_warps=4, **pdl_args())
-    if num_flat == 0:
+    if num_flat == 0 or hidden == 0:  # nothing to copy (and no block for an empty row)
         return out_recv_x, out_masked_m, out_src_idx, out_pos
     block_h = min(triton.next_power_of_2(hidden), 1024)
     _dispatch_copy_kernel[(num_flat, triton.cdiv(hidden, block_h))](

@@ -115,9 +115,13 @@ def add_rmsnorm(x: torch.Tensor, *deltas: torch.Tensor, weight: torch.Tensor, ep
             raise InputError("add_rmsnorm: out_residual is required when deltas are given "
                              "(pass x itself to update the residual in place)")
         check_tensor(out_residual, "out_residual", **like)
+        check_apart(out, "out", {"out_residual": out_residual},
+                    "a program writes the new residual and then its normed row")
         if combine is not None:
             check_apart(out_residual, "out_residual", {"the combine's y": combine[0]},
                         "programs read y while others write the residual")
+            check_apart(out, "out", {"the combine's y": combine[0]},
+                        "programs read y while others write out")
     res = out_residual if deltas else out
     named = [("x", x), ("out", out), ("out_residual", res)] + [(f"deltas[{i}]", d) for i, d in enumerate(deltas)]
     for name, t in named:

@@ -82,6 +82,21 @@ def test_gather_pages_orders_positions_through_the_table():
                             [4, 5, 6, 7, 4, 5, 6, 7, 8, 9, 10, 11]]
 
 
+def test_the_reference_keeps_a_live_rows_nan_and_zeroes_rows_with_no_context():
+    """The reference is plain math: a NaN key in a live row's context makes that kv head's
+    q heads NaN (as the kernel does); it zeroed them (nan_to_num) before. Padded rows and a
+    row of seq_len 0 are zeros."""
+    torch.manual_seed(0)
+    page, kvh, d = 4, 2, 16
+    k, v = torch.randn(6, page, kvh, d).bfloat16(), torch.randn(6, page, kvh, d).bfloat16()
+    k[2, 1, 0, 3] = float("nan")                           # row 0's position 5, kv head 0
+    table = i32([[1, 2], [3, 4], [5, 0]])
+    q = torch.randn(3, 4, d).bfloat16()
+    ref = decode_attention_ref(q, k, v, table, i32([7, 0, 6]), i32([2]))
+    assert ref[0, :2].isnan().all() and not ref[0, 2:].isnan().any()   # kv head 0: q heads 0, 1
+    assert (ref[1] == 0).all() and (ref[2] == 0).all()     # no context; padded
+
+
 VARIANTS = ["split", "fused", "single"]
 
 

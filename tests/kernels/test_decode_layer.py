@@ -165,6 +165,19 @@ def test_bad_inputs_say_what_they_expected():
     with pytest.raises(ValueError, match="x"):
         decode_layer(torch.cat([x, x]), w, k_cache=caches[0], v_cache=caches[1], num_topk=K,
                      eps=1e-6, out=torch.empty_like(x), workspace=ws, **meta)
+    # a workspace of another layer shape: every tensor the kernel writes is checked (a
+    # narrower x_mid passed the old check, and phase C wrote past its end)
+    nb, page, kvh, d = caches[0].shape
+    shapes = dict(hidden=w.wqkv.shape[1], num_heads=(w.wqkv.shape[0] - 2 * kvh * d) // d,
+                  num_kv_heads=kvh, head_dim=d, num_experts=w.gate.shape[0], num_topk=K,
+                  inter=w.w2.shape[2], num_splits=2, device="cpu")
+    for change, match in ((dict(hidden=64), r"workspace.x_mid.shape: expected \(256,\)"),
+                          (dict(num_heads=2, head_dim=64), "workspace"),
+                          (dict(dtype=torch.float16), r"workspace.qkv.dtype")):
+        other = LayerWorkspace(**{**shapes, **change})
+        with pytest.raises(ValueError, match=match):
+            decode_layer(x, w, k_cache=caches[0], v_cache=caches[1], num_topk=K, eps=1e-6,
+                         out=torch.empty_like(x), workspace=other, **meta)
 
 
 @pytest.mark.gpu

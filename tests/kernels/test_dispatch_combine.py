@@ -60,6 +60,17 @@ def test_dispatch_combine_cpu(bs, n_live, E, k, cap, hidden):
     assert all(torch.equal(outs[key].nan_to_num(), outs2[key].nan_to_num()) for key in outs)
 
 
+@cpu_interpreter
+@pytest.mark.parametrize("fused", [True, False])
+def test_dispatch_of_empty_rows_counts_and_places_on_both_paths(fused):
+    """hidden == 0: the two-launch path raised ZeroDivisionError after its plan kernel had
+    already written masked_m and pos; both paths now return the plan alone."""
+    x, ids = torch.zeros(2, 0, dtype=torch.bfloat16), torch.tensor([[0], [1]])
+    outs = sentinel_outs(2, 1, 2, 2, 0, torch.bfloat16, "cpu")
+    dispatch_masked(x, ids, fused=fused, **outs)
+    assert outs["out_masked_m"].tolist() == [1, 1] and outs["out_pos"].tolist() == [[0], [0]]
+
+
 def test_expected_m():
     assert expected_m(256, 8, 32) == 64
     assert expected_m(1, 8, 256) == 1

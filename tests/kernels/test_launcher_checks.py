@@ -86,3 +86,40 @@ def test_staging_and_gate_fold_refuse_what_they_would_misread():
     with pytest.raises(ValueError, match="out_residual: expected a tensor apart from x_prev"):
         oproj_gate(a, w_o, x_prev, _t(e, q_dim), _t(e, hidden), out_residual=x_prev,
                    out_num=torch.empty(1, e))
+
+
+def test_dispatch_and_combine_refuse_outputs_over_their_inputs():
+    """Interpreted, each returned wrong rows: combine's out over y (later programs read expert
+    rows earlier ones overwrote), dispatch's int32 out_pos over int32 topk_ids."""
+    from graphrt.kernels.combine import combine_masked
+    from graphrt.kernels.dispatch import dispatch_masked
+    from tests.kernels.dispatch_cases import sentinel_outs
+    x = _t(3, 64)
+    ids = torch.tensor([[0, 1], [1, 0], [2, 1]], dtype=torch.int32)
+    outs = sentinel_outs(3, 2, 4, 4, 64, BF, "cpu")
+    with pytest.raises(ValueError, match="out_pos: expected a tensor apart from topk_ids"):
+        dispatch_masked(x, ids, **{**outs, "out_pos": ids})
+    with pytest.raises(ValueError, match="out_recv_x: expected a tensor apart from x"):
+        dispatch_masked(outs["out_recv_x"][0, :3], ids, **outs)   # x read from out_recv_x
+    y, pos = outs["out_recv_x"], outs["out_pos"]
+    w, n = torch.rand(3, 2), torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="out: expected a tensor apart from y"):
+        combine_masked(y, ids, w, pos, n, out=y[0, :3])
+
+
+def test_add_rmsnorm_refuses_out_over_the_residual_or_the_combines_y():
+    """``out is out_residual`` overwrote the new residual with the normed row; ``out`` over
+    the combine's y let programs read expert rows others had overwritten."""
+    from graphrt.kernels.norm import add_rmsnorm
+    from tests.kernels.dispatch_cases import sentinel_outs
+    x, d, wt = _t(3, 64), _t(3, 64), torch.ones(64, dtype=BF)
+    out = torch.empty(3, 64, dtype=BF)
+    with pytest.raises(ValueError, match="out: expected a tensor apart from out_residual"):
+        add_rmsnorm(x, d, weight=wt, eps=1e-6, out=out, out_residual=out)
+    outs = sentinel_outs(3, 2, 4, 4, 64, BF, "cpu")
+    ids = torch.tensor([[0, 1], [1, 0], [2, 1]])
+    combine = (outs["out_recv_x"], ids, torch.rand(3, 2), outs["out_pos"],
+               torch.tensor([3], dtype=torch.int32))
+    with pytest.raises(ValueError, match="out: expected a tensor apart from the combine's y"):
+        add_rmsnorm(x, weight=wt, eps=1e-6, out=outs["out_recv_x"][0, :3], out_residual=x,
+                    combine=combine)
