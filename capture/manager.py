@@ -193,13 +193,19 @@ class CaptureManager:
                     try:
                         self.graphs[size] = self._capture_one(size, stream)
                     except Exception as exc:  # noqa: BLE001 - recorded or re-raised below
-                        self._fail(size, f"{type(exc).__name__}: {exc}", exc=exc)
                         # torch 2.11 leaves a pool "recording" after a capture into it fails
                         # (cudaStreamEndCapture raises before the allocators are told), and
                         # the next capture into it fails with "beginAllocateToPool: already
-                        # recording to mempool_id": the sizes after this one capture into a
-                        # fresh pool (they no longer share the larger graphs' memory).
+                        # recording to mempool_id": the sizes after this one (or, strict, the
+                        # next capture()) capture into a fresh pool; they no longer share
+                        # the larger graphs' memory. Swapped before _fail re-raises.
                         self.pool = torch.cuda.graph_pool_handle()
+                        why = f"{type(exc).__name__}: {exc}"
+                        if "already recording to mempool" in why:
+                            why += (" (an earlier capture into this pool failed, and torch left "
+                                    "it recording: pass a fresh pool, torch.cuda."
+                                    "graph_pool_handle(), or the failed runtime's rt.pool)")
+                        self._fail(size, why, exc=exc)
                     if not self._agree(size, size in self.graphs, "capture"):
                         self.graphs.pop(size, None)
                     if size not in self.graphs:

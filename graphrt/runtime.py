@@ -71,6 +71,9 @@ class GraphRuntime:
         pool: a graph memory pool to capture into, e.g. ``other_runtime.pool`` or
             ``torch.cuda.graph_pool_handle()`` to share one between a draft and a target
             model (their replays must not overlap in time); default: a pool of its own.
+            A size whose capture fails leaves its pool unusable (torch keeps it
+            "recording"): the later sizes and captures go to a fresh pool, which
+            ``rt.pool`` then names.
         capture_stream: the stream to capture on (an engine's own); default: a new one.
         capture_context: a zero-argument callable returning a context manager entered
             around the capture loop (an engine's capture context, e.g. custom all-reduce
@@ -157,7 +160,12 @@ class GraphRuntime:
                 self.graphs = self.manager.capture()
         except BaseException as exc:
             self.graphs = {}
-            self.failures = self.manager.failures if self.manager is not None else {}
+            if self.manager is not None:
+                self.failures = self.manager.failures
+                self.manager.graphs = {}            # the sizes captured before: freed now,
+                self.stager.reset_graph_staging()   # not at the next capture()
+                if self.manager.pool is not None:   # a failed capture swapped its pool: a
+                    self.pool = self.manager.pool   # retry must not reuse the broken one
             self._captured = f"capture() did not complete ({type(exc).__name__}: {_first_line(exc)})"
             raise
         self.failures = self.manager.failures

@@ -450,3 +450,69 @@ def test_an_eager_run_that_raises_is_not_counted(fake_capture):
     assert rt.counters["eager"] == 0
     rt.eager(x=torch.ones(3, 4))
     assert rt.counters["eager"] == 1
+
+
+class _LoopOnly(CaptureManager):
+    """The real ``CaptureManager.capture`` loop on the CPU: its phases stubbed (every size
+    warms; ``fail[size]`` raises inside that size's capture), torch's CUDA calls replaced."""
+    fail: dict = {}
+
+    def __init__(self, spec, sizes, stager, **kw):
+        dev = stager.device
+        stager.device = torch.device("cuda")               # past the CUDA-only check
+        try:
+            super().__init__(spec, sizes, stager, **kw)
+        finally:
+            stager.device = dev
+        self.device = dev
+
+    def _prepare(self, stream):
+        return list(self.sizes)
+
+    def _capture_one(self, size, stream):
+        if size in self.fail:
+            raise self.fail[size]
+        return size                                        # stands for its CapturedGraph
+
+
+@pytest.fixture
+def capture_loop(monkeypatch):
+    import itertools
+    import types
+    import graphrt.capture.manager as manager
+    handles = itertools.count(1)
+    monkeypatch.setattr("graphrt.capture.manager.CaptureManager", _LoopOnly)
+    monkeypatch.setattr(_LoopOnly, "fail", {})
+    monkeypatch.setattr(manager, "_clear_cublas_workspaces", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: types.SimpleNamespace())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, next(handles)))
+    return _LoopOnly
+
+
+@pytest.mark.parametrize("given_pool", [None, (7, 7)])
+def test_a_failed_strict_capture_frees_its_graphs_and_leaves_its_broken_pool(capture_loop,
+                                                                             given_pool):
+    """Size 8 fails after 16 was captured: the 16 graph is dropped at once (it stayed alive
+    in rt.manager until the next capture), and rt.pool names the fresh pool the failure
+    swapped in (torch leaves a pool recording after a failed capture: a retry into the old
+    one failed for ever, strict mode never swapped it)."""
+    rt = graphrt.GraphRuntime(_spec(), sizes=[4, 8, 16], device="cpu", progress=False,
+                              pool=given_pool)
+    capture_loop.fail = {8: RuntimeError("operation not permitted when stream is capturing")}
+    with pytest.raises(graphrt.CaptureError, match="batch size 8"):
+        rt.capture()
+    assert rt.graphs == {} and rt.manager.graphs == {}
+    broken = given_pool if given_pool is not None else (0, 1)
+    assert rt.pool is not None and rt.pool != broken
+    capture_loop.fail = {}
+    rt.capture()
+    assert rt.manager.pool == rt.pool and sorted(rt.graphs) == [4, 8, 16]
+
+
+def test_a_capture_into_a_pool_left_recording_says_to_pass_a_fresh_one(capture_loop):
+    rt = graphrt.GraphRuntime(_spec(), sizes=[4], device="cpu", progress=False, pool=(7, 7))
+    capture_loop.fail = {4: RuntimeError("beginAllocateToPool: already recording to "
+                                         "mempool_id (7, 7)")}
+    with pytest.raises(graphrt.CaptureError, match="pass a fresh pool"):
+        rt.capture()
