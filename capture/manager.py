@@ -43,9 +43,10 @@ from graphrt.capture.audit import ReceiverLedger
 from graphrt.capture.progress import Progress
 from graphrt.capture.report import Finding, GraphSafetyError, SafetyReport
 from graphrt.capture.safety import analyze_step
-from graphrt.errors import CaptureError, GraphrtError, InputError
-from graphrt.outputs import OutputLayout, OutputSignature, infer_signature, second_size
-from graphrt.replay_policy import Stager
+from graphrt.errors import CaptureError, GraphrtError, InputError, check_int
+from graphrt.outputs import (OutputLayout, OutputSignature, infer_signature, second_size,
+                             show_layout)
+from graphrt.replay_policy import SizeTable, Stager
 from graphrt.spec import StepSpec
 
 
@@ -74,7 +75,7 @@ def write_outputs(dst: list[torch.Tensor], flat: list[torch.Tensor], names, wher
     """Put a step's outputs ``flat`` into their static buffers ``dst`` (same order; ``names``
     for errors): a copy each, except where the step already wrote its output into the buffer
     and returned it (``StepSpec.out``: the same memory, shape, strides and dtype). Returns the
-    copies made. A shape other than the buffer's raises ``InputError``. Capturable: under
+    copies made. A shape or dtype other than the buffer's raises ``InputError``. Capturable: under
     capture each copy is a node of the graph."""
     buffers = {d.untyped_storage().data_ptr() for d in dst}
     todo = []
@@ -82,6 +83,9 @@ def write_outputs(dst: list[torch.Tensor], flat: list[torch.Tensor], names, wher
         if s.shape != d.shape:
             raise InputError(f"{where} output {names[i]!r}: shape {tuple(s.shape)} at batch "
                              f"{size} under capture, {tuple(d.shape)} during warm-up")
+        if s.dtype != d.dtype:  # copy_ would cast it silently
+            raise InputError(f"{where} output {names[i]!r}: dtype {s.dtype} at batch {size} "
+                             f"under capture, {d.dtype} during warm-up")
         if s.data_ptr() == d.data_ptr() and s.stride() == d.stride() and s.dtype == d.dtype:
             continue  # written in place by the step
         if s.untyped_storage().data_ptr() in buffers:
@@ -146,15 +150,15 @@ class CaptureManager:
                  analyze: bool = True, strict: bool = True, progress: bool = True, seed: int = 0,
                  coordinator=None, pool=None, capture_stream=None, capture_context=None,
                  warmup_stream=None):
+        check_int("warmup_iters", warmup_iters, why=" (JIT and autotune run there)")
+        sizes = SizeTable(sizes).sizes              # ints >= 1, sorted, distinct
+        if sizes[-1] > stager.max_bs:
+            raise InputError(f"size {sizes[-1]} exceeds the static buffers ({stager.max_bs} rows)")
         if stager.device.type != "cuda":
-            raise CaptureError(max(sizes), "CUDA graphs need a CUDA device; on a CPU machine "
+            raise CaptureError(sizes[-1], "CUDA graphs need a CUDA device; on a CPU machine "
                                "run the analysis only (graphrt.capture.analyze_step, or "
                                "`graphrt validate --device cpu`)")
-        if warmup_iters < 1:
-            raise InputError(f"warmup_iters must be >= 1 (JIT and autotune run there); got {warmup_iters}")
-        if max(sizes) > stager.max_bs:
-            raise GraphrtError(f"size {max(sizes)} exceeds the static buffers ({stager.max_bs} rows)")
-        self.spec, self.sizes, self.stager = spec, sorted(set(sizes)), stager
+        self.spec, self.sizes, self.stager = spec, sizes, stager
         self.warmup_iters, self.analyze, self.strict = warmup_iters, analyze, strict
         self.progress, self.seed, self.coordinator = progress, seed, coordinator
         self.capture_context = capture_context
@@ -361,9 +365,14 @@ class CaptureManager:
             if table is not None:
                 table.record(staging_table.graph_bytes(self.stager, table, size))
             graph_staging.record(planned, torch.cuda.current_stream(self.device))
-            _, flat = OutputLayout.flatten(
+            layout, flat = OutputLayout.flatten(
                 self.spec.call(views, self.stager.n_dev, self._out_buffers(outs)),
                 self.spec.name)
+            if layout != self.signature.layout:  # outputs are matched by position below
+                raise InputError(
+                    f"{self.spec.name}: returns {show_layout(self.signature.layout)} in "
+                    f"warm-up but {show_layout(layout)} under capture at batch {size}; return "
+                    "the same structure every call (with StepSpec.out: every key, in order)")
             # Every graph writes the same static outputs: the step's own output tensors
             # die with the capture and their pool memory serves the next (smaller) graph
             # (none where the step wrote into the buffers: StepSpec.out).

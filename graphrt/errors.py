@@ -117,3 +117,15 @@ def check_seconds(label: str, value, what: str = "expected a finite number of se
     if not 0 < value < float("inf"):
         raise InputError(f"{label}: {what}, got {value!r}")
     return value
+
+
+def check_int(label: str, value, low: int = 1, why: str = "") -> int:
+    """``value`` when it is an int (not a bool) >= ``low``; else ``InputTypeError`` (not an
+    int) or ``InputError`` (too small), as ``"{label} must be an int >= {low}{why}; got ..."``.
+    Host-only."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputTypeError(f"{label} must be an int >= {low}{why}; got {value!r} "
+                             f"({type(value).__name__})")
+    if value < low:
+        raise InputError(f"{label} must be an int >= {low}{why}; got {value}")
+    return value

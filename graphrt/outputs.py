@@ -115,8 +115,8 @@ def infer_signature(calls: dict[int, Any], declared: Mapping | None = None,
         if layout is None:
             layout = lay
         elif lay != layout:
-            raise InputError(f"{where}: returns {_show(layout)} at batch {sizes[0]} but "
-                             f"{_show(lay)} at batch {bs}; return the same structure at every size")
+            raise InputError(f"{where}: returns {show_layout(layout)} at batch {sizes[0]} but "
+                             f"{show_layout(lay)} at batch {bs}; return the same structure at every size")
         flats[bs] = flat
     declared = dict(declared or {})
     unknown = sorted(map(str, set(declared) - set(layout.names)))
@@ -193,7 +193,8 @@ def second_size(spec, out: Any, size: int, max_bs: int) -> int | None:
     return 1 if size > 1 else 2
 
 
-def _show(layout: OutputLayout) -> str:
+def show_layout(layout: OutputLayout) -> str:
+    """``a dict of ['y', 's']``, ``a tuple of [0, 1]``, ``tensor``: a layout for messages."""
     return layout.kind if layout.kind == "tensor" else f"a {layout.kind} of {list(layout.keys)}"
 
 

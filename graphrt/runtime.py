@@ -31,7 +31,7 @@ import torch
 
 from graphrt.env import env_flag
 from graphrt.errors import (DeviceError, GraphrtError, InputError, LeaseHeldError,
-                            NoGraphForBatch, NotCapturedError, ThreadOwnershipError)
+                            NoGraphForBatch, NotCapturedError, ThreadOwnershipError, check_int)
 from graphrt.outputs import LeaseClock, LiveOutputs, OutputLayout
 from graphrt.replay_policy import SizeTable, Stager, capture_sizes, storage_key
 from graphrt.spec import StepSpec
@@ -104,6 +104,7 @@ class GraphRuntime:
             raise InputError(f"size {self.table.largest} exceeds spec.max_batch_size "
                              f"{spec.max_batch_size}")
         self.device = _resolve_device(device)
+        check_int("warmup_iters", warmup_iters, why=" (JIT and autotune run there)")
         self.copy_outputs, self.oversize, self.strict = copy_outputs, oversize, strict
         self._capture_kw = dict(warmup_iters=warmup_iters, progress=progress, seed=seed,
                                 coordinator=coordinator, capture_stream=capture_stream,

@@ -3,6 +3,7 @@ complete refuses replays, a runtime belongs to one thread, grad inputs leave no 
 bounds on replay(n)/input_buffers(n), a typed device error, and per-size rank agreement.
 
 Replays use ``tests/fakes/graphs.FakeCaptureManager`` (a CPU stand-in for capture)."""
+import contextlib
 import gc
 import threading
 import weakref
@@ -452,10 +453,9 @@ def test_an_eager_run_that_raises_is_not_counted(fake_capture):
     assert rt.counters["eager"] == 1
 
 
-class _LoopOnly(CaptureManager):
-    """The real ``CaptureManager.capture`` loop on the CPU: its phases stubbed (every size
-    warms; ``fail[size]`` raises inside that size's capture), torch's CUDA calls replaced."""
-    fail: dict = {}
+class _OnCpu(CaptureManager):
+    """The real ``CaptureManager`` on the CPU (with the ``capture_loop`` fixture's stand-ins
+    for torch's CUDA calls: a "graph" is the step run once, eagerly)."""
 
     def __init__(self, spec, sizes, stager, **kw):
         dev = stager.device
@@ -465,6 +465,13 @@ class _LoopOnly(CaptureManager):
         finally:
             stager.device = dev
         self.device = dev
+        self.analyze = False                               # (its CUDA calls are not stood in)
+
+
+class _LoopOnly(_OnCpu):
+    """The real ``CaptureManager.capture`` loop on the CPU, its phases stubbed: every size
+    warms; ``fail[size]`` raises inside that size's capture."""
+    fail: dict = {}
 
     def _prepare(self, stream):
         return list(self.sizes)
@@ -484,9 +491,17 @@ def capture_loop(monkeypatch):
     monkeypatch.setattr("graphrt.capture.manager.CaptureManager", _LoopOnly)
     monkeypatch.setattr(_LoopOnly, "fail", {})
     monkeypatch.setattr(manager, "_clear_cublas_workspaces", lambda: None)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: types.SimpleNamespace())
+    stream = types.SimpleNamespace(synchronize=lambda: None, wait_stream=lambda other: None,
+                                   cuda_stream=0)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: stream)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, next(handles)))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: stream)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda *a, **k: types.SimpleNamespace())
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None, stream=None: contextlib.nullcontext())
     return _LoopOnly
 
 
@@ -515,4 +530,26 @@ def test_a_capture_into_a_pool_left_recording_says_to_pass_a_fresh_one(capture_l
     capture_loop.fail = {4: RuntimeError("beginAllocateToPool: already recording to "
                                          "mempool_id (7, 7)")}
     with pytest.raises(graphrt.CaptureError, match="pass a fresh pool"):
+        rt.capture()
+
+
+@pytest.mark.parametrize("change", ["reordered", "missing", "dtype"])
+def test_outputs_returned_otherwise_under_capture_are_refused(capture_loop, monkeypatch, change):
+    """Outputs are matched to their static buffers by position: a step that returns its dict
+    in another order or without a key under capture (StepSpec.out hands it the buffers)
+    swapped them or left one unwritten; another dtype was cast by copy_. Now InputError."""
+    monkeypatch.setattr("graphrt.capture.manager.CaptureManager", _OnCpu)
+
+    def step(x, n, out=None):
+        y, s = x * 2 + 1, x * 3
+        if out is None:
+            return {"y": y, "s": s}
+        out["y"].copy_(y)
+        return {"reordered": {"s": s, "y": out["y"]}, "missing": {"y": out["y"]},
+                "dtype": {"y": out["y"], "s": s.double()}}[change]
+    spec = graphrt.StepSpec(step, {"x": graphrt.Input((None, 4), torch.float32)}, 16,
+                            live_count="n", out="out")
+    rt = graphrt.GraphRuntime(spec, sizes=[4, 16], device="cpu", progress=False)
+    match = "dtype torch.float64" if change == "dtype" else "under capture at batch 16"
+    with pytest.raises(InputError, match=match):
         rt.capture()

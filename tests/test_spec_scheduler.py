@@ -284,6 +284,21 @@ def test_constructor_arguments_of_the_wrong_kind_are_typed_errors():
     with pytest.raises(InputTypeError, match="sizes must be a list"):
         SizeTable("1, 2, 4")
     assert graphrt.GraphRuntime(spec, (16, 4), device="cpu").sizes == [4, 16]
+    # warmup_iters: 2.5 failed at capture as "capture of batch size 4 failed: warm-up
+    # raised TypeError", "3" as a bare TypeError; both now at construction
+    with pytest.raises(InputTypeError, match=r"warmup_iters must be an int >= 1.*got 2.5"):
+        graphrt.GraphRuntime(spec, [4], device="cpu", warmup_iters=2.5)
+    with pytest.raises(InputTypeError, match="warmup_iters"):
+        graphrt.GraphRuntime(spec, [4], device="cpu", warmup_iters="3")
+    with pytest.raises(InputError, match="warmup_iters must be an int >= 1.*got 0"):
+        graphrt.GraphRuntime(spec, [4], device="cpu", warmup_iters=0)
+    # CaptureManager itself: sizes checked like the runtime's ([] was max()'s ValueError)
+    from graphrt.capture.manager import CaptureManager
+    st = Stager(spec, 16, torch.device("cpu"))
+    for sizes, err in (([], InputError), ([0, 8], InputError), ([-4, 8], InputError),
+                       (8, InputTypeError), ([32], InputError)):
+        with pytest.raises(err):
+            CaptureManager(spec, sizes, st)
     for shape in (2048, None, "None, 4"):
         with pytest.raises(InputError, match=r"Input shape must be a tuple.*\(64,\)"):
             graphrt.Input(shape, torch.float32)
