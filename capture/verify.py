@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from graphrt.errors import GraphrtError, ReplayMismatch
+from graphrt.errors import GraphrtError, ReplayMismatch, check_int
 from graphrt.outputs import OutputLayout
 from graphrt.state import StateGuard
 
@@ -43,8 +43,15 @@ def check_replay(rt, *, trials: int = 2, rtol: float | None = None,
     Per size and trial, ``n`` live rows (the full size on the first trial, a random ``n``
     in ``(previous size, size]`` after), outputs NaN-poisoned before every replay:
 
-    1. ``padding-inert``: a replay with pad rows at ``pad_value`` and one with pad rows
-       poisoned (NaN for floats, random valid values otherwise) give bitwise-equal live rows;
+    0. ``inputs-staged``: staged as ``run()`` stages them (through the graph's staging
+       table or nodes where it has them), the static inputs' live rows hold the inputs;
+       ``outputs-written``: two replays of the same inputs, outputs poisoned with two
+       different values (NaN then the largest value for floats, the smallest then the
+       largest for integers, True then False), give bitwise-equal live rows: the graph
+       writes every live row of every output;
+    1. ``padding-inert`` (trials with padded rows): a replay with pad rows at ``pad_value``
+       and one with pad rows poisoned (NaN for floats, random valid values otherwise) give
+       bitwise-equal live rows;
     2. ``graph-vs-eager``: that replay equals eager execution on the same padded buffers,
        bitwise (a graph replays the same kernels on the same data);
     3. ``inputs-untouched``: the step left its padded input rows at their padding;
@@ -65,6 +72,7 @@ def check_replay(rt, *, trials: int = 2, rtol: float | None = None,
     """
     if not rt.graphs:
         raise GraphrtError("check_replay() needs captured graphs: call capture() first")
+    check_int("check_replay: trials", trials)  # 0 checked nothing and returned []
     gen = torch.Generator().manual_seed(seed)
     results: list[ReplayCheck] = []
     sizes = sorted(rt.graphs)
@@ -82,11 +90,20 @@ def check_replay(rt, *, trials: int = 2, rtol: float | None = None,
     return results
 
 
-def _replay_poisoned_outputs(rt, g, n) -> list[torch.Tensor]:
+def _replay_poisoned_outputs(rt, g, n, which: int = 0) -> list[torch.Tensor]:
     for o in g.outputs:
-        _poison(o)
+        _poison(o, which)
     rt._launch(g, n)
     return [o.clone() for o in g.signature.live(g.outputs, n)]
+
+
+def _stage_as_run(rt, inputs, n: int, size: int) -> None:
+    """Stage ``inputs`` as ``run()``'s steady state does (``Stager.bind``: the graph's
+    staging table or memcpy nodes where it has them; they copy at the replay)."""
+    names = tuple(inputs)
+    vals = tuple(inputs.values())
+    rt.stager.bind(names, n, size, any(t.requires_grad for t in vals),
+                   all(type(t) is torch.Tensor for t in vals))(vals)
 
 
 def _eager(rt, g, inputs, live_n: int, padded_bs: int) -> list[torch.Tensor]:
@@ -104,10 +121,16 @@ def _check_one(rt, g, inputs, n, gen, rtol, max_off_rows, state) -> list[ReplayC
     """One size and live batch; every run starts from the same declared state."""
     st, size, out = rt.stager, g.size, []
     state.restore()
-    st.stage(inputs, n, size)
+    _stage_as_run(rt, inputs, n, size)
     clean = _replay_poisoned_outputs(rt, g, n)
+    live = st.live_views(n)
+    wrong = [k for k, t in inputs.items() if not bool(same_values(live[k], t).all())]
+    out.append(ReplayCheck(size, n, ",".join(wrong) or "-", "inputs-staged", 0.0, not wrong))
     dirty = st.pad_rows_intact(n, size)
     out.append(ReplayCheck(size, n, ",".join(dirty) or "-", "inputs-untouched", 0.0, not dirty))
+    state.restore()
+    st.stage(inputs, n, size)
+    other = _replay_poisoned_outputs(rt, g, n, 1)
     state.restore()
     st.stage(inputs, n, size)
     st.poison(n, size, gen)
@@ -119,9 +142,13 @@ def _check_one(rt, g, inputs, n, gen, rtol, max_off_rows, state) -> list[ReplayC
     del after_graph
     state.restore()
     unpadded = _eager(rt, g, inputs, n, n)
-    for i, (key, c, p, e, u) in enumerate(zip(g.layout.names, clean, poisoned, same, unpadded)):
-        err = _max_err(p, c)
-        out.append(ReplayCheck(size, n, key, "padding-inert", err, err == 0.0))
+    for i, (key, c, w, p, e, u) in enumerate(zip(g.layout.names, clean, other, poisoned, same,
+                                                 unpadded)):
+        err = _max_err(w, c)
+        out.append(ReplayCheck(size, n, key, "outputs-written", err, err == 0.0))
+        if n < size:
+            err = _max_err(p, c)
+            out.append(ReplayCheck(size, n, key, "padding-inert", err, err == 0.0))
         err = _max_err(p, e)
         out.append(ReplayCheck(size, n, key, "graph-vs-eager", err, err == 0.0))
         err = _max_err(p, u)
@@ -141,13 +168,17 @@ def _check_one(rt, g, inputs, n, gen, rtol, max_off_rows, state) -> list[ReplayC
     return out
 
 
-def _poison(t: torch.Tensor) -> None:
+def _poison(t: torch.Tensor, which: int = 0) -> None:
+    """Fill ``t`` with poison ``which`` (0 or 1): two values no output is likely to hold
+    everywhere, and unequal to each other, so a row the graph leaves unwritten differs."""
     if t.is_floating_point() or t.is_complex():
-        t.fill_(float("nan"))
+        big = torch.finfo(t.dtype if t.is_floating_point() else t.real.dtype).max
+        t.fill_(float("nan") if which == 0 else big)
     elif t.dtype == torch.bool:
-        t.fill_(True)
+        t.fill_(which == 0)
     else:
-        t.fill_(torch.iinfo(t.dtype).min)
+        info = torch.iinfo(t.dtype)
+        t.fill_(info.min if which == 0 else info.max)
 
 
 def same_values(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

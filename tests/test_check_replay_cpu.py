@@ -134,3 +134,55 @@ def test_one_size_probe_that_fails_is_an_input_error_that_says_what_to_do():
     m = _manager(declared)
     m._set_signature({8: m._warm(8, None)}, None)  # all declared: no probe
     assert m.signature.rows == ("batch",) and m.static_outputs[0].shape == (8, 4)
+
+
+def test_an_output_the_graph_never_writes_fails_whatever_its_dtype():
+    """With StepSpec.out a step may hand back a buffer it never wrote: a uint8 output was
+    poisoned with iinfo.min = 0, eager's zeros matched it, every check passed (and run()
+    returned stale rows). Two replays under two different poisons now differ."""
+    def step(x, n, out=None):
+        y, flags = x * 2, torch.zeros(x.shape[0], dtype=torch.uint8)
+        if out is None:
+            return {"y": y, "flags": flags}
+        out["y"].copy_(y)
+        return {"y": out["y"], "flags": out["flags"]}          # flags: never written
+    spec = graphrt.StepSpec(step, {"x": graphrt.Input((None, 4), torch.float32)}, 8,
+                            live_count="n", out="out")
+    rt = graphrt.GraphRuntime(spec, sizes=[4, 8], device="cpu", progress=False).capture()
+    bad = {(r.output, r.what) for r in rt.check_replay(raise_on_mismatch=False) if not r.ok}
+    assert ("flags", "outputs-written") in bad and ("y", "outputs-written") not in bad
+
+
+def _rows_spec():
+    """Row-wise (so padding-inert under NaN poison), with an int64 and an offsets input."""
+    inputs = {"x": graphrt.Input((None, 4), torch.float32),
+              "ids": graphrt.Input((None,), torch.int64, high=100, pad_value=7),
+              "cu": graphrt.Input((None,), torch.int32, low=0, high=4, offsets=True)}
+    return graphrt.StepSpec(lambda x, ids, cu, n: {"y": x * 2 + ids[:, None]}, inputs, 16,
+                            live_count="n")
+
+
+def test_trials_must_be_at_least_one_and_a_full_trial_claims_no_padding_check():
+    rt = graphrt.GraphRuntime(_rows_spec(), sizes=[16], device="cpu", progress=False).capture()
+    for trials in (0, -1):
+        with pytest.raises(graphrt.InputError, match="trials must be an int >= 1"):
+            rt.check_replay(trials=trials)
+    whats = {r.what for r in rt.check_replay(trials=1)}     # n == 16: no padded row
+    assert "padding-inert" not in whats and "outputs-written" in whats
+    assert "padding-inert" in {r.what for r in rt.check_replay(trials=2)}
+
+
+def test_the_replay_check_stages_as_run_does(monkeypatch):
+    """It staged by eager copies while run() stages through the graph's staging table or
+    nodes on CUDA: a broken bound staging passed. A bound path that stages nothing fails."""
+    from graphrt.replay_policy import Stager
+    rt = graphrt.GraphRuntime(_rows_spec(), sizes=[16], device="cpu", progress=False).capture()
+    assert all(r.ok for r in rt.check_replay())
+    bind = Stager.bind
+
+    def broken(self, names, n, padded_bs, detach=False, exact=False, eager=False):
+        fn = bind(self, names, n, padded_bs, detach, exact, eager)
+        return fn if eager else (lambda vals: None)           # run()'s path copies nothing
+    monkeypatch.setattr(Stager, "bind", broken)
+    bad = {r.what for r in rt.check_replay(raise_on_mismatch=False) if not r.ok}
+    assert "inputs-staged" in bad

@@ -297,6 +297,12 @@ _MISMATCH = {  # keyed by the first word of ReplayCheck.what
     "ones; mask them with the live count",
     "inputs-untouched": "the step wrote into padded rows of input(s) {c.output}; a step must "
     "not write into its inputs",
+    "outputs-written": "output {c.output!r}: the replay leaves live rows unwritten (two "
+    "replays over differently poisoned outputs differ, max |diff| {c.max_abs_err:.3g}): with "
+    "StepSpec.out, write every row of every buffer before reading it",
+    "inputs-staged": "input(s) {c.output}: after staging as run() does, the static inputs' "
+    "live rows differ from the inputs given (a staging path or the step rewrote them); a step "
+    "must not write into its inputs",
     "state-graph-vs-eager": "declared state {c.output} after the replay differs from eager on "
     "the same padded inputs (max |diff| {c.max_abs_err:.3g}): the graph writes the state from "
     "something frozen at capture (a Python value, host state)",
