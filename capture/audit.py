@@ -75,9 +75,9 @@ class _Entry:
     called: bool = False
 
 
-@dataclass
+@dataclass(eq=False)  # by identity: nested ledgers hold equal entries
 class ReceiverLedger:
-    """Receivers created while it is active; use as a context manager."""
+    """Receivers created while it is active; use as a context manager (nests)."""
 
     entries: list[_Entry] = field(default_factory=list)
     keepalive: list[Any] = field(default_factory=list)
@@ -87,7 +87,7 @@ class ReceiverLedger:
         return self
 
     def __exit__(self, *exc):
-        _ledgers().remove(self)
+        _ledgers().remove(self)  # this one (eq=False: removed by identity)
         return False
 
     def unjoined(self, size: int | None = None) -> list[Finding]:
@@ -149,7 +149,8 @@ class StreamAudit:
         self._seq = 0
         self._root = None
         self._last_work: dict[int, int] = {}
-        self._work_site: dict[int, tuple[str, int]] = {}
+        # per side stream: (seq, user site, an op?) of each op and each entry into it
+        self._work: dict[int, list[tuple[int, tuple[str, int], bool]]] = {}
         self._records: dict[Any, tuple[int, int]] = {}
         self._waits: list[tuple[int, int, int, int]] = []
         self._saved: list = []
@@ -161,12 +162,14 @@ class StreamAudit:
         return int(stream.cuda_stream)
 
     def note_work(self, stream=None, site: bool = True) -> None:
+        """Work on ``stream`` (default: the current one) now: an ATen op (``site``), or the
+        entry into a side stream (``site=False``: a stretch of work not seen op by op)."""
         stream = stream if stream is not None else torch.cuda.current_stream()
         sid = self._sid(stream)
         self._seq += 1
         self._last_work[sid] = self._seq
-        if sid != self._root and (site or sid not in self._work_site):
-            self._work_site[sid] = user_site(2)
+        if sid != self._root:
+            self._work.setdefault(sid, []).append((self._seq, user_site(2), site))
 
     def __enter__(self):
         self._root = self._sid(torch.cuda.current_stream())
@@ -240,7 +243,28 @@ class StreamAudit:
         return False
 
     def findings(self, size: int | None = None) -> list[Finding]:
-        """Side streams whose last work the root stream never waits for, transitively."""
+        """Side streams whose last work the root stream never waits for, transitively (at
+        the user's line of the last unjoined op, else of the unjoined entry into the
+        stream); and ops on a side stream before it is first forked from the root."""
+        out, unjoined = self._unjoined(size)
+        forked_at: dict[int, int] = {self._root: 0}   # a wait on it of root's (transitively)
+        for waiter, at, rec_sid, rec_seq in sorted(self._waits, key=lambda w: w[1]):
+            if waiter not in forked_at and forked_at.get(rec_sid, rec_seq + 1) <= rec_seq:
+                forked_at[waiter] = at
+        for sid, work in self._work.items():
+            fork = forked_at.get(sid)
+            early = [w for w in work if w[2] and (fork is None or w[0] < fork)]
+            if not early or (fork is None and sid in unjoined):
+                continue  # (never forked and unjoined: reported as such above)
+            file, line = early[0][1]
+            out.append(Finding(
+                "unjoined-stream", "error", "torch.cuda.Stream", file, line,
+                "work on a side stream before it is forked from the capture stream runs "
+                "outside the graph: once, during capture, and never on replay. Fork the "
+                "stream first (side.wait_stream(main)), then launch the work", size))
+        return out
+
+    def _unjoined(self, size: int | None) -> tuple[list[Finding], set[int]]:
         inf = float("inf")
         reach: dict[int, float] = {self._root: inf}
         changed = True
@@ -251,11 +275,13 @@ class StreamAudit:
                     reach[rec_sid] = rec_seq
                     changed = True
         forked = {w for w, _, r, _ in self._waits if r == self._root}
-        out = []
+        out, sids = [], set()
         for sid, last in self._last_work.items():
             if sid == self._root or reach.get(sid, -1) >= last:
                 continue
-            file, line = self._work_site.get(sid, ("<unknown>", 0))
+            pending = [w for w in self._work.get(sid, ()) if w[0] > reach.get(sid, -1)]
+            ops = [w for w in pending if w[2]]
+            file, line = (ops or pending)[-1][1] if pending else ("<unknown>", 0)
             if sid in forked or any(r == sid for _, _, r, _ in self._waits):
                 msg = ("work on a side stream is never joined back into the capture stream; "
                        "capture fails (cudaErrorStreamCaptureUnjoined). After the last op on the "
@@ -270,4 +296,5 @@ class StreamAudit:
                         "this process: use the torch.cuda forms, or check the step with "
                         "`graphrt validate --device cuda`, which follows them")
             out.append(Finding("unjoined-stream", "error", "torch.cuda.Stream", file, line, msg, size))
-        return out
+            sids.add(sid)
+        return out, sids

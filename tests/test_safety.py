@@ -122,6 +122,16 @@ def test_receiver_audit_and_keepalive():
     with ReceiverLedger() as ledger:
         _Recv()
     assert len(ledger.keepalive) == 1 and len(ledger.unjoined()) == 1
+    # nested ledgers (a capture's around an analysis's): the inner exit removed the first
+    # *equal* ledger (a dataclass compares by value), the outer one
+    from graphrt.capture.audit import _ledgers
+    with ReceiverLedger() as outer:
+        with ReceiverLedger() as inner:
+            _Recv()()
+        assert _ledgers()[-1] is outer
+        _Recv()                                # never joined, in the outer scope only
+    assert len(outer.unjoined()) == 1 and len(inner.unjoined()) == 0
+    assert _ledgers() == []
 
 
 def test_user_warnings_pass_through():

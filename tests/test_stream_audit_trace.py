@@ -102,3 +102,41 @@ def test_follow_device_events_needs_cuda(monkeypatch):
     monkeypatch.setattr(audit, "_following", False)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert audit.follow_device_events() is False and not audit.following_device_events()
+
+
+def _line_of(marker: str) -> int:
+    import inspect
+    src = inspect.getsource(inspect.getmodule(_line_of)).splitlines()
+    return next(i for i, s in enumerate(src, 1) if s.rstrip().endswith(f"# {marker}"))
+
+
+def test_work_before_the_first_fork_is_a_finding_at_that_work(traced):
+    """An op on a side stream before the stream is forked runs outside the graph (once, at
+    capture). Only the last work was checked: a later fork and join hid it."""
+    traced.note_work(_Stream(SIDE))                                   # prefetch: too early
+    _fork_and_work(traced)
+    gt.EventRecordCallbacks.fire_callbacks(EV_JOIN, SIDE)
+    gt.EventWaitCallbacks.fire_callbacks(EV_JOIN, ROOT)
+    (f,) = traced.findings()
+    assert f.line == _line_of("prefetch: too early") and "before it is forked" in f.message
+
+
+def test_entering_a_side_stream_before_forking_it_is_no_work(traced):
+    """`with torch.cuda.stream(side): side.wait_stream(main); ...`: the entry comes before
+    the fork and launches nothing."""
+    traced.note_work(_Stream(SIDE), site=False)
+    _fork_and_work(traced)
+    gt.EventRecordCallbacks.fire_callbacks(EV_JOIN, SIDE)
+    gt.EventWaitCallbacks.fire_callbacks(EV_JOIN, ROOT)
+    assert traced.findings() == []
+
+
+def test_an_unjoined_stretch_is_named_at_its_own_entry(traced):
+    """A joined op, then a stretch not seen op by op (a Triton launch) that is never joined:
+    the finding named the joined op's line."""
+    _fork_and_work(traced)
+    gt.EventRecordCallbacks.fire_callbacks(EV_JOIN, SIDE)
+    gt.EventWaitCallbacks.fire_callbacks(EV_JOIN, ROOT)
+    traced.note_work(_Stream(SIDE), site=False)                       # the unjoined stretch
+    (f,) = traced.findings()
+    assert f.line == _line_of("the unjoined stretch")
