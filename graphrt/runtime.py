@@ -346,10 +346,12 @@ class GraphRuntime:
     def _no_graph(self, inputs, n: int, size: int | None, pick_n: int) -> Any:
         if size is None and self.oversize == "raise":
             raise NoGraphForBatch(pick_n, max(self.graphs) if self.graphs else None)
-        # Uniform-batch backends run eagerly at the agreed batch, padded, like the other ranks.
+        # At the padded size of a size that failed capture (its plan, as its replay would
+        # be); an oversize batch at the batch agreed across ranks (the live one alone).
+        padded = pick_n if size is None else size
         sig = self.manager.signature if self.manager is not None else None
         with torch.no_grad():  # planned for its padded size first, as a replay
-            out = self._owned(self.spec.call_padded(inputs, pick_n, sig, plan=True), inputs)
+            out = self._owned(self.spec.call_padded(inputs, padded, sig, plan=True), inputs)
         self.counters["eager"] += 1  # counted once it ran, as replays are
         return out
 

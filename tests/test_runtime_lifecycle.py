@@ -553,3 +553,26 @@ def test_outputs_returned_otherwise_under_capture_are_refused(capture_loop, monk
     match = "dtype torch.float64" if change == "dtype" else "under capture at batch 16"
     with pytest.raises(InputError, match=match):
         rt.capture()
+
+
+def test_the_eager_fallback_of_a_failed_size_runs_at_that_size(fake_capture):
+    """docs/architecture.md: a size whose capture failed runs eagerly at its padded size, as
+    its replay would (its plan: before_replay(8, n)); it ran unpadded, a new plan per n."""
+    calls = []
+
+    def step(x, n):
+        calls.append(("rows", x.shape[0]))
+        return {"y": x * 2}
+    spec = graphrt.StepSpec(step, {"x": graphrt.Input((None, 4), torch.float32)}, 16,
+                            live_count="n",
+                            before_replay=lambda padded_bs, n: calls.append(("plan", padded_bs, n)))
+    fake_capture.fail_sizes = {8: RuntimeError("capture of 8 broke")}
+    rt = graphrt.GraphRuntime(spec, sizes=[4, 8, 16], device="cpu", strict=False,
+                              progress=False).capture()
+    assert 8 in rt.failures
+    for n in (5, 7):
+        calls.clear()
+        out = rt.run(x=torch.ones(n, 4))
+        assert calls == [("plan", 8, n), ("rows", 8)] and out["y"].shape == (n, 4)
+        assert (out["y"] == 2).all()
+    assert rt.counters["eager"] == 2
