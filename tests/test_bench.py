@@ -598,15 +598,23 @@ def test_trace_events_adapter_feeds_the_timeline():
            Ev("gpu_memset", DeviceType.CUDA, "Memset (Device)", 12000, 1000, 9),
            Ev("cuda_sync", DeviceType.CUDA, "Event Sync", 11000, 500, 7)]
     prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: evs)))
-    got = trace_events(prof)
+    got = trace_events(prof)            # times from the first kept event (the launch)
     assert got == [{"name": "cudaGraphLaunch_v10000", "kind": "cuda_runtime", "stream": None,
-                    "start_us": 1.0, "dur_us": 3.0},
-                   {"name": "_attn_split_kernel", "kind": "kernel", "stream": 7, "start_us": 9.0,
+                    "start_us": 0.0, "dur_us": 3.0},
+                   {"name": "_attn_split_kernel", "kind": "kernel", "stream": 7, "start_us": 8.0,
                     "dur_us": 2.0},
-                   {"name": "Memset (Device)", "kind": "gpu_memset", "stream": 9, "start_us": 12.0,
+                   {"name": "Memset (Device)", "kind": "gpu_memset", "stream": 9, "start_us": 11.0,
                     "dur_us": 1.0}]
     tl = build_timeline(got)
     assert tl["launch_latency_us"] == 8.0 and tl["span_us"] == 4.0 and tl["busy_us"] == 3.0
+    # kineto's epoch nanoseconds (~1.8e18): as float µs every start rounded to 0.25 µs, and a
+    # 0.1 µs gap between kernels read 0 or 0.25
+    T = 1796424407356189481
+    evs[:] = [Ev("cuda_runtime", DeviceType.CPU, "cudaGraphLaunch", T - 3000, 1000),
+              Ev("kernel", DeviceType.CUDA, "a", T, 2000), Ev("kernel", DeviceType.CUDA, "b",
+                                                             T + 2100, 1000)]
+    tl = build_timeline(trace_events(prof))
+    assert tl["launch_latency_us"] == 3.0 and abs(tl["gaps_in_span_us"] - 0.1) < 1e-9
 
 
 def test_replay_timeline_keeps_the_measurement_when_the_report_fails(monkeypatch):
@@ -706,6 +714,22 @@ def test_timeline_plots_and_their_names(tmp_path, capsys):
     assert "timeline_largest.png there is a symbolic link" in capsys.readouterr().err
 
 
+def test_a_rerun_into_the_same_folder_removes_the_plots_it_did_not_make(tmp_path):
+    """A GPU run's timeline and over-floor plots stayed beside a later CPU run's results
+    (which say they are null), unlisted."""
+    pytest.importorskip("matplotlib")
+    from graphrt.bench.plots import write_plots, write_timeline_plots
+    res = _with_timelines(_gpu_result())
+    write_plots(res, str(tmp_path))
+    write_timeline_plots(res, str(tmp_path))
+    assert len(list(tmp_path.glob("*.png"))) == 4
+    assert cli.main(["bench", "--device", "cpu", "--sizes", "1", "--modes", "eager",
+                     "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    made = {v for v in doc["modes"]["plots"].values() if v}
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == sorted(made) == ["step_time.png"]
+
+
 # -- the loop suite under expert parallelism ---------------------------------------------------
 def _ep_machine(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -713,6 +737,21 @@ def _ep_machine(monkeypatch):
     monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
         monkeypatch.delenv(var, raising=False)
+
+
+def test_bench_plan_refuses_modes_the_suite_would_only_skip(monkeypatch, tmp_path):
+    """Under EP naive and compile are skipped, so is naive with --fp8 (no bf16 expert
+    weights): the plan took them, the run spawned ranks, built the model and exited 1 with
+    'nothing was measured'. A mix with a measurable mode still runs."""
+    from graphrt.bench.plan import Refusal, plan
+    _ep_machine(monkeypatch)
+    parse = lambda *a: cli.build_parser().parse_args(["bench", "--out", str(tmp_path / "o"), *a])  # noqa: E731
+    for argv, match in ((["--comm", "nccl", "--suite", "modes", "--modes", "naive"], "single-GPU only"),
+                        (["--comm", "nccl", "--suite", "modes", "--modes", "compile"], "single-GPU only"),
+                        (["--suite", "modes", "--fp8", "--modes", "naive"], "bf16 expert weights")):
+        with pytest.raises(Refusal, match=match):
+            plan(parse(*argv))
+    assert plan(parse("--comm", "nccl", "--suite", "modes", "--modes", "eager,compile")).modes
 
 
 def test_bench_plan_takes_the_loop_suite_under_ep(monkeypatch, tmp_path):
@@ -966,3 +1005,43 @@ def test_contention_bench_rule_markdown_and_arguments(capsys):
     assert "power-of-two round" in capsys.readouterr().err
     assert main(["--hops", "0", "--out", "unused.json"]) == 2
     assert "--hops needs >= 1, got 0" in capsys.readouterr().err
+
+
+def test_the_json_the_bench_writes_is_strict():
+    """An all-NaN mode's rel_err_vs_eager is inf: results.json held a bare Infinity, which
+    is no JSON (a browser's JSON.parse refuses it, jq reads 1.797e308)."""
+    from graphrt.bench.output import json_text
+    doc = {"rel_err_vs_eager": float("inf"), "rows": [{"x": float("nan"), "y": 1.5}],
+           "t": (float("-inf"), 2)}
+    text = json_text(doc)
+    assert "Infinity" not in text and "NaN" not in text
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(c)) == {
+        "rel_err_vs_eager": None, "rows": [{"x": None, "y": 1.5}], "t": [None, 2]}
+
+
+@pytest.mark.parametrize("module,argv,says", [
+    ("dense", ["--rows", "a"], "argument --rows: expected comma-separated ints in 1..16"),
+    ("kernels", ["--live", "0"], "argument --live: expected comma-separated ints >= 1"),
+    ("kernels", ["--rotations", "0"], "argument --rotations: expected an int >= 1"),
+    ("attention", ["--bs", "1,x"], "argument --bs: expected comma-separated ints >= 1"),
+    ("layer", ["--layers", "0"], "must be > 0"),
+    ("layer", ["--experts", "1"], "num_topk must be in [1, num_experts]"),
+    ("ab", ["--sizes", "a"], "argument --sizes: expected comma-separated ints >= 1"),
+    ("ab", ["--switch", "expert-swap", "--switch", "expert-rows"],
+     "switches expert-swap and expert-rows set the same setting"),
+    ("ab", ["--switch", "attn-splits+attn-split64"], "attn-splits and attn-split64"),
+])
+def test_standalone_benches_refuse_bad_flags_in_one_line(module, argv, says, capsys):
+    """README: every command checks its flags before any work and exits 2 with one line. dense
+    and layer died with a traceback; kernels' --live 0 divided by zero on the GPU; ab mixed
+    two switches' off values into one baseline."""
+    import importlib
+    main = importlib.import_module(f"graphrt.bench.{module}").main
+    needs = [] if module == "ab" else ["--out", "x.json"]
+    try:
+        rc = main([*argv, *needs])
+    except SystemExit as exc:                      # argparse's own error
+        rc = exc.code
+    err = capsys.readouterr().err
+    assert rc == 2 and says in err, err
+    assert "Traceback" not in err

@@ -1,7 +1,8 @@
-"""``python -m graphrt.bench`` (e.g. under ``torchrun``): the same as ``graphrt bench``."""
+"""``python -m graphrt.bench`` (e.g. under ``torchrun``): the same as ``graphrt bench``, through
+the same entry point (one line and exit 2 for a bad flag or ``GRAPHRT_*`` value, 141 when the
+reader of stdout goes away)."""
 import sys
 
-from graphrt.cli.main import build_parser
-from graphrt.bench.run import main
+from graphrt.cli.main import main
 
-raise SystemExit(main(build_parser().parse_args(["bench", *sys.argv[1:]])))
+raise SystemExit(main(["bench", *sys.argv[1:]]))

@@ -108,11 +108,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import json
 import statistics
 
 import torch
 
+from graphrt.bench.output import ints, json_text
 from graphrt.env import env_override
 from graphrt.errors import InputError
 
@@ -250,6 +250,23 @@ SWITCHES = {"pdl": lambda on: env_override("GRAPHRT_PDL", "1" if on else "0"),
                                                   frozenset({"rows"}))}
 
 
+# Pairs of switches that set one setting to different values when off: a run holding both has
+# no single baseline ("every switch off"), and a variant of one would run with the other's
+# off value, not the default.
+CONFLICTS = (("attn-splits", "attn-split128"), ("attn-splits", "attn-split64"),
+             ("expert-swap", "expert-rows"))
+
+
+def check_variants(variants: list[str]) -> None:
+    """``InputError`` unless every variant parses and no two switches of the run conflict
+    (``CONFLICTS``). Host-only."""
+    used = {s for v in variants for s in parse_variant(v)}
+    clash = [f"{a} and {b}" for a, b in CONFLICTS if a in used and b in used]
+    if clash:
+        raise InputError(f"switches {'; '.join(clash)} set the same setting to different values "
+                         "when off, so the run has no one baseline: time them in separate runs")
+
+
 def parse_variant(variant: str) -> list[str]:
     """The switches of ``variant`` (``a+b`` -> ``[a, b]``); ValueError naming an unknown one."""
     parts = variant.split("+")
@@ -299,6 +316,7 @@ def bench_variants(cfg, device, sizes: list[int], variants: list[str], rounds: i
     """``bench_ab`` for several variants against one baseline (every switch they name off): per
     size and variant ``on_us``, ``on_over_off`` and ``max_row_rel_diff``; replays alternate.
     ``fp8``: the model's experts in fp8 (DeepGEMM's block-scaled layout)."""
+    check_variants(variants)
     mentioned = list(dict.fromkeys(sw for v in variants for sw in parse_variant(v)))
     from graphrt.moe import MoEModel
     model = MoEModel(cfg, device, fp8=fp8)
@@ -351,25 +369,24 @@ def main(argv=None) -> int:
     p.add_argument("--config", default="qwen3-moe-like")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--sizes", default="1,16")
+    p.add_argument("--sizes", default="1,16", type=ints(1))
     p.add_argument("--fp8", action="store_true", help="fp8 experts (DeepGEMM's block-scaled layout)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     a = p.parse_args(argv)
+    variants = a.switch or ["pdl"]
+    try:
+        check_variants(variants)
+        cfg = preset(a.config, layers=a.layers, experts=a.experts)
+    except ValueError as e:
+        p.error(str(e))
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     device = torch.device("cuda", torch.cuda.current_device())
-    variants = a.switch or ["pdl"]
-    try:
-        for v in variants:
-            parse_variant(v)
-    except ValueError as e:
-        p.error(str(e))
-    res = bench_variants(preset(a.config, layers=a.layers, experts=a.experts), device,
-                         [int(s) for s in a.sizes.split(",")], variants, fp8=a.fp8)
+    res = bench_variants(cfg, device, a.sizes, variants, fp8=a.fp8)
     print(md_ab(res))
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+            f.write(json_text(res) + "\n")
     return 0
 
 

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from graphrt.bench.output import int_list, save_doc
+from graphrt.bench.output import ints, save_doc
 
 SCHEMA = "graphrt.bench.attention/1"
 VARIANTS = ("split", "fused", "single")
@@ -196,8 +196,8 @@ def markdown(doc: dict, variants=VARIANTS) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m graphrt.bench.attention",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--bs", default="1,8,64", help="rows (every one live)")
-    p.add_argument("--ctx", default="512,2048", help="seq_len of every row")
+    p.add_argument("--bs", default="1,8,64", type=ints(1), help="rows (every one live)")
+    p.add_argument("--ctx", default="512,2048", type=ints(1), help="seq_len of every row")
     p.add_argument("--reach", type=int, default=0, help="table reach (0: ctx; below ctx: ctx)")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=4)
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.perf_counter()
     print(_header(variants), flush=True)
-    doc = bench(int_list(a.bs), int_list(a.ctx), reach=a.reach, heads=a.heads, kv_heads=a.kv_heads,
+    doc = bench(a.bs, a.ctx, reach=a.reach, heads=a.heads, kv_heads=a.kv_heads,
                 head_dim=a.head_dim, block_size=a.block_size, layers=a.layers, iters=a.iters,
                 variants=variants, sweep=a.sweep, log=lambda s: print(s, flush=True))
     doc["wall_s"] = round(time.perf_counter() - t0, 1)

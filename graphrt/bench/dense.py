@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from graphrt.bench.output import int_list, save_doc
+from graphrt.bench.output import at_least, ints, save_doc
 
 SCHEMA = "graphrt.bench.dense/1"
 SHAPES = {  # name: (n, k) of W [n, k]
@@ -203,15 +203,15 @@ def markdown(doc: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m graphrt.bench.dense",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--rows", default="1,4,8,16", help="rows m (1-16)")
+    p.add_argument("--rows", default="1,4,8,16", type=ints(1, 16), help="rows m (1-16)")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
-    p.add_argument("--cold-mb", type=int, default=256, help="MB of W copies a timed call streams")
-    p.add_argument("--iters", type=int, default=20, help="replays per timing sample")
+    p.add_argument("--cold-mb", type=at_least(1), default=256, help="MB of W copies a timed call streams")
+    p.add_argument("--iters", type=at_least(1), default=20, help="replays per timing sample")
     p.add_argument("--sweep", action="store_true", help="also time every (block_n, split_k)")
     p.add_argument("--out", required=True, help="JSON results path (the table goes to .md beside it)")
     a = p.parse_args(argv)
-    shapes, rows = [s for s in a.shapes.split(",") if s], int_list(a.rows)
-    bad = [s for s in shapes if s not in SHAPES] + [m for m in rows if not 1 <= m <= 16]
+    shapes, rows = [s for s in a.shapes.split(",") if s], a.rows
+    bad = [s for s in shapes if s not in SHAPES]
     if bad or not torch.cuda.is_available():
         print(f"graphrt.bench.dense: {'bad --shapes/--rows ' + str(bad) if bad else 'needs a CUDA GPU'}",
               file=sys.stderr)

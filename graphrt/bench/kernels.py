@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from graphrt.bench.output import int_list, save_doc
+from graphrt.bench.output import at_least, ints, save_doc
 
 SHAPES = {"qwen3-w13": (1536, 2048), "qwen3-w2": (2048, 768),
           "dsv3-w13": (4096, 7168), "dsv3-w2": (7168, 2048)}
@@ -213,13 +213,13 @@ def markdown(doc: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m graphrt.bench.kernels", description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {sorted(SHAPES)}")
-    p.add_argument("--rows", default="1,2,4,8,16", help="live rows per live expert")
-    p.add_argument("--live", default="8,32,64", help="live experts")
-    p.add_argument("--experts", type=int, default=64, help="local experts (weights allocated)")
+    p.add_argument("--rows", default="1,2,4,8,16", type=ints(1), help="live rows per live expert")
+    p.add_argument("--live", default="8,32,64", type=ints(1), help="live experts")
+    p.add_argument("--experts", type=at_least(1), default=64, help="local experts (weights allocated)")
     p.add_argument("--kernels", default="decode,triton,deepgemm")
     p.add_argument("--fp8", action="store_true", help="fp8 e4m3 operands (DeepGEMM's scales)")
-    p.add_argument("--rotations", type=int, default=4, help="live sets rotated per timed call")
-    p.add_argument("--warps", default="4", help="num_warps values swept for the decode kernel")
+    p.add_argument("--rotations", type=at_least(1), default=4, help="live sets rotated per timed call")
+    p.add_argument("--warps", default="4", type=ints(1), help="num_warps values swept for the decode kernel")
     p.add_argument("--out", required=True, help="JSON results path (the table goes to .md beside it)")
     a = p.parse_args(argv)
     shapes = [s for s in a.shapes.split(",") if s]
@@ -230,9 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.perf_counter()
     print(HEADER, flush=True)
-    doc = bench(shapes, int_list(a.rows), int_list(a.live), experts=a.experts, fp8=a.fp8,
+    doc = bench(shapes, a.rows, a.live, experts=a.experts, fp8=a.fp8,
                 kernels=[s for s in a.kernels.split(",") if s], rotations=a.rotations,
-                warps=tuple(int_list(a.warps)),
+                warps=tuple(a.warps),
                 log=lambda s: print(s, flush=True))
     doc["wall_s"] = round(time.perf_counter() - t0, 1)
     md = markdown(doc)

@@ -246,7 +246,11 @@ def main(argv: list[str] | None = None) -> int:
             parse_variant(v)
     except ValueError as e:
         why = str(e)
-    cfg = preset(a.config, layers=a.layers, experts=a.experts)
+    try:
+        cfg = preset(a.config, layers=a.layers, experts=a.experts)
+    except InputError as e:  # --layers 0, --experts 1: the config's own check
+        print(f"graphrt.bench.layer: {e}", file=sys.stderr)
+        return 2
     if why is None and not torch.cuda.is_available():
         why = "needs a CUDA GPU"
     if why is None and not 1 <= a.ctx <= cfg.max_blocks_per_seq * cfg.block_size:

@@ -9,6 +9,7 @@ replaced, not followed.
 """
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 
@@ -88,13 +89,63 @@ def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def save_doc(path: str, doc: dict, md: str) -> None:
-    """A standalone script's results: JSON at ``path``, the markdown table beside it
-    (``.md``), both folders made if missing; then the table on stdout."""
+def ints(low: int = 1, high: int | None = None):
+    """An argparse ``type=``: a comma-separated list of ints in ``[low, high]``, at least one;
+    anything else is argparse's one-line error and exit 2, before any work."""
+    import argparse
+    span = f">= {low}" if high is None else f"in {low}..{high}"
+
+    def parse(text: str) -> list[int]:
+        try:
+            got = int_list(text)
+        except ValueError:
+            got = []
+        if not got or any(v < low or (high is not None and v > high) for v in got):
+            raise argparse.ArgumentTypeError(f"expected comma-separated ints {span}, got {text!r}")
+        return got
+    return parse
+
+
+def at_least(low: int):
+    """An argparse ``type=``: one int ``>= low`` (argparse's one-line error otherwise)."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = low - 1
+        if v < low:
+            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {text!r}")
+        return v
+    return parse
+
+
+def finite(doc):
+    """``doc`` with every non-finite float (an all-NaN output's error, ``inf``) as None: the
+    JSON the bench writes is strict (a bare ``Infinity`` or ``NaN`` is no JSON; jq, and a
+    browser's ``JSON.parse``, misread or refuse it). The markdown keeps the figure."""
+    if isinstance(doc, float):
+        return doc if math.isfinite(doc) else None
+    if isinstance(doc, dict):
+        return {k: finite(v) for k, v in doc.items()}
+    if isinstance(doc, (list, tuple)):
+        return [finite(v) for v in doc]
+    return doc
+
+
+def json_text(doc, indent: int = 1) -> str:
+    """Strict JSON of ``doc`` (``finite``; other objects by ``str``)."""
     import json
+    return json.dumps(finite(doc), indent=indent, default=str, allow_nan=False)
+
+
+def save_doc(path: str, doc: dict, md: str) -> None:
+    """A standalone script's results: JSON at ``path`` (``json_text``), the markdown table
+    beside it (``.md``), both folders made if missing; then the table on stdout."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
+        f.write(json_text(doc) + "\n")
     with open(os.path.splitext(path)[0] + ".md", "w") as f:
         f.write(md + "\n")
     print("\n" + md)

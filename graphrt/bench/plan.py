@@ -109,6 +109,15 @@ def plan(args) -> Plan:
         raise Refusal(f"--modes {','.join(modes)}: each needs a CUDA GPU (CUDA graphs), and "
                       "torch uses none here; on CPU the smoke run measures eager and naive: "
                       "graphrt bench --device cpu --modes eager,naive")
+    if "modes" in suites and arg("modes"):  # every asked mode one the suite would skip
+        why = {m: ("single-GPU only (the naive peer needs every expert's weights; DeepEP and "
+                   "NCCL calls are no custom ops for torch.compile)"
+                   if ep and (m.startswith("naive") or m == "compile") else
+                   "the naive peer needs bf16 expert weights, and --fp8 keeps fp8 copies only"
+                   if arg("fp8") and m.startswith("naive") else None) for m in modes}
+        if all(why.values()):
+            raise Refusal(f"--modes {','.join(modes)}: {why[modes[0]]}; nothing would be "
+                          "measured: pick other modes")
     default = [1, 8, 32, 128] if ep else [1, 8, 64, 256]
     sizes = sorted(set(arg("sizes") or [s for s in default if s <= cfg.num_slots]))
     if max(sizes) > cfg.num_slots:

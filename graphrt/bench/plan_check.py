@@ -14,9 +14,10 @@ comparison. Host-only (synchronizes)."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
+
+from graphrt.bench.output import json_text
 
 SCHEMA = "graphrt.bench.plan_check/1"
 
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         out[f"compare_{tag}"] = {"same": same, "differing": differing}
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+            f.write(json_text(out) + "\n")
         print(f"wrote {args.out}")
     return 0
 

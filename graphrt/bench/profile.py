@@ -78,7 +78,9 @@ def _stream(e) -> int | None:
 def trace_events(prof) -> list[dict]:
     """The device work (kernels, memcpys, memsets on every stream) and host graph launches
     of a ``torch.profiler`` run as ``{"name", "kind", "stream", "start_us", "dur_us"}`` dicts
-    (``graphrt.bench.timeline``'s input); times on the profiler's clock, in µs."""
+    (``graphrt.bench.timeline``'s input); times on the profiler's clock, in µs. kineto's
+    are epoch nanoseconds (~1.8e18): they are rebased on the trace's first event in integer
+    ns before the conversion, or a float64 would round every start to 0.25 µs."""
     from torch.autograd import DeviceType
     out = []
     try:
@@ -93,13 +95,16 @@ def trace_events(prof) -> list[dict]:
                             "start_us": float(e.time_range.start),
                             "dur_us": float(e.time_range.end - e.time_range.start)})
         return out
+    kept = []
     for e in events:
         gpu = e.device_type() == DeviceType.CUDA
         kind = _kind(e.activity_type() if hasattr(e, "activity_type") else None, gpu, e.name())
         if kind is not None:
-            out.append({"name": e.name(), "kind": kind,
-                        "stream": _stream(e) if gpu else None,
-                        "start_us": e.start_ns() / 1e3, "dur_us": e.duration_ns() / 1e3})
+            kept.append((e, kind, gpu, int(e.start_ns())))
+    base = min((start for *_, start in kept), default=0)
+    for e, kind, gpu, start in kept:
+        out.append({"name": e.name(), "kind": kind, "stream": _stream(e) if gpu else None,
+                    "start_us": (start - base) / 1e3, "dur_us": e.duration_ns() / 1e3})
     return out
 
 

@@ -148,7 +148,6 @@ this run cannot honour, no usable device or ``--out``, a backend that cannot be 
 from __future__ import annotations
 
 import gc
-import json
 import os
 import sys
 
@@ -156,7 +155,7 @@ import torch
 
 from graphrt._version import __version__
 from graphrt.bench.console import show_markdown
-from graphrt.bench.output import OutDirError, write_file
+from graphrt.bench.output import OutDirError, json_text, write_file
 from graphrt.bench.plan import Plan, Refusal, plan
 from graphrt.env import interpret_on_cpu
 
@@ -221,8 +220,7 @@ class Results:
             return
         self.doc["measured"] = measured(self.doc)
         try:
-            write_file(self.p.out, "results.json",
-                       json.dumps(self.doc, indent=2, default=str) + "\n")
+            write_file(self.p.out, "results.json", json_text(self.doc, indent=2) + "\n")
             write_file(self.p.out, "results.md", "\n\n".join([*self.md, *extra_md]) + "\n")
         except OSError as exc:
             raise OutDirError(f"--out {self.p.out!r}: cannot write the results there "
@@ -243,6 +241,16 @@ class Results:
             return {}
         names = {k: (os.path.basename(v) if v else None) for k, v in paths.items()}
         self.plots += [n for n in names.values() if n]
+        from graphrt.bench.plots import plot_names
+        for key, name in plot_names(tag).items():  # an earlier run's plot this one did not
+            if names.get(key) is None:             # make must not sit beside these results
+                try:
+                    os.remove(os.path.join(self.p.out, name))
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    print(f"graphrt bench: {name} in {self.p.out} is from an earlier run and "
+                          f"could not be removed ({exc})", file=sys.stderr)
         return names
 
     def finish(self, failed=()) -> int:
