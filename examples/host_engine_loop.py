@@ -24,7 +24,6 @@ the eager step only: capture needs a GPU. See docs/embedding.md.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
@@ -256,7 +255,10 @@ def multi_gpu(args) -> int:
 
 
 def cpu(args) -> int:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from graphrt.env import interpret_on_cpu
+    note = interpret_on_cpu()  # Triton's kernels run only on its interpreter here
+    if note:
+        print(f"host_engine_loop.py: {note}", file=sys.stderr)
     from graphrt.testing.engine import DecodeEngine, KVSnapshot, Workload, eager_step
     from graphrt.moe import make_step, preset
     from graphrt.replay_policy import capture_sizes

@@ -173,6 +173,13 @@ def test_workload_is_deterministic_and_fits():
            [(r.rid, r.prompt, r.max_new, r.arrival) for r in rb]
     assert len(ra) > 100 and all(len(r.prompt) + r.max_new <= 20 for r in ra)
     assert all(0 < t < 100 for r in ra for t in r.prompt)
+    # prompts that reach max_ctx: max_new went to 0 or below (and long_requests' p + 1
+    # past max_ctx), which submit() refuses mid-run
+    from graphrt.testing.requests import long_requests
+    small = [r for i in range(200) for r in Workload(5, vocab=100, max_ctx=12, rate=2.0).arrivals(i)]
+    longs = long_requests(50, 3, vocab=100, max_ctx=12)
+    for r in small + longs:
+        assert len(r.prompt) >= 1 and r.max_new >= 1 and len(r.prompt) + r.max_new <= 12, r
 
 
 def _tiny(seed=0):
@@ -216,9 +223,13 @@ def _example():
 
 
 @pytest.mark.slow
-def test_example_cpu_mode():
+def test_example_cpu_mode(monkeypatch, capsys):
+    """With TRITON_INTERPRET=0 (a GPU machine's setting) the CPU run kept it and died in
+    Triton ("0 active drivers"); it turns the interpreter on and says so, as the demo does."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert _example().main(["--device", "cpu", "--steps", "6", "--layers", "1", "--experts", "4",
                             "--max-bs", "4"]) == 0
+    assert "TRITON_INTERPRET=0 turns Triton's interpreter off" in capsys.readouterr().err
 
 
 class FakeRuntime:
@@ -248,6 +259,12 @@ def test_compare_and_soak_drivers_on_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 << 20)
     r = soak(rt, model, steps=5, check_every=2, warmup=2, **kw)
     assert r["checks"] >= 2 and not r["mismatches"] and r["mem_growth"] == 0, r
+    # a soak shorter than its warm-up and its check interval: it had no memory baseline
+    # (the example printed GREW and exited 1) and compared no replay (0 checks, reported
+    # as 0 mismatches)
+    r = soak(rt, model, steps=6, **kw)
+    assert r["mem_before"] is not None and r["mem_growth"] == 0, r
+    assert r["checks"] == 1 and not r["mismatches"], r
 
 
 # -- GPU -------------------------------------------------------------------------------------

@@ -91,5 +91,6 @@ def test_make_comm_forwards_or_refuses_keywords_and_num_experts():
         make_comm("nccl", cfg, "cpu", 16, cap_align=16)      # refused before any collective
     with pytest.raises(InputError, match="num_experts must be an int >= 1 .*got 0"):
         make_comm("local", cfg, "cpu", 16, num_experts=0)
-    with pytest.raises(InputError, match="unknown comm 'x'"):
-        make_comm("x", cfg, "cpu", 16)
+    for name in ("x", "deepep_event", "deepepevent", "deepep-"):   # the last three built
+        with pytest.raises(InputError, match=f"unknown comm '{name}'"):  # hook mode or mode ''
+            make_comm(name, cfg, "cpu", 16)

@@ -446,3 +446,15 @@ def test_a_step_that_raises_at_its_hazard_is_reported_by_the_hazard(at_the_hazar
     assert result.exit_code == 1
     assert [(f.kind, f.line) for f in result.report.findings] == [("host-sync", line)]
     assert "here the step then raised ZeroDivisionError" in result.report.findings[0].message
+
+
+def test_the_example_script_checks_its_two_steps_agree(tmp_path):
+    """``python examples/validate_step.py`` printed the difference and exited 0 whatever it
+    was; with a bug injected (CAP = 1: the fixed step drops tokens) it now exits 1."""
+    import subprocess
+    ok = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0 and "the two steps agree" in ok.stdout, ok.stdout + ok.stderr
+    broken = tmp_path / "validate_step.py"
+    broken.write_text(EXAMPLE.read_text().replace("\nCAP = MAX_BS ", "\nCAP = 1 "))
+    bad = subprocess.run([sys.executable, str(broken)], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "the two steps DIFFER" in bad.stdout, bad.stdout + bad.stderr

@@ -297,18 +297,22 @@ def compare_graph_eager(rt, model, *, steps: int, seed: int = 0, keep_stepping: 
 
 def soak(rt, model, *, steps: int = 10_000, check_every: int = 100, warmup: int = 300,
          seed: int = 0, **workload_kw) -> dict:
-    """``steps`` graph-engine iterations at random live batch sizes. Every ``check_every``-th
-    replay is compared bitwise with eager on the same inputs at the same padded size (both
-    write the same K/V). ``torch.cuda.memory_allocated()`` is read after ``warmup`` steps and
-    at the end (``gc.collect()`` first). Host-only (syncs). Returns a summary dict."""
+    """``steps`` graph-engine iterations at random live batch sizes. The first replay and
+    every ``check_every``-th are compared bitwise with eager on the same inputs at the same
+    padded size (both write the same K/V). ``torch.cuda.memory_allocated()`` is read after
+    ``min(warmup, steps // 2)`` steps (a short soak still has a baseline) and at the end
+    (``gc.collect()`` first). Host-only (syncs). Returns a summary dict (``checks``: the
+    replays compared)."""
     graph, eager = graph_step(rt), eager_step(rt.spec, rt.sizes)
-    calls, bad = [0], []
+    calls, checks, bad = [0], [0], []
+    warmup = min(warmup, steps // 2)
 
     def checked(**inputs):
         out = graph(**inputs)
         calls[0] += 1
-        if calls[0] % check_every == 0:
+        if calls[0] == 1 or calls[0] % check_every == 0:
             want = eager(**inputs)
+            checks[0] += 1
             if not torch.equal(out, want):
                 bad.append((calls[0], int(out.shape[0])))
         return out
@@ -327,7 +331,7 @@ def soak(rt, model, *, steps: int = 10_000, check_every: int = 100, warmup: int 
             eng.queue = deque(list(eng.queue)[:eng.max_bs])
     after = _allocated(rt.device)
     st, sizes = eng.stats, eng.stats.batch_sizes
-    return {"steps": steps, "replays": calls[0], "checks": calls[0] // check_every,
+    return {"steps": steps, "replays": calls[0], "checks": checks[0],
             "mismatches": bad, "mem_before": before, "mem_after": after,
             "mem_growth": None if before is None else after - before,
             "steps_per_s": st.steps_per_s, "tokens": st.tokens, "finished": st.finished,

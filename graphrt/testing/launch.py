@@ -59,9 +59,10 @@ def make_comm(name: str, cfg, device, max_tokens: int, *, num_experts: int | Non
         raise InputError(f"make_comm: num_experts must be an int >= 1 (or None for "
                          f"cfg.num_experts); got {E}")
     extra = {}
-    if name.startswith("deepep"):
+    deepep = {"deepep": "hook", "deepep-hook": "hook", "deepep-event": "event"}
+    if name in deepep:  # exact names: 'deepep_event' is no way to ask for hook mode
         from graphrt.comm.deepep_ll import DeepEPLowLatencyComm as cls
-        extra["mode"] = name.split("-", 1)[1] if "-" in name else "hook"
+        extra["mode"] = deepep[name]
     elif name == "nccl":
         from graphrt.comm.nccl import NCCLComm as cls
     elif name == "local":

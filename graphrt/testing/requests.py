@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from graphrt.errors import GraphrtError
+from graphrt.errors import GraphrtError, check_int
 
 
 @dataclass
@@ -111,10 +111,12 @@ class Workload:
     """Deterministic arrivals from ``seed``: per step ``rate`` requests on average (the rate
     is redrawn in ``[0, 2 * rate]`` every ``phase`` steps so live batches swing), plus a
     burst of up to ``burst`` requests with probability ``burst_p``. Lengths are uniform in
-    ``prompt`` / ``output`` (inclusive), capped so prompt + output <= ``max_ctx``."""
+    ``prompt`` / ``output`` (inclusive), capped so prompt + output <= ``max_ctx`` with at
+    least one token of each (the prompt first, at ``max_ctx - 1``)."""
 
     def __init__(self, seed: int, *, vocab: int, max_ctx: int, prompt=(1, 16), output=(1, 48),
                  rate: float = 1.0, phase: int = 64, burst_p: float = 0.02, burst: int = 32):
+        check_int("Workload: max_ctx", max_ctx, 2, " (a prompt token and an output token)")
         self.rng, self.vocab, self.max_ctx = random.Random(seed), vocab, max_ctx
         self.prompt, self.output, self.rate, self.phase = prompt, output, rate, phase
         self.burst_p, self.burst, self._rid, self._now = burst_p, burst, 0, rate
@@ -128,8 +130,8 @@ class Workload:
             k += rng.randint(1, self.burst)
         out = []
         for _ in range(k):
-            p = rng.randint(*self.prompt)
-            o = min(rng.randint(*self.output), self.max_ctx - p)
+            p = min(rng.randint(*self.prompt), self.max_ctx - 1)
+            o = max(1, min(rng.randint(*self.output), self.max_ctx - p))
             toks = [rng.randrange(1, self.vocab) for _ in range(p)]
             out.append(Request(self._rid, toks, o, step))
             self._rid += 1
@@ -139,12 +141,14 @@ class Workload:
 def long_requests(count: int, seed: int, *, vocab: int, max_ctx: int, prompt=(1, 16),
                   output=(256, 1024)) -> list[Request]:
     """``count`` requests arriving at step 0 (deterministic from ``seed``), outputs uniform in
-    ``output`` (capped so prompt + output <= ``max_ctx``): queued behind a batch limit of
+    ``output`` (capped so prompt + output <= ``max_ctx``, the prompt first at
+    ``max_ctx - 1``): queued behind a batch limit of
     ``bs`` rows they keep the live batch at ``bs``; a finished request's row is taken by the
     next in the queue (a composition change)."""
+    check_int("long_requests: max_ctx", max_ctx, 2, " (a prompt token and an output token)")
     rng, out = random.Random(seed), []
     for rid in range(count):
-        p = rng.randint(*prompt)
+        p = min(rng.randint(*prompt), max_ctx - 1)
         o = max(1, min(rng.randint(*output), max_ctx - p))
         out.append(Request(rid, [rng.randrange(1, vocab) for _ in range(p)], o, 0))
     return out
