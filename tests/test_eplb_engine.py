@@ -163,3 +163,71 @@ def test_a_store_missing_experts_in_one_layer_is_refused_before_any_copy():
     assert bal.placement is em.placement and bal.rebalances == 0
     with pytest.raises(InputError, match="store layer 1: expected a non-empty dict"):
         HostExpertStore([{"w": ck}, {}])
+
+
+def test_a_rebalance_leaves_the_callers_placement_and_other_maps_alone():
+    """On the CPU the map's table was the placement's own numpy array: a rebalance rewrote
+    the caller's placement (which then failed validate()) and every other map built from it
+    (which then routed tokens to slots holding other experts)."""
+    home = home_placement(1, E, 1, S, M)
+    before = home.table.copy()
+    a, b = ExpertMap(home, rank=0, device="cpu"), ExpertMap(home, rank=0, device="cpu")
+    ck = torch.arange(E, dtype=torch.float32)[:, None].repeat(1, H)
+    bal = ExpertBalancer(a, slots=[{"w": ck[home.slot_expert[0]].clone()}],
+                         store=HostExpertStore([{"w": ck}]), min_gain=0.0)
+    load = np.ones((1, E))
+    load[0, 7] = 100.0
+    bal.apply(bal.propose(load))
+    assert not np.array_equal(a.table.numpy(), before)               # a was rebalanced
+    assert np.array_equal(home.table, before) and torch.equal(b.table, torch.from_numpy(before))
+    home.validate()
+    assert set(b.placement.slot_expert[0, b.route(0, torch.full((4, 1), 7)).view(-1)]) == {7}
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"min_gain": float("nan")}, "min_gain"), ({"min_gain": 5.0}, "min_gain"),
+    ({"min_gain": -1.0}, "min_gain"), ({"interval": 0}, "interval"),
+    ({"interval": True}, "interval"), ({"interval": 2.5}, "interval"),
+])
+def test_balancer_settings_out_of_range_are_refused(kw, match):
+    """min_gain NaN or >= 1 disabled every rebalance, a negative one applied regressions."""
+    eng = EngineMoE(use_map=True)
+    with pytest.raises(ValueError, match=match):
+        ExpertBalancer(eng.map, slots=[{"w": eng.w_slots}],
+                       store=HostExpertStore([{"w": eng.checkpoint}]), **kw)
+
+
+def _balancer_in_world(rank, world, port, out):
+    import os
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        eng = EngineMoE(use_map=True)                                  # EP size 1 in a world of 2
+        ExpertBalancer(eng.map, slots=[{"w": eng.w_slots}],
+                       store=HostExpertStore([{"w": eng.checkpoint}]), interval=1)
+        out.put((rank, "accepted"))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out.put((rank, f"{type(exc).__name__}: {exc}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_group_that_is_not_the_ep_group_is_refused_up_front():
+    """The default group, WORLD, with TP or DP beside EP: the first counter window gathered
+    a world's worth of parts into the EP rank count and raised inside balancer.step()."""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_balancer_in_world, args=(r, 2, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+    assert all("InputError: ExpertBalancer group: expected the expert-parallel group" in v
+               for v in got.values()), got

@@ -38,7 +38,7 @@ import torch
 
 from graphrt.eplb import policy as P
 from graphrt.eplb.store import HostExpertStore
-from graphrt.errors import GraphrtError, InputError
+from graphrt.errors import GraphrtError, InputError, check_int
 
 
 class ExpertBalancer:
@@ -64,8 +64,12 @@ class ExpertBalancer:
                  store: HostExpertStore | None = None, interval: int = 256, group=None,
                  min_gain: float = 0.02, stream=None):
         from graphrt.eplb.expert_map import ExpertMap
-        if interval < 1:
-            raise InputError(f"interval must be >= 1 step; got {interval}")
+        check_int("ExpertBalancer interval", interval, 1, " (steps between counter reads)")
+        if isinstance(min_gain, bool) or not isinstance(min_gain, (int, float)) \
+                or not 0 <= min_gain < 1:  # (NaN fails too)
+            raise InputError(f"ExpertBalancer min_gain: expected a fraction in [0, 1) (the "
+                             f"predicted drop of the max/mean load a rebalance needs), got "
+                             f"{min_gain!r}")
         if isinstance(source, ExpertMap):
             if slots is None or store is None:
                 raise InputError("ExpertBalancer(expert_map) needs slots= (per layer, "
@@ -126,6 +130,13 @@ class ExpertBalancer:
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
             return None
+        size, rank, m = dist.get_world_size(group), dist.get_rank(group), self.map
+        if size != m.num_ranks or rank != m.rank:  # the windows are gathered in group order
+            raise InputError(
+                f"ExpertBalancer group: expected the expert-parallel group ({m.num_ranks} ranks, "
+                f"this one rank {m.rank} of the map), got a group of {size} ranks in which this "
+                f"one is rank {rank}{' (WORLD: the default)' if group is None else ''}; pass "
+                "group= the EP group (with TP or DP beside EP, WORLD is not it)")
         ranks = None if group is None else dist.get_process_group_ranks(group)
         return dist.new_group(ranks=ranks, backend="gloo")
 

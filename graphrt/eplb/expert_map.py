@@ -63,7 +63,10 @@ class ExpertMap:
         self.num_layers, self.num_experts, self.table_size = L, E, M
         self.slots_per_rank = S = placement.slots_per_rank
         self.num_ranks = placement.num_ranks
-        self.table = torch.from_numpy(np.ascontiguousarray(placement.table, dtype=np.int32)).to(self.device)
+        # a copy: a rebalance writes this table in place, never the caller's placement (on
+        # the CPU, from_numpy(...).to(cpu) was the placement's own array)
+        self.table = torch.from_numpy(np.ascontiguousarray(placement.table, dtype=np.int32)).to(
+            self.device, copy=True)
         self.tick = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.load = torch.zeros(L, E, dtype=torch.int64, device=self.device)
         self.slot_load = torch.zeros(L, S, dtype=torch.int64, device=self.device)
