@@ -51,11 +51,14 @@ def test_write_outputs_copies_what_the_step_did_not_write_in_place():
     other = torch.full((4,), 7.0)
     assert write_outputs(dst, [written, other], ("y", "total"), "step", 3) == 1
     assert torch.equal(dst[0], torch.full((3, 4), 5.0)) and torch.equal(dst[1], other)
-    # the same memory read another way (a transposed view, another dtype) is still copied
+    # the same memory read another way (a transposed view) is still copied; another dtype
+    # than warm-up's is refused (copy_ would cast it silently)
     sq = [torch.zeros(4, 4)]
     assert write_outputs(sq, [sq[0].t()], ("y",), "step", 4) == 1
     ints = [torch.zeros(4, dtype=torch.int32)]
-    assert write_outputs(ints, [ints[0].view(torch.float32)], ("y",), "step", 4) == 1
+    with pytest.raises(InputError, match="output 'y': dtype torch.float32 at batch 4 under "
+                                         "capture, torch.int32 during warm-up"):
+        write_outputs(ints, [ints[0].view(torch.float32)], ("y",), "step", 4)
     with pytest.raises(InputError, match=r"output 'y': shape \(2, 4\) at batch 3"):
         write_outputs([torch.zeros(3, 4)], [torch.zeros(2, 4)], ("y",), "step", 3)
 
