@@ -253,15 +253,27 @@ class StreamAudit:
                 forked_at[waiter] = at
         for sid, work in self._work.items():
             fork = forked_at.get(sid)
-            early = [w for w in work if w[2] and (fork is None or w[0] < fork)]
-            if not early or (fork is None and sid in unjoined):
-                continue  # (never forked and unjoined: reported as such above)
+            if fork is None and (sid in unjoined or not _following):
+                # never forked and unjoined: reported as such above. Never forked but
+                # joined: a fork made through torch.Event / torch.Stream or C++ is not seen
+                # in this process, so only a run that follows them (validate) says so.
+                continue
+            # ops before the fork (entering the stream to fork it is no work); with no fork
+            # at all, the entries too (a Triton launch there is not seen op by op)
+            early = [w for w in work if (w[2] and (fork is None or w[0] < fork))
+                     or (fork is None and not w[2])]
+            if not early:
+                continue
             file, line = early[0][1]
-            out.append(Finding(
-                "unjoined-stream", "error", "torch.cuda.Stream", file, line,
-                "work on a side stream before it is forked from the capture stream runs "
-                "outside the graph: once, during capture, and never on replay. Fork the "
-                "stream first (side.wait_stream(main)), then launch the work", size))
+            msg = ("work on a side stream before it is forked from the capture stream runs "
+                   "outside the graph: once, during capture, and never on replay. Fork the "
+                   "stream first (side.wait_stream(main)), then launch the work")
+            if not _following:
+                msg += (". Forks made only through torch.Event or torch.Stream are not seen in "
+                        "this process: use the torch.cuda forms, or check the step with "
+                        "`graphrt validate --device cuda`, which follows them")
+            out.append(Finding("unjoined-stream", "error", "torch.cuda.Stream", file, line, msg,
+                               size))
         return out
 
     def _unjoined(self, size: int | None) -> tuple[list[Finding], set[int]]:

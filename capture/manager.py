@@ -114,6 +114,7 @@ class CaptureFailure:
     size: int
     reason: str
     findings: list[Finding] = field(default_factory=list)
+    step_raised: bool = False  # the step itself raised at this size (warm-up, analysis)
 
     @property
     def summary(self) -> str:
@@ -150,7 +151,7 @@ class CaptureManager:
                  analyze: bool = True, strict: bool = True, progress: bool = True, seed: int = 0,
                  coordinator=None, pool=None, capture_stream=None, capture_context=None,
                  warmup_stream=None):
-        check_int("warmup_iters", warmup_iters, why=" (JIT and autotune run there)")
+        warmup_iters = check_int("warmup_iters", warmup_iters, why=" (JIT and autotune run there)")
         sizes = SizeTable(sizes).sizes              # ints >= 1, sorted, distinct
         if sizes[-1] > stager.max_bs:
             raise InputError(f"size {sizes[-1]} exceeds the static buffers ({stager.max_bs} rows)")
@@ -243,7 +244,8 @@ class CaptureManager:
             try:
                 outs[size] = self._warm(size, stream)
             except Exception as exc:  # noqa: BLE001 - recorded (strict: raised) by _fail
-                self._fail(size, f"warm-up raised {type(exc).__name__}: {exc}", exc=exc)
+                self._fail(size, f"warm-up raised {type(exc).__name__}: {exc}", exc=exc,
+                           step_raised=True)
             if self._agree(size, size in outs, "warm-up"):
                 ok.append(size)
             else:
@@ -267,7 +269,7 @@ class CaptureManager:
             mine = True
         except Exception as exc:  # noqa: BLE001 - recorded (strict: raised) by _fail
             self._fail(size, f"warm-up into the output buffers raised {type(exc).__name__}: "
-                             f"{exc}", exc=exc)
+                             f"{exc}", exc=exc, step_raised=True)
             mine = False
         return self._agree(size, mine, "warm-up")
 
@@ -293,7 +295,8 @@ class CaptureManager:
         try:
             return self._analyse(size, stream)
         except Exception as exc:  # noqa: BLE001 - recorded (strict: raised) by _fail
-            self._fail(size, f"analysis raised {type(exc).__name__}: {exc}", exc=exc)
+            self._fail(size, f"analysis raised {type(exc).__name__}: {exc}", exc=exc,
+                       step_raised=True)
             return False
 
     def _analyse(self, size: int, stream) -> bool:
@@ -399,14 +402,14 @@ class CaptureManager:
         return self.signature.layout.build(outs) if self.spec.out is not None else None
 
     def _fail(self, size: int, reason: str, findings: list[Finding] | None = None,
-              exc: BaseException | None = None) -> None:
+              exc: BaseException | None = None, step_raised: bool = False) -> None:
         _ensure_no_capture()
         if isinstance(exc, GraphSafetyError):
             findings = exc.findings
             self.report.extend(findings)
         if findings:
             reason = f"{reason}: {_sites(findings)}"
-        self.failures[size] = CaptureFailure(size, reason, list(findings or []))
+        self.failures[size] = CaptureFailure(size, reason, list(findings or []), step_raised)
         if self.strict and exc is not None and self.coordinator is None:
             if isinstance(exc, (GraphSafetyError, InputError)):
                 raise exc

@@ -174,8 +174,8 @@ class _DispatchMode(TorchDispatchMode):
                              "Find a sync-free form or move it out of the step")
             if a.warnings is not None:
                 a.warn_mark = len(a.warnings)  # this op's: reported above (or suppressed)
-            if a.streams is not None:
-                a.streams.note_work()
+            if a.streams is not None and not getattr(func, "is_view", False):
+                a.streams.note_work()  # (a view launches nothing on any stream)
         self._trace(func, out)
         return out
 

@@ -72,7 +72,7 @@ def check_replay(rt, *, trials: int = 2, rtol: float | None = None,
     """
     if not rt.graphs:
         raise GraphrtError("check_replay() needs captured graphs: call capture() first")
-    check_int("check_replay: trials", trials)  # 0 checked nothing and returned []
+    trials = check_int("check_replay: trials", trials)  # 0 checked nothing and returned []
     gen = torch.Generator().manual_seed(seed)
     results: list[ReplayCheck] = []
     sizes = sorted(rt.graphs)

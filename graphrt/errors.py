@@ -120,12 +120,13 @@ def check_seconds(label: str, value, what: str = "expected a finite number of se
 
 
 def check_int(label: str, value, low: int = 1, why: str = "") -> int:
-    """``value`` when it is an int (not a bool) >= ``low``; else ``InputTypeError`` (not an
-    int) or ``InputError`` (too small), as ``"{label} must be an int >= {low}{why}; got ..."``.
+    """``value`` as an int when it is an int or a numpy integer (not a bool) >= ``low``; else
+    ``InputTypeError`` (not an int) or ``InputError`` (too small), as ``"{label} must be an int >= {low}{why}; got ..."``.
     Host-only."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    import numbers
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # np.int64 too
         raise InputTypeError(f"{label} must be an int >= {low}{why}; got {value!r} "
                              f"({type(value).__name__})")
     if value < low:
         raise InputError(f"{label} must be an int >= {low}{why}; got {value}")
-    return value
+    return int(value)

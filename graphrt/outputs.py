@@ -278,14 +278,20 @@ class LeasedTensor(torch.Tensor):
         self._check_lease()
         return torch.Tensor.as_subclass(self, torch.Tensor)
 
-    # Calls torch makes without __torch_function__: checked here, each on a plain alias, so
-    # debug mode only adds checks (deepcopy, and torch.save's file for torch.load's default
-    # weights_only, work as on lean mode's plain views).
+    # Calls torch makes without __torch_function__: checked here, so debug mode only adds
+    # checks (deepcopy, and torch.save's file for torch.load's default weights_only, work as
+    # on lean mode's plain views; copy.copy stays a lease).
     def as_subclass(self, cls):
         return self._plain().as_subclass(cls)
 
     def __deepcopy__(self, memo):
-        return self._plain().__deepcopy__(memo)
+        got = memo.get(id(self))
+        if got is None:  # (keyed by this lease: a temporary alias's id is reused)
+            got = memo[id(self)] = self._plain().clone()
+        return got
+
+    def __copy__(self):
+        return LeasedTensor.lease(self._plain(), self._clock)
 
     def __reduce_ex__(self, protocol):
         return self._plain().__reduce_ex__(protocol)

@@ -110,6 +110,15 @@ class Stager:
         of the dict)."""
         return self._staging(n).views
 
+    def hand_out(self, n: int) -> dict[str, torch.Tensor]:
+        """``live_views(n)`` (a fresh dict) for a caller to write rows ``[0, n)`` in place
+        (``input_buffers``): those rows count as dirty at once, so a smaller batch staged
+        next re-pads them whether or not a replay of ``n`` came between."""
+        views = self._staging(n).views.copy()
+        if self._dirty < n:
+            self._dirty = n
+        return views
+
     def _staging(self, n: int) -> "_Staging":
         if not 0 < n <= self.max_bs:
             raise InputError(f"{n} live rows: the static inputs hold 1 to {self.max_bs}")

@@ -104,7 +104,7 @@ class GraphRuntime:
             raise InputError(f"size {self.table.largest} exceeds spec.max_batch_size "
                              f"{spec.max_batch_size}")
         self.device = _resolve_device(device)
-        check_int("warmup_iters", warmup_iters, why=" (JIT and autotune run there)")
+        warmup_iters = check_int("warmup_iters", warmup_iters, why=" (JIT and autotune run there)")
         self.copy_outputs, self.oversize, self.strict = copy_outputs, oversize, strict
         self._capture_kw = dict(warmup_iters=warmup_iters, progress=progress, seed=seed,
                                 coordinator=coordinator, capture_stream=capture_stream,
@@ -242,10 +242,7 @@ class GraphRuntime:
             self._refuse_uniform()
         if not (type(n) is int and 0 < n <= self._largest and self._plans[n] is not None):
             self._plan_for(n, self._captured_graph(n))
-        st = self.stager
-        if st._dirty < n:  # the caller writes rows [0, n): a later smaller batch re-pads them,
-            st._dirty = n  # whether or not replay(n) comes first
-        return st.live_views(n).copy()
+        return self.stager.hand_out(n)  # rows [0, n) count as dirty from here
 
     def replay(self, n: int) -> Any:
         """Replay on inputs already written through ``input_buffers(n)``: pads rows
@@ -347,8 +344,12 @@ class GraphRuntime:
         if size is None and self.oversize == "raise":
             raise NoGraphForBatch(pick_n, max(self.graphs) if self.graphs else None)
         # At the padded size of a size that failed capture (its plan, as its replay would
-        # be); an oversize batch at the batch agreed across ranks (the live one alone).
-        padded = pick_n if size is None else size
+        # be), unless the step itself raised there; an oversize batch, and any batch with
+        # ranks (every rank must run one padded size, whatever failed where), at the batch
+        # agreed across ranks (the live one alone).
+        failed = self.failures.get(size)
+        padded = (size if size is not None and self.coordinator is None
+                  and not (failed and failed.step_raised) else pick_n)
         sig = self.manager.signature if self.manager is not None else None
         with torch.no_grad():  # planned for its padded size first, as a replay
             out = self._owned(self.spec.call_padded(inputs, padded, sig, plan=True), inputs)

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ._pdl import pdl_prologue
-from ._util import check, pdl_args
+from ._util import check, check_apart, pdl_args
 from .dispatch import (FUSED_LIMIT, _dispatch_count, _dispatch_flat_id, _X_DTYPES, check_outputs,
                        fused_launch)
 from .routing import PACKED, _check_common, _check_grouped, grouped_config, softmax_warps
@@ -127,6 +127,12 @@ def route_dispatch(x, logits, n, num_topk, *, out_weights, out_ids, out_recv_x, 
     experts, cap = check_outputs(x, num_topk, out_recv_x, out_masked_m, out_src_idx, out_pos)
     check(experts == num_experts, "out_recv_x.shape[0] (local experts)",
           f"the router's {num_experts} experts (EP=1)", experts)
+    for name, t in (("out_weights", out_weights), ("out_ids", out_ids),
+                    ("out_recv_x", out_recv_x), ("out_masked_m", out_masked_m),
+                    ("out_src_idx", out_src_idx), ("out_pos", out_pos)):
+        check_apart(t, name, {"x": x, "logits": logits, "bias": bias if routing ==
+                              "grouped_sigmoid" else None},
+                    "programs read every row and logit while others write the outputs")
     num_flat = padded_bs * num_topk
     check(num_flat <= FUSED_LIMIT, "padded_bs * num_topk", f"<= {FUSED_LIMIT}", num_flat)
     packed = PACKED if packed is None else bool(packed)

@@ -1045,3 +1045,15 @@ def test_standalone_benches_refuse_bad_flags_in_one_line(module, argv, says, cap
     err = capsys.readouterr().err
     assert rc == 2 and says in err, err
     assert "Traceback" not in err
+
+
+def test_without_matplotlib_an_earlier_runs_plots_are_removed_too(tmp_path, monkeypatch, capsys):
+    import graphrt.bench.plots as plots
+    (tmp_path / "step_time.png").write_bytes(b"an earlier run's plot")
+
+    def no_matplotlib(*a, **k):
+        raise ImportError("No module named 'matplotlib'")
+    monkeypatch.setattr(plots, "write_plots", no_matplotlib)
+    assert cli.main(["bench", "--device", "cpu", "--sizes", "1", "--modes", "eager",
+                     "--out", str(tmp_path)]) == 0
+    assert not list(tmp_path.glob("*.png")) and "no plots" in capsys.readouterr().err

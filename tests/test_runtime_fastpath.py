@@ -391,3 +391,27 @@ def test_rows_written_through_input_buffers_are_re_padded_without_a_replay(fake_
     five = spec.random_inputs(5, generator=gen)
     assert _same(rt.run(**five), spec.call_padded(five, 16, ROWS))
     assert rt.stager.pad_rows_intact(5, 16) == []
+
+
+def test_the_eager_stand_in_marks_rows_written_through_input_buffers_too():
+    """``EagerRuntime`` (the loop tests' reference, bitwise what a replay computes) missed the
+    dirty mark of ``input_buffers``: 10 rows written, then 5 run, left rows 5..9 in."""
+    from graphrt.testing.staging import EagerRuntime
+    spec = every_kind_spec()
+    rt = EagerRuntime(spec, sizes=[4, 16])
+    gen = torch.Generator().manual_seed(7)
+    bufs = rt.input_buffers(10)
+    for k, v in spec.random_inputs(10, generator=gen).items():
+        bufs[k].copy_(v)
+    five = spec.random_inputs(5, generator=gen)
+    rt.run(**five)
+    assert rt.stager.pad_rows_intact(5, 16) == []
+
+
+def test_counts_take_numpy_ints():
+    np = pytest.importorskip("numpy")
+    from graphrt.errors import check_int
+    assert check_int("n", np.int64(3)) == 3 and type(check_int("n", np.int32(3))) is int
+    rt = graphrt.GraphRuntime(every_kind_spec(), sizes=[4], device="cpu",
+                              warmup_iters=np.int64(2))
+    assert rt._capture_kw["warmup_iters"] == 2

@@ -299,6 +299,7 @@ def test_an_analysis_that_raises_fails_its_size_like_a_warm_up(monkeypatch):
         monkeypatch.setattr(m, "_set_signature", lambda outs, stream: None)
         assert m._prepare(None) == [4, 16]
         assert m.failures[1].reason == "analysis raised RuntimeError: kernel has no config for 1 row"
+        assert m.failures[1].step_raised             # its eager fallback runs unpadded
     assert log[0] == ("agree", False)                 # the raising rank said so, then went on
     m = _manager(None, strict=True)
     monkeypatch.setattr(m, "_analyse", analyse)
@@ -576,3 +577,23 @@ def test_the_eager_fallback_of_a_failed_size_runs_at_that_size(fake_capture):
         assert calls == [("plan", 8, n), ("rows", 8)] and out["y"].shape == (n, 4)
         assert (out["y"] == 2).all()
     assert rt.counters["eager"] == 2
+
+
+def test_the_eager_fallback_of_a_size_whose_step_raised_runs_unpadded(fake_capture):
+    """A size whose warm-up raised (a kernel's row limit, say) cannot run at that size: its
+    eager fallback runs the live rows alone, as before (padded, every call raised again)."""
+    limit = [10 ** 9]
+
+    def step(x):
+        if x.shape[0] > limit[0]:
+            raise RuntimeError(f"kernel limit: {x.shape[0]} rows > {limit[0]}")
+        return x * 2
+    spec = graphrt.StepSpec(step, {"x": graphrt.Input((None, 4), torch.float32)}, 16)
+    fake_capture.fail_sizes = {16: RuntimeError("kernel limit: 16 rows > 12")}
+    rt = graphrt.GraphRuntime(spec, sizes=[8, 16], device="cpu", strict=False,
+                              progress=False).capture()
+    rt.failures[16] = CaptureFailure(16, "warm-up raised RuntimeError: kernel limit",
+                                     step_raised=True)   # what the real manager records
+    limit[0] = 12
+    out = rt.run(x=torch.ones(10, 4))
+    assert out.shape == (10, 4) and (out == 2).all() and rt.counters["eager"] == 1

@@ -201,7 +201,16 @@ def test_a_lease_deep_copies_saves_and_re_subclasses_only_while_valid():
     loaded = torch.load(buf)["y"]
     assert type(loaded) is torch.Tensor and torch.equal(loaded, base[:2])
     assert type(leased.as_subclass(torch.Tensor)) is torch.Tensor
+    # a dict of many leases: the copy of each is its own (keyed by a temporary alias's id,
+    # torch's memo handed one lease's copy to another)
+    many = {f"o{i}": LeasedTensor.lease(torch.full((2,), float(i)), clock) for i in range(20)}
+    copies = copy.deepcopy(many)
+    assert all(torch.equal(copies[k], torch.full((2,), float(i))) for i, k in enumerate(many))
+    shallow = copy.copy(leased)                # a lease still: its stale read raises
+    assert type(shallow) is LeasedTensor
     clock.bump()
+    with pytest.raises(StaleOutputError):
+        shallow.sum()
     for call in (lambda: copy.deepcopy(leased), lambda: torch.save(leased, io.BytesIO()),
                  lambda: leased.as_subclass(torch.Tensor)):
         with pytest.raises(StaleOutputError, match="stale read"):

@@ -140,3 +140,17 @@ def test_an_unjoined_stretch_is_named_at_its_own_entry(traced):
     traced.note_work(_Stream(SIDE), site=False)                       # the unjoined stretch
     (f,) = traced.findings()
     assert f.line == _line_of("the unjoined stretch")
+
+
+def test_a_stream_never_forked_but_joined_is_named_only_where_forks_are_seen(traced, monkeypatch):
+    """A Triton launch on a stream never forked (an entry, no ATen op) and joined back: its
+    work ran outside the graph. A fork made through torch.Event or C++ is not seen without
+    the GPU trace, so only a run that follows them (validate's child) says so."""
+    traced.note_work(_Stream(SIDE), site=False)                       # never forked
+    gt.EventRecordCallbacks.fire_callbacks(EV_JOIN, SIDE)
+    gt.EventWaitCallbacks.fire_callbacks(EV_JOIN, ROOT)
+    monkeypatch.setattr(audit, "_following", True)
+    (f,) = traced.findings()
+    assert f.line == _line_of("never forked") and "before it is forked" in f.message
+    monkeypatch.setattr(audit, "_following", False)
+    assert traced.findings() == []

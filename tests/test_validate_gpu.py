@@ -42,6 +42,12 @@ def test_unjoined_stream_at_its_line():
     assert result.exit_code == 1
 
 
+def test_work_before_the_fork_at_its_line():
+    result, found = _found("gpu_bad_work_before_the_fork")
+    assert found == expectations(GPU, "gpu_")["gpu_bad_work_before_the_fork"], result.report.table()
+    assert result.exit_code == 1
+
+
 def test_receiver_never_called():
     result, found = _found("gpu_bad_receiver_never_called")
     assert found == expectations(GPU, "gpu_")["gpu_bad_receiver_never_called"], result.report.table()
@@ -67,7 +73,8 @@ def test_a_state_mismatch_is_a_finding_not_an_internal_error():
 
 
 @pytest.mark.parametrize("func", ["gpu_safe_joined_stream", "gpu_safe_scale",
-                                  "gpu_safe_kv_cache_and_counter"])
+                                  "gpu_safe_kv_cache_and_counter",
+                                  "gpu_safe_view_before_the_fork"])
 def test_clean_gpu_steps(func):
     result, found = _found(func)
     assert found == set() and result.exit_code == 0, result.report.table()

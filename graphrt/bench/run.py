@@ -229,7 +229,7 @@ class Results:
     def plot(self, modes_res: dict, tag: str = "") -> dict:
         """The modes plots (timelines included) next to results.json; ``{name: file name or
         None}``."""
-        from graphrt.bench.plots import write_plots, write_timeline_plots
+        from graphrt.bench.plots import plot_names, write_plots, write_timeline_plots
         if not self.rank0:
             return {}
         try:
@@ -238,10 +238,9 @@ class Results:
         except ImportError as exc:  # matplotlib missing: the tables still stand
             print(f"graphrt bench: no plots ({exc}); pip install matplotlib "
                   "(the graphrt[bench] extra)", file=sys.stderr)
-            return {}
+            paths = {}
         names = {k: (os.path.basename(v) if v else None) for k, v in paths.items()}
         self.plots += [n for n in names.values() if n]
-        from graphrt.bench.plots import plot_names
         for key, name in plot_names(tag).items():  # an earlier run's plot this one did not
             if names.get(key) is None:             # make must not sit beside these results
                 try:

@@ -64,7 +64,8 @@ class ExpertBalancer:
                  store: HostExpertStore | None = None, interval: int = 256, group=None,
                  min_gain: float = 0.02, stream=None):
         from graphrt.eplb.expert_map import ExpertMap
-        check_int("ExpertBalancer interval", interval, 1, " (steps between counter reads)")
+        interval = check_int("ExpertBalancer interval", interval, 1,
+                             " (steps between counter reads)")
         if isinstance(min_gain, bool) or not isinstance(min_gain, (int, float)) \
                 or not 0 <= min_gain < 1:  # (NaN fails too)
             raise InputError(f"ExpertBalancer min_gain: expected a fraction in [0, 1) (the "

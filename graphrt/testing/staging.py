@@ -133,7 +133,7 @@ class EagerRuntime:
     def input_buffers(self, n: int) -> dict[str, torch.Tensor]:
         """The static inputs for ``n`` live rows, to write in place before ``replay(n)``."""
         self._size(n)
-        return {k: self.stager._view(k, n) for k in self.stager.buffers}
+        return self.stager.hand_out(n)  # rows [0, n) count as dirty, as GraphRuntime's
 
     def replay(self, n: int):
         size = self._size(n)

@@ -82,6 +82,9 @@ def test_route_dispatch_errors_say_what_to_do():
         route_dispatch(x[:1], logits[:1], n, k, **_outs(1, k, 2 * E, 1, hidden, "cpu"))
     with pytest.raises(ValueError, match="a row per logits row"):
         route_dispatch(x[:2], logits[:1], n, k, **_outs(1, k, E, 1, hidden, "cpu"))
+    outs = _outs(1, k, E, 1, hidden, "cpu")      # x read from out_recv_x: a race on a GPU
+    with pytest.raises(ValueError, match="out_recv_x: expected a tensor apart from x"):
+        route_dispatch(outs["out_recv_x"][0], logits[:1], n, k, **outs)
 
 
 @pytest.mark.gpu

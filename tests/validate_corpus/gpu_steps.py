@@ -55,6 +55,39 @@ def gpu_safe_joined_stream(device):
     return _spec(step)
 
 
+def gpu_bad_work_before_the_fork(device):
+    """A prefetch launched on the side stream before it is forked: it runs once, at capture,
+    never on replay (a later fork and join hid it)."""
+    side, w = torch.cuda.Stream(device), _w(device)
+
+    def step(x):
+        main = torch.cuda.current_stream()
+        with torch.cuda.stream(side):
+            wt = w.t().contiguous()  # expect: unjoined-stream
+            side.wait_stream(main)                                           # fork
+            s = x @ wt
+        main.wait_stream(side)                                               # join
+        return x + s
+
+    return _spec(step)
+
+
+def gpu_safe_view_before_the_fork(device):
+    """Views taken on the side stream before the fork launch nothing: no finding."""
+    side, w = torch.cuda.Stream(device), _w(device)
+
+    def step(x):
+        main = torch.cuda.current_stream()
+        with torch.cuda.stream(side):
+            rows, wt = x.view(-1, H), w.t()
+            side.wait_stream(main)                                           # fork
+            s = rows @ wt
+        main.wait_stream(side)                                               # join
+        return x + s
+
+    return _spec(step)
+
+
 def gpu_bad_receiver_never_called(device):
     """A combine receiver created and never called."""
     w = _w(device)
