@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ._pdl import pdl_prologue
-from ._util import check, check_tensor, pdl_args
+from ._util import check, check_apart, check_tensor, pdl_args
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ROW_HEADER = 5             # token, src, position, slot, seq_len; then the block table
@@ -136,6 +136,10 @@ def unpack_rows(rows: torch.Tensor, sampled: torch.Tensor, *, vocab: int, max_ct
           out_block_table.stride(1))
     check_tensor(out_seq_lens, "out_seq_lens", shape=(bs,), dtype=torch.int32, device=dev)
     outs = (out_tokens, out_positions, out_slots, out_block_table, out_seq_lens)
+    for name, t in zip(("out_tokens", "out_positions", "out_slots", "out_block_table",
+                        "out_seq_lens"), outs):
+        check_apart(t, name, {"rows": rows, "sampled": sampled},
+                    "a row reads another row's sampled token while others write the outputs")
     if bs == 0:
         return outs
     block_t = min(MAX_TABLE_BLOCK, triton.next_power_of_2(max_blocks))

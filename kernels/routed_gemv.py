@@ -39,7 +39,7 @@ import triton.language as tl
 
 from ._masked import _silu_mul
 from ._pdl import pdl_prologue
-from ._util import check, check_tensor, is_pow2, pdl_args
+from ._util import check, check_apart, check_tensor, is_pow2, pdl_args
 from .dense_gemv import _ROWS_TILE, rows_block_k
 
 _W2_TILE = 16384  # W2: weight elements a program loads in one round, every pick's (32 KB)
@@ -204,6 +204,8 @@ def routed_w13(x: torch.Tensor, topk_ids: torch.Tensor, n: torch.Tensor, w13: to
     inter = w13.shape[1] // 2
     check_tensor(out, "out", shape=(num_topk, inter), dtype=torch.bfloat16, device=x.device,
                  contiguous=True)
+    check_apart(out, "out", {"x": x, "w13": w13},
+                "programs read x and w13 while others write out")
     block_n, block_k = _blocks(routed_config(hidden), block_n, block_k)
     if inter == 0 or hidden == 0:
         return out
@@ -244,6 +246,8 @@ def routed_w2_combine(act: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     check_tensor(out, "out", shape=(1, hidden), dtype=(torch.bfloat16, torch.float16,
                                                         torch.float32),
                  device=act.device, contiguous=True)
+    check_apart(out, "out", {"act": act, "w2": w2, "topk_weights": topk_weights},
+                "programs read every pick's act row while others write out")
     block_n, block_k = _blocks(routed_config(inter, num_topk), block_n, block_k)
     if hidden == 0:
         return out

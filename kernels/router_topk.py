@@ -55,7 +55,7 @@ import triton.language as tl
 
 from . import routing as _routing
 from ._pdl import pdl_prologue
-from ._util import check, check_tensor, pdl_args
+from ._util import check, check_apart, check_tensor, pdl_args
 from .routing import _check_common, _check_grouped, grouped_topk_sigmoid_ref, topk_softmax_ref
 from .routing_rows import _pick, _store_picks
 
@@ -312,6 +312,10 @@ def router_topk(h, w, n, num_topk, *, out_logits, out_weights, out_ids, workspac
     grouped, group_size = _check_routing(routing, bias, num_experts, num_topk, n_group,
                                          topk_group, dev)
     num_splits = _check_workspace(workspace, semaphore, padded_bs, num_experts, dev)
+    read = {"h": h, "w": w, "bias": bias if grouped else None}
+    for name, t in (("out_logits", out_logits), ("out_weights", out_weights),
+                    ("out_ids", out_ids)):
+        check_apart(t, name, read, "programs read h and w while others write the outputs")
     if padded_bs == 0:
         return out_logits, out_weights, out_ids
     packed = _routing.PACKED if packed is None else bool(packed)

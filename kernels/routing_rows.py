@@ -42,6 +42,14 @@ def _max_nan(a, b):
 
 
 @triton.jit
+def _is(v, best):
+    """``v == best``, NaN matching NaN (``best`` from a ``_max_nan`` reduction; broadcast
+    first: the interpreter cannot combine a reduction's scalar bool with a tensor's)."""
+    b = best + tl.zeros_like(v)
+    return (v == b) | ((v != v) & (b != b))
+
+
+@triton.jit
 def _pack(v, low):
     """int64 keys of fp32 scores ``v`` and int32 tie-breakers ``low`` (in [0, 2**31)), same
     shape: key order = (v, low) order, for every v but NaN (module docstring)."""
@@ -213,15 +221,17 @@ def _grouped_sigmoid_pick(
         xk = tl.load(row_ptr + ids, mask=kmask, other=0.0).to(tl.float32)
         w = tl.where(kmask, _sigmoid(xk), 0.0)
     else:
-        # group score = sum of the two best choice values of each group
-        m1 = tl.max(c, axis=1)  # [BLOCK_G]
-        i1 = tl.min(tl.where(c == m1[:, None], j, BLOCK_S), axis=1)
-        m2 = tl.max(tl.where(j == i1[:, None], float("-inf"), c), axis=1)
+        # group score = sum of the two best choice values of each group. NaN counts as the
+        # largest value everywhere (as the packed key and torch.topk): tl.max would drop it,
+        # and a NaN lane would then never match the best, nor be picked.
+        m1 = tl.reduce(c, 1, _max_nan)  # [BLOCK_G]
+        i1 = tl.min(tl.where(_is(c, m1[:, None]), j, BLOCK_S), axis=1)
+        m2 = tl.reduce(tl.where(j == i1[:, None], float("-inf"), c), 1, _max_nan)
         gs = tl.where(g1 < N_GROUP, m1 + m2, float("-inf"))
         keep = g1 < 0  # all False, [BLOCK_G]
         for _ in tl.static_range(TOPK_GROUP):
-            gbest = tl.max(gs, axis=0)
-            gi = tl.min(tl.where((gs == gbest) & (g1 < N_GROUP) & (~keep), g1, BLOCK_G), axis=0)
+            gbest = tl.reduce(gs, 0, _max_nan)
+            gi = tl.min(tl.where(_is(gs, gbest) & (g1 < N_GROUP) & (~keep), g1, BLOCK_G), axis=0)
             keep = keep | (g1 == gi)
             gs = tl.where(g1 == gi, float("-inf"), gs)
         c = tl.where(keep[:, None] & valid, c, float("-inf"))
@@ -230,8 +240,8 @@ def _grouped_sigmoid_pick(
         big = BLOCK_G * BLOCK_S
         free = valid  # experts not picked yet (a picked expert's -inf ties a real -inf)
         for k in tl.static_range(NUM_TOPK):
-            best = tl.max(tl.max(c, axis=1), axis=0)
-            hit = (c == best) & free
+            best = tl.reduce(tl.reduce(c, 1, _max_nan), 0, _max_nan)
+            hit = _is(c, best) & free
             idx = tl.min(tl.min(tl.where(hit, eid, big), axis=1), axis=0)  # lowest id among ties
             wk = tl.sum(tl.sum(tl.where(eid == idx, s, 0.0), axis=1), axis=0)
             w = tl.where(offs_k == k, wk, w)

@@ -366,6 +366,17 @@ def test_decode_matches_ref_untouched_rows(block_n, split_k):
     assert torch.equal(ref, masked_grouped_gemm_ref(a, b, masked_m))
 
 
+@pytest.mark.parametrize("kw", [{}, {"split_k": 2}, {"swap": True, "block_n": 64}])
+def test_decode_with_k_0_writes_zero_live_rows(kw):
+    """a @ b.T over an empty K is zeros; the launcher returned at once and the live rows kept
+    what out held (expert_gemv_rows, with the same contract, zeroes them)."""
+    a, b = torch.empty(2, 3, 0, dtype=torch.bfloat16), torch.empty(2, 64, 0, dtype=torch.bfloat16)
+    masked_m = torch.tensor([2, 1], dtype=torch.int32)
+    out = _decode(a, b, masked_m, **kw)
+    assert (out[0, :2] == 0).all() and (out[1, :1] == 0).all()
+    assert out[0, 2:].isnan().all() and out[1, 1:].isnan().all()        # rows past masked_m
+
+
 def test_decode_split_k_deterministic_and_close_to_unsplit():
     a, b = _inputs(5, 16, 48, 256, seed=7)
     masked_m = torch.tensor([3, 0, 16, 1, 9], dtype=torch.int32)

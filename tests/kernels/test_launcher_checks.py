@@ -123,3 +123,30 @@ def test_add_rmsnorm_refuses_out_over_the_residual_or_the_combines_y():
     with pytest.raises(ValueError, match="out: expected a tensor apart from the combine's y"):
         add_rmsnorm(x, weight=wt, eps=1e-6, out=outs["out_recv_x"][0, :3], out_residual=x,
                     combine=combine)
+
+
+def test_row_io_routed_gemvs_and_the_router_refuse_outputs_over_their_inputs():
+    """Interpreted, each returned wrong values (on a GPU: a race): unpack_rows' tokens over
+    sampled (row 0 read row 1's token after row 1 wrote it), routed_w2_combine's out over
+    act, router_topk's logits over the gate weight."""
+    from graphrt.kernels.decode_io import unpack_rows
+    from graphrt.kernels.routed_gemv import routed_w13, routed_w2_combine
+    from graphrt.kernels.router_topk import router_topk
+    rows = torch.tensor([[0, 1, 0, 0, 1, 0], [0, 0, 0, 0, 1, 0]], dtype=torch.int32)
+    sampled = torch.tensor([11, 22, 33])
+    outs = dict(out_positions=torch.empty(2, dtype=torch.int32), out_slots=torch.empty(2, dtype=torch.int64),
+                out_block_table=torch.empty(2, 1, dtype=torch.int32),
+                out_seq_lens=torch.empty(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="out_tokens: expected a tensor apart from sampled"):
+        unpack_rows(rows, sampled, vocab=100, max_ctx=64, scratch_slot=9, scratch_block=9,
+                    out_tokens=sampled[:2], **outs)
+    act, ids, n = _t(2, 64), torch.tensor([[2, 0]]), torch.tensor([1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="out: expected a tensor apart from act"):
+        routed_w2_combine(act, ids, torch.tensor([[0.6, 0.4]]), n, _t(3, 64, 64), out=act[0:1])
+    x = _t(1, 64)
+    with pytest.raises(ValueError, match="out: expected a tensor apart from x"):
+        routed_w13(x, ids, n, _t(3, 64, 64), out=x.view(2, 32))
+    h, w = _t(8, 8), _t(8, 8)
+    with pytest.raises(ValueError, match="out_logits: expected a tensor apart from w"):
+        router_topk(h, w, torch.tensor([8], dtype=torch.int32), 2, out_logits=w,
+                    out_weights=torch.empty(8, 2), out_ids=torch.empty(8, 2, dtype=torch.int64))

@@ -94,6 +94,27 @@ def test_grouped_topk_sigmoid_deepseek_shape_cpu():
     _assert_routing(w, ids, *grouped_topk_sigmoid_ref(logits, bias, n_live, 8, 8, 4, 2.5), n_live)
 
 
+@cpu_interpreter
+@pytest.mark.parametrize("where", ["logit", "bias"])
+@pytest.mark.parametrize("n_group,topk_group", [(4, 4), (1, 1)])
+def test_a_nan_score_is_picked_first_on_both_paths(where, n_group, topk_group):
+    """The unpacked grouped pick reduced with tl.max, which drops NaN: with every expert
+    picked, the NaN lane never matched the best and an id of num_experts (out of range) was
+    stored. NaN now counts as the largest score, as the packed key and torch.topk."""
+    E = k = 16
+    logits, bias = torch.zeros(1, E), torch.arange(E).float() * 0.01
+    if where == "logit":
+        logits[0, 0] = float("nan")
+    else:
+        bias[3] = float("nan")
+    ref_w, ref_ids = grouped_topk_sigmoid_ref(logits, bias, 1, k, n_group, topk_group)
+    for packed in (True, False):
+        w, ids = _outs(1, k, "cpu")
+        grouped_topk_sigmoid(logits, bias, _n(1, "cpu"), k, n_group, topk_group, out_weights=w,
+                             out_ids=ids, packed=packed)
+        assert ids[0].tolist() == ref_ids[0].tolist(), (packed, ids)
+
+
 def test_routing_rejects_bad_arguments():
     logits = torch.randn(4, 16)
     n = _n(4, "cpu")
