@@ -184,13 +184,22 @@ class HostData:
                 return kind == "cpu" and (not self.simulate or _line_names_cpu())
         return None
 
-    def note(self, func, args, kwargs, out) -> None:
-        """Record where the result of ``func(*args, **kwargs)`` lives (simulating CUDA)."""
+    def note(self, func, args, kwargs, out):
+        """Record where the result of ``func(*args, **kwargs)`` lives (simulating CUDA), and
+        return it: a distinct copy where a move of a host tensor to the device returned that
+        very tensor (on CPU stand-ins ``t.to(device)`` is ``t``; on a GPU it is a new device
+        tensor, and the host one stays on the host: vLLM's ``x_cpu`` beside ``x``)."""
         if self.simulate:
             try:
-                self._note(func, args, kwargs or {}, out)
+                kwargs = kwargs or {}
+                if (isinstance(out, torch.Tensor) and any(out is a for a in args)
+                        and self.is_host(out) and self.target(func, args, kwargs) is False):
+                    with torch._C.DisableTorchFunctionSubclass():
+                        out = out.clone()
+                self._note(func, args, kwargs, out)
             except Exception:  # noqa: BLE001 - bookkeeping must never break the user's code
                 pass
+        return out
 
     def _note(self, func, args, kwargs, out) -> None:
         outs = tensors(out)
@@ -237,8 +246,7 @@ class _Track(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.host.note(func, args, kwargs, out)
-        return out
+        return self.host.note(func, args, kwargs, out)
 
 
 class _PassThrough(TorchDispatchMode):

@@ -73,8 +73,7 @@ class _FunctionMode(TorchFunctionMode):
             a.frames.pop()
         if a.warnings is not None and len(a.warnings) > a.warn_mark:
             self._claim_sync_warnings(func, hit)
-        a.host.note(func, args, kwargs, out)
-        return out
+        return a.host.note(func, args, kwargs, out)  # (a device move of a host tensor: a copy)
 
     def _claim_sync_warnings(self, func, hit) -> None:
         """Sync debug mode warnings the call raised that no ATen op under it claimed: torch

@@ -130,10 +130,13 @@ class _CudaMemory(HostData):
         names.is_host = self.is_host
         return names.target(func, args, kwargs)
 
-    def note(self, func, args, kwargs, out) -> None:
+    def note(self, func, args, kwargs, out):
         kwargs = kwargs or {}
         ins = tensors(args, kwargs)
         target = self.target(func, args, kwargs)
+        if (isinstance(out, torch.Tensor) and target is False and self.is_host(out)
+                and any(out is a for a in args)):
+            out = out.clone()  # a GPU's move makes a new device tensor; the host one stays
         if target is not None:
             for t in tensors(out):
                 if target:
@@ -142,6 +145,7 @@ class _CudaMemory(HostData):
                     self._device[t] = True
         elif any(t in self._device for t in ins):  # in place: a host buffer stays host
             self.on_device([t for t in tensors(out) if not any(t is a for a in ins)])
+        return out
 
 
 def _user_line_names_cpu() -> bool:

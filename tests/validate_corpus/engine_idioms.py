@@ -138,6 +138,31 @@ def bad_combine_joined_in_the_next_step(device):
     return _spec(step)
 
 
+def bad_host_half_uploaded_in_the_step(device):
+    """vLLM keeps ``*_cpu`` beside its device tensor; the step uploads the host half. On CPU
+    stand-ins ``bias_cpu.to(device)`` in FUNC was ``bias_cpu`` itself, so the host half
+    passed for device memory and the upload went unseen."""
+    bias_cpu = torch.linspace(-1.0, 1.0, H)
+    bias = bias_cpu.to(device)
+
+    def step(x):
+        return x + bias + bias_cpu.to(x.device)  # expect: host-to-device-copy
+
+    return _spec(step)
+
+
+def bad_host_half_copied_into_the_device_half(device):
+    """vLLM's ``CpuGpuBuffer.copy_to_gpu()`` inside the step."""
+    buf = _CpuGpuBuffer(8, dtype=torch.int64, device=device)
+
+    def step(x):
+        n = x.shape[0]
+        buf.gpu[:n].copy_(buf.cpu[:n], non_blocking=True)  # expect: host-to-device-copy
+        return x + buf.gpu[:n, None]
+
+    return _spec(step)
+
+
 # -- safe --------------------------------------------------------------------------------------
 class _CpuGpuBuffer:
     """As vLLM's ``CpuGpuBuffer``: a host tensor and its device copy, made once."""
@@ -154,6 +179,19 @@ def safe_cpu_gpu_buffer_device_half(device):
     def step(x):
         pos.gpu[: x.shape[0]].add_(1)
         return x + pos.gpu[: x.shape[0], None]
+
+    return _spec(step)
+
+
+def safe_host_half_read_on_the_host(device):
+    """The host half of a table read on the host: host work (reported as a sync before, the
+    host half taken for its device copy)."""
+    blocks_cpu = torch.tensor([3, 1, 2, 4])
+    blocks = blocks_cpu.to(device)
+
+    def step(x):
+        widest = int(blocks_cpu.max())
+        return x[:, :widest] * blocks[:1].to(x.dtype)
 
     return _spec(step)
 
