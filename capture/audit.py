@@ -253,15 +253,13 @@ class StreamAudit:
                 forked_at[waiter] = at
         for sid, work in self._work.items():
             fork = forked_at.get(sid)
-            if fork is None and (sid in unjoined or not _following):
-                # never forked and unjoined: reported as such above. Never forked but
-                # joined: a fork made through torch.Event / torch.Stream or C++ is not seen
-                # in this process, so only a run that follows them (validate) says so.
-                continue
+            if fork is None and sid in unjoined:
+                continue  # never forked and unjoined: reported as such above
             # ops before the fork (entering the stream to fork it is no work); with no fork
-            # at all, the entries too (a Triton launch there is not seen op by op)
+            # seen at all, the entries too where forks are followed (a Triton launch is not
+            # seen op by op; in this process a fork through torch.Event or C++ is not seen)
             early = [w for w in work if (w[2] and (fork is None or w[0] < fork))
-                     or (fork is None and not w[2])]
+                     or (fork is None and not w[2] and _following)]
             if not early:
                 continue
             file, line = early[0][1]

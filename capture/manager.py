@@ -222,6 +222,7 @@ class CaptureManager:
             _clear_cublas_workspaces()
             _ensure_no_capture(stream)  # also after KeyboardInterrupt
             self._reset_buffers()
+        self._agree_fallbacks()
         for f in self.failures.values():
             warnings.warn(CaptureWarning(f"{self.spec.name}: batch size {f.size} was not captured "
                                          f"({f.summary}); it runs eagerly (the whole error is in "
@@ -272,6 +273,15 @@ class CaptureManager:
                              f"{exc}", exc=exc, step_raised=True)
             mine = False
         return self._agree(size, mine, "warm-up")
+
+    def _agree_fallbacks(self) -> None:
+        """With ranks: a failed size's ``step_raised`` as any rank saw it (one collective a
+        failed size; every rank holds the same failed sizes, ``_agree``), so every rank's
+        eager fallback pads that size alike."""
+        if self.coordinator is not None:
+            for size in sorted(self.failures):
+                f = self.failures[size]
+                f.step_raised = not self.coordinator.all_ok(not f.step_raised)
 
     def _agree(self, size: int, mine: bool, what: str) -> bool:
         """Whether ``size`` goes on: ``mine`` on this rank and, with a coordinator, on every

@@ -286,8 +286,10 @@ class LeasedTensor(torch.Tensor):
 
     def __deepcopy__(self, memo):
         got = memo.get(id(self))
-        if got is None:  # (keyed by this lease: a temporary alias's id is reused)
-            got = memo[id(self)] = self._plain().clone()
+        if got is None:  # a plain alias's deepcopy, as lean mode's (storage shared between
+            plain = self._plain()  # leases stays shared), the alias kept alive in the memo
+            memo.setdefault(id(memo), []).append(plain)  # (copy's convention): its id is
+            got = memo[id(self)] = plain.__deepcopy__(memo)  # not reused for another lease
         return got
 
     def __copy__(self):

@@ -344,12 +344,10 @@ class GraphRuntime:
         if size is None and self.oversize == "raise":
             raise NoGraphForBatch(pick_n, max(self.graphs) if self.graphs else None)
         # At the padded size of a size that failed capture (its plan, as its replay would
-        # be), unless the step itself raised there; an oversize batch, and any batch with
-        # ranks (every rank must run one padded size, whatever failed where), at the batch
-        # agreed across ranks (the live one alone).
+        # be), unless the step itself raised there (on any rank: the capture agreed on it);
+        # an oversize batch at the batch agreed across ranks (the live one alone).
         failed = self.failures.get(size)
-        padded = (size if size is not None and self.coordinator is None
-                  and not (failed and failed.step_raised) else pick_n)
+        padded = size if size is not None and not (failed and failed.step_raised) else pick_n
         sig = self.manager.signature if self.manager is not None else None
         with torch.no_grad():  # planned for its padded size first, as a replay
             out = self._owned(self.spec.call_padded(inputs, padded, sig, plan=True), inputs)

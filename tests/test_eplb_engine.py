@@ -188,10 +188,15 @@ def test_a_rebalance_leaves_the_callers_placement_and_other_maps_alone():
     ({"min_gain": float("nan")}, "min_gain"), ({"min_gain": 5.0}, "min_gain"),
     ({"min_gain": -1.0}, "min_gain"), ({"interval": 0}, "interval"),
     ({"interval": True}, "interval"), ({"interval": 2.5}, "interval"),
+    ({"two_ranks": True}, "spans 2 expert-parallel ranks"),
 ])
 def test_balancer_settings_out_of_range_are_refused(kw, match):
-    """min_gain NaN or >= 1 disabled every rebalance, a negative one applied regressions."""
+    """min_gain NaN or >= 1 disabled every rebalance, a negative one applied regressions.
+    A map of two EP ranks without torch.distributed would rebalance on one rank's load."""
     eng = EngineMoE(use_map=True)
+    if kw.pop("two_ranks", False):
+        eng.map = ExpertMap(home_placement(1, E, 2, S // 2, M), rank=0, device="cpu")
+        eng.w_slots = eng.w_slots[:S // 2]
     with pytest.raises(ValueError, match=match):
         ExpertBalancer(eng.map, slots=[{"w": eng.w_slots}],
                        store=HostExpertStore([{"w": eng.checkpoint}]), **kw)
@@ -213,9 +218,30 @@ def _balancer_in_world(rank, world, port, out):
         dist.destroy_process_group()
 
 
-def test_a_group_that_is_not_the_ep_group_is_refused_up_front():
-    """The default group, WORLD, with TP or DP beside EP: the first counter window gathered
-    a world's worth of parts into the EP rank count and raised inside balancer.step()."""
+def _balancer_in_ep_group(rank, world, port, out):
+    import datetime
+    import os
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]      # TP=2 x EP=2
+        mine = groups[rank // 2]
+        m = ExpertMap(home_placement(1, 4, 2, 3, 4), rank=dist.get_rank(mine), device="cpu")
+        ck = torch.randn(4, 2)
+        slots = [{"w": ck[m.placement.slot_expert[0][m.rank * 3:(m.rank + 1) * 3]].clone()}]
+        bal = ExpertBalancer(m, slots=slots, store=HostExpertStore([{"w": ck}]), interval=1,
+                             group=mine)
+        m.load[0] += 10 ** rank
+        out.put((rank, bal.read_now()["load"][0].tolist()))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out.put((rank, f"{type(exc).__name__}: {exc}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(target, world):
     import socket
     import torch.multiprocessing as mp
     with socket.socket() as s:
@@ -223,11 +249,27 @@ def test_a_group_that_is_not_the_ep_group_is_refused_up_front():
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_balancer_in_world, args=(r, 2, port, out)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, world, port, out)) for r in range(world)]
     for p in procs:
         p.start()
-    got = dict(out.get(timeout=120) for _ in procs)
+    got = dict(out.get(timeout=180) for _ in procs)
     for p in procs:
         p.join(60)
+    return got
+
+
+def test_each_ep_group_sums_its_own_ranks_windows():
+    """Two EP groups side by side: each one's gloo twin was made by its own ranks under a
+    counter name, the two rendezvoused as one and the windows crossed (rank 0 summed ranks 0
+    and 3), or hung. Each group now sums its own two ranks."""
+    got = _spawn(_balancer_in_ep_group, 4)
+    assert [got[r][0] if isinstance(got[r], list) else got[r] for r in range(4)] == \
+        [11, 11, 1100, 1100], got
+
+
+def test_a_group_that_is_not_the_ep_group_is_refused_up_front():
+    """The default group, WORLD, with TP or DP beside EP: the first counter window gathered
+    a world's worth of parts into the EP rank count and raised inside balancer.step()."""
+    got = _spawn(_balancer_in_world, 2)
     assert all("InputError: ExpertBalancer group: expected the expert-parallel group" in v
                for v in got.values()), got

@@ -597,3 +597,19 @@ def test_the_eager_fallback_of_a_size_whose_step_raised_runs_unpadded(fake_captu
     limit[0] = 12
     out = rt.run(x=torch.ones(10, 4))
     assert out.shape == (10, 4) and (out == 2).all() and rt.counters["eager"] == 1
+
+
+def test_ranks_agree_whether_a_failed_sizes_step_raised():
+    """A size whose step raised on one rank only: every rank's eager fallback must pad it the
+    same way (unpadded), so the flag is agreed at the end of capture, one collective each."""
+    calls = []
+
+    class Peer:                                        # another rank's step raised at 16
+        def all_ok(self, ok):
+            calls.append(ok)
+            return ok and len(calls) != 2              # the second call: size 16's flag
+    m = _manager(Peer(), strict=False)
+    m.failures = {8: CaptureFailure(8, "capture raised"), 16: CaptureFailure(16, "capture raised")}
+    m._agree_fallbacks()
+    assert calls == [True, True]                       # sizes 8, 16, in order
+    assert (m.failures[8].step_raised, m.failures[16].step_raised) == (False, True)

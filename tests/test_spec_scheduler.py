@@ -206,6 +206,10 @@ def test_a_lease_deep_copies_saves_and_re_subclasses_only_while_valid():
     many = {f"o{i}": LeasedTensor.lease(torch.full((2,), float(i)), clock) for i in range(20)}
     copies = copy.deepcopy(many)
     assert all(torch.equal(copies[k], torch.full((2,), float(i))) for i, k in enumerate(many))
+    # leases of one buffer stay one storage in the copy, as lean mode's plain views do
+    halves = copy.deepcopy([LeasedTensor.lease(base[:1], clock), LeasedTensor.lease(base, clock)])
+    halves[1].zero_()
+    assert (halves[0] == 0).all() and torch.equal(base, torch.arange(6.0).reshape(3, 2))
     shallow = copy.copy(leased)                # a lease still: its stale read raises
     assert type(shallow) is LeasedTensor
     clock.bump()

@@ -145,7 +145,8 @@ def test_an_unjoined_stretch_is_named_at_its_own_entry(traced):
 def test_a_stream_never_forked_but_joined_is_named_only_where_forks_are_seen(traced, monkeypatch):
     """A Triton launch on a stream never forked (an entry, no ATen op) and joined back: its
     work ran outside the graph. A fork made through torch.Event or C++ is not seen without
-    the GPU trace, so only a run that follows them (validate's child) says so."""
+    the GPU trace, so only a run that follows them (validate's child) names an entry; an
+    ATen op there is named in any process (with the caveat)."""
     traced.note_work(_Stream(SIDE), site=False)                       # never forked
     gt.EventRecordCallbacks.fire_callbacks(EV_JOIN, SIDE)
     gt.EventWaitCallbacks.fire_callbacks(EV_JOIN, ROOT)
@@ -154,3 +155,8 @@ def test_a_stream_never_forked_but_joined_is_named_only_where_forks_are_seen(tra
     assert f.line == _line_of("never forked") and "before it is forked" in f.message
     monkeypatch.setattr(audit, "_following", False)
     assert traced.findings() == []
+    traced.note_work(_Stream(SIDE))                     # an op there, before the join: seen
+    gt.EventRecordCallbacks.fire_callbacks(EV_JOIN, SIDE)
+    gt.EventWaitCallbacks.fire_callbacks(EV_JOIN, ROOT)
+    (f,) = traced.findings()
+    assert "before it is forked" in f.message and "not seen in this process" in f.message

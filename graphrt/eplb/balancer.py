@@ -33,6 +33,8 @@ mode ``"error"`` passes, tested on the GPU).
 """
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 import torch
 
@@ -66,8 +68,8 @@ class ExpertBalancer:
         from graphrt.eplb.expert_map import ExpertMap
         interval = check_int("ExpertBalancer interval", interval, 1,
                              " (steps between counter reads)")
-        if isinstance(min_gain, bool) or not isinstance(min_gain, (int, float)) \
-                or not 0 <= min_gain < 1:  # (NaN fails too)
+        if isinstance(min_gain, bool) or not isinstance(min_gain, numbers.Real) \
+                or not 0 <= min_gain < 1:  # (NaN fails too; np.float32 passes)
             raise InputError(f"ExpertBalancer min_gain: expected a fraction in [0, 1) (the "
                              f"predicted drop of the max/mean load a rebalance needs), got "
                              f"{min_gain!r}")
@@ -129,17 +131,27 @@ class ExpertBalancer:
 
     def _gloo(self, group):
         import torch.distributed as dist
+        m = self.map
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+            if m.num_ranks > 1:  # it would rebalance on this rank's load alone
+                raise InputError(
+                    f"ExpertBalancer: the map spans {m.num_ranks} expert-parallel ranks, but "
+                    "torch.distributed is not initialised with them (or group= has one rank): "
+                    "every EP rank runs a balancer over the EP group, group=")
             return None
-        size, rank, m = dist.get_world_size(group), dist.get_rank(group), self.map
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
         if size != m.num_ranks or rank != m.rank:  # the windows are gathered in group order
             raise InputError(
                 f"ExpertBalancer group: expected the expert-parallel group ({m.num_ranks} ranks, "
                 f"this one rank {m.rank} of the map), got a group of {size} ranks in which this "
                 f"one is rank {rank}{' (WORLD: the default)' if group is None else ''}; pass "
                 "group= the EP group (with TP or DP beside EP, WORLD is not it)")
-        ranks = None if group is None else dist.get_process_group_ranks(group)
-        return dist.new_group(ranks=ranks, backend="gloo")
+        if group is None:
+            return dist.new_group(backend="gloo")
+        # Only this EP group's ranks make its gloo twin: named by its ranks (local
+        # synchronization), or two EP groups' twins rendezvous as one and cross their windows.
+        return dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo",
+                              use_local_synchronization=True)
 
     # -- the loop -------------------------------------------------------------------------
     def step(self) -> bool:
