@@ -19,6 +19,7 @@ form: suppress the ATen ops inside".
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -54,6 +55,12 @@ UPLOAD = ("copies host data (a Python list, a NumPy array or a CPU tensor) to th
 
 D2H = ("copies device data into a host tensor: a sync. Keep the result on the device (return "
        "it; the engine copies outputs after the replay)")
+
+SCALAR_WRITE = ("writes a Python number (or a host 0-d tensor) into one element of a device "
+                "tensor, or at integer-tensor indices: torch uploads the value from host memory "
+                "first, a blocking copy that CUDA-graph capture refuses. Write it with a fill "
+                "kernel: x[i:i+1] = v, x.index_fill_(dim, idx, v), x.scatter_(dim, idx, v), or "
+                "from a device value (x.new_full((), v))")
 
 _F = torch.nn.functional
 _T = torch.Tensor
@@ -193,6 +200,33 @@ def _bool_mask_read(args, kwargs, ctx):
     return True if len(args) > 1 and _has_bool_index(args[1]) else None
 
 
+def _scalar_write(args, ctx) -> Hit | None:
+    """``x[i] = 5.0`` / ``x[idx] = 5.0`` on a device tensor: for a CUDA tensor torch makes the
+    value a host 0-d tensor; a 0-d target takes it by ``copy_`` (a blocking upload), integer
+    tensor indices by ``index_put_`` (``value.to(device)``). A target of one or more
+    dimensions (``x[i:i+1]``, a row) takes it by ``fill_``, and a bool mask by
+    ``masked_fill_``: no copy."""
+    if len(args) < 3 or ctx.host.is_host(args[0]):
+        return None
+    value = args[2]
+    if isinstance(value, torch.Tensor):
+        if value.dim() or not ctx.host.is_host(value):
+            return None
+    elif not isinstance(value, numbers.Real):         # (a bool is a Real too)
+        return None
+    parts = args[1] if isinstance(args[1], tuple) else (args[1],)
+    if any(_is_bool_tensor(p) for p in parts):
+        return None                                   # masked_fill_ (the rule below)
+    at_indices = any(isinstance(p, torch.Tensor) and not p.is_floating_point() for p in parts)
+    ints = sum(isinstance(p, numbers.Integral) and not isinstance(p, bool) for p in parts)
+    one_element = (all(p is Ellipsis or (isinstance(p, numbers.Integral)
+                                         and not isinstance(p, bool)) for p in parts)
+                   and ints == args[0].dim())
+    if at_indices or one_element:
+        return Hit(_SYNC, "indexed assignment of a host scalar", SCALAR_WRITE)
+    return None
+
+
 def _bool_mask_write(args, kwargs, ctx):
     upload = _indexing_host(args, ctx, "indexed assignment")
     if upload is not None:
@@ -200,6 +234,9 @@ def _bool_mask_write(args, kwargs, ctx):
     across = _assign_across(args, ctx)
     if across is not None:
         return across
+    scalar = _scalar_write(args, ctx)
+    if scalar is not None:
+        return scalar
     if not (len(args) > 2 and _has_bool_index(args[1])):
         return None
     value = args[2]

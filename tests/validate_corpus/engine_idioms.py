@@ -163,6 +163,32 @@ def bad_host_half_copied_into_the_device_half(device):
     return _spec(step)
 
 
+def bad_sampled_token_banned_by_index(device):
+    """``logits[rows, tok] = -inf``: a Python number at integer-tensor indices goes through
+    ``index_put_``, which uploads it from host memory (``value.to(device)``)."""
+
+    def step(x, ids):
+        out = x.clone()
+        rows = torch.arange(x.shape[0], device=x.device)
+        out[rows, ids] = float("-inf")  # expect: host-sync
+        return out.softmax(-1)
+
+    return _spec(step, **_ids())
+
+
+def bad_first_offset_set_to_zero(device):
+    """``cu_seqlens[0] = 0``: one element takes the number by ``copy_`` from a host 0-d
+    tensor, a blocking upload."""
+
+    def step(x, ids):
+        cu = torch.empty(x.shape[0] + 1, dtype=torch.int32, device=x.device)
+        cu[0] = 0  # expect: host-sync
+        cu[1:] = torch.cumsum(torch.ones_like(ids, dtype=torch.int32), 0)
+        return x * cu[1:, None]
+
+    return _spec(step, **_ids())
+
+
 # -- safe --------------------------------------------------------------------------------------
 class _CpuGpuBuffer:
     """As vLLM's ``CpuGpuBuffer``: a host tensor and its device copy, made once."""
@@ -194,6 +220,23 @@ def safe_host_half_read_on_the_host(device):
         return x[:, :widest] * blocks[:1].to(x.dtype)
 
     return _spec(step)
+
+
+def safe_numbers_written_by_fill_kernels(device):
+    """A row, a slice, a one-element slice and a bool mask take a Python number by ``fill_``
+    or ``masked_fill_``: no copy from the host."""
+
+    def step(x, ids):
+        out = x.clone()
+        cu = torch.empty(x.shape[0] + 1, dtype=torch.int32, device=x.device)
+        out[0] = 0.0
+        out[:, :1] = 1.0
+        out[ids > 2] = -1.0
+        cu[:1] = 0
+        cu[1:] = torch.cumsum(torch.ones_like(ids, dtype=torch.int32), 0)
+        return out * cu[1:, None]
+
+    return _spec(step, **_ids())
 
 
 def safe_index_put_by_keywords(device):
