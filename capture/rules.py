@@ -130,7 +130,7 @@ def _to(args, kwargs, ctx):
     target = ctx.host.target(_T.to, args, kwargs)
     if target is True and not ctx.host.is_host(src):
         return True
-    if target is False and ctx.host.is_host(src) and src.dim() > 0:
+    if target is False and ctx.host.is_host(src):  # a 0-d one too: a blocking upload
         return Hit(_H2D, "Tensor.to (host->device)", UPLOAD)
     return None
 
@@ -150,7 +150,7 @@ def _from_data(position: int, name: str, what: str):
             if position == 0:
                 return None  # stays in its own memory
             to_host = ctx.host.is_host(args[0])
-        if to_host is False and ctx.host.is_host(data) and data.dim() > 0:
+        if to_host is False and ctx.host.is_host(data):
             return Hit(_H2D, f"{what} (host->device)", UPLOAD)
         if to_host is True and not ctx.host.is_host(data):
             return Hit(_SYNC, f"{what} (device->host)", D2H)
@@ -246,13 +246,16 @@ def _bool_mask_write(args, kwargs, ctx):
     return True
 
 
-def across(dst: torch.Tensor, src: torch.Tensor, ctx: Ctx, what: str) -> Hit | None:
+def across(dst: torch.Tensor, src: torch.Tensor, ctx: Ctx, what: str,
+           scalars: bool = False) -> Hit | None:
     """A copy of ``src`` into ``dst`` between host and device memory (``Tensor.copy_``, and
     the ``copy_`` that ``dst[i] = src`` ends in): device data into a host tensor syncs; a host
-    tensor of one or more dimensions into a device one uploads. None within one memory."""
+    tensor into a device one uploads: one of one or more dimensions, or, ``scalars``
+    (``copy_`` itself), a 0-d one too (``dst[i] = src`` takes a 0-d host value by a fill
+    kernel, or by an upload that ``_scalar_write`` names). None within one memory."""
     if ctx.host.is_host(dst) and not ctx.host.is_host(src):
         return Hit(_SYNC, f"{what} (device->host)", D2H)
-    if not ctx.host.is_host(dst) and ctx.host.is_host(src) and src.dim() > 0:
+    if not ctx.host.is_host(dst) and ctx.host.is_host(src) and (scalars or src.dim() > 0):
         return Hit(_H2D, f"{what} (host->device)", UPLOAD)
     return None
 

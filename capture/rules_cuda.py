@@ -86,14 +86,14 @@ def _index_put_host(args, kwargs, ctx):
 
 def _to_device_copy(args, kwargs, ctx):
     src = args[0] if args else None
-    return bool(ctx.host.is_host(src) and src.dim() > 0) or None
+    return bool(ctx.host.is_host(src)) or None  # a 0-d one too: a blocking upload
 
 
 def _copy_across(args, kwargs, ctx):
     dst, src = _arg(args, kwargs, 0, "self"), _arg(args, kwargs, 1, "src")
     if not (isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor)):
         return None
-    return across(dst, src, ctx, "Tensor.copy_")
+    return across(dst, src, ctx, "Tensor.copy_", scalars=True)
 
 
 def _sync(name, message, *functions, when=None, op=None, host_args_safe=True) -> Rule:

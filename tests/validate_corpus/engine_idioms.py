@@ -189,6 +189,17 @@ def bad_first_offset_set_to_zero(device):
     return _spec(step, **_ids())
 
 
+def bad_host_temperature_moved_in_the_step(device):
+    """A sampling temperature kept as a host 0-d tensor, moved to the device every step: a
+    blocking upload (a 0-d one too), which capture refuses."""
+    temp = torch.tensor(0.7)
+
+    def step(x):
+        return x / temp.to(x.device)  # expect: host-to-device-copy
+
+    return _spec(step)
+
+
 # -- safe --------------------------------------------------------------------------------------
 class _CpuGpuBuffer:
     """As vLLM's ``CpuGpuBuffer``: a host tensor and its device copy, made once."""
@@ -237,6 +248,16 @@ def safe_numbers_written_by_fill_kernels(device):
         return out * cu[1:, None]
 
     return _spec(step, **_ids())
+
+
+def safe_host_temperature_as_an_operand(device):
+    """The same host 0-d tensor as an operand: TensorIterator passes it as a kernel argument."""
+    temp = torch.tensor(0.7)
+
+    def step(x):
+        return x / temp
+
+    return _spec(step)
 
 
 def safe_index_put_by_keywords(device):
