@@ -71,6 +71,24 @@ def _any_device_tensor(args, kwargs, ctx):
     return any(_device_tensor(a, ctx) for a in list(args) + list(kwargs.values())) or None
 
 
+def isin_uniques(elements, test, assume_unique, on_device) -> bool:
+    """Whether ``isin`` takes ATen's sorting path and calls ``_unique`` there (a sync on
+    CUDA: its output size follows the data): both tensors, some on the device, no
+    ``assume_unique``, and ``test.numel() >= int(10 * elements.numel() ** 0.145)`` (NumPy's
+    heuristic, ``isin_Tensor_Tensor_out``, shared by CPU and CUDA)."""
+    if not (isinstance(elements, torch.Tensor) and isinstance(test, torch.Tensor)):
+        return False
+    if assume_unique or elements.numel() == 0 or not (on_device(elements) or on_device(test)):
+        return False
+    return test.numel() >= int(10.0 * float(elements.numel()) ** 0.145)
+
+
+def _isin_sorts(args, kwargs, ctx):
+    return isin_uniques(_arg(args, kwargs, 0, "elements"), _arg(args, kwargs, 1, "test_elements"),
+                        bool(kwargs.get("assume_unique", False)),
+                        lambda t: not ctx.host.is_host(t)) or None
+
+
 def _segment_lengths_checked(args, kwargs, ctx):
     return kwargs.get("lengths") is not None and not kwargs.get("unsafe", False)
 
@@ -125,6 +143,11 @@ CUDA_RULES: tuple[Rule, ...] = (
     _sync("segment_reduce", "with lengths= it checks them on the host (.item() of min/sum): a "
           "sync. Pass unsafe=True or offsets=, or index_add_ rows into a fixed [segments] "
           "buffer by segment id", torch.segment_reduce, when=_segment_lengths_checked),
+    _sync("isin", "with a test set of many values (test.numel() >= 10 * elements.numel() "
+          "** 0.145) ATen sorts and calls _unique, whose size follows the data: a sync on "
+          "CUDA. Compare directly: (x[..., None] == test).any(-1) (or assume_unique=True, "
+          "only when both the values and the test set are distinct)", torch.isin,
+          when=_isin_sorts, op="torch.isin"),
     _sync("ctc_loss", "copies the lengths to the host (and uploads batch offsets) on CUDA, "
           "outside cuDNN's path: a sync. Keep CTC out of the captured step",
           torch.ctc_loss, _F.ctc_loss, op="ctc_loss"),
@@ -149,8 +172,16 @@ def _aten_any_tensor(func, args, kwargs, host):
     return any(isinstance(a, torch.Tensor) and not host.is_host(a) for a in args[:2])
 
 
+def _aten_isin(func, args, kwargs, host):
+    return isin_uniques(args[0] if args else None, args[1] if len(args) > 1 else None,
+                        bool(kwargs.get("assume_unique", args[2] if len(args) > 2 else False)),
+                        lambda t: not host.is_host(t))
+
+
 _ATEN_READS = "reads a tensor argument on the host (.item() in the CUDA kernel): a sync"
 ATEN_CUDA = {
+    _A.isin: (_aten_isin, "sorts and calls _unique for a large test set: a sync on CUDA. "
+              "Compare with (x[..., None] == test).any(-1)"),
     _A.masked_fill: (_aten_value(2), _ATEN_READS + ". Use torch.where(mask, value, x)"),
     _A.masked_fill_: (_aten_value(2), _ATEN_READS + ". Use torch.where(mask, value, x)"),
     _A.index_fill: (_aten_value(3), _ATEN_READS + ". Pass a Python number"),

@@ -32,7 +32,8 @@ CASES = {
     "full": "bad_full_device_value", "linspace": "bad_linspace_device_bounds",
     "arange": "bad_arange_live_count", "narrow": "bad_narrow_device_start",
     "segment_reduce": "bad_segment_reduce_lengths",
-    "ctc_loss": "bad_ctc_loss", "index_put": "bad_index_put_host_rows",
+    "ctc_loss": "bad_ctc_loss", "isin": "bad_isin_many_stop_ids",
+    "index_put": "bad_index_put_host_rows",
     "copy_": "bad_copy_into_host_buffer",
     "cuda": None,  # Tensor.cuda() cannot run on a CPU machine: test_cuda_method_on_host_data
 }

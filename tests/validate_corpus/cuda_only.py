@@ -284,6 +284,28 @@ def bad_ctc_loss(device):
     return _spec(step, targets=graphrt.Input((None, 2), torch.int64, low=1, high=3, pad_value=1))
 
 
+def bad_isin_many_stop_ids(device):
+    """Stop tokens checked with torch.isin against 24 ids: at that many ATen sorts and calls
+    _unique (its size follows the data), a sync on CUDA."""
+    stop = torch.arange(24, device=device)
+
+    def step(x, ids):
+        return x * torch.isin(ids, stop)[:, None]  # expect: host-sync
+
+    return _spec(step, ids=graphrt.Input((None,), torch.int64, high=64))
+
+
+def safe_isin_few_stop_ids_or_a_direct_compare(device):
+    """Two stop ids (isin's elementwise path), and 24 compared directly."""
+    few, many = torch.tensor([3, 7], device=device), torch.arange(24, device=device)
+
+    def step(x, ids):
+        hit = torch.isin(ids, few) | (ids[:, None] == many).any(-1)
+        return x * hit[:, None]
+
+    return _spec(step, ids=graphrt.Input((None,), torch.int64, high=64))
+
+
 # -- copies between host and device memory -----------------------------------------------------
 def bad_upload_host_bias(device):
     """A bias built in FUNC without device= and moved in the step, every call."""
