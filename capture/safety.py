@@ -21,7 +21,6 @@ skipped. ``analyze_step`` runs it at every size and returns a ``SafetyReport``; 
 from __future__ import annotations
 
 import contextlib
-
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -186,6 +185,34 @@ class _DispatchMode(TorchDispatchMode):
             a.trace.append(TraceOp(str(func.overloadpacket.__name__), shapes, file, line))
 
 
+
+def stub_cuda_queries() -> list:
+    """On CPU stand-ins, answer the harmless CUDA calls a step may make as they would be
+    answered eagerly on a GPU (``torch.cuda.is_current_stream_capturing()`` False; NVTX
+    ranges and marks no-ops), where a CPU build raises. Returns ``[(owner, name, original)]``
+    to put back. Host-only."""
+    saved = []
+    nvtx = getattr(torch.cuda, "nvtx", None)
+    for obj, stubs in ((torch.cuda, {"is_current_stream_capturing": lambda *a, **k: False}),
+                       (nvtx, dict.fromkeys(("range_push", "range_pop", "mark"),
+                                            lambda *a, **k: 0))):
+        for name, stub in stubs.items():
+            if obj is not None and hasattr(obj, name):
+                saved.append((obj, name, getattr(obj, name)))
+                setattr(obj, name, stub)
+    return saved
+
+
+@contextlib.contextmanager
+def cuda_queries_on_cpu():
+    """``stub_cuda_queries`` inside the block (a CPU run of a step outside the analysis)."""
+    saved = stub_cuda_queries()
+    try:
+        yield
+    finally:
+        for obj, name, orig in reversed(saved):
+            setattr(obj, name, orig)
+
 class SafetyAnalyzer:
     """Analyze one eager call of a step; findings accumulate in ``self.findings``.
 
@@ -270,6 +297,8 @@ class SafetyAnalyzer:
 
             saved.append((obj, name, orig))
             setattr(obj, name, patched)
+        if not self.cuda:
+            saved += stub_cuda_queries()
         return saved
 
     def __enter__(self):

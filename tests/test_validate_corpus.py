@@ -207,13 +207,18 @@ def test_corpus_case_with_cuda_mode_decisions(path, func, expected, monkeypatch)
     cuda``: ``HostData`` by device (``_CudaMemory``), CUDA-mode rules, no stand-in
     bookkeeping. Only what needs a CUDA runtime is mocked: ``t.device`` (``_CudaMemory``),
     ``torch.cuda.get/set_sync_debug_mode`` and ``torch.cuda.synchronize`` (no-ops: the sync
-    debug mode sees nothing here), and the side-stream audit (``_NoStreams``). It reports the
+    debug mode sees nothing here), NVTX and ``is_current_stream_capturing`` (as a GPU answers
+    them eagerly), and the side-stream audit (``_NoStreams``). It reports the
     corpus's ``(kind, line)`` set, as the CPU does: what CUDA mode's rules decide cannot differ
     from CPU mode's without failing here (``moe_routing:bad_numpy_offsets`` did, as measured on
     the H200: ``torch.from_numpy`` counted as work on host data)."""
     monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    for owner, name, orig in safety.stub_cuda_queries():  # what a GPU answers (NVTX, ...)
+        stub = getattr(owner, name)
+        setattr(owner, name, orig)                       # monkeypatch puts the original back
+        monkeypatch.setattr(owner, name, stub)
     monkeypatch.setattr(safety, "StreamAudit", _NoStreams)
     monkeypatch.setattr(safety, "SafetyAnalyzer", _AsCuda)
     monkeypatch.setattr(safety, "WriteLog", _InputsOnDevice)

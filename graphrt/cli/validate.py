@@ -404,8 +404,11 @@ def validate(target: str, sizes: list[int] | str | None = None, device: str | No
         from graphrt.outputs import infer_signature, probe_calls
         if not report.errors:  # (a step with hazards is not run outside the analysis)
             # what capture checks on CUDA: outputs batch-major or fixed-shape, as declared
+            from graphrt.capture.safety import cuda_queries_on_cpu
+            quiet = cuda_queries_on_cpu() if run_dev.type == "cpu" else contextlib.nullcontext()
             try:
-                calls = probe_calls(spec, sizes, run_dev)
+                with quiet:  # (NVTX ranges, is_current_stream_capturing: as the analysis)
+                    calls = probe_calls(spec, sizes, run_dev)
             except (Exception, SystemExit) as exc:  # noqa: BLE001 - a crash: exit 2
                 raise _crash(spec, tgt, exc, "the output check") from None
             try:

@@ -260,6 +260,20 @@ def safe_host_temperature_as_an_operand(device):
     return _spec(step)
 
 
+def safe_capture_query_and_nvtx_ranges(device):
+    """vLLM-style forward paths: ``torch.cuda.is_current_stream_capturing()`` to pick a
+    branch, NVTX ranges around the step. Harmless; on CPU stand-ins a CPU build raised in
+    both (the validator exited 2)."""
+
+    def step(x):
+        torch.cuda.nvtx.range_push("decode")
+        scale = 2.0 if torch.cuda.is_current_stream_capturing() else 2.0
+        torch.cuda.nvtx.range_pop()
+        return x * scale
+
+    return _spec(step)
+
+
 def safe_index_put_by_keywords(device):
     """``torch.index_put`` with every argument by keyword, device indices."""
 
