@@ -56,6 +56,10 @@ UPLOAD = ("copies host data (a Python list, a NumPy array or a CPU tensor) to th
 D2H = ("copies device data into a host tensor: a sync. Keep the result on the device (return "
        "it; the engine copies outputs after the replay)")
 
+ELEMENTS = ("reads each device tensor of the list on the host (.item()): a sync, and the "
+            "values are frozen into the graph. Keep them on the device: torch.stack([...]) "
+            "(or torch.cat)")
+
 SCALAR_WRITE = ("writes a Python number (or a host 0-d tensor) into one element of a device "
                 "tensor, or at integer-tensor indices: torch uploads the value from host memory "
                 "first, a blocking copy that CUDA-graph capture refuses. Write it with a fill "
@@ -143,6 +147,9 @@ def _from_data(position: int, name: str, what: str):
     syncs; otherwise no copy (None: the ATen ops inside are looked at as usual)."""
     def when(args, kwargs, ctx):
         data = args[position] if len(args) > position else kwargs.get(name)
+        if isinstance(data, (list, tuple)) and any(
+                isinstance(v, torch.Tensor) and not ctx.host.is_host(v) for v in _leaves(data)):
+            return Hit(_SYNC, f"{what} of device tensors", ELEMENTS)
         if not isinstance(data, torch.Tensor):
             return True
         to_host = ctx.host.target(None, (), kwargs)
@@ -156,6 +163,15 @@ def _from_data(position: int, name: str, what: str):
             return Hit(_SYNC, f"{what} (device->host)", D2H)
         return None
     return when
+
+
+def _leaves(data):
+    """The non-list leaves of nested lists and tuples."""
+    for v in data:
+        if isinstance(v, (list, tuple)):
+            yield from _leaves(v)
+        else:
+            yield v
 
 
 def _one_hot_without_classes(args, kwargs, ctx):

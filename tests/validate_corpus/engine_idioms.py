@@ -200,6 +200,17 @@ def bad_host_temperature_moved_in_the_step(device):
     return _spec(step)
 
 
+def bad_stats_gathered_by_torch_tensor(device):
+    """``torch.tensor([x.amax(), x.amin()], device=...)``: each element is read on the host
+    (a sync), not host data to build once (the finding said so before)."""
+
+    def step(x):
+        stats = torch.tensor([x.amax(), x.amin()], device=x.device)  # expect: host-sync
+        return x - stats[1]
+
+    return _spec(step)
+
+
 # -- safe --------------------------------------------------------------------------------------
 class _CpuGpuBuffer:
     """As vLLM's ``CpuGpuBuffer``: a host tensor and its device copy, made once."""
