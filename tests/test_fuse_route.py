@@ -33,7 +33,8 @@ def test_route_in_dispatch_matches_the_two_launch_step(monkeypatch, routing, bs)
     calls = _counting(monkeypatch)
     cfg = preset("tiny")
     if routing == "softmax":
-        cfg = type(cfg)(**{**cfg.__dict__, "routing": "softmax", "n_group": 1, "topk_group": 1})
+        cfg = type(cfg)(**{**cfg.__dict__, "routing": "softmax", "n_group": 1, "topk_group": 1,
+                                       "routed_scaling_factor": 1.0})
     logits, counts = [], []
     for fuse in (False, "auto", True):
         monkeypatch.setattr(model_mod.MoEBlock, "fuse_route", fuse)

@@ -48,6 +48,52 @@ def test_configs_the_kernels_cannot_run_are_refused_when_made():
     four = preset("tiny", experts=4)                   # 4 groups of 1 would fail the kernel
     assert (four.n_group, four.topk_group) == (1, 1)
     assert preset("tiny", experts=16).n_group == 4     # groups of 4 are kept
+    # the group fallback reads the overrides' num_topk / topk_group, not the preset's
+    assert preset("dsv3-like", experts=16, num_topk=10).n_group == 1
+    assert preset("tiny", experts=8, num_topk=5).n_group == 1
+    soft = preset("tiny", routing="softmax")           # the preset's 1.5 was silently ignored
+    assert soft.routed_scaling_factor == 1.0
+
+
+def test_the_model_refuses_a_batch_past_its_slots_before_any_write(tiny):
+    """5 rows on a 4-slot model: layer 0 wrote K/V, then the comm refused with advice about a
+    comm the user never built."""
+    spec, model = tiny
+    cfg = model.cfg
+    inputs = spec.random_inputs(cfg.num_slots + 1, "cpu", torch.Generator().manual_seed(1))
+    before = [c.clone() for c in _caches(model)]
+    with pytest.raises(ValueError, match=f"bs <= num_slots \\({cfg.num_slots}"):
+        spec.call(inputs)
+    assert all(torch.equal(a, b) for a, b in zip(before, _caches(model)))
+
+
+def test_router_bias_is_the_models_own_copy(tiny):
+    """A bf16 bias on the model's device was kept as the caller's tensor (an fp32 one was
+    copied): the caller's later writes changed routing in one case only."""
+    _, model = tiny
+    mine = torch.zeros(model.cfg.num_experts, dtype=torch.bfloat16)
+    model.set_router_bias(mine)
+    try:
+        held = model.layers[0].moe.router.logit_bias
+        assert held is not mine and held.data_ptr() != mine.data_ptr()
+        assert all(layer.moe.router.logit_bias is held for layer in model.layers)
+    finally:
+        model.set_router_bias(None)
+
+
+def test_out_of_range_token_ids_read_zeros_on_either_embedding_path(tiny):
+    spec, model = tiny
+    inputs = spec.random_inputs(3, "cpu", torch.Generator().manual_seed(2))
+    inputs["tokens"] = torch.tensor([5, model.cfg.vocab_size + 3, -1])
+    before = model.embed_kernel
+    try:
+        outs = []
+        for on in (True, False):
+            model.embed_kernel = on
+            outs.append(spec.call(inputs)["logits"])
+    finally:
+        model.embed_kernel = before
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_paged_cache_geometry():
@@ -194,6 +240,9 @@ def test_routes_rows_names_the_one_row_routed_path(monkeypatch):
     ({"hidden": 64.0}, "InputTypeError", "expected ints for hidden"),
     ({"num_layers": "2"}, "InputTypeError", "expected ints for num_layers"),
     ({"hiden": 64}, "InputError", r"unknown MoEConfig field\(s\) \['hiden'\]"),
+    ({"num_shared_experts": -1}, "InputError", "num_shared_experts and shared_inter must be >= 0"),
+    ({"routing": "softmax", "routed_scaling_factor": 2.5}, "InputError",
+     "routed_scaling_factor applies to grouped_sigmoid"),
 ])
 def test_a_config_that_cannot_run_is_refused_when_made(over, error, match):
     """NaN / negative eps and a NaN scaling factor gave non-finite logits; float32 failed at

@@ -95,8 +95,15 @@ class MoEConfig:
             need(0 < self.topk_group <= self.n_group, "topk_group must be in [1, n_group]")
             need(self.num_topk <= self.topk_group * self.num_experts // self.n_group,
                  "num_topk exceeds the experts in the kept groups")
+        need(self.num_shared_experts >= 0 and self.shared_inter >= 0,
+             f"num_shared_experts and shared_inter must be >= 0; got {self.num_shared_experts} "
+             f"and {self.shared_inter}")
         need(self.num_shared_experts == 0 or self.shared_inter > 0, "shared_inter must be > 0 "
              "with shared experts")
+        need(self.routing == "grouped_sigmoid" or self.routed_scaling_factor == 1.0,
+             f"routed_scaling_factor applies to grouped_sigmoid routing (DeepSeek's); softmax "
+             f"routing renormalizes its weights and takes none: leave it 1.0, got "
+             f"{self.routed_scaling_factor}")
         need(self.max_ctx > 0 and self.num_slots > 0, "max_ctx and num_slots must be > 0")
         need(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
              f"block_size must be a power of two; got {self.block_size}")
@@ -154,7 +161,8 @@ def preset(name: str, layers: int | None = None, experts: int | None = None, **o
 
     Reducing ``experts`` on a grouped preset keeps ``n_group`` when it still divides the
     experts into groups of at least two and the kept groups still hold ``num_topk`` experts,
-    else falls back to one group.
+    else falls back to one group. ``routing="softmax"`` on a grouped preset drops its
+    ``routed_scaling_factor`` (softmax routing takes none) unless one is given.
     """
     if name not in PRESETS:
         raise InputError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
@@ -163,13 +171,17 @@ def preset(name: str, layers: int | None = None, experts: int | None = None, **o
     if unknown:
         raise InputError(f"preset {name!r}: unknown MoEConfig field(s) {unknown}; expected "
                          f"some of {sorted(f.name for f in fields(MoEConfig))}")
+    if overrides.get("routing") == "softmax":
+        overrides.setdefault("routed_scaling_factor", 1.0)
     if layers is not None:
         overrides["num_layers"] = layers
     if experts is not None:
         overrides["num_experts"] = experts
         if cfg.routing == "grouped_sigmoid" and "n_group" not in overrides:
+            topk = overrides.get("num_topk", cfg.num_topk)      # the overrides' values, as
+            keep = overrides.get("topk_group", cfg.topk_group)  # the config will hold them
             ok = (experts % cfg.n_group == 0 and experts // cfg.n_group >= 2
-                  and cfg.topk_group * experts // cfg.n_group >= cfg.num_topk)
+                  and keep * experts // cfg.n_group >= topk)
             if not ok:
                 overrides.update(n_group=1, topk_group=1)
     return replace(cfg, **overrides)

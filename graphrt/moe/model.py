@@ -565,15 +565,17 @@ class MoEModel:
     def set_router_bias(self, bias: torch.Tensor | None) -> None:
         """Add ``bias`` (``[num_experts]``, any float dtype) to every layer's router logits, or
         remove it (None): skews which experts the router picks, e.g. ``log p`` of a Zipf law
-        for load-balance studies (``graphrt.bench.eplb``). Set it before capture: graphs
-        bake the bias tensor (its values may change in place later). Host-only."""
+        for load-balance studies (``graphrt.bench.eplb``). The model keeps a bf16 copy
+        (whatever dtype or device ``bias`` has), shared by every layer's router as
+        ``router.logit_bias``: set it before capture (graphs bake that tensor) and write that
+        tensor in place to change the bias after. Host-only."""
         if bias is not None:
             if not isinstance(bias, torch.Tensor):
                 raise InputTypeError(f"router bias: expected a tensor [{self.cfg.num_experts}] "
                                      f"or None, got {type(bias).__name__}; pass torch.tensor(...)")
             if bias.shape != (self.cfg.num_experts,):
                 raise InputError(f"router bias must be [{self.cfg.num_experts}]; got {tuple(bias.shape)}")
-            bias = bias.to(device=self.device, dtype=self.cfg.dtype)
+            bias = bias.to(device=self.device, dtype=self.cfg.dtype, copy=True)
         for layer in self.layers:
             layer.moe.router.logit_bias = bias
 
@@ -594,14 +596,22 @@ class MoEModel:
         tokens int64 ``[bs]``; positions int32 ``[bs]`` (taken as engines pass it; this GQA
         stand-in has no RoPE, so the math does not read it); slot_mapping int64 ``[bs]``,
         block_table int32 ``[bs, max_blocks_per_seq]``, seq_lens int32 ``[bs]``: the paged KV
-        metadata (``graphrt.moe.paged_kv``); n int32 ``[1]`` live rows. Writes each live
-        row's K/V at its slot in every layer. Graph safety: capturable."""
+        metadata (``graphrt.moe.paged_kv``); n int32 ``[1]`` live rows, ``bs <= num_slots``.
+        Writes each live row's K/V at its slot in every layer. A token id outside ``[0,
+        vocab_size)`` reads a zero embedding row (no bounds error on the device; a row the
+        engine pads may carry any id). Graph safety: capturable."""
+        if tokens.dim() != 1 or tokens.shape[0] > self.cfg.num_slots:      # shapes only
+            raise InputError(f"MoEModel.step: expected tokens [bs] with bs <= num_slots "
+                             f"({self.cfg.num_slots}: the rows the comm and KV metadata are "
+                             f"sized for), got {tuple(tokens.shape)}; build the config with "
+                             "a larger num_slots or split the batch")
         if self.embed_kernel:                                              # [bs, hidden]
             from graphrt.kernels.embedding import embedding_rows
             x = embedding_rows(self.embed, tokens,
                                out=self.embed.new_empty(tokens.shape[0], self.cfg.hidden))
-        else:
-            x = self.embed.index_select(0, tokens)
+        else:                 # the kernel's contract: an id out of range reads zeros
+            from graphrt.kernels.embedding import embedding_rows_ref
+            x = embedding_rows_ref(self.embed, tokens)
         if self.layers[0].fuse_norm:
             h = PendingNorm(x, (), self._norms[0], self.cfg.rms_eps)      # its QKV norms it
         else:
