@@ -389,3 +389,27 @@ def test_a_numpy_operand_converts_the_tensor_on_the_host():
     line = inspect.getsourcelines(step)[1] + 1
     assert {(f.kind, f.op, f.line) for f in found} == {
         ("host-sync", "Tensor.__array__ (NumPy conversion)", line)}
+
+
+def test_a_barrier_in_the_step_is_a_host_sync():
+    """torch.distributed.barrier blocks the host outside the device's work: a graph replays
+    without it (and NCCL's wait refuses capture). It went unreported; every rank still makes
+    the call under the analysis, so none is left waiting."""
+    import tempfile
+    import torch.distributed as dist
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    fresh = not dist.is_initialized()
+    if fresh:
+        store = dist.FileStore(tempfile.mktemp(), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        def step(x, ids, n):
+            dist.barrier()
+            return x * 2
+        rep = analyze_step(_spec(step), [2], "cpu")
+        assert [(f.kind, f.op) for f in rep.findings] == [("host-sync", "torch.distributed.barrier")]
+        assert dist.barrier is not None and "safety" not in getattr(dist.barrier, "__module__", "")
+    finally:
+        if fresh:
+            dist.destroy_process_group()
