@@ -55,10 +55,12 @@ class ExpertBalancer:
             slot weights the step reads (rewritten in place, slot by slot).
         store: the weight source, ``{name: [E, ...]}`` per layer with ``slots``' names.
         interval: steps between counter reads (a rebalance needs one read).
-        group: the ranks to agree with (default WORLD when torch.distributed is initialised
-            with more than one rank); a gloo group is made from it (collective).
+        group: the expert-parallel group, whose ranks sum their windows (default WORLD,
+            accepted only when it is the EP group: ``map.num_ranks`` ranks, this one rank
+            ``map.rank``); a gloo twin is made by its ranks. A map of several EP ranks needs
+            ``torch.distributed`` initialised.
         min_gain: rebalance only when the predicted max/mean load per rank drops by at
-            least this fraction (avoids moving weights for noise).
+            least this fraction, in [0, 1) (avoids moving weights for noise).
         stream: the side stream for reads and copies (default: a new one).
     """
 
