@@ -60,6 +60,11 @@ ELEMENTS = ("reads each device tensor of the list on the host (.item()): a sync,
             "values are frozen into the graph. Keep them on the device: torch.stack([...]) "
             "(or torch.cat)")
 
+MASK_AND_INDEX = ("writes a Python number through a bool mask together with another tensor "
+                  "index: not masked_fill_ but index_put_, which runs nonzero(mask) (a sync) "
+                  "and uploads the value. Fold the mask into the value: "
+                  "x[rows, idx] = torch.where(mask, v, x[rows, idx]), or mask alone")
+
 SCALAR_WRITE = ("writes a Python number (or a host 0-d tensor) into one element of a device "
                 "tensor, or at integer-tensor indices: torch uploads the value from host memory "
                 "first, a blocking copy that CUDA-graph capture refuses. Write it with a fill "
@@ -228,17 +233,22 @@ def _scalar_write(args, ctx) -> Hit | None:
     if isinstance(value, torch.Tensor):
         if value.dim() or not ctx.host.is_host(value):
             return None
-    elif not isinstance(value, numbers.Real):         # (a bool is a Real too)
+    elif not isinstance(value, numbers.Number):       # (a bool and a complex too)
         return None
     parts = args[1] if isinstance(args[1], tuple) else (args[1],)
-    if any(_is_bool_tensor(p) for p in parts):
-        return None                                   # masked_fill_ (the rule below)
-    at_indices = any(isinstance(p, torch.Tensor) and not p.is_floating_point() for p in parts)
-    ints = sum(isinstance(p, numbers.Integral) and not isinstance(p, bool) for p in parts)
-    one_element = (all(p is Ellipsis or (isinstance(p, numbers.Integral)
-                                         and not isinstance(p, bool)) for p in parts)
-                   and ints == args[0].dim())
-    if at_indices or one_element:
+
+    def an_int(p):  # a select: a Python int, or a 0-d integer tensor (read as an int)
+        if isinstance(p, torch.Tensor):
+            return p.dim() == 0 and not p.is_floating_point() and p.dtype != torch.bool
+        return isinstance(p, numbers.Integral) and not isinstance(p, bool)
+    indices = [p for p in parts if isinstance(p, torch.Tensor) and not an_int(p)]
+    if any(_is_bool_tensor(p) for p in indices):
+        if len(indices) == 1:
+            return None                               # masked_fill_ (the rule below)
+        return Hit(_SYNC, "indexed assignment of a host scalar", MASK_AND_INDEX)
+    one_element = (all(p is Ellipsis or an_int(p) for p in parts)
+                   and sum(an_int(p) for p in parts) == args[0].dim())
+    if indices or one_element:
         return Hit(_SYNC, "indexed assignment of a host scalar", SCALAR_WRITE)
     return None
 

@@ -99,6 +99,9 @@ def _index_put_host(args, kwargs, ctx):
         return None
     if ctx.host.host_index(tuple(indices)):
         return Hit(_H2D, "index_put (host indices)", UPLOAD)
+    values = _arg(args, kwargs, 2, "values")          # ATen moves a host one: value.to(device)
+    if isinstance(values, torch.Tensor) and ctx.host.is_host(values):
+        return Hit(_H2D, "index_put (host values)", UPLOAD)
     return None
 
 

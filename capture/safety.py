@@ -194,8 +194,8 @@ def stub_cuda_queries() -> list:
     saved = []
     nvtx = getattr(torch.cuda, "nvtx", None)
     for obj, stubs in ((torch.cuda, {"is_current_stream_capturing": lambda *a, **k: False}),
-                       (nvtx, dict.fromkeys(("range_push", "range_pop", "mark"),
-                                            lambda *a, **k: 0))):
+                       (nvtx, dict.fromkeys(("range_push", "range_pop", "mark", "range_start",
+                                             "range_end"), lambda *a, **k: 0))):
         for name, stub in stubs.items():
             if obj is not None and hasattr(obj, name):
                 saved.append((obj, name, getattr(obj, name)))

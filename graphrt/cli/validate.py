@@ -386,9 +386,11 @@ def validate(target: str, sizes: list[int] | str | None = None, device: str | No
         torch.device("cuda", torch.cuda.current_device())
     from graphrt.capture.host import HostData
     host = HostData(simulate=run_dev.type == "cpu")  # which tensors FUNC left in host memory
+    from graphrt.capture.safety import cuda_queries_on_cpu
     try:
-        with host.track() if host.simulate else contextlib.nullcontext():
-            spec = build_spec(tgt, run_dev)
+        with host.track() if host.simulate else contextlib.nullcontext(), \
+                cuda_queries_on_cpu() if host.simulate else contextlib.nullcontext():
+            spec = build_spec(tgt, run_dev)  # (FUNC may open an NVTX range too)
         sizes = sorted(set(sizes)) if sizes else default_sizes(spec.max_batch_size)
         if sizes[-1] > spec.max_batch_size:
             raise ValidateError(f"bad --sizes: {sizes[-1]} exceeds the step's max_batch_size "
@@ -404,7 +406,6 @@ def validate(target: str, sizes: list[int] | str | None = None, device: str | No
         from graphrt.outputs import infer_signature, probe_calls
         if not report.errors:  # (a step with hazards is not run outside the analysis)
             # what capture checks on CUDA: outputs batch-major or fixed-shape, as declared
-            from graphrt.capture.safety import cuda_queries_on_cpu
             quiet = cuda_queries_on_cpu() if run_dev.type == "cpu" else contextlib.nullcontext()
             try:
                 with quiet:  # (NVTX ranges, is_current_stream_capturing: as the analysis)

@@ -211,6 +211,31 @@ def bad_stats_gathered_by_torch_tensor(device):
     return _spec(step)
 
 
+def bad_banned_tokens_of_live_rows_only(device):
+    """``logits[live, tok] = -inf``: a bool mask beside another tensor index is no
+    masked_fill_ but index_put_: nonzero(mask), a sync, and the number uploaded."""
+
+    def step(x, ids):
+        out = x.clone()
+        live = ids >= 0                                  # every row here: the shapes agree
+        out[live, ids] = float("-inf")  # expect: host-sync
+        return out.softmax(-1)
+
+    return _spec(step, **_ids())
+
+
+def bad_index_put_of_a_host_value(device):
+    """``index_put_`` with a host 0-d value (made in FUNC): ATen moves it with
+    ``value.to(device)``, the upload ``x[rows, ids] = neg`` is reported for too."""
+    neg = torch.tensor(float("-inf"))
+
+    def step(x, ids):
+        rows = torch.arange(x.shape[0], device=x.device)
+        return x.clone().index_put_((rows, ids), neg)  # expect: host-to-device-copy
+
+    return _spec(step, **_ids())
+
+
 # -- safe --------------------------------------------------------------------------------------
 class _CpuGpuBuffer:
     """As vLLM's ``CpuGpuBuffer``: a host tensor and its device copy, made once."""
@@ -281,6 +306,19 @@ def safe_capture_query_and_nvtx_ranges(device):
         scale = 2.0 if torch.cuda.is_current_stream_capturing() else 2.0
         torch.cuda.nvtx.range_pop()
         return x * scale
+
+    return _spec(step)
+
+
+def safe_row_picked_by_a_host_index(device):
+    """A host 0-d index picks a row (read on the host, a select), and the row takes the
+    number by fill_: no copy."""
+    slot = torch.tensor(0)
+
+    def step(x):
+        out = x.clone()
+        out[slot] = 0.0
+        return out
 
     return _spec(step)
 
