@@ -26,7 +26,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from graphrt.capture.host import HostData, tensors
-from graphrt.errors import InputError
+from graphrt.errors import InputError, is_int
 
 
 class Hit(NamedTuple):
@@ -240,7 +240,7 @@ def _scalar_write(args, ctx) -> Hit | None:
     def an_int(p):  # a select: a Python int, or a 0-d integer tensor (read as an int)
         if isinstance(p, torch.Tensor):
             return p.dim() == 0 and not p.is_floating_point() and p.dtype != torch.bool
-        return isinstance(p, numbers.Integral) and not isinstance(p, bool)
+        return is_int(p)
     indices = [p for p in parts if isinstance(p, torch.Tensor) and not an_int(p)]
     if any(_is_bool_tensor(p) for p in indices):
         if len(indices) == 1:

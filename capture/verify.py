@@ -97,15 +97,6 @@ def _replay_poisoned_outputs(rt, g, n, which: int = 0) -> list[torch.Tensor]:
     return [o.clone() for o in g.signature.live(g.outputs, n)]
 
 
-def _stage_as_run(rt, inputs, n: int, size: int) -> None:
-    """Stage ``inputs`` as ``run()``'s steady state does (``Stager.bind``: the graph's
-    staging table or memcpy nodes where it has them; they copy at the replay)."""
-    names = tuple(inputs)
-    vals = tuple(inputs.values())
-    rt.stager.bind(names, n, size, any(t.requires_grad for t in vals),
-                   all(type(t) is torch.Tensor for t in vals))(vals)
-
-
 def _eager(rt, g, inputs, live_n: int, padded_bs: int) -> list[torch.Tensor]:
     """The step eagerly on ``inputs`` (``padded_bs`` rows, ``live_n`` live), outputs as a
     replay hands them back."""
@@ -121,7 +112,7 @@ def _check_one(rt, g, inputs, n, gen, rtol, max_off_rows, state) -> list[ReplayC
     """One size and live batch; every run starts from the same declared state."""
     st, size, out = rt.stager, g.size, []
     state.restore()
-    _stage_as_run(rt, inputs, n, size)
+    st.stage(inputs, n, size, eager=False)  # as run() stages (the table, at the replay)
     clean = _replay_poisoned_outputs(rt, g, n)
     live = st.live_views(n)
     wrong = [k for k, t in inputs.items() if not bool(same_values(live[k], t).all())]

@@ -28,6 +28,8 @@ import sys
 
 import torch
 
+from graphrt.bench.output import at_least
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but an argument error is one line on stderr and exit 2 (no usage block)."""
@@ -35,18 +37,6 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):
         print(f"{self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(2)
-
-
-def _at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = low - 1
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {text!r}")
-        return value
-    return parse
 
 
 def _seconds(text: str) -> float:
@@ -107,16 +97,16 @@ def parse(argv=None) -> argparse.Namespace:
     p = _Parser(prog="host_engine_loop.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=None, choices=("tiny", "qwen3-moe-like", "dsv3-like"),
                    help="model preset (default: dsv3-like; the CPU run is tiny)")
-    p.add_argument("--layers", type=_at_least(1), default=None, help="(default: 2; CPU: 1 or 2)")
-    p.add_argument("--experts", type=_at_least(1), default=None,
+    p.add_argument("--layers", type=at_least(1), default=None, help="(default: 2; CPU: 1 or 2)")
+    p.add_argument("--experts", type=at_least(1), default=None,
                    help="(default: 32; CPU: 4 or 8, default 8)")
-    p.add_argument("--steps", type=_at_least(1), default=None,
+    p.add_argument("--steps", type=at_least(1), default=None,
                    help="engine steps (default: 1000 GPU, 12 CPU)")
-    p.add_argument("--max-bs", type=_at_least(1), default=None,
+    p.add_argument("--max-bs", type=at_least(1), default=None,
                    help="largest captured batch (default: 64; CPU: at most 8, default 8)")
-    p.add_argument("--soak", type=_at_least(0), default=0, metavar="N",
+    p.add_argument("--soak", type=at_least(0), default=0, metavar="N",
                    help="soak N steps instead (default: 0, off; GPU only)")
-    p.add_argument("--ranks", type=_at_least(1), default=1,
+    p.add_argument("--ranks", type=at_least(1), default=1,
                    help="2: DeepEP low-latency over 2 GPUs (default: 1)")
     p.add_argument("--watchdog", type=_seconds, default=0.0, metavar="S",
                    help="stall watchdog with a timeout of S seconds (default: 0, off; GPU only)")

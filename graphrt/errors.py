@@ -119,12 +119,17 @@ def check_seconds(label: str, value, what: str = "expected a finite number of se
     return value
 
 
+def is_int(v) -> bool:
+    """An int or a numpy integer (``np.int64(8)``: ``numbers.Integral``), not a bool."""
+    import numbers
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 def check_int(label: str, value, low: int = 1, why: str = "") -> int:
     """``value`` as an int when it is an int or a numpy integer (not a bool) >= ``low``; else
     ``InputTypeError`` (not an int) or ``InputError`` (too small), as ``"{label} must be an int >= {low}{why}; got ..."``.
     Host-only."""
-    import numbers
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # np.int64 too
+    if not is_int(value):  # np.int64 too
         raise InputTypeError(f"{label} must be an int >= {low}{why}; got {value!r} "
                              f"({type(value).__name__})")
     if value < low:

@@ -105,7 +105,7 @@ class StagingNode:
         ``nbytes``). A source overlapping any of them goes by ``copy_``: the node copies at
         replay, after the padding of rows past the live ones, which it must not read."""
         d = dst.data_ptr()
-        span = nbytes if span is None else max(span, nbytes)
+        span = nbytes if span is None else span
         assert d == self.dst.data_ptr(), "a staging view starts at its static buffer"
         node, edit, what = self, self._set, self._what
         graph_exec, handle, kind = self.exec, self.node, cudart.MEMCPY_D2D

@@ -195,7 +195,8 @@ class Stager:
             raise InputError(f"run() needs at least one live row; got a batch of {n}")
         return n
 
-    def stage(self, inputs: Mapping[str, torch.Tensor], n: int, padded_bs: int) -> None:
+    def stage(self, inputs: Mapping[str, torch.Tensor], n: int, padded_bs: int,
+              eager: bool = True) -> None:
         """Copy the live inputs in, make rows ``[n, padded_bs)`` padding, set the live count.
         Staging records no autograd history (inputs that require grad are read as data).
 
@@ -203,11 +204,13 @@ class Stager:
         the live count rides along with the int32 ones (a copy from a constant table), so a
         step with int64 and int32 inputs costs two launches whatever their number; an input
         alone in its dtype is one ``cudaMemcpyAsync`` on CUDA (see ``bind``). Runs the
-        ``bind`` of this call shape (what ``GraphRuntime.run`` runs in its steady state)."""
+        ``bind`` of this call shape (what ``GraphRuntime.run`` runs in its steady state);
+        ``eager=False``: exactly that, the staging table or memcpy nodes of graph
+        ``padded_bs`` copying at its replay (``check_replay``)."""
         names = self._names
         vals = tuple(map(inputs.__getitem__, names))
         self.bind(names, n, padded_bs, any(t.requires_grad for t in vals),
-                  all(type(t) is torch.Tensor for t in vals), eager=True)(vals)
+                  all(type(t) is torch.Tensor for t in vals), eager=eager)(vals)
 
     def bind(self, names: tuple, n: int, padded_bs: int, detach: bool = False,
              exact: bool = False, eager: bool = False) -> Callable:

@@ -8,10 +8,9 @@ Graph safety: host-only.
 from __future__ import annotations
 
 import bisect
-import numbers
 from typing import Iterable
 
-from graphrt.errors import InputError, InputTypeError
+from graphrt.errors import InputError, InputTypeError, is_int
 
 
 def capture_sizes(max_bs: int) -> list[int]:
@@ -20,7 +19,7 @@ def capture_sizes(max_bs: int) -> list[int]:
 
     For ``max_bs=256``: 1 2 4 8 16 24 32 40 48 56 64 80 96 112 128 160 192 224 256.
     """
-    if not _is_int(max_bs) or max_bs < 1:
+    if not is_int(max_bs) or max_bs < 1:
         raise InputError(f"capture_sizes needs max_bs >= 1; got {max_bs!r}")
     max_bs = int(max_bs)
     sizes = [s for s in (1, 2, 4, 8) if s <= max_bs]
@@ -29,11 +28,6 @@ def capture_sizes(max_bs: int) -> list[int]:
         s += 8 if s < 64 else 16 if s < 128 else 32
         sizes.append(min(s, max_bs))
     return sorted(set(sizes) | {max_bs})
-
-
-def _is_int(v) -> bool:
-    """An int or a numpy integer (``np.int64(8)``, what ``np.arange`` yields), not a bool."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 class SizeTable:
@@ -45,7 +39,7 @@ class SizeTable:
                                  f"[{sizes!r}] for that one size); got {sizes!r} "
                                  f"({type(sizes).__name__})")
         given = list(sizes)
-        if not given or any(not _is_int(s) or s < 1 for s in given):
+        if not given or any(not is_int(s) or s < 1 for s in given):
             raise InputError(f"sizes must be a non-empty list of ints >= 1; got {given!r}")
         sizes = sorted({int(s) for s in given})  # numpy ints become ints
         self.sizes: list[int] = sizes

@@ -168,7 +168,7 @@ def bind(stager, names: tuple, n: int, padded_bs: int, detach: bool):
             paths[k] = "copy_"
         else:
             entries.append((at[k], 1 + 2 * i, 2 + 2 * i, view.nbytes, view.data_ptr(),
-                            max(stager.span(k), view.nbytes), view))
+                            stager.span(k), view))
             paths[k] = "table"
     count_word, count_addr = 2 * table.entries - 1, st.count.data_ptr()
     pads = stager._offset_pad(n, padded_bs) if stager._offsets and padded_bs > n else ()

@@ -26,8 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from graphrt.eplb.policy import is_int
-from graphrt.errors import InputError, InputTypeError
+from graphrt.errors import InputError, InputTypeError, is_int
 
 # dtypes a dispatch's per-slot row counts (masked_m) may have: integers, added into int64
 _COUNT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)

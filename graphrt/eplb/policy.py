@@ -40,18 +40,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from graphrt.errors import InputError
+from graphrt.errors import InputError, is_int
 
 
 def _check(cond: bool, what: str, expected: object, got: object) -> None:
     """Raise ``ValueError`` stating what was expected and what came, unless ``cond``."""
     if not cond:
         raise InputError(f"{what}: expected {expected}, got {got}")
-
-
-def is_int(v) -> bool:
-    """An int or a numpy integer (``np.int64(4)``), not a bool."""
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 def _got_int(v) -> str:
