@@ -473,6 +473,11 @@ def _host_among_device(args, kwargs, host: HostData) -> bool:
             and any(not host.is_host(t) for t in ts))
 
 
+# torch.distributed's host barriers, however called (``dist.barrier``, ``from
+# torch.distributed import barrier``, a process group's own ``barrier()``): ATen op -> name
+_BARRIERS = {"barrier": "barrier", "monitored_barrier_": "monitored_barrier"}
+
+
 def classify_aten(func, args, kwargs, cuda: bool, host: HostData | None = None) -> Hit | None:
     """Classify one ATen op; ``cuda``: real CUDA tensors (copies across devices are visible);
     ``host``: which tensors live in host memory (default: by device on CUDA, none on CPU)."""
@@ -494,6 +499,11 @@ def classify_aten(func, args, kwargs, cuda: bool, host: HostData | None = None) 
         if src_dev == "cpu" and dst_dev == "cuda" and src.dim() > 0:
             return Hit(_H2D, f"aten.{packet.__name__} (host->device)", _HOST_DATA)
         return None
+    if func.namespace == "c10d" and packet.__name__ in _BARRIERS:
+        return Hit(_SYNC, f"torch.distributed.{_BARRIERS[packet.__name__]}", "blocks the host "
+                   "until every rank arrives, outside the device's work: a graph replays "
+                   "without it (NCCL's waits on the device, which capture refuses). Order ranks "
+                   "by the collectives the step makes")
     if host.all_host(args, kwargs):
         return None  # host work on host data
     msg = _ATEN_SYNC.get(packet)

@@ -297,21 +297,6 @@ class SafetyAnalyzer:
 
             saved.append((obj, name, orig))
             setattr(obj, name, patched)
-        dist = torch.distributed if torch.distributed.is_available() else None
-        for name in ("barrier", "monitored_barrier"):
-            orig = getattr(dist, name, None) if dist is not None else None
-            if orig is None:
-                continue
-
-            def barrier(*args, _orig=orig, _name=name, **kwargs):
-                analyzer.report("host-sync", f"torch.distributed.{_name}", "blocks the host "
-                                "until every rank arrives, outside the device's work: a graph "
-                                "replays without it (NCCL's waits on the device, which capture "
-                                "refuses). Order ranks by the collectives the step makes")
-                with analyzer.quiet():  # every rank still makes the call: none is left waiting
-                    return _orig(*args, **kwargs)
-            saved.append((dist, name, orig))
-            setattr(dist, name, barrier)
         if not self.cuda:
             saved += stub_cuda_queries()
         return saved

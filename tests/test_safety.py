@@ -394,7 +394,9 @@ def test_a_numpy_operand_converts_the_tensor_on_the_host():
 def test_a_barrier_in_the_step_is_a_host_sync():
     """torch.distributed.barrier blocks the host outside the device's work: a graph replays
     without it (and NCCL's wait refuses capture). It went unreported; every rank still makes
-    the call under the analysis, so none is left waiting."""
+    the call under the analysis, so none is left waiting. Every spelling is one ATen op:
+    ``from torch.distributed import barrier`` and a process group's own ``barrier()`` went
+    unseen while only ``torch.distributed.barrier`` was patched."""
     import tempfile
     import torch.distributed as dist
     if not dist.is_available():
@@ -404,12 +406,22 @@ def test_a_barrier_in_the_step_is_a_host_sync():
         store = dist.FileStore(tempfile.mktemp(), 1)
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
+        from torch.distributed import barrier as imported_barrier
+        from torch.distributed.distributed_c10d import _get_default_group
+
         def step(x, ids, n):
             dist.barrier()
+            imported_barrier()
+            _get_default_group().barrier()
+            dist.monitored_barrier()
             return x * 2
         rep = analyze_step(_spec(step), [2], "cpu")
-        assert [(f.kind, f.op) for f in rep.findings] == [("host-sync", "torch.distributed.barrier")]
-        assert dist.barrier is not None and "safety" not in getattr(dist.barrier, "__module__", "")
+        first = inspect.getsourcelines(step)[1] + 1
+        assert [(f.kind, f.op, f.line - first) for f in rep.findings] == [
+            ("host-sync", "torch.distributed.barrier", 0),
+            ("host-sync", "torch.distributed.barrier", 1),
+            ("host-sync", "torch.distributed.barrier", 2),
+            ("host-sync", "torch.distributed.monitored_barrier", 3)]
     finally:
         if fresh:
             dist.destroy_process_group()
