@@ -75,8 +75,13 @@ def isin_uniques(elements, test, assume_unique, on_device) -> bool:
     """Whether ``isin`` takes ATen's sorting path and calls ``_unique`` there (a sync on
     CUDA: its output size follows the data): both tensors, some on the device, no
     ``assume_unique``, and ``test.numel() >= int(10 * elements.numel() ** 0.145)`` (NumPy's
-    heuristic, ``isin_Tensor_Tensor_out``, shared by CPU and CUDA)."""
-    if not (isinstance(elements, torch.Tensor) and isinstance(test, torch.Tensor)):
+    heuristic, ``isin_Tensor_Tensor_out``, shared by CPU and CUDA). A Python number as
+    ``elements`` is one element on the test set's device (``isin.Scalar_Tensor`` wraps it)."""
+    if not isinstance(test, torch.Tensor):
+        return False
+    if isinstance(elements, (int, float, bool)):
+        elements = test.new_empty(())
+    if not isinstance(elements, torch.Tensor):
         return False
     if assume_unique or elements.numel() == 0 or not (on_device(elements) or on_device(test)):
         return False

@@ -295,6 +295,17 @@ def bad_isin_many_stop_ids(device):
     return _spec(step, ids=graphrt.Input((None,), torch.int64, high=64))
 
 
+def bad_isin_of_one_id_against_many(device):
+    """One Python id tested against 24: ATen wraps the number into a one-element tensor and
+    takes the same sorting path (it went unseen while only tensors counted)."""
+    stop = torch.arange(24, device=device)
+
+    def step(x, ids):
+        return x * torch.isin(5, stop)  # expect: host-sync
+
+    return _spec(step, ids=graphrt.Input((None,), torch.int64, high=64))
+
+
 def safe_isin_few_stop_ids_or_a_direct_compare(device):
     """Two stop ids (isin's elementwise path), and 24 compared directly."""
     few, many = torch.tensor([3, 7], device=device), torch.arange(24, device=device)
