@@ -51,7 +51,9 @@ def check_replay(rt, *, trials: int = 2, rtol: float | None = None,
        writes every live row of every output;
     1. ``padding-inert`` (trials with padded rows): a replay with pad rows at ``pad_value``
        and one with pad rows poisoned (NaN for floats, random valid values otherwise) give
-       bitwise-equal live rows;
+       bitwise-equal live rows (on these trials a ``unique`` input whose ``pad_value`` is
+       one of its valid values has a live row at that value: a padded row that writes by it
+       lands on that live row, unlike poisoned padding (free values));
     2. ``graph-vs-eager``: that replay equals eager execution on the same padded buffers,
        bitwise (a graph replays the same kernels on the same data);
     3. ``inputs-untouched``: the step left its padded input rows at their padding;
@@ -83,11 +85,25 @@ def check_replay(rt, *, trials: int = 2, rtol: float | None = None,
             for t in range(trials):
                 n = size if t == 0 else int(torch.randint(lo, hi + 1, (1,), generator=gen))
                 inputs = rt.spec.random_inputs(n, rt.device, gen)
+                if n < size and rt.spec.example_inputs is None:
+                    _live_row_holds_the_pad(rt.spec, inputs)
                 results += _check_one(rt, rt.graphs[size], inputs, n, gen, rtol, max_off_rows, state)
     bad = [r for r in results if not r.ok]
     if bad and raise_on_mismatch:
         raise ReplayMismatch(bad)
     return results
+
+
+def _live_row_holds_the_pad(spec, inputs: dict) -> None:
+    """A ``unique`` input (KV slots) whose ``pad_value`` is one of its valid values: one live
+    row takes that value, as a live request may own it. A padded row that writes by it (a
+    KV-cache append) then lands on a live row's slot, and the replay differs from eager; with
+    draws that avoid it the collision went unseen (``run()`` pads with ``pad_value``)."""
+    for k, inp in spec.inputs.items():
+        t = inputs[k]
+        if inp.unique and inp.low <= inp.pad_value < inp.high and t.numel() \
+                and not bool((t == inp.pad_value).any()):
+            t[0] = inp.pad_value                  # distinct still: no live row held it
 
 
 def _replay_poisoned_outputs(rt, g, n, which: int = 0) -> list[torch.Tensor]:

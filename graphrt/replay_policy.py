@@ -38,7 +38,7 @@ import torch
 from graphrt import cudart, staging_table
 from graphrt.errors import InputError
 from graphrt.sizes import SizeTable, capture_sizes  # noqa: F401 - re-exported
-from graphrt.spec import StepSpec
+from graphrt.spec import StepSpec, distinct
 from graphrt.staging_table import TableGraph
 from graphrt.step_cache import signature
 
@@ -393,10 +393,10 @@ class Stager:
             inp, buf = self.spec.inputs[k], self.buffers[k]
             if inp.dtype.is_floating_point:
                 buf[n:padded_bs].fill_(float("nan"))
-            elif inp.unique:
-                perm = torch.randperm(int(inp.high) - int(inp.low), generator=generator) + int(inp.low)
-                free = perm[~torch.isin(perm, buf[:n].cpu().to(perm.dtype))]
-                buf[n:padded_bs].copy_(free[:padded_bs - n])  # enough: StepSpec checks the span
+            elif inp.unique:                      # enough values: StepSpec checks the span
+                free = distinct(int(inp.low), int(inp.high), padded_bs - n, generator,
+                                exclude=buf[:n].tolist())
+                buf[n:padded_bs].copy_(free)
             else:
                 buf[n:padded_bs].copy_(inp.random(padded_bs - n, self.device, generator))
         for k in self._offsets:

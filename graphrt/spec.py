@@ -58,6 +58,29 @@ def _fits(dtype: torch.dtype, value: float) -> bool:
     return math.isinf(value) or abs(value) <= torch.finfo(dtype).max
 
 
+def distinct(low: int, high: int, k: int, generator: torch.Generator | None = None,
+             exclude: Iterable[int] = ()) -> torch.Tensor:
+    """``k`` distinct int64 values drawn uniformly from ``[low, high)`` minus ``exclude``, on
+    the CPU. Its cost follows ``k``, not the range (``randperm`` of a 2**40 id range
+    allocated the whole range): a permutation while the range is small, else draws that
+    skip repeats. Raises ``InputError`` when the range holds fewer than ``k`` values."""
+    exclude = {int(v) for v in exclude if low <= int(v) < high}
+    span = high - low
+    if span - len(exclude) < k:
+        raise InputError(f"cannot draw {k} distinct values from [{low}, {high})"
+                         + (f" without {len(exclude)} taken" if exclude else ""))
+    if span <= 4 * (k + len(exclude)) + 64:
+        perm = torch.randperm(span, generator=generator, device="cpu") + low
+        keep = [v for v in perm.tolist() if v not in exclude][:k]
+        return torch.tensor(keep, dtype=torch.int64, device="cpu")
+    got: dict[int, None] = {}                     # insertion order: the draw's order
+    while len(got) < k:
+        for v in torch.randint(low, high, (2 * k + 16,), generator=generator, device="cpu").tolist():
+            if v not in exclude and len(got) < k:
+                got.setdefault(v)
+    return torch.tensor(list(got), dtype=torch.int64, device="cpu")
+
+
 @dataclass(frozen=True)
 class Input:
     """One input of a step.
@@ -186,7 +209,7 @@ class Input:
             if bs > span:
                 raise InputError(f"Input(unique=True) cannot draw {bs} distinct values from "
                                  f"[{self.low}, {self.high})")
-            t = torch.randperm(span, **cpu)[:bs] + int(self.low)
+            t = distinct(int(self.low), int(self.high), bs, generator)
         else:
             t = torch.randint(int(self.low), int(self.high), shape, **cpu)
         return t.to(device=device, dtype=self.dtype)

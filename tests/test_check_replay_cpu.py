@@ -186,3 +186,42 @@ def test_the_replay_check_stages_as_run_does(monkeypatch):
     monkeypatch.setattr(Stager, "bind", broken)
     bad = {r.what for r in rt.check_replay(raise_on_mismatch=False) if not r.ok}
     assert "inputs-staged" in bad
+
+
+def test_a_unique_pad_value_a_live_row_may_hold_is_exercised():
+    """``unique`` KV slots padded with slot 0, a valid slot: a padded row's append overwrote
+    the live request that owns slot 0. The check drew live slots that avoided it (and poisoned
+    padding with free slots), so it passed whatever the step did."""
+    kv = torch.zeros(64, 4)
+
+    def step(x, slot):
+        kv.index_put_((slot,), x)                 # the KV-cache append
+        return {"y": kv[slot] * 2}
+    spec = graphrt.StepSpec(step, {"x": graphrt.Input((None, 4), torch.float32, low=1, high=2),
+                                   "slot": graphrt.Input((None,), torch.int64, high=64,
+                                                         unique=True)}, 8, state=[kv])
+    rt = graphrt.GraphRuntime(spec, sizes=[8], device="cpu", progress=False).capture()
+    bad = {(r.output, r.what) for r in rt.check_replay(raise_on_mismatch=False) if not r.ok}
+    assert ("y", "padding-inert") in bad          # poisoned padding takes free slots
+
+    safe = graphrt.StepSpec(step, {"x": spec.inputs["x"],     # slot 63 is the scratch slot
+                                   "slot": graphrt.Input((None,), torch.int64, high=63,
+                                                         unique=True, pad_value=63)}, 8, state=[kv])
+    rt = graphrt.GraphRuntime(safe, sizes=[8], device="cpu", progress=False).capture()
+    assert all(r.ok for r in rt.check_replay(raise_on_mismatch=False))
+
+
+def test_unique_draws_cost_what_the_batch_does_not_the_range():
+    """``Input.random`` and the padding poison drew ``randperm`` of the whole range: a
+    2**40 id range ran out of memory. Both draw distinct values whatever the range."""
+    from graphrt.spec import distinct
+    big = graphrt.Input((None,), torch.int64, low=5, high=2**40, unique=True)
+    t = big.random(64, generator=torch.Generator().manual_seed(0))
+    assert t.shape == (64,) and len(set(t.tolist())) == 64
+    assert int(t.min()) >= 5 and int(t.max()) < 2**40
+    got = distinct(0, 2**40, 8, torch.Generator().manual_seed(1), exclude=t.tolist())
+    assert len(set(got.tolist()) | set(t.tolist())) == 72
+    small = distinct(0, 10, 7, torch.Generator().manual_seed(2), exclude=[0, 1, 2])
+    assert sorted(small.tolist()) == [3, 4, 5, 6, 7, 8, 9]
+    with pytest.raises(graphrt.InputError, match="cannot draw 8 distinct values"):
+        distinct(0, 10, 8, exclude=[0, 1, 2])

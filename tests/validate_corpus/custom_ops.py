@@ -101,8 +101,9 @@ def safe_attention_op_masks_with_inf(device):
 
 
 def safe_op_writes_its_cache(device):
-    """An op that appends each row's K to a paged cache it declares as mutated."""
-    cache = torch.zeros(PAGES * BLOCK, H, device=device)
+    """An op that appends each row's K to a paged cache it declares as mutated; padded rows
+    write the scratch slot past the live ones (slot 0 is a live request's)."""
+    cache = torch.zeros(PAGES * BLOCK + 1, H, device=device)
 
     def append_kv(cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
         cache.index_copy_(0, slots, x)
@@ -113,4 +114,5 @@ def safe_op_writes_its_cache(device):
         append(cache, x, slots)
         return cache[slots] * 2
 
-    return _spec(step, slots=graphrt.Input((None,), torch.int64, high=PAGES * BLOCK, unique=True))
+    return _spec(step, slots=graphrt.Input((None,), torch.int64, high=PAGES * BLOCK, unique=True,
+                                           pad_value=PAGES * BLOCK))
