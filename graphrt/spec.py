@@ -44,18 +44,31 @@ def _integral(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
+def _has_inf(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` holds infinities (the float8 ``e4m3fn``/``fnuz`` kinds do not: a
+    cast of inf saturates or becomes NaN)."""
+    return bool(torch.full((), math.inf).to(dtype).to(torch.float32).isinf())
+
+
 def _fits(dtype: torch.dtype, value: float) -> bool:
     """Whether ``value`` is representable in ``dtype`` (integers: exactly; floats: in range)."""
     if dtype == torch.bool:
         return value in (0, 1)
     if _integral(dtype):
         info = torch.iinfo(dtype)
-        return float(value).is_integer() and info.min <= value <= info.max
+        if isinstance(value, float) and not value.is_integer():
+            return False                          # (an int compares exactly: 10**400 too)
+        return info.min <= value <= info.max
     if isinstance(value, int):                    # exact: 10**400 is no float to isnan()
         return abs(value) <= torch.finfo(dtype).max
     if math.isnan(value):
         return False
-    return math.isinf(value) or abs(value) <= torch.finfo(dtype).max
+    if math.isinf(value):
+        return _has_inf(dtype)
+    return abs(value) <= torch.finfo(dtype).max
+
+
+_DRAW_MAX = torch.iinfo(torch.int64).max  # torch.randint draws int64: its bound at most this
 
 
 def distinct(low: int, high: int, k: int, generator: torch.Generator | None = None,
@@ -91,8 +104,10 @@ class Input:
             (device metadata, per-expert tables).
         dtype: the torch dtype of the tensor.
         low, high: the range of valid random values. Integer inputs draw uniformly from
-            ``[low, high)`` and need ``high``; floating inputs draw from ``N(0, 1)`` when
-            ``high`` is None, else uniformly from ``[low, high)``; bool inputs draw fair coins.
+            ``[low, high)`` and need ``high`` (at most int64's largest: draws are int64);
+            floating inputs draw from ``N(0, 1)`` when ``high`` is None, else uniformly from
+            ``[low, high)``; complex inputs draw ``N(0, 1)`` real parts (no ``high``); bool
+            inputs draw fair coins.
             For ``offsets`` inputs the range is that of each row's increment.
         pad_value: the value padded rows carry (must be a valid value for the step: e.g. a
             scratch KV-cache slot, a context length of 0, token id 0). Not used by offsets
@@ -147,6 +162,12 @@ class Input:
             if self.low < info.min or self.high - 1 > info.max:
                 raise InputError(f"Input range [{self.low}, {self.high}) does not fit {self.dtype} "
                                  f"([{info.min}, {info.max}]); narrow it or use a wider dtype")
+            if self.high > _DRAW_MAX:
+                raise InputError(f"Input range [{self.low}, {self.high}): example values are "
+                                 f"drawn as int64, so high must be at most {_DRAW_MAX}; lower it")
+        if self.dtype.is_complex and self.high is not None:
+            raise InputError(f"complex Input of dtype {self.dtype} draws N(0, 1) real parts: "
+                             f"leave high= unset (got low={self.low}, high={self.high})")
         if self.dtype.is_floating_point and self.high is not None and not (
                 _fits(self.dtype, self.low) and _fits(self.dtype, self.high)):
             raise InputError(f"Input range [{self.low}, {self.high}) does not fit {self.dtype} "
@@ -199,11 +220,13 @@ class Input:
             t = torch.cat([torch.zeros(1, dtype=torch.int64, device="cpu"), inc.cumsum(0)])
         elif self.dtype == torch.bool:
             t = torch.rand(shape, **cpu) < 0.5
-        elif self.dtype.is_floating_point:
+        elif self.dtype.is_floating_point or self.dtype.is_complex:
             if self.high is None:
                 t = torch.randn(shape, **cpu)
-            else:
-                t = torch.rand(shape, **cpu) * (self.high - self.low) + self.low
+            else:                                 # in float64 where float32 would overflow
+                wide = self.high - self.low > torch.finfo(torch.float32).max
+                t = torch.rand(shape, dtype=torch.float64 if wide else None, **cpu)
+                t = t * (self.high - self.low) + self.low
         elif self.unique:
             span = int(self.high) - int(self.low)
             if bs > span:

@@ -46,10 +46,33 @@ def test_input_int_needs_high():
     (torch.int64, {"high": 10**400}, "does not fit"),
     (torch.int64, {"low": 0.2, "high": 0.9}, "whole number"),     # holds no integer
     (torch.int32, {"low": 0, "high": 4.5}, "whole number"),
+    # accepted before, then failed while drawing or padding (a review's cases)
+    (torch.int64, {"high": 2**63}, "drawn as int64"),             # randint: Overflow
+    (torch.uint64, {"high": 2**64}, "drawn as int64"),
+    (torch.complex64, {"high": 2.0}, "leave high= unset"),       # went to randint: TypeError
+    (torch.float8_e4m3fn, {"pad_value": float("inf")}, "pad_value"),   # no inf: saturates to 448
+    (torch.float8_e4m3fnuz, {"pad_value": float("-inf")}, "pad_value"),  # no inf: NaN
+    (torch.int32, {"high": 4, "pad_value": 10**400}, "pad_value"),   # OverflowError before
 ])
 def test_input_bounds_that_hold_no_value_are_input_errors(dtype, kw, match):
     with pytest.raises(InputError, match=match):
         graphrt.Input((None,), dtype, **kw)
+
+
+def test_input_draws_what_it_declares_at_the_edges():
+    """A float range wider than float32's largest value drew inf (``rand * (high - low)`` in
+    float32); a complex input without ``high`` went to ``randint`` (TypeError); an inf pad
+    of a dtype that has inf stays valid."""
+    g = torch.Generator().manual_seed(0)
+    for dtype, lo, hi in ((torch.float32, -3e38, 3e38), (torch.float64, 0.0, 1e39)):
+        t = graphrt.Input((None,), dtype, low=lo, high=hi).random(64, generator=g)
+        assert bool(torch.isfinite(t).all()) and float(t.min()) >= lo and float(t.max()) <= hi
+    c = graphrt.Input((None, 2), torch.complex64).random(3, generator=g)
+    assert c.dtype == torch.complex64 and c.shape == (3, 2) and bool(torch.isfinite(c).all())
+    pad = graphrt.Input((None,), torch.float8_e5m2, pad_value=float("inf")).pad(2)
+    assert bool(pad.float().isinf().all())
+    top = graphrt.Input((None,), torch.int64, high=2**63 - 1).random(4, generator=g)
+    assert int(top.min()) >= 0
 
 
 def test_input_whole_float_bounds_still_work_for_integers():
