@@ -234,3 +234,30 @@ def test_an_out_of_range_number_warns_and_measures(field, text, tmp_path):
                               % (json.dumps(FP), KEYS[0], entry, KEYS[1], entry))
     with pytest.warns(PlanCacheWarning, match="not a plan entry"):
         assert cache.load(ExpertPlan(), FP, 16, 16, KEYS) is False
+
+
+@pytest.mark.parametrize("switch", ["grouped_gemm.TMA", "grouped_gemm_decode.FP8_MMA",
+                                    "activation.COMPACT", "_util.pdl_enabled"])
+def test_a_kernel_switch_is_another_file(monkeypatch, switch):
+    """``GRAPHRT_EXPERT_TMA``, ``GRAPHRT_FP8_MMA``, ``GRAPHRT_ACT_COMPACT`` and ``GRAPHRT_PDL``
+    change the kernels a plan times; a plan measured under one was read back under another
+    (one file for both). The CUDA device properties are stubbed: the fingerprint reads them."""
+    import types
+
+    import torch
+
+    import importlib
+    from pathlib import Path
+
+    from graphrt.moe.plan_cache import fingerprint
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(
+        name="NVIDIA H200", multi_processor_count=132, major=9, minor=0))
+    experts = MoEModel(preset("tiny"), "cpu").layers[0].moe.experts
+    module, name = switch.split(".")
+    mod = importlib.import_module(f"graphrt.kernels.{module}")
+
+    def path(on: bool) -> Path:
+        monkeypatch.setattr(mod, name, (lambda: on) if name == "pdl_enabled" else on)
+        return PlanCache(Path("/nonexistent")).path(
+            fingerprint(experts, num_topk=2, num_experts=8, num_ranks=1))
+    assert path(True) != path(False)

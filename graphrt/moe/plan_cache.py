@@ -15,7 +15,8 @@ experts on the same GPU and software reads those sizes instead of timing them ag
 One JSON file per ``fingerprint`` (``expert_plan-<16 hex digits>.json``): the versions of
 graphrt, its kernels' source, torch, Triton, CUDA and DeepGEMM; the GPU (name, SMs,
 compute capability); the experts (GEMM shapes, local experts, dtype, the kernels a plan may
-pick, the epilogue switches); the routing the plan assumes (top-k, experts, ranks) and the
+pick, the epilogue switches, the kernels' own switches: TMA weights, fp8 MMA, the
+compact activation grid, PDL); the routing the plan assumes (top-k, experts, ranks) and the
 plan's own timing settings. Change any of them and the file is another one. Inside it, a
 size is read back only when its rows per local expert (``cap``) match too::
 
@@ -205,6 +206,7 @@ def fingerprint(experts, *, num_topk: int, num_experts: int, num_ranks: int) -> 
     import triton
 
     import graphrt
+    from graphrt.kernels import _util, activation, grouped_gemm, grouped_gemm_decode
     from graphrt.moe import expert_plan as ep
     props = torch.cuda.get_device_properties(experts.device)
     cls = type(experts)
@@ -220,7 +222,11 @@ def fingerprint(experts, *, num_topk: int, num_experts: int, num_ranks: int) -> 
         "switches": {"fuse_act": bool(cls.fuse_act), "act_epilogue": bool(cls.act_epilogue),
                      "decode_epilogue": str(cls.decode_epilogue),
                      "triton_epilogue": bool(cls.triton_epilogue),
-                     "epilogue_max_bs": cls.EPILOGUE_MAX_BS},
+                     "epilogue_max_bs": cls.EPILOGUE_MAX_BS,
+                     # the kernels' own switches: another weight path, MMA, grid or launch
+                     "expert_tma": bool(grouped_gemm.TMA),
+                     "fp8_mma": bool(grouped_gemm_decode.FP8_MMA),
+                     "act_compact": bool(activation.COMPACT), "pdl": bool(_util.pdl_enabled())},
         "routing": {"num_topk": num_topk, "num_experts": num_experts, "num_ranks": num_ranks},
         "timing": {"give_up": ep.GIVE_UP, "sample_us": ep.SAMPLE_US,
                    "unrotated_l2": ep.UNROTATED_L2, "near_tie": ep.NEAR_TIE,
