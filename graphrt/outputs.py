@@ -300,25 +300,33 @@ class LeasedTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        src = None
+        leased = []
         for a in _tensors(args, kwargs):
             if type(a) is LeasedTensor:
                 a._check_lease()
-                if src is None:
-                    src = a
+                leased.append(a)
         with DisableTorchFunctionSubclass():
             ret = func(*args, **(kwargs or {}))
-            if src is None:
+            if not leased:
                 return ret
-            # A result in the leased memory (a view, ``detach()``, ``.data``, each part of a
-            # ``split``) is leased too; everything else is a plain new tensor.
+            # A result in leased memory (a view, ``detach()``, ``.data``, each part of a
+            # ``split``; any argument's: ``broadcast_tensors(a, b)``) is leased too, on that
+            # lease's clock; everything else is a plain new tensor.
             if type(ret) is torch.Tensor:
-                return LeasedTensor.lease(ret, src._clock) if _shares_memory(ret, src) else ret
+                return _release(ret, leased)
             if type(ret) in (tuple, list) and any(type(r) is torch.Tensor for r in ret):
-                return type(ret)(LeasedTensor.lease(r, src._clock)
-                                 if type(r) is torch.Tensor and _shares_memory(r, src) else r
+                return type(ret)(_release(r, leased) if type(r) is torch.Tensor else r
                                  for r in ret)
             return ret
+
+
+def _release(t: torch.Tensor, leased: list) -> torch.Tensor:
+    """``t`` leased on the clock of the first lease in ``leased`` whose memory it shares;
+    ``t`` itself when it shares none."""
+    for src in leased:
+        if _shares_memory(t, src):
+            return LeasedTensor.lease(t, src._clock)
+    return t
 
 
 def _tensors(args, kwargs):

@@ -324,6 +324,21 @@ def test_debug_leases_follow_every_result_in_the_leased_memory(fake_capture):
         t.sum()                                               # the caller's own: still valid
 
 
+def test_debug_leases_follow_views_of_any_leased_argument(fake_capture):
+    """``broadcast_tensors(y, total)`` returns a view of each: the view of the second
+    output came back a plain tensor (only the first leased argument counted), so its read
+    after the next replay went unseen."""
+    spec = every_kind_spec()
+    rt = captured(copy_outputs=False, debug=True)
+    out = rt.run(**spec.random_inputs(3))
+    vy, vt = torch.broadcast_tensors(out["y"], out["total"])
+    assert type(vy) is LeasedTensor and type(vt) is LeasedTensor
+    rt.run(**spec.random_inputs(3))
+    for t in (vy, vt):
+        with pytest.raises(StaleOutputError, match="stale read"):
+            t.sum()
+
+
 def test_a_held_explicit_lease_is_refused_before_any_rank_agreement(fake_capture):
     """The refusal comes first: a rank that forgot ``release()`` takes no part in the step's
     collective (its peers would otherwise pair their next step with its retry), and an
