@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from graphrt.capture import analyze_step
-from graphrt.moe import PRESETS, make_step, preset
+from graphrt.errors import InputError
+from graphrt.moe import PRESETS, MoEModel, make_step, preset
 from graphrt.moe.paged_kv import slot_of
 
 
@@ -65,6 +66,16 @@ def test_the_model_refuses_a_batch_past_its_slots_before_any_write(tiny):
     with pytest.raises(ValueError, match=f"bs <= num_slots \\({cfg.num_slots}"):
         spec.call(inputs)
     assert all(torch.equal(a, b) for a, b in zip(before, _caches(model)))
+
+
+def test_a_spec_whose_example_batch_cannot_own_blocks_is_refused_up_front():
+    """A 4-block KV cache (3 besides the scratch block) and a 32-request step: the spec was
+    made, then drawing an example batch of 5 failed at capture or validate time."""
+    model = MoEModel(preset("tiny", num_blocks=4, max_ctx=16, block_size=8), "cpu")
+    with pytest.raises(InputError, match="max_batch_size 8 exceeds the 3 KV blocks"):
+        model.spec(8)
+    spec = model.spec(3)
+    assert spec.random_inputs(3, "cpu")["block_table"].shape[0] == 3
 
 
 def test_router_bias_is_the_models_own_copy(tiny):

@@ -654,6 +654,11 @@ class MoEModel:
         if max_batch_size > cfg.num_slots:
             raise InputError(f"max_batch_size {max_batch_size} exceeds the {cfg.num_slots} "
                              f"requests {cfg.name}'s KV cache is sized for (num_slots)")
+        if max_batch_size > cfg.scratch_block:  # example batches: a block per request
+            raise InputError(f"max_batch_size {max_batch_size} exceeds the {cfg.scratch_block} "
+                             f"KV blocks of {cfg.name} besides the scratch block (num_blocks="
+                             f"{cfg.kv_blocks}): each request owns a block at least; raise "
+                             f"num_blocks or lower max_batch_size")
         # The KV caches are not declared as state: a snapshot would double their memory, and
         # graph and eager write the same K/V into the same slots, so checks need no restore.
         inputs = {"tokens": Input((None,), torch.int64, high=cfg.vocab_size),
