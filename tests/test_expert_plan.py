@@ -566,3 +566,14 @@ def test_a_given_plan_picking_a_kernel_this_machine_lacks_is_refused():
         model._plan_for(2)
     ok = {"version": 1, "plan": {k: {"2": {"kernel": "swap", "block_n": 64}} for k in keys}}
     MoEModel(cfg, "cpu", expert_plan=ok)._plan_for(2)  # the decode kernel's swap form runs
+
+
+@pytest.mark.parametrize("kw", [{"block_n": 32.0}, {"split_k": 2.0}, {"num_warps": True}])
+def test_a_choice_takes_ints_only(kw):
+    """``Choice("decode", block_n=32.0)`` compared equal to 32 and was accepted (named
+    ``decode/bn32.0``), then the split-K workspace slice or the kernel failed."""
+    with pytest.raises(graphrt.InputTypeError, match=f"Choice.{next(iter(kw))} must be an int"):
+        Choice("decode", **kw)
+    import numpy as np
+    c = Choice("decode", block_n=np.int64(32))
+    assert type(c.block_n) is int and c == Choice("decode", 32)

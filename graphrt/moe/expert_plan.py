@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from graphrt.errors import BackendError, InputError
+from graphrt.errors import BackendError, InputError, InputTypeError, is_int
 
 PLAN_VERSION = 1
 KERNELS = ("decode", "swap", "rows", "triton", "deepgemm")
@@ -72,6 +72,12 @@ class Choice:
     num_warps: int = 4
 
     def __post_init__(self):
+        for name in ("block_n", "split_k", "num_warps"):
+            v = getattr(self, name)                # 32.0 and True compare equal to ints:
+            if not is_int(v):                      # accepted, then a slice or a kernel failed
+                raise InputTypeError(f"Choice.{name} must be an int; got {v!r} "
+                                     f"({type(v).__name__})")
+            object.__setattr__(self, name, int(v))  # a numpy integer as a plain int
         if self.kernel not in KERNELS:
             raise InputError(f"Choice.kernel: expected one of {KERNELS}, got {self.kernel!r}")
         if self.num_warps not in NUM_WARPS:
