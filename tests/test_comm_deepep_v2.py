@@ -570,3 +570,25 @@ def test_nccl_comm_argument_errors_are_input_errors(monkeypatch):
     x, ids, w, n = routed(5, 5, seed=16)
     with pytest.raises(InputError, match="NCCLComm.dispatch: 5 tokens exceed max_tokens=4"):
         comm.dispatch(x, ids, n)                      # refused before any collective
+
+
+def test_local_comm_refuses_a_combine_of_a_dispatch_a_later_one_overwrote():
+    """Dispatch A, dispatch B, combine A: A's slots live in the static ``pos`` buffer B
+    rewrote, and the combine gathered B's rows (NaN or wrong numbers, no error)."""
+    from graphrt.errors import InputError
+    local = LocalComm(E, H, K, "cpu", max_tokens=MAX_TOKENS)
+    xa, ida, wa, na = routed(6, 6, 1)
+    xb, idb, wb, nb = routed(6, 4, 2)
+    da = local.dispatch(xa, ida, na)
+    ya = experts(da.recv_x)                           # A's experts ran: only the combine is left
+    db = local.dispatch(xb, idb, nb)
+    out = torch.full_like(xa, 7.0)
+    for call in (lambda: local.combine(ya, ida, wa, da, na, out=out),
+                 lambda: local.combine_async(ya, ida, wa, da, na, out=out),
+                 lambda: local.combine_args(ya, ida, wa, da, na)):
+        with pytest.raises(InputError, match="1 later dispatch.* rewrote this dispatch's layout"):
+            call()
+    assert bool((out == 7.0).all())                   # refused before anything ran
+    got = local.combine(experts(db.recv_x), idb, wb, db, nb, out=torch.empty_like(xb))
+    want, _ = local_result(xb, idb, wb, nb)
+    assert torch.equal(got[:4], want[:4])

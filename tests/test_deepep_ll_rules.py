@@ -50,7 +50,7 @@ def test_parity_even_per_step_and_odd_refused():
     c.combine(d.recv_x, ids, w, d, n, out=out)
     c.end_step()                                      # 2 calls: fine
     c.dispatch(x, ids, n)
-    with pytest.raises(DeepEPRuleError, match="issued 1 DeepEP low-latency calls: it must be an even"):
+    with pytest.raises(DeepEPRuleError, match="1 DeepEP low-latency call.* leave the buffer parity odd"):
         c.end_step()
 
 
@@ -83,3 +83,37 @@ def test_hook_receiver_registers_and_joins():
         assert len(ledger.unjoined()) == 1
         assert r() is out
     assert ledger.unjoined() == [] and c.calls == 2
+
+
+def test_a_step_that_raised_after_a_dispatch_keeps_the_parity_refused():
+    """The parity was checked per step: a step that raised after its dispatch left it odd,
+    the next good step was blamed ("issued 3 calls") and every later step passed, while
+    DeepEP's buffer index stayed flipped against every graph captured before. The total's
+    parity is checked now: the refusal stays (and counts the raised step's call)."""
+    c = _comm()
+    x, ids, w, n, out = _batch()
+    d = c.dispatch(x, ids, n)
+    c.combine(d.recv_x, ids, w, d, n, out=out)
+    c.end_step()
+    c.dispatch(x, ids, n)                             # the step raises here: no end_step
+    for made in (3, 2, 2):                            # every later good step is refused
+        d = c.dispatch(x, ids, n)
+        c.combine(d.recv_x, ids, w, d, n, out=out)
+        with pytest.raises(DeepEPRuleError, match=f"^{made} DeepEP .* parity odd"):
+            c.end_step()
+
+
+def test_no_call_while_a_hook_combine_waits_for_its_receive():
+    """A's combine_async (hook), then B's dispatch and combine before A's hook: B reused the
+    buffer A's receive phase had yet to read, and it was accepted."""
+    c = _comm()
+    x, ids, w, n, out = _batch()
+    da = c.dispatch(x, ids, n)
+    recv = c.combine_async(da.recv_x, ids, w, da, n, out=out)
+    with pytest.raises(DeepEPRuleError, match="receive hook has not run"):
+        c.dispatch(x, ids, n)
+    assert c.calls == 2                               # refused before DeepEP saw it
+    recv()
+    db = c.dispatch(x, ids, n)
+    c.combine(db.recv_x, ids, w, db, n, out=out)
+    c.end_step()

@@ -35,6 +35,11 @@ class Dispatched:
         masked_m: int32 ``[num_local_experts]``: live rows per local expert.
         expected_m: host int, the GEMM tile hint for this padded size.
         handle: backend state the combine needs (inverse map, layout, DeepEP handle).
+        gen: which of the comm's dispatches made it (backends whose combine reads static
+            buffers the next dispatch rewrites refuse an older one).
+
+    ``recv_x`` (and, per backend, ``masked_m`` and the handle) lives in the comm's static
+    buffers until its next dispatch: run the experts on it before dispatching again.
     """
 
     recv_x: torch.Tensor
@@ -42,6 +47,7 @@ class Dispatched:
     expected_m: int
     handle: Any
     recv_scale: torch.Tensor | None = None
+    gen: int = 0
 
 
 class Receiver:

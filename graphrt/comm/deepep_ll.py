@@ -86,6 +86,7 @@ class DeepEPLowLatencyComm:
                                      num_qps_per_rank=self.num_local_experts)
         self.calls = 0          # low-latency calls issued (parity = calls % 2)
         self._step_start = 0
+        self._hooked: Receiver | None = None   # the last hook-mode combine's receiver
 
     def cap_for(self, bs: int) -> int:
         """DeepEP's masked layout has ``num_ranks * max_tokens`` rows per local expert."""
@@ -96,6 +97,7 @@ class DeepEPLowLatencyComm:
         """x bf16 ``[bs, hidden]``, topk_ids int64 ``[bs, num_topk]`` (-1: padding, no traffic).
         Graph safety: capturable."""
         from graphrt.kernels.dispatch import expected_m
+        self._check_no_hook("dispatch")
         bs = x.shape[0]
         if bs > self.max_tokens:
             raise DeepEPRuleError(f"{bs} tokens on rank {self.rank} exceed max_tokens="
@@ -112,7 +114,19 @@ class DeepEPLowLatencyComm:
         em = expected_m(bs, self.num_topk, self.num_local_experts, cap=self.cap_for(bs))
         return Dispatched(recv_x, count, em, handle=(handle, self.calls), recv_scale=scale)
 
+    def _check_no_hook(self, what: str) -> None:
+        """Refuse a call while a hook-mode combine's receive hook has not run: that combine
+        still owns a buffer of DeepEP's two, which this call would clean or reuse (a hang or
+        silent corruption). Host-only."""
+        held = getattr(self, "_hooked", None)
+        if held is not None and not held.called:
+            raise DeepEPRuleError(
+                f"DeepEPLowLatencyComm.{what}: the last combine_async's receive hook has not "
+                "run, and its combine still owns one of DeepEP's two low-latency buffers, which "
+                f"this {what} would reuse; call that receiver first")
+
     def _check_fresh(self, d: Dispatched) -> object:
+        self._check_no_hook("combine")
         handle, gen = d.handle
         if gen != self.calls:
             raise DeepEPRuleError(
@@ -137,7 +151,8 @@ class DeepEPLowLatencyComm:
             _, _, hook = self.buffer.low_latency_combine(y, topk_ids, topk_weights, handle,
                                                          return_recv_hook=True, out=out)
             self.calls += 1
-            return Receiver(hook, out, keep=(y, topk_ids, topk_weights, handle))
+            self._hooked = Receiver(hook, out, keep=(y, topk_ids, topk_weights, handle))
+            return self._hooked
         _, ev, _ = self.buffer.low_latency_combine(y, topk_ids, topk_weights, handle,
                                                    async_finish=True, out=out)
         self.calls += 1
@@ -149,7 +164,11 @@ class DeepEPLowLatencyComm:
         with the buffer parity flipped every other time."""
         made = self.calls - self._step_start
         self._step_start = self.calls
-        if made % 2:
-            raise DeepEPRuleError(f"a step issued {made} DeepEP low-latency calls: it must be an "
-                                  "even number (dispatch + combine per MoE layer) so a captured "
-                                  "graph keeps the buffer parity")
+        if self.calls % 2 == 0:   # the total: a raised step flips it for good
+            return
+        raise DeepEPRuleError(
+            f"{made} DeepEP low-latency call(s) since the last completed step leave the buffer "
+            f"parity odd ({self.calls} in all): a step must issue an even number (dispatch + "
+            "combine per MoE layer), and one that raised after a dispatch counts here too. "
+            "Graphs captured at even parity would replay on the other buffer; DeepEP keeps the "
+            "parity on the host and graphrt cannot turn it back: build the comm and capture again")

@@ -47,6 +47,7 @@ class LocalComm:
         self.ws.reserve("src_idx", (num_experts, cap), torch.int32)
         self.ws.reserve("pos", (max_tokens, num_topk), torch.int32)
         self.masked_m = torch.empty(num_experts, dtype=torch.int32, device=self.device)
+        self._gen = 0                          # dispatches made: a Dispatched's must be the last
 
     def cap_for(self, bs: int) -> int:
         return round_up(bs, self.cap_align)
@@ -67,6 +68,7 @@ class LocalComm:
     def combine(self, y, topk_ids, topk_weights, d: Dispatched, n, *, out):
         """Weighted gather-reduce on the current stream. Graph safety: capturable."""
         from graphrt.kernels.combine import combine_masked
+        self._current(d, "LocalComm.combine")
         return combine_masked(y, topk_ids, topk_weights, d.handle, n, out=out)
 
     def route_dispatch(self, x: torch.Tensor, logits: torch.Tensor, n: torch.Tensor,
@@ -93,7 +95,17 @@ class LocalComm:
                     out_masked_m=self.masked_m, out_src_idx=self.ws.view("src_idx", (E, cap)),
                     out_pos=self.ws.view("pos", (bs, num_topk)))
         em = expected_m(bs, num_topk, E, cap=cap)
-        return outs, Dispatched(outs["out_recv_x"], self.masked_m, em, handle=outs["out_pos"])
+        self._gen += 1
+        return outs, Dispatched(outs["out_recv_x"], self.masked_m, em, handle=outs["out_pos"],
+                                gen=self._gen)
+
+    def _current(self, d: Dispatched, what: str) -> None:
+        """Refuse a combine of a dispatch a later one overwrote (its slots live in the
+        static ``pos`` buffer: the combine would gather another batch's rows). Host-only."""
+        if d.gen != self._gen:
+            raise InputError(f"{what}: {self._gen - d.gen} later dispatch(es) rewrote "
+                             "this dispatch's layout (the comm's static buffers hold one at a "
+                             "time); combine each dispatch before the next one")
 
     def combine_args(self, y, topk_ids, topk_weights, d: Dispatched, n) -> tuple:
         """The arguments of this comm's combine, ``kernels.combine.combine_masked(*args,
@@ -101,11 +113,13 @@ class LocalComm:
         ``graphrt.moe.layers.PendingCombine``). ``d.handle`` (the slots) and ``y`` live in
         buffers that the next dispatch and expert GEMMs reuse: consume them before those.
         Host-only (launches nothing)."""
+        self._current(d, "LocalComm.combine_args")
         return y, topk_ids, topk_weights, d.handle, n
 
     def combine_async(self, y, topk_ids, topk_weights, d: Dispatched, n, *, out) -> Receiver:
         """The combine on the communication stream, joined by the receiver's event wait.
         Graph safety: capturable."""
+        self._current(d, "LocalComm.combine_async")
         if self._stream is None:  # CPU: nothing runs asynchronously
             self.combine(y, topk_ids, topk_weights, d, n, out=out)
             return Receiver(lambda: None, out)

@@ -88,6 +88,7 @@ class NCCLComm:
         """Local weighted gather-reduce over the gathered batch, then reduce-scatter into out
         ``[bs, hidden]``. Graph safety: capturable."""
         local_d, local_ids, bs = d.handle
+        self.local._current(local_d, "NCCLComm.combine")   # before any collective
         R, ws = self.num_ranks, self.local.ws
         g_w = ws.view("g_w", (R * bs, self.num_topk))
         self._dist.all_gather_into_tensor(g_w, topk_weights.contiguous(), group=self.group)
@@ -99,6 +100,7 @@ class NCCLComm:
     def combine_async(self, y, topk_ids, topk_weights, d: Dispatched, n, *, out) -> Receiver:
         """The combine and its reduce-scatter on a communication stream, joined by event.
         Graph safety: capturable."""
+        self.local._current(d.handle[0], "NCCLComm.combine_async")
         return on_side_stream(self._stream,
                               lambda: self.combine(y, topk_ids, topk_weights, d, n, out=out),
                               out, keep=(y, topk_ids, topk_weights, d.handle, n))
