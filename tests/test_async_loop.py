@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from graphrt.errors import GraphrtError
+from graphrt.errors import GraphrtError, InputError
 from graphrt.spec import Input, StepSpec
 from graphrt.testing.async_engine import AsyncDecodeEngine, compare_sync_async
 from graphrt.testing.engine import DecodeEngine, Workload, graph_step
@@ -221,6 +221,46 @@ def test_a_step_interrupted_while_reading_the_last_one_does_not_wedge_the_engine
     fed = r.prompt + r.output[:-1]
     assert len(r.output) == max_new and len(calls) == max_new   # no step past the length
     assert r.output == [(7 * t + 3 * p) % VOCAB for p, t in enumerate(fed) if p >= len(r.prompt) - 1]
+
+
+@pytest.mark.parametrize("in_flight", [1, 0])
+@pytest.mark.parametrize("read", ["drain", "streams"])
+def test_a_step_interrupted_then_drained_retires_what_it_finished(in_flight, read):
+    """Ctrl-C in step() while it reads the previous step's ids, then drain() or streams()
+    (which read everything in flight): the next step() saw nothing pending, skipped the
+    retirement, and fed the finished request again (an extra token, a KV block it never
+    reserved). Now a launch not yet retired is retired first."""
+    calls = []
+    eng = AsyncDecodeEngine(EagerRuntime(toy_spec(calls), sizes=[1, 2, 3, 4]), num_slots=4,
+                            max_ctx=32, max_batch_size=4, device="cpu", block_size=4,
+                            in_flight=in_flight)
+    eng.submit(Request(0, [3], 2))
+    eng.step()
+    if in_flight:
+        eng._done[eng._pending[0][0]] = _StuckOnce()
+    else:                                             # the step's own ids are read in it
+        eng._done[eng._parity] = _StuckOnce()
+    with pytest.raises(KeyboardInterrupt):
+        eng.step()
+    getattr(eng, read)()
+    eng.submit(Request(1, [5], 3))
+    while eng.step():
+        pass
+    eng.drain()
+    assert len(eng.finished[0].output) == 2 and len(eng.finished[1].output) == 3
+    assert len(calls) == 5                            # 2 + 3: no step past a length
+    assert eng.blocks.reserved == 0 and len(eng.blocks) == eng.blocks.num_blocks
+
+
+def test_a_request_id_is_submitted_once():
+    """Two live requests with one id: the async loop's row table (by id) fed one of them
+    the other's tokens, and ``finished``/``streams()`` kept one. An id is refused twice."""
+    eng = AsyncDecodeEngine(EagerRuntime(toy_spec([]), sizes=[1, 2, 3, 4]), num_slots=4,
+                            max_ctx=32, max_batch_size=4, device="cpu", block_size=4)
+    eng.submit(Request(7, [3], 4))
+    with pytest.raises(InputError, match="request 7: that id was already submitted"):
+        eng.submit(Request(7, [11], 4))
+    assert [r.rid for r in eng.queue] == [7]
 
 
 # -- the tiny model (kernels on the Triton interpreter) ---------------------------------------

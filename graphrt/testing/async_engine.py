@@ -79,17 +79,20 @@ class AsyncDecodeEngine(DecodeEngine):
         self._pending = deque()    # (readback buffer, [(request, output index | None)]), oldest first
         self._prev: dict = {}      # request id -> its row in the last launched step
         self._parity = 0
+        self._retire_due = False   # a launch whose finished requests are not retired yet
 
     def step(self) -> int:
         """One iteration; returns the live rows launched (0: idle). Host-only, no host sync
         in the steady state."""
         t0 = time.perf_counter()
-        if len(self._pending) > self.in_flight:
-            # the last step() was interrupted after its launch (Ctrl-C in a wait): read what it
-            # left in flight and retire what it finished, as it would have
-            while len(self._pending) > self.in_flight:
-                self._collect()
+        # the last step() was interrupted after its launch (Ctrl-C in a wait): read what it
+        # left in flight and retire what it finished, as it would have (also after a drain()
+        # or streams() read its ids: a finished request was fed again)
+        while len(self._pending) > self.in_flight:
+            self._collect()
+        if self._retire_due:
             self._retire()
+            self._retire_due = False
         self._admit()
         live, st = self.live, self.stats
         st.steps += 1
@@ -104,9 +107,11 @@ class AsyncDecodeEngine(DecodeEngine):
         rows = [(r, r.advance_unread()) for r in live]
         st.tokens += sum(k is not None for _, k in rows)
         self._pending.append((p, rows))
+        self._retire_due = True
         while len(self._pending) > self.in_flight:
             self._collect()
         self._retire()
+        self._retire_due = False
         st.wall_s += time.perf_counter() - t0
         return len(live)
 

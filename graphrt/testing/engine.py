@@ -82,6 +82,7 @@ class DecodeEngine:
         self.marks = None  # a benchmark's span recorder: begin()/end() around a step's stream work
         self.blocks = BlockPool(self.scratch_block)
         self.queue, self.live, self.finished = deque(), [], {}   # Requests: waiting, running, done
+        self._rids: set = set()                                  # every request id submitted
         self.stats = EngineStats()
         pin = self.device.type == "cuda"
         shapes = {"tokens": torch.int64, "positions": torch.int32, "slot_mapping": torch.int64,
@@ -112,6 +113,10 @@ class DecodeEngine:
         if self._blocks_for(req) > self.blocks.num_blocks:
             raise InputError(f"request {req.rid}: needs {self._blocks_for(req)} KV blocks, the "
                              f"cache has {self.blocks.num_blocks} besides the scratch block")
+        if req.rid in self._rids:   # streams() and finished are by id; the async loop's rows too
+            raise InputError(f"request {req.rid}: that id was already submitted to this engine; "
+                             "give each request its own id")
+        self._rids.add(req.rid)
         self.queue.append(req)
 
     def submit_all(self, reqs) -> None:

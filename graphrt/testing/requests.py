@@ -44,6 +44,9 @@ class Request:
     def advance(self, sampled: int) -> int:
         """The step fed ``next_token`` at ``pos`` and sampled ``sampled`` after it; returns
         the tokens generated (0 while the prompt is still being fed, else 1)."""
+        if self.done:
+            raise GraphrtError(f"request {self.rid} already has its {self.max_new} tokens: a "
+                               "finished request was fed again (retire it first)")
         self.pos += 1
         if self.pos < len(self.prompt):
             return 0
@@ -55,6 +58,9 @@ class Request:
         output gets a ``None`` placeholder, filled one step later; returns its index in
         ``output`` (None while the prompt is still being fed). ``done`` counts placeholders,
         so a request whose length is known finishes without reading its tokens."""
+        if self.done:
+            raise GraphrtError(f"request {self.rid} already has its {self.max_new} tokens: a "
+                               "finished request was fed again (retire it first)")
         self.pos += 1
         if self.pos < len(self.prompt):
             return None
