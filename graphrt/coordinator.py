@@ -24,6 +24,15 @@ class RankMismatch(GraphrtError):
     """Ranks are about to replay incompatible graphs."""
 
 
+# timeout_s bounds: gloo counts whole milliseconds (less than 1 ms becomes 0 and every
+# collective fails at once) and its deadline in int64 nanoseconds overflows past ~292 years
+# (1e10 s timed out at once on CPU); a week is far beyond any step.
+_MIN_TIMEOUT_S, _MAX_TIMEOUT_S = 0.001, 7 * 24 * 3600.0
+# How long the constructor's group creation waits for the other ranks (torch's default for
+# gloo): ranks reach the constructor as far apart as their model loading makes them.
+_SETUP_TIMEOUT = timedelta(minutes=30)
+
+
 # What gloo (RuntimeError) and torch's DistError say when a peer does not arrive or went away.
 _PEER_MISSING = ("timed out", "timeout", "connection", "closed by peer", "reset by peer")
 
@@ -39,12 +48,28 @@ def _peer_missing(exc: RuntimeError) -> bool:
     return any(m in msg for m in _PEER_MISSING)
 
 
+def _new_group(dist, timeout: timedelta):
+    """A gloo group whose creation waits ``_SETUP_TIMEOUT`` for the other ranks and whose
+    collectives then wait ``timeout``. A torch without ``_set_pg_timeout`` gets the group
+    made with ``timeout`` itself (its creation then waits only that long)."""
+    from torch.distributed import distributed_c10d
+    set_timeout = getattr(distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is None:
+        return dist.new_group(backend="gloo", timeout=timeout)
+    group = dist.new_group(backend="gloo", timeout=max(timeout, _SETUP_TIMEOUT))
+    set_timeout(timeout, group)
+    return group
+
+
 class RankCoordinator:
     """Args:
         uniform: every rank must replay the same padded size (the comm's ``uniform_batch``).
         debug_check: gather and compare every rank's choice before each replay.
         timeout_s: how long a CPU collective waits for the other ranks before raising
-            (default 60): the timeout of the gloo group the coordinator makes.
+            (default 60; from 0.001 to 604800, a week): the per-collective timeout of the gloo
+            group the coordinator makes. The constructor itself (the group's creation) waits
+            up to 30 minutes for the other ranks, so ranks may reach it far apart (one loads
+            its weights slower).
         group: a CPU group of your own instead; it keeps its own timeout, so ``timeout_s``
             is refused with it (set it in ``new_group(timeout=...)``). ``rank`` and ``world``
             are this process's rank and the rank count in it (a subgroup's, not WORLD's).
@@ -58,6 +83,11 @@ class RankCoordinator:
         if timeout_s is not None:  # before any collective: every rank refuses alike
             check_seconds("RankCoordinator timeout_s", timeout_s, "expected a finite number "
                           "of seconds > 0 (or None for the default 60)")
+            if not _MIN_TIMEOUT_S <= timeout_s <= _MAX_TIMEOUT_S:
+                raise InputError(f"RankCoordinator timeout_s: expected {_MIN_TIMEOUT_S} to "
+                                 f"{_MAX_TIMEOUT_S:.0f} seconds (1 ms to a week), got "
+                                 f"{timeout_s!r}: gloo counts whole milliseconds and its deadline "
+                                 "overflows for huge values; pass a timeout in that range")
         if not dist.is_initialized():
             raise GraphrtError("RankCoordinator needs torch.distributed initialised on every rank")
         if group is not None and timeout_s is not None:
@@ -67,8 +97,8 @@ class RankCoordinator:
         self._dist = dist
         self.uniform, self.debug_check = uniform, debug_check
         self._owns_group = group is None
-        self.group = group if group is not None else dist.new_group(
-            backend="gloo", timeout=timedelta(seconds=60.0 if timeout_s is None else timeout_s))
+        self.group = group if group is not None else _new_group(
+            dist, timedelta(seconds=60.0 if timeout_s is None else timeout_s))
         # this process's rank and the rank count *in the group* (a subgroup's, not WORLD's)
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         if self.rank < 0:  # torch answers -1 for a group this process is not a member of

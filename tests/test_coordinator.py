@@ -83,6 +83,27 @@ def _worker(rank, world, port, out_dir, scenario):
                 result += " | non-member group accepted"
             except InputError as e:
                 result += f" | {e}"
+        elif scenario == "late-rank":  # rank 1 loads its weights slower than timeout_s
+            import time
+            from datetime import timedelta
+
+            import torch
+            from torch.distributed import distributed_c10d
+            if rank == 1:
+                time.sleep(3)
+            co = RankCoordinator(uniform=True, timeout_s=1)
+            gloo = co.group._get_backend(torch.device("cpu"))
+            result = f"agreed={co.agree_batch(rank + 1)} timeout={gloo.options._timeout}"
+            co.close()
+            setter = distributed_c10d._set_pg_timeout
+            del distributed_c10d._set_pg_timeout    # a torch without it: the group's own
+            try:
+                co = RankCoordinator(uniform=True, timeout_s=20)
+            finally:
+                distributed_c10d._set_pg_timeout = setter
+            timeout = co.group._get_backend(torch.device("cpu")).options._timeout
+            result += f" | without _set_pg_timeout: {timeout == timedelta(seconds=20)}"
+            co.close()
         elif scenario == "missing":
             co = RankCoordinator(uniform=True, debug_check=True, timeout_s=3)
             if rank == 0:
@@ -144,6 +165,15 @@ def test_missing_rank_is_a_timeout_not_a_hang():
 
 
 @pytest.mark.slow
+def test_a_rank_reaching_the_constructor_late_is_waited_for():
+    """``timeout_s`` was also the group creation's timeout: a rank reaching the constructor
+    more than ``timeout_s`` after its peer (slower weight loading) failed it on both ranks
+    (DistStoreError, Broken pipe). Creation now waits long; collectives wait ``timeout_s``."""
+    for r in _run("late-rank"):
+        assert r == "agreed=2 timeout=0:00:01 | without _set_pg_timeout: True", r
+
+
+@pytest.mark.slow
 def test_timeout_with_a_passed_group_is_refused_and_close_frees_the_group():
     """``timeout_s`` was silently ignored with ``group=``; each coordinator's own gloo group
     stayed until the process ended (no ``close()``)."""
@@ -166,4 +196,15 @@ def test_a_bad_timeout_is_refused_as_an_argument(timeout_s):
     from graphrt.coordinator import RankCoordinator
     from graphrt.errors import InputError
     with pytest.raises(InputError, match="timeout_s: expected a finite number of seconds > 0"):
+        RankCoordinator(uniform=True, timeout_s=timeout_s)   # no process group needed
+
+
+@pytest.mark.parametrize("timeout_s", [0.0004, 1e10, 1e14])
+def test_a_timeout_gloo_cannot_hold_is_refused_as_an_argument(timeout_s):
+    """Below 1 ms gloo's timeout became 0 ms (every collective failed at once, the
+    constructor too); 1e10 s overflowed gloo's deadline (an immediate timeout); 1e14 s
+    raised OverflowError from timedelta."""
+    from graphrt.coordinator import RankCoordinator
+    from graphrt.errors import InputError
+    with pytest.raises(InputError, match=r"timeout_s: expected 0.001 to 604800 seconds .*got "):
         RankCoordinator(uniform=True, timeout_s=timeout_s)   # no process group needed
