@@ -46,6 +46,28 @@ def test_a_rank_that_dies_without_reporting_is_named():
     assert first_failure(res) is res[1]
 
 
+def test_a_rank_that_exits_with_status_0_without_reporting_is_named():
+    """os._exit(0) on one rank stalled spawn until timeout_s, then RanksTimeout said no rank
+    failed (only a non-zero exit counted as a death)."""
+    t0 = time.monotonic()
+    res = spawn(ranks.exits_zero, 2, setup=ranks.no_setup, timeout_s=30, grace_s=2)
+    assert time.monotonic() - t0 < 20                       # grace_s after it, not timeout_s
+    assert res[1]["ok"] is False
+    assert res[1]["error"].startswith("the rank died without reporting (exit code 0)")
+    assert res[0]["ok"] is False and res[0]["killed"] is True
+    assert first_failure(res) is res[1]
+
+
+def test_a_result_json_cannot_encode_is_a_failure_of_that_rank_alone():
+    """json.dump raised TypeError inside _entry's finally (tuple keys): torch's spawn error
+    replaced every rank's result."""
+    res = spawn(ranks.unencodable, 2, setup=ranks.no_setup, timeout_s=120)
+    assert (res[0]["rank"], res[0]["ok"], res[0]["value"]) == (0, True, 0)
+    assert res[1]["rank"] == 1 and res[1]["ok"] is False
+    assert res[1]["error"].startswith("result not JSON-encodable (TypeError: keys must be"), res[1]
+    assert first_failure(res) is res[1]
+
+
 def test_ranks_killed_at_the_timeout_are_reaped(tmp_path, monkeypatch):
     """Killed ranks were never joined and stayed zombies of the caller."""
     monkeypatch.setenv("GRAPHRT_TEST_PID_DIR", str(tmp_path))

@@ -96,14 +96,42 @@ def _entry(rank, world, port, out_dir, fn, args, setup=None):
         result.update(ok=False, error=f"{type(exc).__name__}: {exc}",
                       traceback=traceback.format_exc())
     finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f, default=str)
+        _report(out_dir, rank, result)
         try:
             import torch.distributed as dist
             if dist.is_initialized():
                 dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
+
+
+def _report(out_dir: str, rank: int, result: dict) -> None:
+    """Write ``result`` as the rank's JSON file, whole or not at all (a temporary file
+    renamed into place). A result json cannot encode (a dict keyed by tuples) becomes a
+    failure saying so: raised here, it escaped ``_entry`` and torch's spawn error replaced
+    every rank's result."""
+    try:
+        text = json.dumps(result, default=str)
+    except Exception as exc:  # noqa: BLE001 - TypeError (keys), ValueError (a cycle), ...
+        text = json.dumps({"rank": rank, "ok": False, "error": (
+            f"result not JSON-encodable ({type(exc).__name__}: {exc}); return a dict with "
+            "str keys (values other than JSON types are written as str)"
+            + (f"; the rank's own error: {result['error']}" if result.get("error") else ""))})
+    path = os.path.join(out_dir, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def _exit_status(code: int | None) -> str:
+    """``exit code N`` or ``signal NAME`` of a process's ``exitcode``."""
+    if code is not None and code < 0:
+        import signal
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
 
 
 class RanksTimeout(GraphrtError, TimeoutError):
@@ -119,8 +147,9 @@ def spawn(fn, world: int, *args, timeout_s: float = 600, grace_s: float = 30,
     usually blocked in a collective waiting for it: ``grace_s`` after the first reported
     failure the ranks still running are killed (``killed: True``, ``ok: False``), so the
     real error comes back at once instead of after ``timeout_s``. A rank that dies without
-    reporting (a segfault, an OOM kill, ``os._exit``) gets ``ok: False`` with its exit code or
-    signal. Raises ``RanksTimeout`` (a ``TimeoutError``) only when no rank failed and they
+    reporting (a segfault, an OOM kill, ``os._exit``, even ``os._exit(0)``) is a failure too:
+    ``ok: False`` with its exit code or signal. A result JSON cannot encode (a dict keyed by
+    tuples) comes back as ``ok: False`` saying so. Raises ``RanksTimeout`` (a ``TimeoutError``) only when no rank failed and they
     did not all finish within ``timeout_s`` (they are killed). ``first_failure`` picks the
     error to report. ``world`` must be an int >= 1 (``InputError``: no ranks is no result)."""
     if isinstance(world, bool) or not isinstance(world, int):
@@ -149,7 +178,13 @@ def spawn(fn, world: int, *args, timeout_s: float = 600, grace_s: float = 30,
                 killed = {r for r, p in enumerate(ctx.processes) if r != exc.error_index}
                 break
             now = time.monotonic()
-            if failed_at is None and any(not r.get("ok", True) for r in _read(out_dir, world)):
+            # liveness before the files: a rank writes its file before it exits
+            gone = [r for r, p in enumerate(ctx.processes) if not p.is_alive()]
+            results = _read(out_dir, world)
+            for r in gone:  # ended without reporting, even with status 0 (os._exit(0))
+                if not results[r] and r not in died:
+                    died[r] = _exit_status(ctx.processes[r].exitcode)
+            if failed_at is None and (died or any(not r.get("ok", True) for r in results)):
                 failed_at = now
             if (failed_at is not None and now - failed_at > grace_s) or now > deadline:
                 killed = {r for r, p in enumerate(ctx.processes) if p.is_alive()}
@@ -162,6 +197,8 @@ def spawn(fn, world: int, *args, timeout_s: float = 600, grace_s: float = 30,
                 break
         results = []
         for r, res in enumerate(_read(out_dir, world)):
+            if not res and r not in died and r not in killed and not ctx.processes[r].is_alive():
+                died[r] = _exit_status(ctx.processes[r].exitcode)  # all exited, this one silent
             if res:
                 results.append(res)
             elif r in died:

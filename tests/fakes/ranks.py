@@ -21,6 +21,20 @@ def dies(rank, world):
     return {"value": 0}
 
 
+def exits_zero(rank, world):
+    """Rank 1 leaves with status 0 without reporting (``os._exit(0)``, as a library's exit
+    path may); rank 0 waits for it as in a collective."""
+    if rank == 1:
+        os._exit(0)
+    time.sleep(60)
+    return {"value": 0}
+
+
+def unencodable(rank, world):
+    """Rank 1 returns what json cannot encode (a dict keyed by ``(size, n)`` tuples)."""
+    return {"per_size": {(8, 3): 1.5}} if rank == 1 else {"value": rank}
+
+
 def raises_and_peer_waits(rank, world):
     """Rank 1 raises; rank 0 blocks as it would in a collective with rank 1."""
     if rank == 1:
