@@ -12,7 +12,8 @@ Errors that belong to one part live beside it:
 
 - ``GraphSafetyError`` (capture refused; it lists the findings): ``graphrt.capture.report``,
   re-exported as ``graphrt.GraphSafetyError``;
-- ``RankMismatch``: ``graphrt.coordinator``; ``StallError``: ``graphrt.watchdog``;
+- ``RankMismatch``: ``graphrt.coordinator``; ``StallError`` and ``WatchdogError`` (its
+  polling thread failed): ``graphrt.watchdog``;
 - ``CudaRuntimeError`` (a raw CUDA runtime call of the replay path failed; also a
   ``RuntimeError``, like torch's CUDA errors): ``graphrt.cudart``;
 - ``DeepEPRuleError``: ``graphrt.comm.deepep_ll``; ``DeepEPUnavailable`` (an ``ImportError``)

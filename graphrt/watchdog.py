@@ -60,6 +60,11 @@ class StallError(GraphrtError):
         super().__init__(_describe(rank, step, last_layer, num_layers, waited_s))
 
 
+class WatchdogError(GraphrtError):
+    """The watchdog's polling thread failed (an exception outside a polling round, e.g. a
+    CUDA error setting its device): no stall is watched until ``start()`` replaces it."""
+
+
 def _describe(rank, step, last, num_layers, waited_s) -> str:
     tail = f"no device progress for {waited_s:.1f} s"
     if step is None:
@@ -193,11 +198,14 @@ class Watchdog:
         progress: int64 ``[num_layers]`` (see ``progress_tensors``); CUDA or CPU.
         step_counter: int64 ``[1]`` on the same device.
         rank: named in reports.
-        timeout_s: how long a step may go without device progress (finite seconds > 0).
-        poll_s: the polling period while a step is expected (finite seconds > 0).
+        timeout_s: how long a step may go without device progress (finite seconds > 0, at
+            most ``threading.TIMEOUT_MAX``).
+        poll_s: the polling period while a step is expected (finite seconds > 0, at most
+            ``threading.TIMEOUT_MAX``: the longest wait a thread can make).
         on_stall: called with the ``StallError`` on the watchdog thread (e.g. write a report,
             ``os._exit``, ``stop()``); it is also logged and raised on the engine's thread by the next
-            ``check()``, ``wait()`` or ``step_done()``.
+            ``check()``, ``wait()`` or ``step_done()``. A polling thread that fails outside a
+            round is raised there the same way, as ``WatchdogError``.
         clock: a monotonic clock (tests inject a fake one).
 
     Graph safety: host-only. Start it after capture; it makes CUDA calls only while a step
@@ -217,6 +225,10 @@ class Watchdog:
                              f"{step_counter.dtype} {tuple(step_counter.shape)} on {step_counter.device}")
         for name, value in (("timeout_s", timeout_s), ("poll_s", poll_s)):
             check_seconds(f"Watchdog {name}", value)  # nan would report a stall at once
+            if value > threading.TIMEOUT_MAX:  # Condition.wait raised OverflowError on the thread
+                raise InputError(f"Watchdog {name}: expected at most threading.TIMEOUT_MAX "
+                                 f"({threading.TIMEOUT_MAX:.0f} s, the longest wait a thread can "
+                                 f"make), got {value!r}")
         self.progress, self.step_counter, self.rank = progress, step_counter, rank
         self.timeout_s, self.poll_s, self.on_stall, self.clock = timeout_s, poll_s, on_stall, clock
         self.num_layers = progress.numel()
@@ -236,14 +248,18 @@ class Watchdog:
         self._seen: Snapshot | None = None
         self._since = 0.0
         self._error: StallError | None = None
+        self._failed: WatchdogError | None = None  # the polling thread died of it
         self._thread: threading.Thread | None = None
         self.reports: list[StallError] = []
 
     # -- the engine's calls --------------------------------------------------------------
     def start(self) -> "Watchdog":
-        """Start the polling thread (a daemon); nothing if one runs. Returns self. Thread-safe."""
+        """Start the polling thread (a daemon); nothing if one runs. A thread that died (its
+        failure is raised by ``check()``) is replaced. Returns self. Thread-safe."""
         with self._cv:
-            if self._thread is None:
+            if self._thread is None or not self._thread.is_alive():
+                if self._halt is not None:  # the dead thread's flag, for good measure
+                    self._halt.set()
                 # each thread has its own flag: one that stop() could not join (inside
                 # on_stall) still ends when on_stall returns, beside the one a restart makes
                 self._halt = halt = threading.Event()
@@ -264,7 +280,7 @@ class Watchdog:
             self._cv.notify_all()
         if thread is None or thread is threading.current_thread():
             return
-        thread.join(timeout=max(1.0, 4 * self.poll_s))
+        thread.join(timeout=min(max(1.0, 4 * self.poll_s), threading.TIMEOUT_MAX))
         if thread.is_alive():
             log.warning("rank %d: the watchdog thread is still in on_stall; it ends when "
                         "on_stall returns", self.rank)
@@ -296,9 +312,12 @@ class Watchdog:
             self._watching = False
 
     def check(self) -> None:
-        """Raise the ``StallError`` the thread reported, once."""
+        """Raise the ``StallError`` the thread reported, once; else, once, the
+        ``WatchdogError`` of a polling thread that died (``start()`` replaces it)."""
         with self._cv:
             err, self._error = self._error, None
+            if err is None:
+                err, self._failed = self._failed, None
         if err is not None:
             raise err
 
@@ -368,6 +387,21 @@ class Watchdog:
         return err
 
     def _loop(self, halt: threading.Event) -> None:
+        """The thread: ``_poll_until`` with any failure kept for ``check()`` (a thread that
+        died silently left ``start()`` believing it ran, and no stall was ever reported)."""
+        try:
+            self._poll_until(halt)
+        except BaseException as exc:  # noqa: BLE001 - raised on the engine's thread by check()
+            log.exception("rank %d: the watchdog thread failed", self.rank)
+            err = WatchdogError(f"rank {self.rank}: the watchdog's polling thread failed "
+                                f"({type(exc).__name__}: {exc}); no stall is watched until "
+                                "start() replaces it")
+            err.__cause__ = exc
+            with self._cv:
+                if not halt.is_set():  # stopped meanwhile: nobody waits for this thread
+                    self._failed = err
+
+    def _poll_until(self, halt: threading.Event) -> None:
         if self._cuda:
             torch.cuda.set_device(self.device)
         while True:

@@ -447,3 +447,49 @@ def test_a_bad_timeout_or_poll_period_is_refused(name, bad, err):
                                                    "of seconds > 0"):
         Watchdog(progress, step, **{name: bad})
     Watchdog(progress, step, **{name: 2})            # the next good call works
+
+
+@pytest.mark.parametrize("name", ["timeout_s", "poll_s"])
+def test_a_period_longer_than_a_thread_can_wait_is_refused(name):
+    """poll_s=1e10 passed (finite, > 0), and the thread's Condition.wait raised OverflowError
+    above threading.TIMEOUT_MAX: the thread died and no stall was ever reported."""
+    from graphrt.errors import InputError
+    progress, step = progress_tensors(2, "cpu")
+    with pytest.raises(InputError, match=f"Watchdog {name}: expected at most "
+                                         r"threading.TIMEOUT_MAX \(9223372036 s.*got 10000000000.0"):
+        Watchdog(progress, step, **{name: 1e10})
+    Watchdog(progress, step, **{name: threading.TIMEOUT_MAX})   # the bound itself is fine
+
+
+def test_a_polling_thread_that_dies_is_raised_on_the_engine_thread_and_replaced():
+    """Only poll() was guarded: an exception elsewhere in the thread (its sleep, a CUDA error
+    in set_device) ended it silently, wait() spun on a stuck step, and start() kept the dead
+    thread (it checked only for None), so no stall was ever reported."""
+    from graphrt.errors import GraphrtError
+
+    class NeverDone:      # a CUDA event of a stuck step (done after 5 s: a failure, no hang)
+        def __init__(self):
+            self.until = time.monotonic() + 5
+
+        def query(self):
+            return time.monotonic() > self.until
+    progress, step = progress_tensors(2, "cpu")
+    wd = Watchdog(progress, step, timeout_s=0.1, poll_s=0.01)
+    wd.poll_s = 1e10       # set after the check: the thread's first sleep raises OverflowError
+    wd.start()
+    first = wd._thread
+    wd.expect_step()
+    first.join(5)
+    assert not first.is_alive()
+    with pytest.raises(GraphrtError, match=r"rank 0: the watchdog's polling thread failed "
+                                           r"\(OverflowError: .*until start\(\) replaces it") as info:
+        wd.wait(NeverDone())                          # raised, not an endless wait
+    assert type(info.value).__name__ == "WatchdogError"
+    wd.check()                                        # once
+    wd.poll_s = 0.01
+    wd.start()                                        # replaces the dead thread
+    assert wd._thread is not first and wd._thread.is_alive()
+    wd.expect_step()
+    with pytest.raises(StallError, match="rank 0: step 0|no step has started"):
+        wd.wait(NeverDone())
+    wd.stop()
