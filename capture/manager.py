@@ -4,7 +4,8 @@ For every size: the graph-safety analysis runs on two eager calls with different
 example data (on a warm-up stream), then ``warmup_iters`` plain calls on the static input
 buffers trigger JIT compilation and autotuning (Triton, DeepGEMM) before any capture. With
 a coordinator, the ranks agree after each size's analysis and after its warm-up, so no rank
-runs a size's collectives alone. Then sizes are captured largest-first into one shared
+runs a size's collectives alone, and once more after the device sync and output signature
+that end the warm-up (a rank failing there stops its peers instead of leaving them waiting). Then sizes are captured largest-first into one shared
 memory pool, on a capture stream of their own, so smaller graphs reuse the larger graphs'
 memory. Every graph ends by copying its outputs into one set of static output buffers
 (batch-major ``[max_bs, ...]``, fixed-shape whole; allocated outside the pool), so no
@@ -251,15 +252,34 @@ class CaptureManager:
                 ok.append(size)
             else:
                 outs.pop(size, None)
-        torch.cuda.synchronize(self.device)
-        if self.strict and self.report.errors:
-            raise GraphSafetyError(self.report.errors, self.spec.name)
-        if outs:
-            self._set_signature(outs, stream)
-            if self.spec.out is not None:  # the step's writes into the buffers, warmed once
-                ok = [size for size in ok if self._warm_into_buffers(size, stream)]
+        with self._together("the end of warm-up (device sync, output kinds)"):
+            torch.cuda.synchronize(self.device)
+            if self.strict and self.report.errors:
+                raise GraphSafetyError(self.report.errors, self.spec.name)
+            if outs:
+                self._set_signature(outs, stream)
+        if outs and self.spec.out is not None:  # the step's writes into the buffers, warmed once
+            ok = [size for size in ok if self._warm_into_buffers(size, stream)]
+            with self._together("the warm-up into the output buffers"):
                 torch.cuda.synchronize(self.device)
         return ok
+
+    @contextlib.contextmanager
+    def _together(self, what: str):
+        """With a coordinator, a block that must pass on every rank: one agreement after it.
+        A rank whose block raises (a sticky CUDA error in a sync, the second-size probe out
+        of memory) tells its peers, then raises its own error; its peers raise "failed on
+        another rank" instead of waiting in their next collective until gloo's timeout."""
+        try:
+            yield
+        except Exception:
+            if self.coordinator is not None:
+                with contextlib.suppress(Exception):  # this rank's own error is the one to raise
+                    self.coordinator.all_ok(False)
+            raise
+        if self.coordinator is not None and not self.coordinator.all_ok(True):
+            raise GraphrtError(f"{self.spec.name}: {what} failed on another rank; every rank "
+                               "stops so that no rank waits in a collective forever")
 
     def _warm_into_buffers(self, size: int, stream) -> bool:
         """One warm-up at ``size`` handing the static outputs as ``StepSpec.out``; whether the

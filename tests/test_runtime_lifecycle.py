@@ -243,7 +243,7 @@ class _Coordinator:
 
     def all_ok(self, ok):
         self.log.append(("agree", ok))
-        return ok and self.log[-2] not in self.others_fail
+        return ok and (len(self.log) < 2 or self.log[-2] not in self.others_fail)
 
 
 def _manager(coordinator, strict):
@@ -263,7 +263,7 @@ def test_ranks_agree_on_each_size_before_its_warm_up(monkeypatch):
     m = _manager(co, strict=False)
     monkeypatch.setattr(m, "_analyse", lambda size, stream: log.append(("analyse", size)) or True)
     monkeypatch.setattr(m, "_warm", lambda size, stream: log.append(("warm", size)) or {"y": torch.zeros(size, 4)})
-    monkeypatch.setattr(m, "_set_signature", lambda outs, stream: log.append(("signature", sorted(outs))))
+    monkeypatch.setattr(m, "_set_signature", lambda outs, stream: log.append(("signature", tuple(sorted(outs)))))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     ok = m._prepare(None)
     assert ok == [1, 16]                              # size 4 failed on another rank: skipped here too
@@ -278,6 +278,36 @@ def test_ranks_agree_on_each_size_before_its_warm_up(monkeypatch):
     with pytest.raises(graphrt.GraphrtError, match="batch size 4: warm-up failed on another rank"):
         strict._prepare(None)
     assert ("analyse", 16) not in log2                # every rank stops at the same size
+
+
+def test_a_failure_at_the_end_of_warm_up_on_one_rank_stops_every_rank(monkeypatch):
+    """After the last size's warm-up agreement, the device sync and the output signature
+    (its probe at a second size can run out of memory on one rank) raised on that rank
+    alone: its peers went on and waited in the capture's first agreement until gloo's
+    timeout. Now one more agreement follows them: the failing rank says so, then raises its
+    own error; its peers raise "failed on another rank"."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+    def oom(outs, stream):
+        log.append(("signature", len(outs)))
+        raise RuntimeError("CUDA out of memory (the second-size probe)")
+    log = []
+    m = _manager(_Coordinator(log), strict=True)
+    monkeypatch.setattr(m, "_analyse", lambda size, stream: True)
+    monkeypatch.setattr(m, "_warm", lambda size, stream: {"y": torch.zeros(size, 4)})
+    monkeypatch.setattr(m, "_set_signature", oom)
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):  # this rank: its own error
+        m._prepare(None)
+    assert log[-2:] == [("signature", 3), ("agree", False)]        # ... after telling its peers
+    log = []
+    peer = _manager(_Coordinator(log, others_fail={("signature", 3)}), strict=False)
+    monkeypatch.setattr(peer, "_analyse", lambda size, stream: True)
+    monkeypatch.setattr(peer, "_warm", lambda size, stream: {"y": torch.zeros(size, 4)})
+    monkeypatch.setattr(peer, "_set_signature", lambda outs, stream: log.append(("signature", len(outs))))
+    with pytest.raises(graphrt.GraphrtError, match=r"the end of warm-up \(device sync, output "
+                                                   "kinds\) failed on another rank; every rank stops"):
+        peer._prepare(None)
+    assert log[-2:] == [("signature", 3), ("agree", True)]
 
 
 def test_an_analysis_that_raises_fails_its_size_like_a_warm_up(monkeypatch):
