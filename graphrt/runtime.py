@@ -246,7 +246,9 @@ class GraphRuntime:
 
     def replay(self, n: int) -> Any:
         """Replay on inputs already written through ``input_buffers(n)``: pads rows
-        ``[n, padded_bs)``, sets the live count, replays. Graph safety: host-only."""
+        ``[n, padded_bs)``, sets the live count, replays. With a coordinator's
+        ``debug_check``, every rank's arrival is checked first, as ``run()`` does.
+        Graph safety: host-only."""
         if self._captured is not None or get_ident() != self._owner:
             self._check_ready("replay")
         if self.coordinator is not None and self.coordinator.uniform:
@@ -256,6 +258,9 @@ class GraphRuntime:
             plan = self._plan_for(n, self._captured_graph(n))
         if self._held is not None:
             self._refuse_held()
+        co = self.coordinator
+        if co is not None and co.debug_check:  # every rank arrives, or a timeout: as run()
+            co.check_replay(plan.g.size, "graph")
         self.stager.pad_only(n, plan.g.size)
         return self._fire(plan, n)
 

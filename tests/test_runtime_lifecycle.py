@@ -467,6 +467,46 @@ def test_replay_is_refused_with_a_uniform_batch_coordinator(fake_capture):
         rt.replay(3)
 
 
+def test_replay_runs_the_debug_check_of_a_per_rank_coordinator(fake_capture):
+    """replay(n) never called check_replay, although RankCoordinator(debug_check=True) is
+    documented to check, for DeepEP (per-rank sizes: input_buffers/replay), that every rank
+    arrives, with a timeout instead of a hang. A failed check replays nothing."""
+    from graphrt.coordinator import RankMismatch
+
+    class PerRank:
+        uniform, debug_check = False, True
+
+        def __init__(self):
+            self.checks, self.missing = [], False
+
+        def agree_batch(self, n):
+            return n
+
+        def check_replay(self, size, mode):
+            self.checks.append((size, mode))
+            if self.missing:
+                raise RankMismatch("rank 0: not every rank reached this step's replay check")
+
+        def all_ok(self, ok):
+            return ok
+    co = PerRank()
+    rt = graphrt.GraphRuntime(_spec(), sizes=[4, 8], device="cpu", progress=False,
+                              coordinator=co).capture()
+    rt.input_buffers(3)["x"].fill_(1)
+    rt.replay(3)
+    rt.input_buffers(6)["x"].fill_(1)
+    rt.replay(6)
+    assert co.checks == [(4, "graph"), (8, "graph")] and rt.counters["replays"] == 2
+    co.missing = True
+    rt.input_buffers(3)
+    with pytest.raises(RankMismatch, match="not every rank reached"):
+        rt.replay(3)
+    assert rt.counters["replays"] == 2                # the check comes before the replay
+    co.debug_check, co.missing = False, False         # off: no collective per replay
+    rt.replay(3)
+    assert len(co.checks) == 3 and rt.counters["replays"] == 3
+
+
 def test_an_eager_run_that_raises_is_not_counted(fake_capture):
     """counters["eager"] went up before the step ran; replays are counted once launched."""
     def step(x):
