@@ -5,9 +5,9 @@ example data (on a warm-up stream), then ``warmup_iters`` plain calls on the sta
 buffers trigger JIT compilation and autotuning (Triton, DeepGEMM) before any capture. With
 a coordinator, the ranks agree after each size's analysis and after its warm-up, so no rank
 runs a size's collectives alone, and once more after the device sync and output signature
-that end the warm-up (a rank failing there stops its peers instead of leaving them waiting). Then sizes are captured largest-first into one shared
-memory pool, on a capture stream of their own, so smaller graphs reuse the larger graphs'
-memory. Every graph ends by copying its outputs into one set of static output buffers
+that end the warm-up (a rank failing there stops its peers instead of leaving them
+waiting). Then sizes are captured largest-first into one shared memory pool, on a capture
+stream of their own, so smaller graphs reuse the larger graphs' memory. Every graph ends by copying its outputs into one set of static output buffers
 (batch-major ``[max_bs, ...]``, fixed-shape whole; allocated outside the pool), so no
 graph's outputs pin pool memory. Per graph it records capture seconds, pool bytes added and
 the tensors the graph must keep alive (receiver-held tensors, the static input views).
