@@ -108,10 +108,13 @@ class SafetyReport:
         return "\n".join(lines)
 
     def print_rich(self, console=None) -> None:
-        """The same table through ``rich`` (falls back to plain text)."""
+        """The same table through ``rich`` (falls back to plain text). Every cell is a
+        ``Text``, never markup: a message's ``x[mask]`` or a path's ``[/b]`` is shown as is
+        (as markup rich ate the first and raised ``MarkupError`` on the second)."""
         try:
             from rich.console import Console
             from rich.table import Table
+            from rich.text import Text
         except ImportError:  # pragma: no cover - rich is a dependency
             print(self.table())
             return
@@ -124,8 +127,8 @@ class SafetyReport:
             t.add_column(col, overflow="fold")
         for f in self.findings:
             style = "red" if f.severity == "error" else "yellow"
-            t.add_row(f"[{style}]{f.severity}[/{style}]", f.kind, f.where, f.op,
-                      "" if f.size is None else str(f.size), f.message)
+            t.add_row(Text(f.severity, style=style), *map(Text, (
+                f.kind, f.where, f.op, "" if f.size is None else str(f.size), f.message)))
         console.print(t)
 
 

@@ -7,6 +7,7 @@ isolation itself): tests through it are ``slow`` (a child imports torch, ~2 s); 
 messages are also checked through the in-process ``validate()`` API, fast."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -18,8 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from graphrt.capture.report import Finding, SafetyReport
 from graphrt.cli import main as cli
-from graphrt.cli.validate import ValidateError, default_sizes, validate
+from graphrt.cli.validate import ValidateError, Validation, default_sizes, validate
+from graphrt.cli.validate_cmd import print_report
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "validate_step.py"
@@ -227,6 +230,45 @@ def test_json_dash_keeps_user_prints_off_stdout(capfd):
                          "--json", "-")
     assert rc == 1 and json.loads(out)["findings"][0]["op"] == "Tensor.__repr__"
     assert "top logits" in err
+
+
+class _Terminal(io.StringIO):
+    """A stream that says it is a terminal, so ``print_report`` takes rich's path."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+BRACKETS = Validation("m.py:make", "cpu", [8], SafetyReport([Finding(
+    "host-sync", "error", "boolean-mask assignment", "/elsewhere/d[/b]/m.py", 8,
+    "x[mask] = values syncs: use x[i:i+1] = v", 8)]))
+
+
+def test_the_terminal_table_shows_brackets_as_written(monkeypatch):
+    """On a terminal the table goes through rich: the fix text ``x[i:i+1] = v`` showed as
+    ``x = v`` (markup eaten) and a path holding ``[/b]`` raised ``MarkupError`` (exit 1)."""
+    import re
+    monkeypatch.setenv("COLUMNS", "400")  # one line per row: no folding inside a cell
+    stream = _Terminal()
+    print_report(BRACKETS, stream)
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", stream.getvalue())
+    assert "\x1b[" in stream.getvalue()  # rich's path, not the plain table
+    assert "x[mask] = values syncs: use x[i:i+1] = v" in shown, shown
+    assert "/elsewhere/d[/b]/m.py:8" in shown and "boolean-mask assignment" in shown, shown
+
+
+def test_json_path_is_written_before_the_table(tmp_path, monkeypatch, capfd):
+    """Whatever printing the table meets (it raised on a terminal), ``--json PATH`` holds
+    the report first."""
+    import graphrt.cli.isolate as isolate
+    from graphrt.cli import validate_cmd
+    out_json, seen = tmp_path / "report.json", []
+    monkeypatch.setattr(isolate, "run_isolated", lambda *a: BRACKETS)
+    monkeypatch.setattr(validate_cmd, "print_report",
+                        lambda result: seen.append(json.loads(out_json.read_text())))
+    rc, _, err = _main(capfd, f"{_write(tmp_path, STEP)}:make", "--device", "cpu",
+                       "--json", out_json)
+    assert rc == 1 and err == "" and seen == [BRACKETS.to_dict()]
 
 
 def test_default_sizes_and_device():

@@ -138,8 +138,7 @@ def run(args) -> int:
     if args.json == "-":
         print(doc)
         return result.exit_code
-    print_report(result)
-    if args.json:
+    if args.json:  # before the table: the report is written whatever printing meets
         try:
             with open(args.json, "w") as fh:
                 fh.write(doc + "\n")
@@ -147,4 +146,5 @@ def run(args) -> int:
             print(f"graphrt validate: cannot write --json {args.json!r}: {exc.strerror}",
                   file=sys.stderr)
             return 2
+    print_report(result)
     return result.exit_code
