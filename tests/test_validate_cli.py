@@ -336,6 +336,25 @@ def test_help_and_missing_command(capsys):
     assert err.count("\n") == 1 and "TARGET" in err
 
 
+@pytest.mark.parametrize("argv,line", [
+    (["validate", "good.py:make", "--bogus"],
+     "graphrt validate: unrecognized arguments: --bogus (see graphrt validate --help)"),
+    (["validate", "a", "b"], "graphrt validate: unrecognized arguments: b (see graphrt validate --help)"),
+    (["demo", "--bogus"], "graphrt demo: unrecognized arguments: --bogus (see graphrt demo --help)"),
+    (["bench", "--sizes", "1", "--bogus", "3"],  # python -m graphrt.bench --bogus 3 too
+     "graphrt bench: unrecognized arguments: --bogus 3 (see graphrt bench --help)"),
+    (["--bogus"], "graphrt: unrecognized arguments: --bogus (see graphrt --help)"),
+    (["--bogus", "demo"], "graphrt: unrecognized arguments: --bogus (see graphrt --help)"),
+])
+def test_unknown_arguments_are_blamed_on_their_command(argv, line, monkeypatch, capsys):
+    """A flag the command does not take names that command and its --help; it was blamed on
+    ``graphrt`` (see graphrt --help), whose help does not list the command's flags."""
+    for module in MODULES.values():  # the command must not run
+        monkeypatch.setitem(sys.modules, module, None)
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == line + "\n"
+
+
 MODULES = {"demo": "graphrt.cli.demo", "bench": "graphrt.bench.run"}
 
 

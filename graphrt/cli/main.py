@@ -111,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"graphrt {__version__}")
     sub = p.add_subparsers(dest="command", metavar="{validate,demo,bench}", parser_class=_Parser)
 
+    p.commands = sub.choices  # name -> its parser: main() blames a stray flag on its command
     validate_cmd.add_parser(sub)
 
     d = sub.add_parser("demo", help="capture and run the reference MoE model in a decode loop",
@@ -207,11 +208,23 @@ def _stdout_closed() -> int:
     return 141
 
 
+def _owner(parser: argparse.ArgumentParser, words: list[str], command: str | None):
+    """The parser to blame for words argparse did not take: the command's own (its line
+    names it and points to its --help), unless some came before the command's name (the
+    top level takes none: ``graphrt --bogus validate ...``) or there is no command."""
+    if command is None or words.index(command) > 0:
+        return parser
+    return parser.commands[command]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``graphrt`` console script and ``python -m graphrt``."""
     parser = build_parser()
+    words = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(words)
+        if extra:
+            _owner(parser, words, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:  # --help and --version exit 0; bad arguments exit 2 after one line
         return int(exc.code or 0)
     if args.command is None:
