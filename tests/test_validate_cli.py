@@ -232,6 +232,46 @@ def test_json_dash_keeps_user_prints_off_stdout(capfd):
     assert "top logits" in err
 
 
+STALE = '{"safe": true}\n'  # a previous run's report
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--sizes", "x"], "bad --sizes 'x': expected comma-separated batch sizes >= 1, e.g. "
+     "--sizes 1,8,64"),
+    pytest.param(["--sizes", "16"], "bad --sizes: 16 exceeds the step's max_batch_size 8",
+                 marks=slow),  # the child's one line
+    (["--timeout", "0"], "argument --timeout: expected seconds > 0, e.g. --timeout 300; "
+     "got '0' (see graphrt validate --help)"),  # refused by argparse
+    (["--bogus"], "unrecognized arguments: --bogus (see graphrt validate --help)"),
+    (["--json", "{report}", "--sizes"],  # the value argparse wanted is missing
+     "argument --sizes: expected one argument (see graphrt validate --help)"),
+])
+def test_exit_2_replaces_the_json_report(args, line, tmp_path, capfd):
+    """A run that exits 2 leaves ``{"error": its line}`` in --json PATH (and on stdout for
+    ``-``): a previous run's ``"safe": true`` stayed in PATH, read as this run's verdict."""
+    target, report = f"{_write(tmp_path, STEP)}:make", tmp_path / "report.json"
+    report.write_text(STALE)
+    where = ["--json", report] if "--json" not in args else []
+    rc, out, err = _main(capfd, target, "--device", "cpu", *where,
+                         *[a.format(report=report) for a in args])
+    assert rc == 2 and out == "" and err == f"graphrt validate: {line}\n", err
+    assert json.loads(report.read_text()) == {"error": line}
+    rc, out, err = _main(capfd, target, "--device", "cpu", "--json", "-",
+                         *[a for a in args if a not in ("--json", "{report}")])
+    assert rc == 2 and json.loads(out) == {"error": line} and err.count("\n") == 1, (out, err)
+
+
+@pytest.mark.parametrize("refused", [["--sizes", "x"], ["--bogus"]])
+@pytest.mark.parametrize("target", ["{path}:make", "{path}", "{path}:"])
+def test_an_exit_2_report_never_overwrites_the_target(target, refused, tmp_path, capfd):
+    """The error report goes where a report may go: never over TARGET's source, even when
+    TARGET itself is refused (``step.py`` without ``:FUNC``)."""
+    path = _write(tmp_path, STEP)
+    rc, out, _ = _main(capfd, target.format(path=path), *refused, "--json", path)
+    assert rc == 2 and out == "" and path.read_text() == textwrap.dedent(STEP).replace(
+        "MAXBS", "8")
+
+
 class _Terminal(io.StringIO):
     """A stream that says it is a terminal, so ``print_report`` takes rich's path."""
 

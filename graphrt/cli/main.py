@@ -52,8 +52,17 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message):
-        print(f"{self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
-        raise SystemExit(2)
+        line = f"{message} (see {self.prog} --help)"
+        print(f"{self.prog}: {line}", file=sys.stderr)
+        raise _Refused(line)
+
+
+class _Refused(SystemExit):
+    """An argument error: exit 2, its one line (``line``, after the prog) already printed."""
+
+    def __init__(self, line: str):
+        super().__init__(2)
+        self.line = line
 
 
 def _positive(text: str) -> int:
@@ -225,7 +234,12 @@ def main(argv: list[str] | None = None) -> int:
         args, extra = parser.parse_known_args(words)
         if extra:
             _owner(parser, words, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
-    except SystemExit as exc:  # --help and --version exit 0; bad arguments exit 2 after one line
+    except _Refused as exc:  # bad arguments: exit 2 after one line
+        command = next((w for w in words if not w.startswith("-")), None)  # the top level
+        if command == "validate":  # takes no values: the first word is the command
+            validate_cmd.report_refusal(words[words.index(command) + 1:], exc.line)
+        return 2
+    except SystemExit as exc:  # --help and --version exit 0
         return int(exc.code or 0)
     if args.command is None:
         print("graphrt: missing command: validate, demo or bench (see graphrt --help)",

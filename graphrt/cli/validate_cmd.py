@@ -7,7 +7,8 @@ Arguments (sizes, device, TARGET's file, the ``--json`` path) are checked here, 
 anything of the target runs; the analysis itself (``graphrt.cli.validate``) runs in a child
 process (``graphrt.cli.isolate``) that is killed, with all it started, at the end. Exit 0:
 no error findings; 1: error findings; 2: one line on stderr (bad arguments, a target that
-cannot be loaded, crashes, exits or runs past ``--timeout``).
+cannot be loaded, crashes, exits or runs past ``--timeout``), and ``--json`` gets
+``{"error": that line}`` (``report_error``) in place of a report.
 
 Graph safety: host-only.
 """
@@ -59,15 +60,20 @@ def check_json_path(path: str | None, target: str) -> None:
     from graphrt.cli.validate import ValidateError, target_source
     if path is None or path == "-":
         return
+    try:
+        sources = [target_source(target)] if target else []
+    except ValidateError:  # TARGET refused (report_error): a file it names stays off limits
+        sources = [target, target.rpartition(":")[0]]
     full = os.path.abspath(path)
-    folder, exists, source = os.path.dirname(full), os.path.exists(full), target_source(target)
+    folder, exists = os.path.dirname(full), os.path.exists(full)
     why = None
     if os.path.isdir(full):
         why = "it is a folder; expected a file path, e.g. --json report.json"
     elif not os.path.isdir(folder):
         why = f"folder {folder!r} does not exist; create it first"
-    elif source and (os.path.realpath(full) == os.path.realpath(source)
-                     or (exists and os.path.samefile(full, source))):
+    elif any(s and (os.path.realpath(full) == os.path.realpath(s)
+                    or (exists and os.path.exists(s) and os.path.samefile(full, s)))
+             for s in sources):
         why = "it is TARGET's source file, which the report would overwrite; write it elsewhere"
     else:
         why = _cannot_write(full, exists, folder)
@@ -93,6 +99,44 @@ def _cannot_write(full: str, exists: bool, folder: str) -> str | None:
     except OSError as exc:
         return (exc.strerror or str(exc)).lower()
     return None
+
+
+def report_error(path: str | None, target: str | None, line: str) -> None:
+    """``--json`` of a run that gave no verdict (exit 2, or 130): ``{"error": line}``, on
+    stdout for ``-``; written to PATH in place of whatever an earlier run left there (its
+    ``"safe": true`` must not outlive this run). A PATH ``check_json_path`` refuses (no
+    folder, no permission, TARGET's own source) is left as it is: the line says why."""
+    from graphrt.cli.validate import ValidateError
+    if path is None:
+        return
+    doc = json.dumps({"error": line}, indent=2)
+    if path == "-":
+        print(doc)
+        return
+    try:
+        check_json_path(path, target)
+        with open(path, "w") as fh:
+            fh.write(doc + "\n")
+    except (ValidateError, OSError):
+        pass  # PATH cannot take it; stderr has the line
+
+
+def report_refusal(words: list[str], line: str) -> None:
+    """``report_error`` for a command line argparse refused (``words``: those after
+    ``validate``), its ``--json`` and TARGET read leniently: every option a string that may
+    be left out, nothing required; nothing written when even that fails."""
+    class Lenient(argparse.ArgumentParser):
+        def error(self, message):
+            raise argparse.ArgumentError(None, message)
+    p = Lenient(add_help=False, exit_on_error=False)
+    p.add_argument("target", nargs="?")
+    for flag in ("--sizes", "--device", "--json", "--timeout"):
+        p.add_argument(flag, nargs="?")  # a value left out ("--sizes" last) was the refusal
+    try:
+        known, _ = p.parse_known_args(words)
+    except argparse.ArgumentError:
+        return
+    report_error(known.json, known.target, line)
 
 
 def print_report(result, stream=None) -> None:
@@ -129,10 +173,12 @@ def run(args) -> int:
         result = run_isolated(args.target, sizes, args.device, args.timeout)
     except ValidateError as exc:
         print(f"graphrt validate: {exc}", file=sys.stderr)
+        report_error(args.json, args.target, str(exc))
         return 2
     except KeyboardInterrupt:  # the child's group is already dead (run_isolated's finally)
-        print("graphrt validate: interrupted; the target and all it started were stopped",
-              file=sys.stderr)
+        line = "interrupted; the target and all it started were stopped"
+        print(f"graphrt validate: {line}", file=sys.stderr)
+        report_error(args.json, args.target, line)
         return 130
     doc = json.dumps(result.to_dict(), indent=2)
     if args.json == "-":
