@@ -140,6 +140,25 @@ def test_exit_2_names_the_users_line(tmp_path):
     assert f"target.py:{line})" in str(info.value) and "during the analysis" in str(info.value)
 
 
+@pytest.mark.parametrize("target", ["./good.txt:make", "./noext:make", "good.txt:make"])
+def test_a_target_file_without_py_is_refused(target, tmp_path, monkeypatch, capfd):
+    """A FILE that is not a .py file: with a slash it failed as "AttributeError: 'NoneType'
+    object has no attribute 'loader'"; without one, ``good.txt`` imported good.py (running
+    its code) and then said "No module named 'good.txt'"."""
+    for name in ("good.txt", "noext"):
+        _write(tmp_path, STEP, name=name)
+    _write(tmp_path, "open('imported', 'w').close()\n" + STEP, name="good.py")
+    monkeypatch.chdir(tmp_path)
+    where = target.rpartition(":")[0]
+    line = (f"cannot import {where!r}: expected FILE.py (a Python file ending in .py) or a "
+            "module name (pkg.module:FUNC)")
+    with pytest.raises(ValidateError) as info:
+        validate(target, None, "cpu")
+    assert str(info.value) == line
+    assert _main(capfd, target, "--device", "cpu") == (2, "", f"graphrt validate: {line}\n")
+    assert not (tmp_path / "imported").exists()
+
+
 @pytest.mark.parametrize("args,expect", [
     (["--sizes", "1,x"], "bad --sizes '1,x'"),
     (["--sizes", "0"], "bad --sizes '0'"),

@@ -181,6 +181,11 @@ def split_target(text: str) -> tuple[str, str, str | None]:
                                 "or a module name (pkg.module:FUNC)")
         if not os.path.isfile(path):
             raise ValidateError(f"cannot import {where!r}: No such file")
+    if path is None and "." in where and os.path.isfile(where):  # good.txt: not good's .txt
+        path = os.path.abspath(where)
+    if path is not None and not path.endswith(".py"):  # importlib finds no loader for it
+        raise ValidateError(f"cannot import {where!r}: expected FILE.py (a Python file ending "
+                            "in .py) or a module name (pkg.module:FUNC)")
     return where, func, path
 
 
