@@ -109,6 +109,37 @@ def test_the_api_reports_sys_exit_as_a_validate_error(tmp_path):
         validate(f"{path}:make", [1], "cpu")
 
 
+def test_a_step_raising_keyboard_interrupt_is_its_crash_in_the_child(tmp_path, monkeypatch):
+    """In the command's child (``isolated=True``) only the target can raise KeyboardInterrupt
+    (Ctrl-C reaches the parent alone): it was reported as "internal error ... (a graphrt bug:
+    please report it)". In the calling process a KeyboardInterrupt is Ctrl-C's: it stops
+    ``validate()``; so does one no user frame raised (graphrt's own, in the child too)."""
+    path, line = _target(tmp_path, "raise KeyboardInterrupt")
+    with pytest.raises(ValidateError) as info:
+        validate(f"{path}:make", [1], "cpu", isolated=True)
+    assert str(info.value).startswith("step 'make.<locals>.step' raised KeyboardInterrupt "
+                                      "during the analysis (")
+    assert str(info.value).endswith(f"/target.py:{line})"), info.value
+    with pytest.raises(KeyboardInterrupt):
+        validate(f"{path}:make", [1], "cpu")
+    path, _ = _target(tmp_path, "pass")
+    scope: dict = {}
+    exec(compile("def analyze_step(*a, **k):\n    raise KeyboardInterrupt\n", "<graphrt>",
+                 "exec"), scope)
+    monkeypatch.setattr("graphrt.capture.safety.analyze_step", scope["analyze_step"])
+    with pytest.raises(KeyboardInterrupt):
+        validate(f"{path}:make", [1], "cpu", isolated=True)
+
+
+@slow
+def test_a_step_raising_keyboard_interrupt_is_exit_2(tmp_path, capfd):
+    path, line = _target(tmp_path, "raise KeyboardInterrupt")
+    rc, out, err = _main(capfd, f"{path}:make", "--device", "cpu", "--sizes", "1")
+    assert rc == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("graphrt validate: step 'make.<locals>.step' raised KeyboardInterrupt "
+                          "during the analysis (") and err.endswith(f"/target.py:{line})\n"), err
+
+
 # -- a target that does not end ----------------------------------------------------------------
 @slow
 @needs_proc

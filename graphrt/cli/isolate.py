@@ -290,7 +290,7 @@ def _validate(request: dict) -> dict:
             from graphrt.capture.audit import follow_device_events
             follow_device_events()
         return {"validation": validate(request["target"], request["sizes"],
-                                       request["device"]).to_dict()}
+                                       request["device"], isolated=True).to_dict()}
     except ValidateError as exc:
         return {"error": str(exc)}
     except BaseException as exc:  # noqa: BLE001 - one line all the same

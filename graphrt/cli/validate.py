@@ -48,12 +48,14 @@ class ValidateError(Exception):
 
 @dataclass
 class Target:
-    """A loaded target: ``make(device) -> StepSpec``; ``file``/``line``: FUNC's ``def``."""
+    """A loaded target: ``make(device) -> StepSpec``; ``file``/``line``: FUNC's ``def``;
+    ``isolated``: loaded in the command's child process (``_theirs``)."""
 
     make: Callable[..., Any]
     file: str
     line: int
     module: Any
+    isolated: bool = False
 
 
 @dataclass
@@ -155,6 +157,18 @@ def _site(tb, prefer: str | None) -> str:
     return pick_site([(f.filename, f.lineno) for f in traceback.extract_tb(tb)], prefer)
 
 
+def _theirs(exc: BaseException, isolated: bool) -> bool:
+    """Whether ``exc``, raised while the target's code ran, is the target's crash (exit 2):
+    an ``Exception`` or ``SystemExit``; in the command's child (``isolated``) also any other
+    ``BaseException`` with a user frame (a step raising ``KeyboardInterrupt``): the child
+    has its own session, so Ctrl-C reaches only the parent, and nothing else raises one
+    there. In the calling process a real Ctrl-C must stop ``validate()``: it propagates."""
+    if isinstance(exc, (Exception, SystemExit)):
+        return True
+    frames = [(f.filename, f.lineno) for f in traceback.extract_tb(exc.__traceback__)]
+    return isolated and pick_frame(frames) is not None
+
+
 @contextlib.contextmanager
 def _importing(path_entry: str):
     saved = sys.dont_write_bytecode, list(sys.path)
@@ -209,8 +223,9 @@ def target_source(text: str) -> str | None:
     return spec.origin if spec and spec.has_location else None
 
 
-def load_target(text: str) -> Target:
-    """Import TARGET and fetch FUNC; any failure is a one-line ``ValidateError``."""
+def load_target(text: str, isolated: bool = False) -> Target:
+    """Import TARGET and fetch FUNC; any failure is a one-line ``ValidateError``
+    (``isolated``: see ``_theirs``)."""
     where, func, path = split_target(text)
     name = _MODULE_PREFIX + "".join(c if c.isalnum() else "_" for c in path) if path else where
     try:
@@ -222,7 +237,9 @@ def load_target(text: str) -> Target:
                 module = importlib.util.module_from_spec(spec)
                 sys.modules[name] = module  # dataclasses look their module up here
                 spec.loader.exec_module(module)
-    except (Exception, SystemExit) as exc:
+    except BaseException as exc:
+        if not _theirs(exc, isolated):
+            raise
         if path is not None:
             sys.modules.pop(name, None)
         raise ValidateError(f"cannot import {where!r}: {one_line(exc)}"
@@ -237,7 +254,7 @@ def load_target(text: str) -> Target:
                             "must be FUNC(device) -> graphrt.StepSpec")
     code = getattr(inspect.unwrap(make), "__code__", None)  # FUNC's def, else the module
     file = os.path.abspath(code.co_filename if code else getattr(module, "__file__", None) or where)
-    return Target(make, file, code.co_firstlineno if code else 0, module)
+    return Target(make, file, code.co_firstlineno if code else 0, module, isolated)
 
 
 def build_spec(target: Target, device: torch.device) -> StepSpec:
@@ -245,7 +262,9 @@ def build_spec(target: Target, device: torch.device) -> StepSpec:
     name = getattr(target.make, "__name__", "FUNC")
     try:
         spec = target.make(device)
-    except (Exception, SystemExit) as exc:
+    except BaseException as exc:
+        if not _theirs(exc, target.isolated):
+            raise
         raise ValidateError(f"{name}(device) {_raised(exc)}{_site(exc.__traceback__, target.file)}"
                             f"{_cuda_hint(exc)}{_exit_hint(exc)}") from None
     if not isinstance(spec, StepSpec):
@@ -326,7 +345,9 @@ def _cuda_checks(spec: StepSpec, target: Target, sizes: list[int], device: torch
         with warnings.catch_warnings():  # each failed size becomes a finding below; the
             warnings.simplefilter("ignore", CaptureWarning)  # runtime's "runs eagerly" is moot
             rt.capture()
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - strict=False: only the unexpected
+    except BaseException as exc:  # strict=False: only the unexpected
+        if not _theirs(exc, target.isolated):
+            raise
         raise _crash(spec, target, exc, "capture") from None
     report.extend(rt.manager.report.findings)
     for size, fail in sorted(rt.failures.items()):
@@ -343,7 +364,9 @@ def _cuda_checks(spec: StepSpec, target: Target, sizes: list[int], device: torch
         return
     try:
         checks = rt.check_replay(raise_on_mismatch=False)
-    except (Exception, SystemExit) as exc:  # noqa: BLE001
+    except BaseException as exc:
+        if not _theirs(exc, target.isolated):
+            raise
         raise _crash(spec, target, exc, "the replay check") from None
     first_bad: dict = {}  # one finding per size: its first bad output
     for c in checks:
@@ -381,12 +404,15 @@ def _capture_failure(spec: StepSpec, target: Target, size: int, device: torch.de
                    "not own; the line is FUNC's", size)
 
 
-def validate(target: str, sizes: list[int] | str | None = None, device: str | None = None) -> Validation:
+def validate(target: str, sizes: list[int] | str | None = None, device: str | None = None,
+             isolated: bool = False) -> Validation:
     """Validate TARGET at ``sizes`` (default ``default_sizes``) on ``device`` (default: cuda
-    when available, else cpu). Raises ``ValidateError`` for the exit-2 cases."""
+    when available, else cpu). Raises ``ValidateError`` for the exit-2 cases. ``isolated``:
+    True in the command's child process, where a ``KeyboardInterrupt`` the target raises is
+    its crash too (``_theirs``); elsewhere it propagates, as Ctrl-C does."""
     sizes = parse_sizes(sizes) if isinstance(sizes, str) else sizes
     dev = resolve_device(device)
-    tgt = load_target(target)
+    tgt = load_target(target, isolated)
     run_dev = dev if dev.type == "cpu" or dev.index is not None else \
         torch.device("cuda", torch.cuda.current_device())
     from graphrt.capture.host import HostData
@@ -403,7 +429,9 @@ def validate(target: str, sizes: list[int] | str | None = None, device: str | No
         from graphrt.capture.safety import analyze_step
         try:
             report = analyze_step(spec, sizes, run_dev, host=host)
-        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a crash is no finding: exit 2
+        except BaseException as exc:  # a crash is no finding: exit 2
+            if not _theirs(exc, tgt.isolated):
+                raise
             report = _raised_at_a_finding(exc, tgt)
             if report is None:
                 raise _crash(spec, tgt, exc, "the analysis") from None
@@ -415,7 +443,9 @@ def validate(target: str, sizes: list[int] | str | None = None, device: str | No
             try:
                 with quiet:  # (NVTX ranges, is_current_stream_capturing: as the analysis)
                     calls = probe_calls(spec, sizes, run_dev)
-            except (Exception, SystemExit) as exc:  # noqa: BLE001 - a crash: exit 2
+            except BaseException as exc:  # a crash: exit 2
+                if not _theirs(exc, tgt.isolated):
+                    raise
                 raise _crash(spec, tgt, exc, "the output check") from None
             try:
                 infer_signature(calls, spec.outputs, where=spec.name)
