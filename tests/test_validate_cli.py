@@ -191,6 +191,31 @@ def test_exit_2_through_the_real_command(tmp_path):
         "graphrt validate: cannot import 'missing_dir/step.py': No such file\n"
 
 
+def _closing(fd: int) -> subprocess.CompletedProcess:
+    """``python -m graphrt ARGS`` started with ``fd`` closed (``>&-`` / ``2>&-``)."""
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "graphrt", *map(str, args)],
+                              stdout=None if fd == 1 else subprocess.PIPE,
+                              stderr=None if fd == 2 else subprocess.PIPE, text=True,
+                              preexec_fn=lambda: os.close(fd), timeout=120,
+                              env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
+    return run
+
+
+@slow
+def test_a_closed_stdout_or_stderr(tmp_path):
+    """With fd 1 closed the table's ``isatty()`` of None raised AttributeError (exit 1);
+    with fd 2 closed a refusal, printed to ``file=None``, went to stdout, into ``--json -``."""
+    path, report = _write(tmp_path, STEP), tmp_path / "report.json"
+    proc = _closing(1)("validate", f"{path}:make", "--device", "cpu", "--sizes", "1",
+                       "--json", report)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert json.loads(report.read_text())["safe"] is True
+    proc = _closing(2)("validate", "nope.py:make", "--json", "-")
+    assert proc.returncode == 2
+    assert json.loads(proc.stdout) == {"error": "cannot import 'nope.py': No such file"}
+
+
 # -- exit 0 / 1, JSON, table --------------------------------------------------------------------
 @slow
 def test_json_to_stdout_shape(tmp_path):

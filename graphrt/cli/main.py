@@ -217,6 +217,22 @@ def _stdout_closed() -> int:
     return 141
 
 
+def _fill_closed_streams() -> None:
+    """Started with fd 1 or 2 closed (``graphrt validate ... >&-``), Python sets
+    ``sys.stdout`` / ``sys.stderr`` to None: ``isatty()`` of None raised, and ``print(...,
+    file=None)`` writes to stdout, so refusals landed in ``--json -``'s document. Each closed
+    one gets /dev/null: what it would print goes nowhere, the exit status stays the
+    command's (``--json PATH`` and results are still written), and no file the run opens
+    later takes fd 1 or 2, where C code or a child process would print into it."""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        if getattr(sys, name) is None:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            if devnull != fd:
+                os.dup2(devnull, fd)
+                os.close(devnull)
+            setattr(sys, name, open(fd, "w", buffering=1, closefd=False))  # noqa: SIM115
+
+
 def _owner(parser: argparse.ArgumentParser, words: list[str], command: str | None):
     """The parser to blame for words argparse did not take: the command's own (its line
     names it and points to its --help), unless some came before the command's name (the
@@ -228,6 +244,7 @@ def _owner(parser: argparse.ArgumentParser, words: list[str], command: str | Non
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``graphrt`` console script and ``python -m graphrt``."""
+    _fill_closed_streams()
     parser = build_parser()
     words = sys.argv[1:] if argv is None else list(argv)
     try:
