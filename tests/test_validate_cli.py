@@ -163,7 +163,9 @@ def test_a_target_file_without_py_is_refused(target, tmp_path, monkeypatch, capf
     (["--sizes", "1,x"], "bad --sizes '1,x'"),
     (["--sizes", "0"], "bad --sizes '0'"),
     pytest.param(["--sizes", "1,16"], "16 exceeds the step's max_batch_size 8", marks=slow),
-    (["--device", "tpu"], "bad --device 'tpu'"),
+    (["--device", "tpu"], "bad --device 'tpu': expected cpu, cuda or cuda:N"),
+    # was run and echoed as "device": "cpu:7", which the JSON's field never holds
+    (["--device", "cpu:7"], "bad --device 'cpu:7': expected cpu, cuda or cuda:N"),
     (["--timeout", "0"], "argument --timeout: expected seconds > 0"),
     (["--timeout", "soon"], "argument --timeout: expected seconds > 0"),
 ])

@@ -97,15 +97,16 @@ def parse_sizes(text: str | None) -> list[int] | None:
 
 
 def resolve_device(text: str | None) -> torch.device:
-    """``cpu`` / ``cuda`` / ``cuda:N``; None: cuda when available, else cpu."""
+    """``cpu`` / ``cuda`` / ``cuda:N`` (``cpu:N`` is refused, as ``graphrt bench`` refuses
+    it: the JSON's ``device`` is one of those three); None: cuda when available, else cpu."""
     if text is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(text)
     except (RuntimeError, ValueError):
         device = torch.device("meta")
-    if device.type not in ("cpu", "cuda"):
-        raise ValidateError(f"bad --device {text!r}: expected cpu or cuda")
+    if device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index is not None):
+        raise ValidateError(f"bad --device {text!r}: expected cpu, cuda or cuda:N")  # no cpu:N
     if device.type == "cuda" and (not torch.cuda.is_available()
                                   or (device.index or 0) >= torch.cuda.device_count()):
         raise ValidateError(f"--device {text}: CUDA is not available on this machine "

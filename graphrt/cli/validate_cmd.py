@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
                    "FUNC(device: torch.device) -> graphrt.StepSpec")
     v.add_argument("--sizes", default=None, help="comma-separated batch sizes (default: 1,8,64 "
                    "clipped to the step's max_batch_size)")
-    v.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, "
+    v.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, "
                    "else cpu; cpu flags what would sync or bake on a GPU)")
     v.add_argument("--json", default=None, metavar="-|PATH", help="also write the JSON report: "
                    "'-' prints only JSON on stdout, PATH writes a file")
