@@ -211,6 +211,43 @@ def test_bench_refuses_in_one_line(argv, match, monkeypatch, capsys, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+TORCHRUN = {"LOCAL_RANK": "0", "MASTER_ADDR": "x"}  # what torchrun sets beside RANK, WORLD_SIZE
+
+
+@pytest.mark.parametrize("env,says", [
+    # int() of these raised a traceback
+    ({"RANK": "0", "WORLD_SIZE": "x"}, "WORLD_SIZE='x': expected a process count (an int >= 1"),
+    ({"RANK": "x", "WORLD_SIZE": "2", **TORCHRUN},
+     "RANK='x': expected this process's rank, an int from 0 to 1 (WORLD_SIZE=2)"),
+    ({"RANK": "2", "WORLD_SIZE": "2", **TORCHRUN}, "RANK='2': expected this process's rank"),
+    # not started by torchrun: rank 1 must say it (no process is rank 0); it exited 2 silently
+    ({"RANK": "1", "WORLD_SIZE": "2"}, "torchrun started 2 processes, but --comm local is one GPU"),
+    ({"RANK": "1", "WORLD_SIZE": "2", **TORCHRUN, "LOCAL_RANK": "1"}, None),  # rank 0 says it
+])
+def test_bench_rank_variables_are_refused_in_one_line(env, says, monkeypatch, capsys, tmp_path):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert cli.main(["bench", "--device", "cpu", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    if says is None:
+        assert err == ""
+    else:
+        assert err.count("\n") == 1 and err.startswith("graphrt bench: ") and says in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_bench_refuses_an_empty_out(monkeypatch, capsys, tmp_path):
+    """``--out ''`` names no folder; it wrote to bench-out/ unasked."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["bench", "--device", "cpu", "--sizes", "1", "--modes", "eager",
+                     "--out", ""]) == 2
+    assert capsys.readouterr().err == ("graphrt bench: --out '': expected a folder for "
+                                       "results.json, results.md and plots, e.g. --out bench-out\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_ep_shapes_the_backends_reject_are_refused_before_ranks_start(monkeypatch, tmp_path):
     """What DeepEP and the EP split reject (hidden 128, more than 511 tokens a rank, 63
     experts over 2 ranks) is refused by the plan, exit 2, instead of failing inside every

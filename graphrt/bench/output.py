@@ -25,7 +25,11 @@ class OutDirError(GraphrtError):
 def check_out_dir(path: str, names=OUTPUT_NAMES) -> str:
     """The absolute folder ``path`` if results can be written there, else ``OutDirError``.
     Leaves nothing behind (a probe file is made and removed): a missing folder is made at
-    the first write."""
+    the first write. An empty ``path`` is refused (it named no folder; the results went to
+    bench-out unasked)."""
+    if not path:
+        raise OutDirError("--out '': expected a folder for results.json, results.md and plots, "
+                          "e.g. --out bench-out")
     full = os.path.abspath(path)
     if os.path.lexists(full) and not os.path.isdir(full):
         raise OutDirError(f"--out {path!r} is a file, expected a folder for results.json, "

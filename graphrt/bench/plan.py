@@ -55,9 +55,9 @@ def plan(args) -> Plan:
     if ep and "local" in comms:
         raise Refusal("--comm local is one GPU (EP=1) and cannot run with "
                       f"{', '.join(c for c in comms if c != 'local')}: run it separately")
-    ranks, torchrun = arg("ranks"), "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    ranks, launch = arg("ranks"), torchrun_env()
+    torchrun, world = launch is not None, launch[1] if launch else 1
     if torchrun and ep:
-        world = int(os.environ["WORLD_SIZE"])
         if ranks is not None and ranks != world:
             raise Refusal(f"--ranks {ranks}, but torchrun started {world} processes: drop --ranks")
         if len(comms) > 1:
@@ -67,8 +67,8 @@ def plan(args) -> Plan:
             raise Refusal(f"RANK and WORLD_SIZE are set but not {', '.join(missing)}: start EP "
                           "runs with torchrun or with graphrt bench --ranks N")
         ranks = world
-    if torchrun and not ep and int(os.environ["WORLD_SIZE"]) > 1:
-        raise Refusal(f"torchrun started {os.environ['WORLD_SIZE']} processes, but --comm local "
+    if torchrun and not ep and world > 1:
+        raise Refusal(f"torchrun started {world} processes, but --comm local "
                       f"is one GPU: pass an expert-parallel --comm ({', '.join(EP_BACKENDS)})")
     ranks = ranks or (2 if ep else 1)
     if ep and ranks < 2:
@@ -133,7 +133,7 @@ def plan(args) -> Plan:
     names = ["results.json", "results.md"] + [
         n for tag in (comms if ep else [""]) for n in plot_names(tag).values()]
     try:
-        out = check_out_dir(arg("out") or "bench-out", names)
+        out = check_out_dir("bench-out" if arg("out") is None else arg("out"), names)
     except OutDirError as exc:
         raise Refusal(str(exc))
     if "eplb" in suites and torchrun:
@@ -142,6 +142,22 @@ def plan(args) -> Plan:
     redundant = tuple(dict.fromkeys(arg("redundant") or (0, 4, 8)))
     return Plan(suites, cfg, sizes, modes, comms, ranks, torchrun, device, out,
                 bool(arg("fp8")), max_tokens, redundant)
+
+
+def torchrun_env() -> tuple[int, int] | None:
+    """``(RANK, WORLD_SIZE)`` when both are set (torchrun sets them), else None. ``Refusal``
+    for values torchrun never sets (``int()`` of them raised a traceback)."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
+    fix = "fix it, or unset RANK and WORLD_SIZE to run without torchrun"
+    if not (world.isascii() and world.isdigit() and int(world) >= 1):
+        raise Refusal(f"WORLD_SIZE={world!r}: expected a process count (an int >= 1, as "
+                      f"torchrun sets it); {fix}")
+    if not (rank.isascii() and rank.isdigit() and int(rank) < int(world)):
+        raise Refusal(f"RANK={rank!r}: expected this process's rank, an int from 0 to "
+                      f"{int(world) - 1} (WORLD_SIZE={world}); {fix}")
+    return int(rank), int(world)
 
 
 def _device(want, ep_comms, ranks: int, torchrun: bool) -> str:

@@ -156,7 +156,7 @@ import torch
 from graphrt._version import __version__
 from graphrt.bench.console import show_markdown
 from graphrt.bench.output import OutDirError, json_text, write_file
-from graphrt.bench.plan import Plan, Refusal, plan
+from graphrt.bench.plan import Plan, Refusal, plan, torchrun_env
 from graphrt.env import interpret_on_cpu
 
 SCHEMA_VERSION = 1
@@ -167,7 +167,7 @@ def main(args) -> int:
     try:
         p = plan(args)
     except Refusal as exc:
-        if os.environ.get("RANK", "0") == "0":
+        if _says_refusals():
             print(f"graphrt bench: {exc}", file=sys.stderr)
         return 2
     try:
@@ -175,6 +175,20 @@ def main(args) -> int:
     except OutDirError as exc:  # --out passed the check, then a write failed (disk full, ...)
         print(f"graphrt bench: {exc}", file=sys.stderr)
         return 2
+
+
+def _says_refusals() -> bool:
+    """Whether this process prints a refusal. Ranks torchrun started plan alike and refuse
+    alike, so rank 0 alone says it. Any other process says it itself: RANK set by hand or
+    by a scheduler (no torchrun LOCAL_RANK / MASTER_ADDR) or a RANK / WORLD_SIZE that is
+    no rank's, where no process may be rank 0 (RANK=1 WORLD_SIZE=2 exited 2 silently)."""
+    if not all(v in os.environ for v in ("LOCAL_RANK", "MASTER_ADDR")):
+        return True
+    try:
+        launch = torchrun_env()
+    except Refusal:
+        return True
+    return launch is None or launch[0] == 0
 
 
 def measured(doc: dict) -> bool:
