@@ -27,6 +27,7 @@ Graph safety: host-only bookkeeping for the analysis.
 from __future__ import annotations
 
 import ast
+import contextlib
 import io
 import linecache
 import numbers
@@ -221,26 +222,46 @@ class HostData:
         return _Track(self)
 
 
+def compiled_run_eagerly():
+    """A context in which ``torch.compile``'d functions run their Python eagerly
+    (``torch.compiler.set_stance("force_eager")``): torch refuses to compile under a
+    dispatch mode and remembers the frame as skipped, so an analysis or FUNC's tracking left
+    the step uncompiled for good (``fullgraph=True`` raised). The analysis sees the step's
+    ops as the compiled code would run them; the warm-up after it compiles."""
+    set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
 class _Track(TorchFunctionMode):
     def __init__(self, host: HostData):
         super().__init__()
         self.host = host
         self._inner = _PassThrough()
+        self._stance = None
 
     def __enter__(self):
-        super().__enter__()
+        self._stance = compiled_run_eagerly()
+        self._stance.__enter__()
         try:
-            self._inner.__enter__()
+            super().__enter__()
+            try:
+                self._inner.__enter__()
+            except BaseException:
+                super().__exit__(None, None, None)
+                raise
         except BaseException:
-            super().__exit__(None, None, None)
+            self._stance.__exit__(None, None, None)
             raise
         return self
 
     def __exit__(self, *exc):
         try:
-            self._inner.__exit__(*exc)
+            try:
+                self._inner.__exit__(*exc)
+            finally:
+                super().__exit__(*exc)
         finally:
-            super().__exit__(*exc)
+            self._stance.__exit__(None, None, None)
         return False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from graphrt.capture.audit import ReceiverLedger, StreamAudit
-from graphrt.capture.host import HostData
+from graphrt.capture.host import HostData, compiled_run_eagerly
 from graphrt.capture.report import Finding, SafetyReport
 from graphrt.capture.rules import SAFE, classify_aten, classify_call
 from graphrt.capture.sites import is_user_file, user_site
@@ -303,6 +303,9 @@ class SafetyAnalyzer:
 
     def __enter__(self):
         try:
+            stance = compiled_run_eagerly()    # compiled code under the modes: its Python
+            stance.__enter__()
+            self._exits.append(lambda: stance.__exit__(None, None, None))
             saved = self._patch_syncs()
             self._exits.append(lambda: [setattr(o, n, f) for o, n, f in saved])
             if self.cuda:

@@ -425,3 +425,30 @@ def test_a_barrier_in_the_step_is_a_host_sync():
     finally:
         if fresh:
             dist.destroy_process_group()
+
+
+def test_a_compiled_step_is_analysed_and_still_compiles_after():
+    """torch refuses to compile under a dispatch mode and remembers the frame as skipped:
+    after the analysis a ``torch.compile``'d step never compiled (capture() captured it
+    eager), and ``fullgraph=True`` raised as the step's own error. The analysis runs
+    compiled code's Python eagerly; a hazard in it is still found at its line."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+    w = torch.randn(8, 8)
+
+    def mlp(x, ids, n):
+        return torch.relu(x @ w) * 2
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    fn = torch.compile(mlp, backend=counter, fullgraph=True, dynamic=False)
+    spec = _spec(fn)
+    assert analyze_step(spec, [2, 4], "cpu").findings == []
+    fn(torch.randn(4, 8), torch.zeros(4, 2, dtype=torch.int64), 4)
+    assert counter.frame_count == 1                   # compiled after the analysis
+
+    def syncs(x, ids, n):
+        return x * float(x.sum())                     # a host read in compiled code
+    line = inspect.getsourcelines(syncs)[1] + 1
+    found = analyze_step(_spec(torch.compile(syncs, backend=CompileCounter())), [2], "cpu")
+    assert {(f.kind, f.line) for f in found.findings} == {("host-sync", line)}
+    torch._dynamo.reset()
