@@ -50,7 +50,8 @@ def check_replay(rt, *, trials: int = 2, rtol: float | None = None,
        largest for integers, True then False), give bitwise-equal live rows: the graph
        writes every live row of every output;
     1. ``padding-inert`` (trials with padded rows): a replay with pad rows at ``pad_value``
-       and one with pad rows poisoned (NaN for floats, random valid values otherwise) give
+       and one with pad rows poisoned (NaN for floats, random valid values otherwise; an
+       integer input whose ``pad_value`` lies outside ``[low, high)`` keeps that sentinel) give
        bitwise-equal live rows (on these trials a ``unique`` input whose ``pad_value`` is
        one of its valid values has a live row at that value: a padded row that writes by it
        lands on that live row, unlike poisoned padding (free values));

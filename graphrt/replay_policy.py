@@ -38,7 +38,7 @@ import torch
 from graphrt import cudart, staging_table
 from graphrt.errors import InputError
 from graphrt.sizes import SizeTable, capture_sizes  # noqa: F401 - re-exported
-from graphrt.spec import StepSpec, distinct
+from graphrt.spec import StepSpec, distinct, sentinel
 from graphrt.staging_table import TableGraph
 from graphrt.step_cache import signature
 
@@ -386,11 +386,16 @@ class Stager:
         values otherwise; offsets grow by random valid increments) to prove live rows never
         depend on them (``check_replay``). A ``unique`` input's padded rows get values no live
         row holds (a KV slot of a live request would be a collision the real batch cannot
-        have; the spec's unique span covers ``max_batch_size``). Host-only (syncs)."""
+        have; the spec's unique span covers ``max_batch_size``). An integer input whose
+        ``pad_value`` lies outside ``[low, high)`` keeps it: a sentinel the step may test for
+        (vLLM's slot -1 skips the KV write; ``run()`` always pads with it), where a valid
+        value wrote a slot a live request reads. Host-only (syncs)."""
         if padded_bs <= n:
             return
         for k in self._batch:
             inp, buf = self.spec.inputs[k], self.buffers[k]
+            if sentinel(inp):
+                continue
             if inp.dtype.is_floating_point:
                 buf[n:padded_bs].fill_(float("nan"))
             elif inp.unique:                      # enough values: StepSpec checks the span

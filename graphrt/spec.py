@@ -94,6 +94,14 @@ def distinct(low: int, high: int, k: int, generator: torch.Generator | None = No
     return torch.tensor(list(got), dtype=torch.int64, device="cpu")
 
 
+def sentinel(inp: "Input") -> bool:
+    """Whether ``inp`` pads with a sentinel: an integer input whose ``pad_value`` lies
+    outside its valid values ``[low, high)`` (a scratch slot past the live ones, -1), which
+    a step may test for to keep padded rows inert."""
+    return _integral(inp.dtype) and inp.dtype != torch.bool and inp.high is not None \
+        and not inp.low <= inp.pad_value < inp.high
+
+
 @dataclass(frozen=True)
 class Input:
     """One input of a step.

@@ -298,7 +298,7 @@ def test_poison_keeps_a_unique_input_unique():
     kv = torch.zeros(16, 2)
     spec = graphrt.StepSpec(lambda x, slot: kv[slot] + x, max_batch_size=8, inputs={
         "x": graphrt.Input((None, 2), torch.float32),
-        "slot": graphrt.Input((None,), torch.int64, low=0, high=15, unique=True, pad_value=15)})
+        "slot": graphrt.Input((None,), torch.int64, low=0, high=15, unique=True, pad_value=3)})
     st = Stager(spec, 8, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
@@ -308,6 +308,24 @@ def test_poison_keeps_a_unique_input_unique():
         slots = st.buffers["slot"][:8]
         assert slots.unique().numel() == 8 and bool((slots < 15).all()), slots.tolist()
         assert torch.equal(slots[:3], live["slot"])
+
+
+def test_poison_keeps_a_sentinel_pad():
+    """A pad outside ``[low, high)`` is a sentinel the step may test for (vLLM skips the KV
+    write of slot -1): poisoned rows took random valid slots, which live requests' attention
+    then read, and check_replay failed a correct step on every seed."""
+    spec = graphrt.StepSpec(lambda x, slot, seq: x, max_batch_size=8, inputs={
+        "x": graphrt.Input((None, 2), torch.float32),
+        "slot": graphrt.Input((None,), torch.int64, high=15, unique=True, pad_value=-1),
+        "seq": graphrt.Input((None,), torch.int32, low=1, high=9, pad_value=0),
+        "tok": graphrt.Input((None,), torch.int64, high=9, pad_value=0)})
+    st = Stager(spec, 8, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    st.stage(spec.random_inputs(3, "cpu", g), 3, 8)
+    st.poison(3, 8, g)
+    assert st.buffers["slot"][3:8].tolist() == [-1] * 5
+    assert st.buffers["seq"][3:8].tolist() == [0] * 5
+    assert bool(st.buffers["x"][3:8].isnan().all())       # the others are still poisoned
 
 
 def test_constructor_arguments_of_the_wrong_kind_are_typed_errors():
