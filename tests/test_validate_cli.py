@@ -308,11 +308,16 @@ def test_exit_2_replaces_the_json_report(args, line, tmp_path, capfd):
 
 
 @pytest.mark.parametrize("refused", [["--sizes", "x"], ["--bogus"]])
-@pytest.mark.parametrize("target", ["{path}:make", "{path}", "{path}:"])
-def test_an_exit_2_report_never_overwrites_the_target(target, refused, tmp_path, capfd):
+@pytest.mark.parametrize("target", ["{path}:make", "{path}", "{path}:", "target", "target:",
+                                    "pkg.target"])
+def test_an_exit_2_report_never_overwrites_the_target(target, refused, tmp_path, capfd,
+                                                      monkeypatch):
     """The error report goes where a report may go: never over TARGET's source, even when
-    TARGET itself is refused (``step.py`` without ``:FUNC``)."""
+    TARGET itself is refused (``step.py`` without ``:FUNC``), nor over a file that holds no
+    earlier report (a refused module TARGET, ``step`` or ``pkg.mod``, beside ``--json
+    step.py``: its source was overwritten)."""
     path = _write(tmp_path, STEP)
+    monkeypatch.chdir(tmp_path)
     rc, out, _ = _main(capfd, target.format(path=path), *refused, "--json", path)
     assert rc == 2 and out == "" and path.read_text() == textwrap.dedent(STEP).replace(
         "MAXBS", "8")

@@ -105,7 +105,9 @@ def report_error(path: str | None, target: str | None, line: str) -> None:
     """``--json`` of a run that gave no verdict (exit 2, or 130): ``{"error": line}``, on
     stdout for ``-``; written to PATH in place of whatever an earlier run left there (its
     ``"safe": true`` must not outlive this run). A PATH ``check_json_path`` refuses (no
-    folder, no permission, TARGET's own source) is left as it is: the line says why."""
+    folder, no permission, TARGET's own source), or an existing file that is no JSON object
+    (no earlier report: ``--json step.py`` beside a refused ``step`` module TARGET), is left
+    as it is: the line says why."""
     from graphrt.cli.validate import ValidateError
     if path is None:
         return
@@ -115,10 +117,22 @@ def report_error(path: str | None, target: str | None, line: str) -> None:
         return
     try:
         check_json_path(path, target)
+        if os.path.exists(path) and not _a_report(path):
+            return
         with open(path, "w") as fh:
             fh.write(doc + "\n")
     except (ValidateError, OSError):
         pass  # PATH cannot take it; stderr has the line
+
+
+def _a_report(path: str) -> bool:
+    """Whether ``path`` holds a JSON object (an earlier run's report or error), which an
+    error report may replace; anything else may be the user's own file."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return isinstance(json.load(fh), dict)
+    except (OSError, ValueError):
+        return False
 
 
 def report_refusal(words: list[str], line: str) -> None:
