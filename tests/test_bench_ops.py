@@ -318,3 +318,25 @@ def test_the_switchs_own_module_imports_first():
                         "launchers_as_ops; from graphrt.kernels.ops import launchers_as_ops as b; "
                         "assert launchers_as_ops is b"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
+
+
+def test_the_compiled_model_step_compiles_once():
+    """``torch.compile(model.step, dynamic=False)`` (the bench's compile mode) recompiled on
+    every call: LocalComm's dispatch counter, a host int, was a guard. Under compilation it
+    neither counts nor checks (the eager path still refuses a stale combine)."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+
+    from graphrt.moe import MoEModel, preset
+    model = MoEModel(preset("tiny"), "cpu")
+    model.overlap = False
+    inputs = model.example_inputs(2, "cpu", torch.Generator().manual_seed(0))
+    n = torch.tensor([2], dtype=torch.int32)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    step = torch.compile(model.step, backend=counter, dynamic=False)
+    with gops.launchers_as_ops(), torch.no_grad():
+        for _ in range(3):
+            step(**inputs, n=n)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
