@@ -113,7 +113,8 @@ def test_no_call_while_a_hook_combine_waits_for_its_receive():
     with pytest.raises(DeepEPRuleError, match="receive hook has not run"):
         c.dispatch(x, ids, n)
     assert c.calls == 2                               # refused before DeepEP saw it
-    recv()
+    assert c.pending_receiver is recv                 # joinable after a step that raised
+    c.pending_receiver()
     db = c.dispatch(x, ids, n)
     c.combine(db.recv_x, ids, w, db, n, out=out)
     c.end_step()

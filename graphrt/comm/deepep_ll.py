@@ -86,7 +86,7 @@ class DeepEPLowLatencyComm:
                                      num_qps_per_rank=self.num_local_experts)
         self.calls = 0          # low-latency calls issued (parity = calls % 2)
         self._step_start = 0
-        self._hooked: Receiver | None = None   # the last hook-mode combine's receiver
+        self.pending_receiver: Receiver | None = None  # the last hook-mode combine's
 
     def cap_for(self, bs: int) -> int:
         """DeepEP's masked layout has ``num_ranks * max_tokens`` rows per local expert."""
@@ -118,12 +118,13 @@ class DeepEPLowLatencyComm:
         """Refuse a call while a hook-mode combine's receive hook has not run: that combine
         still owns a buffer of DeepEP's two, which this call would clean or reuse (a hang or
         silent corruption). Host-only."""
-        held = getattr(self, "_hooked", None)
+        held = getattr(self, "pending_receiver", None)
         if held is not None and not held.called:
             raise DeepEPRuleError(
                 f"DeepEPLowLatencyComm.{what}: the last combine_async's receive hook has not "
                 "run, and its combine still owns one of DeepEP's two low-latency buffers, which "
-                f"this {what} would reuse; call that receiver first")
+                f"this {what} would reuse; call that receiver first (it is "
+                "comm.pending_receiver if you no longer hold it, e.g. after a step raised)")
 
     def _check_fresh(self, d: Dispatched) -> object:
         self._check_no_hook("combine")
@@ -151,8 +152,8 @@ class DeepEPLowLatencyComm:
             _, _, hook = self.buffer.low_latency_combine(y, topk_ids, topk_weights, handle,
                                                          return_recv_hook=True, out=out)
             self.calls += 1
-            self._hooked = Receiver(hook, out, keep=(y, topk_ids, topk_weights, handle))
-            return self._hooked
+            self.pending_receiver = Receiver(hook, out, keep=(y, topk_ids, topk_weights, handle))
+            return self.pending_receiver
         _, ev, _ = self.buffer.low_latency_combine(y, topk_ids, topk_weights, handle,
                                                    async_finish=True, out=out)
         self.calls += 1
