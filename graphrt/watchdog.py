@@ -198,8 +198,8 @@ class Watchdog:
         progress: int64 ``[num_layers]`` (see ``progress_tensors``); CUDA or CPU.
         step_counter: int64 ``[1]`` on the same device.
         rank: named in reports.
-        timeout_s: how long a step may go without device progress (finite seconds > 0, at
-            most ``threading.TIMEOUT_MAX``).
+        timeout_s: how long a step may go without device progress (finite seconds > 0; only
+            compared, so a huge one turns stall reports off).
         poll_s: the polling period while a step is expected (finite seconds > 0, at most
             ``threading.TIMEOUT_MAX``: the longest wait a thread can make).
         on_stall: called with the ``StallError`` on the watchdog thread (e.g. write a report,
@@ -225,10 +225,10 @@ class Watchdog:
                              f"{step_counter.dtype} {tuple(step_counter.shape)} on {step_counter.device}")
         for name, value in (("timeout_s", timeout_s), ("poll_s", poll_s)):
             check_seconds(f"Watchdog {name}", value)  # nan would report a stall at once
-            if value > threading.TIMEOUT_MAX:  # Condition.wait raised OverflowError on the thread
-                raise InputError(f"Watchdog {name}: expected at most threading.TIMEOUT_MAX "
-                                 f"({threading.TIMEOUT_MAX:.0f} s, the longest wait a thread can "
-                                 f"make), got {value!r}")
+        if poll_s > threading.TIMEOUT_MAX:  # the thread's Condition.wait raised OverflowError
+            raise InputError(f"Watchdog poll_s: expected at most threading.TIMEOUT_MAX "
+                             f"({threading.TIMEOUT_MAX:.0f} s, the longest wait a thread can "
+                             f"make), got {poll_s!r}")
         self.progress, self.step_counter, self.rank = progress, step_counter, rank
         self.timeout_s, self.poll_s, self.on_stall, self.clock = timeout_s, poll_s, on_stall, clock
         self.num_layers = progress.numel()
