@@ -221,7 +221,8 @@ TORCHRUN = {"LOCAL_RANK": "0", "MASTER_ADDR": "x"}  # what torchrun sets beside 
      "RANK='x': expected this process's rank, an int from 0 to 1 (WORLD_SIZE=2)"),
     ({"RANK": "2", "WORLD_SIZE": "2", **TORCHRUN}, "RANK='2': expected this process's rank"),
     # not started by torchrun: rank 1 must say it (no process is rank 0); it exited 2 silently
-    ({"RANK": "1", "WORLD_SIZE": "2"}, "torchrun started 2 processes, but --comm local is one GPU"),
+    ({"RANK": "1", "WORLD_SIZE": "2"},
+     "RANK and WORLD_SIZE (set by hand) say 2 processes, but --comm local is one GPU"),
     ({"RANK": "1", "WORLD_SIZE": "2", **TORCHRUN, "LOCAL_RANK": "1"}, None),  # rank 0 says it
 ])
 def test_bench_rank_variables_are_refused_in_one_line(env, says, monkeypatch, capsys, tmp_path):

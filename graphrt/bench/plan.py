@@ -57,9 +57,11 @@ def plan(args) -> Plan:
                       f"{', '.join(c for c in comms if c != 'local')}: run it separately")
     ranks, launch = arg("ranks"), torchrun_env()
     torchrun, world = launch is not None, launch[1] if launch else 1
+    started = ("torchrun started" if {"LOCAL_RANK", "MASTER_ADDR"} & set(os.environ)
+               else "RANK and WORLD_SIZE (set by hand) say")
     if torchrun and ep:
         if ranks is not None and ranks != world:
-            raise Refusal(f"--ranks {ranks}, but torchrun started {world} processes: drop --ranks")
+            raise Refusal(f"--ranks {ranks}, but {started} {world} processes: drop --ranks")
         if len(comms) > 1:
             raise Refusal(f"under torchrun one --comm per run, got {','.join(comms)}: run "
                           f"`graphrt bench --ranks {world} --comm {','.join(comms)}` instead")
@@ -68,7 +70,7 @@ def plan(args) -> Plan:
                           "runs with torchrun or with graphrt bench --ranks N")
         ranks = world
     if torchrun and not ep and world > 1:
-        raise Refusal(f"torchrun started {world} processes, but --comm local "
+        raise Refusal(f"{started} {world} processes, but --comm local "
                       f"is one GPU: pass an expert-parallel --comm ({', '.join(EP_BACKENDS)})")
     ranks = ranks or (2 if ep else 1)
     if ep and ranks < 2:
