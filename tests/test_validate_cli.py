@@ -87,6 +87,12 @@ EXIT2 = {
         "        return x\n    return graphrt.StepSpec(fn=step, inputs={'x': graphrt.Input((None, "
         "4), torch.float32)}, max_batch_size=8)\n", ":accel",
         "validate it with --device cuda on a GPU machine"),
+    # a CPU build's torch.cuda.Event says "dummy base class Event": no hint either
+    "step-needs-a-cuda-event": (
+        STEP + "\ndef event(device):\n    def step(x):\n        torch.cuda.Event().record()\n"
+        "        return x\n    return graphrt.StepSpec(fn=step, inputs={'x': graphrt.Input((None, "
+        "4), torch.float32)}, max_batch_size=8)\n", ":event",
+        "validate it with --device cuda on a GPU machine"),
     "func-exits": (STEP + "\ndef quits(device):\n    raise SystemExit(3)\n", ":quits",
                    "quits(device) called sys.exit(3) ("),
     # what capture on CUDA refuses, the CPU validator refuses too (same verdict)

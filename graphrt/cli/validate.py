@@ -275,8 +275,9 @@ def build_spec(target: Target, device: torch.device) -> StepSpec:
 
 # -- running -----------------------------------------------------------------------------------
 def _cuda_hint(exc: BaseException) -> str:
-    text = str(exc).lower()
-    if ("cuda" in text or "accelerator" in text) and not torch.cuda.is_available():
+    text = str(exc).lower()             # (a CPU build's torch.cuda.Event: "dummy base class")
+    if any(w in text for w in ("cuda", "accelerator", "dummy base class")) \
+            and not torch.cuda.is_available():
         return "; it seems to need CUDA: validate it with --device cuda on a GPU machine"
     return ""
 
