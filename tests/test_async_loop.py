@@ -263,6 +263,35 @@ def test_a_request_id_is_submitted_once():
     assert [r.rid for r in eng.queue] == [7]
 
 
+def test_the_async_engine_runs_on_cpu_without_the_triton_interpreter():
+    """``EagerRuntime`` is for CPU tests of the asynchronous loop, but its sampler was always
+    the Triton kernel: without ``TRITON_INTERPRET=1`` every step raised Triton's "0 active
+    drivers". On the CPU it samples with ``torch.argmax`` (the kernel's ids bit for bit)."""
+    import subprocess
+    import sys
+    code = ("from graphrt.testing.async_engine import AsyncDecodeEngine\n"
+            "from graphrt.testing.requests import Request\n"
+            "from graphrt.testing.staging import EagerRuntime\n"
+            "from tests.test_async_loop import toy_spec\n"
+            "eng = AsyncDecodeEngine(EagerRuntime(toy_spec([]), sizes=[1, 2, 3, 4]), num_slots=4,"
+            " max_ctx=32, max_batch_size=4, device='cpu', block_size=4)\n"
+            "eng.submit(Request(0, [3], 3))\n"
+            "while eng.step():\n    pass\n"
+            "eng.drain()\nprint(eng.finished[0].output)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, cwd=root, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = Request(0, [3], 3)
+    eng = DecodeEngine(graph_step(EagerRuntime(toy_spec([]), sizes=[1, 2, 3, 4])), num_slots=4,
+                       max_ctx=32, max_batch_size=4, device="cpu", block_size=4)
+    eng.submit(r)
+    while eng.step():
+        pass
+    assert out.stdout.strip() == str(r.output)          # the synchronous loop's ids
+
+
 # -- the tiny model (kernels on the Triton interpreter) ---------------------------------------
 def _tiny():
     from graphrt.moe import make_step, preset

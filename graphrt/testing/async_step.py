@@ -11,7 +11,8 @@ forms, one interface (``acquire() -> (set, arrays)``, ``launch(set, n) -> sample
   metadata is copied from pinned memory straight into ``rt.input_buffers(n)``; the tokens
   are one ``index_select`` on the device over a pool holding the last two steps' sampled
   ids and the host tokens; then ``rt.replay(n)`` and a greedy sample into the pool
-  (``graphrt.kernels.decode_io.greedy_sample``: ``torch.argmax`` bit for bit, one launch).
+  (``graphrt.kernels.decode_io.greedy_sample``: ``torch.argmax`` bit for bit, one launch;
+  ``torch.argmax`` itself on a CPU device, where no Triton driver runs).
   Outside the graph per step: 5 host-to-device copies, 2 kernels, the live-count fill.
 - ``FusedStep`` (``rt = GraphRuntime(fused_spec(model, ...))``): one int32 row per request
   packs everything; the graph unpacks the rows and gathers the tokens in one kernel
@@ -61,8 +62,11 @@ class GatherStep:
         self._arrays = [{"tokens": h["tokidx"][:mb], "src": self.src, **{k: h[k] for k in META}}
                         for h in self.ring.numpy]
         self._parity, self._views = 0, {}
-        from graphrt.kernels.decode_io import greedy_sample   # triton: imported when used
-        self._sample = greedy_sample
+        if torch.device(device).type == "cuda":
+            from graphrt.kernels.decode_io import greedy_sample   # triton: imported when used
+            self._sample = greedy_sample
+        else:   # the same ids (greedy_sample is torch.argmax bit for bit), no Triton driver
+            self._sample = lambda logits, out_ids: torch.argmax(logits, -1, out=out_ids)
 
     def acquire(self) -> tuple[int, dict]:
         """A free pinned set and its arrays to fill (numpy views). Host-only."""
