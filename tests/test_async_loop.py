@@ -292,6 +292,27 @@ def test_the_async_engine_runs_on_cpu_without_the_triton_interpreter():
     assert out.stdout.strip() == str(r.output)          # the synchronous loop's ids
 
 
+def test_eager_runtime_outputs_are_the_callers_and_take_declared_kinds():
+    """EagerRuntime handed back the step's state tensor itself (a per-expert counter, which
+    the next step changed under the caller), and guessed an undeclared ``[E]`` counter with
+    E equal to the padded size as batch-major (trimmed to the live rows)."""
+    load = torch.zeros(8)
+
+    def step(x, n):
+        load.add_(1.0)
+        return {"y": x * 2, "load": load}
+    inputs = {"x": Input((None, 2), torch.float32)}
+    spec = StepSpec(step, inputs, 8, live_count="n", state=[load])
+    er = EagerRuntime(spec, sizes=[4, 8], rows={"y": "batch", "load": "fixed"})
+    first = er.run(x=torch.randn(3, 2))["load"]
+    assert first.shape == (8,) and float(first[0]) == 1.0
+    er.run(x=torch.randn(3, 2))
+    assert float(first[0]) == 1.0 and float(load[0]) == 2.0      # the caller's copy
+    declared = StepSpec(step, inputs, 8, live_count="n", state=[load],
+                        outputs={"load": "fixed"})
+    assert EagerRuntime(declared, sizes=[4, 8]).run(x=torch.randn(3, 2))["load"].shape == (8,)
+
+
 # -- the tiny model (kernels on the Triton interpreter) ---------------------------------------
 def _tiny():
     from graphrt.moe import make_step, preset

@@ -107,15 +107,21 @@ class EagerRuntime:
     Args:
         spec: the step; sizes: the padded sizes (default ``capture_sizes(max_batch_size)``);
         device: where the buffers live.
+        rows: each output's kind, ``{name: "batch" | "fixed"}`` or a captured runtime's
+            ``rt.manager.signature``. Default: ``spec.outputs``'s declarations, then a guess
+            by shape (an output whose first dimension is the padded size is batch-major), as
+            no second size has run: declare a fixed output whose first dimension can equal a
+            padded size (a per-expert ``[E]`` counter) in ``StepSpec(outputs=...)``.
 
     ``input_buffers(n)`` / ``replay(n)`` / ``run(**inputs)`` as ``GraphRuntime``'s (batch
-    outputs trimmed to ``n`` rows; fresh tensors, no leases); ``spec.before_replay`` runs
-    before each step. Graph safety: host-only.
+    outputs trimmed to ``n`` rows; no leases: an output in the declared state or a static
+    input buffer is a clone, the others are the step's own tensors); ``spec.before_replay``
+    runs before each step. Graph safety: host-only.
     """
 
-    def __init__(self, spec, sizes=None, device="cpu"):
+    def __init__(self, spec, sizes=None, device="cpu", rows=None):
         from graphrt.replay_policy import SizeTable, Stager, capture_sizes
-        self.spec, self.device = spec, torch.device(device)
+        self.spec, self.device, self.rows = spec, torch.device(device), rows
         self.table = SizeTable(sizes or capture_sizes(spec.max_batch_size))
         self.stager = Stager(spec, self.table.largest, self.device)
         self.counters = {"replays": 0, "eager": 0}
@@ -152,4 +158,12 @@ class EagerRuntime:
         self.counters["replays"] += 1
         with torch.no_grad():
             out = self.spec.call(self.stager.views(size), self.stager.n_dev)
-        return self.spec.live_outputs(out, n, size)  # outputs= declarations first
+        out = self.spec.live_outputs(out, n, size, self.rows)  # outputs= declarations first
+        # never memory the next step rewrites (the step may return its state, e.g. a
+        # per-expert counter, or a view of a static input): GraphRuntime copies those too
+        from graphrt.outputs import OutputLayout
+        from graphrt.replay_policy import storage_key
+        held = {storage_key(t) for t in (*self.spec.state_tensors(),
+                                         *self.stager.buffers.values())} - {None}
+        layout, flat = OutputLayout.flatten(out, where=self.spec.name)
+        return layout.build([t.clone() if storage_key(t) in held else t for t in flat])
