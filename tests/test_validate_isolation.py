@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -293,3 +294,26 @@ def test_json_into_a_named_pipe_keeps_its_reader(tmp_path):
         assert reader.communicate(timeout=10)[0] == b"{}"
     finally:
         reader.kill()
+
+
+def test_an_exit_2_error_report_reaches_a_named_pipe_and_an_empty_file(tmp_path):
+    """The guard that keeps an error report off the user's own files opened the path to
+    read it: a named pipe then waited for a writer (the run hung), and an empty file from
+    ``mktemp`` was left empty. Both take the report, as before the guard."""
+    from graphrt.cli.validate_cmd import report_error
+    fifo = tmp_path / "r.fifo"
+    os.mkfifo(fifo)
+    reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE)
+    try:
+        done = threading.Thread(target=report_error, args=(str(fifo), "nope:make", "boom"),
+                                daemon=True)
+        done.start()
+        done.join(timeout=10)
+        assert not done.is_alive(), "report_error hung on the pipe"
+        assert json.loads(reader.communicate(timeout=10)[0]) == {"error": "boom"}
+    finally:
+        reader.kill()
+    empty = tmp_path / "empty.json"
+    empty.write_text("")
+    report_error(str(empty), "nope:make", "boom")
+    assert json.loads(empty.read_text()) == {"error": "boom"}

@@ -117,7 +117,7 @@ def report_error(path: str | None, target: str | None, line: str) -> None:
         return
     try:
         check_json_path(path, target)
-        if os.path.exists(path) and not _a_report(path):
+        if not _replaceable(path):
             return
         with open(path, "w") as fh:
             fh.write(doc + "\n")
@@ -125,9 +125,17 @@ def report_error(path: str | None, target: str | None, line: str) -> None:
         pass  # PATH cannot take it; stderr has the line
 
 
-def _a_report(path: str) -> bool:
-    """Whether ``path`` holds a JSON object (an earlier run's report or error), which an
-    error report may replace; anything else may be the user's own file."""
+def _replaceable(path: str) -> bool:
+    """Whether an error report may be written to ``path``: not there yet, not a regular
+    file (a pipe or a device: written as before, never opened to read, which would wait
+    for a writer), empty (a ``mktemp``), or a JSON object (an earlier run's report or
+    error). Any other file may be the user's own (a source a refused TARGET names)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return True
+    if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+        return True
     try:
         with open(path, encoding="utf-8") as fh:
             return isinstance(json.load(fh), dict)
