@@ -322,8 +322,9 @@ def test_the_switchs_own_module_imports_first():
 
 def test_the_compiled_model_step_compiles_once():
     """``torch.compile(model.step, dynamic=False)`` (the bench's compile mode) recompiled on
-    every call: LocalComm's dispatch counter, a host int, was a guard. Under compilation it
-    neither counts nor checks (the eager path still refuses a stale combine)."""
+    every call: LocalComm's dispatch counter, a host int, was a guard (read even when not
+    counted: an eager step between compiled ones recompiled). Under compilation it is neither
+    counted nor read (the eager path still refuses a stale combine)."""
     import torch._dynamo
     from torch._dynamo.testing import CompileCounter
 
@@ -338,5 +339,6 @@ def test_the_compiled_model_step_compiles_once():
     with gops.launchers_as_ops(), torch.no_grad():
         for _ in range(3):
             step(**inputs, n=n)
+            model.step(**inputs, n=n)                 # an eager check between
     assert counter.frame_count == 1
     torch._dynamo.reset()

@@ -36,7 +36,8 @@ class Dispatched:
         expected_m: host int, the GEMM tile hint for this padded size.
         handle: backend state the combine needs (inverse map, layout, DeepEP handle).
         gen: which of the comm's dispatches made it (backends whose combine reads static
-            buffers the next dispatch rewrites refuse an older one).
+            buffers the next dispatch rewrites refuse an older one); None under
+            ``torch.compile`` (not checked there).
 
     ``recv_x`` (and, per backend, ``masked_m`` and the handle) lives in the comm's static
     buffers until its next dispatch: run the experts on it before dispatching again.
@@ -47,7 +48,7 @@ class Dispatched:
     expected_m: int
     handle: Any
     recv_scale: torch.Tensor | None = None
-    gen: int = 0
+    gen: int | None = 0
 
 
 class Receiver:

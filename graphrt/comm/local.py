@@ -95,15 +95,19 @@ class LocalComm:
                     out_masked_m=self.masked_m, out_src_idx=self.ws.view("src_idx", (E, cap)),
                     out_pos=self.ws.view("pos", (bs, num_topk)))
         em = expected_m(bs, num_topk, E, cap=cap)
-        if not torch.compiler.is_compiling():   # a host int torch.compile would guard on:
-            self._gen += 1                      # a recompile every step
+        gen = None                              # under torch.compile: no host int to read,
+        if not torch.compiler.is_compiling():   # which dynamo would guard on (a recompile
+            self._gen += 1                      # after every eager step)
+            gen = self._gen
         return outs, Dispatched(outs["out_recv_x"], self.masked_m, em, handle=outs["out_pos"],
-                                gen=self._gen)
+                                gen=gen)
 
     def _current(self, d: Dispatched, what: str) -> None:
         """Refuse a combine of a dispatch a later one overwrote (its slots live in the
         static ``pos`` buffer: the combine would gather another batch's rows). Host-only."""
-        if d.gen != self._gen and not torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or d.gen is None:
+            return
+        if d.gen != self._gen:
             raise InputError(f"{what}: {self._gen - d.gen} later dispatch(es) rewrote "
                              "this dispatch's layout (the comm's static buffers hold one at a "
                              "time); combine each dispatch before the next one")
