@@ -31,6 +31,7 @@ import contextlib
 import io
 import linecache
 import numbers
+import threading
 import tokenize
 from typing import Any
 
@@ -222,14 +223,39 @@ class HostData:
         return _Track(self)
 
 
+_EAGER_LOCK = threading.Lock()
+_eager = {"depth": 0, "stance": None}   # analyses inside; the stance the first one set
+
+
+@contextlib.contextmanager
 def compiled_run_eagerly():
     """A context in which ``torch.compile``'d functions run their Python eagerly
     (``torch.compiler.set_stance("force_eager")``): torch refuses to compile under a
     dispatch mode and remembers the frame as skipped, so an analysis or FUNC's tracking left
     the step uncompiled for good (``fullgraph=True`` raised). The analysis sees the step's
-    ops as the compiled code would run them; the warm-up after it compiles."""
+    ops as the compiled code would run them; the warm-up after it compiles.
+
+    The stance is torch's, process-wide: analyses on several threads share it (the first
+    sets it, the last puts back what was there), and another thread's compiled code runs
+    eagerly while one is under way."""
     set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
-    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+    if set_stance is None:
+        yield
+        return
+    with _EAGER_LOCK:
+        if _eager["depth"] == 0:
+            stance = set_stance("force_eager")
+            stance.__enter__()
+            _eager["stance"] = stance
+        _eager["depth"] += 1
+    try:
+        yield
+    finally:
+        with _EAGER_LOCK:
+            _eager["depth"] -= 1
+            if _eager["depth"] == 0:
+                stance, _eager["stance"] = _eager["stance"], None
+                stance.__exit__(None, None, None)
 
 
 class _Track(TorchFunctionMode):

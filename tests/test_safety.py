@@ -452,3 +452,25 @@ def test_a_compiled_step_is_analysed_and_still_compiles_after():
     found = analyze_step(_spec(torch.compile(syncs, backend=CompileCounter())), [2], "cpu")
     assert {(f.kind, f.line) for f in found.findings} == {("host-sync", line)}
     torch._dynamo.reset()
+
+
+def test_overlapping_analyses_put_torch_compile_back():
+    """torch's compile stance is process-wide: two analyses on two threads that ended out of
+    order (A in, B in, A out, B out) left it at force_eager, and torch.compile stayed off for
+    the process. The first sets it, the last puts back what was there."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+
+    from graphrt.capture.host import compiled_run_eagerly
+    a, b = compiled_run_eagerly(), compiled_run_eagerly()
+    a.__enter__()
+    b.__enter__()
+    a.__exit__(None, None, None)
+    inside = CompileCounter()
+    torch.compile(lambda x: x * 2, backend=inside)(torch.ones(2))
+    b.__exit__(None, None, None)
+    torch._dynamo.reset()
+    after = CompileCounter()
+    torch.compile(lambda x: x * 3, backend=after)(torch.ones(2))
+    assert (inside.frame_count, after.frame_count) == (0, 1)
+    torch._dynamo.reset()
