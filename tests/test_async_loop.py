@@ -304,13 +304,15 @@ def test_eager_runtime_outputs_are_the_callers_and_take_declared_kinds():
     inputs = {"x": Input((None, 2), torch.float32)}
     spec = StepSpec(step, inputs, 8, live_count="n", state=[load])
     er = EagerRuntime(spec, sizes=[4, 8], rows={"y": "batch", "load": "fixed"})
-    first = er.run(x=torch.randn(3, 2))["load"]
+    first = er.run(x=torch.randn(5, 2))["load"]       # padded to 8: load's length
     assert first.shape == (8,) and float(first[0]) == 1.0
-    er.run(x=torch.randn(3, 2))
+    er.run(x=torch.randn(5, 2))
     assert float(first[0]) == 1.0 and float(load[0]) == 2.0      # the caller's copy
     declared = StepSpec(step, inputs, 8, live_count="n", state=[load],
                         outputs={"load": "fixed"})
-    assert EagerRuntime(declared, sizes=[4, 8]).run(x=torch.randn(3, 2))["load"].shape == (8,)
+    assert EagerRuntime(declared, sizes=[4, 8]).run(x=torch.randn(5, 2))["load"].shape == (8,)
+    guessed = EagerRuntime(spec, sizes=[4, 8]).run(x=torch.randn(5, 2))["load"]
+    assert guessed.shape == (5,)                      # undeclared: the documented guess
 
 
 # -- the tiny model (kernels on the Triton interpreter) ---------------------------------------
