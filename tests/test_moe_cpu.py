@@ -78,6 +78,40 @@ def test_a_spec_whose_example_batch_cannot_own_blocks_is_refused_up_front():
     assert spec.random_inputs(3, "cpu")["block_table"].shape[0] == 3
 
 
+@pytest.mark.parametrize("kw", [{"hidden": 64}, {"num_topk": 1}])
+def test_a_comm_built_for_other_dimensions_is_refused(kw):
+    """Only num_experts was compared: a comm of another hidden failed in the first step's
+    dispatch, one of a smaller top-k at a larger batch, with advice about workspaces."""
+    from graphrt.comm.local import LocalComm
+    cfg = preset("tiny")
+    args = dict(num_experts=cfg.num_experts, hidden=cfg.hidden, num_topk=cfg.num_topk) | kw
+    comm = LocalComm(**args, device="cpu", max_tokens=cfg.num_slots)
+    name = next(iter(kw))
+    with pytest.raises(InputError, match=f"comm LocalComm has {name}={kw[name]}; this model "
+                                         f"needs {getattr(cfg, name)}"):
+        MoEModel(cfg, "cpu", comm=comm)
+
+
+def test_a_partial_expert_plan_is_checked_and_eplb_plans_time_physical_routing(monkeypatch):
+    """A table naming only one GEMM at a size skipped the kernel check (a kernel this machine
+    cannot run failed in the step); with EPLB the plan was timed on a routing of more rows
+    than the batch has (logical experts over physical slots)."""
+    import graphrt.moe.expert_plan as ep
+    from graphrt.eplb import EPLBConfig
+    from graphrt.errors import BackendError
+    cfg = preset("tiny", layers=1, experts=4, num_slots=4, max_ctx=32)
+    keys = [k for k, _, _ in MoEModel(cfg, "cpu").layers[0].moe.experts.gemm_shapes().values()]
+    model = MoEModel(cfg, "cpu", expert_plan={"version": 1, "plan": {
+        keys[0]: {"2": {"kernel": "deepgemm"}}}})
+    with pytest.raises(BackendError, match=r"expert_plan= picks \['deepgemm'\] at batch 2"):
+        model.prepare(2)
+    rows = []
+    real = ep.routed_rows
+    monkeypatch.setattr(ep, "routed_rows", lambda *a, **k: rows.append(real(*a, **k)) or rows[-1])
+    MoEModel(preset("tiny"), "cpu", eplb=EPLBConfig(redundant=2, table_size=4)).prepare(4)
+    assert rows and all(sum(r) <= 4 * preset("tiny").num_topk for r in rows), rows
+
+
 def test_router_bias_is_the_models_own_copy(tiny):
     """A bf16 bias on the model's device was kept as the caller's tensor (an fp32 one was
     copied): the caller's later writes changed routing in one case only."""

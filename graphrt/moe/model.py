@@ -436,6 +436,12 @@ class MoEModel:
                              f"{physical}" + ("" if eplb is None else
                              f" physical slots ({cfg.num_experts} experts, {eplb}, "
                              f"{ranks} ranks): build the comm with num_experts={physical}"))
+        for name, want in (("hidden", cfg.hidden), ("num_topk", cfg.num_topk)):
+            got = getattr(self.comm, name, want)   # its buffers are sized by them
+            if got != want:
+                raise InputError(f"comm {type(self.comm).__name__} has {name}={got}; this "
+                                 f"model needs {want} ({cfg.name}): build the comm with "
+                                 f"{name}={want}")
         self.expert_map = None
         if eplb is not None:
             from graphrt.eplb.expert_map import ExpertMap
@@ -520,12 +526,15 @@ class MoEModel:
         from graphrt.moe.expert_plan import plan_size
         plan, experts = self._plan, self.layers[0].moe.experts
         keys = [key for key, _, _ in experts.gemm_shapes().values()]
-        if all(plan.has(key, padded_bs) for key in keys):
-            _check_kernels(plan, keys, padded_bs, experts.kernels)
+        given = [key for key in keys if plan.has(key, padded_bs)]
+        if given:   # (a partial table too: its entries are used as they are)
+            _check_kernels(plan, given, padded_bs, experts.kernels)
+        if len(given) == len(keys):
             self.plan_origin[padded_bs] = "given"
             return
         cap = self.comm.cap_for(padded_bs)
-        routing = dict(num_topk=self.cfg.num_topk, num_experts=self.cfg.num_experts,
+        # the routing the experts see: physical slots (EPLB's redundant ones included)
+        routing = dict(num_topk=self.cfg.num_topk, num_experts=self.comm.num_experts,
                        num_ranks=self.comm.num_ranks)
         cache = self.plan_cache
         if cache is not None and self._plan_fingerprint is None:
