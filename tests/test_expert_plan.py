@@ -535,7 +535,19 @@ def test_plan_check_needs_a_gpu(capsys):
     ({"version": 1, "plan": {"k": {"2": {}}}}, "at batch '2'.*KeyError"),
     ({"version": 1, "plan": {"k": {"two": {"kernel": "decode"}}}}, "at batch 'two'"),
     ({"version": 1, "plan": {"k": []}}, r"entry 'k': expected \{padded_bs: choice\}, got list"),
-    ({"version": 1, "plan": {"k": {"2": {"kernel": "decode", "block_n": None}}}}, "TypeError"),
+    ({"version": 1, "plan": {"k": {"2": {"kernel": "decode", "block_n": None}}}},
+     "Choice.block_n must be an int; got None"),
+    # int() made these a 16 and a 1; candidates raised bare TypeError / ValueError; us passed
+    ({"version": 1, "plan": {"k": {"2": {"kernel": "decode", "block_n": 16.9}}}},
+     "Choice.block_n must be an int; got 16.9"),
+    ({"version": 1, "plan": {"k": {"2": {"kernel": "decode", "split_k": True}}}},
+     "Choice.split_k must be an int; got True"),
+    ({"version": 1, "plan": {"k": {"2": {"kernel": "decode", "us": "slow"}}}},
+     "'us' must be a number of µs or null"),
+    ({"version": 1, "plan": {"k": {"2": {"kernel": "decode", "candidates": [1, 2]}}}},
+     "'candidates' must map each candidate's name"),
+    ({"version": 1, "plan": {"k": {"2": {"kernel": "decode", "candidates": "fast"}}}},
+     "'candidates' must map each candidate's name"),
     ({"version": 1, "plan": {"k": {"2": {"kernel": "nope"}}}}, "Choice.kernel: expected one of"),
 ])
 def test_a_bad_plan_entry_is_an_input_error_naming_it(plan, match):
@@ -543,6 +555,17 @@ def test_a_bad_plan_entry_is_an_input_error_naming_it(plan, match):
     KeyError / ValueError / AttributeError / TypeError."""
     with pytest.raises(graphrt.InputError, match=match):
         ExpertPlan(plan)
+
+
+@pytest.mark.parametrize("text", ["{}", '{"expert_plan": null}', '{"expert_plan": []}',
+                                  '{"expert_plan": 3}'])
+def test_a_plan_file_without_a_table_is_an_input_error(tmp_path, text):
+    """``{}`` and ``{"expert_plan": null}`` loaded as an empty plan (every size then measured
+    as if no file was given); ``{"expert_plan": 3}`` raised AttributeError."""
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    with pytest.raises(graphrt.InputError, match="expected a table written by ExpertPlan.save"):
+        ExpertPlan.load(str(path))
 
 
 def test_a_corrupt_plan_file_is_an_input_error(tmp_path):

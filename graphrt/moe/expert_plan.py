@@ -303,13 +303,21 @@ class ExpertPlan:
         if not isinstance(data, dict):
             raise InputError(f"expert plan {path!r}: expected a JSON object, got "
                              f"{type(data).__name__}")
-        return cls(data.get("expert_plan", data))
+        table = data.get("expert_plan", data)
+        if not isinstance(table, dict) or not table:   # ({} or null loaded as an empty plan)
+            raise InputError(f"expert plan {path!r}: expected a table written by "
+                             f"ExpertPlan.save ({{'version': {PLAN_VERSION}, 'plan': ...}}), "
+                             f"got {table!r:.60}")
+        return cls(table)
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump(self.to_json(), f, indent=1)
 
     def _load(self, table: dict) -> None:
+        if not isinstance(table, dict):
+            raise InputError(f"expert plan: expected {{'version': {PLAN_VERSION}, 'plan': "
+                             f"{{key: {{padded_bs: choice}}}}}}, got {type(table).__name__}")
         if table.get("version") != PLAN_VERSION or not isinstance(table.get("plan"), dict):
             raise InputError(f"expert plan: expected {{'version': {PLAN_VERSION}, 'plan': "
                              f"{{key: {{padded_bs: choice}}}}}}, got keys {sorted(table)}")
@@ -320,10 +328,17 @@ class ExpertPlan:
             for bs, entry in sizes.items():
                 try:
                     size = int(bs)
-                    c = Choice(entry["kernel"], int(entry.get("block_n", 32)),
-                               int(entry.get("split_k", 1)), entry.get("us"),
-                               int(entry.get("num_warps", 4)))
-                    candidates = entry.get("candidates")
+                    us, candidates = entry.get("us"), entry.get("candidates")
+                    # as written (Choice checks the ints: int() made 16.9 a 16, true a 1)
+                    c = Choice(entry["kernel"], entry.get("block_n", 32),
+                               entry.get("split_k", 1), us, entry.get("num_warps", 4))
+                    if not (us is None or _number(us)):
+                        raise InputError(f"'us' must be a number of µs or null, got {us!r:.40}")
+                    if candidates is not None and not (isinstance(candidates, dict) and all(
+                            isinstance(k, str) and (_number(v) or isinstance(v, str))
+                            for k, v in candidates.items())):
+                        raise InputError("'candidates' must map each candidate's name to its "
+                                         f"µs or an error string, got {candidates!r:.60}")
                 except InputError as exc:
                     raise InputError(f"expert plan entry {key!r} at batch {bs!r}: {exc}") from None
                 except (KeyError, ValueError, TypeError, AttributeError, OverflowError) as exc:
@@ -333,6 +348,11 @@ class ExpertPlan:
                         f"'num_warps': int}}, got {entry!r:.120} ({type(exc).__name__}: {exc})"
                     ) from None
                 self.record(key, size, c, candidates)
+
+
+def _number(v) -> bool:
+    """A JSON number (not a bool)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 # ----------------------------------------------------------------------- measurement (CUDA)
