@@ -310,3 +310,14 @@ def test_model_arguments_of_the_wrong_kind_are_typed_errors():
         MoEModel(cfg, "cpu", plan_cache=True)
     with pytest.raises(graphrt.InputTypeError, match="router bias: expected a tensor"):
         MoEModel(cfg, "cpu").set_router_bias([0.0] * 4)
+
+
+def test_preset_group_overrides_are_kept_or_refused():
+    """``experts=6, topk_group=2`` silently became topk_group 1 (the groups fell back to one);
+    ``n_group=1`` alone was refused for the preset's own topk_group 2, which the caller never
+    passed."""
+    with pytest.raises(InputError, match="topk_group=2 cannot be; pass n_group= too"):
+        preset("tiny", experts=6, topk_group=2)
+    cfg = preset("tiny", n_group=1)
+    assert (cfg.n_group, cfg.topk_group) == (1, 1)
+    assert (preset("tiny", experts=6).n_group, preset("tiny", experts=6).topk_group) == (1, 1)

@@ -183,5 +183,15 @@ def preset(name: str, layers: int | None = None, experts: int | None = None, **o
             ok = (experts % cfg.n_group == 0 and experts // cfg.n_group >= 2
                   and keep * experts // cfg.n_group >= topk)
             if not ok:
+                if overrides.get("topk_group", 1) != 1:   # it was replaced, silently
+                    raise InputError(
+                        f"preset {name!r}: experts={experts} does not split into the preset's "
+                        f"{cfg.n_group} groups, so the groups fall back to n_group=1, where "
+                        f"topk_group={overrides['topk_group']} cannot be; pass n_group= too "
+                        "or drop topk_group=")
                 overrides.update(n_group=1, topk_group=1)
+    if "n_group" in overrides and "topk_group" not in overrides:
+        # the preset's own topk_group follows the groups asked for (it was refused as if
+        # the caller had passed it)
+        overrides["topk_group"] = min(cfg.topk_group, overrides["n_group"])
     return replace(cfg, **overrides)
