@@ -14,6 +14,7 @@ import torch
 
 from graphrt.errors import GraphrtError, ReplayMismatch, check_int
 from graphrt.outputs import OutputLayout
+from graphrt.spec import sentinel
 from graphrt.state import StateGuard
 
 
@@ -102,7 +103,7 @@ def _live_row_holds_the_pad(spec, inputs: dict) -> None:
     draws that avoid it the collision went unseen (``run()`` pads with ``pad_value``)."""
     for k, inp in spec.inputs.items():
         t = inputs[k]
-        if inp.unique and inp.low <= inp.pad_value < inp.high and t.numel() \
+        if inp.unique and not sentinel(inp) and t.numel() \
                 and not bool((t == inp.pad_value).any()):
             t[0] = inp.pad_value                  # distinct still: no live row held it
 

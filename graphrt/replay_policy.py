@@ -425,6 +425,19 @@ class Stager:
         return bad
 
 
+def clone_shared(out, tensors, where: str):
+    """``out`` (a step's outputs: a tensor, tuple or dict) with a clone of each output that
+    shares memory with one of ``tensors`` (the declared state, inputs, static buffers), so
+    a caller never holds memory the next step rewrites; the others as they are. Host-only."""
+    from graphrt.outputs import OutputLayout
+
+    def memory(t):  # a tensor without data or storage is only itself
+        return storage_key(t) or id(t)
+    held = {memory(t) for t in tensors}
+    layout, flat = OutputLayout.flatten(out, where=where)
+    return layout.build([t.clone() if memory(t) in held else t for t in flat])
+
+
 def storage_key(t: torch.Tensor) -> tuple | None:
     """``(device, storage address)`` of ``t`` (views of one storage alike), None for one
     without data or a storage. Host-only."""

@@ -33,7 +33,7 @@ from graphrt.env import env_flag
 from graphrt.errors import (DeviceError, GraphrtError, InputError, LeaseHeldError,
                             NoGraphForBatch, NotCapturedError, ThreadOwnershipError, check_int)
 from graphrt.outputs import LeaseClock, LiveOutputs, OutputLayout
-from graphrt.replay_policy import SizeTable, Stager, capture_sizes, storage_key
+from graphrt.replay_policy import SizeTable, Stager, capture_sizes, clone_shared
 from graphrt.spec import StepSpec
 from graphrt.state import StateGuard
 from graphrt.step_cache import StepCache
@@ -381,13 +381,10 @@ class GraphRuntime:
         zero-copy mode an eager run takes no lease, so an output that shares memory with
         the declared ``spec.state`` or with one of ``inputs`` is cloned; the others are the
         step's own fresh tensors, handed out as they are. Host-only."""
-        layout, flat = OutputLayout.flatten(out, where=self.spec.name)
         if self.copy_outputs:
+            layout, flat = OutputLayout.flatten(out, where=self.spec.name)
             return layout.build([t.clone() for t in flat])
-        def memory(t):  # a tensor without data or storage is only itself
-            return storage_key(t) or id(t)
-        held = {memory(t) for t in (*self.spec.state_tensors(), *inputs.values())}
-        return layout.build([t.clone() if memory(t) in held else t for t in flat])
+        return clone_shared(out, (*self.spec.state_tensors(), *inputs.values()), self.spec.name)
 
     # -- checks and stats --------------------------------------------------------------------
     def check_replay(self, *, trials: int = 2, rtol: float | None = None,

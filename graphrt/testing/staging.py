@@ -160,10 +160,7 @@ class EagerRuntime:
             out = self.spec.call(self.stager.views(size), self.stager.n_dev)
         out = self.spec.live_outputs(out, n, size, self.rows)  # outputs= declarations first
         # never memory the next step rewrites (the step may return its state, e.g. a
-        # per-expert counter, or a view of a static input): GraphRuntime copies those too
-        from graphrt.outputs import OutputLayout
-        from graphrt.replay_policy import storage_key
-        held = {storage_key(t) for t in (*self.spec.state_tensors(),
-                                         *self.stager.buffers.values())} - {None}
-        layout, flat = OutputLayout.flatten(out, where=self.spec.name)
-        return layout.build([t.clone() if storage_key(t) in held else t for t in flat])
+        # per-expert counter, or a view of a static input), as GraphRuntime's eager path
+        from graphrt.replay_policy import clone_shared
+        return clone_shared(out, (*self.spec.state_tensors(), *self.stager.buffers.values()),
+                            self.spec.name)
