@@ -92,9 +92,9 @@ def test_size_specific_capture_failure_serves_other_sizes():
     assert sorted(rt.graphs) == [4, 16] and 8 in rt.failures
     assert str(_line(step, "# ONLY-AT-8")) in str(ws[0].message), ws[0].message  # the site, kept
     assert "ONLY-AT-8" not in rt.failures[8].reason and str(_line(step, "# ONLY-AT-8")) in rt.failures[8].reason
-    for n in (3, 7, 12):                                 # 7 -> size 8 failed -> eager
+    for n in (3, 7, 12):             # 7 -> size 8 failed -> eager, padded to 8 as documented
         x = torch.randn(n, 64, device="cuda")
-        torch.testing.assert_close(rt.run(x=x), rt.eager(x=x))
+        torch.testing.assert_close(rt.run(x=x), rt.spec.call_padded({"x": x}, rt.table.pick(n)))
     assert rt.counters["eager"] >= 1 and rt.counters["replays"] >= 2
 
 
@@ -114,9 +114,9 @@ def test_failed_capture_leaves_the_pool_to_the_smaller_sizes(monkeypatch):
     assert "\n" not in str(ws[0].message), ws[0].message  # the CUDA error's first line only
     assert "already recording" not in rt.failures[8].reason
     assert sorted(rt.graphs) == [4, 16]
-    for n in (3, 7, 12):                                 # 7 -> size 8 failed -> eager
+    for n in (3, 7, 12):             # 7 -> size 8 failed -> eager, padded to 8 as documented
         x = torch.randn(n, 64, device="cuda")
-        torch.testing.assert_close(rt.run(x=x), rt.eager(x=x))
+        torch.testing.assert_close(rt.run(x=x), rt.spec.call_padded({"x": x}, rt.table.pick(n)))
 
 
 @pytest.mark.gpu
